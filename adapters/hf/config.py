@@ -1,0 +1,60 @@
+"""What the hf adapter reads from a checkpoint's config.json: model class and quantization."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from weightcache.core.errors import UnsupportedQuantization
+
+FP8_BLOCK = "fp8-block"
+
+
+def read_config(model: str) -> dict:
+    """The checkpoint's config.json as a dict."""
+    path = Path(model) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: the hf adapter needs a transformers checkpoint directory") from None
+
+
+def architecture(config: dict) -> str:
+    """The model class named by the checkpoint (``architectures[0]``), else its model_type."""
+    names = config.get("architectures") or []
+    return names[0] if names else str(config.get("model_type", "unknown"))
+
+
+def checkpoint_quantization(config: dict) -> str:
+    """The method a checkpoint declares in ``quantization_config`` (``none`` if it declares none)."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return "none"
+    method = str(qc.get("quant_method", "unknown")).lower()
+    if method == "fp8":
+        return FP8_BLOCK if qc.get("weight_block_size") else "fp8"
+    return method
+
+
+def fp8_config(config: dict, requested: str | None, options: dict):
+    """The Fp8BlockConfig this load uses, or None when the model stays unquantized.
+
+    Raises UnsupportedQuantization for a method other than block FP8.
+    """
+    from weightcache.core.quantization.fp8_block import Fp8BlockConfig
+
+    stored = checkpoint_quantization(config)
+    if stored == FP8_BLOCK:
+        return Fp8BlockConfig.from_hf_quantization_config(config["quantization_config"])
+    if stored != "none":
+        raise UnsupportedQuantization(stored, "checkpoint quantized with a method weightcache has not validated")
+    if requested in (None, "none"):
+        return None
+    if requested != FP8_BLOCK:
+        raise UnsupportedQuantization(requested, "only block-wise FP8 is validated")
+    kwargs = {}
+    if options.get("block_size"):
+        kwargs["block_size"] = tuple(options["block_size"])
+    if options.get("exclude") is not None:
+        kwargs["exclude"] = tuple(options["exclude"])
+    return Fp8BlockConfig(**kwargs)

@@ -1,0 +1,119 @@
+"""Building transformers models: from disk (plain, or pre-quantized FP8) and as meta skeletons."""
+
+from __future__ import annotations
+
+import logging
+
+from weightcache.adapters.hf import config as hf_config
+from weightcache.core.dtypes import to_dtype
+from weightcache.core.rebind import check_no_meta, meta_parameters
+
+log = logging.getLogger(__name__)
+
+
+def model_class(request, config: dict):
+    """The transformers class to build: ``options['model_class']`` or the checkpoint's architecture."""
+    import transformers
+
+    name = request.option("model_class") or hf_config.architecture(config)
+    cls = getattr(transformers, name, None)
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        raise ValueError(f"transformers has no model class {name!r}; pass model_class='AutoModel' (or another class)")
+    return cls
+
+
+def load_dtype(request, config: dict):
+    """The dtype of unquantized weights: the request's, else the checkpoint's, else float32."""
+    import torch
+
+    if request.dtype:
+        return to_dtype(request.dtype)
+    stored = config.get("dtype") or config.get("torch_dtype")
+    return to_dtype(stored) if stored else torch.float32
+
+
+def _hf_config(request, drop_quantization: bool):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(request.model)
+    if drop_quantization and hasattr(config, "quantization_config"):
+        # weightcache's own FP8 modules replace transformers' quantizer.
+        del config.quantization_config
+    return config
+
+
+def load(request):
+    """The model from disk, on ``request.device``, in eval mode."""
+    config = hf_config.read_config(request.model)
+    if hf_config.checkpoint_quantization(config) == hf_config.FP8_BLOCK:
+        return load_prequantized_fp8(request, config)
+    cls = model_class(request, config)
+    kwargs = {"dtype": load_dtype(request, config)}
+    if request.is_cuda:
+        kwargs["device_map"] = request.device
+    model = cls.from_pretrained(request.model, **kwargs)
+    return model.eval()
+
+
+def load_prequantized_fp8(request, config: dict):
+    """A checkpoint that stores block-FP8 weights and ``weight_scale_inv``: bind them, never re-quantize."""
+    import safetensors.torch
+
+    from weightcache.core.quantization.fp8_block import load_prequantized
+    from weightcache.core.safetensors_io import checkpoint_files
+
+    fp8 = hf_config.fp8_config(config, None, dict(request.options))
+    model = skeleton(request, drop_quantization=True, dtype=load_dtype(request, config))
+    device = request.device if request.is_cuda else "cpu"
+    tensors = {}
+    for file in checkpoint_files(request.model):
+        tensors.update(safetensors.torch.load_file(file, device=device))
+    converted = load_prequantized(model, tensors, fp8)
+    rest = {k: v for k, v in tensors.items() if not any(k.startswith(m + ".") for m in converted) or k.endswith(".bias")}
+    rest = {k: (v.to(load_dtype(request, config)) if v.dtype.is_floating_point else v) for k, v in rest.items()}
+    missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
+    if unexpected:
+        log.warning("checkpoint tensors the model does not use: %s", ", ".join(unexpected[:8]))
+    model.tie_weights()
+    _buffers_to(model, device)
+    check_no_meta(model)
+    model._weightcache_prequantized = True
+    log.info("loaded %d pre-quantized block-FP8 layers without re-quantizing", len(converted))
+    return model.eval()
+
+
+def _buffers_to(model, device) -> None:
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device.type != "meta":
+                module._buffers[name] = buffer.to(device)
+
+
+def skeleton(request, drop_quantization: bool, dtype, class_name: str | None = None):
+    """The model built from its config with parameters on meta and real buffers."""
+    import transformers
+
+    config = _hf_config(request, drop_quantization)
+    cls = getattr(transformers, class_name) if class_name else model_class(request, hf_config.read_config(request.model))
+    with meta_parameters():
+        model = cls._from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def build_skeleton(request, manifest):
+    """The meta-device model a client rebinds to the mapped tensors of ``manifest``.
+
+    Modules whose ``weight_scale_inv`` the manifest holds become FP8 layers.
+    """
+    from weightcache.core.quantization.fp8_block import Fp8BlockLinear
+
+    extra = manifest.extra
+    model = skeleton(request, drop_quantization=True, dtype=to_dtype(extra["dtype"]), class_name=extra.get("model_class"))
+    block_size = tuple(extra.get("fp8_block_size") or (128, 128))
+    for record in manifest.tensors:
+        if record.name.endswith(".weight_scale_inv"):
+            name = record.name.removesuffix(".weight_scale_inv")
+            module = model.get_submodule(name)
+            if not isinstance(module, Fp8BlockLinear):
+                model.set_submodule(name, Fp8BlockLinear.like(module, block_size, device="meta"))
+    return model

@@ -1,0 +1,85 @@
+"""The Hugging Face transformers adapter: any model class built from its config.
+
+Registered under the name ``hf`` in the ``weightcache.adapters`` entry points.
+transformers is imported inside the hooks, so weightcache imports without it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from weightcache.adapters.hf import config as hf_config
+from weightcache.core import __version__
+from weightcache.core.hookspecs import hookimpl
+from weightcache.core.request import ModelDescription
+
+log = logging.getLogger(__name__)
+
+
+@hookimpl
+def weightcache_describe(request):
+    import transformers
+
+    config = hf_config.read_config(request.model)
+    requested = request.quantization
+    method = hf_config.checkpoint_quantization(config) if requested in (None, "none") else requested
+    quant_config = {}
+    if method in ("none", hf_config.FP8_BLOCK):
+        fp8 = hf_config.fp8_config(config, requested, dict(request.options))
+        quant_config = fp8.to_json() if fp8 else {}
+    return ModelDescription(
+        architecture=request.option("model_class") or hf_config.architecture(config),
+        config=config,
+        quantization=method,
+        quantization_config=quant_config,
+        adapter_version=__version__,
+        engine="transformers",
+        engine_version=transformers.__version__,
+    )
+
+
+@hookimpl
+def weightcache_load(request, builder):
+    from weightcache.adapters.hf.loading import load
+
+    return load(request)
+
+
+@hookimpl
+def weightcache_quantize(request, model, description):
+    if description.quantization != hf_config.FP8_BLOCK or getattr(model, "_weightcache_prequantized", False):
+        return model
+    from weightcache.core.quantization.fp8_block import Fp8BlockConfig, quantize_model
+
+    converted = quantize_model(model, Fp8BlockConfig.from_json(description.quantization_config))
+    log.info("quantized %d linear layers to block-wise FP8", len(converted))
+    return model
+
+
+@hookimpl
+def weightcache_manifest_extra(request, model):
+    from weightcache.core.quantization.fp8_block import Fp8BlockLinear
+
+    extra = {"model_class": type(model).__name__, "dtype": str(_param_dtype(model)).removeprefix("torch.")}
+    fp8 = next((m for m in model.modules() if isinstance(m, Fp8BlockLinear)), None)
+    if fp8 is not None:
+        extra["fp8_block_size"] = list(fp8.block_size)
+    return extra
+
+
+def _param_dtype(model):
+    import torch
+
+    for param in model.parameters():
+        if param.dtype.is_floating_point and param.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return param.dtype
+    return torch.float32
+
+
+@hookimpl
+def weightcache_rebind(request, tensors, manifest):
+    from weightcache.adapters.hf.loading import build_skeleton
+    from weightcache.core.rebind import rebind_module
+
+    model = build_skeleton(request, manifest)
+    return rebind_module(model, tensors, manifest, device=request.device)

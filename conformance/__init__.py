@@ -1,0 +1,1 @@
+"""Conformance kit (filled in by issue 5)."""

@@ -1,0 +1,93 @@
+"""The arena interface: memory that crosses processes as a file descriptor.
+
+An arena backend creates writable arenas in a loader, seals them (after which
+the bytes never change), and maps sealed arenas in other processes from the
+fd alone.  Every backend hands out torch tensors that view the arena's memory
+without a copy.
+"""
+
+from __future__ import annotations
+
+import abc
+import typing
+
+import attrs
+
+if typing.TYPE_CHECKING:
+    import torch
+
+
+@attrs.frozen
+class ArenaSpec:
+    """What a receiver needs besides the fd to map one arena.
+
+    :param backend: backend name (``host`` or ``cuda``).
+    :param size: bytes mapped (a multiple of the backend's granularity).
+    :param device: ``cpu`` or the GPU UUID (``GPU-...``) the memory lives on.
+    """
+
+    backend: str
+    size: int = attrs.field(validator=attrs.validators.gt(0))
+    device: str = "cpu"
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ArenaSpec":
+        return cls(backend=str(data["backend"]), size=int(data["size"]), device=str(data["device"]))
+
+
+class Arena(abc.ABC):
+    """One block of shareable memory, mapped in this process."""
+
+    spec: ArenaSpec
+
+    @abc.abstractmethod
+    def bytes_view(self) -> "torch.Tensor":
+        """A uint8 tensor of ``spec.size`` bytes that views the whole arena."""
+
+    @abc.abstractmethod
+    def export_fd(self) -> int:
+        """A new fd for this arena; the caller owns it and must close it."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Unmap and release this process's handles (idempotent).
+
+        Tensors viewing the arena must be dropped first; the memory itself
+        lives on while any other process holds an fd or a mapping.
+        """
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class ArenaBackend(abc.ABC):
+    """Creates, seals and maps arenas of one kind of memory."""
+
+    name: str
+
+    @abc.abstractmethod
+    def granularity(self, device: str) -> int:
+        """Arena sizes are rounded up to a multiple of this."""
+
+    @abc.abstractmethod
+    def create(self, size: int, device: str) -> Arena:
+        """A new writable arena of at least ``size`` bytes on ``device``."""
+
+    @abc.abstractmethod
+    def seal(self, arena: Arena) -> None:
+        """Make the arena's contents final; later maps are read-only where possible."""
+
+    @abc.abstractmethod
+    def map(self, fd: int, spec: ArenaSpec) -> Arena:
+        """Map an arena received as ``fd`` (the fd is duplicated; the caller keeps its own)."""
+
+
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``."""
+    return -(-value // multiple) * multiple

@@ -1,0 +1,114 @@
+"""Host arenas: a sealed memfd, mapped with mmap.
+
+Works on any Linux machine (CI, CPU engines). Sealing (``F_SEAL_WRITE``) makes
+the memory immutable for every process: receivers map it read-only, and a
+faulty engine that writes to its weights gets a fault instead of corrupting
+another engine's copy.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import warnings
+
+from weightcache.core.arena.base import Arena, ArenaBackend, ArenaSpec, round_up
+
+log = logging.getLogger(__name__)
+
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+class HostArena(Arena):
+    """A memfd mapped into this process (read-write while building, read-only once sealed)."""
+
+    def __init__(self, fd: int, spec: ArenaSpec, writable: bool):
+        self.spec = spec
+        self._fd = fd
+        self.writable = writable
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self._map = mmap.mmap(fd, spec.size, flags=mmap.MAP_SHARED, prot=prot)
+        self._view = None
+
+    def bytes_view(self):
+        import torch
+
+        if self._view is None:
+            if self._map is None:
+                raise ValueError("arena is closed")
+            with warnings.catch_warnings():
+                # A sealed arena is read-only on purpose; torch warns that it cannot write to it.
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                self._view = torch.frombuffer(self._map, dtype=torch.uint8)
+        return self._view
+
+    def export_fd(self) -> int:
+        return os.dup(self._fd)
+
+    @property
+    def address(self) -> int:
+        return self.bytes_view().data_ptr()
+
+    def remap(self, writable: bool) -> None:
+        """Replace this process's mapping (all views must be dropped first)."""
+        self._drop_map()
+        self.writable = writable
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self._map = mmap.mmap(self._fd, self.spec.size, flags=mmap.MAP_SHARED, prot=prot)
+
+    def _drop_map(self):
+        self._view = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                log.warning("host arena still has live tensor views; its mapping stays until they are freed")
+            self._map = None
+
+    def close(self) -> None:
+        self._drop_map()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class HostArenaBackend(ArenaBackend):
+    """memfd + mmap arenas in host memory."""
+
+    name = "host"
+
+    def granularity(self, device: str) -> int:
+        return mmap.PAGESIZE
+
+    def create(self, size: int, device: str = "cpu") -> HostArena:
+        size = round_up(max(size, 1), self.granularity(device))
+        fd = os.memfd_create("weightcache-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            return HostArena(fd, ArenaSpec(backend=self.name, size=size, device="cpu"), writable=True)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def seal(self, arena: HostArena) -> None:
+        """Drop the writable mapping, seal the memfd and map it again read-only.
+
+        Tensors that viewed the writable mapping must be dropped before sealing.
+        """
+        arena._drop_map()
+        fcntl.fcntl(arena._fd, fcntl.F_ADD_SEALS, _SEALS)
+        arena.remap(writable=False)
+
+    def map(self, fd: int, spec: ArenaSpec) -> HostArena:
+        if spec.backend != self.name:
+            raise ValueError(f"arena of backend {spec.backend!r} cannot be mapped by the host backend")
+        size = os.fstat(fd).st_size
+        if size < spec.size:
+            raise ValueError(f"arena fd holds {size} bytes, manifest says {spec.size}")
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        writable = not seals & fcntl.F_SEAL_WRITE
+        if writable:
+            log.warning("host arena is not sealed; mapping it read-only anyway")
+        return HostArena(os.dup(fd), spec, writable=False)

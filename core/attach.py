@@ -1,0 +1,89 @@
+"""An engine's attachment to a cached entry: the connection, the mapped arenas and the tensors."""
+
+from __future__ import annotations
+
+import logging
+import os
+import typing
+
+from weightcache.core.arena import backend
+from weightcache.core.client import Connection
+from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.manifest import Manifest
+from weightcache.core.protocol import close_fds
+
+if typing.TYPE_CHECKING:
+    import torch
+
+    from weightcache.core.arena.base import Arena
+
+log = logging.getLogger(__name__)
+
+
+class Attachment:
+    """A mapped entry. Keep it alive as long as the model uses its tensors; ``close()`` detaches.
+
+    It keeps the entry's fds, so it can publish the entry again to a restarted
+    server without touching the disk (``republish``).
+    """
+
+    def __init__(self, connection: Connection, fingerprint: Fingerprint, digest: str, manifest: Manifest, fds, label: str):
+        self.connection: Connection | None = connection
+        self.fingerprint = fingerprint
+        self.digest = digest
+        self.manifest = manifest
+        self.label = label
+        self.fds = list(fds)
+        self.arenas: list[Arena] = []
+        try:
+            for fd, spec in zip(self.fds, manifest.arenas):
+                self.arenas.append(backend(spec.backend).map(fd, spec))
+        except BaseException:
+            self.close()
+            raise
+        self.tensors: dict[str, torch.Tensor] = manifest.views(self.arenas)
+
+    @classmethod
+    def open(cls, fingerprint: Fingerprint, socket_dir=None, timeout: float = 30.0) -> "Attachment":
+        """Ask the server at ``socket_dir`` for ``fingerprint`` and map the answer.
+
+        Raises ServerUnavailable, FingerprintMismatch or EntryNotFound.
+        """
+        connection = Connection(socket_dir, timeout=timeout)
+        try:
+            reply = connection.attach(fingerprint)
+        except BaseException:
+            connection.close()
+            raise
+        try:
+            manifest = Manifest.from_json(reply.manifest)
+        except ValueError:
+            close_fds(reply.fds)
+            connection.close()
+            raise
+        return cls(connection, fingerprint, reply.digest, manifest, reply.fds, reply.label)
+
+    def republish(self, socket_dir=None) -> bool:
+        """Publish this entry to the server at ``socket_dir`` (e.g. after it restarted) from the fds held here."""
+        with Connection(socket_dir) as connection:
+            reply = connection.publish(self.fingerprint, self.manifest.to_json(), self.fds, label=self.label)
+        return bool(reply.get("created"))
+
+    def close(self) -> None:
+        """Drop the tensors, unmap the arenas, close the fds and the connection (idempotent)."""
+        self.tensors = {}
+        for arena in self.arenas:
+            arena.close()
+        self.arenas = []
+        close_fds(self.fds)
+        self.fds = []
+        if self.connection is not None:
+            self.connection.close()
+            self.connection = None
+
+    @property
+    def open_fds(self) -> int:
+        return len(self.fds)
+
+    def __repr__(self) -> str:
+        return f"<Attachment {self.digest[:12]} {self.label} pid={os.getpid()} arenas={len(self.arenas)}>"

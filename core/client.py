@@ -1,0 +1,164 @@
+"""The client side of the wire: publish, attach, detach, status and evict requests."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+import attrs
+
+from weightcache.core.errors import AccessDenied, EntryNotFound, FingerprintMismatch, ServerError, ServerUnavailable
+from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.paths import socket_path
+from weightcache.core.protocol import FrameReader, close_fds, send_frame
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@attrs.frozen
+class AttachReply:
+    """What the server hands an engine: the entry's digest, manifest and fds (owned by the caller)."""
+
+    digest: str
+    manifest: dict
+    fds: tuple[int, ...]
+    label: str
+
+
+class Connection:
+    """One connection to a server; requests are answered in order.
+
+    An engine keeps the connection that attached an entry open for as long as
+    it maps the entry: the server counts it as attached until it closes.
+    """
+
+    def __init__(self, socket_dir: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT_S):
+        self.path = socket_path(socket_dir)
+        self.timeout = timeout
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(str(self.path))
+        except FileNotFoundError:
+            self._sock.close()
+            raise ServerUnavailable(str(self.path), "no socket") from None
+        except ConnectionRefusedError:
+            self._sock.close()
+            raise ServerUnavailable(str(self.path), "socket exists but nobody listens: the server died") from None
+        except PermissionError:
+            self._sock.close()
+            raise AccessDenied(
+                f"permission denied on {self.path}: the server belongs to another user; "
+                "run the engine as the server's user or use your own --socket-dir"
+            ) from None
+        except OSError as exc:
+            self._sock.close()
+            raise ServerUnavailable(str(self.path), str(exc)) from None
+        self._reader = FrameReader(self._sock, deadline_s=timeout)
+
+    def request(self, message: dict, fds=()) -> tuple[dict, list[int]]:
+        """Send one request, return the reply and the fds that came with it."""
+        try:
+            send_frame(self._sock, message, fds)
+            frame = self._reader.read(idle_timeout=self.timeout)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise ServerUnavailable(str(self.path), f"connection lost: {exc}") from None
+        except TimeoutError:
+            raise ServerUnavailable(str(self.path), f"no reply within {self.timeout:.0f} s") from None
+        if frame is None:
+            raise ServerUnavailable(str(self.path), "the server closed the connection")
+        reply, reply_fds = frame
+        if reply.get("ok"):
+            return reply, reply_fds
+        close_fds(reply_fds)
+        error = reply.get("error") or {}
+        code = error.get("code", "unknown")
+        if code == "access_denied":
+            raise AccessDenied(error.get("message", "access denied"))
+        if code == "not_found" and "fields" in error:
+            cls = FingerprintMismatch if error.get("fields") else EntryNotFound
+            raise cls(error.get("digest", ""), tuple(error.get("fields", ())), error.get("closest"))
+        raise ServerError(code, error.get("message", ""))
+
+    def hello(self) -> dict:
+        return self.request({"op": "hello"})[0]
+
+    def publish(self, fingerprint: Fingerprint, manifest: dict, fds, label: str = "") -> dict:
+        """Publish an entry; the server duplicates ``fds``, the caller still owns its own."""
+        return self.request({"op": "publish", "fingerprint": fingerprint.to_json(), "manifest": manifest, "label": label}, fds)[0]
+
+    def attach(self, fingerprint: Fingerprint) -> AttachReply:
+        """Mark the entry attached by this connection and receive its fds."""
+        reply, fds = self.request({"op": "attach", "fingerprint": fingerprint.to_json()})
+        return AttachReply(digest=reply["digest"], manifest=reply["manifest"], fds=tuple(fds), label=reply.get("label", ""))
+
+    def detach(self, digest: str) -> None:
+        self.request({"op": "detach", "digest": digest})
+
+    def status(self) -> dict:
+        return self.request({"op": "status"})[0]
+
+    def evict(self, digest_prefix: str, force: bool = False) -> list[str]:
+        return self.request({"op": "evict", "digest": digest_prefix, "force": force})[0]["evicted"]
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def wait_for_server(socket_dir: str | os.PathLike | None = None, timeout: float = 10.0) -> None:
+    """Block until a server answers ``hello`` on ``socket_dir``; ServerUnavailable after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with Connection(socket_dir, timeout=2.0) as conn:
+                conn.hello()
+                return
+        except ServerUnavailable as exc:
+            last = exc
+            time.sleep(0.05)
+    raise ServerUnavailable(str(socket_path(socket_dir)), f"not ready after {timeout:.0f} s ({last.reason if last else '?'})")
+
+
+def server_is_running(socket_dir: str | os.PathLike | None = None) -> bool:
+    """Whether a server answers on ``socket_dir``."""
+    try:
+        with Connection(socket_dir, timeout=2.0) as conn:
+            conn.hello()
+        return True
+    except (ServerUnavailable, AccessDenied):
+        return False
+
+
+def spawn_server(socket_dir: str | os.PathLike | None = None, log_file: str | os.PathLike | None = None) -> int:
+    """Start ``weightcache serve`` as a detached process (own session) and wait until it answers; returns its pid."""
+    import subprocess
+    import sys
+
+    socket_dir = Path(socket_dir) if socket_dir else socket_path(None).parent
+    args = [sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir)]
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    finally:
+        if log_file:
+            out.close()
+    try:
+        wait_for_server(socket_dir, timeout=20.0)
+    except ServerUnavailable:
+        if proc.poll() is not None:
+            if server_is_running(socket_dir):  # lost a race with another starter; theirs serves
+                return -1
+        raise
+    return proc.pid

@@ -1,0 +1,122 @@
+"""Named errors of weightcache; each message says what to do next."""
+
+from __future__ import annotations
+
+import os
+
+
+class WeightCacheError(Exception):
+    """Base class of every error weightcache raises on purpose."""
+
+
+class ProtocolError(WeightCacheError):
+    """A frame broke the wire format (bad magic, version, size, JSON, fds)."""
+
+
+class ServerUnavailable(WeightCacheError):
+    """No server answers on the socket."""
+
+    def __init__(self, socket_path: str, reason: str):
+        self.socket_path = socket_path
+        self.reason = reason
+        super().__init__(
+            f"no weightcache server at {socket_path} ({reason}); start one with "
+            f"`weightcache serve --socket-dir {socket_path.rsplit('/', 1)[0]}` or use mode 'daemon'"
+        )
+
+
+class AccessDenied(WeightCacheError):
+    """The peer or the socket directory failed an ownership or permission check."""
+
+
+class ServerError(WeightCacheError):
+    """The server answered a request with an error."""
+
+    def __init__(self, code: str, message: str):
+        self.code = code
+        super().__init__(f"server refused the request ({code}): {message}")
+
+
+class EntryNotFound(WeightCacheError):
+    """No cached entry matches the fingerprint.
+
+    ``fields`` names the fingerprint fields in which the closest entry differs
+    (empty when the server holds no entry for this model at all).
+    """
+
+    def __init__(self, digest: str, fields: tuple[str, ...] = (), closest: str | None = None):
+        self.digest = digest
+        self.fields = tuple(fields)
+        self.closest = closest
+        if fields:
+            detail = f"closest entry {closest} differs in: {', '.join(fields)}"
+        else:
+            detail = "the server holds no entry for this model"
+        super().__init__(f"no cached entry for fingerprint {digest[:12]}: {detail}; publish one with `weightcache load`")
+
+
+class FingerprintMismatch(EntryNotFound):
+    """An entry for this model exists, but its fingerprint differs in ``fields``."""
+
+
+class UnsupportedQuantization(WeightCacheError):
+    """The quantization method is not validated for zero-copy caching."""
+
+    def __init__(self, method: str, reason: str):
+        self.method = method
+        self.reason = reason
+        super().__init__(
+            f"quantization method {method!r} is not supported by weightcache: {reason}. "
+            "Load this model without weightcache (mode 'off'), or see docs/quantization.md "
+            "for what it takes to validate a method."
+        )
+
+
+class AdapterNotFound(WeightCacheError):
+    """No registered adapter has the requested name."""
+
+
+class RebindError(WeightCacheError):
+    """Mapped tensors do not fit the model (missing, extra, wrong shape, left on meta)."""
+
+
+class ArenaError(WeightCacheError):
+    """An arena could not be created, mapped or used."""
+
+
+class ArenaClosed(ArenaError):
+    """The arena was closed in this process; map it again from an fd."""
+
+
+class BackendUnavailable(ArenaError):
+    """An arena backend cannot run in this process (a missing package or device)."""
+
+    def __init__(self, backend: str, reason: str):
+        self.backend = backend
+        self.reason = reason
+        super().__init__(f"the {backend!r} arena backend cannot run here: {reason}")
+
+
+class CudaError(ArenaError):
+    """A CUDA driver call failed; ``call`` names it, ``result`` is the CUresult name."""
+
+    def __init__(self, call: str, result: str, hint: str = ""):
+        self.call = call
+        self.result = result
+        super().__init__(f"{call} failed with {result}" + (f"; {hint}" if hint else ""))
+
+
+class DeviceNotFound(ArenaError):
+    """No GPU visible to this process has the UUID an arena names.
+
+    ``visible`` lists the UUIDs this process can see, in index order.
+    """
+
+    def __init__(self, device: str, visible: tuple[str, ...] | list[str]):
+        self.device = device
+        self.visible = tuple(visible)
+        cvd = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        super().__init__(
+            f"no visible GPU is {device}; visible: {', '.join(self.visible) or 'none'} "
+            f"(CUDA_VISIBLE_DEVICES={cvd}). Run on the node that holds the arena and make that GPU visible."
+        )

@@ -1,0 +1,205 @@
+"""Placing a model's final tensors into arenas: layout, copy, manifest."""
+
+from __future__ import annotations
+
+import logging
+import typing
+
+import attrs
+
+from weightcache.core.arena import ArenaSpec, backend_for_device, round_up
+from weightcache.core.manifest import Manifest, TensorRecord
+
+if typing.TYPE_CHECKING:
+    import torch
+
+    from weightcache.core.arena.base import Arena, ArenaBackend
+
+log = logging.getLogger(__name__)
+
+ALIGNMENT = 256
+DEFAULT_CHUNK_BYTES = 1 << 30
+
+
+@attrs.frozen
+class Slot:
+    """Where one tensor's storage region lies: arena index, byte offset, bytes."""
+
+    arena: int
+    offset: int
+    nbytes: int
+
+
+class ArenaBuilder:
+    """Lays tensors out in arenas of at most ``chunk_bytes`` and fills them.
+
+    Arenas are created one at a time as they are first touched, so copying a
+    loaded model into them peaks at the weights plus one arena.
+    """
+
+    def __init__(self, device: str = "cpu", chunk_bytes: int = DEFAULT_CHUNK_BYTES, backend: "ArenaBackend | None" = None):
+        self.device = str(device)
+        self.backend = backend or backend_for_device(self.device)
+        self.chunk_bytes = chunk_bytes
+        self._sizes: list[int] = []  # planned bytes per arena
+        self._arenas: list[Arena | None] = []
+        self._fill = 0  # bytes used in the last planned arena
+        from weightcache.core.progress import NoProgress
+
+        self.progress = NoProgress()
+
+    def plan(self, nbytes: int) -> Slot:
+        """Reserve ``nbytes`` (aligned) in the current arena, or start a new one."""
+        size = round_up(max(nbytes, 1), ALIGNMENT)
+        if not self._sizes or self._fill + size > self.chunk_bytes:
+            self._sizes.append(0)
+            self._arenas.append(None)
+            self._fill = 0
+        slot = Slot(arena=len(self._sizes) - 1, offset=self._fill, nbytes=nbytes)
+        self._fill += size
+        self._sizes[-1] = self._fill
+        return slot
+
+    def view(self, slot: Slot) -> "torch.Tensor":
+        """The writable uint8 bytes of ``slot`` (creates its arena on first use)."""
+        arena = self._arenas[slot.arena]
+        if arena is None:
+            arena = self.backend.create(self._sizes[slot.arena], self.device)
+            self._arenas[slot.arena] = arena
+        return arena.bytes_view()[slot.offset : slot.offset + slot.nbytes]
+
+    @property
+    def arenas(self) -> list["Arena"]:
+        missing = [i for i, a in enumerate(self._arenas) if a is None]
+        if missing:
+            raise RuntimeError(f"arenas {missing} were planned but never filled")
+        return list(self._arenas)
+
+    def specs(self) -> list[ArenaSpec]:
+        return [arena.spec for arena in self.arenas]
+
+    def seal(self) -> None:
+        """Make every arena final; views handed out before must be dropped by now."""
+        for arena in self.arenas:
+            self.backend.seal(arena)
+
+    def close(self) -> None:
+        """Release this process's handles (the server keeps its own fds)."""
+        for arena in self._arenas:
+            if arena is not None:
+                arena.close()
+        self._arenas = [None] * len(self._arenas)
+
+    def locate(self, tensor: "torch.Tensor") -> Slot | None:
+        """The slot of a tensor that already lives in one of these arenas, else None."""
+        start = tensor.data_ptr()
+        for index, arena in enumerate(self._arenas):
+            if arena is None:
+                continue
+            base = arena.bytes_view().data_ptr()
+            if base <= start < base + arena.spec.size:
+                return Slot(arena=index, offset=start - base, nbytes=storage_region_bytes(tensor))
+        return None
+
+
+def storage_region_bytes(tensor: "torch.Tensor") -> int:
+    """Bytes of the storage a tensor reaches from its own offset (all of it for a strided view)."""
+    if tensor.numel() == 0:
+        return 0
+    elements = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return elements * tensor.element_size()
+
+
+def region_bytes(tensor: "torch.Tensor") -> "torch.Tensor":
+    """The tensor's storage region, from its offset, as a flat uint8 tensor (no copy)."""
+    import torch
+
+    elements = storage_region_bytes(tensor) // tensor.element_size()
+    flat = tensor.as_strided((elements,), (1,), tensor.storage_offset())
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=tensor.device)
+
+
+@attrs.frozen
+class NamedTensor:
+    name: str
+    kind: str
+    tensor: typing.Any = attrs.field(eq=False, repr=False)
+    persistent: bool = True
+
+
+def collect_tensors(module: "torch.nn.Module") -> tuple[list[NamedTensor], dict[str, str]]:
+    """Every parameter and buffer of ``module`` once, plus aliases for tied ones (alias -> name)."""
+    seen: dict[int, str] = {}
+    items: list[NamedTensor] = []
+    aliases: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            aliases[name] = seen[id(param)]
+            continue
+        seen[id(param)] = name
+        items.append(NamedTensor(name, "parameter", param))
+    for owner_name, owner in module.named_modules(remove_duplicate=False):
+        for leaf, buffer in owner._buffers.items():
+            if buffer is None:
+                continue
+            name = f"{owner_name}.{leaf}" if owner_name else leaf
+            if id(buffer) in seen:
+                if seen[id(buffer)] != name:
+                    aliases[name] = seen[id(buffer)]
+                continue
+            seen[id(buffer)] = name
+            items.append(NamedTensor(name, "buffer", buffer, leaf not in owner._non_persistent_buffers_set))
+    return items, aliases
+
+
+def export_module(module: "torch.nn.Module", builder: ArenaBuilder, extra: dict | None = None, release: bool = True) -> Manifest:
+    """Copy every parameter and buffer of ``module`` into ``builder``'s arenas and describe them.
+
+    Tensors already inside the builder's arenas are recorded without a copy.
+    With ``release`` each original is freed as soon as it is copied, so the
+    module is empty afterwards: use the manifest (rebind) to get it back.
+    """
+    import torch
+
+    items, aliases = collect_tensors(module)
+    if any(item.tensor.device.type == "meta" for item in items):
+        meta = [item.name for item in items if item.tensor.device.type == "meta"][:5]
+        raise ValueError(f"cannot export tensors on the meta device ({', '.join(meta)}); load the weights first")
+    placed = [(item, builder.locate(item.tensor)) for item in items]
+    slots = {item.name: slot or builder.plan(storage_region_bytes(item.tensor)) for item, slot in placed}
+    records = []
+    with torch.no_grad():
+        for item, existing in placed:
+            slot = slots[item.name]
+            tensor = item.tensor
+            records.append(
+                TensorRecord(
+                    name=item.name,
+                    kind=item.kind,
+                    dtype=str(tensor.dtype),
+                    shape=tuple(tensor.shape),
+                    stride=tuple(tensor.stride()),
+                    storage_offset=0,
+                    arena=slot.arena,
+                    offset=slot.offset,
+                    nbytes=slot.nbytes,
+                    persistent=item.persistent,
+                )
+            )
+            if existing is None:
+                target = builder.view(slot)
+                if slot.nbytes:
+                    target.copy_(region_bytes(tensor.detach()))
+                    builder.progress.update(slot.nbytes)
+                    if release:
+                        _release(tensor)
+    if builder.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return Manifest(tensors=records, arenas=builder.specs(), aliases=aliases, extra=dict(extra or {}))
+
+
+def _release(tensor: "torch.Tensor") -> None:
+    """Free a copied original's memory (its module keeps an empty placeholder)."""
+    import torch
+
+    tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)

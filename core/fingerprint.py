@@ -1,0 +1,117 @@
+"""Fingerprints: everything that must match before mapped weights can stand in for a disk load."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import typing
+
+import attrs
+
+from weightcache.core import PROTOCOL_VERSION
+
+
+def canonical_json(value) -> str:
+    """JSON with sorted keys and no spaces: the same value always gives the same text."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def sha256_json(value) -> str:
+    """sha256 hex digest of ``value``'s canonical JSON."""
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
+@attrs.frozen
+class ParallelSpec:
+    """This rank's place in tensor, pipeline, data and expert parallelism.
+
+    The data-parallel rank is left out on purpose: replicas hold identical
+    weights, so replicas on one GPU may share one copy.
+    """
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    dp_size: int = 1
+    ep_size: int = 1
+    ep_rank: int = 0
+
+    def __attrs_post_init__(self):
+        for size, rank in ((self.tp_size, self.tp_rank), (self.pp_size, self.pp_rank), (self.ep_size, self.ep_rank)):
+            if size < 1 or not 0 <= rank < size:
+                raise ValueError(f"parallel rank {rank} does not fit size {size}")
+
+    @property
+    def label(self) -> str:
+        return f"tp{self.tp_rank}/{self.tp_size} pp{self.pp_rank}/{self.pp_size} ep{self.ep_rank}/{self.ep_size}"
+
+
+@attrs.frozen(hash=False)
+class Fingerprint:
+    """Identity of one cached model rank; two fingerprints match only if every field is equal.
+
+    Build it before loading (post-processing may mutate configs), with
+    ``weightcache.core.identity.fingerprint_for``.
+    """
+
+    checkpoint: str
+    architecture: str
+    config: str
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    dp_size: int
+    ep_size: int
+    ep_rank: int
+    dtype: str
+    quantization: str
+    quantization_config: str
+    adapter: str
+    adapter_version: str
+    engine: str
+    engine_version: str
+    torch_version: str
+    cuda_version: str
+    compute_capability: str
+    gpu_uuid: str
+    protocol_version: int = PROTOCOL_VERSION
+    extra: dict = attrs.field(factory=dict)
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Fingerprint":
+        names = {f.name for f in attrs.fields(cls)}
+        if not isinstance(data, dict) or set(data) != names:
+            missing = sorted(names - set(data)) if isinstance(data, dict) else sorted(names)
+            unknown = sorted(set(data) - names) if isinstance(data, dict) else []
+            raise ValueError(f"malformed fingerprint: missing {missing}, unknown {unknown}")
+        return cls(**data)
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of every field."""
+        return sha256_json(self.to_json())
+
+    @property
+    def short(self) -> str:
+        return self.digest[:12]
+
+    def mismatched_fields(self, other: "Fingerprint | dict") -> tuple[str, ...]:
+        """Names of the fields that differ from ``other`` (``extra.KEY`` for adapter fields)."""
+        mine, theirs = self.to_json(), other.to_json() if isinstance(other, Fingerprint) else dict(other)
+        fields = [name for name in mine if name != "extra" and mine[name] != theirs.get(name)]
+        extra_mine, extra_theirs = mine["extra"], theirs.get("extra") or {}
+        fields += [f"extra.{k}" for k in sorted(set(extra_mine) | set(extra_theirs)) if extra_mine.get(k) != extra_theirs.get(k)]
+        return tuple(fields)
+
+    def same_model(self, other: "Fingerprint | dict") -> bool:
+        """Whether ``other`` describes the same checkpoint (a candidate for a mismatch report)."""
+        theirs = other.to_json() if isinstance(other, Fingerprint) else other
+        return theirs.get("checkpoint") == self.checkpoint
+
+
+FIELDS: typing.Final = tuple(f.name for f in attrs.fields(Fingerprint))

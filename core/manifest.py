@@ -1,0 +1,127 @@
+"""The manifest: where every tensor of a published model lies in its arenas."""
+
+from __future__ import annotations
+
+import typing
+
+import attrs
+
+from weightcache.core.arena.base import ArenaSpec
+from weightcache.core.dtypes import dtype_name, to_dtype
+
+if typing.TYPE_CHECKING:
+    import torch
+
+    from weightcache.core.arena.base import Arena
+
+KINDS = ("parameter", "buffer")
+
+
+def _ints(value) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+@attrs.frozen
+class TensorRecord:
+    """One tensor: its identity, layout and place in an arena.
+
+    ``offset`` is the byte offset of the tensor's storage region in arena
+    ``arena``; the tensor is that region viewed as ``dtype`` and strided by
+    ``shape``/``stride`` from element ``storage_offset``.
+    """
+
+    name: str
+    kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
+    dtype: str = attrs.field(converter=dtype_name)
+    shape: tuple[int, ...] = attrs.field(converter=_ints)
+    stride: tuple[int, ...] = attrs.field(converter=_ints)
+    storage_offset: int
+    arena: int
+    offset: int
+    nbytes: int
+    persistent: bool = True
+
+    def to_json(self) -> dict:
+        return {**attrs.asdict(self), "shape": list(self.shape), "stride": list(self.stride)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TensorRecord":
+        names = {f.name for f in attrs.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"tensor record has unknown fields {sorted(unknown)}")
+        return cls(**data)
+
+
+@attrs.frozen
+class Manifest:
+    """Every tensor of one published model rank, its arenas, tied-weight aliases and adapter state.
+
+    :param aliases: alias name -> name of the tensor it shares (tied weights).
+    :param extra: small JSON-able state an adapter needs to rebuild the model
+        (model class, flags set by post-processing).
+    """
+
+    tensors: tuple[TensorRecord, ...] = attrs.field(converter=tuple)
+    arenas: tuple[ArenaSpec, ...] = attrs.field(converter=tuple)
+    aliases: dict = attrs.field(factory=dict, hash=False)
+    extra: dict = attrs.field(factory=dict, hash=False)
+
+    @tensors.validator
+    def _check(self, _attr, records):
+        seen = set()
+        for record in records:
+            if record.name in seen:
+                raise ValueError(f"manifest names tensor {record.name!r} twice")
+            seen.add(record.name)
+            if not 0 <= record.arena < len(self.arenas):
+                raise ValueError(f"tensor {record.name!r} points at arena {record.arena}, manifest has {len(self.arenas)}")
+            if record.offset < 0 or record.offset + record.nbytes > self.arenas[record.arena].size:
+                raise ValueError(f"tensor {record.name!r} lies outside arena {record.arena}")
+        for alias, target in self.aliases.items():
+            if target not in seen:
+                raise ValueError(f"alias {alias!r} points at unknown tensor {target!r}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all arenas together."""
+        return sum(spec.size for spec in self.arenas)
+
+    def to_json(self) -> dict:
+        return {
+            "tensors": [record.to_json() for record in self.tensors],
+            "arenas": [spec.to_json() for spec in self.arenas],
+            "aliases": dict(self.aliases),
+            "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Manifest":
+        try:
+            return cls(
+                tensors=[TensorRecord.from_json(t) for t in data["tensors"]],
+                arenas=[ArenaSpec.from_json(a) for a in data["arenas"]],
+                aliases={str(k): str(v) for k, v in data.get("aliases", {}).items()},
+                extra=dict(data.get("extra", {})),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"malformed manifest: {exc}") from None
+
+    def views(self, arenas: "typing.Sequence[Arena]") -> "dict[str, torch.Tensor]":
+        """Tensors viewing the mapped ``arenas`` (no copy), aliases included."""
+        if len(arenas) != len(self.arenas):
+            raise ValueError(f"manifest has {len(self.arenas)} arenas, {len(arenas)} were mapped")
+        bytes_views = [arena.bytes_view() for arena in arenas]
+        tensors = {record.name: view_of(bytes_views[record.arena], record) for record in self.tensors}
+        for alias, target in self.aliases.items():
+            tensors[alias] = tensors[target]
+        return tensors
+
+
+def view_of(arena_bytes: "torch.Tensor", record: TensorRecord) -> "torch.Tensor":
+    """The tensor ``record`` describes, viewing ``arena_bytes`` without a copy."""
+    dtype = to_dtype(record.dtype)
+    region = arena_bytes[record.offset : record.offset + record.nbytes]
+    if record.nbytes == 0:
+        return region.view(dtype).reshape(record.shape)
+    return region.view(dtype).as_strided(record.shape, record.stride, region.view(dtype).storage_offset() + record.storage_offset)

@@ -1,0 +1,101 @@
+"""Pointing a meta-device model's parameters and buffers at mapped tensors."""
+
+from __future__ import annotations
+
+import contextlib
+import typing
+
+from weightcache.core.errors import RebindError
+
+if typing.TYPE_CHECKING:
+    import torch
+
+    from weightcache.core.manifest import Manifest
+
+
+@contextlib.contextmanager
+def meta_parameters():
+    """Create parameters on the meta device (no memory); buffers stay real.
+
+    Modules built inside allocate nothing for their weights, but buffers that
+    ``__init__`` computes (rotary frequencies, position ids) keep their values.
+    """
+    import torch
+
+    original = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+def _owner(model: "torch.nn.Module", name: str) -> tuple["torch.nn.Module", str]:
+    path, _, leaf = name.rpartition(".")
+    try:
+        return (model.get_submodule(path) if path else model), leaf
+    except AttributeError:
+        raise RebindError(f"the model has no module {path!r} for mapped tensor {name!r}; was it built from the same config?") from None
+
+
+def rebind_module(model: "torch.nn.Module", tensors: "dict[str, torch.Tensor]", manifest: "Manifest", device=None) -> "torch.nn.Module":
+    """Point every parameter and buffer of ``model`` at ``tensors`` (zero-copy) and check the result.
+
+    Tensors the model lacks (made by post-processing) are registered; tied
+    weights become one Parameter; buffers the manifest does not hold are
+    moved to ``device``. Raises RebindError naming what does not fit.
+    """
+    import torch
+
+    params: dict[str, torch.nn.Parameter] = {}
+    for record in manifest.tensors:
+        owner, leaf = _owner(model, record.name)
+        tensor = tensors[record.name]
+        current = getattr(owner, leaf, None)
+        if isinstance(current, torch.Tensor) and tuple(current.shape) != tuple(tensor.shape):
+            raise RebindError(
+                f"mapped tensor {record.name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(current.shape)}; "
+                "the cached entry was made from a different model configuration"
+            )
+        if record.kind == "parameter":
+            param = torch.nn.Parameter(tensor, requires_grad=False)
+            params[record.name] = param
+            owner._buffers.pop(leaf, None)
+            owner._parameters[leaf] = param
+        else:
+            owner._parameters.pop(leaf, None)
+            owner.register_buffer(leaf, tensor, persistent=record.persistent)
+    for alias, target in manifest.aliases.items():
+        owner, leaf = _owner(model, alias)
+        if target in params:
+            owner._parameters[leaf] = params[target]
+        else:
+            owner._buffers[leaf] = tensors[target]
+    if device is not None:
+        _move_unmapped_buffers(model, manifest, device)
+    check_no_meta(model)
+    model.eval()
+    return model
+
+
+def _move_unmapped_buffers(model, manifest, device) -> None:
+    mapped = {record.name for record in manifest.tensors} | set(manifest.aliases)
+    for owner_name, owner in model.named_modules():
+        for leaf, buffer in list(owner._buffers.items()):
+            name = f"{owner_name}.{leaf}" if owner_name else leaf
+            if buffer is not None and name not in mapped and buffer.device.type != "meta":
+                owner._buffers[leaf] = buffer.to(device)
+
+
+def check_no_meta(model: "torch.nn.Module") -> None:
+    """Raise RebindError if any parameter or buffer is still on the meta device."""
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if left:
+        shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+        raise RebindError(f"{len(left)} tensors stayed on the meta device after rebind: {shown}; the cached entry lacks them")
