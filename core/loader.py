@@ -82,8 +82,7 @@ def publish(
         extra = prepared.adapter.manifest_extra(prepared.request, model)
         manifest = attrs.evolve(manifest, extra={**manifest.extra, **extra})
         del model
-        gc.collect()
-        builder.seal()
+        _seal(builder)
         timings["export_s"] = time.perf_counter() - start
         progress.close()
         start = time.perf_counter()
@@ -96,6 +95,15 @@ def publish(
         builder.close()
     log.info("published %s in %.2f s", reply["digest"][:12], sum(timings.values()))
     return Published(reply["digest"], bool(reply["created"]), prepared.fingerprint, manifest, timings)
+
+
+def _seal(builder: ArenaBuilder) -> None:
+    """Seal the arenas; a reference cycle may still hold a view, so collect once and retry."""
+    try:
+        builder.seal()
+    except OSError:
+        gc.collect()
+        builder.seal()
 
 
 def _label(prepared: Prepared) -> str:

@@ -120,7 +120,7 @@ class CudaArena(Arena):
         self._check_open()
         return int(self._ptr)
 
-    def bytes_view(self) -> "torch.Tensor":
+    def bytes_view(self) -> torch.Tensor:
         """A uint8 CUDA tensor over the whole mapping (no copy; does not keep the mapping alive)."""
         self._check_open()
         if self._view is None:
@@ -262,8 +262,13 @@ class CudaArenaBackend(ArenaBackend):
         except BaseException:
             os.close(own)
             raise
-        log.debug("mapped CUDA arena of %d bytes on %s (cuda:%d, %s)", spec.size, spec.device, index,
-                  "rw" if granted else "ro")
+        log.debug(
+            "mapped CUDA arena of %d bytes on %s (cuda:%d, %s)",
+            spec.size,
+            spec.device,
+            index,
+            "rw" if granted else "ro",
+        )
         return CudaArena(spec, index, handle, ptr, writable=granted, fd=own)
 
 
@@ -326,8 +331,12 @@ def _granularity(index: int) -> int:
     if found is None:
         with _on_device(index) as (cu, dev):
             recommended = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
-            found = int(check(cu.cuMemGetAllocationGranularity(_allocation_prop(cu, dev), recommended),
-                              "cuMemGetAllocationGranularity"))
+            found = int(
+                check(
+                    cu.cuMemGetAllocationGranularity(_allocation_prop(cu, dev), recommended),
+                    "cuMemGetAllocationGranularity",
+                )
+            )
         _granularities[index] = found
     return found
 
@@ -370,13 +379,17 @@ def _set_access(cu, device, ptr, size: int, *, writable: bool) -> bool:
     flags = cu.CUmemAccess_flags
     if not writable:
         try:
-            check(cu.cuMemSetAccess(ptr, size, [_access(cu, device, flags.CU_MEM_ACCESS_FLAGS_PROT_READ)], 1),
-                  "cuMemSetAccess(PROT_READ)")
+            check(
+                cu.cuMemSetAccess(ptr, size, [_access(cu, device, flags.CU_MEM_ACCESS_FLAGS_PROT_READ)], 1),
+                "cuMemSetAccess(PROT_READ)",
+            )
             return False
         except CudaError as exc:
             log.debug("driver refused a read-only mapping (%s); mapping read-write", exc.result)
-    check(cu.cuMemSetAccess(ptr, size, [_access(cu, device, flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)], 1),
-          "cuMemSetAccess")
+    check(
+        cu.cuMemSetAccess(ptr, size, [_access(cu, device, flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)], 1),
+        "cuMemSetAccess",
+    )
     return True
 
 

@@ -60,7 +60,7 @@ def device_index_for_uuid(uuid: str) -> int:
         raise DeviceNotFound(wanted, visible) from None
 
 
-def cuda_index(device: "str | int | torch.device") -> int:
+def cuda_index(device: str | int | torch.device) -> int:
     """The torch index of a CUDA device given as ``cuda``, ``cuda:N``, an index, or a UUID."""
     if isinstance(device, int):
         return _checked_index(device)
@@ -79,7 +79,7 @@ def cuda_index(device: "str | int | torch.device") -> int:
     return _checked_index(int(match.group(1)))
 
 
-def device_label(device: "str | int | torch.device") -> str:
+def device_label(device: str | int | torch.device) -> str:
     """``cpu`` for a CPU device, else the UUID of the CUDA device (see :func:`cuda_index`)."""
     text = str(device).strip()
     if text == "cpu" or text.startswith("cpu:"):

@@ -27,10 +27,9 @@ class HostArena(Arena):
     def __init__(self, fd: int, spec: ArenaSpec, writable: bool):
         self.spec = spec
         self._fd = fd
-        self.writable = writable
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        self._map = mmap.mmap(fd, spec.size, flags=mmap.MAP_SHARED, prot=prot)
+        self._map = None
         self._view = None
+        self.remap(writable)
 
     def bytes_view(self):
         import torch
@@ -56,7 +55,9 @@ class HostArena(Arena):
         self._drop_map()
         self.writable = writable
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        self._map = mmap.mmap(self._fd, self.spec.size, flags=mmap.MAP_SHARED, prot=prot)
+        # A new arena is filled at once: populate its pages up front instead of faulting one by one.
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if writable else 0)
+        self._map = mmap.mmap(self._fd, self.spec.size, flags=flags, prot=prot)
 
     def _drop_map(self):
         self._view = None

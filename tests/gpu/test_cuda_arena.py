@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from weightcache.core.arena.base import ArenaSpec
 from weightcache.core.arena.cuda import CudaArenaBackend, unavailable_reason
 from weightcache.core.arena.devices import (
@@ -118,6 +117,7 @@ def _child(role: str, *args) -> list[str]:
 def _run(role: str, *args, pass_fds=(), **env: str) -> dict:
     proc = subprocess.run(
         _child(role, *args),
+        check=False,
         pass_fds=pass_fds,
         capture_output=True,
         text=True,
@@ -350,7 +350,11 @@ def test_uuids_are_those_nvidia_smi_prints():
     if shutil.which("nvidia-smi") is None:
         pytest.skip("nvidia-smi is not on PATH")
     out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True, text=True, timeout=60
+        ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     listed = {line.strip() for line in out.stdout.splitlines() if line.strip()}
     assert set(visible_gpu_uuids()) <= listed, f"nvidia-smi lists {sorted(listed)}"
@@ -367,8 +371,9 @@ def test_child_with_another_device_order_maps_the_same_gpu(backend):
         order = ",".join(reversed(visible)) if len(visible) > 1 else visible[0]
         fd = created.export_fd()
         try:
-            report = _run("map", fd, json.dumps(created.spec.to_json()), "ro", pass_fds=(fd,),
-                          CUDA_VISIBLE_DEVICES=order)
+            report = _run(
+                "map", fd, json.dumps(created.spec.to_json()), "ro", pass_fds=(fd,), CUDA_VISIBLE_DEVICES=order
+            )
         finally:
             os.close(fd)
     finally:
