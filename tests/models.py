@@ -1,0 +1,39 @@
+"""Small real transformers architectures with random weights, saved as safetensors checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _configs():
+    import transformers
+
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
+    return {
+        "llama": lambda: transformers.LlamaConfig(**common, num_key_value_heads=2, architectures=["LlamaForCausalLM"]),
+        "qwen2": lambda: transformers.Qwen2Config(**common, num_key_value_heads=2, architectures=["Qwen2ForCausalLM"]),
+        "gpt2": lambda: transformers.GPT2Config(vocab_size=512, n_embd=128, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0,
+                                                architectures=["GPT2LMHeadModel"]),
+        "gemma": lambda: transformers.GemmaConfig(**common, num_key_value_heads=1, head_dim=32, architectures=["GemmaForCausalLM"]),
+        "mixtral": lambda: transformers.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4,
+                                                      num_experts_per_tok=2, architectures=["MixtralForCausalLM"]),
+        "bert": lambda: transformers.BertConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                                num_attention_heads=4, architectures=["BertModel"]),
+    }
+
+
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "gemma", "mixtral", "bert")
+
+
+def save_random_model(kind: str, directory: Path, dtype: str = "float32", seed: int = 0, max_shard_size: str | None = None) -> Path:
+    """Build ``kind`` from its config with seeded random weights and save it (safetensors) in ``directory``."""
+    import torch
+    import transformers
+
+    config = _configs()[kind]()
+    torch.manual_seed(seed)
+    cls = getattr(transformers, config.architectures[0])
+    model = cls(config).to(getattr(torch, dtype)).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return Path(directory)
