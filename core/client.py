@@ -18,6 +18,7 @@ from weightcache.core.protocol import FrameReader, close_fds, send_frame
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
+_SPAWNED: list = []  # servers this process started; they outlive it (own session)
 
 
 @attrs.frozen
@@ -151,6 +152,7 @@ def spawn_server(socket_dir: str | os.PathLike | None = None, log_file: str | os
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
     try:
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+        _SPAWNED.append(proc)
     finally:
         if log_file:
             out.close()

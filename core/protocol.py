@@ -45,6 +45,9 @@ def send_frame(sock: socket.socket, message: dict, fds=(), version: int = PROTOC
         raise ProtocolError(f"frame carries {len(fds)} fds; the limit is {MAX_FDS}")
     data = HEADER.pack(MAGIC, version, len(fds), len(payload)) + payload
     batches = [fds[i : i + FDS_PER_MESSAGE] for i in range(0, len(fds), FDS_PER_MESSAGE)]
+    if len(batches) > len(data):
+        # Each batch rides on at least one byte of the frame; a zero-byte sendmsg drops its fds.
+        raise ProtocolError(f"a frame of {len(data)} bytes cannot carry {len(fds)} fds ({len(batches)} messages)")
     # One byte per fd batch, the rest of the frame after the last batch.
     for index, batch in enumerate(batches[:-1]):
         _sendmsg_all(sock, data[index : index + 1], batch)
@@ -140,6 +143,8 @@ def _decode(payload: bytes) -> dict:
         message = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"frame payload is not JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("frame payload nests JSON too deeply") from None
     if not isinstance(message, dict):
         raise ProtocolError("frame payload must be a JSON object")
     return message

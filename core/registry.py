@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -95,11 +96,33 @@ class Registry:
     def attach(self, fingerprint: Fingerprint, connection: int, pid: int) -> Entry | None:
         """The entry for ``fingerprint``, now marked attached by ``connection``; None if absent."""
         with self._lock:
-            entry = self._entries.get(fingerprint.digest)
-            if entry is not None:
-                entry.sessions[connection] = pid
-                entry.last_used = time.monotonic()
-            return entry
+            return self._attach_locked(fingerprint, connection, pid)
+
+    def _attach_locked(self, fingerprint: Fingerprint, connection: int, pid: int) -> Entry | None:
+        entry = self._entries.get(fingerprint.digest)
+        if entry is not None:
+            entry.sessions[connection] = pid
+            entry.last_used = time.monotonic()
+        return entry
+
+    def checkout(self, fingerprint: Fingerprint, connection: int, pid: int) -> tuple[Entry, list[int]] | None:
+        """Like ``attach``, plus duplicates of the entry's fds made under the lock (the caller closes them).
+
+        The duplicates stay valid even if the entry is evicted before the reply is sent.
+        """
+        with self._lock:
+            entry = self._attach_locked(fingerprint, connection, pid)
+            if entry is None:
+                return None
+            fds: list[int] = []
+            try:
+                for fd in entry.fds:
+                    fds.append(os.dup(fd))
+            except BaseException:
+                close_fds(fds)
+                entry.sessions.pop(connection, None)
+                raise
+            return entry, fds
 
     def closest(self, fingerprint: Fingerprint) -> tuple[str | None, tuple[str, ...]]:
         """The digest of the entry that differs from ``fingerprint`` in the fewest fields, and those fields."""

@@ -192,8 +192,11 @@ class Server:
                     return
                 message, fds = frame
                 reply, reply_fds = self._dispatch(message, fds, connection_id, pid)
-                if not self._try_send(conn, reply, reply_fds):
-                    return
+                try:
+                    if not self._try_send(conn, reply, reply_fds):
+                        return
+                finally:
+                    close_fds(reply_fds)  # our own duplicates, made for this reply
         except Exception:
             log.exception("unexpected error serving connection %d", connection_id)
         finally:
@@ -214,26 +217,30 @@ class Server:
 
     def _dispatch(self, message: dict, fds: list[int], connection_id: int, pid: int) -> tuple[dict, list[int]]:
         op = message.get("op")
-        handler = {
+        handlers = {
             "hello": self._hello,
             "publish": self._publish,
             "attach": self._attach,
             "detach": self._detach,
             "status": self._status,
             "evict": self._evict,
-        }.get(op)
+        }
+        handler = handlers.get(op) if isinstance(op, str) else None
         if handler is None:
             close_fds(fds)
-            return error_reply("bad_request", f"unknown op {op!r}; expected hello, publish, attach, detach, status or evict"), []
+            return error_reply("bad_request", f"unknown op {op!r:.80}; expected hello, publish, attach, detach, status or evict"), []
         if op != "publish" and fds:
             close_fds(fds)
             return error_reply("bad_request", f"op {op!r} takes no fds; {len(fds)} were closed"), []
+        # A handler that raises has kept none of the fds (publish hands them over only on success).
         try:
             return handler(message, fds, connection_id, pid)
-        except (KeyError, TypeError, ValueError) as exc:
-            if op == "publish":
-                close_fds(fds)
-            return error_reply("bad_request", f"malformed {op} request: {exc}"), []
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+            close_fds(fds)
+            return error_reply("bad_request", f"malformed {op} request: {exc!s:.300}"), []
+        except BaseException:
+            close_fds(fds)
+            raise
 
     def _hello(self, message, fds, connection_id, pid):
         return ok_reply(version=__version__, protocol=PROTOCOL_VERSION, pid=os.getpid(), uid=os.geteuid()), []
@@ -256,9 +263,9 @@ class Server:
                 label=str(message.get("label", "")),
                 published_by=pid,
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError, OSError) as exc:
             close_fds(fds)
-            return error_reply("bad_request", f"malformed publish request: {exc}"), []
+            return error_reply("bad_request", f"malformed publish request: {exc!s:.300}"), []
         try:
             created = self.registry.publish(entry)
         except OverBudget as exc:
@@ -268,14 +275,15 @@ class Server:
 
     def _attach(self, message, fds, connection_id, pid):
         fingerprint = Fingerprint.from_json(message["fingerprint"])
-        entry = self.registry.attach(fingerprint, connection_id, pid)
-        if entry is None:
+        found = self.registry.checkout(fingerprint, connection_id, pid)
+        if found is None:
             closest, fields = self.registry.closest(fingerprint)
             return error_reply(
                 "not_found", f"no entry for fingerprint {fingerprint.short}",
                 digest=fingerprint.digest, closest=closest, fields=list(fields),
             ), []
-        return ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label), list(entry.fds)
+        entry, fds = found
+        return ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label), fds
 
     def _detach(self, message, fds, connection_id, pid):
         self.registry.detach(str(message["digest"]), connection_id)
@@ -320,10 +328,29 @@ class Server:
             self._lock_fd = -1
 
 
+_HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK
+
+
 def _check_arena_fd(fd: int, spec) -> None:
-    """A host arena must be a memfd at least as large as its manifest says."""
+    """A host arena must be a memfd sealed against writes and shrinking, at least as large as its manifest says.
+
+    The seals are what make the bytes immutable for every engine: an unsealed
+    memfd could be rewritten under a live engine, or shrunk so its mappings fault.
+    """
+    if spec.backend not in ("host", "cuda"):
+        raise ValueError(f"unknown arena backend {spec.backend!r:.40}; expected 'host' or 'cuda'")
+    if spec.backend != "host":
+        return
     info = os.fstat(fd)
-    if spec.backend == "host" and (not stat.S_ISREG(info.st_mode) or info.st_size < spec.size):
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"host arena fd is not a memfd (file type {stat.S_IFMT(info.st_mode):#o})")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise ValueError("host arena fd is not a memfd (it cannot be sealed)") from None
+    if seals & _HOST_SEALS != _HOST_SEALS:
+        raise ValueError("host arena memfd is not sealed against writes and shrinking; seal it before publishing")
+    if info.st_size < spec.size:
         raise ValueError(f"host arena fd is {info.st_size} bytes, manifest says {spec.size}")
 
 

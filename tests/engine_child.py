@@ -1,0 +1,66 @@
+"""An engine in its own process, driven over stdin/stdout by tests.
+
+Commands (one per line): ``hash`` prints the output digest, ``maps`` the
+inodes of mapped arenas, ``write`` adds 1 to a weight in place, ``quit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+
+def output_digest(model) -> str:
+    import torch
+
+    vocab = getattr(model.config, "vocab_size", 512)
+    input_ids = torch.arange(32, dtype=torch.long).reshape(2, 16) * 31 % vocab
+    with torch.no_grad():
+        output = model(input_ids=input_ids)
+    tensor = output[0] if isinstance(output, (tuple, list)) else next(iter(output.values()))
+    return hashlib.sha256(tensor.detach().float().contiguous().numpy().tobytes()).hexdigest()
+
+
+def arena_inodes() -> list[int]:
+    """Inodes of the weightcache memfds this process maps (from /proc/self/maps)."""
+    inodes = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "weightcache-arena" in line:
+                inodes.add(int(line.split()[4]))
+    return sorted(inodes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--socket-dir", required=True)
+    parser.add_argument("--mode", default="client")
+    parser.add_argument("--dtype")
+    args = parser.parse_args()
+    from weightcache.core.engine import load_model
+
+    loaded = load_model(args.model, mode=args.mode, socket_dir=args.socket_dir, dtype=args.dtype, strict=True)
+    print(json.dumps({"ready": True, "pid": os.getpid(), "source": loaded.source}), flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "hash":
+            print(json.dumps({"hash": output_digest(loaded.model)}), flush=True)
+        elif command == "maps":
+            print(json.dumps({"inodes": arena_inodes()}), flush=True)
+        elif command == "write":
+            import torch
+
+            with torch.no_grad():
+                next(loaded.model.parameters()).add_(1)
+            print(json.dumps({"wrote": True}), flush=True)
+        elif command == "quit":
+            break
+    loaded.close()
+
+
+if __name__ == "__main__":
+    main()
