@@ -1,1 +1,84 @@
-"""Conformance kit (filled in by issue 5)."""
+"""The weightcache conformance kit: prove that an adapter's mapped weights give exactly a disk load's outputs.
+
+An opt-in pytest plugin plus abstract test classes, in the manner of fsspec's
+abstract tests. Two ways to run it:
+
+- On one model from the command line (the built-in suite)::
+
+      pytest -p weightcache.conformance --weightcache-adapter NAME --weightcache-model PATH [--weightcache-quant fp8-block]
+      weightcache conformance --adapter NAME --model PATH [--quant fp8-block] [--json FILE]
+
+- In your own test suite: ``pytest_plugins = ["weightcache.conformance"]`` in
+  your top-level conftest (optional: it adds the command-line options), then
+  subclass the kit::
+
+      from weightcache.conformance import ConformanceFixtures, ConformanceTests
+
+      class TestMyAdapter(ConformanceFixtures, ConformanceTests):
+          @pytest.fixture(scope="class")
+          def adapter_name(self):
+              return "my-adapter"
+
+          @pytest.fixture(scope="class")
+          def model_path(self, tmp_path_factory):
+              return make_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+This module stays light (no torch): the classes load on first access.
+See docs/adapter-guide.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = [
+    "ConformanceFixtures",
+    "ConformanceTests",
+    "CrashTests",
+    "FingerprintTests",
+    "ParityTests",
+    "QuantizationTests",
+    "REFUSED_METHODS",
+]
+
+_LAZY = {
+    "ConformanceFixtures": "weightcache.conformance.fixtures",
+    "ConformanceTests": "weightcache.conformance.checks",
+    "CrashTests": "weightcache.conformance.checks",
+    "FingerprintTests": "weightcache.conformance.checks",
+    "ParityTests": "weightcache.conformance.checks",
+    "QuantizationTests": "weightcache.conformance.checks",
+    "REFUSED_METHODS": "weightcache.conformance.checks",
+}
+
+SUITE = Path(__file__).with_name("suite.py")
+"""The module that runs the kit on the model named by the command-line options."""
+
+OPTIONS = (
+    ("--weightcache-adapter", "adapter name, as registered in the 'weightcache.adapters' entry points"),
+    ("--weightcache-model", "checkpoint the kit loads"),
+    ("--weightcache-quant", "quantization method to check (fp8-block); default: none"),
+    ("--weightcache-device", "device to load on (default: cpu)"),
+    ("--weightcache-dtype", "dtype of unquantized weights (default: the checkpoint's)"),
+    ("--weightcache-inputs", "MODULE:FUNCTION giving example inputs for a model: FUNCTION(model) -> dict, tuple or tensor"),
+)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def pytest_addoption(parser) -> None:
+    group = parser.getgroup("weightcache", "weightcache conformance kit")
+    for flag, help_text in OPTIONS:
+        group.addoption(flag, default=None, help=help_text)
+
+
+def pytest_configure(config) -> None:
+    """With ``--weightcache-model`` and no test paths given, run the built-in suite alone."""
+    if config.getoption("weightcache_model", None) and config.args_source != config.ArgsSource.ARGS:
+        config.args = [str(SUITE)]

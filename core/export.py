@@ -159,9 +159,27 @@ def export_module(module: "torch.nn.Module", builder: ArenaBuilder, extra: dict 
     With ``release`` each original is freed as soon as it is copied, so the
     module is empty afterwards: use the manifest (rebind) to get it back.
     """
+    items, aliases = collect_tensors(module)
+    return export_tensors(items, aliases, builder, extra, release)
+
+
+def export_state(state, builder: ArenaBuilder, extra: dict | None = None) -> Manifest:
+    """Copy a ``name -> tensor`` mapping into ``builder``'s arenas (the same tensor twice becomes an alias)."""
+    seen: dict[int, str] = {}
+    items, aliases = [], {}
+    for name, tensor in state.items():
+        if id(tensor) in seen:
+            aliases[name] = seen[id(tensor)]
+            continue
+        seen[id(tensor)] = name
+        items.append(NamedTensor(name, "parameter", tensor))
+    return export_tensors(items, aliases, builder, extra, release=False)
+
+
+def export_tensors(items: list[NamedTensor], aliases: dict, builder: ArenaBuilder, extra: dict | None = None, release: bool = True) -> Manifest:
+    """Place ``items`` into arenas (copying those not there yet) and return their manifest."""
     import torch
 
-    items, aliases = collect_tensors(module)
     if any(item.tensor.device.type == "meta" for item in items):
         meta = [item.name for item in items if item.tensor.device.type == "meta"][:5]
         raise ValueError(f"cannot export tensors on the meta device ({', '.join(meta)}); load the weights first")

@@ -72,7 +72,6 @@ def publish(
     progress = progress or NoProgress()
     builder = ArenaBuilder(prepared.request.device, chunk_bytes=chunk_bytes)
     builder.progress = progress
-    fds: list[int] = []
     try:
         start = time.perf_counter()
         model = load_from_disk(prepared, builder)
@@ -82,19 +81,26 @@ def publish(
         extra = prepared.adapter.manifest_extra(prepared.request, model)
         manifest = attrs.evolve(manifest, extra={**manifest.extra, **extra})
         del model
-        _seal(builder)
         timings["export_s"] = time.perf_counter() - start
         progress.close()
         start = time.perf_counter()
-        fds = [arena.export_fd() for arena in builder.arenas]
-        with Connection(socket_dir) as connection:
-            reply = connection.publish(prepared.fingerprint, manifest.to_json(), fds, label=label or _label(prepared))
+        reply = publish_built(builder, prepared.fingerprint, manifest, socket_dir, label or _label(prepared))
         timings["publish_s"] = time.perf_counter() - start
     finally:
-        close_fds(fds)
         builder.close()
     log.info("published %s in %.2f s", reply["digest"][:12], sum(timings.values()))
     return Published(reply["digest"], bool(reply["created"]), prepared.fingerprint, manifest, timings)
+
+
+def publish_built(builder: ArenaBuilder, fingerprint: Fingerprint, manifest: Manifest, socket_dir=None, label: str = "") -> dict:
+    """Seal ``builder``'s arenas and publish them with ``manifest`` in one frame; returns the server's reply."""
+    _seal(builder)
+    fds = [arena.export_fd() for arena in builder.arenas]
+    try:
+        with Connection(socket_dir) as connection:
+            return connection.publish(fingerprint, manifest.to_json(), fds, label=label)
+    finally:
+        close_fds(fds)
 
 
 def _seal(builder: ArenaBuilder) -> None:

@@ -43,6 +43,12 @@ class HostArena(Arena):
                 self._view = torch.frombuffer(self._map, dtype=torch.uint8)
         return self._view
 
+    def buffer(self) -> memoryview:
+        """The mapping as a memoryview (writable while the arena is being filled)."""
+        if self._map is None:
+            raise ValueError("arena is closed")
+        return memoryview(self._map)
+
     def export_fd(self) -> int:
         return os.dup(self._fd)
 

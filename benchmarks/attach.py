@@ -1,0 +1,289 @@
+"""Attach vs disk load on a synthetic checkpoint, measured side by side in one run.
+
+    python benchmarks/attach.py                       # host arenas, 2 GiB / 1,000 tensors
+    python benchmarks/attach.py --device cuda --gib 16 --extra-gib 64
+
+Rows: safetensors ``load_file`` (cold when root can drop the page cache, and
+warm), weightcache's own load (disk -> arenas -> published), the raw disk
+bandwidth with direct-I/O reads, and attach-to-ready-model in a fresh engine
+process (median of several attaches; the meta skeleton is built before the
+clock, as an engine builds its model either way). ``--extra-gib`` publishes
+that many GiB of random tensors straight from memory (no checkpoint on disk)
+and times attach again, to show attach stays flat as size grows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GIB = 1 << 30
+
+
+def make_checkpoint(directory: Path, gib: float, tensors: int, files: int = 4) -> list[Path]:
+    import torch
+    from safetensors.torch import save_file
+
+    per = int(gib * GIB) // tensors // 2
+    per -= per % 256
+    paths = []
+    generator = torch.Generator().manual_seed(0)
+    per_file = -(-tensors // files)
+    for f in range(files):
+        names = range(f * per_file, min(tensors, (f + 1) * per_file))
+        shard = {f"layers.{i}.weight": torch.randn(per, generator=generator).to(torch.bfloat16) for i in names}
+        path = directory / f"model-{f:05d}-of-{files:05d}.safetensors"
+        save_file(shard, path)
+        paths.append(path)
+        del shard
+    os.sync()
+    return paths
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def touch_pages(tensors) -> None:
+    """Read one byte of every 4 KiB page, so lazily mapped memory is really there."""
+    for tensor in tensors:
+        tensor.reshape(-1).view(-1).view(__import__("torch").uint8)[::4096].sum()
+
+
+def time_safetensors(paths, device: str, touch: bool = False) -> float:
+    """``load_file`` of every file; on the CPU it maps the files lazily, so ``touch`` reads every page too."""
+    from safetensors.torch import load_file
+
+    synchronize(device)
+    start = time.perf_counter()
+    for path in paths:
+        state = load_file(path, device=device)
+        if touch:
+            touch_pages(state.values())
+        del state
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def direct_read_gbps(paths, threads: int = 8) -> float:
+    """Disk bandwidth with O_DIRECT reads (page cache bypassed), ``threads`` streams."""
+    block = 64 << 20
+    jobs = [(p, off) for p in paths for off in range(0, os.path.getsize(p), block)]
+
+    def read(job):
+        path, offset = job
+        buffer = mmap.mmap(-1, block)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        try:
+            return os.preadv(fd, [buffer], offset)
+        finally:
+            os.close(fd)
+            buffer.close()
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(read, jobs))
+    return total / 1e9 / (time.perf_counter() - start)
+
+
+ENGINE = r"""
+import json, statistics, sys, time, torch
+from weightcache.core import api
+from weightcache.core.fingerprint import Fingerprint
+fp = Fingerprint.from_json(json.loads(sys.argv[1])); socket_dir = sys.argv[2]; device = sys.argv[3]; repeat = int(sys.argv[4])
+if device.startswith("cuda"):
+    torch.zeros(1, device=device); torch.cuda.synchronize()
+def skeleton(manifest):
+    model = torch.nn.Module()
+    with torch.device("meta"):
+        for r in manifest.tensors:
+            model.register_parameter(r.name.replace(".", "_"), torch.nn.Parameter(torch.empty(r.shape, dtype=getattr(torch, r.dtype))))
+    return model
+first = api.attach(fp, socket_dir); manifest = first.manifest; first.close()
+times, touched = [], []
+for _ in range(repeat):
+    model = skeleton(manifest)
+    start = time.perf_counter()
+    attachment = api.attach(fp, socket_dir)
+    tensors = {name.replace(".", "_"): t for name, t in attachment.tensors.items()}
+    for name, tensor in tensors.items():
+        model._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
+    assert not any(p.is_meta for p in model.parameters())
+    times.append(time.perf_counter() - start)
+    if device == "cpu":
+        for t in attachment.tensors.values():
+            t.view(torch.uint8)[::4096].sum()
+        touched.append(time.perf_counter() - start)
+    del model, tensors
+    attachment.close()
+print(json.dumps({"median_s": statistics.median(times), "min_s": min(times), "tensors": len(manifest.tensors), "arenas": len(manifest.arenas),
+                  "touched_median_s": statistics.median(touched) if touched else None}))
+"""
+
+
+def time_attach(fingerprint, socket_dir, device: str, repeat: int) -> dict:
+    proc = subprocess.run([sys.executable, "-c", ENGINE, json.dumps(fingerprint.to_json()), str(socket_dir), device, str(repeat)],
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        raise SystemExit(f"attach engine failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def publish_random(gib: float, tensors: int, device: str, socket_dir, anchor: Path):
+    """Publish ``gib`` of random bf16 tensors generated on ``device`` (nothing on disk)."""
+    import torch
+
+    from weightcache.core import api
+
+    per = int(gib * GIB) // tensors // 2
+    per -= per % 256
+    fp = api.fingerprint(anchor, architecture=f"synthetic-{gib}GiB", dtype="bfloat16", device=device)
+    from weightcache.core.export import ArenaBuilder, NamedTensor, export_tensors
+    from weightcache.core.loader import publish_built
+
+    builder = ArenaBuilder(device)
+    try:
+        # generate tensor by tensor straight into the arenas: the peak stays at one tensor beyond the arenas
+        items = []
+        for i in range(tensors):
+            items.append(NamedTensor(f"layers.{i}.weight", "parameter", torch.empty(per, dtype=torch.bfloat16, device="meta")))
+        slots = [builder.plan(per * 2) for _ in items]
+        for slot in slots:
+            builder.view(slot).view(torch.bfloat16).normal_()
+        from weightcache.core.manifest import Manifest, TensorRecord
+
+        records = [TensorRecord(name=item.name, kind="parameter", dtype="bfloat16", shape=(per,), stride=(1,), storage_offset=0,
+                                arena=slot.arena, offset=slot.offset, nbytes=slot.nbytes) for item, slot in zip(items, slots)]
+        publish_built(builder, fp, Manifest(tensors=records, arenas=builder.specs()), socket_dir, f"random {gib} GiB")
+    finally:
+        builder.close()
+    return fp
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--gib", type=float, default=2.0)
+    parser.add_argument("--tensors", type=int, default=1000)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--extra-gib", type=float, nargs="*", default=[], help="also time attach at these sizes (published from memory)")
+    parser.add_argument("--dir", help="where to write the checkpoint (default: a temp dir on disk)")
+    parser.add_argument("--json", help="write the figures to this file")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from weightcache.core import api
+    from weightcache.core.client import wait_for_server
+
+    work = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
+    socket_dir = Path(tempfile.mkdtemp(prefix="wc-bench-sock-"))
+    server = subprocess.Popen([sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    results: dict = {"device": args.device, "gib": args.gib, "tensors": args.tensors, "torch": torch.__version__}
+    try:
+        wait_for_server(socket_dir, 30)
+        if args.device.startswith("cuda"):
+            torch.zeros(1, device=args.device)
+            results["gpu"] = torch.cuda.get_device_name()
+        print(f"writing a {args.gib:g} GiB checkpoint of {args.tensors} bf16 tensors to {work} ...", flush=True)
+        paths = make_checkpoint(work, args.gib, args.tensors)
+        nbytes = sum(p.stat().st_size for p in paths)
+        cold = drop_page_cache()
+        results["page_cache_dropped"] = cold
+        if cold:
+            results["direct_io_gbps"] = direct_read_gbps(paths)
+            drop_page_cache()
+            results["safetensors_cold_s"] = time_safetensors(paths, args.device, touch=True)
+        time_safetensors(paths, args.device)
+        results["safetensors_warm_s"] = min(time_safetensors(paths, args.device) for _ in range(3))
+        if args.device == "cpu":
+            results["safetensors_warm_touched_s"] = min(time_safetensors(paths, args.device, touch=True) for _ in range(3))
+        fingerprint = api.fingerprint(work, architecture="synthetic", dtype="bfloat16", device=args.device)
+        if cold:
+            drop_page_cache()
+        start = time.perf_counter()
+        api.publish_checkpoint(work, fingerprint, device=args.device, socket_dir=socket_dir)
+        results["weightcache_load_s"] = time.perf_counter() - start
+        results["weightcache_load_cold"] = cold
+        results["attach"] = time_attach(fingerprint, socket_dir, args.device, args.repeat)
+        results["extra"] = {}
+        for gib in args.extra_gib:
+            from weightcache.core.client import Connection
+
+            with Connection(socket_dir) as conn:  # make room: only one big entry at a time
+                for entry in conn.status()["entries"]:
+                    conn.evict(entry["digest"], force=True)
+            fp = publish_random(gib, args.tensors, args.device, socket_dir, work)
+            results["extra"][str(gib)] = time_attach(fp, socket_dir, args.device, args.repeat)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    print_table(results, nbytes)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def print_table(r: dict, nbytes: int) -> None:
+    attach = r["attach"]["median_s"]
+    gb = nbytes / 1e9
+    rows = [("measure", "time", "rate", "vs attach")]
+
+    def row(label, seconds):
+        rows.append((label, f"{seconds * 1000:,.1f} ms", f"{gb / seconds:,.2f} GB/s", f"{seconds / attach:,.0f}x"))
+
+    if "safetensors_cold_s" in r:
+        row("safetensors load_file, cold cache", r["safetensors_cold_s"])
+    row("safetensors load_file, warm cache" + (" (lazy mmap)" if "safetensors_warm_touched_s" in r else ""), r["safetensors_warm_s"])
+    if "safetensors_warm_touched_s" in r:
+        row("safetensors load_file, warm, every page read", r["safetensors_warm_touched_s"])
+    row(f"weightcache load -> arenas ({'cold' if r['weightcache_load_cold'] else 'warm'})", r["weightcache_load_s"])
+    rows.append((f"attach -> ready model ({r['attach']['tensors']} tensors, {r['attach']['arenas']} arenas)",
+                 f"{attach * 1000:,.2f} ms", "", "1x"))
+    if r["attach"].get("touched_median_s"):
+        touched = r["attach"]["touched_median_s"]
+        rows.append(("attach -> ready model, every page read", f"{touched * 1000:,.1f} ms", f"{gb / touched:,.2f} GB/s",
+                     f"{r['safetensors_warm_touched_s'] / touched:.1f}x faster than warm load"))
+    for gib, extra in r.get("extra", {}).items():
+        rows.append((f"attach at {gib} GiB (from memory)", f"{extra['median_s'] * 1000:,.2f} ms", "",
+                     f"{extra['median_s'] / attach:.2f}x of {r['gib']:g} GiB"))
+    if "direct_io_gbps" in r:
+        rows.append(("disk, direct-I/O reads (8 streams)", "", f"{r['direct_io_gbps']:,.2f} GB/s", ""))
+        rows.append(("weightcache load / direct-I/O bandwidth", "", f"{gb / r['weightcache_load_s'] / r['direct_io_gbps']:.0%}", ""))
+    widths = [max(len(x[i]) for x in rows) for i in range(4)]
+    title = f"{r['gib']:g} GiB, {r['tensors']} tensors on {r['device']}" + (f" ({r['gpu']})" if "gpu" in r else "") + f", torch {r['torch']}"
+    print("\n" + title)
+    for i, cells in enumerate(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Bit-exact tensor comparisons whose failures name the tensor, its dtype, its device and the largest difference."""
+
+from __future__ import annotations
+
+import hashlib
+import typing
+
+import attrs
+
+if typing.TYPE_CHECKING:
+    import torch
+
+
+@attrs.frozen
+class TensorFacts:
+    """What the kit compares of one named tensor of a model (``digest`` is the sha256 of its bytes)."""
+
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    device: str
+    digest: str
+    tensor: typing.Any = attrs.field(eq=False, repr=False)
+
+    def differences(self, other: "TensorFacts") -> list[str]:
+        """What differs from ``other`` (empty when identical), each item readable on its own."""
+        notes = [
+            f"{label} {mine} != {theirs}"
+            for label, mine, theirs in (
+                ("kind", self.kind, other.kind),
+                ("dtype", self.dtype, other.dtype),
+                ("shape", self.shape, other.shape),
+                ("stride", self.stride, other.stride),
+            )
+            if mine != theirs
+        ]
+        if self.digest != other.digest:
+            notes.append(difference_message(self.tensor, other.tensor) or "sha256 of the bytes differs")
+        return notes
+
+
+def tensor_bytes(tensor: "torch.Tensor") -> "torch.Tensor":
+    """The tensor's values in row-major order as a flat uint8 tensor on the CPU."""
+    import torch
+
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def tensor_digest(tensor: "torch.Tensor") -> str:
+    """sha256 of the tensor's bytes in row-major order (independent of its strides and device)."""
+    return hashlib.sha256(tensor_bytes(tensor).numpy().tobytes()).hexdigest()
+
+
+def bit_identical(actual: "torch.Tensor", expected: "torch.Tensor") -> bool:
+    """Same dtype, shape and bytes (NaNs compare by their bits)."""
+    import torch
+
+    return (
+        actual.dtype == expected.dtype
+        and tuple(actual.shape) == tuple(expected.shape)
+        and torch.equal(tensor_bytes(actual), tensor_bytes(expected))
+    )
+
+
+def difference_message(actual: "torch.Tensor", expected: "torch.Tensor") -> str | None:
+    """None if the tensors are bit-identical, else how they differ: count, largest difference and where."""
+    import torch
+
+    if actual.dtype != expected.dtype:
+        return f"dtype {actual.dtype} != {expected.dtype}"
+    if tuple(actual.shape) != tuple(expected.shape):
+        return f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if bit_identical(actual, expected):
+        return None
+    a = actual.detach().to("cpu")
+    b = expected.detach().to("cpu")
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        a, b = a.to(torch.float64), b.to(torch.float64)
+        differs = ~((a == b) | (torch.isnan(a) & torch.isnan(b)))
+        diff = torch.where(differs, (a - b).abs().nan_to_num(nan=float("inf")), torch.zeros_like(a))
+    else:
+        a, b = a.to(torch.int64), b.to(torch.int64)
+        differs = a != b
+        diff = (a - b).abs().to(torch.float64)
+    count = int(differs.sum())
+    if count == 0:  # equal values, other bits (e.g. -0.0 and 0.0, NaN payloads)
+        return "values compare equal but their bytes differ (signed zeros or NaN payloads)"
+    flat = int(diff.reshape(-1).argmax())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(a.shape))) if a.dim() else ()
+    return (
+        f"{count} of {a.numel()} elements differ, largest difference {float(diff.reshape(-1)[flat]):g} "
+        f"at index {list(index)} ({float(a.reshape(-1)[flat]):g} vs {float(b.reshape(-1)[flat]):g})"
+    )
+
+
+def assert_tensors_identical(name: str, actual: "torch.Tensor", expected: "torch.Tensor", what: str = "tensor") -> None:
+    """Raise AssertionError naming ``name``, the dtype, both devices and the largest difference unless bit-identical."""
+    message = difference_message(actual, expected)
+    if message is not None:
+        raise AssertionError(
+            f"{what} {name}: {actual.dtype} on {actual.device} (mapped) differs from the disk load "
+            f"({expected.dtype} on {expected.device}): {message}"
+        )
+
+
+def model_tensors(model: "torch.nn.Module") -> dict[str, TensorFacts]:
+    """Every parameter and buffer of ``model`` by name, tied aliases included."""
+    facts: dict[str, TensorFacts] = {}
+    named = [
+        *(("parameter", n, t) for n, t in model.named_parameters(remove_duplicate=False)),
+        *(("buffer", n, t) for n, t in model.named_buffers(remove_duplicate=False)),
+    ]
+    for kind, name, tensor in named:
+        facts[name] = TensorFacts(
+            name=name,
+            kind=kind,
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            shape=tuple(tensor.shape),
+            stride=tuple(tensor.stride()),
+            device=str(tensor.device),
+            digest=tensor_digest(tensor) if tensor.device.type != "meta" else "meta",
+            tensor=tensor,
+        )
+    return facts
+
+
+def tied_groups(model: "torch.nn.Module") -> set[frozenset[str]]:
+    """Names of parameters and buffers that share memory, grouped (only groups of two or more)."""
+    by_place: dict[tuple, set[str]] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        if tensor.numel() == 0 or tensor.device.type == "meta":
+            continue
+        key = (str(tensor.device), tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        by_place.setdefault(key, set()).add(name)
+    return {frozenset(names) for names in by_place.values() if len(names) > 1}
+
+
+def flatten_outputs(output, prefix: str = "output") -> dict[str, "torch.Tensor"]:
+    """The tensors in a model's output (tensors, mappings such as ModelOutput, lists and tuples), by path.
+
+    Other objects (e.g. a transformers cache) are skipped: they hold values the
+    tensors around them already depend on.
+    """
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return {prefix: output}
+    leaves: dict[str, torch.Tensor] = {}
+    if isinstance(output, typing.Mapping):
+        for key, value in output.items():
+            leaves.update(flatten_outputs(value, f"{prefix}.{key}"))
+    elif isinstance(output, (list, tuple)):
+        for index, value in enumerate(output):
+            leaves.update(flatten_outputs(value, f"{prefix}[{index}]"))
+    return leaves

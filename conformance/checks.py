@@ -1,0 +1,291 @@
+"""The kit's abstract test classes; combine them with ``ConformanceFixtures`` in a ``Test*`` subclass.
+
+- :class:`ParityTests`: the mapped model equals the disk load tensor by tensor
+  and output by output, nothing stays on meta, tied weights stay tied, the
+  mapped tensors live in the arenas (zero-copy).
+- :class:`FingerprintTests`: every fingerprint field changed alone gives an
+  explicit mismatch naming that field, and (non-strict) a logged fallback to disk.
+- :class:`QuantizationTests`: refused methods fail before any weight is read.
+- :class:`CrashTests`: a SIGKILLed server leaves an attached model's outputs unchanged.
+- :class:`ConformanceTests`: all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import attrs
+import pytest
+
+from weightcache.conformance.assertions import (
+    assert_tensors_identical,
+    difference_message,
+    flatten_outputs,
+    model_tensors,
+    tied_groups,
+)
+from weightcache.conformance.fixtures import FP8_BLOCK, load
+from weightcache.conformance.processes import KitServer
+from weightcache.core.errors import FingerprintMismatch, UnsupportedQuantization
+from weightcache.core.fingerprint import FIELDS, Fingerprint
+
+REFUSED_METHODS = ("fp8", "fp8-tensor", "marlin", "awq", "gptq", "bitsandbytes", "conformance-unknown-method")
+"""Methods every adapter must refuse: per-tensor FP8 (two spellings), Marlin, AWQ, GPTQ, bitsandbytes, an unknown one."""
+
+DECLARED_METHODS = ("fp8", "marlin", "awq", "gptq", "bitsandbytes", "conformance-unknown-method")
+"""Methods a checkpoint may declare itself (``declare_quantization``); ``fp8`` is per-tensor (no block size)."""
+
+EXTRA_KEY = "conformance"
+
+
+def changed_fingerprint(fingerprint: Fingerprint, field: str) -> tuple[Fingerprint, str]:
+    """``fingerprint`` with ``field`` alone changed, and the name a mismatch report must give for it."""
+    value = getattr(fingerprint, field)
+    if field == "extra":
+        return attrs.evolve(fingerprint, extra={**value, EXTRA_KEY: "changed"}), mismatch_name(field)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"the kit does not know how to change fingerprint field {field!r} of type {type(value).__name__}")
+    changed = value + 1 if isinstance(value, int) else (f"{value}+conformance" if value else "conformance")
+    return attrs.evolve(fingerprint, **{field: changed}), field
+
+
+def mismatch_name(field: str) -> str:
+    """The name a mismatch report gives for ``field`` changed by :func:`changed_fingerprint`."""
+    return f"extra.{EXTRA_KEY}" if field == "extra" else field
+
+
+def _perturb_fingerprint(monkeypatch, field: str) -> str:
+    """Make every fingerprint the loader computes differ in ``field`` alone; returns the expected mismatch name.
+
+    This stands for an engine whose environment differs from the one that
+    published (another torch, GPU, rank...): the real load path then runs as is.
+    """
+    from weightcache.core import loader
+
+    original = loader.fingerprint_for
+    monkeypatch.setattr(loader, "fingerprint_for", lambda request, description: changed_fingerprint(original(request, description), field)[0])
+    return mismatch_name(field)
+
+
+def _failures(title: str, problems: list[str], limit: int = 40) -> str:
+    shown = problems[:limit] + ([f"... and {len(problems) - limit} more"] if len(problems) > limit else [])
+    return f"{title} ({len(problems)}):\n  " + "\n  ".join(shown)
+
+
+def _compare_outputs(actual: dict, expected: dict, context: str) -> None:
+    if set(actual) != set(expected):
+        raise AssertionError(
+            f"{context}: output tensors differ in names: missing {sorted(set(expected) - set(actual))}, "
+            f"extra {sorted(set(actual) - set(expected))}"
+        )
+    for name in expected:
+        assert_tensors_identical(name, actual[name], expected[name], what=f"{context}: output")
+
+
+class ParityTests:
+    """The mapped model is the disk load, bit for bit."""
+
+    def test_mapped_model_comes_from_the_cache(self, disk_model, mapped_model, published):
+        assert disk_model.source == "disk", f"mode 'off' gave source {disk_model.source!r}"
+        assert mapped_model.source == "cache", f"mode 'client' gave source {mapped_model.source!r}: {mapped_model.fallback_reason}"
+        assert mapped_model.attachment.digest == published.digest, "attached another entry than the one published"
+        mismatched = mapped_model.fingerprint.mismatched_fields(disk_model.fingerprint)
+        assert not mismatched, f"the fingerprints of the disk load and of the mapped model differ in {mismatched}"
+
+    def test_same_tensor_names(self, disk_model, mapped_model):
+        disk = model_tensors(disk_model.model)
+        mapped = model_tensors(mapped_model.model)
+        missing, extra = sorted(set(disk) - set(mapped)), sorted(set(mapped) - set(disk))
+        assert not missing and not extra, (
+            f"the mapped model lacks {len(missing)} tensors of the disk load: {missing[:20]}; "
+            f"it has {len(extra)} the disk load lacks: {extra[:20]}"
+        )
+
+    def test_tensor_parity(self, disk_model, mapped_model):
+        """Name, kind (parameter or buffer), dtype, shape, stride and the sha256 of the bytes, tensor by tensor."""
+        disk = model_tensors(disk_model.model)
+        mapped = model_tensors(mapped_model.model)
+        problems = []
+        for name in sorted(set(disk) & set(mapped)):
+            notes = mapped[name].differences(disk[name])
+            if notes:
+                facts = mapped[name]
+                problems.append(f"{name} ({facts.dtype} on {facts.device}): " + "; ".join(notes))
+        assert not problems, _failures("tensors of the mapped model differ from the disk load", problems)
+
+    def test_no_tensor_left_on_meta(self, mapped_model, device):
+        import torch
+
+        wanted = torch.device(device).type
+        problems = [
+            f"{facts.name} ({facts.dtype}) is on {facts.device}"
+            for facts in model_tensors(mapped_model.model).values()
+            if facts.device == "meta" or torch.device(facts.device).type != wanted
+        ]
+        assert not problems, _failures(f"tensors of the mapped model not on {device}", problems)
+
+    def test_tied_weights_stay_tied(self, disk_model, mapped_model, expected_tied):
+        disk, mapped = tied_groups(disk_model.model), tied_groups(mapped_model.model)
+        for group in expected_tied:
+            for label, groups in (("disk load", disk), ("mapped model", mapped)):
+                assert any(set(group) <= g for g in groups), f"{sorted(group)} are not tied in the {label}; tied: {sorted(map(sorted, groups))}"
+        lost = [sorted(g) for g in disk - mapped]
+        gained = [sorted(g) for g in mapped - disk]
+        assert not lost and not gained, (
+            f"tied weights differ: tied on disk but not mapped (or grouped otherwise): {lost}; "
+            f"tied only in the mapped model: {gained}"
+        )
+
+    def test_mapped_tensors_are_zero_copy(self, mapped_model):
+        """Every tensor of the manifest is a view of a mapped arena, not a copy."""
+        attachment = mapped_model.attachment
+        ranges = []
+        for arena in attachment.arenas:
+            base = arena.bytes_view().data_ptr()
+            ranges.append((base, base + arena.spec.size))
+        tensors = model_tensors(mapped_model.model)
+        names = [record.name for record in attachment.manifest.tensors] + list(attachment.manifest.aliases)
+        problems = []
+        for name in names:
+            facts = tensors.get(name)
+            if facts is None:
+                problems.append(f"{name} is in the manifest but not in the model")
+            elif facts.tensor.numel() and not any(lo <= facts.tensor.data_ptr() < hi for lo, hi in ranges):
+                problems.append(f"{name} ({facts.dtype} on {facts.device}) does not lie in any mapped arena (a copy?)")
+        assert not problems, _failures("mapped tensors that are not views of the arenas", problems)
+
+    def test_fp8_block_weights_are_quantized(self, quantization, mapped_model):
+        """With fp8-block, some weights are float8_e4m3fn, each with a float32 ``weight_scale_inv``."""
+        if quantization != FP8_BLOCK:
+            pytest.skip("unquantized")
+        tensors = model_tensors(mapped_model.model)
+        fp8 = [name for name, facts in tensors.items() if facts.dtype == "float8_e4m3fn"]
+        assert fp8, "quantization fp8-block was requested but no tensor of the model is float8_e4m3fn"
+        problems = []
+        for name in fp8:
+            scale = tensors.get(name + "_scale_inv")
+            if scale is None or scale.dtype != "float32":
+                problems.append(f"{name} has no float32 {name}_scale_inv beside it")
+        assert not problems, _failures("FP8 weights without block scales", problems)
+
+    def test_disk_forward_is_deterministic(self, disk_model, run_model, example_inputs, disk_outputs):
+        """Control: two forwards of the disk load agree, else bit-identity cannot be judged."""
+        again = flatten_outputs(run_model(disk_model.model, example_inputs))
+        for name in disk_outputs:
+            message = difference_message(again[name], disk_outputs[name])
+            assert message is None, f"the disk load alone is not deterministic on {name}: {message}; fix the inputs or run_model"
+
+    def test_forward_outputs_bit_identical(self, mapped_model, run_model, example_inputs, disk_outputs):
+        outputs = flatten_outputs(run_model(mapped_model.model, example_inputs))
+        _compare_outputs(outputs, disk_outputs, "mapped model")
+
+
+class FingerprintTests:
+    """Each fingerprint field changed alone: an explicit mismatch naming exactly that field, then a fallback."""
+
+    @pytest.mark.parametrize("field", FIELDS)
+    def test_fingerprint_mismatch_is_explicit(self, field, load_request, plugins, weightcache_server, published, monkeypatch):
+        expected = _perturb_fingerprint(monkeypatch, field)
+        with pytest.raises(FingerprintMismatch) as info:
+            load(load_request, "client", plugins, weightcache_server.socket_dir, strict=True)
+        assert info.value.fields == (expected,), (
+            f"changing fingerprint field {field!r} alone must be reported as ({expected!r},), got {info.value.fields}"
+        )
+        assert info.value.closest == published.digest, "the mismatch must name the published entry as the closest"
+
+    @pytest.mark.parametrize("field", FIELDS)
+    def test_fingerprint_mismatch_falls_back_to_disk(
+        self, field, load_request, plugins, weightcache_server, published, run_model, example_inputs, disk_outputs,
+        monkeypatch, caplog,
+    ):
+        expected = _perturb_fingerprint(monkeypatch, field)
+        with caplog.at_level(logging.WARNING, logger="weightcache"):
+            loaded = load(load_request, "client", plugins, weightcache_server.socket_dir, strict=False)
+        try:
+            assert loaded.source == "disk", f"a mismatch in {field!r} must fall back to disk, got source {loaded.source!r}"
+            assert expected in (loaded.fallback_reason or ""), f"fallback reason does not name {expected!r}: {loaded.fallback_reason!r}"
+            logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and expected in r.getMessage()]
+            assert logged, f"no warning logged naming {expected!r}; logged: {[r.getMessage() for r in caplog.records]}"
+            _compare_outputs(flatten_outputs(run_model(loaded.model, example_inputs)), disk_outputs, f"fallback ({field} changed)")
+        finally:
+            loaded.close()
+
+
+class QuantizationTests:
+    """Methods outside the allowlist fail with UnsupportedQuantization before any weight is read."""
+
+    def test_weightless_copy_cannot_load(self, load_request, plugins, weightless_checkpoint):
+        """Control: the copy without weight bytes really makes any weight read fail."""
+        request = attrs.evolve(load_request, model=str(weightless_checkpoint))
+        try:
+            loaded = load(request, "off", plugins)
+        except UnsupportedQuantization as exc:
+            pytest.fail(f"a plain load was refused as {exc.method!r}: {exc}")
+        except Exception:
+            return
+        loaded.close()
+        pytest.fail(f"the adapter loaded {weightless_checkpoint}, whose weight bytes are cut off; does it read weights elsewhere?")
+
+    @pytest.mark.parametrize("mode", ["off", "client", "daemon"])
+    @pytest.mark.parametrize("method", REFUSED_METHODS)
+    def test_requested_method_refused_before_reading_weights(
+        self, method, mode, load_request, plugins, weightless_checkpoint, weightcache_server
+    ):
+        request = attrs.evolve(load_request, model=str(weightless_checkpoint), quantization=method)
+        with pytest.raises(UnsupportedQuantization) as info:
+            load(request, mode, plugins, weightcache_server.socket_dir).close()
+        assert info.value.method == method, f"refused as {info.value.method!r}, expected {method!r}"
+
+    @pytest.mark.parametrize("method", DECLARED_METHODS)
+    def test_declared_method_refused_before_reading_weights(
+        self, method, load_request, plugins, weightless_checkpoint, declare_quantization, tmp_path
+    ):
+        if declare_quantization is None:
+            pytest.skip("the adapter has no checkpoint-declared quantization (declare_quantization is None)")
+        checkpoint = tmp_path / "declared"
+        shutil.copytree(weightless_checkpoint, checkpoint)
+        declare_quantization(checkpoint, method)
+        request = attrs.evolve(load_request, model=str(checkpoint), quantization=None)
+        with pytest.raises(UnsupportedQuantization) as info:
+            load(request, "off", plugins).close()
+        assert info.value.method == method, f"refused as {info.value.method!r}, expected {method!r}"
+
+    def test_fp8_block_refused_when_unsupported(self, supports_fp8, load_request, plugins, weightless_checkpoint):
+        if supports_fp8:
+            pytest.skip("the adapter supports fp8-block")
+        request = attrs.evolve(load_request, model=str(weightless_checkpoint), quantization=FP8_BLOCK)
+        with pytest.raises(UnsupportedQuantization):
+            load(request, "off", plugins).close()
+
+
+class CrashTests:
+    """An attached engine does not depend on the server staying alive."""
+
+    def test_outputs_survive_server_sigkill(self, load_request, plugins, run_model, example_inputs, disk_model, disk_outputs):
+        from weightcache.core.loader import prepare, publish
+
+        server = KitServer.start()
+        try:
+            publish(prepare(load_request, plugins), server.socket_dir)
+            loaded = load(load_request, "client", plugins, server.socket_dir, strict=True)
+            try:
+                assert loaded.source == "cache", f"attach failed: {loaded.fallback_reason}"
+                server.sigkill()
+                assert server.proc.returncode is not None, "the server survived SIGKILL"
+                _compare_outputs(flatten_outputs(run_model(loaded.model, example_inputs)), disk_outputs, "after the server was SIGKILLed")
+                disk = model_tensors(disk_model.model)
+                problems = [
+                    f"{name} ({facts.dtype} on {facts.device}): " + "; ".join(facts.differences(disk[name]))
+                    for name, facts in model_tensors(loaded.model).items()
+                    if name in disk and facts.differences(disk[name])
+                ]
+                assert not problems, _failures("tensors changed after the server was SIGKILLed", problems)
+            finally:
+                loaded.close()
+        finally:
+            server.close()
+
+
+class ConformanceTests(ParityTests, FingerprintTests, QuantizationTests, CrashTests):
+    """Every check of the kit."""

@@ -1,0 +1,275 @@
+"""The kit's fixtures: what an adapter author provides, what they may change, and what the kit builds from them.
+
+Subclass :class:`ConformanceFixtures` together with the test classes of
+``weightcache.conformance.checks`` and override fixtures as methods (keep
+``scope="class"``):
+
+- required: ``adapter_name``, ``model_path`` (raise NotImplementedError unless
+  ``--weightcache-adapter`` / ``--weightcache-model`` are given);
+- configuration: ``quantization``, ``device``, ``dtype``, ``load_options``,
+  ``plugins``;
+- capabilities: ``supports_fp8``, ``expected_tied``, ``declare_quantization``,
+  ``example_inputs``, ``run_model``.
+
+Every class shares one server, one publish, one disk load and one mapped
+model across its checks (class-scoped fixtures).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import typing
+from pathlib import Path
+
+import pytest
+
+from weightcache.conformance.assertions import flatten_outputs
+from weightcache.conformance.processes import KitServer
+from weightcache.conformance.weightless import copy_without_weights
+
+if typing.TYPE_CHECKING:
+    from weightcache.core.engine import LoadedModel
+    from weightcache.core.request import LoadRequest
+
+FP8_BLOCK = "fp8-block"
+
+HF_DECLARATIONS = {
+    "fp8": {"quant_method": "fp8", "activation_scheme": "static"},
+    "marlin": {"quant_method": "marlin", "bits": 4, "group_size": 128},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
+    "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+    "conformance-unknown-method": {"quant_method": "conformance-unknown-method"},
+}
+"""``quantization_config`` blocks a transformers checkpoint declares for each refused method."""
+
+
+def declare_hf_quantization(checkpoint: Path, method: str) -> None:
+    """Make the transformers checkpoint ``checkpoint`` declare ``method`` in its config.json."""
+    path = Path(checkpoint) / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"] = dict(HF_DECLARATIONS.get(method) or {"quant_method": method})
+    path.write_text(json.dumps(config, indent=2))
+
+
+def load(request: "LoadRequest", mode: str, plugins=None, socket_dir=None, strict: bool = False) -> "LoadedModel":
+    """``weightcache.core.engine.load_model`` for ``request`` in ``mode``."""
+    from weightcache.core.engine import load_model
+
+    return load_model(
+        request.model, adapter=request.adapter, mode=mode, dtype=request.dtype, device=request.device,
+        quantization=request.quantization, parallel=request.parallel, socket_dir=socket_dir, strict=strict,
+        plugins=plugins, **dict(request.options),
+    )
+
+
+def default_inputs(model, spec: str | None):
+    """Inputs from ``MODULE:FUNCTION`` (called with the model), else ``input_ids`` for a model whose config has a vocab_size."""
+    import torch
+
+    if spec:
+        module, _, name = spec.partition(":")
+        if not name:
+            raise ValueError(f"--weightcache-inputs {spec!r}: expected MODULE:FUNCTION")
+        return getattr(importlib.import_module(module), name)(model)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int) and vocab > 0:
+        input_ids = (torch.arange(32, dtype=torch.long).reshape(2, 16) * 7919 + 11) % vocab
+        return {"input_ids": input_ids}
+    raise NotImplementedError(
+        f"the kit cannot guess inputs for {type(model).__name__}: override the example_inputs fixture "
+        "or pass --weightcache-inputs MODULE:FUNCTION"
+    )
+
+
+def _to_device(value, device: str):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, typing.Mapping):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+def run_with_inputs(model, inputs, device: str = "cpu"):
+    """Call ``model`` on ``inputs`` (a dict as keywords, a tuple as positionals, else one argument) without grad."""
+    import torch
+
+    inputs = _to_device(inputs, device)
+    with torch.inference_mode():
+        if isinstance(inputs, typing.Mapping):
+            return model(**inputs)
+        if isinstance(inputs, (list, tuple)):
+            return model(*inputs)
+        return model(inputs)
+
+
+def _option(pytest_request, name: str):
+    return pytest_request.config.getoption(name, None)
+
+
+class ConformanceFixtures:
+    """Fixtures of the conformance kit; override them as methods in your subclass."""
+
+    # ------------------------------------------------------------- required
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def adapter_name(cls, request) -> str:
+        """The adapter's name in the ``weightcache.adapters`` entry points (or in ``plugins``)."""
+        value = _option(request, "weightcache_adapter")
+        if not value:
+            raise NotImplementedError("override the adapter_name fixture or pass --weightcache-adapter NAME")
+        return value
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_path(cls, request) -> str:
+        """The checkpoint the kit loads (small is better: it is loaded a few dozen times)."""
+        value = _option(request, "weightcache_model")
+        if not value:
+            raise NotImplementedError("override the model_path fixture or pass --weightcache-model PATH")
+        return value
+
+    # ------------------------------------------------------------- configuration
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def quantization(cls, request) -> str | None:
+        """The quantization method to check (``fp8-block``), None for the checkpoint's own."""
+        return _option(request, "weightcache_quant")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def device(cls, request) -> str:
+        """Where the engine loads the model: ``cpu`` (default), ``cuda`` or ``cuda:N``."""
+        return _option(request, "weightcache_device") or "cpu"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def dtype(cls, request) -> str | None:
+        """The dtype of unquantized weights (None: as the checkpoint stores them)."""
+        return _option(request, "weightcache_dtype")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def load_options(cls) -> dict:
+        """Adapter options passed to ``load_model`` (e.g. ``{"model_class": "AutoModel"}`` for hf)."""
+        return {}
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def plugins(cls):
+        """A ``weightcache.core.plugins.Plugins`` holding the adapter, or None for the installed entry points."""
+        return None
+
+    # ------------------------------------------------------------- capabilities
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def supports_fp8(cls) -> bool:
+        """Whether the adapter implements block-wise FP8; if not, it must refuse ``fp8-block`` requests."""
+        return True
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def expected_tied(cls) -> tuple[tuple[str, ...], ...]:
+        """Groups of names that must share memory in both models (e.g. ``(("lm_head.weight", "embed.weight"),)``)."""
+        return ()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def declare_quantization(cls, adapter_name):
+        """``f(checkpoint_dir, method)`` making a checkpoint copy declare ``method``, or None if the adapter has no such notion.
+
+        The default knows transformers' ``quantization_config`` (adapter ``hf``).
+        """
+        return declare_hf_quantization if adapter_name == "hf" else None
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def example_inputs(cls, request, disk_model):
+        """Fixed inputs for the forward checks; default: ``--weightcache-inputs``, else ``input_ids`` from ``config.vocab_size``."""
+        return default_inputs(disk_model.model, _option(request, "weightcache_inputs"))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def run_model(cls, device):
+        """``f(model, inputs) -> output``: how to call the model (default: keywords for a dict, no grad)."""
+        return lambda model, inputs: run_with_inputs(model, inputs, device)
+
+    # ------------------------------------------------------------- built by the kit
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _weightcache_capabilities(cls, quantization, supports_fp8):
+        if quantization == FP8_BLOCK and not supports_fp8:
+            pytest.skip("the adapter does not support fp8-block (supports_fp8 is False)")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def load_request(cls, adapter_name, model_path, quantization, device, dtype, load_options) -> "LoadRequest":
+        """The engine's request the kit loads in every mode."""
+        from weightcache.core.request import LoadRequest
+
+        return LoadRequest(
+            model=str(model_path), adapter=adapter_name, dtype=dtype, device=device,
+            quantization=quantization, options=dict(load_options),
+        )
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def weightcache_server(cls):
+        """A ``weightcache serve`` process of the kit's own, on a private socket directory."""
+        server = KitServer.start()
+        try:
+            yield server
+        finally:
+            server.close()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def published(cls, load_request, plugins, weightcache_server):
+        """The model loaded from disk into arenas and published to ``weightcache_server``."""
+        from weightcache.core.loader import prepare, publish
+
+        return publish(prepare(load_request, plugins), weightcache_server.socket_dir)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def disk_model(cls, load_request, plugins):
+        """The model loaded from disk (mode ``off``): the reference."""
+        loaded = load(load_request, "off", plugins)
+        try:
+            yield loaded
+        finally:
+            loaded.close()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def mapped_model(cls, load_request, plugins, weightcache_server, published):
+        """The model attached to the published entry (mode ``client``, strict)."""
+        loaded = load(load_request, "client", plugins, weightcache_server.socket_dir, strict=True)
+        try:
+            yield loaded
+        finally:
+            loaded.close()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def disk_outputs(cls, disk_model, run_model, example_inputs):
+        """The disk model's output tensors on ``example_inputs``, by path (``output.logits``)."""
+        outputs = flatten_outputs(run_model(disk_model.model, example_inputs))
+        if not outputs:
+            raise AssertionError("the model's output holds no tensor; override run_model to return tensors")
+        return outputs
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def weightless_checkpoint(cls, model_path, tmp_path_factory) -> Path:
+        """A copy of the checkpoint whose weight bytes are cut off (see ``weightcache.conformance.weightless``)."""
+        return copy_without_weights(model_path, tmp_path_factory.mktemp("weightless"))

@@ -1,0 +1,120 @@
+"""The Python API for engine forks: publish a state, attach by fingerprint, rebind a meta model.
+
+    from weightcache.core import api
+
+    fp = api.fingerprint("/models/llama", architecture="LlamaForCausalLM", dtype="bfloat16", device="cuda:0")
+    api.publish_state(model.state_dict(), fp, device="cuda:0")    # loader side (once)
+    attachment = api.attach(fp)                                    # engine side
+    api.rebind(meta_model, attachment, device="cuda:0")            # zero-copy, checked
+
+Everything here is built on the same pieces as the CLI and the adapters.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import attrs
+
+from weightcache.core.attach import Attachment
+from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder, export_state
+from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.identity import make_fingerprint as fingerprint
+from weightcache.core.loader import publish_built
+from weightcache.core.manifest import Manifest, TensorRecord
+from weightcache.core.progress import NoProgress
+from weightcache.core.reader import read_checkpoint
+
+if typing.TYPE_CHECKING:
+    import torch
+
+__all__ = ["Attachment", "PublishedState", "attach", "fingerprint", "publish_checkpoint", "publish_state", "rebind"]
+
+
+@attrs.frozen
+class PublishedState:
+    """The server's digest for the entry, whether this call created it, and its manifest."""
+
+    digest: str
+    created: bool
+    manifest: Manifest = attrs.field(eq=False)
+
+
+def publish_state(
+    state: "typing.Mapping[str, torch.Tensor]",
+    fingerprint: Fingerprint,
+    *,
+    device: str = "cpu",
+    socket_dir=None,
+    label: str = "",
+    extra: dict | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> PublishedState:
+    """Copy ``state`` (final tensors, any dtype and stride) into arenas on ``device`` and publish it.
+
+    The same tensor object under two names is stored once, as an alias.
+    """
+    builder = ArenaBuilder(device, chunk_bytes=chunk_bytes)
+    try:
+        manifest = export_state(state, builder, extra)
+        reply = publish_built(builder, fingerprint, manifest, socket_dir, label)
+    finally:
+        builder.close()
+    return PublishedState(reply["digest"], bool(reply["created"]), manifest)
+
+
+def publish_checkpoint(
+    path,
+    fingerprint: Fingerprint,
+    *,
+    device: str = "cpu",
+    socket_dir=None,
+    label: str = "",
+    progress=None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> PublishedState:
+    """Read a safetensors checkpoint's bytes straight into arenas on ``device`` (no second copy) and publish it.
+
+    Tensors keep the names, dtypes and shapes of the files.
+    """
+    builder = ArenaBuilder(device, chunk_bytes=chunk_bytes)
+    builder.progress = progress or NoProgress()
+    try:
+        placed = read_checkpoint(path, builder)
+        records = [
+            TensorRecord(name=name, kind="parameter", dtype=info.dtype, shape=info.shape, stride=_contiguous(info.shape),
+                         storage_offset=0, arena=slot.arena, offset=slot.offset, nbytes=slot.nbytes)
+            for name, (info, slot) in placed.items()
+        ]
+        manifest = Manifest(tensors=records, arenas=builder.specs())
+        builder.progress.close()
+        reply = publish_built(builder, fingerprint, manifest, socket_dir, label)
+    finally:
+        builder.close()
+    return PublishedState(reply["digest"], bool(reply["created"]), manifest)
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def attach(fingerprint: Fingerprint, socket_dir=None, timeout: float = 30.0) -> Attachment:
+    """Map the entry for ``fingerprint``; its ``tensors`` view the shared memory. Close it when done.
+
+    Raises ServerUnavailable, FingerprintMismatch (``.fields``) or EntryNotFound.
+    """
+    return Attachment.open(fingerprint, socket_dir, timeout=timeout)
+
+
+def rebind(model: "torch.nn.Module", attachment: Attachment, device=None) -> "torch.nn.Module":
+    """Point every parameter and buffer of a meta-device ``model`` at the attachment's tensors.
+
+    Raises RebindError when a tensor is missing, has another shape or stays on meta.
+    """
+    from weightcache.core.rebind import rebind_module
+
+    return rebind_module(model, attachment.tensors, attachment.manifest, device=device)

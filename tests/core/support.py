@@ -1,0 +1,164 @@
+"""Helpers for the wire, server, fuzz and load tests: fingerprints, host entries, raw frames, /proc counters."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import attrs
+
+from weightcache.core import PROTOCOL_VERSION
+from weightcache.core.arena import ArenaSpec, backend
+from weightcache.core.client import Connection
+from weightcache.core.fingerprint import Fingerprint, sha256_json
+from weightcache.core.manifest import Manifest, TensorRecord
+from weightcache.core.paths import SOCKET_NAME
+from weightcache.core.protocol import HEADER, MAGIC, FrameReader, close_fds
+
+ERROR_CODES = {"protocol_error", "bad_request", "not_found", "attached", "over_budget", "busy", "access_denied"}
+
+
+def make_fingerprint(**overrides) -> Fingerprint:
+    """A fingerprint with every field set (a CPU host entry of a made-up model)."""
+    fields = dict(
+        checkpoint=sha256_json({"model.safetensors": {"w": {"dtype": "F32", "shape": [64, 64]}}}),
+        architecture="WireTestForCausalLM",
+        config=sha256_json({"hidden_size": 64}),
+        tp_size=2, tp_rank=1, pp_size=1, pp_rank=0, dp_size=1, ep_size=1, ep_rank=0,
+        dtype="float32",
+        quantization="none",
+        quantization_config=sha256_json({}),
+        adapter="wiretest",
+        adapter_version="1.0",
+        engine="none",
+        engine_version="0",
+        torch_version="2.13.0",
+        cuda_version="none",
+        compute_capability="none",
+        gpu_uuid="",
+        protocol_version=PROTOCOL_VERSION,
+        extra={"kernel": "reference"},
+    )
+    return Fingerprint(**{**fields, **overrides})
+
+
+def sealed_memfd(data: bytes) -> tuple[int, ArenaSpec]:
+    """A sealed host arena holding ``data``: ``(an exported fd the caller closes, its ArenaSpec)``."""
+    host = backend("host")
+    arena = host.create(len(data))
+    try:
+        fd = arena.export_fd()
+        os.pwrite(fd, data, 0)
+        host.seal(arena)
+        return fd, arena.spec
+    finally:
+        arena.close()
+
+
+def pattern(nbytes: int, seed: int = 7) -> bytes:
+    """Deterministic non-trivial bytes."""
+    return bytes((i * 31 + seed) % 251 for i in range(nbytes))
+
+
+@attrs.frozen
+class HostEntry:
+    """An entry published straight through the client API."""
+
+    fingerprint: Fingerprint
+    manifest: Manifest
+    digest: str
+    data: bytes
+
+
+def host_manifest(spec: ArenaSpec, nbytes: int) -> Manifest:
+    """One float32 parameter ``w`` covering the first ``nbytes`` of one arena, tied as ``w_tied``."""
+    count = nbytes // 4
+    record = TensorRecord(
+        name="w", kind="parameter", dtype="float32", shape=(count,), stride=(1,),
+        storage_offset=0, arena=0, offset=0, nbytes=count * 4,
+    )
+    return Manifest(tensors=[record], arenas=[spec], aliases={"w_tied": "w"}, extra={"source": "wire-tests"})
+
+
+def publish_host_entry(socket_dir, fingerprint: Fingerprint | None = None, nbytes: int = 16384, label: str = "wire-test") -> HostEntry:
+    """Build a sealed memfd arena, publish it with ``Connection.publish`` and close this side's fd."""
+    fingerprint = fingerprint or make_fingerprint()
+    data = pattern(nbytes)
+    fd, spec = sealed_memfd(data)
+    try:
+        manifest = host_manifest(spec, nbytes)
+        with Connection(socket_dir, timeout=10) as conn:
+            reply = conn.publish(fingerprint, manifest.to_json(), [fd], label=label)
+    finally:
+        os.close(fd)
+    return HostEntry(fingerprint, manifest, reply["digest"], data)
+
+
+def frame(payload: bytes, *, magic: bytes = MAGIC, version: int = PROTOCOL_VERSION, nfds: int = 0, length: int | None = None) -> bytes:
+    """A raw frame with any header fields, right or wrong."""
+    return HEADER.pack(magic, version, nfds, len(payload) if length is None else length) + payload
+
+
+def raw_connect(socket_dir, timeout: float = 10.0) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    sock.connect(str(Path(socket_dir) / SOCKET_NAME))
+    return sock
+
+
+def send_raw(sock: socket.socket, data: bytes, fds=()) -> None:
+    """Send ``data`` with ``fds`` riding on its first byte (any count: no splitting)."""
+    import array
+
+    fds = list(fds)
+    if fds:
+        sock.sendmsg([data[:1] if data else b"\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        data = data[1:]
+    if data:
+        sock.sendall(data)
+
+
+def read_replies(sock: socket.socket, timeout: float = 10.0) -> list[dict]:
+    """Every reply until the server closes (fds that came along are closed); the peer must close within ``timeout``."""
+    reader = FrameReader(sock, deadline_s=timeout)
+    replies = []
+    while True:
+        try:
+            frame = reader.read(idle_timeout=timeout)
+        except (ConnectionResetError, BrokenPipeError):
+            return replies
+        if frame is None:
+            return replies
+        message, fds = frame
+        close_fds(fds)
+        replies.append(message)
+
+
+def fd_count(pid: int | None = None) -> int:
+    return len(os.listdir(f"/proc/{pid or os.getpid()}/fd"))
+
+
+def rss_kib(pid: int) -> int:
+    """VmRSS of ``pid`` in KiB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def settle_fd_count(pid: int, expected: int, timeout: float = 10.0) -> int:
+    """Wait until ``pid`` has ``expected`` fds (its connection threads close theirs asynchronously); the last count."""
+    deadline = time.monotonic() + timeout
+    count = fd_count(pid)
+    while count != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+        count = fd_count(pid)
+    return count
+
+
+def inode(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino

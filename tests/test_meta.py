@@ -1,0 +1,73 @@
+"""Project-wide checks: light imports, documented hooks, packaging layout."""
+
+from __future__ import annotations
+
+import inspect
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import weightcache.adapters
+import weightcache.conformance
+import weightcache.core
+from weightcache.core import hookspecs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def all_modules() -> list[str]:
+    names = []
+    for package in (weightcache.core, weightcache.adapters, weightcache.conformance):
+        names.append(package.__name__)
+        names += [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
+    return sorted(names)
+
+
+@pytest.mark.parametrize("module", all_modules())
+def test_every_module_imports_cleanly_without_engines(module):
+    """Each module imports with warnings as errors, and vLLM/SGLang are never needed to import."""
+    code = (
+        "import sys, importlib; sys.modules['vllm'] = None; sys.modules['sglang'] = None; "
+        f"importlib.import_module({module!r})"
+    )
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_importing_core_and_the_server_does_not_import_torch():
+    code = "import sys, weightcache.core.server, weightcache.core.client, weightcache.core.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False", "the server and the CLI's import must stay light (no torch)"
+
+
+def test_every_hook_spec_is_documented_with_params_and_returns():
+    specs = [f for name, f in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("weightcache_")]
+    assert len(specs) >= 6
+    for spec in specs:
+        doc = inspect.getdoc(spec) or ""
+        assert doc.split("\n")[0], f"{spec.__name__} has no one-line contract"
+        for param in inspect.signature(spec).parameters:
+            assert f":param {param}:" in doc, f"{spec.__name__} does not document {param}"
+        assert ":returns:" in doc and "Stops at first non-None result" in doc, spec.__name__
+
+
+def test_every_hook_is_documented_in_the_adapter_guide_and_exercised_by_tests():
+    guide = (ROOT / "docs" / "adapter-guide.md").read_text()
+    tests = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py")) + "\n".join(
+        p.read_text() for p in (ROOT / "adapters").rglob("*.py")
+    )
+    for name, _ in inspect.getmembers(hookspecs, inspect.isfunction):
+        if name.startswith("weightcache_"):
+            assert name in guide, f"docs/adapter-guide.md does not describe {name}"
+            assert name in tests, f"no adapter or test implements {name}"
+
+
+def test_no_top_level_core_or_adapters_module_is_installed():
+    import importlib.util
+
+    for name in ("core", "adapters", "conformance"):
+        spec = importlib.util.find_spec(name)
+        assert spec is None or Path(spec.origin or "").parent.parent == ROOT, f"a top-level module {name!r} is installed"
