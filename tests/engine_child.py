@@ -17,11 +17,11 @@ def output_digest(model) -> str:
     import torch
 
     vocab = getattr(model.config, "vocab_size", 512)
-    input_ids = torch.arange(32, dtype=torch.long).reshape(2, 16) * 31 % vocab
+    input_ids = (torch.arange(32, dtype=torch.long).reshape(2, 16) * 31 % vocab).to(next(model.parameters()).device)
     with torch.no_grad():
         output = model(input_ids=input_ids)
     tensor = output[0] if isinstance(output, (tuple, list)) else next(iter(output.values()))
-    return hashlib.sha256(tensor.detach().float().contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(tensor.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 def arena_inodes() -> list[int]:
@@ -34,17 +34,33 @@ def arena_inodes() -> list[int]:
     return sorted(inodes)
 
 
+def _gpu_free(device: str):
+    """Free GPU memory after this process's CUDA context exists (None on CPU)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    torch.zeros(1, device=device)
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--socket-dir", required=True)
     parser.add_argument("--mode", default="client")
     parser.add_argument("--dtype")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     from weightcache.core.engine import load_model
 
-    loaded = load_model(args.model, mode=args.mode, socket_dir=args.socket_dir, dtype=args.dtype, strict=True)
-    print(json.dumps({"ready": True, "pid": os.getpid(), "source": loaded.source}), flush=True)
+    free_before = _gpu_free(args.device)
+    loaded = load_model(args.model, mode=args.mode, socket_dir=args.socket_dir, dtype=args.dtype, device=args.device, strict=True)
+    ready = {"ready": True, "pid": os.getpid(), "source": loaded.source}
+    if free_before is not None:
+        ready["gpu_bytes_taken"] = free_before - _gpu_free(args.device)
+    print(json.dumps(ready), flush=True)
     for line in sys.stdin:
         command = line.strip()
         if command == "hash":

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
 
 import attrs
 
@@ -55,6 +57,36 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=20)
+
+
+class Engine:
+    """An engine (tests/engine_child.py) in its own process, driven line by line."""
+
+    def __init__(self, model, socket_dir, mode="client", dtype=None, device="cpu"):
+        args = [sys.executable, "-m", "tests.engine_child", "--model", str(model), "--socket-dir", str(socket_dir),
+                "--mode", mode, "--device", device]
+        if dtype:
+            args += ["--dtype", dtype]
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"engine exited ({self.proc.wait()}): {self.proc.stderr.read()[-3000:]}")
+        return json.loads(line)
+
+    def ask(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+        self.proc.communicate(timeout=60)
+
 
 
 def run_python(code: str, *args: str, timeout: float = 240, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:

@@ -42,16 +42,64 @@ def _hf_config(request, drop_quantization: bool):
     return config
 
 
-def load(request):
-    """The model from disk, on ``request.device``, in eval mode."""
+def load(request, builder=None):
+    """The model from disk, on ``request.device``, in eval mode.
+
+    With an arena ``builder`` and a checkpoint whose tensors are exactly the
+    model's (names, shapes, dtypes), the bytes are read straight into the
+    arenas; otherwise transformers loads the model and export copies it.
+    """
     config = hf_config.read_config(request.model)
     if hf_config.checkpoint_quantization(config) == hf_config.FP8_BLOCK:
         return load_prequantized_fp8(request, config)
+    if builder is not None and request.quantization in (None, "none"):
+        model = load_into_arenas(request, config, builder)
+        if model is not None:
+            return model
     cls = model_class(request, config)
     kwargs = {"dtype": load_dtype(request, config)}
     if request.is_cuda:
         kwargs["device_map"] = request.device
     model = cls.from_pretrained(request.model, **kwargs)
+    return model.eval()
+
+
+def load_into_arenas(request, config: dict, builder):
+    """The model with its weights read from the files straight into ``builder``'s arenas, or None.
+
+    None means the checkpoint needs transformers' own loading (renamed keys,
+    fused experts, a dtype cast): then nothing was read.
+    """
+    import torch
+
+    from weightcache.core.reader import read_checkpoint
+    from weightcache.core.safetensors_io import checkpoint_tensors
+
+    dtype = load_dtype(request, config)
+    model = skeleton(request, drop_quantization=False, dtype=dtype)
+    wanted = {name: t for name, t in model.state_dict(keep_vars=True).items()}
+    stored = {info.name: info for info in checkpoint_tensors(request.model)}
+    ties = {name for name, p in model.named_parameters(remove_duplicate=False)} - {name for name, _ in model.named_parameters()}
+    fits = set(stored) <= set(wanted) and all(
+        tuple(wanted[n].shape) == info.shape and str(wanted[n].dtype).removeprefix("torch.") == info.dtype for n, info in stored.items()
+    )
+    missing = [n for n in wanted if n not in stored and n not in ties and wanted[n].device.type == "meta"]
+    if not fits or missing:
+        log.debug("checkpoint does not match the model one to one; loading through transformers")
+        return None
+    placed = read_checkpoint(request.model, builder)
+    for name, (info, slot) in placed.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        tensor = builder.view(slot).view(getattr(torch, info.dtype)).view(info.shape)
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
+        else:
+            owner._buffers[leaf] = tensor
+    model.tie_weights()
+    _buffers_to(model, request.device if request.is_cuda else "cpu")
+    check_no_meta(model)
+    log.info("read %d tensors straight into arenas", len(placed))
     return model.eval()
 
 

@@ -42,7 +42,7 @@ def weightcache_describe(request):
 def weightcache_load(request, builder):
     from weightcache.adapters.hf.loading import load
 
-    return load(request)
+    return load(request, builder)
 
 
 @hookimpl

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import sys
 import attrs
 import pytest
 
-from tests.helpers import ServerProcess, assert_tensors_equal
+from tests.helpers import Engine, assert_tensors_equal
 
 from weightcache.core.attach import Attachment
 from weightcache.core.engine import load_model
@@ -18,34 +17,6 @@ from weightcache.core.errors import EntryNotFound, FingerprintMismatch, ServerUn
 from weightcache.core.fingerprint import FIELDS
 from weightcache.core.loader import prepare, publish
 from weightcache.core.request import LoadRequest
-
-
-class Engine:
-    """tests/engine_child.py in its own process."""
-
-    def __init__(self, model, socket_dir, mode="client", dtype=None):
-        args = [sys.executable, "-m", "tests.engine_child", "--model", str(model), "--socket-dir", str(socket_dir), "--mode", mode]
-        if dtype:
-            args += ["--dtype", dtype]
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.ready = self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"engine exited ({self.proc.wait()}): {self.proc.stderr.read()[-3000:]}")
-        return json.loads(line)
-
-    def ask(self, command: str) -> dict:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-        self.proc.communicate(timeout=60)
 
 
 def outputs(model):

@@ -402,7 +402,8 @@ def foreign_server(test_user):
                                 stdout=log, stderr=log, start_new_session=True)
     server = ServerProcess(socket_dir, proc, log_path)
     try:
-        assert wait_until(lambda: (socket_dir / SOCKET_NAME).exists() or proc.poll() is not None, timeout=20)
+        # No hello to wait with (it would be refused): the log line comes once the socket listens.
+        assert wait_until(lambda: "serving on" in server.log() or proc.poll() is not None, timeout=20)
         assert proc.poll() is None, f"the test user's server did not start:\n{server.log()}"
         yield server
     finally:

@@ -1,0 +1,62 @@
+"""The weightcache adapter for TinyLM: four hooks, registered as ``example`` in ``weightcache.adapters``.
+
+- ``weightcache_describe``: read config.json only; say which quantization applies.
+- ``weightcache_load``: build the model and read its weights from disk.
+- ``weightcache_quantize``: block-wise FP8 with the core's helpers (optional).
+- ``weightcache_rebind``: build the model on meta and point it at the mapped tensors.
+
+The core's defaults place every parameter and buffer into arenas
+(``weightcache_export``); tied weights are stored once and restored as aliases.
+"""
+
+from __future__ import annotations
+
+import safetensors.torch
+import torch
+
+from weightcache.core.hookspecs import hookimpl
+from weightcache.core.quantization.fp8_block import Fp8BlockConfig, convert_model_to_fp8_skeleton, quantize_model
+from weightcache.core.rebind import rebind_module
+from weightcache.core.request import ModelDescription
+from weightcache_example import TinyLM, __version__, read_config
+
+FP8_BLOCK = "fp8-block"
+FP8_CONFIG = Fp8BlockConfig(exclude=("embed", "head"))
+
+
+@hookimpl
+def weightcache_describe(request):
+    method = request.quantization or "none"  # anything but none/fp8-block is refused by the core's allowlist
+    return ModelDescription(
+        architecture="TinyLM",
+        config=read_config(request.model),
+        quantization=method,
+        quantization_config=FP8_CONFIG.to_json() if method == FP8_BLOCK else {},
+        adapter_version=__version__,
+        engine="torch",
+        engine_version=torch.__version__.split("+")[0],
+    )
+
+
+@hookimpl
+def weightcache_load(request, builder):
+    model = TinyLM.from_config(read_config(request.model))
+    state = safetensors.torch.load_file(f"{request.model}/model.safetensors")
+    model.load_state_dict(state, strict=False)  # head.weight is tied to embed.weight
+    return model.to(request.device).eval()
+
+
+@hookimpl
+def weightcache_quantize(request, model, description):
+    if description.quantization == FP8_BLOCK:
+        quantize_model(model, Fp8BlockConfig.from_json(description.quantization_config))
+    return model
+
+
+@hookimpl
+def weightcache_rebind(request, tensors, manifest):
+    with torch.device("meta"):
+        model = TinyLM.from_config(read_config(request.model))
+    if request.quantization == FP8_BLOCK:
+        convert_model_to_fp8_skeleton(model, FP8_CONFIG)
+    return rebind_module(model, tensors, manifest, device=request.device)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Run the GPU tests and the GPU benchmarks in one go; logs go to OUTDIR.
+#   tests/gpu/run_gpu.sh OUTDIR [--quick]
+# Needs: a CUDA GPU, torch, transformers, safetensors, pluggy, attrs, pytest, cuda-bindings.
+# weightcache itself is put on the path from this checkout (no install, no network).
+set -uo pipefail
+OUT=${1:?usage: tests/gpu/run_gpu.sh OUTDIR [--quick]}
+QUICK=${2:-}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$ROOT"
+
+# weightcache on sys.path with its entry points (a dist-info beside the package), without pip.
+SHIM=$(mktemp -d /tmp/wc-shim-XXXX)
+mkdir -p "$SHIM/weightcache" "$SHIM/weightcache-0.0.0.dist-info"
+for part in core adapters conformance; do ln -s "$ROOT/$part" "$SHIM/weightcache/$part"; done
+printf 'Metadata-Version: 2.1\nName: weightcache\nVersion: 0.0.0\n' > "$SHIM/weightcache-0.0.0.dist-info/METADATA"
+python3 - "$SHIM" <<'PY'
+import sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+lines = []
+for group, entries in project.get("entry-points", {}).items():
+    lines.append(f"[{group}]")
+    lines += [f"{name} = {target}" for name, target in entries.items()]
+open(f"{sys.argv[1]}/weightcache-0.0.0.dist-info/entry_points.txt", "w").write("\n".join(lines) + "\n")
+PY
+export PYTHONPATH="$SHIM:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+
+{
+  date -u; nvidia-smi; python3 -c "import torch, transformers, safetensors; import cuda.bindings as cb; \
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, \
+'safetensors', safetensors.__version__, 'cuda-bindings', getattr(cb, '__version__', '?'))"
+} > "$OUT/machine.txt" 2>&1
+
+status=0
+python3 -m pytest tests/gpu -v -p no:cacheprovider -W error -o addopts="-ra" 2>&1 | tee "$OUT/gpu-tests.log" || status=1
+if [ "$QUICK" != "--quick" ]; then
+  python3 benchmarks/attach.py --device cuda:0 --gib 16 --extra-gib 64 --json "$OUT/attach-gpu.json" 2>&1 | tee "$OUT/attach-gpu.log" || status=1
+fi
+rm -rf "$SHIM"
+exit $status

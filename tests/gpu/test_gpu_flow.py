@@ -1,0 +1,151 @@
+"""The whole flow on a GPU: CUDA arenas shared between engine processes (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.helpers import Engine, open_fd_count, run_python
+
+torch = pytest.importorskip("torch")
+
+from weightcache.core.arena.cuda import unavailable_reason  # noqa: E402
+
+_reason = unavailable_reason()
+pytestmark = pytest.mark.skipif(_reason is not None, reason=f"no CUDA GPU: {_reason}")
+
+DEVICE = "cuda:0"
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory):
+    """A random-weight Llama in bf16, large enough (~200 MiB) for memory figures to mean something."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
+                                      num_attention_heads=16, num_key_value_heads=4, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    path = tmp_path_factory.mktemp("gpu-llama")
+    model.save_pretrained(path)
+    return path
+
+
+def _publish_in_subprocess(model_path, socket_dir):
+    run_python(
+        "import sys; from weightcache.core.loader import prepare, publish; from weightcache.core.request import LoadRequest;"
+        "publish(prepare(LoadRequest(model=sys.argv[1], device='cuda:0')), sys.argv[2])",
+        str(model_path), str(socket_dir),
+    )
+
+
+def test_attached_outputs_equal_a_disk_load_bit_for_bit(server, gpu_model):
+    _publish_in_subprocess(gpu_model, server.socket_dir)
+    disk = Engine(gpu_model, server.socket_dir, mode="off", device=DEVICE)
+    cached = Engine(gpu_model, server.socket_dir, mode="client", device=DEVICE)
+    try:
+        assert cached.ready["source"] == "cache"
+        assert cached.ask("hash") == disk.ask("hash")
+    finally:
+        disk.close()
+        cached.close()
+
+
+def test_two_engines_share_one_copy(server, gpu_model):
+    _publish_in_subprocess(gpu_model, server.socket_dir)
+    first = Engine(gpu_model, server.socket_dir, device=DEVICE)
+    second = Engine(gpu_model, server.socket_dir, device=DEVICE)
+    try:
+        weights = sum(p.stat().st_size for p in gpu_model.glob("*.safetensors"))
+        assert weights > 150 * MiB
+        for engine in (first, second):
+            taken = engine.ready["gpu_bytes_taken"]
+            assert taken < 64 * MiB, f"attach took {taken / MiB:.1f} MiB of GPU memory beyond the CUDA context"
+        assert first.ask("hash") == second.ask("hash")
+    finally:
+        first.close()
+        second.close()
+
+
+def test_engines_survive_a_server_sigkill(server, gpu_model):
+    _publish_in_subprocess(gpu_model, server.socket_dir)
+    engine = Engine(gpu_model, server.socket_dir, device=DEVICE)
+    try:
+        before = engine.ask("hash")
+        server.kill()
+        assert engine.ask("hash") == before
+    finally:
+        engine.close()
+
+
+def test_engines_survive_the_loader_sigkill(server, gpu_model):
+    loader = Engine(gpu_model, server.socket_dir, mode="daemon", device=DEVICE)  # loads, publishes, keeps running
+    engine = Engine(gpu_model, server.socket_dir, device=DEVICE)
+    try:
+        before = engine.ask("hash")
+        loader.proc.send_signal(signal.SIGKILL)
+        loader.proc.wait(timeout=60)
+        assert engine.ask("hash") == before
+        late = Engine(gpu_model, server.socket_dir, device=DEVICE)  # the server's fds keep the memory alive
+        assert late.ask("hash") == before
+        late.close()
+    finally:
+        loader.close()
+        engine.close()
+
+
+def test_evict_frees_gpu_memory_once_no_engine_maps_it(server, gpu_model):
+    from weightcache.core.client import Connection
+
+    torch.zeros(1, device=DEVICE)
+    free_before = torch.cuda.mem_get_info()[0]
+    _publish_in_subprocess(gpu_model, server.socket_dir)
+    weights = sum(p.stat().st_size for p in gpu_model.glob("*.safetensors"))
+    held = free_before - torch.cuda.mem_get_info()[0]
+    assert held >= weights * 0.9, f"the server should keep {weights} bytes alive, holds {held}"
+    with Connection(server.socket_dir) as conn:
+        conn.evict(conn.status()["entries"][0]["digest"])
+    assert free_before - torch.cuda.mem_get_info()[0] < 8 * MiB
+
+
+def test_100_attach_detach_cycles_leave_memory_and_fds_where_they_were(server, gpu_model):
+    from weightcache.core.loader import prepare
+    from weightcache.core.request import LoadRequest
+    from weightcache.core.attach import Attachment
+
+    _publish_in_subprocess(gpu_model, server.socket_dir)
+    fingerprint = prepare(LoadRequest(model=str(gpu_model), device=DEVICE)).fingerprint
+    Attachment.open(fingerprint, server.socket_dir).close()  # warm-up: contexts, granularity caches
+    torch.cuda.synchronize()
+    free_before, fds_before = torch.cuda.mem_get_info()[0], open_fd_count()
+    for _ in range(100):
+        attachment = Attachment.open(fingerprint, server.socket_dir)
+        assert attachment.tensors
+        attachment.close()
+    torch.cuda.synchronize()
+    assert abs(torch.cuda.mem_get_info()[0] - free_before) < 4 * MiB
+    assert open_fd_count() == fds_before
+
+
+def test_a_reordered_cuda_visible_devices_still_maps_the_right_gpu(server, gpu_model):
+    from weightcache.core.arena.devices import visible_gpu_uuids
+
+    _publish_in_subprocess(gpu_model, server.socket_dir)
+    order = ",".join(reversed(visible_gpu_uuids()))
+    engine = Engine.__new__(Engine)
+    env_before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = order
+    try:
+        engine.__init__(gpu_model, server.socket_dir, device=DEVICE)
+    finally:
+        if env_before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = env_before
+    try:
+        assert engine.ready["source"] == "cache"
+    finally:
+        engine.close()
