@@ -124,7 +124,7 @@ def skeleton(manifest):
             model.register_parameter(r.name.replace(".", "_"), torch.nn.Parameter(torch.empty(r.shape, dtype=getattr(torch, r.dtype))))
     return model
 first = api.attach(fp, socket_dir); manifest = first.manifest; first.close()
-times, touched = [], []
+times, touched, phases = [], [], []
 for _ in range(repeat):
     model = skeleton(manifest)
     start = time.perf_counter()
@@ -134,6 +134,7 @@ for _ in range(repeat):
         model._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
     assert not any(p.is_meta for p in model.parameters())
     times.append(time.perf_counter() - start)
+    phases.append(attachment.timings)
     if device == "cpu":
         for t in attachment.tensors.values():
             t.view(torch.uint8)[::4096].sum()
@@ -141,7 +142,8 @@ for _ in range(repeat):
     del model, tensors
     attachment.close()
 print(json.dumps({"median_s": statistics.median(times), "min_s": min(times), "tensors": len(manifest.tensors), "arenas": len(manifest.arenas),
-                  "touched_median_s": statistics.median(touched) if touched else None}))
+                  "touched_median_s": statistics.median(touched) if touched else None,
+                  "phases_ms": {k: round(1000 * statistics.median(p[k] for p in phases), 2) for k in phases[0]}}))
 """
 
 
@@ -267,6 +269,8 @@ def print_table(r: dict, nbytes: int) -> None:
     row(f"weightcache load -> arenas ({'cold' if r['weightcache_load_cold'] else 'warm'})", r["weightcache_load_s"])
     rows.append((f"attach -> ready model ({r['attach']['tensors']} tensors, {r['attach']['arenas']} arenas)",
                  f"{attach * 1000:,.2f} ms", "", "1x"))
+    phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in r["attach"]["phases_ms"].items())
+    rows.append(("  of which (ms)", phases, "", ""))
     if r["attach"].get("touched_median_s"):
         touched = r["attach"]["touched_median_s"]
         rows.append(("attach -> ready model, every page read", f"{touched * 1000:,.1f} ms", f"{gb / touched:,.2f} GB/s",

@@ -91,17 +91,22 @@ def difference_message(actual: "torch.Tensor", expected: "torch.Tensor") -> str 
     flat = int(diff.reshape(-1).argmax())
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(a.shape))) if a.dim() else ()
     return (
-        f"{count} of {a.numel()} elements differ, largest difference {float(diff.reshape(-1)[flat]):g} "
-        f"at index {list(index)} ({float(a.reshape(-1)[flat]):g} vs {float(b.reshape(-1)[flat]):g})"
+        f"{count} of {a.numel()} elements differ, largest difference {float(diff.reshape(-1)[flat]):.6g} "
+        f"at index {list(index)} ({float(a.reshape(-1)[flat]):.9g} vs {float(b.reshape(-1)[flat]):.9g})"
     )
 
 
-def assert_tensors_identical(name: str, actual: "torch.Tensor", expected: "torch.Tensor", what: str = "tensor") -> None:
-    """Raise AssertionError naming ``name``, the dtype, both devices and the largest difference unless bit-identical."""
+def assert_tensors_identical(name: str, actual: "torch.Tensor", expected: "torch.Tensor", context: str = "", label: str = "mapped") -> None:
+    """Raise AssertionError naming ``name``, the dtype, both devices and the largest difference unless bit-identical.
+
+    :param context: what is being compared (prefixes the message).
+    :param label: what ``actual`` is (``expected`` is always the disk load).
+    """
     message = difference_message(actual, expected)
     if message is not None:
+        prefix = f"{context}: " if context else ""
         raise AssertionError(
-            f"{what} {name}: {actual.dtype} on {actual.device} (mapped) differs from the disk load "
+            f"{prefix}{name}: {actual.dtype} on {actual.device} ({label}) differs from the disk load "
             f"({expected.dtype} on {expected.device}): {message}"
         )
 

@@ -68,19 +68,24 @@ def _perturb_fingerprint(monkeypatch, field: str) -> str:
     return mismatch_name(field)
 
 
+def _skip_if_allowlisted(method: str, allowlist) -> None:
+    if method in allowlist:
+        pytest.skip(f"the adapter validated {method!r} itself (weightcache_quantization_allowlist); check it with quantization={method!r}")
+
+
 def _failures(title: str, problems: list[str], limit: int = 40) -> str:
     shown = problems[:limit] + ([f"... and {len(problems) - limit} more"] if len(problems) > limit else [])
     return f"{title} ({len(problems)}):\n  " + "\n  ".join(shown)
 
 
-def _compare_outputs(actual: dict, expected: dict, context: str) -> None:
+def _compare_outputs(actual: dict, expected: dict, context: str, label: str = "mapped") -> None:
     if set(actual) != set(expected):
         raise AssertionError(
             f"{context}: output tensors differ in names: missing {sorted(set(expected) - set(actual))}, "
             f"extra {sorted(set(actual) - set(expected))}"
         )
     for name in expected:
-        assert_tensors_identical(name, actual[name], expected[name], what=f"{context}: output")
+        assert_tensors_identical(name, actual[name], expected[name], context=context, label=label)
 
 
 class ParityTests:
@@ -92,6 +97,18 @@ class ParityTests:
         assert mapped_model.attachment.digest == published.digest, "attached another entry than the one published"
         mismatched = mapped_model.fingerprint.mismatched_fields(disk_model.fingerprint)
         assert not mismatched, f"the fingerprints of the disk load and of the mapped model differ in {mismatched}"
+
+    def test_daemon_mode_attaches_the_published_entry(
+        self, load_request, plugins, weightcache_server, published, run_model, example_inputs, disk_outputs
+    ):
+        """Mode ``daemon`` with a server running and the entry published attaches it (no second load)."""
+        loaded = load(load_request, "daemon", plugins, weightcache_server.socket_dir, strict=True)
+        try:
+            assert (loaded.source, loaded.mode) == ("cache", "daemon"), f"mode 'daemon' gave {loaded.source!r} / {loaded.mode!r}"
+            assert loaded.attachment.digest == published.digest, "mode 'daemon' attached another entry than the one published"
+            _compare_outputs(flatten_outputs(run_model(loaded.model, example_inputs)), disk_outputs, "daemon mode")
+        finally:
+            loaded.close()
 
     def test_same_tensor_names(self, disk_model, mapped_model):
         disk = model_tensors(disk_model.model)
@@ -207,7 +224,7 @@ class FingerprintTests:
             assert expected in (loaded.fallback_reason or ""), f"fallback reason does not name {expected!r}: {loaded.fallback_reason!r}"
             logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and expected in r.getMessage()]
             assert logged, f"no warning logged naming {expected!r}; logged: {[r.getMessage() for r in caplog.records]}"
-            _compare_outputs(flatten_outputs(run_model(loaded.model, example_inputs)), disk_outputs, f"fallback ({field} changed)")
+            _compare_outputs(flatten_outputs(run_model(loaded.model, example_inputs)), disk_outputs, f"fallback ({field} changed)", label="fallback")
         finally:
             loaded.close()
 
@@ -230,8 +247,9 @@ class QuantizationTests:
     @pytest.mark.parametrize("mode", ["off", "client", "daemon"])
     @pytest.mark.parametrize("method", REFUSED_METHODS)
     def test_requested_method_refused_before_reading_weights(
-        self, method, mode, load_request, plugins, weightless_checkpoint, weightcache_server
+        self, method, mode, load_request, plugins, weightless_checkpoint, weightcache_server, adapter_allowlist
     ):
+        _skip_if_allowlisted(method, adapter_allowlist)
         request = attrs.evolve(load_request, model=str(weightless_checkpoint), quantization=method)
         with pytest.raises(UnsupportedQuantization) as info:
             load(request, mode, plugins, weightcache_server.socket_dir).close()
@@ -239,8 +257,9 @@ class QuantizationTests:
 
     @pytest.mark.parametrize("method", DECLARED_METHODS)
     def test_declared_method_refused_before_reading_weights(
-        self, method, load_request, plugins, weightless_checkpoint, declare_quantization, tmp_path
+        self, method, load_request, plugins, weightless_checkpoint, declare_quantization, adapter_allowlist, tmp_path
     ):
+        _skip_if_allowlisted(method, adapter_allowlist)
         if declare_quantization is None:
             pytest.skip("the adapter has no checkpoint-declared quantization (declare_quantization is None)")
         checkpoint = tmp_path / "declared"
@@ -260,7 +279,7 @@ class QuantizationTests:
 
 
 class CrashTests:
-    """An attached engine does not depend on the server staying alive."""
+    """An attached engine does not depend on the server staying alive; a new engine falls back to disk."""
 
     def test_outputs_survive_server_sigkill(self, load_request, plugins, run_model, example_inputs, disk_model, disk_outputs):
         from weightcache.core.loader import prepare, publish
@@ -283,6 +302,13 @@ class CrashTests:
                 assert not problems, _failures("tensors changed after the server was SIGKILLed", problems)
             finally:
                 loaded.close()
+            fallback = load(load_request, "client", plugins, server.socket_dir, strict=False)
+            try:
+                assert fallback.source == "disk" and fallback.fallback_reason, "with the server dead, mode 'client' must fall back to disk"
+                _compare_outputs(flatten_outputs(run_model(fallback.model, example_inputs)), disk_outputs,
+                                 "fallback with the server dead", label="fallback")
+            finally:
+                fallback.close()
         finally:
             server.close()
 

@@ -223,6 +223,14 @@ class ConformanceFixtures:
 
     @pytest.fixture(scope="class")
     @classmethod
+    def adapter_allowlist(cls, load_request, plugins) -> tuple[str, ...]:
+        """Methods the adapter validated beyond the core's (``weightcache_quantization_allowlist``)."""
+        from weightcache.core.plugins import Plugins
+
+        return (plugins or Plugins()).adapter(load_request.adapter).quantization_allowlist(load_request)
+
+    @pytest.fixture(scope="class")
+    @classmethod
     def weightcache_server(cls):
         """A ``weightcache serve`` process of the kit's own, on a private socket directory."""
         server = KitServer.start()

@@ -21,7 +21,7 @@ from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder, export_st
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.identity import make_fingerprint as fingerprint
 from weightcache.core.loader import publish_built
-from weightcache.core.manifest import Manifest, TensorRecord
+from weightcache.core.manifest import Manifest, TensorRecord, _contiguous_stride
 from weightcache.core.progress import NoProgress
 from weightcache.core.reader import read_checkpoint
 
@@ -82,7 +82,7 @@ def publish_checkpoint(
     try:
         placed = read_checkpoint(path, builder)
         records = [
-            TensorRecord(name=name, kind="parameter", dtype=info.dtype, shape=info.shape, stride=_contiguous(info.shape),
+            TensorRecord(name=name, kind="parameter", dtype=info.dtype, shape=info.shape, stride=_contiguous_stride(info.shape),
                          storage_offset=0, arena=slot.arena, offset=slot.offset, nbytes=slot.nbytes)
             for name, (info, slot) in placed.items()
         ]
@@ -92,14 +92,6 @@ def publish_checkpoint(
     finally:
         builder.close()
     return PublishedState(reply["digest"], bool(reply["created"]), manifest)
-
-
-def _contiguous(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def attach(fingerprint: Fingerprint, socket_dir=None, timeout: float = 30.0) -> Attachment:

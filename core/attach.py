@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import typing
 
 from weightcache.core.arena import backend
@@ -35,13 +36,18 @@ class Attachment:
         self.label = label
         self.fds = list(fds)
         self.arenas: list[Arena] = []
+        self.timings: dict[str, float] = {}
+        start = time.perf_counter()
         try:
             for fd, spec in zip(self.fds, manifest.arenas):
                 self.arenas.append(backend(spec.backend).map(fd, spec))
         except BaseException:
             self.close()
             raise
+        self.timings["map_s"] = time.perf_counter() - start
+        start = time.perf_counter()
         self.tensors: dict[str, torch.Tensor] = manifest.views(self.arenas)
+        self.timings["views_s"] = time.perf_counter() - start
 
     @classmethod
     def open(cls, fingerprint: Fingerprint, socket_dir=None, timeout: float = 30.0) -> "Attachment":
@@ -49,19 +55,24 @@ class Attachment:
 
         Raises ServerUnavailable, FingerprintMismatch or EntryNotFound.
         """
+        start = time.perf_counter()
         connection = Connection(socket_dir, timeout=timeout)
         try:
             reply = connection.attach(fingerprint)
         except BaseException:
             connection.close()
             raise
+        requested = time.perf_counter()
         try:
             manifest = Manifest.from_json(reply.manifest)
         except ValueError:
             close_fds(reply.fds)
             connection.close()
             raise
-        return cls(connection, fingerprint, reply.digest, manifest, reply.fds, reply.label)
+        decoded = time.perf_counter()
+        attachment = cls(connection, fingerprint, reply.digest, manifest, reply.fds, reply.label)
+        attachment.timings.update(request_s=requested - start, manifest_s=decoded - requested)
+        return attachment
 
     def republish(self, socket_dir=None) -> bool:
         """Publish this entry to the server at ``socket_dir`` (e.g. after it restarted) from the fds held here."""

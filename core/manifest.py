@@ -18,7 +18,7 @@ KINDS = ("parameter", "buffer")
 
 
 def _ints(value) -> tuple[int, ...]:
-    return tuple(int(v) for v in value)
+    return tuple(map(int, value))
 
 
 @attrs.frozen
@@ -46,11 +46,10 @@ class TensorRecord:
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorRecord":
-        names = {f.name for f in attrs.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise ValueError(f"tensor record has unknown fields {sorted(unknown)}")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"malformed tensor record: {exc}") from None
 
 
 @attrs.frozen
@@ -121,7 +120,24 @@ class Manifest:
 def view_of(arena_bytes: "torch.Tensor", record: TensorRecord) -> "torch.Tensor":
     """The tensor ``record`` describes, viewing ``arena_bytes`` without a copy."""
     dtype = to_dtype(record.dtype)
-    region = arena_bytes[record.offset : record.offset + record.nbytes]
+    typed = arena_bytes[record.offset : record.offset + record.nbytes].view(dtype)
     if record.nbytes == 0:
-        return region.view(dtype).reshape(record.shape)
-    return region.view(dtype).as_strided(record.shape, record.stride, region.view(dtype).storage_offset() + record.storage_offset)
+        return typed.reshape(record.shape)
+    if record.storage_offset == 0 and typed.numel() == _numel(record.shape) and record.stride == _contiguous_stride(record.shape):
+        return typed.view(record.shape)
+    return typed.as_strided(record.shape, record.stride, typed.storage_offset() + record.storage_offset)
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

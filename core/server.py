@@ -249,7 +249,7 @@ class Server:
         from weightcache.core.manifest import Manifest  # attrs only; no torch at import
 
         try:
-            fingerprint = Fingerprint.from_json(message["fingerprint"])
+            fingerprint = _fingerprint_from_wire(message["fingerprint"])
             manifest = Manifest.from_json(message["manifest"])
             if len(fds) != len(manifest.arenas):
                 raise ValueError(f"manifest lists {len(manifest.arenas)} arenas but {len(fds)} fds came")
@@ -274,7 +274,7 @@ class Server:
         return ok_reply(digest=entry.digest, created=created), []
 
     def _attach(self, message, fds, connection_id, pid):
-        fingerprint = Fingerprint.from_json(message["fingerprint"])
+        fingerprint = _fingerprint_from_wire(message["fingerprint"])
         found = self.registry.checkout(fingerprint, connection_id, pid)
         if found is None:
             closest, fields = self.registry.closest(fingerprint)
@@ -329,6 +329,24 @@ class Server:
 
 
 _HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK
+
+
+_WIRE_TYPES = {"str": str, "int": int, "dict": dict}
+
+
+def _fingerprint_from_wire(data) -> Fingerprint:
+    """``Fingerprint.from_json`` plus a type check of every field (a wrong type is a ValueError).
+
+    An entry whose fingerprint holds, say, a number where a string belongs could
+    never be matched and would break every ``weightcache status`` table.
+    """
+    fingerprint = Fingerprint.from_json(data)
+    for field in attrs.fields(Fingerprint):
+        value = getattr(fingerprint, field.name)
+        expected = _WIRE_TYPES.get(field.type if isinstance(field.type, str) else field.type.__name__)
+        if expected is not None and (not isinstance(value, expected) or isinstance(value, bool)):
+            raise ValueError(f"malformed fingerprint: field {field.name} must be {expected.__name__}, not {type(value).__name__}")
+    return fingerprint
 
 
 def _check_arena_fd(fd: int, spec) -> None:

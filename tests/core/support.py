@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import attrs
-
 from weightcache.core import PROTOCOL_VERSION
 from weightcache.core.arena import ArenaSpec, backend
 from weightcache.core.client import Connection
@@ -147,6 +146,19 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def resting_fd_count(pid: int, timeout: float = 10.0) -> int:
+    """``pid``'s fd count once it stops changing (the threads of earlier connections have closed theirs)."""
+    deadline = time.monotonic() + timeout
+    count = fd_count(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        again = fd_count(pid)
+        if again == count:
+            break
+        count = again
+    return count
 
 
 def settle_fd_count(pid: int, expected: int, timeout: float = 10.0) -> int:

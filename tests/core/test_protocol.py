@@ -14,8 +14,6 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from tests.core.support import fd_count, frame, inode, send_raw
 from weightcache.core import PROTOCOL_VERSION
 from weightcache.core.errors import ProtocolError
 from weightcache.core.protocol import (
@@ -29,6 +27,8 @@ from weightcache.core.protocol import (
     encode,
     send_frame,
 )
+
+from tests.core.support import fd_count, frame, inode, send_raw
 
 
 @pytest.fixture

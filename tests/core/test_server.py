@@ -14,13 +14,26 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
+from weightcache.core import PROTOCOL_VERSION
+from weightcache.core.client import Connection
+from weightcache.core.errors import (
+    AccessDenied,
+    FingerprintMismatch,
+    ServerError,
+    ServerUnavailable,
+)
+from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir
+from weightcache.core.protocol import (
+    MAX_FRAME_BYTES,
+    FrameReader,
+    close_fds,
+    send_frame,
+)
 
 from tests.core.support import (
-    fd_count,
     frame,
     host_manifest,
     inode,
@@ -29,35 +42,20 @@ from tests.core.support import (
     publish_host_entry,
     raw_connect,
     read_replies,
+    resting_fd_count,
     sealed_memfd,
     send_raw,
     settle_fd_count,
 )
 from tests.helpers import ServerProcess, wait_until
-from weightcache.core import PROTOCOL_VERSION
-from weightcache.core.client import Connection
-from weightcache.core.errors import AccessDenied, FingerprintMismatch, ServerError, ServerUnavailable
-from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir
-from weightcache.core.protocol import MAX_FRAME_BYTES, FrameReader, close_fds, send_frame
 
 TEST_USER = "wctest"
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run the ``weightcache`` command in a fresh process."""
-    return subprocess.run([sys.executable, "-m", "weightcache.core.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def resting_fd_count(pid: int) -> int:
-    """The server's fd count once the connection threads of earlier clients have closed theirs."""
-    time.sleep(0.1)
-    count = fd_count(pid)
-    while True:
-        time.sleep(0.1)
-        again = fd_count(pid)
-        if again == count:
-            return count
-        count = again
+    return subprocess.run([sys.executable, "-m", "weightcache.core.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)
 
 
 def status(socket_dir) -> dict:
@@ -116,7 +114,7 @@ def test_publish_and_attach_a_host_entry(server):
                 assert status(server.socket_dir)["entries"][0]["attached_pids"] == [os.getpid()]
                 holder.detach(reply.digest)
                 assert status(server.socket_dir)["entries"][0]["attached_pids"] == []
-                holder.attach(fingerprint)  # fds of this second attach close with the reply below
+                close_fds(holder.attach(fingerprint).fds)  # attached again; closing the connection detaches
             finally:
                 close_fds(reply.fds)
         finally:
@@ -129,9 +127,8 @@ def test_publish_and_attach_a_host_entry(server):
 
 def test_attach_names_the_mismatched_fields(server):
     published = publish_host_entry(server.socket_dir)
-    with Connection(server.socket_dir) as conn:
-        with pytest.raises(FingerprintMismatch) as info:
-            conn.attach(make_fingerprint(dtype="bfloat16", engine_version="1"))
+    with Connection(server.socket_dir) as conn, pytest.raises(FingerprintMismatch) as info:
+        conn.attach(make_fingerprint(dtype="bfloat16", engine_version="1"))
     assert set(info.value.fields) == {"dtype", "engine_version"} and info.value.closest == published.digest
 
 
@@ -376,7 +373,7 @@ def test_user() -> tuple[int, int]:
         if shutil.which("useradd") is None:
             pytest.skip("useradd is not installed; cannot create a second user")
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", TEST_USER],
-                       capture_output=True, timeout=60)  # may race another session creating it: look it up again
+                       capture_output=True, timeout=60, check=False)  # may race another session creating it: look it up again
         entry = pwd.getpwnam(TEST_USER)
     return entry.pw_uid, entry.pw_gid
 
@@ -384,7 +381,7 @@ def test_user() -> tuple[int, int]:
 def hello_as(user: tuple[int, int], socket_dir: Path) -> dict:
     uid, gid = user
     result = subprocess.run([sys.executable, "-c", _HELLO_AS_USER, str(uid), str(gid), str(socket_dir)],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -420,9 +417,9 @@ def test_a_client_of_another_uid_is_refused_by_its_peer_credentials(foreign_serv
     info = os.lstat(foreign_server.socket_dir / SOCKET_NAME)
     assert info.st_uid == uid and stat.S_IMODE(info.st_mode) == 0o600
     # Root may enter the user's 0700 directory, so only SO_PEERCRED stands between us and the server.
-    with pytest.raises(AccessDenied, match=f"uid {os.geteuid()} may not use a server of uid {uid}"):
-        with Connection(foreign_server.socket_dir, timeout=10) as conn:
-            conn.hello()
+    with pytest.raises(AccessDenied, match=f"uid {os.geteuid()} may not use a server of uid {uid}"), \
+            Connection(foreign_server.socket_dir, timeout=10) as conn:
+        conn.hello()
     assert wait_until(lambda: f"refused pid {os.getpid()} of uid {os.geteuid()}" in foreign_server.log()), foreign_server.log()
     # The refusal is about the uid: the server's own user is served.
     assert hello_as(test_user, foreign_server.socket_dir) == {"ok": True, "uid": uid}

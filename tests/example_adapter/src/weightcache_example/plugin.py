@@ -1,6 +1,7 @@
-"""The weightcache adapter for TinyLM: four hooks, registered as ``example`` in ``weightcache.adapters``.
+"""The weightcache adapter for TinyLM: five hooks, registered as ``example`` in ``weightcache.adapters``.
 
 - ``weightcache_describe``: read config.json only; say which quantization applies.
+- ``weightcache_quantization_allowlist``: methods validated beyond the core's (none).
 - ``weightcache_load``: build the model and read its weights from disk.
 - ``weightcache_quantize``: block-wise FP8 with the core's helpers (optional).
 - ``weightcache_rebind``: build the model on meta and point it at the mapped tensors.
@@ -39,10 +40,17 @@ def weightcache_describe(request):
 
 
 @hookimpl
+def weightcache_quantization_allowlist(request):
+    return ()  # methods validated beyond the core's none and fp8-block: add one only once the kit passes on it
+
+
+@hookimpl
 def weightcache_load(request, builder):
     model = TinyLM.from_config(read_config(request.model))
     state = safetensors.torch.load_file(f"{request.model}/model.safetensors")
-    model.load_state_dict(state, strict=False)  # head.weight is tied to embed.weight
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if set(missing) != {"head.weight"} or unexpected:  # head.weight is tied to embed.weight, stored once
+        raise ValueError(f"{request.model} does not fit TinyLM: missing {missing}, unexpected {unexpected}")
     return model.to(request.device).eval()
 
 

@@ -1,0 +1,203 @@
+"""The conformance kit's own pieces: light import, tensor assertions, fingerprint changes, weightless copies, CLI."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import subprocess
+import sys
+import textwrap
+
+import attrs
+import pytest
+
+import weightcache.conformance
+from weightcache.conformance.assertions import (
+    assert_tensors_identical,
+    bit_identical,
+    difference_message,
+    flatten_outputs,
+    tensor_digest,
+    tied_groups,
+)
+from weightcache.conformance.checks import changed_fingerprint, mismatch_name
+from weightcache.conformance.weightless import copy_without_weights
+from weightcache.core.fingerprint import FIELDS, Fingerprint
+
+torch = pytest.importorskip("torch")
+
+
+def _python(code: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code), *args],
+                          capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_plugin_module_is_light():
+    """Loading the plugin (and the CLI's command module) imports neither torch nor the kit's classes."""
+    proc = _python("""
+        import sys
+        import weightcache.conformance, weightcache.conformance.command
+        from weightcache.core.cli import build_parser
+        build_parser()
+        heavy = sorted(m for m in ("torch", "transformers", "safetensors", "weightcache.conformance.checks") if m in sys.modules)
+        assert not heavy, heavy
+    """)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_lazy_exports():
+    for name in weightcache.conformance.__all__:
+        assert getattr(weightcache.conformance, name) is not None
+    with pytest.raises(AttributeError):
+        weightcache.conformance.NoSuchThing  # noqa: B018
+
+
+def test_required_fixtures_raise_not_implemented(tmp_path):
+    """A subclass that gives neither fixtures nor options errors with a message saying what to provide."""
+    (tmp_path / "test_bare.py").write_text(textwrap.dedent("""
+        from weightcache.conformance import ConformanceFixtures, ConformanceTests
+
+        class TestBare(ConformanceFixtures, ConformanceTests):
+            pass
+    """))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "test_bare.py", "-q", "-p", "no:cacheprovider", "-k", "tensor_parity", "--tb=line"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )
+    assert proc.returncode == 1, proc.stdout
+    assert "NotImplementedError: override the adapter_name fixture or pass --weightcache-adapter NAME" in proc.stdout
+
+
+# ------------------------------------------------------------------ assertions
+
+
+def test_difference_message_names_largest_difference():
+    expected = torch.zeros(2, 3)
+    actual = expected.clone()
+    actual[1, 2] = 0.5
+    actual[0, 0] = -0.25
+    assert difference_message(expected, expected.clone()) is None
+    message = difference_message(actual, expected)
+    assert message.startswith("2 of 6 elements differ, largest difference 0.5 at index [1, 2]")
+    with pytest.raises(AssertionError, match=r"lm_head.weight: torch.float32 on cpu \(mapped\) differs from the disk load "
+                       r"\(torch.float32 on cpu\): 2 of 6 elements differ, largest difference 0.5"):
+        assert_tensors_identical("lm_head.weight", actual, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.int64, torch.bool])
+def test_difference_message_other_dtypes(dtype):
+    expected = torch.tensor([[1, 0], [0, 1]]).to(dtype)
+    actual = torch.tensor([[1, 0], [1, 1]]).to(dtype)
+    assert "1 of 4 elements differ, largest difference 1 at index [1, 0]" in difference_message(actual, expected)
+
+
+def test_bit_identity_is_by_bytes():
+    nan = torch.tensor([float("nan"), 0.0])
+    assert bit_identical(nan, nan.clone())  # NaN == NaN by bits
+    assert not bit_identical(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert "signed zeros" in difference_message(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert "dtype" in difference_message(torch.zeros(2), torch.zeros(2, dtype=torch.float64))
+
+
+def test_digest_ignores_strides_not_values():
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert tensor_digest(base.t()) == tensor_digest(base.t().contiguous())
+    assert tensor_digest(base) != tensor_digest(base.t().contiguous())
+    assert tensor_digest(torch.tensor(1.5)) == tensor_digest(torch.tensor([1.5]))
+
+
+def test_tied_groups():
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False))
+    assert tied_groups(model) == set()
+    model[1].weight = model[0].weight
+    assert tied_groups(model) == {frozenset({"0.weight", "1.weight"})}
+
+
+def test_flatten_outputs():
+    a, b = torch.zeros(1), torch.ones(1)
+    flat = flatten_outputs({"logits": a, "hidden": (b, None), "cache": object()})
+    assert flat == {"output.logits": a, "output.hidden[0]": b}
+
+
+# ------------------------------------------------------------------ fingerprints
+
+
+def _fingerprint() -> Fingerprint:
+    values = {name: ("x" if name != "cuda_version" else "") for name in FIELDS}
+    ints = {"tp_size", "tp_rank", "pp_size", "pp_rank", "dp_size", "ep_size", "ep_rank", "protocol_version"}
+    values.update({name: 1 for name in ints}, extra={"backend": "a"})
+    return Fingerprint(**values)
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_changed_fingerprint_changes_one_field(field):
+    original = _fingerprint()
+    changed, name = changed_fingerprint(original, field)
+    assert name == mismatch_name(field)
+    assert original.mismatched_fields(changed) == (name,)
+    assert changed.digest != original.digest
+
+
+# ------------------------------------------------------------------ weightless copies
+
+
+def test_weightless_copy_keeps_headers_and_fails_reads(model_dir, tmp_path):
+    import safetensors.torch
+
+    from weightcache.core.safetensors_io import checkpoint_identity
+
+    source = model_dir("llama", sharded=True)
+    copy = copy_without_weights(source, tmp_path / "copy")
+    assert checkpoint_identity(copy) == checkpoint_identity(source)
+    assert (copy / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    shards = sorted(copy.glob("*.safetensors"))
+    assert len(shards) > 1
+    for shard in shards:
+        assert shard.stat().st_size < (source / shard.name).stat().st_size
+        with pytest.raises(Exception):
+            safetensors.torch.load_file(shard)
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def test_cli_help_lists_options():
+    proc = subprocess.run([sys.executable, "-m", "weightcache.core.cli", "conformance", "--help"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--adapter", "--model", "--quant", "--json", "--device", "--inputs"):
+        assert option in proc.stdout
+
+
+def test_cli_table(capsys):
+    from weightcache.conformance.command import print_table
+
+    summary = {
+        "adapter": "hf", "model": "m", "quantization": "none", "device": "cpu", "passed": False, "exit_code": 1,
+        "counts": {"passed": 2, "failed": 1, "error": 0, "skipped": 0}, "seconds": 1.0, "collection_errors": [],
+        "checks": [
+            {"check": "test_a[x]", "group": "test_a", "outcome": "passed", "duration_s": 0.1, "message": ""},
+            {"check": "test_a[y]", "group": "test_a", "outcome": "failed", "duration_s": 0.1, "message": "boom"},
+            {"check": "test_b", "group": "test_b", "outcome": "passed", "duration_s": 0.1, "message": ""},
+        ],
+    }
+    print_table(summary)
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()]
+    assert ["a", "FAIL", "1", "1", "0"] in rows and ["b", "PASS", "1", "0", "0"] in rows
+    assert "test_a[y] (failed): boom" in out and "FAILED (pytest exit status 1)" in out
+
+
+def test_fingerprint_fields_are_all_covered():
+    """The kit changes every field of the fingerprint; a new field needs no change in the kit unless its type is new."""
+    fingerprint = _fingerprint()
+    for field in FIELDS:
+        changed_fingerprint(fingerprint, field)
+    assert set(FIELDS) == {f.name for f in attrs.fields(Fingerprint)}
+
+
+def test_every_conformance_module_is_documented():
+    for info in pkgutil.iter_modules(weightcache.conformance.__path__, "weightcache.conformance."):
+        module = importlib.import_module(info.name)
+        assert (module.__doc__ or "").strip(), f"{info.name} has no docstring"
