@@ -35,6 +35,8 @@ class Attachment:
         self.manifest = manifest
         self.label = label
         self.fds = list(fds)
+        self.socket_dir = None
+        self.watcher = None
         self.arenas: list[Arena] = []
         self.timings: dict[str, float] = {}
         start = time.perf_counter()
@@ -71,17 +73,47 @@ class Attachment:
             raise
         decoded = time.perf_counter()
         attachment = cls(connection, fingerprint, reply.digest, manifest, reply.fds, reply.label)
+        attachment.socket_dir = socket_dir
         attachment.timings.update(request_s=requested - start, manifest_s=decoded - requested)
         return attachment
 
     def republish(self, socket_dir=None) -> bool:
         """Publish this entry to the server at ``socket_dir`` (e.g. after it restarted) from the fds held here."""
-        with Connection(socket_dir) as connection:
+        with Connection(socket_dir if socket_dir is not None else self.socket_dir) as connection:
             reply = connection.publish(self.fingerprint, self.manifest.to_json(), self.fds, label=self.label)
         return bool(reply.get("created"))
 
+    def reattach(self) -> bool:
+        """After a server restart: publish this entry again from the fds held here and attach to it anew.
+
+        Returns whether this engine's publish created the entry (False: another engine was first).
+        """
+        connection = Connection(self.socket_dir)
+        try:
+            created = bool(connection.publish(self.fingerprint, self.manifest.to_json(), self.fds, label=self.label).get("created"))
+            reply = connection.attach(self.fingerprint)
+            close_fds(reply.fds)  # this engine keeps the fds it already holds
+        except BaseException:
+            connection.close()
+            raise
+        old, self.connection = self.connection, connection
+        if old is not None:
+            old.close()
+        return created
+
+    def watch(self, poll_s: float = 0.2) -> None:
+        """Re-publish this entry whenever the server restarts (a background thread; see ``core.watch``)."""
+        from weightcache.core.watch import Republisher
+
+        if self.watcher is None:
+            self.watcher = Republisher(self, poll_s)
+            self.watcher.start()
+
     def close(self) -> None:
         """Drop the tensors, unmap the arenas, close the fds and the connection (idempotent)."""
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = None
         self.tensors = {}
         for arena in self.arenas:
             arena.close()

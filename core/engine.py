@@ -63,11 +63,15 @@ def load_model(
     parallel: ParallelSpec | None = None,
     socket_dir=None,
     strict: bool = False,
+    republish: bool = True,
     plugins: Plugins | None = None,
     progress=None,
     **options,
 ) -> LoadedModel:
-    """Load ``model`` for one engine rank in ``mode``; see the module docstring."""
+    """Load ``model`` for one engine rank in ``mode``; see the module docstring.
+
+    With ``republish`` an attached engine publishes its entry again to a restarted server.
+    """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     request = LoadRequest(
@@ -80,7 +84,16 @@ def load_model(
     if mode == "off":
         return _from_disk(prepared, mode, timings)
     if mode == "daemon":
-        return _daemon(prepared, socket_dir, progress, timings)
+        loaded = _daemon(prepared, socket_dir, progress, timings)
+    else:
+        loaded = _client(prepared, socket_dir, strict, timings)
+    if republish and loaded.attachment is not None:
+        loaded.attachment.watch()
+    return loaded
+
+
+def _client(prepared: Prepared, socket_dir, strict: bool, timings: dict) -> LoadedModel:
+    request = prepared.request
     try:
         return attach_model(prepared, socket_dir, timings)
     except (ServerUnavailable, EntryNotFound) as exc:
@@ -89,7 +102,7 @@ def load_model(
         fields = f" (mismatched fields: {', '.join(exc.fields)})" if getattr(exc, "fields", ()) else ""
         reason = f"{exc}{fields}"
         log.warning("weightcache: loading %s from disk: %s", request.model, reason)
-        loaded = _from_disk(prepared, mode, timings)
+        loaded = _from_disk(prepared, "client", timings)
         loaded.fallback_reason = reason
         return loaded
 
@@ -111,9 +124,7 @@ def attach_model(prepared: Prepared, socket_dir=None, timings: dict | None = Non
 
 
 def _from_disk(prepared: Prepared, mode: str, timings: dict) -> LoadedModel:
-    start = time.perf_counter()
-    model = load_from_disk(prepared)
-    timings["load_s"] = time.perf_counter() - start
+    model = load_from_disk(prepared, timings=timings)
     return LoadedModel(model, "disk", mode, prepared.fingerprint, timings=timings)
 
 

@@ -54,10 +54,18 @@ def prepare(request: LoadRequest, plugins: Plugins | None = None) -> Prepared:
     return Prepared(request, adapter, description, fingerprint_for(request, description))
 
 
-def load_from_disk(prepared: Prepared, builder: ArenaBuilder | None = None):
-    """The adapter's plain load plus post-processing (mode ``off``, and the loader's first half)."""
+def load_from_disk(prepared: Prepared, builder: ArenaBuilder | None = None, timings: dict | None = None):
+    """The adapter's plain load plus post-processing (mode ``off``, and the loader's first half).
+
+    Adds ``load_s`` and ``quantize_s`` to ``timings`` when given.
+    """
+    timings = {} if timings is None else timings
+    start = time.perf_counter()
     model = prepared.adapter.load(prepared.request, builder)
-    return prepared.adapter.quantize(prepared.request, model, prepared.description)
+    loaded = time.perf_counter()
+    model = prepared.adapter.quantize(prepared.request, model, prepared.description)
+    timings.update(load_s=loaded - start, quantize_s=time.perf_counter() - loaded)
+    return model
 
 
 def publish(
@@ -73,9 +81,7 @@ def publish(
     builder = ArenaBuilder(prepared.request.device, chunk_bytes=chunk_bytes)
     builder.progress = progress
     try:
-        start = time.perf_counter()
-        model = load_from_disk(prepared, builder)
-        timings["load_s"] = time.perf_counter() - start
+        model = load_from_disk(prepared, builder, timings)
         start = time.perf_counter()
         manifest = prepared.adapter.export(prepared.request, model, builder)
         extra = prepared.adapter.manifest_extra(prepared.request, model)

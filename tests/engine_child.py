@@ -52,7 +52,11 @@ def main() -> None:
     parser.add_argument("--mode", default="client")
     parser.add_argument("--dtype")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--count-opens", action="store_true", help="count opens of *.safetensors files (audit hook)")
     args = parser.parse_args()
+    opens = []
+    if args.count_opens:
+        sys.addaudithook(lambda event, hook_args: opens.append(hook_args[0]) if event == "open" and str(hook_args[0]).endswith(".safetensors") else None)
     from weightcache.core.engine import load_model
 
     free_before = _gpu_free(args.device)
@@ -73,6 +77,8 @@ def main() -> None:
             with torch.no_grad():
                 next(loaded.model.parameters()).add_(1)
             print(json.dumps({"wrote": True}), flush=True)
+        elif command == "opens":
+            print(json.dumps({"opens": [str(p) for p in opens]}), flush=True)
         elif command == "quit":
             break
     loaded.close()

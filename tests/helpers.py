@@ -62,9 +62,9 @@ class ServerProcess:
 class Engine:
     """An engine (tests/engine_child.py) in its own process, driven line by line."""
 
-    def __init__(self, model, socket_dir, mode="client", dtype=None, device="cpu"):
+    def __init__(self, model, socket_dir, mode="client", dtype=None, device="cpu", count_opens=False):
         args = [sys.executable, "-m", "tests.engine_child", "--model", str(model), "--socket-dir", str(socket_dir),
-                "--mode", mode, "--device", device]
+                "--mode", mode, "--device", device] + (["--count-opens"] if count_opens else [])
         if dtype:
             args += ["--dtype", dtype]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,0 +1,96 @@
+"""Server restarts, hot standby and memory accounting."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import Engine, ServerProcess, wait_until
+
+from weightcache.core.client import Connection
+from weightcache.core.errors import ServerError
+from weightcache.core.loader import prepare, publish
+from weightcache.core.request import LoadRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _entries(socket_dir) -> list[dict]:
+    with Connection(socket_dir) as conn:
+        return conn.status()["entries"]
+
+
+def _header_only(path: Path) -> None:
+    """Cut every safetensors file after its header: any read of a weight would now fail."""
+    for file in path.glob("*.safetensors"):
+        data = file.read_bytes()
+        file.write_bytes(data[: 8 + int.from_bytes(data[:8], "little")])
+
+
+def test_a_restarted_server_gets_its_entries_back_from_live_engines_without_disk_reads(socket_dir, model_dir, tmp_path):
+    path = Path(shutil.copytree(model_dir("llama"), tmp_path / "llama"))
+    first = ServerProcess.start(socket_dir)
+    engine = late = None
+    try:
+        publish(prepare(LoadRequest(model=str(path))), socket_dir)
+        engine = Engine(path, socket_dir)
+        reference = engine.ask("hash")
+        first.kill()  # SIGKILL: the server's fds are gone; the engine's mapping and fds are not
+        _header_only(path)
+        second = ServerProcess.start(socket_dir)
+        try:
+            assert wait_until(lambda: len(_entries(socket_dir)) == 1, timeout=15), "the engine did not re-publish"
+            late = Engine(path, socket_dir, count_opens=True)
+            assert late.ready["source"] == "cache"
+            assert late.ask("hash") == reference
+            opened = late.ask("opens")["opens"]
+            files = list(path.glob("*.safetensors"))
+            assert sorted(opened) == sorted(map(str, files)), "only the headers may be read (for the fingerprint)"
+            assert engine.ask("hash") == reference
+        finally:
+            if late:
+                late.close()
+            second.stop()
+    finally:
+        if engine:
+            engine.close()
+        first.kill()
+
+
+def test_hot_standby_takes_over_within_a_second(model_dir):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "hot_standby.py"), "--model", str(model_dir("llama")), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["outputs_identical"]
+    assert result["first_output_ms"] < 1000, result
+
+
+def test_least_recently_used_unattached_entries_make_room_within_the_byte_budget(socket_dir, model_dir):
+    kinds = ("llama", "qwen2", "gemma")
+    sizes = {k: sum(p.stat().st_size for p in model_dir(k).glob("*.safetensors")) for k in kinds}
+    budget = int(max(sizes.values()) * 2.5)
+    server = ServerProcess.start(socket_dir, "--byte-budget", str(budget))
+    try:
+        llama = publish(prepare(LoadRequest(model=str(model_dir("llama")))), socket_dir)
+        holder = Engine(model_dir("llama"), socket_dir)  # attached: never evicted
+        qwen = publish(prepare(LoadRequest(model=str(model_dir("qwen2")))), socket_dir)
+        publish(prepare(LoadRequest(model=str(model_dir("gemma")))), socket_dir)
+        digests = {e["digest"] for e in _entries(socket_dir)}
+        assert llama.digest in digests and qwen.digest not in digests, "the idle qwen2 entry should have made room"
+        with Connection(socket_dir) as conn:
+            status = conn.status()
+        assert status["held_bytes"] <= budget
+        with pytest.raises(ServerError, match="over_budget"):
+            big = model_dir("mixtral")
+            if sum(p.stat().st_size for p in big.glob("*.safetensors")) + sizes["llama"] <= budget:
+                pytest.skip("the MoE test model fits the budget; nothing to refuse")
+            publish(prepare(LoadRequest(model=str(big))), socket_dir)
+        holder.close()
+    finally:
+        server.stop()
