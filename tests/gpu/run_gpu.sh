@@ -37,6 +37,8 @@ status=0
 python3 -m pytest tests/gpu -v -p no:cacheprovider -W error -o addopts="-ra" 2>&1 | tee "$OUT/gpu-tests.log" || status=1
 if [ "$QUICK" != "--quick" ]; then
   python3 benchmarks/attach.py --device cuda:0 --gib 16 --extra-gib 64 --json "$OUT/attach-gpu.json" 2>&1 | tee "$OUT/attach-gpu.log" || status=1
+  python3 benchmarks/fp8.py --device cuda:0 --hidden 4096 --layers 8 --json "$OUT/fp8-gpu.json" 2>&1 | tee "$OUT/fp8-gpu.log" || status=1
+  python3 benchmarks/standby.py --device cuda:0 2>&1 | tee "$OUT/standby-gpu.log" || status=1
 fi
 rm -rf "$SHIM"
 exit $status

@@ -149,3 +149,58 @@ def test_a_reordered_cuda_visible_devices_still_maps_the_right_gpu(server, gpu_m
         assert engine.ready["source"] == "cache"
     finally:
         engine.close()
+
+
+def test_fp8_block_model_attached_equals_the_disk_quantized_model(server, gpu_model):
+    run_python(
+        "import sys; from weightcache.core.loader import prepare, publish; from weightcache.core.request import LoadRequest;"
+        "publish(prepare(LoadRequest(model=sys.argv[1], device='cuda:0', quantization='fp8-block')), sys.argv[2])",
+        str(gpu_model), str(server.socket_dir),
+    )
+    code = """
+import sys, json, hashlib, torch
+import weightcache.core.quantization.fp8_block as fp8
+from weightcache.core.engine import load_model
+mode = sys.argv[3]
+if mode == "client":
+    def refuse(*a, **k):
+        raise AssertionError("a client must not quantize")
+    fp8.quantize_weight = fp8.quantize_model = refuse
+loaded = load_model(sys.argv[1], mode=mode, socket_dir=sys.argv[2], device="cuda:0", quantization="fp8-block", strict=True)
+ids = (torch.arange(64).reshape(2, 32) * 31 % loaded.model.config.vocab_size).cuda()
+with torch.no_grad():
+    out = loaded.model(input_ids=ids)[0].float().cpu()
+print(json.dumps({"source": loaded.source, "sha": hashlib.sha256(out.numpy().tobytes()).hexdigest()}))
+"""
+    import json
+
+    disk = json.loads(run_python(code, str(gpu_model), str(server.socket_dir), "off").stdout.strip().splitlines()[-1])
+    cached = json.loads(run_python(code, str(gpu_model), str(server.socket_dir), "client").stdout.strip().splitlines()[-1])
+    assert cached["source"] == "cache" and cached["sha"] == disk["sha"]
+
+
+def test_engines_republish_gpu_entries_to_a_restarted_server(socket_dir, gpu_model):
+    from tests.helpers import ServerProcess, wait_until
+    from weightcache.core.client import Connection
+
+    first = ServerProcess.start(socket_dir)
+    _publish_in_subprocess(gpu_model, socket_dir)
+    engine = Engine(gpu_model, socket_dir, device=DEVICE)
+    try:
+        reference = engine.ask("hash")
+        first.kill()
+        second = ServerProcess.start(socket_dir)
+        try:
+            def entries():
+                with Connection(socket_dir) as conn:
+                    return conn.status()["entries"]
+
+            assert wait_until(lambda: len(entries()) == 1, timeout=20)
+            late = Engine(gpu_model, socket_dir, device=DEVICE)
+            assert late.ask("hash") == reference
+            late.close()
+        finally:
+            second.stop()
+    finally:
+        engine.close()
+        first.kill()
