@@ -94,8 +94,8 @@ def test_tied_weights_stay_tied(server, model_dir, kind):
         cached.close()
 
 
-def test_two_engines_share_one_physical_copy(server, model_dir):
-    path = model_dir("llama", "float32", False)
+def test_two_engines_share_one_physical_copy(server, minilm_dir):
+    path = minilm_dir  # 87 MiB of weights: large against the machine's background noise in Shmem
     publish_model(path, server.socket_dir)
     shmem_before = _meminfo("Shmem")
     first = Engine(path, server.socket_dir)
