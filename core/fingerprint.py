@@ -89,6 +89,11 @@ class Fingerprint:
             missing = sorted(names - set(data)) if isinstance(data, dict) else sorted(names)
             unknown = sorted(set(data) - names) if isinstance(data, dict) else []
             raise ValueError(f"malformed fingerprint: missing {missing}, unknown {unknown}")
+        for field in attrs.fields(cls):
+            expected = _JSON_TYPES[field.type]
+            value = data[field.name]
+            if not isinstance(value, expected) or isinstance(value, bool):
+                raise ValueError(f"malformed fingerprint: field {field.name} must be {expected.__name__}, not {type(value).__name__}")
         return cls(**data)
 
     @property
@@ -114,4 +119,5 @@ class Fingerprint:
         return theirs.get("checkpoint") == self.checkpoint
 
 
+_JSON_TYPES = {"str": str, "int": int, "dict": dict}
 FIELDS: typing.Final = tuple(f.name for f in attrs.fields(Fingerprint))

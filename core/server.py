@@ -11,6 +11,7 @@ import fcntl
 import itertools
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
@@ -86,6 +87,7 @@ class Server:
     def start(self) -> None:
         """Take the directory's lock, clear a dead server's socket, bind and listen."""
         socket_dir = ensure_private_dir(self.config.socket_dir)
+        _raise_fd_limit()
         self._lock_fd = os.open(socket_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -249,7 +251,7 @@ class Server:
         from weightcache.core.manifest import Manifest  # attrs only; no torch at import
 
         try:
-            fingerprint = _fingerprint_from_wire(message["fingerprint"])
+            fingerprint = Fingerprint.from_json(message["fingerprint"])
             manifest = Manifest.from_json(message["manifest"])
             if len(fds) != len(manifest.arenas):
                 raise ValueError(f"manifest lists {len(manifest.arenas)} arenas but {len(fds)} fds came")
@@ -274,7 +276,7 @@ class Server:
         return ok_reply(digest=entry.digest, created=created), []
 
     def _attach(self, message, fds, connection_id, pid):
-        fingerprint = _fingerprint_from_wire(message["fingerprint"])
+        fingerprint = Fingerprint.from_json(message["fingerprint"])
         found = self.registry.checkout(fingerprint, connection_id, pid)
         if found is None:
             closest, fields = self.registry.closest(fingerprint)
@@ -331,22 +333,18 @@ class Server:
 _HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK
 
 
-_WIRE_TYPES = {"str": str, "int": int, "dict": dict}
+def _raise_fd_limit() -> None:
+    """Lift the soft limit on open fds to the hard one: the server holds every arena's fd, and one
+    frame may carry up to MAX_FDS of them (more than the common default soft limit of 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
 
 
-def _fingerprint_from_wire(data) -> Fingerprint:
-    """``Fingerprint.from_json`` plus a type check of every field (a wrong type is a ValueError).
-
-    An entry whose fingerprint holds, say, a number where a string belongs could
-    never be matched and would break every ``weightcache status`` table.
-    """
-    fingerprint = Fingerprint.from_json(data)
-    for field in attrs.fields(Fingerprint):
-        value = getattr(fingerprint, field.name)
-        expected = _WIRE_TYPES.get(field.type if isinstance(field.type, str) else field.type.__name__)
-        if expected is not None and (not isinstance(value, expected) or isinstance(value, bool)):
-            raise ValueError(f"malformed fingerprint: field {field.name} must be {expected.__name__}, not {type(value).__name__}")
-    return fingerprint
 
 
 def _check_arena_fd(fd: int, spec) -> None:

@@ -430,6 +430,7 @@ def test_slow_frame_within_the_deadline_is_answered(impatient_server):
 
 def test_server_survived_every_case_and_returned_to_baseline(fuzzed):
     assert fuzzed.server.proc.poll() is None
+    assert "unexpected error" not in fuzzed.server.log(), "every bad frame must get a deliberate answer, not a traceback"
     with Connection(fuzzed.server.socket_dir) as conn:
         assert conn.hello()["pid"] == fuzzed.server.pid
         entries = conn.status()["entries"]

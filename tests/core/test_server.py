@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from weightcache.core import PROTOCOL_VERSION
+from weightcache.core.arena import ArenaSpec
 from weightcache.core.client import Connection
 from weightcache.core.errors import (
     AccessDenied,
@@ -158,8 +159,8 @@ def _make_case(name: str, published, tmp_path: Path):
     unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(unsealed, 4096)
     small_fd, _ = sealed_memfd(b"x")
-    big_manifest = host_manifest(type(spec)(backend="host", size=1 << 20), 4096)
-    odd_manifest = host_manifest(type(spec)(backend="tape", size=4096), 4096)
+    big_manifest = host_manifest(ArenaSpec(backend="host", size=1 << 20), 4096)
+    odd_manifest = host_manifest(ArenaSpec(backend="tape", size=4096), 4096)
     owned = [fd, read_end, write_end, regular, unsealed, small_fd]
 
     def request(message: dict, fds=(), stays_open=True, code="bad_request"):
@@ -244,7 +245,43 @@ def test_malformed_frame_gets_an_error_and_the_server_goes_on(server, tmp_path, 
     count = settle_fd_count(server.pid, baseline)
     assert count == baseline, f"server holds {count} fds after the bad frame, {baseline} before"
     assert server.proc.poll() is None
+    assert "unexpected error" not in server.log(), server.log()
 
+
+
+_SERVE_WITH_LOW_FD_LIMIT = """
+import resource, sys
+from weightcache.core.cli import main
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+sys.exit(main(["serve", "--socket-dir", sys.argv[1]]))
+"""
+
+
+def test_a_frame_with_more_fds_than_the_default_soft_limit_arrives_whole(socket_dir):
+    """A server started with a low soft fd limit lifts it: a frame may carry up to 4,096 fds."""
+    log_path = Path(str(socket_dir) + ".server.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-c", _SERVE_WITH_LOW_FD_LIMIT, str(socket_dir)],
+                                stdout=log, stderr=log, start_new_session=True)
+    server = ServerProcess(socket_dir, proc, log_path)
+    try:
+        wait_until(lambda: "serving on" in server.log() or proc.poll() is not None, timeout=20)
+        baseline = resting_fd_count(server.pid)
+        fd, _ = sealed_memfd(b"many")
+        try:
+            sock = raw_connect(socket_dir)
+            try:
+                send_frame(sock, {"op": "hello"}, [fd] * 1500)
+                reply, _ = FrameReader(sock).read(idle_timeout=10)
+            finally:
+                sock.close()
+        finally:
+            os.close(fd)
+        assert reply["ok"] is False and reply["error"]["message"].endswith("takes no fds; 1500 were closed"), reply
+        assert settle_fd_count(server.pid, baseline) == baseline
+    finally:
+        assert server.stop() == 0
+        log_path.unlink(missing_ok=True)
 
 
 # --- lifecycle --------------------------------------------------------------------------------------
@@ -351,6 +388,7 @@ serve(ServerConfig(socket_dir=sys.argv[3]))
 
 _HELLO_AS_USER = """
 import json, os, sys
+from weightcache.core.arena import ArenaSpec
 from weightcache.core.client import Connection
 from weightcache.core.errors import WeightCacheError
 os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[1]))
