@@ -32,13 +32,13 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = [
+    "REFUSED_METHODS",
     "ConformanceFixtures",
     "ConformanceTests",
     "CrashTests",
     "FingerprintTests",
     "ParityTests",
     "QuantizationTests",
-    "REFUSED_METHODS",
 ]
 
 _LAZY = {

@@ -15,11 +15,9 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
-
 from weightcache.conformance import ConformanceFixtures, ConformanceTests
 
 EXAMPLE = Path(__file__).parents[1] / "example_adapter"
@@ -32,7 +30,7 @@ def example_package():
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(SRC))
         import weightcache_example
-        import weightcache_example.plugin  # noqa: F401
+        import weightcache_example.plugin
 
         try:
             yield weightcache_example
