@@ -10,6 +10,7 @@ import logging
 
 from weightcache.adapters.hf import config as hf_config
 from weightcache.core import __version__
+from weightcache.core.errors import UnsupportedQuantization
 from weightcache.core.hookspecs import hookimpl
 from weightcache.core.request import ModelDescription
 
@@ -52,6 +53,12 @@ def weightcache_quantize(request, model, description):
     from weightcache.core.quantization.fp8_block import Fp8BlockConfig, quantize_model
 
     converted = quantize_model(model, Fp8BlockConfig.from_json(description.quantization_config))
+    if not converted:
+        raise UnsupportedQuantization(
+            hf_config.FP8_BLOCK,
+            f"no layer of {type(model).__name__} can be quantized: only untied nn.Linear layers outside the excluded "
+            "modules hold block-FP8 weights (GPT-2's Conv1D layers do not)",
+        )
     log.info("quantized %d linear layers to block-wise FP8", len(converted))
     return model
 

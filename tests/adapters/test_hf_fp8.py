@@ -151,3 +151,8 @@ def test_unvalidated_methods_are_refused_before_any_weight_is_read(tmp_path, mod
 def test_requesting_an_unvalidated_method_is_refused(model_dir):
     with pytest.raises(UnsupportedQuantization, match="'awq'"):
         load_model(str(model_dir("llama")), quantization="awq")
+
+
+def test_fp8_on_a_model_without_eligible_layers_is_refused_not_silently_skipped(model_dir):
+    with pytest.raises(UnsupportedQuantization, match="Conv1D"):
+        load_model(str(model_dir("gpt2")), quantization="fp8-block")

@@ -180,9 +180,9 @@ def test_empty_server_reports_no_entry(server, model_dir):
     assert not isinstance(caught.value, FingerprintMismatch)
 
 
-def test_a_loader_killed_at_any_point_leaves_no_partial_entry(server, model_dir):
+def test_a_loader_killed_at_any_point_leaves_no_partial_entry(server, minilm_dir):
     """Publishing is one frame: a killed loader leaves either nothing or a whole entry, and no memory."""
-    path = model_dir("llama", "float32", True)
+    path = minilm_dir  # 87 MiB: a leaked arena would stand out from the machine's background noise
     shmem_before = _meminfo("Shmem")
     outcomes = set()
     for delay in (0.2, 0.8, 1.5, 2.5, 4.0):
@@ -204,7 +204,7 @@ def test_a_loader_killed_at_any_point_leaves_no_partial_entry(server, model_dir)
             with Connection(server.socket_dir) as conn:
                 conn.evict(entries[0]["digest"])
     assert 0 in outcomes, "no kill landed before the publish; the test did not test anything"
-    assert _meminfo("Shmem") - shmem_before < 1 << 20, "a killed loader's arenas must be freed"
+    assert _meminfo("Shmem") - shmem_before < 16 << 20, "a killed loader's arenas must be freed"
 
 
 def test_cli_status_lists_entries(server, model_dir):
