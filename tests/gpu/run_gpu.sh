@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Run the GPU tests and the GPU benchmarks in one go; logs go to OUTDIR.
-#   tests/gpu/run_gpu.sh OUTDIR [--quick]
+#   tests/gpu/run_gpu.sh OUTDIR [all|tests|bench]   (default: all)
 # Needs: a CUDA GPU, torch, transformers, safetensors, pluggy, attrs, pytest, cuda-bindings.
 # weightcache itself is put on the path from this checkout (no install, no network).
 set -uo pipefail
-OUT=${1:?usage: tests/gpu/run_gpu.sh OUTDIR [--quick]}
-QUICK=${2:-}
+OUT=${1:?usage: tests/gpu/run_gpu.sh OUTDIR [all|tests|bench]}
+PART=${2:-all}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -34,8 +34,24 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', tr
 } > "$OUT/machine.txt" 2>&1
 
 status=0
-python3 -m pytest tests/gpu -v -p no:cacheprovider -W error -o addopts="-ra" 2>&1 | tee "$OUT/gpu-tests.log" || status=1
-if [ "$QUICK" != "--quick" ]; then
+if [ "$PART" != bench ]; then
+  python3 -m pytest tests/gpu -v -p no:cacheprovider -W error -o addopts="-ra" 2>&1 | tee "$OUT/gpu-tests.log" || status=1
+  # The conformance kit on the GPU, as an adapter author would run it: random-weight models of four architectures.
+  MODELS=$(mktemp -d /tmp/wc-conformance-XXXX)
+  for kind in llama gemma mixtral gpt2; do
+    python3 -c "import sys, pathlib; from tests.models import save_random_model; save_random_model(sys.argv[1], pathlib.Path(sys.argv[2]), dtype='bfloat16')" \
+      "$kind" "$MODELS/$kind" > /dev/null 2>&1
+    quants="none fp8-block"; [ "$kind" = gpt2 ] && quants="none"
+    for quant in $quants; do
+      extra=""; [ "$quant" != none ] && extra="--quant $quant"
+      echo "== conformance $kind $quant on cuda:0" | tee -a "$OUT/conformance-gpu.log"
+      python3 -m weightcache.core.cli conformance --adapter hf --model "$MODELS/$kind" --device cuda:0 $extra 2>&1 \
+        | tail -n 25 | tee -a "$OUT/conformance-gpu.log" || status=1
+    done
+  done
+  rm -rf "$MODELS"
+fi
+if [ "$PART" != tests ]; then
   python3 benchmarks/attach.py --device cuda:0 --gib 16 --extra-gib 64 --json "$OUT/attach-gpu.json" 2>&1 | tee "$OUT/attach-gpu.log" || status=1
   python3 benchmarks/fp8.py --device cuda:0 --hidden 4096 --layers 8 --json "$OUT/fp8-gpu.json" 2>&1 | tee "$OUT/fp8-gpu.log" || status=1
   python3 benchmarks/standby.py --device cuda:0 2>&1 | tee "$OUT/standby-gpu.log" || status=1
