@@ -10,7 +10,7 @@ from pathlib import Path
 
 import attrs
 
-from weightcache.core.errors import AccessDenied, EntryNotFound, FingerprintMismatch, ServerError, ServerUnavailable
+from weightcache.core.errors import AccessDenied, EntryNotFound, FingerprintMismatch, ProtocolError, ServerError, ServerUnavailable
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.paths import socket_path
 from weightcache.core.protocol import FrameReader, close_fds, send_frame
@@ -66,7 +66,15 @@ class Connection:
         """Send one request, return the reply and the fds that came with it."""
         try:
             send_frame(self._sock, message, fds)
-            frame = self._reader.read(idle_timeout=self.timeout)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            # The server may have refused this peer and closed before the request went out: read its reason.
+            frame = self._read_refusal()
+            if frame is None:
+                raise ServerUnavailable(str(self.path), f"connection lost: {exc}") from None
+        else:
+            frame = None
+        try:
+            frame = frame or self._reader.read(idle_timeout=self.timeout)
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise ServerUnavailable(str(self.path), f"connection lost: {exc}") from None
         except TimeoutError:
@@ -85,6 +93,12 @@ class Connection:
             cls = FingerprintMismatch if error.get("fields") else EntryNotFound
             raise cls(error.get("digest", ""), tuple(error.get("fields", ())), error.get("closest"))
         raise ServerError(code, error.get("message", ""))
+
+    def _read_refusal(self):
+        try:
+            return self._reader.read(idle_timeout=1.0)
+        except (OSError, TimeoutError, ProtocolError):
+            return None
 
     def hello(self) -> dict:
         return self.request({"op": "hello"})[0]

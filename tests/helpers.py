@@ -4,59 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
+from weightcache.conformance.processes import KitServer
 
-
-import attrs
-
-
-@attrs.define
-class ServerProcess:
-    """A ``weightcache serve`` child process on a private socket directory."""
-
-    socket_dir: Path
-    proc: subprocess.Popen
-    log_path: Path
-
-    @classmethod
-    def start(cls, socket_dir: Path, *extra: str, wait: bool = True) -> "ServerProcess":
-        from weightcache.core.client import wait_for_server
-
-        log_path = Path(str(socket_dir) + ".server.log")
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir), *extra],
-                stdout=log, stderr=log, start_new_session=True,
-            )
-        server = cls(Path(socket_dir), proc, log_path)
-        if wait:
-            try:
-                wait_for_server(socket_dir, timeout=20)
-            except Exception:
-                server.kill()
-                raise AssertionError(f"server did not start:\n{server.log()}") from None
-        return server
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self, timeout: float = 20) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=20)
+ServerProcess = KitServer  # one server-process helper for the kit and the project's tests
 
 
 class Engine:
