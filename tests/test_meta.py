@@ -71,3 +71,17 @@ def test_no_top_level_core_or_adapters_module_is_installed():
     for name in ("core", "adapters", "conformance"):
         spec = importlib.util.find_spec(name)
         assert spec is None or Path(spec.origin or "").parent.parent == ROOT, f"a top-level module {name!r} is installed"
+
+
+def test_a_plain_install_puts_everything_under_the_weightcache_namespace(tmp_path):
+    """`pip install .` (not editable): weightcache.core/adapters/conformance, no top-level core or adapters."""
+    target = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(ROOT)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    top = {p.name for p in target.iterdir()}
+    assert "weightcache" in top and not top & {"core", "adapters", "conformance"}, sorted(top)
+    for package in ("core", "core/arena", "core/quantization", "adapters/hf", "conformance"):
+        assert (target / "weightcache" / package / "__init__.py").exists(), package
+    entry_points = next(target.glob("weightcache-*.dist-info")).joinpath("entry_points.txt").read_text()
+    assert "hf = weightcache.adapters.hf.plugin" in entry_points and "weightcache = weightcache.core.cli:main" in entry_points
