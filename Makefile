@@ -5,7 +5,12 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test setup clean gpu
+# The engine test venv: vLLM and SGLang on CPU torch, for tests/engines (`make test` runs them there when it exists).
+ENGINE_PYTHON ?= python3.11
+ENGINE_VENV := .engine-venv
+ENGINES ?= vllm==0.33.0 sglang==0.5.23
+
+.PHONY: demo test setup clean gpu engine-venv
 
 $(BIN)/weightcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,5 +30,19 @@ test: setup
 gpu:
 	tests/gpu/run_gpu.sh out/gpu
 
+# Engines and their dependencies with --no-deps (they would pull CUDA torch 2.14); see tests/engines/engine-venv.txt.
+$(ENGINE_VENV)/.ready: pyproject.toml tests/engines/engine-venv.txt
+	rm -rf $(ENGINE_VENV)
+	$(ENGINE_PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(ENGINE_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(ENGINE_VENV)/bin/python -m pip install -q --no-deps $(ENGINES)
+	$(ENGINE_VENV)/bin/python -m pip install -q --no-deps -r tests/engines/engine-venv.txt
+	$(ENGINE_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(ENGINE_VENV)/bin/python -c "from tests.engines import shims; shims.install(); import vllm, sglang, weightcache.adapters.vllm.loader"
+	touch $@
+
+engine-venv: $(ENGINE_VENV)/.ready
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(ENGINE_VENV) build *.egg-info

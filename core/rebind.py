@@ -44,12 +44,16 @@ def _owner(model: "torch.nn.Module", name: str) -> tuple["torch.nn.Module", str]
         raise RebindError(f"the model has no module {path!r} for mapped tensor {name!r}; was it built from the same config?") from None
 
 
-def rebind_module(model: "torch.nn.Module", tensors: "dict[str, torch.Tensor]", manifest: "Manifest", device=None) -> "torch.nn.Module":
+def rebind_module(
+    model: "torch.nn.Module", tensors: "dict[str, torch.Tensor]", manifest: "Manifest", device=None, check: bool = True
+) -> "torch.nn.Module":
     """Point every parameter and buffer of ``model`` at ``tensors`` (zero-copy) and check the result.
 
     Tensors the model lacks (made by post-processing) are registered; tied
     weights become one Parameter; buffers the manifest does not hold are
     moved to ``device``. Raises RebindError naming what does not fit.
+    With ``check=False`` tensors may stay on meta: for an engine that runs its
+    own post-processing on the rebound model first, then calls ``check_no_meta``.
     """
     import torch
 
@@ -79,7 +83,8 @@ def rebind_module(model: "torch.nn.Module", tensors: "dict[str, torch.Tensor]", 
             owner._buffers[leaf] = tensors[target]
     if device is not None:
         _move_unmapped_buffers(model, manifest, device)
-    check_no_meta(model)
+    if check:
+        check_no_meta(model)
     model.eval()
     return model
 

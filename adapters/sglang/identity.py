@@ -1,0 +1,183 @@
+"""The fingerprint of an SGLang model rank, from its ModelConfig and the published ServerArgs, before any weight is read.
+
+It holds weightcache's own fields (checkpoint content, architecture, full
+config, ranks, dtype, quantization, torch/CUDA versions, GPU UUID and compute
+capability, protocol and adapter versions) and, in ``extra``, every field of
+SGLang's own weight-cache ``CacheConfig`` that the core fields do not carry
+(MoE and attention data/context-parallel ranks, ``moe_a2a_backend``, SGLang's
+quantization name and config hash, revision), plus the server arguments that
+choose a post-processed weight layout (kernel backends, kv-cache dtype).
+SGLang's own key names the model by its path; this one by its content.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import typing
+
+import attrs
+
+from weightcache.adapters import engine_quantization
+from weightcache.core.fingerprint import ParallelSpec
+
+if typing.TYPE_CHECKING:
+    from weightcache.core.fingerprint import Fingerprint
+
+ADAPTER = "sglang"
+
+SERVER_ARGS = ("quantization", "kv_cache_dtype", "attention_backend", "moe_runner_backend", "moe_a2a_backend")
+"""ServerArgs fields that choose how post-processing lays out the final weights."""
+
+
+@attrs.frozen
+class Ranks:
+    """This process's place in SGLang's parallel layout (``runtime_context.get_parallel()``)."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    dp_size: int = 1
+    moe_ep_size: int = 1
+    moe_ep_rank: int = 0
+    moe_dp_size: int = 1
+    moe_dp_rank: int = 0
+    attn_dp_size: int = 1
+    attn_cp_size: int = 1
+    enable_dp_lm_head: bool = False
+    moe_dense_tp_size: int | None = None
+
+    @classmethod
+    def current(cls) -> "Ranks":
+        """The ranks SGLang published for this process (the scheduler does so before loading)."""
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        return cls(**{field.name: getattr(parallel, field.name) for field in attrs.fields(cls)})
+
+    @property
+    def parallel(self) -> ParallelSpec:
+        return ParallelSpec(tp_size=self.tp_size, tp_rank=self.tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
+                            dp_size=self.dp_size, ep_size=self.moe_ep_size, ep_rank=self.moe_ep_rank)
+
+
+def quant_method_name(model_config) -> str:
+    """SGLang's name for the model's quantization method ("" when unquantized), as its weight cache resolves it."""
+    from sglang.srt.weight_cache.protocol import get_quant_method_name
+
+    method = get_quant_method_name(model_config.quantization)
+    hf_quant = getattr(model_config.hf_config, "quantization_config", None)
+    if not method and hf_quant is not None:
+        method = get_quant_method_name(engine_quantization.as_dict(hf_quant).get("quant_method") or hf_quant)
+    return method
+
+
+def quantization(model_config) -> tuple[str, dict]:
+    """The canonical method and config; UnsupportedQuantization unless unquantized or 128x128 block FP8.
+
+    Reads configs only: call it before anything touches the checkpoint's files.
+    """
+    hf_quant = getattr(model_config.hf_config, "quantization_config", None)
+    return engine_quantization.checked_method(quant_method_name(model_config), hf_quant)
+
+
+def checkpoint_dir(model_config, load_config) -> str:
+    """The local directory of the checkpoint's safetensors files (SGLang downloads them first for a hub name)."""
+    if os.path.isdir(model_config.model_path):
+        return model_config.model_path
+    from sglang.srt.model_loader.weight_utils import download_weights_from_hf
+
+    return download_weights_from_hf(model_config.model_path, load_config.download_dir, ["*.safetensors"],
+                                    model_config.revision, ignore_patterns=load_config.ignore_patterns)
+
+
+def published_server_args():
+    """The ServerArgs SGLang published for this process, or None."""
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        return get_server_args()
+    except (AttributeError, ValueError, RuntimeError):
+        return None
+
+
+def server_args_fields(server_args) -> dict:
+    """The weight-layout fields of ``server_args`` (empty for None)."""
+    if server_args is None:
+        return {}
+    return {name: _json(getattr(server_args, name, None)) for name in SERVER_ARGS}
+
+
+def sglang_key_fields(model_config, ranks: Ranks, server_args=None) -> dict:
+    """SGLang's CacheConfig fields not covered by the core fingerprint, as JSON values."""
+    from sglang.srt.weight_cache.protocol import hash_quant_config
+
+    hf_quant = getattr(model_config.hf_config, "quantization_config", None)
+    fields = {
+        "moe_dp_size": ranks.moe_dp_size,
+        "moe_dp_rank": ranks.moe_dp_rank,
+        "moe_ep_rank": ranks.moe_ep_rank,
+        "attn_dp_size": ranks.attn_dp_size,
+        "enable_dp_lm_head": bool(ranks.enable_dp_lm_head),
+        "attn_cp_size": ranks.attn_cp_size,
+        "moe_dense_tp_size": ranks.moe_dense_tp_size,
+        "quant_method": quant_method_name(model_config),
+        "quant_config_hash": hash_quant_config(hf_quant),
+        "revision": model_config.revision or "",
+        "is_draft_model": bool(getattr(model_config, "is_draft_model", False)),
+    }
+    return {**fields, **{f"server_args.{name}": value for name, value in server_args_fields(server_args).items()}}
+
+
+def _json(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(getattr(value, "value", value))
+
+
+def hf_config_json(model_config) -> dict:
+    """The model's full Hugging Face config as JSON."""
+    return json.loads(model_config.hf_config.to_json_string(use_diff=False))
+
+
+def device_name(device_config) -> str:
+    """``cpu`` or ``cuda:N`` for SGLang's DeviceConfig (``gpu_id`` is the process's CUDA index)."""
+    device = str(device_config.device)
+    if device == "cpu":
+        return "cpu"
+    return f"{device}:{int(device_config.gpu_id)}"
+
+
+def fingerprint(model_config, load_config, *, device: str, ranks: Ranks | None = None, server_args=None,
+                checkpoint: str | None = None) -> "Fingerprint":
+    """The fingerprint of one SGLang model rank; call it before loading (post-processing may mutate configs).
+
+    :param device: ``cpu`` or ``cuda:N``.
+    :param ranks: default: the ranks SGLang published for this process.
+    :param server_args: default: the ServerArgs SGLang published for this process.
+    :param checkpoint: the local checkpoint directory (default: resolved from ``model_config``).
+    """
+    import sglang
+
+    from weightcache.core import __version__
+    from weightcache.core.identity import make_fingerprint
+
+    method, quant_config = quantization(model_config)
+    ranks = ranks or Ranks.current()
+    architectures = getattr(model_config.hf_config, "architectures", None) or []
+    return make_fingerprint(
+        checkpoint or checkpoint_dir(model_config, load_config),
+        architecture=",".join(architectures),
+        config=hf_config_json(model_config),
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        device=device,
+        parallel=ranks.parallel,
+        quantization=method,
+        quantization_config=quant_config,
+        adapter=ADAPTER,
+        adapter_version=__version__,
+        engine="sglang",
+        engine_version=sglang.__version__,
+        extra=sglang_key_fields(model_config, ranks, server_args if server_args is not None else published_server_args()),
+    )

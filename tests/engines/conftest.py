@@ -1,0 +1,37 @@
+"""The engine suite: vLLM and SGLang's real code, in the engine venv (``make engine-venv``).
+
+Where both engines import, their tests run here directly; elsewhere (the
+project's own venv) only ``test_engine_venv.py`` is collected, and it runs
+this suite in the engine venv as a subprocess, or skips saying how to make one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+ENGINES = ("vllm", "sglang")
+ENGINES_HERE = all(importlib.util.find_spec(name) is not None for name in ENGINES)
+ENGINE_TESTS = ["test_vllm.py", "test_sglang.py"]
+
+collect_ignore = ["test_engine_venv.py"] if ENGINES_HERE else ENGINE_TESTS
+
+if ENGINES_HERE:
+    from tests.engines import shims
+
+    shims.install()  # before anything imports transformers or an engine
+
+    import pytest
+
+    from tests.engines.support import ENGINE_WARNINGS
+
+    def pytest_configure(config):
+        # Warnings raised inside the engines and their dependencies are theirs; ours stay errors.
+        for line in ENGINE_WARNINGS:
+            config.addinivalue_line("filterwarnings", line)
+
+    @pytest.fixture(scope="session")
+    def tiny_llama(tmp_path_factory):
+        """A tiny random-weight Llama checkpoint (bf16 safetensors) written for this session."""
+        from tests.engines.support import write_tiny_llama
+
+        return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

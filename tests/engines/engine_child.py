@@ -1,0 +1,168 @@
+"""One engine process (vLLM or SGLang) loading a checkpoint through ``--load-format weightcache``, step by step.
+
+    python -m tests.engines.engine_child --engine vllm --model DIR --steps JSON
+
+Each step is ``{"extra": {...model_loader_extra_config...}, "out": PATH or null, "try_reload": bool}``:
+a fresh engine config, the engine's own ``get_model_loader`` (the plugin
+registered the format), ``load_model``; the model's parameters and buffers go
+to ``out`` (torch.save) and a ``WCRESULT {json}`` line to stdout describes it.
+The engine's distributed state is set up once (gloo, world size 1), as a
+worker does before loading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+
+from tests.engines import shims
+
+RESULT = "WCRESULT "
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", choices=("vllm", "sglang"), required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--steps", required=True, help="JSON list of steps")
+    args = parser.parse_args(argv)
+    shims.install()
+    steps = json.loads(args.steps)
+    run = run_vllm if args.engine == "vllm" else run_sglang
+    run(args.model, steps)
+    return 0
+
+
+def emit(result: dict) -> None:
+    print(RESULT + json.dumps(result, default=str), flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def describe(model, out) -> dict:
+    """Where the model's tensors came from, whether they are mapped, and a copy of them in ``out``."""
+    import torch
+
+    from weightcache.adapters.engine_modes import ATTACHMENT_ATTR
+
+    attachment = getattr(model, ATTACHMENT_ATTR, None)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    ranges = []
+    if attachment is not None:
+        for arena in attachment.arenas:
+            view = arena.bytes_view()
+            ranges.append((view.data_ptr(), view.data_ptr() + view.numel()))
+
+    def mapped(tensor) -> bool:
+        return any(start <= tensor.data_ptr() < end for start, end in ranges)
+
+    if out:
+        torch.save({name: tensor.detach().clone() for name, tensor in {**params, **buffers}.items()}, out)
+    return {
+        "source": "cache" if attachment is not None else "disk",
+        "parameters": sorted(params),
+        "buffers": sorted(buffers),
+        "meta": sorted(name for name, t in {**params, **buffers}.items() if t.device.type == "meta"),
+        "unmapped_parameters": sorted(name for name, t in params.items() if not mapped(t)),
+        "unmapped_buffers": sorted(name for name, t in buffers.items() if not mapped(t)),
+        "entry_bytes": attachment.manifest.nbytes if attachment is not None else 0,
+        "digest": attachment.digest if attachment is not None else None,
+    }
+
+
+def attempt(result: dict, load) -> object:
+    try:
+        return load()
+    except Exception as exc:  # reported to the test, which checks the type
+        result.update(error=type(exc).__name__, message=str(exc), fields=list(getattr(exc, "fields", ())))
+        return None
+
+
+def try_reload(result: dict, reload) -> None:
+    try:
+        reload()
+        result["reload"] = "ok"
+    except Exception as exc:
+        result["reload"] = f"{type(exc).__name__}: {exc}"
+
+
+def run_vllm(model_path: str, steps: list) -> None:
+    from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+
+    from weightcache.adapters.vllm import identity
+
+    load_general_plugins()
+    initialised = False
+    for step in steps:
+        model_config = ModelConfig(model=model_path, dtype="bfloat16", skip_tokenizer_init=True)
+        load_config = LoadConfig(load_format="weightcache", model_loader_extra_config=step["extra"])
+        vllm_config = VllmConfig(model_config=model_config, load_config=load_config)
+        with set_current_vllm_config(vllm_config):
+            if not initialised:
+                init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+                                             local_rank=0, backend="gloo")
+                ensure_model_parallel_initialized(1, 1)
+                initialised = True
+            loader = get_model_loader(load_config)
+            result = {
+                "loader": f"{type(loader).__module__}.{type(loader).__qualname__}",
+                "fingerprint": identity.fingerprint(vllm_config, model_config, device="cpu").digest,
+                "external_before": loader.get_external_weight_memory(vllm_config),
+            }
+            model = attempt(result, lambda: loader.load_model(vllm_config=vllm_config, model_config=model_config))
+            if model is not None:
+                result.update(describe(model, step.get("out")))
+                result["external_after"] = loader.get_external_weight_memory(vllm_config)
+                if step.get("try_reload"):
+                    try_reload(result, lambda: loader.load_weights(model, model_config))
+        emit(result)
+
+
+def run_sglang(model_path: str, steps: list) -> None:
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.model_loader.loader import get_model_loader
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    from weightcache.adapters.sglang import identity
+
+    load_plugins()
+    server_args = ServerArgs(model_path=model_path, device="cpu", dtype="bfloat16", load_format="weightcache")
+    server_args.resolve_once()
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    initialize_moe_config()
+    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+                                 local_rank=0, backend="gloo")
+    initialize_model_parallel()
+    for step in steps:
+        model_config = ModelConfig.from_server_args(server_args)
+        load_config = LoadConfig(load_format=server_args.load_format, model_loader_extra_config=json.dumps(step["extra"]))
+        loader = get_model_loader(load_config, model_config)
+        result = {
+            "loader": f"{type(loader).__module__}.{type(loader).__qualname__}",
+            "fingerprint": identity.fingerprint(model_config, load_config, device="cpu").digest,
+        }
+        model = attempt(result, lambda: loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu", 0)))
+        if model is not None:
+            result.update(describe(model, step.get("out")))
+            result["preloaded_weights_bytes"] = loader.preloaded_weights_bytes
+        emit(result)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The engine suite (vLLM 0.33 and SGLang 0.5.23's real code) from the project's own test run.
+
+The engines do not install beside the project's own dependencies, so they live
+in a venv of their own (``make engine-venv``). This test runs the engine suite
+there as a subprocess, or skips saying how to make that venv.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV_PYTHON = "WEIGHTCACHE_ENGINE_PYTHON"
+DEFAULT_PYTHON = ROOT / ".engine-venv" / "bin" / "python"
+TIMEOUT_S = 1800
+
+
+def engine_python() -> Path:
+    return Path(os.environ.get(ENV_PYTHON) or DEFAULT_PYTHON)
+
+
+def test_engine_suite_passes_in_the_engine_venv():
+    python = engine_python()
+    if not python.exists():
+        pytest.skip(
+            f"no engine venv at {python}: run `make engine-venv` (vLLM 0.33.0 and SGLang 0.5.23 on CPU torch, "
+            f"about 3.5 GB) or point ${ENV_PYTHON} at a Python that has both, to run tests/engines against the engines' own code"
+        )
+    imports = "from tests.engines import shims; shims.install(); import vllm, sglang, weightcache.adapters.vllm"
+    check = subprocess.run([str(python), "-c", imports], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert check.returncode == 0, (
+        f"{python} cannot import vllm, sglang and weightcache; rebuild it with `make engine-venv`:\n{check.stderr[-3000:]}"
+    )
+    proc = subprocess.run(
+        [str(python), "-m", "pytest", "tests/engines", "-q", "-rs", "-p", "no:cacheprovider"],
+        capture_output=True, text=True, cwd=ROOT, timeout=TIMEOUT_S,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    summary = proc.stdout.strip().splitlines()[-1:] or ["(no output)"]
+    print(f"engine suite in {python}: {summary[0]}")
+    assert proc.returncode == 0, f"engine suite failed in {python}:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
