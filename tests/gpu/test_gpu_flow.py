@@ -204,3 +204,34 @@ def test_engines_republish_gpu_entries_to_a_restarted_server(socket_dir, gpu_mod
     finally:
         engine.close()
         first.kill()
+
+
+def test_engines_map_gpu_weights_read_only_so_a_faulty_engine_cannot_corrupt_them(server, gpu_model):
+    """Importers ask the driver for read-only mappings; a write from one engine faults in that engine only."""
+    _publish_in_subprocess(gpu_model, server.socket_dir)
+    probe = """
+import sys, json, torch
+from weightcache.core.engine import load_model
+loaded = load_model(sys.argv[1], mode="client", socket_dir=sys.argv[2], device="cuda:0", strict=True)
+writable = [a.writable for a in loaded.attachment.arenas]
+print(json.dumps({"writable": writable}), flush=True)
+if sys.argv[3] == "write" and not any(writable):
+    with torch.no_grad():
+        next(loaded.model.parameters()).add_(1)
+    torch.cuda.synchronize()
+    print(json.dumps({"wrote": True}), flush=True)
+"""
+    import json
+
+    good = Engine(gpu_model, server.socket_dir, device=DEVICE)
+    before = good.ask("hash")
+    try:
+        first = run_python(probe, str(gpu_model), str(server.socket_dir), "look")
+        writable = json.loads(first.stdout.strip().splitlines()[-1])["writable"]
+        if any(writable):
+            pytest.skip("this driver refused read-only VMM mappings (CU_MEM_ACCESS_FLAGS_PROT_READ); engines map read-write")
+        bad = run_python(probe, str(gpu_model), str(server.socket_dir), "write", check=False)
+        assert bad.returncode != 0 and '"wrote": true' not in bad.stdout, "a write to read-only weights must fail"
+        assert good.ask("hash") == before
+    finally:
+        good.close()
