@@ -25,6 +25,12 @@ ENGINE_WARNINGS = (
 )
 """Filter lines (pytest's syntax): warnings those packages raise while importing or configuring are not ours."""
 
+# quantization_config blocks the engines must refuse (or, FP8_BLOCK, accept)
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+FP8_PER_TENSOR = {"quant_method": "fp8", "activation_scheme": "static"}
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
 
 def write_tiny_llama(directory: Path) -> Path:
     """A 2-layer Llama with random weights, saved as bf16 safetensors (tests/models.py's architecture)."""

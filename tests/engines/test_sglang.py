@@ -14,7 +14,16 @@ import pickle
 
 import pytest
 
-from tests.engines.support import assert_same_state, run_engine, server_status, stop_spawned_server, with_quantization
+from tests.engines.support import (
+    AWQ,
+    FP8_BLOCK,
+    FP8_PER_TENSOR,
+    assert_same_state,
+    run_engine,
+    server_status,
+    stop_spawned_server,
+    with_quantization,
+)
 
 sglang = pytest.importorskip("sglang")
 
@@ -28,10 +37,7 @@ from weightcache.adapters.sglang.loader import loader_class  # noqa: E402
 from weightcache.core.errors import UnsupportedQuantization  # noqa: E402
 from weightcache.core.safetensors_io import checkpoint_identity  # noqa: E402
 
-AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 GPTQ_MARLIN = {"quant_method": "gptq_marlin", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
-FP8_PER_TENSOR = {"quant_method": "fp8", "activation_scheme": "static"}
-FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
 def model_config(path, dtype="bfloat16") -> ModelConfig:
