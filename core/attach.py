@@ -124,9 +124,5 @@ class Attachment:
             self.connection.close()
             self.connection = None
 
-    @property
-    def open_fds(self) -> int:
-        return len(self.fds)
-
     def __repr__(self) -> str:
         return f"<Attachment {self.digest[:12]} {self.label} pid={os.getpid()} arenas={len(self.arenas)}>"

@@ -5,15 +5,10 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-import typing
-
 import attrs
 
 from weightcache.core.export import ArenaBuilder, Slot
 from weightcache.core.safetensors_io import TensorInfo, checkpoint_tensors
-
-if typing.TYPE_CHECKING:
-    import torch
 
 PIECE_BYTES = 64 << 20
 DEFAULT_THREADS = min(8, (os.cpu_count() or 2) * 2)
