@@ -138,14 +138,31 @@ def _buffers_to(model, device) -> None:
 
 
 def skeleton(request, drop_quantization: bool, dtype, class_name: str | None = None):
-    """The model built from its config with parameters on meta and real buffers."""
+    """The model built from its config with parameters on meta and real buffers.
+
+    Weight initialisation is skipped (every parameter is replaced before use):
+    on meta tensors it does nothing but costs ~0.1 s for a 3 B model. Tied
+    weights are not tied here; callers tie them (``tie_weights``) or rebind
+    them from the manifest's aliases.
+    """
     import transformers
 
     config = _hf_config(request, drop_quantization)
     cls = getattr(transformers, class_name) if class_name else model_class(request, hf_config.read_config(request.model))
-    with meta_parameters():
+    with meta_parameters(), _no_init_weights():
         model = cls._from_config(config, dtype=dtype)
     return model.eval()
+
+
+def _no_init_weights():
+    """transformers' own switch that turns weight initialisation off (a no-op where it is missing)."""
+    import contextlib
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
 
 
 def build_skeleton(request, manifest):
