@@ -112,6 +112,13 @@ def _option(pytest_request, name: str):
     return pytest_request.config.getoption(name, None)
 
 
+def _required_option(pytest_request, name: str, fixture: str, flag: str):
+    value = _option(pytest_request, name)
+    if not value:
+        raise NotImplementedError(f"override the {fixture} fixture or pass {flag}")
+    return value
+
+
 class ConformanceFixtures:
     """Fixtures of the conformance kit; override them as methods in your subclass."""
 
@@ -121,19 +128,13 @@ class ConformanceFixtures:
     @classmethod
     def adapter_name(cls, request) -> str:
         """The adapter's name in the ``weightcache.adapters`` entry points (or in ``plugins``)."""
-        value = _option(request, "weightcache_adapter")
-        if not value:
-            raise NotImplementedError("override the adapter_name fixture or pass --weightcache-adapter NAME")
-        return value
+        return _required_option(request, "weightcache_adapter", "adapter_name", "--weightcache-adapter NAME")
 
     @pytest.fixture(scope="class")
     @classmethod
     def model_path(cls, request) -> str:
         """The checkpoint the kit loads (small is better: it is loaded a few dozen times)."""
-        value = _option(request, "weightcache_model")
-        if not value:
-            raise NotImplementedError("override the model_path fixture or pass --weightcache-model PATH")
-        return value
+        return _required_option(request, "weightcache_model", "model_path", "--weightcache-model PATH")
 
     # ------------------------------------------------------------- configuration
 
