@@ -19,7 +19,7 @@ from pathlib import Path
 
 ENGINE = r"""
 import json, sys, time, hashlib, torch, transformers
-from weightcache.core.engine import load_model
+from weightcache.core.modes import load_model
 model_path, mode, device, socket_dir = sys.argv[1:5]
 transformers.LlamaForCausalLM
 if device.startswith("cuda"):

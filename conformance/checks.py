@@ -26,9 +26,9 @@ from weightcache.conformance.assertions import (
     tied_groups,
 )
 from weightcache.conformance.fixtures import FP8_BLOCK, load
-from weightcache.conformance.processes import KitServer
 from weightcache.core.errors import FingerprintMismatch, UnsupportedQuantization
 from weightcache.core.fingerprint import FIELDS, Fingerprint
+from weightcache.core.server_process import ServerProcess
 
 REFUSED_METHODS = ("fp8", "fp8-tensor", "marlin", "awq", "gptq", "bitsandbytes", "conformance-unknown-method")
 """Methods every adapter must refuse: per-tensor FP8 (two spellings), Marlin, AWQ, GPTQ, bitsandbytes, an unknown one."""
@@ -61,10 +61,14 @@ def _perturb_fingerprint(monkeypatch, field: str) -> str:
     This stands for an engine whose environment differs from the one that
     published (another torch, GPU, rank...): the real load path then runs as is.
     """
-    from weightcache.core import loader
+    from weightcache.core import identity
 
-    original = loader.fingerprint_for
-    monkeypatch.setattr(loader, "fingerprint_for", lambda request, description: changed_fingerprint(original(request, description), field)[0])
+    original = identity.fingerprint_for
+
+    def perturbed(request, description, checkpoint=None):
+        return changed_fingerprint(original(request, description, checkpoint), field)[0]
+
+    monkeypatch.setattr(identity, "fingerprint_for", perturbed)
     return mismatch_name(field)
 
 
@@ -284,13 +288,13 @@ class CrashTests:
     def test_outputs_survive_server_sigkill(self, load_request, plugins, run_model, example_inputs, disk_model, disk_outputs):
         from weightcache.core.loader import prepare, publish
 
-        server = KitServer.start()
+        server = ServerProcess.start()
         try:
             publish(prepare(load_request, plugins), server.socket_dir)
             loaded = load(load_request, "client", plugins, server.socket_dir, strict=True)
             try:
                 assert loaded.source == "cache", f"attach failed: {loaded.fallback_reason}"
-                server.sigkill()
+                server.kill()
                 assert server.proc.returncode is not None, "the server survived SIGKILL"
                 _compare_outputs(flatten_outputs(run_model(loaded.model, example_inputs)), disk_outputs, "after the server was SIGKILLed")
                 disk = model_tensors(disk_model.model)

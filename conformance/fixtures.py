@@ -25,11 +25,10 @@ from pathlib import Path
 import pytest
 
 from weightcache.conformance.assertions import flatten_outputs
-from weightcache.conformance.processes import KitServer
 from weightcache.conformance.weightless import copy_without_weights
 
 if typing.TYPE_CHECKING:
-    from weightcache.core.engine import LoadedModel
+    from weightcache.core.modes import LoadedModel
     from weightcache.core.request import LoadRequest
 
 FP8_BLOCK = "fp8-block"
@@ -54,8 +53,8 @@ def declare_hf_quantization(checkpoint: Path, method: str) -> None:
 
 
 def load(request: "LoadRequest", mode: str, plugins=None, socket_dir=None, strict: bool = False) -> "LoadedModel":
-    """``weightcache.core.engine.load_model`` for ``request`` in ``mode``."""
-    from weightcache.core.engine import load_model
+    """``weightcache.core.modes.load_model`` for ``request`` in ``mode``."""
+    from weightcache.core.modes import load_model
 
     return load_model(
         request.model, adapter=request.adapter, mode=mode, dtype=request.dtype, device=request.device,
@@ -226,15 +225,17 @@ class ConformanceFixtures:
     @classmethod
     def adapter_allowlist(cls, load_request, plugins) -> tuple[str, ...]:
         """Methods the adapter validated beyond the core's (``weightcache_quantization_allowlist``)."""
-        from weightcache.core.plugins import Plugins
+        from weightcache.core.plugins import installed_plugins
 
-        return (plugins or Plugins()).adapter(load_request.adapter).quantization_allowlist(load_request)
+        return (plugins or installed_plugins()).adapter(load_request.adapter).quantization_allowlist(load_request)
 
     @pytest.fixture(scope="class")
     @classmethod
     def weightcache_server(cls):
         """A ``weightcache serve`` process of the kit's own, on a private socket directory."""
-        server = KitServer.start()
+        from weightcache.core.server_process import ServerProcess
+
+        server = ServerProcess.start()
         try:
             yield server
         finally:

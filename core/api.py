@@ -3,7 +3,7 @@
     from weightcache.core import api
 
     fp = api.fingerprint("/models/llama", architecture="LlamaForCausalLM", dtype="bfloat16", device="cuda:0")
-    api.publish_state(model.state_dict(), fp, device="cuda:0")    # loader side (once)
+    api.publish_model(model, fp, device="cuda:0")                  # loader side (once): parameters and every buffer
     attachment = api.attach(fp)                                    # engine side
     api.rebind(meta_model, attachment, device="cuda:0")            # zero-copy, checked
 
@@ -17,18 +17,49 @@ import typing
 import attrs
 
 from weightcache.core.attach import Attachment
-from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder, export_state
-from weightcache.core.fingerprint import Fingerprint
-from weightcache.core.identity import make_fingerprint as fingerprint
-from weightcache.core.loader import publish_built
+from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder, export_module, export_state
+from weightcache.core.fingerprint import Fingerprint, ParallelSpec
+from weightcache.core.identity import fingerprint_for
+from weightcache.core.loader import publish_arenas
 from weightcache.core.manifest import Manifest, TensorRecord, _contiguous_stride
-from weightcache.core.progress import NoProgress
 from weightcache.core.reader import read_checkpoint
+from weightcache.core.request import LoadRequest, ModelDescription
 
 if typing.TYPE_CHECKING:
     import torch
 
-__all__ = ["Attachment", "PublishedState", "attach", "fingerprint", "publish_checkpoint", "publish_state", "rebind"]
+__all__ = ["Attachment", "PublishedState", "attach", "fingerprint", "publish_checkpoint", "publish_model", "publish_state", "rebind"]
+
+
+def fingerprint(
+    checkpoint,
+    *,
+    architecture: str,
+    dtype: str,
+    device: str = "cpu",
+    config: dict | None = None,
+    parallel: ParallelSpec | None = None,
+    quantization: str = "none",
+    quantization_config: dict | None = None,
+    adapter: str = "api",
+    adapter_version: str = "",
+    engine: str = "",
+    engine_version: str = "",
+    extra: dict | None = None,
+) -> Fingerprint:
+    """The fingerprint of a model your engine describes itself (the checkpoint's content, torch, CUDA and GPU facts are read here).
+
+    Put everything that changes the final weights into it: ``config`` (hashed),
+    ``dtype``, the quantization method and its config, and in ``extra`` any
+    kernel backend or flag your post-processing depends on.
+    """
+    request = LoadRequest(model=str(checkpoint), adapter=adapter, dtype=dtype, device=device, parallel=parallel or ParallelSpec())
+    description = ModelDescription(
+        architecture=architecture, config=dict(config or {}), dtype=dtype, quantization=quantization,
+        quantization_config=dict(quantization_config or {}), adapter_version=adapter_version, engine=engine,
+        engine_version=engine_version, extra=dict(extra or {}),
+    )
+    return fingerprint_for(request, description)
 
 
 @attrs.frozen
@@ -38,6 +69,27 @@ class PublishedState:
     digest: str
     created: bool
     manifest: Manifest = attrs.field(eq=False)
+
+
+def publish_model(
+    model: "torch.nn.Module",
+    fingerprint: Fingerprint,
+    *,
+    device: str = "cpu",
+    socket_dir=None,
+    label: str = "",
+    extra: dict | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> PublishedState:
+    """Copy every parameter and buffer of ``model`` (non-persistent buffers too; tied weights once) into arenas and publish.
+
+    The model keeps its own tensors (nothing is freed); prefer this to
+    ``publish_state(model.state_dict())``, which misses non-persistent buffers.
+    """
+    with ArenaBuilder(device, chunk_bytes=chunk_bytes) as builder:
+        manifest = export_module(model, builder, extra, release=False)
+        reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
+    return PublishedState(reply["digest"], bool(reply["created"]), manifest)
 
 
 def publish_state(
@@ -54,12 +106,9 @@ def publish_state(
 
     The same tensor object under two names is stored once, as an alias.
     """
-    builder = ArenaBuilder(device, chunk_bytes=chunk_bytes)
-    try:
+    with ArenaBuilder(device, chunk_bytes=chunk_bytes) as builder:
         manifest = export_state(state, builder, extra)
-        reply = publish_built(builder, fingerprint, manifest, socket_dir, label)
-    finally:
-        builder.close()
+        reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
     return PublishedState(reply["digest"], bool(reply["created"]), manifest)
 
 
@@ -77,9 +126,7 @@ def publish_checkpoint(
 
     Tensors keep the names, dtypes and shapes of the files.
     """
-    builder = ArenaBuilder(device, chunk_bytes=chunk_bytes)
-    builder.progress = progress or NoProgress()
-    try:
+    with ArenaBuilder(device, chunk_bytes=chunk_bytes, progress=progress) as builder:
         placed = read_checkpoint(path, builder)
         records = [
             TensorRecord(name=name, kind="parameter", dtype=info.dtype, shape=info.shape, stride=_contiguous_stride(info.shape),
@@ -88,9 +135,7 @@ def publish_checkpoint(
         ]
         manifest = Manifest(tensors=records, arenas=builder.specs())
         builder.progress.close()
-        reply = publish_built(builder, fingerprint, manifest, socket_dir, label)
-    finally:
-        builder.close()
+        reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
     return PublishedState(reply["digest"], bool(reply["created"]), manifest)
 
 
@@ -107,6 +152,7 @@ def rebind(model: "torch.nn.Module", attachment: Attachment, device=None) -> "to
 
     Raises RebindError when a tensor is missing, has another shape or stays on meta.
     """
+    from weightcache.core.device import Device
     from weightcache.core.rebind import rebind_module
 
-    return rebind_module(model, attachment.tensors, attachment.manifest, device=device)
+    return rebind_module(model, attachment.tensors, attachment.manifest, device=None if device is None else Device.parse(device).torch())

@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the server (holds arena fds; never touches CUDA)")
     _add_socket_dir(serve)
     serve.add_argument("--byte-budget", type=_parse_size, help="most bytes held at once, e.g. 64G (default: no limit)")
+    serve.add_argument("--detach", action="store_true", help="run in the background, detached from this terminal and process tree")
+    serve.add_argument("--log-file", help="with --detach: where the server logs (default: nowhere)")
 
     load = commands.add_parser("load", help="load a checkpoint into arenas and publish it")
     _add_socket_dir(load)
@@ -44,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--model-class", help="transformers class (default: the checkpoint's architecture)")
     load.add_argument("--tp-size", type=int, default=1)
     load.add_argument("--tp-rank", type=int, default=0)
+    load.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                      help="an adapter option (repeatable); a JSON value is decoded, e.g. --option block_size=[128,128]")
 
     status = commands.add_parser("status", help="list the server's entries")
     _add_socket_dir(status)
@@ -59,10 +63,44 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--keep-server", action="store_true", help="leave the demo's server running")
 
-    from weightcache.conformance.command import add_parser as add_conformance_parser
-
-    add_conformance_parser(commands)
+    for command in plugin_commands().values():
+        command.add_parser(commands)
     return parser
+
+
+COMMANDS_GROUP = "weightcache.commands"
+
+
+def plugin_commands() -> dict:
+    """Subcommands other packages add through the ``weightcache.commands`` entry points (the conformance kit's, for one).
+
+    Each entry point names a module with ``add_parser(subparsers)`` and ``run(args) -> int``;
+    one that fails to load is skipped with a warning, the others keep working.
+    """
+    import importlib.metadata
+
+    found = {}
+    for entry_point in importlib.metadata.entry_points(group=COMMANDS_GROUP):
+        try:
+            found[entry_point.name] = entry_point.load()
+        except Exception as exc:  # noqa: BLE001  a broken extension must not break the core commands
+            logging.getLogger(__name__).warning("weightcache: command %r (%s) could not be loaded: %s", entry_point.name,
+                                                entry_point.value, exc)
+    return found
+
+
+def parse_options(pairs: list[str]) -> dict:
+    """``KEY=VALUE`` strings as a dict; a VALUE that is JSON is decoded, else kept as a string."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option {pair!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
 
 
 def main(argv=None) -> int:
@@ -73,8 +111,10 @@ def main(argv=None) -> int:
         stream=sys.stderr,
     )
     try:
-        commands = {"serve": _serve, "load": _load, "status": _status, "evict": _evict, "demo": _demo, "conformance": _conformance}
-        return commands[args.command](args)
+        commands = {"serve": _serve, "load": _load, "status": _status, "evict": _evict, "demo": _demo}
+        if args.command in commands:
+            return commands[args.command](args)
+        return plugin_commands()[args.command].run(args)
     except WeightCacheError as exc:
         print(f"weightcache: error: {exc}", file=sys.stderr)
         return 1
@@ -86,7 +126,12 @@ def _serve(args) -> int:
     from weightcache.core.paths import default_socket_dir
     from weightcache.core.server import ServerConfig, serve
 
-    serve(ServerConfig(socket_dir=args.socket_dir or default_socket_dir(), byte_budget=args.byte_budget))
+    config = ServerConfig(socket_dir=args.socket_dir or default_socket_dir(), byte_budget=args.byte_budget)
+    if args.detach:
+        from weightcache.core.server_process import serve_detached
+
+        return serve_detached(config, args.log_file)
+    serve(config)
     return 0
 
 
@@ -96,7 +141,9 @@ def _load(args) -> int:
     from weightcache.core.progress import Progress
     from weightcache.core.request import LoadRequest
 
-    options = {"model_class": args.model_class} if args.model_class else {}
+    options = parse_options(args.option)
+    if args.model_class:
+        options["model_class"] = args.model_class
     request = LoadRequest(
         model=args.model, adapter=args.adapter, dtype=args.dtype, device=args.device, quantization=args.quant,
         parallel=ParallelSpec(tp_size=args.tp_size, tp_rank=args.tp_rank), options=options,
@@ -156,12 +203,6 @@ def _demo(args) -> int:
     from weightcache.core.demo import run_demo
 
     return run_demo(model=args.model, device=args.device, keep_server=args.keep_server)
-
-
-def _conformance(args) -> int:
-    from weightcache.conformance.command import run
-
-    return run(args)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
+
+from weightcache.core.server_process import ServerProcess
 
 
 def default_model() -> str:
@@ -41,17 +39,11 @@ def _run_json(args: list[str], label: str) -> dict:
 
 def run_demo(model: str | None = None, device: str = "cpu", keep_server: bool = False) -> int:
     model = model or default_model()
-    socket_dir = Path(tempfile.mkdtemp(prefix="weightcache-demo-"))
     python = sys.executable
+    server = ServerProcess.start()
+    socket_dir = server.socket_dir
     print(f"weightcache demo: model {model}\n  server socket dir {socket_dir}")
-    server = subprocess.Popen(
-        [python, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir)],
-        stdout=subprocess.DEVNULL, stderr=open(socket_dir / "server.log", "wb"), start_new_session=True,
-    )
     try:
-        from weightcache.core.client import wait_for_server
-
-        wait_for_server(socket_dir, timeout=30)
         print(f"  1. server running (pid {server.pid})")
         worker = [python, "-m", "weightcache.core.demo", "--model", model, "--device", device, "--socket-dir", str(socket_dir)]
         published = _run_json(worker + ["--mode", "publish"], "load and publish")
@@ -68,9 +60,7 @@ def run_demo(model: str | None = None, device: str = "cpu", keep_server: bool = 
         if keep_server:
             print(f"server left running: `weightcache status --socket-dir {socket_dir}`; stop it with `kill {server.pid}`")
         else:
-            server.send_signal(signal.SIGTERM)
-            server.wait(timeout=30)
-            shutil.rmtree(socket_dir, ignore_errors=True)
+            server.close()
 
 
 def _print_table(disk: dict, attached: dict, published: dict, same: bool) -> None:
@@ -113,23 +103,18 @@ def _worker(argv=None) -> None:
     parser.add_argument("--mode", choices=["publish", "off", "client"], required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    from weightcache.core.loader import prepare, publish
+    from weightcache.core.modes import load_model
     from weightcache.core.request import LoadRequest
 
+    warm = prepare(LoadRequest(model=args.model, device=args.device))
+    warm.adapter.warm_up(warm.request)  # every step imports the engine and the model's module before its clock starts
+    start = time.perf_counter()
     if args.mode == "publish":
-        from weightcache.core.loader import prepare, publish
-
-        start = time.perf_counter()
         published = publish(prepare(LoadRequest(model=args.model, device=args.device)), args.socket_dir)
         print(json.dumps({"digest": published.digest, "tensors": len(published.manifest.tensors),
                           "bytes": published.manifest.nbytes, "seconds": time.perf_counter() - start}))
         return
-    import transformers  # noqa: F401  imported before the clock starts, in both engines
-
-    from weightcache.adapters.hf.config import architecture, read_config
-    from weightcache.core.engine import load_model
-
-    getattr(transformers, architecture(read_config(args.model)))  # import the model's module too
-    start = time.perf_counter()
     loaded = load_model(args.model, mode=args.mode, device=args.device, socket_dir=args.socket_dir, strict=True)
     load_ms = (time.perf_counter() - start) * 1000
     print(json.dumps({"source": loaded.source, "load_ms": load_ms, "pid": os.getpid(),

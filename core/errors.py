@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import typing
 
 
 class WeightCacheError(Exception):
@@ -55,6 +56,16 @@ class EntryNotFound(WeightCacheError):
         super().__init__(f"no cached entry for fingerprint {digest[:12]}: {detail}; publish one with `weightcache load`")
 
 
+class EntryUnusable(WeightCacheError):
+    """The server has the entry, but this process cannot view or map it (a corrupt manifest, a foreign GPU)."""
+
+    def __init__(self, digest: str, reason: str):
+        self.digest = digest
+        self.reason = reason
+        super().__init__(f"cached entry {digest[:12]} cannot be used here: {reason}; evict it (`weightcache evict {digest[:12]}`) "
+                         "and publish it again")
+
+
 class FingerprintMismatch(EntryNotFound):
     """An entry for this model exists, but its fingerprint differs in ``fields``."""
 
@@ -73,7 +84,41 @@ class UnsupportedQuantization(WeightCacheError):
 
 
 class AdapterNotFound(WeightCacheError):
-    """No registered adapter has the requested name."""
+    """No usable adapter has the requested name; the message says what is installed, broken or blocked."""
+
+    def __init__(self, name: str, installed: "typing.Sequence[str]" = (), broken: "typing.Mapping[str, str] | None" = None,
+                 blocked: bool = False):
+        self.name = name
+        self.installed = tuple(installed)
+        self.broken = dict(broken or {})
+        if name in self.broken:
+            detail = f"it is installed but broken ({self.broken[name]}); fix or reinstall its package"
+        elif blocked:
+            detail = "it is blocked by $WEIGHTCACHE_BLOCK_ADAPTERS; remove it from that list to use it"
+        else:
+            detail = "install the package that provides it (it registers in the 'weightcache.adapters' entry points)"
+        super().__init__(f"no weightcache adapter named {name!r}: {detail}. Usable adapters: {', '.join(self.installed) or 'none'}")
+
+
+class InvalidAdapter(WeightCacheError):
+    """An adapter module breaks the hook contract; ``problems`` lists each defect."""
+
+    def __init__(self, name: str, problems: "typing.Sequence[str]"):
+        self.name = name
+        self.problems = tuple(problems)
+        super().__init__(f"adapter {name!r} does not fit the weightcache hook contract: {'; '.join(self.problems)} "
+                         "(see docs/adapter-guide.md)")
+
+
+class UnknownOption(WeightCacheError):
+    """A load asked an adapter for options it does not declare (``weightcache_options``)."""
+
+    def __init__(self, adapter: str, unknown: "typing.Sequence[str]", known: "typing.Mapping[str, str]"):
+        self.adapter = adapter
+        self.unknown = tuple(unknown)
+        self.known = dict(known)
+        offered = ", ".join(f"{k} ({v})" for k, v in sorted(self.known.items())) or "none"
+        super().__init__(f"adapter {adapter!r} takes no option {', '.join(map(repr, self.unknown))}; its options: {offered}")
 
 
 class RebindError(WeightCacheError):

@@ -8,6 +8,7 @@ import typing
 import attrs
 
 from weightcache.core.arena import ArenaSpec, backend_for_device, round_up
+from weightcache.core.device import Device
 from weightcache.core.manifest import Manifest, TensorRecord
 
 if typing.TYPE_CHECKING:
@@ -37,16 +38,23 @@ class ArenaBuilder:
     loaded model into them peaks at the weights plus one arena.
     """
 
-    def __init__(self, device: str = "cpu", chunk_bytes: int = DEFAULT_CHUNK_BYTES, backend: "ArenaBackend | None" = None):
-        self.device = str(device)
+    def __init__(self, device: "Device | str" = "cpu", chunk_bytes: int = DEFAULT_CHUNK_BYTES, backend: "ArenaBackend | None" = None,
+                 progress=None):
+        from weightcache.core.progress import NoProgress
+
+        self.device = Device.parse(device)
         self.backend = backend or backend_for_device(self.device)
         self.chunk_bytes = chunk_bytes
+        self.progress = progress or NoProgress()
         self._sizes: list[int] = []  # planned bytes per arena
         self._arenas: list[Arena | None] = []
         self._fill = 0  # bytes used in the last planned arena
-        from weightcache.core.progress import NoProgress
 
-        self.progress = NoProgress()
+    def __enter__(self) -> "ArenaBuilder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def plan(self, nbytes: int) -> Slot:
         """Reserve ``nbytes`` (aligned) in the current arena, or start a new one."""
@@ -64,7 +72,7 @@ class ArenaBuilder:
         """The writable uint8 bytes of ``slot`` (creates its arena on first use)."""
         arena = self._arenas[slot.arena]
         if arena is None:
-            arena = self.backend.create(self._sizes[slot.arena], self.device)
+            arena = self.backend.create(self._sizes[slot.arena], str(self.device))
             self._arenas[slot.arena] = arena
         return arena.bytes_view()[slot.offset : slot.offset + slot.nbytes]
 
@@ -211,7 +219,7 @@ def export_tensors(items: list[NamedTensor], aliases: dict, builder: ArenaBuilde
                     builder.progress.update(slot.nbytes)
                     if release:
                         _release(tensor)
-    if builder.device.startswith("cuda"):
+    if builder.device.is_cuda:
         torch.cuda.synchronize()
     return Manifest(tensors=records, arenas=builder.specs(), aliases=aliases, extra=dict(extra or {}))
 

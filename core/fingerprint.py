@@ -44,6 +44,7 @@ class ParallelSpec:
 
     @property
     def label(self) -> str:
+        """``tp0/2 pp0/1 ep0/1``: the one way a rank is written (status, labels, logs)."""
         return f"tp{self.tp_rank}/{self.tp_size} pp{self.pp_rank}/{self.pp_size} ep{self.ep_rank}/{self.ep_size}"
 
 
@@ -52,7 +53,8 @@ class Fingerprint:
     """Identity of one cached model rank; two fingerprints match only if every field is equal.
 
     Build it before loading (post-processing may mutate configs), with
-    ``weightcache.core.identity.fingerprint_for``.
+    ``weightcache.core.identity.fingerprint_for``. The fields are declared here
+    once; everything else iterates ``attrs.fields(Fingerprint)`` (``FIELDS``).
     """
 
     checkpoint: str
@@ -113,10 +115,10 @@ class Fingerprint:
         fields += [f"extra.{k}" for k in sorted(set(extra_mine) | set(extra_theirs)) if extra_mine.get(k) != extra_theirs.get(k)]
         return tuple(fields)
 
-    def same_model(self, other: "Fingerprint | dict") -> bool:
-        """Whether ``other`` describes the same checkpoint (a candidate for a mismatch report)."""
-        theirs = other.to_json() if isinstance(other, Fingerprint) else other
-        return theirs.get("checkpoint") == self.checkpoint
+    @property
+    def parallel(self) -> ParallelSpec:
+        """This rank's place in parallelism (its ``label`` names the rank)."""
+        return ParallelSpec(**{f.name: getattr(self, f.name) for f in attrs.fields(ParallelSpec)})
 
 
 _JSON_TYPES = {"str": str, "int": int, "dict": dict}

@@ -1,8 +1,16 @@
-"""Every hook spec of weightcache; adapters implement them with ``hookimpl``.
+"""Every hook spec of weightcache: the one contract every adapter — hf, vllm, sglang and yours — implements.
 
-Hooks are called with keyword arguments only. The core calls an adapter's
-hooks through ``weightcache.core.plugins.Adapter``, never ``pm.hook`` directly;
-each call reaches the chosen adapter and the core defaults, adapter first.
+Hooks are called with keyword arguments only, so a spec can gain arguments
+without breaking adapters. The core calls one adapter's hooks through
+``weightcache.core.plugins.Adapter``, never ``pm.hook`` directly; each call
+reaches the chosen adapter first and the core defaults (``core/defaults.py``)
+behind it, never another adapter.
+
+Required: ``weightcache_describe``, ``weightcache_load``, ``weightcache_rebind``.
+The core's mode runner (``core/modes.py``) owns the flow; adapters fill in steps:
+
+    describe -> allowlist check -> fingerprint -> [attach -> rebind]            (client)
+                                              -> load -> post_process -> export (publish)
 """
 
 from __future__ import annotations
@@ -16,19 +24,35 @@ if typing.TYPE_CHECKING:
 
     from weightcache.core.export import ArenaBuilder
     from weightcache.core.manifest import Manifest
-    from weightcache.core.request import LoadRequest, ModelDescription
+    from weightcache.core.request import ExampleInputs, LoadRequest, ModelDescription
 
 PROJECT = "weightcache"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+REQUIRED_HOOKS = ("weightcache_describe", "weightcache_load", "weightcache_rebind")
+
+
+@hookspec(firstresult=True)
+def weightcache_options() -> "typing.Mapping[str, str]":
+    """The adapter options this adapter reads from ``LoadRequest.options``, each with a one-line help.
+
+    ``load_model(**options)``, ``weightcache load --option KEY=VALUE`` and the
+    conformance kit refuse any other name before anything is loaded. Default: none.
+    Stops at first non-None result.
+
+    :returns: option name -> help text.
+    """
 
 
 @hookspec(firstresult=True)
 def weightcache_describe(request: "LoadRequest") -> "ModelDescription":
     """Describe the model from its configs alone, before any weight is read.
 
-    The result feeds the fingerprint (architecture, config, quantization method
-    and its config, engine and adapter versions). Stops at first non-None result.
+    The result feeds the fingerprint (architecture, config, resolved dtype,
+    quantization method and its config, engine and adapter versions, ``extra``)
+    and the allowlist check. Raise UnsupportedQuantization for a method the
+    adapter cannot load. Stops at first non-None result.
 
     :param request: the engine's load request.
     :returns: a ModelDescription.
@@ -52,40 +76,46 @@ def weightcache_load(request: "LoadRequest", builder: "ArenaBuilder | None") -> 
     """Read the checkpoint for one rank (TP/PP/EP shard) and return the model holding its weights.
 
     With a ``builder`` the adapter may read tensors straight into its arenas
-    (``builder.allocate``) instead of into private memory; export then copies
-    nothing for them. Stops at first non-None result.
+    (``builder.plan`` then ``builder.view``, or ``weightcache.core.reader.read_checkpoint``)
+    instead of into private memory; export then copies nothing for them.
+    Stops at first non-None result.
 
     :param request: the engine's load request.
     :param builder: arenas to load into, or None for a plain disk load.
-    :returns: the model, weights on ``request.device``, in eval mode.
+    :returns: the model, weights on ``request.device``.
     """
 
 
 @hookspec(firstresult=True)
-def weightcache_quantize(request: "LoadRequest", model: "torch.nn.Module", description: "ModelDescription") -> "torch.nn.Module":
-    """Post-process the loaded model: quantize (block-wise FP8) or repack, in place or anew.
+def weightcache_post_process(
+    request: "LoadRequest", model: "torch.nn.Module", description: "ModelDescription"
+) -> "torch.nn.Module":
+    """Turn the loaded model into its final form: quantize (block-wise FP8), repack, or run the engine's own post-processing.
 
-    Called only for allowlisted methods. Stops at first non-None result.
+    ``weightcache_load`` followed by this hook is the plain disk load (mode
+    ``off``); its result is what gets published. An engine's
+    ``process_weights_after_loading`` belongs here. Default: the model unchanged.
+    Stops at first non-None result.
 
     :param request: the engine's load request.
     :param model: the model ``weightcache_load`` returned.
     :param description: what ``weightcache_describe`` said.
-    :returns: the final model.
+    :returns: the final model, in eval mode.
     """
 
 
 @hookspec(firstresult=True)
 def weightcache_export(request: "LoadRequest", model: "torch.nn.Module", builder: "ArenaBuilder") -> "Manifest":
-    """Place the final model's parameters and buffers into arenas and describe them.
+    """Place the final model's tensors into arenas and describe them.
 
     The core's default copies every parameter and buffer (tied weights once,
-    with aliases) and rebinds the model to the arena copies as it goes, so the
-    peak is the weights plus one arena. Stops at first non-None result.
+    with aliases), freeing each original as it goes, so the peak is the
+    weights plus one arena. Stops at first non-None result.
 
     :param request: the engine's load request.
     :param model: the final model.
     :param builder: the arenas to fill.
-    :returns: the manifest (``builder.finish(...)``).
+    :returns: the manifest.
     """
 
 
@@ -105,9 +135,9 @@ def weightcache_manifest_extra(request: "LoadRequest", model: "torch.nn.Module")
 def weightcache_rebind(
     request: "LoadRequest", tensors: "dict[str, torch.Tensor]", manifest: "Manifest"
 ) -> "torch.nn.Module":
-    """Build the model without memory (meta device) and point every parameter and buffer at ``tensors``.
+    """Build the model without memory (meta device) and point every tensor it computes with at ``tensors``.
 
-    Parameters created by post-processing (``weight_scale_inv``) must be
+    Tensors created by post-processing (``weight_scale_inv``) must be
     registered; afterwards no tensor may remain on meta and tied weights must
     be one tensor. Stops at first non-None result.
 
@@ -115,4 +145,34 @@ def weightcache_rebind(
     :param tensors: mapped tensors by name (aliases included), zero-copy.
     :param manifest: the entry's manifest (its ``extra`` holds adapter state).
     :returns: the ready model, in eval mode.
+    """
+
+
+@hookspec(firstresult=True)
+def weightcache_example_inputs(request: "LoadRequest", model: "torch.nn.Module") -> "ExampleInputs":
+    """Inputs for one deterministic forward pass of ``model``, for the conformance kit's output checks.
+
+    A dict is passed as keywords, a tuple as positionals, anything else as one
+    argument. Return ``ForwardUnavailable(reason)`` when the model cannot run a
+    forward here (e.g. an engine's model needs its own kernels and scheduler):
+    the kit then skips its forward checks with that reason. The core's default
+    builds inputs from the model's ``forward`` signature and config (token ids,
+    decoder ids, token types, attention masks, pixel values, audio features).
+    Stops at first non-None result.
+
+    :param request: the engine's load request.
+    :param model: the loaded model.
+    :returns: the inputs, or ForwardUnavailable.
+    """
+
+
+@hookspec
+def weightcache_warm_up(request: "LoadRequest") -> None:
+    """Import now what loading and running this model will need (the engine, the model's module).
+
+    Called before timing starts (the demo, the benchmarks) and by a warm spare,
+    so that the moment it takes over costs no import. Every implementation runs.
+
+    :param request: the engine's load request.
+    :returns: nothing.
     """

@@ -1,40 +1,60 @@
-"""The loader side: read a checkpoint, post-process it, place it into arenas and publish it."""
+"""The loader side: check a request before any weight is read, then load, post-process, place into arenas and publish."""
 
 from __future__ import annotations
 
 import gc
 import logging
 import time
+import typing
 
 import attrs
 
+from weightcache.core import identity
 from weightcache.core.client import Connection
-from weightcache.core.export import ArenaBuilder, DEFAULT_CHUNK_BYTES
+from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
 from weightcache.core.fingerprint import Fingerprint
-from weightcache.core.identity import fingerprint_for
 from weightcache.core.manifest import Manifest
-from weightcache.core.plugins import Adapter, Plugins
-from weightcache.core.progress import NoProgress
+from weightcache.core.plugins import Adapter, Plugins, installed_plugins
 from weightcache.core.protocol import close_fds
 from weightcache.core.quantization.allowlist import check_quantization
-from weightcache.core.request import LoadRequest
+from weightcache.core.request import LoadRequest, ModelDescription
+
+if typing.TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 
-@attrs.frozen
+@attrs.define
 class Prepared:
-    """A request checked and fingerprinted before any weight is read."""
+    """A request checked before any weight is read: adapter found, options known, quantization allowed.
+
+    The fingerprint is computed on first use (it reads the checkpoint's
+    identity), so a plain disk load never pays for it.
+    """
 
     request: LoadRequest
-    adapter: Adapter = attrs.field(eq=False)
-    description: object = attrs.field(eq=False)
-    fingerprint: Fingerprint
+    adapter: Adapter = attrs.field(eq=False, repr=False)
+    description: ModelDescription
+    _fingerprint: Fingerprint | None = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        if self._fingerprint is None:
+            self._fingerprint = identity.fingerprint_for(self.request, self.description)
+        return self._fingerprint
+
+    @property
+    def label(self) -> str:
+        """How status and logs name this entry: the checkpoint directory's name, the architecture, the rank."""
+        name = self.request.model.rstrip("/").rsplit("/", 1)[-1]
+        quant = "" if self.description.quantization == "none" else f" {self.description.quantization}"
+        return f"{name} ({self.description.architecture}{quant}, {self.request.parallel.label}, {self.request.adapter})"
 
 
 @attrs.frozen
 class Published:
-    """What ``publish`` did: the entry's digest, whether it was new, its manifest and the timings."""
+    """What ``publish`` did: the entry's digest, whether this call created it, its manifest and the timings."""
 
     digest: str
     created: bool
@@ -44,27 +64,29 @@ class Published:
 
 
 def prepare(request: LoadRequest, plugins: Plugins | None = None) -> Prepared:
-    """Describe the model, check its quantization method against the allowlist and fingerprint it.
+    """Find the adapter, check the options, describe the model and check its quantization method.
 
-    Reads configs and safetensors headers only: an unsupported method fails here, before any weight is read.
+    Reads configs only: an unknown option or an unsupported method fails here,
+    before any weight is read.
     """
-    adapter = (plugins or Plugins()).adapter(request.adapter)
+    adapter = (plugins or installed_plugins()).adapter(request.adapter)
+    adapter.check_options(request)
     description = adapter.describe(request)
     check_quantization(description.quantization, adapter.quantization_allowlist(request))
-    return Prepared(request, adapter, description, fingerprint_for(request, description))
+    return Prepared(request, adapter, description)
 
 
-def load_from_disk(prepared: Prepared, builder: ArenaBuilder | None = None, timings: dict | None = None):
-    """The adapter's plain load plus post-processing (mode ``off``, and the loader's first half).
+def load_from_disk(prepared: Prepared, builder: ArenaBuilder | None = None, timings: dict | None = None) -> "torch.nn.Module":
+    """The adapter's load and post-processing: mode ``off``, and the first half of a publish.
 
-    Adds ``load_s`` and ``quantize_s`` to ``timings`` when given.
+    Adds ``load_s`` and ``post_process_s`` to ``timings`` when given.
     """
     timings = {} if timings is None else timings
     start = time.perf_counter()
     model = prepared.adapter.load(prepared.request, builder)
     loaded = time.perf_counter()
-    model = prepared.adapter.quantize(prepared.request, model, prepared.description)
-    timings.update(load_s=loaded - start, quantize_s=time.perf_counter() - loaded)
+    model = prepared.adapter.post_process(prepared.request, model, prepared.description)
+    timings.update(load_s=loaded - start, post_process_s=time.perf_counter() - loaded)
     return model
 
 
@@ -77,29 +99,29 @@ def publish(
 ) -> Published:
     """Load ``prepared`` into arenas and publish it in one frame (atomic: a crash before leaves nothing)."""
     timings: dict[str, float] = {}
-    progress = progress or NoProgress()
-    builder = ArenaBuilder(prepared.request.device, chunk_bytes=chunk_bytes)
-    builder.progress = progress
-    try:
+    request = prepared.request
+    with ArenaBuilder(request.device, chunk_bytes=chunk_bytes, progress=progress) as builder:
         model = load_from_disk(prepared, builder, timings)
         start = time.perf_counter()
-        manifest = prepared.adapter.export(prepared.request, model, builder)
-        extra = prepared.adapter.manifest_extra(prepared.request, model)
+        manifest = prepared.adapter.export(request, model, builder)
+        extra = prepared.adapter.manifest_extra(request, model)
         manifest = attrs.evolve(manifest, extra={**manifest.extra, **extra})
         del model
+        gc.collect()
         timings["export_s"] = time.perf_counter() - start
-        progress.close()
+        builder.progress.close()
         start = time.perf_counter()
-        reply = publish_built(builder, prepared.fingerprint, manifest, socket_dir, label or _label(prepared))
+        reply = publish_arenas(builder, prepared.fingerprint, manifest, socket_dir, label or prepared.label)
         timings["publish_s"] = time.perf_counter() - start
-    finally:
-        builder.close()
-    log.info("published %s in %.2f s", reply["digest"][:12], sum(timings.values()))
+    log.info("published %s (%s) in %.2f s", reply["digest"][:12], label or prepared.label, sum(timings.values()))
     return Published(reply["digest"], bool(reply["created"]), prepared.fingerprint, manifest, timings)
 
 
-def publish_built(builder: ArenaBuilder, fingerprint: Fingerprint, manifest: Manifest, socket_dir=None, label: str = "") -> dict:
-    """Seal ``builder``'s arenas and publish them with ``manifest`` in one frame; returns the server's reply."""
+def publish_arenas(builder: ArenaBuilder, fingerprint: Fingerprint, manifest: Manifest, socket_dir=None, label: str = "") -> dict:
+    """Seal ``builder``'s arenas and publish them with ``manifest`` in one frame; returns the server's reply.
+
+    The one publish sequence: the loader above, the Python API and the engine adapters all end here.
+    """
     _seal(builder)
     fds = [arena.export_fd() for arena in builder.arenas]
     try:
@@ -116,10 +138,3 @@ def _seal(builder: ArenaBuilder) -> None:
     except OSError:
         gc.collect()
         builder.seal()
-
-
-def _label(prepared: Prepared) -> str:
-    request = prepared.request
-    name = request.model.rstrip("/").rsplit("/", 1)[-1]
-    quant = "" if prepared.description.quantization == "none" else f" {prepared.description.quantization}"
-    return f"{name} ({prepared.description.architecture}{quant}, {request.parallel.label})"

@@ -1,68 +1,176 @@
-"""The plugin manager factory and the typed facade the rest of the core calls."""
+"""The installed adapters (``Plugins``) and the typed facade the rest of the core calls (``Adapter``).
+
+Adapters register through the entry-point group ``weightcache.adapters`` (the
+built-in ``hf``, ``vllm`` and ``sglang`` too) or in-process with
+``Plugins.from_modules``. Either way each adapter is checked when it is
+registered: every ``weightcache_*`` function must be a known hook carrying the
+``hookimpl`` marker, with arguments its spec has, and the required hooks must be
+there. An installed adapter that fails to import or to pass these checks is
+reported by name and skipped; the others keep working.
+"""
 
 from __future__ import annotations
 
+import difflib
+import importlib.metadata
 import logging
 import os
 import typing
 
+import attrs
 import pluggy
 
 from weightcache.core import hookspecs
-from weightcache.core.errors import AdapterNotFound
+from weightcache.core.errors import AdapterNotFound, InvalidAdapter, UnknownOption
 
 if typing.TYPE_CHECKING:
     import torch
 
     from weightcache.core.export import ArenaBuilder
     from weightcache.core.manifest import Manifest
-    from weightcache.core.request import LoadRequest, ModelDescription
+    from weightcache.core.request import ExampleInputs, LoadRequest, ModelDescription
 
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "weightcache.adapters"
 ENV_BLOCK = "WEIGHTCACHE_BLOCK_ADAPTERS"
 CORE_PLUGIN = "weightcache.core.defaults"
-
-
-def make_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
-    """A plugin manager with every spec, the core defaults and the installed adapters.
-
-    Adapters named in ``$WEIGHTCACHE_BLOCK_ADAPTERS`` (comma-separated) are not loaded.
-    """
-    from weightcache.core import defaults
-
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    for name in blocked_adapters():
-        pm.set_blocked(name)
-    pm.register(defaults, name=CORE_PLUGIN)
-    if load_entry_points:
-        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-    pm.check_pending()
-    return pm
+HOOK_PREFIX = "weightcache_"
+SPEC_NAMES = frozenset(name for name in vars(hookspecs) if name.startswith(HOOK_PREFIX))
 
 
 def blocked_adapters() -> list[str]:
+    """Adapter names listed in ``$WEIGHTCACHE_BLOCK_ADAPTERS`` (comma-separated): never loaded."""
     return [name.strip() for name in os.environ.get(ENV_BLOCK, "").split(",") if name.strip()]
+
+
+def check_adapter_module(module: object, name: str) -> None:
+    """Raise InvalidAdapter unless ``module`` is a well-formed adapter.
+
+    Every ``weightcache_*`` attribute must be a hook spec's name and carry the
+    ``hookimpl`` marker; the required hooks (``hookspecs.REQUIRED_HOOKS``) must be there.
+    """
+    marker = f"{hookspecs.PROJECT}_impl"
+    problems = []
+    for attr in sorted(dir(module)):
+        value = getattr(module, attr, None)
+        if not attr.startswith(HOOK_PREFIX) or not callable(value):
+            continue
+        if attr not in SPEC_NAMES:
+            close = difflib.get_close_matches(attr, SPEC_NAMES, n=1)
+            problems.append(f"{attr} is not a weightcache hook" + (f" (did you mean {close[0]}?)" if close else ""))
+        elif not hasattr(value, marker):
+            problems.append(f"{attr} lacks the @hookimpl marker (from weightcache.core.hookspecs import hookimpl)")
+    for hook in hookspecs.REQUIRED_HOOKS:
+        if not callable(getattr(module, hook, None)):
+            problems.append(f"the required hook {hook} is missing")
+    if problems:
+        raise InvalidAdapter(name, problems)
+
+
+@attrs.define
+class Plugins:
+    """The adapters of this process: a pluggy manager holding them and the core defaults, and the broken ones.
+
+    ``Plugins.installed()`` loads the entry-point group; ``Plugins.from_modules``
+    registers modules in-process (tests, notebooks). ``adapter(name)`` gives one
+    adapter's facade.
+    """
+
+    pm: pluggy.PluginManager
+    broken: dict[str, str] = attrs.field(factory=dict)
+
+    @classmethod
+    def empty(cls) -> "Plugins":
+        """The specs and the core defaults, no adapter."""
+        from weightcache.core import defaults
+
+        pm = pluggy.PluginManager(hookspecs.PROJECT)
+        pm.add_hookspecs(hookspecs)
+        pm.register(defaults, name=CORE_PLUGIN)
+        return cls(pm)
+
+    @classmethod
+    def installed(cls) -> "Plugins":
+        """Every adapter of the ``weightcache.adapters`` entry points, except blocked and broken ones."""
+        plugins = cls.empty()
+        blocked = set(blocked_adapters())
+        for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if entry_point.name in blocked or plugins.pm.has_plugin(entry_point.name):
+                continue
+            try:
+                plugins.register(entry_point.load(), entry_point.name)
+            except Exception as exc:  # noqa: BLE001  an adapter's own failure must not stop the others
+                reason = str(exc) if isinstance(exc, InvalidAdapter) else f"{type(exc).__name__}: {exc}"
+                plugins.broken[entry_point.name] = f"entry point {entry_point.value!r}: {reason}"
+                log.warning(
+                    "weightcache: adapter %r is broken and was skipped (%s); fix or uninstall its package, "
+                    "or set %s=%s", entry_point.name, plugins.broken[entry_point.name], ENV_BLOCK, entry_point.name,
+                )
+        return plugins
+
+    @classmethod
+    def from_modules(cls, adapters: "typing.Mapping[str, object]", installed: bool = False) -> "Plugins":
+        """The adapters ``{name: module}`` registered in-process (checked), plus the installed ones if asked."""
+        plugins = cls.installed() if installed else cls.empty()
+        for name, module in adapters.items():
+            plugins.register(module, name)
+        return plugins
+
+    def register(self, module: object, name: str) -> None:
+        """Check ``module`` as an adapter and register it under ``name``; InvalidAdapter names what is wrong."""
+        check_adapter_module(module, name)
+        try:
+            self.pm.register(module, name=name)
+            self.pm.check_pending()
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            if self.pm.has_plugin(name):
+                self.pm.unregister(name=name)
+            raise InvalidAdapter(name, [str(exc)]) from None
+
+    def names(self) -> list[str]:
+        """The usable adapters' names."""
+        return sorted(name for name, plugin in self.pm.list_name_plugin() if plugin is not None and name != CORE_PLUGIN)
+
+    def adapter(self, name: str) -> "Adapter":
+        """The facade of adapter ``name``; AdapterNotFound says what is installed, broken or blocked."""
+        if name == CORE_PLUGIN or self.pm.get_plugin(name) is None:
+            raise AdapterNotFound(name, self.names(), self.broken, name in blocked_adapters())
+        return Adapter(self.pm, name)
+
+
+_INSTALLED: list[Plugins] = []
+
+
+def installed_plugins() -> Plugins:
+    """The installed adapters, loaded once per process."""
+    if not _INSTALLED:
+        _INSTALLED.append(Plugins.installed())
+    return _INSTALLED[0]
 
 
 class Adapter:
     """One adapter's hooks (with the core defaults behind them), called by keyword."""
 
     def __init__(self, pm: pluggy.PluginManager, name: str):
-        plugin = pm.get_plugin(name)
-        if plugin is None or name == CORE_PLUGIN:
-            known = sorted(n for n, _ in pm.list_name_plugin() if n != CORE_PLUGIN and pm.get_plugin(n) is not None)
-            blocked = f"; blocked by ${ENV_BLOCK}" if name in blocked_adapters() else ""
-            raise AdapterNotFound(
-                f"no weightcache adapter named {name!r}{blocked}; installed: {', '.join(known) or 'none'}. "
-                "Install the adapter's package (it registers in the 'weightcache.adapters' entry points)"
-            )
         self.name = name
-        self.plugin = plugin
-        others = [p for n, p in pm.list_name_plugin() if p is not None and n not in (name, CORE_PLUGIN)]
-        self._hook = lambda hook: pm.subset_hook_caller(hook, remove_plugins=others)
+        others = [plugin for other, plugin in pm.list_name_plugin() if plugin is not None and other not in (name, CORE_PLUGIN)]
+        self._pm = pm
+        self._others = others
+
+    def _hook(self, hook: str):
+        return self._pm.subset_hook_caller(hook, remove_plugins=self._others)
+
+    def options(self) -> dict[str, str]:
+        """The options this adapter reads, with their help."""
+        return dict(self._hook("weightcache_options")() or {})
+
+    def check_options(self, request: "LoadRequest") -> None:
+        """Raise UnknownOption for an option the adapter does not declare."""
+        known = self.options()
+        unknown = sorted(name for name, _ in request.options if name not in known)
+        if unknown:
+            raise UnknownOption(self.name, unknown, known)
 
     def describe(self, request: "LoadRequest") -> "ModelDescription":
         return self._required("weightcache_describe", request=request)
@@ -73,34 +181,27 @@ class Adapter:
     def load(self, request: "LoadRequest", builder: "ArenaBuilder | None") -> "torch.nn.Module":
         return self._required("weightcache_load", request=request, builder=builder)
 
-    def quantize(self, request, model, description) -> "torch.nn.Module":
-        result = self._hook("weightcache_quantize")(request=request, model=model, description=description)
-        return model if result is None else result
+    def post_process(self, request: "LoadRequest", model: "torch.nn.Module", description: "ModelDescription") -> "torch.nn.Module":
+        return self._required("weightcache_post_process", request=request, model=model, description=description)
 
-    def export(self, request: "LoadRequest", model, builder: "ArenaBuilder") -> "Manifest":
+    def export(self, request: "LoadRequest", model: "torch.nn.Module", builder: "ArenaBuilder") -> "Manifest":
         return self._required("weightcache_export", request=request, model=model, builder=builder)
 
-    def manifest_extra(self, request: "LoadRequest", model) -> dict:
+    def manifest_extra(self, request: "LoadRequest", model: "torch.nn.Module") -> dict:
         return dict(self._hook("weightcache_manifest_extra")(request=request, model=model) or {})
 
-    def rebind(self, request: "LoadRequest", tensors, manifest: "Manifest") -> "torch.nn.Module":
+    def rebind(self, request: "LoadRequest", tensors: "dict[str, torch.Tensor]", manifest: "Manifest") -> "torch.nn.Module":
         return self._required("weightcache_rebind", request=request, tensors=tensors, manifest=manifest)
+
+    def example_inputs(self, request: "LoadRequest", model: "torch.nn.Module") -> "ExampleInputs":
+        return self._required("weightcache_example_inputs", request=request, model=model)
+
+    def warm_up(self, request: "LoadRequest") -> None:
+        self._hook("weightcache_warm_up")(request=request)
 
     def _required(self, hook: str, **kwargs):
         result = self._hook(hook)(**kwargs)
         if result is None:
-            raise NotImplementedError(f"adapter {self.name!r} does not implement {hook}; it cannot serve this request")
+            raise InvalidAdapter(self.name, [f"{hook} returned None; it must return a value for this request"])
         return result
 
-
-class Plugins:
-    """The installed adapters; ``Plugins().adapter("hf")`` gives one adapter's facade."""
-
-    def __init__(self, pm: pluggy.PluginManager | None = None):
-        self.pm = pm or make_manager()
-
-    def adapter(self, name: str) -> Adapter:
-        return Adapter(self.pm, name)
-
-    def names(self) -> list[str]:
-        return sorted(n for n, p in self.pm.list_name_plugin() if p is not None and n != CORE_PLUGIN)

@@ -41,7 +41,7 @@ def read_checkpoint(path, builder: ArenaBuilder, threads: int = DEFAULT_THREADS)
         builder.view(slot)  # create every arena up front, on this thread
     files = {name: os.open(name, os.O_RDONLY | os.O_CLOEXEC) for name in {p.file for p in pieces}}
     try:
-        reader = _GpuReader(builder) if builder.device.startswith("cuda") else _HostReader(builder)
+        reader = _GpuReader(builder) if builder.device.is_cuda else _HostReader(builder)
         with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightcache-read") as pool:
             for done in pool.map(lambda piece: reader.read(piece, files[piece.file]), pieces):
                 builder.progress.update(done)

@@ -2,49 +2,70 @@
 
 from __future__ import annotations
 
+import typing
+
 import attrs
 
+from weightcache.core.device import Device
+from weightcache.core.dtypes import dtype_name
 from weightcache.core.fingerprint import ParallelSpec
 
-MODES = ("off", "daemon", "client")
 
-
-def _frozen_dict(value) -> tuple:
+def _frozen_options(value) -> tuple:
     return tuple(sorted(dict(value or {}).items()))
+
+
+def _optional_dtype(value):
+    return None if value in (None, "", "auto") else dtype_name(value)
+
+
+def _optional_method(value):
+    return None if value in (None, "") else str(value).lower()
 
 
 @attrs.frozen
 class LoadRequest:
-    """One engine rank's request for a model.
+    """One engine rank's request for a model, parsed and checked where it enters weightcache.
 
     :param model: checkpoint directory (or a name the adapter resolves).
     :param adapter: adapter name, as registered in the ``weightcache.adapters`` entry points.
-    :param dtype: dtype of unquantized weights (None: as the checkpoint stores them).
-    :param device: ``cpu``, ``cuda`` or ``cuda:N``.
+    :param dtype: dtype of unquantized weights (None: as the checkpoint stores them; the
+        adapter resolves it in ``weightcache_describe``, so both spellings make one entry).
+    :param device: where the weights live (see ``weightcache.core.device``).
     :param quantization: method to apply when loading (``fp8-block``), None for the checkpoint's own.
-    :param options: adapter options (``model_class`` for hf), as sorted key/value pairs.
+    :param parallel: this rank's place in tensor/pipeline/expert parallelism.
+    :param options: adapter options (``model_class`` for hf), as sorted key/value pairs; the
+        adapter declares which it takes (``weightcache_options``) and others are refused.
+    :param state: per-load scratch space for the adapter, never compared or published: an engine
+        integration puts its live configuration objects here, and an adapter keeps what its hooks
+        share within one load (e.g. the engine objects it built for a plain disk load).
     """
 
     model: str = attrs.field(converter=str)
     adapter: str = "hf"
-    dtype: str | None = None
-    device: str = "cpu"
-    quantization: str | None = None
+    dtype: str | None = attrs.field(default=None, converter=_optional_dtype)
+    device: Device = attrs.field(default="cpu", converter=Device.parse)
+    quantization: str | None = attrs.field(default=None, converter=_optional_method)
     parallel: ParallelSpec = attrs.field(factory=ParallelSpec)
-    options: tuple = attrs.field(factory=tuple, converter=_frozen_dict)
+    options: tuple = attrs.field(factory=tuple, converter=_frozen_options)
+    state: dict = attrs.field(factory=dict, eq=False, repr=False)
 
     def option(self, name: str, default=None):
         return dict(self.options).get(name, default)
 
     @property
     def is_cuda(self) -> bool:
-        return self.device.startswith("cuda")
+        return self.device.is_cuda
 
 
 @attrs.frozen
 class ModelDescription:
     """What an adapter learns from a model's configs, before reading any weight.
 
+    :param architecture: the model class or architecture name.
+    :param config: the model's configuration (hashed into the fingerprint).
+    :param dtype: the dtype unquantized weights will have, resolved (the request's, else the
+        checkpoint's own): one set of bytes is one entry whichever way it was asked for.
     :param quantization: canonical method name (``none``, ``fp8-block``, or what
         the checkpoint declares, e.g. ``awq``) — checked against the allowlist.
     :param quantization_config: the method's configuration, JSON-able.
@@ -53,9 +74,23 @@ class ModelDescription:
 
     architecture: str
     config: dict
+    dtype: str = attrs.field(converter=dtype_name)
     quantization: str = "none"
     quantization_config: dict = attrs.field(factory=dict)
     adapter_version: str = "0"
     engine: str = ""
     engine_version: str = ""
     extra: dict = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class ForwardUnavailable:
+    """What ``weightcache_example_inputs`` returns when the model cannot run a forward pass here, and why.
+
+    The conformance kit then skips its forward checks with ``reason`` (never passes them).
+    """
+
+    reason: str
+
+
+ExampleInputs = typing.Union[dict, tuple, typing.Any, ForwardUnavailable]

@@ -34,7 +34,7 @@ def forward_digest(model, device: str) -> str:
 
 def engine(role: str, model: str, device: str, socket_dir: str, lock_path: str) -> None:
     """Run as the primary (takes the role lock, serves until killed) or the standby (waits for the lock)."""
-    from weightcache.core.engine import load_model
+    from weightcache.core.modes import load_model
 
     loaded = load_model(model, mode="client", device=device, socket_dir=socket_dir, strict=True)
     digest = forward_digest(loaded.model, device)  # warm-up: kernels and caches ready before any takeover

@@ -57,7 +57,7 @@ def main() -> None:
     opens = []
     if args.count_opens:
         sys.addaudithook(lambda event, hook_args: opens.append(hook_args[0]) if event == "open" and str(hook_args[0]).endswith(".safetensors") else None)
-    from weightcache.core.engine import load_model
+    from weightcache.core.modes import load_model
 
     free_before = _gpu_free(args.device)
     loaded = load_model(args.model, mode=args.mode, socket_dir=args.socket_dir, dtype=args.dtype, device=args.device, strict=True)

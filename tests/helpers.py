@@ -7,9 +7,9 @@ import os
 import subprocess
 import sys
 import time
-from weightcache.conformance.processes import KitServer
+from weightcache.core.server_process import ServerProcess
 
-ServerProcess = KitServer  # one server-process helper for the kit and the project's tests
+__all__ = ["ServerProcess"]  # one server-process helper for the kit, the demo and the project's tests
 
 
 class Engine:

@@ -59,7 +59,7 @@ def load(request, builder=None):
     cls = model_class(request, config)
     kwargs = {"dtype": load_dtype(request, config)}
     if request.is_cuda:
-        kwargs["device_map"] = request.device
+        kwargs["device_map"] = request.device.torch()
     model = cls.from_pretrained(request.model, **kwargs)
     return model.eval()
 
@@ -97,7 +97,7 @@ def load_into_arenas(request, config: dict, builder):
         else:
             owner._buffers[leaf] = tensor
     model.tie_weights()
-    _buffers_to(model, request.device if request.is_cuda else "cpu")
+    _buffers_to(model, request.device.torch())
     check_no_meta(model)
     log.info("read %d tensors straight into arenas", len(placed))
     return model.eval()
@@ -112,7 +112,7 @@ def load_prequantized_fp8(request, config: dict):
 
     fp8 = hf_config.fp8_config(config, None, dict(request.options))
     model = skeleton(request, drop_quantization=True, dtype=load_dtype(request, config))
-    device = request.device if request.is_cuda else "cpu"
+    device = request.device.torch()
     tensors = {}
     for file in checkpoint_files(request.model):
         tensors.update(safetensors.torch.load_file(file, device=device))

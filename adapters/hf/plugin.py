@@ -16,11 +16,31 @@ from weightcache.core.request import ModelDescription
 
 log = logging.getLogger(__name__)
 
+OPTIONS = {
+    "model_class": "the transformers class to build (default: the checkpoint's architectures[0]), e.g. AutoModel",
+    "block_size": "fp8-block tile as [rows, cols] (default: [128, 128])",
+    "exclude": "fp8-block: module name patterns to leave unquantized (default: lm_head and embeddings)",
+}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("the hf adapter needs transformers: `pip install 'weightcache[hf]'`") from None
+    return transformers
+
+
+@hookimpl
+def weightcache_options():
+    return OPTIONS
+
 
 @hookimpl
 def weightcache_describe(request):
-    import transformers
+    from weightcache.adapters.hf.loading import load_dtype
 
+    transformers = _transformers()
     config = hf_config.read_config(request.model)
     requested = request.quantization
     method = hf_config.checkpoint_quantization(config) if requested in (None, "none") else requested
@@ -31,12 +51,20 @@ def weightcache_describe(request):
     return ModelDescription(
         architecture=request.option("model_class") or hf_config.architecture(config),
         config=config,
+        dtype=load_dtype(request, config),
         quantization=method,
         quantization_config=quant_config,
         adapter_version=__version__,
         engine="transformers",
         engine_version=transformers.__version__,
     )
+
+
+@hookimpl
+def weightcache_warm_up(request):
+    from weightcache.adapters.hf.loading import model_class
+
+    model_class(request, hf_config.read_config(request.model))  # imports transformers and the model's module
 
 
 @hookimpl
@@ -47,7 +75,7 @@ def weightcache_load(request, builder):
 
 
 @hookimpl
-def weightcache_quantize(request, model, description):
+def weightcache_post_process(request, model, description):
     if description.quantization != hf_config.FP8_BLOCK or getattr(model, "_weightcache_prequantized", False):
         return model
     from weightcache.core.quantization.fp8_block import Fp8BlockConfig, quantize_model
@@ -89,4 +117,4 @@ def weightcache_rebind(request, tensors, manifest):
     from weightcache.core.rebind import rebind_module
 
     model = build_skeleton(request, manifest)
-    return rebind_module(model, tensors, manifest, device=request.device)
+    return rebind_module(model, tensors, manifest, device=request.device.torch())

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import typing
+
 from weightcache.core.arena.base import Arena, ArenaBackend, ArenaSpec, round_up
+
+if typing.TYPE_CHECKING:
+    from weightcache.core.device import Device
 
 __all__ = ["Arena", "ArenaBackend", "ArenaSpec", "backend", "backend_for_device", "round_up"]
 
@@ -20,7 +25,8 @@ def backend(name: str) -> ArenaBackend:
     raise ValueError(f"unknown arena backend {name!r}; use 'host' or 'cuda'")
 
 
-def backend_for_device(device) -> ArenaBackend:
-    """The backend that holds memory on ``device`` (a torch device or its string)."""
-    kind = str(device).split(":", 1)[0]
-    return backend("cuda" if kind == "cuda" or str(device).startswith("GPU-") else "host")
+def backend_for_device(device: "Device | str") -> ArenaBackend:
+    """The backend that holds memory on ``device``: ``cuda`` for a GPU, ``host`` for the CPU."""
+    from weightcache.core.device import Device
+
+    return backend("cuda" if Device.parse(device).is_cuda else "host")

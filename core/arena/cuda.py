@@ -26,20 +26,13 @@ import typing
 
 from weightcache.core.arena import devices
 from weightcache.core.arena.base import Arena, ArenaBackend, ArenaSpec, round_up
+from weightcache.core.arena.driver import check, driver
 from weightcache.core.errors import ArenaClosed, ArenaError, BackendUnavailable, CudaError
 
 if typing.TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-_HINTS = {
-    "CUDA_ERROR_OUT_OF_MEMORY": "free GPU memory (evict cached entries or stop an engine) and retry",
-    "CUDA_ERROR_NOT_SUPPORTED": "this GPU, driver or container cannot share VMM memory as POSIX fds; use the host backend",
-    "CUDA_ERROR_NOT_PERMITTED": "the driver refused; check the container's access to /dev/nvidia* and the driver version",
-    "CUDA_ERROR_INVALID_VALUE": "the fd, size or spec does not match the allocation; fetch the arena again from the server",
-    "CUDA_ERROR_INVALID_DEVICE": "the arena's GPU is not usable here; check CUDA_VISIBLE_DEVICES",
-}
 
 _lock = threading.Lock()
 _contexts: dict[int, tuple[typing.Any, typing.Any]] = {}  # torch index -> (primary CUcontext, CUdevice)
@@ -63,28 +56,6 @@ def unavailable_reason() -> str | None:
     except ImportError as exc:
         return f"cuda-bindings is not importable ({exc})"
     return None
-
-
-def driver():
-    """The ``cuda.bindings.driver`` module, imported on first use."""
-    try:
-        from cuda.bindings import driver as cu
-    except ImportError as exc:
-        raise BackendUnavailable(
-            "cuda", f"cuda-bindings is not importable ({exc}); `pip install cuda-bindings` for this CUDA major version"
-        ) from None
-    return cu
-
-
-def check(result, call: str):
-    """The outputs of a cuda-bindings call (None, one value or a tuple); raises CudaError on failure."""
-    err, *out = result if isinstance(result, tuple) else (result,)
-    if int(err) != 0:
-        name = getattr(err, "name", str(err))
-        raise CudaError(call, name, _HINTS.get(name, ""))
-    if not out:
-        return None
-    return out[0] if len(out) == 1 else tuple(out)
 
 
 class CudaArena(Arena):

@@ -9,17 +9,14 @@ torch is imported on first use only.
 
 from __future__ import annotations
 
-import re
 import typing
 import uuid as _uuid
 
+from weightcache.core.device import SPELLINGS, Device, canonical_uuid
 from weightcache.core.errors import DeviceNotFound
 
 if typing.TYPE_CHECKING:
     import torch
-
-_PREFIXED = re.compile(r"^(GPU|MIG)-(.+)$", re.IGNORECASE)
-_CUDA = re.compile(r"^cuda(?::(\d+))?$")
 
 
 def gpu_uuid(index: int) -> str:
@@ -60,53 +57,38 @@ def device_index_for_uuid(uuid: str) -> int:
         raise DeviceNotFound(wanted, visible) from None
 
 
-def cuda_index(device: str | int | torch.device) -> int:
-    """The torch index of a CUDA device given as ``cuda``, ``cuda:N``, an index, or a UUID."""
+def cuda_index(device: "Device | str | int | torch.device") -> int:
+    """The torch index of a CUDA device: an index, or anything ``Device.parse`` takes (``cuda``, ``cuda:N``, a UUID)."""
     if isinstance(device, int):
         return _checked_index(device)
-    text = str(device).strip()
-    if is_uuid(text):
-        return device_index_for_uuid(text)
-    match = _CUDA.match(text)
-    if match is None:
-        raise ValueError(f"{device!r} is not a CUDA device; use 'cuda', 'cuda:N' or a GPU UUID")
-    if match.group(1) is None:
+    parsed = Device.parse(device)
+    if not parsed.is_cuda:
+        raise ValueError(f"{device!r} is not a CUDA device; use {SPELLINGS}")
+    if parsed.uuid is not None:
+        return device_index_for_uuid(parsed.uuid)
+    if parsed.index is None:
         import torch
 
         if not torch.cuda.is_available():
             raise DeviceNotFound("cuda", [])
         return torch.cuda.current_device()
-    return _checked_index(int(match.group(1)))
+    return _checked_index(parsed.index)
 
 
-def device_label(device: str | int | torch.device) -> str:
-    """``cpu`` for a CPU device, else the UUID of the CUDA device (see :func:`cuda_index`)."""
-    text = str(device).strip()
-    if text == "cpu" or text.startswith("cpu:"):
+def device_label(device: "Device | str | torch.device") -> str:
+    """``cpu`` for the CPU, else the UUID of the CUDA device (see :func:`cuda_index`)."""
+    parsed = Device.parse(device)
+    if not parsed.is_cuda:
         return "cpu"
-    if is_uuid(text):
-        return _canonical(text)
-    return gpu_uuid(cuda_index(device))
-
-
-def is_uuid(text: str) -> bool:
-    """Whether ``text`` names a GPU by UUID (with or without the ``GPU-`` prefix)."""
-    try:
-        _canonical(text)
-    except ValueError:
-        return False
-    return True
+    return parsed.uuid or gpu_uuid(cuda_index(parsed))
 
 
 def _canonical(text: str) -> str:
-    """``GPU-`` (or ``MIG-``) and the lower-case UUID; raises ValueError for anything else."""
-    text = text.strip()
-    match = _PREFIXED.match(text)
-    prefix, body = (match.group(1).upper(), match.group(2)) if match else ("GPU", text)
-    try:
-        return f"{prefix}-{_uuid.UUID(body)}"
-    except ValueError:
-        raise ValueError(f"{text!r} is not a GPU UUID (expected GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)") from None
+    """``GPU-`` (or ``MIG-``) and the lower-case UUID, from a prefixed or bare UUID; ValueError for anything else."""
+    found = canonical_uuid(text) or canonical_uuid(f"GPU-{text.strip()}")
+    if found is None:
+        raise ValueError(f"{text!r} is not a GPU UUID (expected GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+    return found
 
 
 def _format(raw: bytes) -> str:
@@ -123,7 +105,7 @@ def _checked_index(index: int) -> int:
 
 
 def _driver_uuid(index: int) -> bytes:
-    from weightcache.core.arena.cuda import check, driver
+    from weightcache.core.arena.driver import check, driver
 
     cu = driver()
     check(cu.cuInit(0), "cuInit")

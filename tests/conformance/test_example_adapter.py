@@ -86,14 +86,9 @@ class ExampleFixtures(ConformanceFixtures):
     @pytest.fixture(scope="class")
     @classmethod
     def plugins(cls, example_package):
-        from weightcache.core.plugins import Plugins, make_manager
+        from weightcache.core.plugins import Plugins
 
-        pm = make_manager(load_entry_points=False)
-        pm.register(example_package.plugin, name="example")
-        try:
-            yield Plugins(pm)
-        finally:
-            pm.unregister(name="example")
+        return Plugins.from_modules({"example": example_package.plugin})
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -182,7 +177,7 @@ class Broken:
 
     weightcache_describe = staticmethod(plugin.weightcache_describe)
     weightcache_load = staticmethod(plugin.weightcache_load)
-    weightcache_quantize = staticmethod(plugin.weightcache_quantize)
+    weightcache_post_process = staticmethod(plugin.weightcache_post_process)
 
     @staticmethod
     @hookimpl
@@ -208,14 +203,9 @@ class TestBroken(ConformanceFixtures, ConformanceTests):
     @pytest.fixture(scope="class")
     @classmethod
     def plugins(cls):
-        from weightcache.core.plugins import Plugins, make_manager
+        from weightcache.core.plugins import Plugins
 
-        pm = make_manager(load_entry_points=False)
-        pm.register(Broken, name="example")
-        try:
-            yield Plugins(pm)
-        finally:
-            pm.unregister(name="example")
+        return Plugins.from_modules({"example": Broken})
 
     @pytest.fixture(scope="class")
     @classmethod

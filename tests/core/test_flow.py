@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import Engine, assert_tensors_equal
 
 from weightcache.core.attach import Attachment
-from weightcache.core.engine import load_model
+from weightcache.core.modes import load_model
 from weightcache.core.errors import EntryNotFound, FingerprintMismatch, ServerUnavailable
 from weightcache.core.fingerprint import FIELDS
 from weightcache.core.loader import prepare, publish

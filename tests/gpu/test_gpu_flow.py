@@ -160,7 +160,7 @@ def test_fp8_block_model_attached_equals_the_disk_quantized_model(server, gpu_mo
     code = """
 import sys, json, hashlib, torch
 import weightcache.core.quantization.fp8_block as fp8
-from weightcache.core.engine import load_model
+from weightcache.core.modes import load_model
 mode = sys.argv[3]
 if mode == "client":
     def refuse(*a, **k):
@@ -211,7 +211,7 @@ def test_engines_map_gpu_weights_read_only_so_a_faulty_engine_cannot_corrupt_the
     _publish_in_subprocess(gpu_model, server.socket_dir)
     probe = """
 import sys, json, torch
-from weightcache.core.engine import load_model
+from weightcache.core.modes import load_model
 loaded = load_model(sys.argv[1], mode="client", socket_dir=sys.argv[2], device="cuda:0", strict=True)
 writable = [a.writable for a in loaded.attachment.arenas]
 print(json.dumps({"writable": writable}), flush=True)

@@ -3,7 +3,7 @@
 - ``weightcache_describe``: read config.json only; say which quantization applies.
 - ``weightcache_quantization_allowlist``: methods validated beyond the core's (none).
 - ``weightcache_load``: build the model and read its weights from disk.
-- ``weightcache_quantize``: block-wise FP8 with the core's helpers (optional).
+- ``weightcache_post_process``: block-wise FP8 with the core's helpers (optional).
 - ``weightcache_rebind``: build the model on meta and point it at the mapped tensors.
 
 The core's defaults place every parameter and buffer into arenas
@@ -28,9 +28,14 @@ FP8_CONFIG = Fp8BlockConfig(exclude=("embed", "head"))
 @hookimpl
 def weightcache_describe(request):
     method = request.quantization or "none"  # anything but none/fp8-block is refused by the core's allowlist
+    config = read_config(request.model)
+    dtype = config.get("dtype", "float32")
+    if request.dtype not in (None, dtype):
+        raise ValueError(f"TinyLM loads the dtype its checkpoint stores ({dtype}), not {request.dtype}")
     return ModelDescription(
         architecture="TinyLM",
-        config=read_config(request.model),
+        config=config,
+        dtype=dtype,
         quantization=method,
         quantization_config=FP8_CONFIG.to_json() if method == FP8_BLOCK else {},
         adapter_version=__version__,
@@ -51,11 +56,11 @@ def weightcache_load(request, builder):
     missing, unexpected = model.load_state_dict(state, strict=False)
     if set(missing) != {"head.weight"} or unexpected:  # head.weight is tied to embed.weight, stored once
         raise ValueError(f"{request.model} does not fit TinyLM: missing {missing}, unexpected {unexpected}")
-    return model.to(request.device).eval()
+    return model.to(request.device.torch()).eval()
 
 
 @hookimpl
-def weightcache_quantize(request, model, description):
+def weightcache_post_process(request, model, description):
     if description.quantization == FP8_BLOCK:
         quantize_model(model, Fp8BlockConfig.from_json(description.quantization_config))
     return model
@@ -67,4 +72,4 @@ def weightcache_rebind(request, tensors, manifest):
         model = TinyLM.from_config(read_config(request.model))
     if request.quantization == FP8_BLOCK:
         convert_model_to_fp8_skeleton(model, FP8_CONFIG)
-    return rebind_module(model, tensors, manifest, device=request.device)
+    return rebind_module(model, tensors, manifest, device=request.device.torch())

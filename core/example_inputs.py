@@ -1,0 +1,81 @@
+"""Example inputs for one forward pass, built from a model's ``forward`` signature and config.
+
+The conformance kit runs a disk-loaded and a mapped model on the same inputs
+and compares every output bit for bit. Inputs are fixed (a seeded generator),
+so two processes build the same ones. Covered: token ids (decoder-only and
+encoders), decoder ids (encoder-decoder such as T5 and BART), token types,
+attention masks, pixel values (vision), audio features and raw audio values.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+
+from weightcache.core.request import ForwardUnavailable
+
+if typing.TYPE_CHECKING:
+    import torch
+
+BATCH = 2
+TOKENS = 16
+DECODER_TOKENS = 8
+SEED = 20261130
+
+
+def inputs_from_signature(model: "torch.nn.Module") -> "dict | ForwardUnavailable":
+    """Keyword inputs for ``model.forward``, or ForwardUnavailable saying what is missing."""
+    import torch
+
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return ForwardUnavailable(f"the forward signature of {type(model).__name__} cannot be read")
+    config = getattr(model, "config", None)
+    generator = torch.Generator().manual_seed(SEED)
+    inputs: dict = {}
+    vocab = _config_int(config, "vocab_size")
+    if "input_ids" in parameters and vocab:
+        inputs["input_ids"] = _token_ids(vocab, TOKENS)
+        if "attention_mask" in parameters:
+            mask = torch.ones(BATCH, TOKENS, dtype=torch.long)
+            mask[1, -3:] = 0  # a padded row, so a model that ignores the mask shows it
+            inputs["attention_mask"] = mask
+        types = _config_int(config, "type_vocab_size")
+        if "token_type_ids" in parameters and types and types > 1:
+            inputs["token_type_ids"] = (torch.arange(TOKENS) >= TOKENS // 2).long().expand(BATCH, TOKENS).contiguous()
+        if "decoder_input_ids" in parameters and _is_encoder_decoder(config):
+            inputs["decoder_input_ids"] = _token_ids(vocab, DECODER_TOKENS, salt=3)
+    elif "pixel_values" in parameters and _config_int(config, "image_size"):
+        size = _config_int(config, "image_size")
+        channels = _config_int(config, "num_channels") or 3
+        inputs["pixel_values"] = torch.randn(BATCH, channels, size, size, generator=generator)
+    elif "input_features" in parameters and _config_int(config, "num_mel_bins"):
+        frames = 2 * (_config_int(config, "max_source_positions") or 1500)
+        inputs["input_features"] = torch.randn(BATCH, _config_int(config, "num_mel_bins"), frames, generator=generator)
+        if "decoder_input_ids" in parameters and vocab:
+            inputs["decoder_input_ids"] = _token_ids(vocab, DECODER_TOKENS, salt=3)
+    elif "input_values" in parameters:
+        inputs["input_values"] = torch.randn(BATCH, 16000, generator=generator)
+    if not inputs:
+        wanted = ", ".join(name for name in parameters if name not in ("kwargs", "args")) or "nothing"
+        return ForwardUnavailable(
+            f"weightcache cannot build inputs for {type(model).__name__}.forward({wanted}); implement the "
+            "weightcache_example_inputs hook in its adapter, or give the kit inputs (--inputs MODULE:FUNCTION)"
+        )
+    return inputs
+
+
+def _token_ids(vocab: int, length: int, salt: int = 0) -> "torch.Tensor":
+    import torch
+
+    return (torch.arange(BATCH * length, dtype=torch.long).reshape(BATCH, length) * 7919 + 11 + salt) % vocab
+
+
+def _config_int(config, name: str) -> int | None:
+    value = getattr(config, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _is_encoder_decoder(config) -> bool:
+    return bool(getattr(config, "is_encoder_decoder", False))
