@@ -55,13 +55,20 @@ SUITE = Path(__file__).with_name("suite.py")
 """The module that runs the kit on the model named by the command-line options."""
 
 OPTIONS = (
-    ("--weightcache-adapter", "adapter name, as registered in the 'weightcache.adapters' entry points"),
-    ("--weightcache-model", "checkpoint the kit loads"),
-    ("--weightcache-quant", "quantization method to check (fp8-block); default: none"),
-    ("--weightcache-device", "device to load on (default: cpu)"),
-    ("--weightcache-dtype", "dtype of unquantized weights (default: the checkpoint's)"),
-    ("--weightcache-inputs", "MODULE:FUNCTION giving example inputs for a model: FUNCTION(model) -> dict, tuple or tensor"),
+    ("--weightcache-adapter", "adapter name, as registered in the 'weightcache.adapters' entry points", {}),
+    ("--weightcache-model", "checkpoint the kit loads", {}),
+    ("--weightcache-quant", "quantization method to check (fp8-block); default: none", {}),
+    ("--weightcache-device", "device to load on (default: cpu)", {}),
+    ("--weightcache-dtype", "dtype of unquantized weights (default: the checkpoint's)", {}),
+    ("--weightcache-inputs", "MODULE:FUNCTION giving example inputs for a model: FUNCTION(model) -> dict, tuple or tensor "
+     "(default: the adapter's weightcache_example_inputs hook)", {}),
+    ("--weightcache-option", "an adapter option KEY=VALUE (repeatable; a JSON value is decoded)", {"action": "append"}),
+    ("--weightcache-no-fp8", "the adapter does not implement fp8-block: check that it refuses it", {"action": "store_true"}),
+    ("--weightcache-tied", "names that must stay tied, comma-separated (repeatable: one group each)", {"action": "append"}),
+    ("--weightcache-declare-quantization", "how a checkpoint declares a quantization method: hf-config (default: "
+     "config.json's quantization_config), none (the adapter has no such notion) or MODULE:FUNCTION(checkpoint, method)", {}),
 )
+"""The kit's command-line options (pytest form); ``weightcache conformance`` takes each without the ``weightcache-`` prefix."""
 
 
 def __getattr__(name: str):
@@ -74,8 +81,8 @@ def __getattr__(name: str):
 
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("weightcache", "weightcache conformance kit")
-    for flag, help_text in OPTIONS:
-        group.addoption(flag, default=None, help=help_text)
+    for flag, help_text, kwargs in OPTIONS:
+        group.addoption(flag, help=help_text, **({"default": None} | kwargs))
 
 
 def pytest_configure(config) -> None:

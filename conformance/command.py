@@ -29,7 +29,14 @@ def add_parser(commands) -> None:
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cpu)")
     parser.add_argument("--dtype", help="dtype of unquantized weights (default: the checkpoint's)")
     parser.add_argument("--inputs", help="MODULE:FUNCTION giving example inputs: FUNCTION(model) -> dict, tuple or tensor "
-                        "(default: input_ids for a model whose config has a vocab_size)")
+                        "(default: the adapter's weightcache_example_inputs hook)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an adapter option (repeatable; a JSON value is decoded)")
+    parser.add_argument("--no-fp8", action="store_true", help="the adapter does not implement fp8-block: check that it refuses it")
+    parser.add_argument("--tied", action="append", default=[], metavar="NAME,NAME",
+                        help="names that must stay tied in both models (repeatable: one group each)")
+    parser.add_argument("--declare-quantization", metavar="HOW",
+                        help="how a checkpoint declares a method: hf-config (default), none, or MODULE:FUNCTION(checkpoint, method)")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments, as one string (e.g. \"-k parity -x\")")
 
@@ -86,10 +93,30 @@ def pytest_arguments(args, workdir: Path) -> list[str]:
         "--weightcache-adapter", args.adapter, "--weightcache-model", str(Path(args.model).resolve()),
     ]
     for flag, value in (("--weightcache-quant", args.quant), ("--weightcache-device", args.device),
-                        ("--weightcache-dtype", args.dtype), ("--weightcache-inputs", args.inputs)):
+                        ("--weightcache-dtype", args.dtype), ("--weightcache-inputs", args.inputs),
+                        ("--weightcache-declare-quantization", args.declare_quantization)):
         if value:
             argv += [flag, value]
+    for flag, values in (("--weightcache-option", args.option), ("--weightcache-tied", args.tied)):
+        for value in values:
+            argv += [flag, value]
+    if args.no_fp8:
+        argv.append("--weightcache-no-fp8")
     return argv + shlex.split(args.pytest_args or "")
+
+
+def check_arguments(args) -> None:
+    """Stop before running any check when the adapter, the model or an option cannot work (one line, not 84 errors)."""
+    from weightcache.core.cli import parse_options
+    from weightcache.core.errors import WeightCacheError
+    from weightcache.core.plugins import installed_plugins
+    from weightcache.core.request import LoadRequest
+
+    if not Path(args.model).exists():
+        raise WeightCacheError(f"--model {args.model}: no such file or directory")
+    adapter = installed_plugins().adapter(args.adapter)
+    adapter.check_options(LoadRequest(model=str(args.model), adapter=args.adapter, dtype=args.dtype,
+                                      device=args.device or "cpu", options=parse_options(args.option)))
 
 
 def run(args) -> int:
@@ -97,6 +124,7 @@ def run(args) -> int:
 
     import weightcache.conformance as kit
 
+    check_arguments(args)
     collector = ResultCollector()
     start = time.perf_counter()
     root = logging.getLogger()
@@ -160,8 +188,13 @@ def print_table(summary: dict, stream=None) -> None:
         print(f"  collection error: {error}", file=stream)
     if failures:
         print("\nfailures:", file=stream)
+        by_message: dict[str, list[dict]] = {}
         for result in failures:
-            print(f"  {result['check']} ({result['outcome']}): {result['message']}", file=stream)
+            by_message.setdefault(f"{result['outcome']}: {result['message']}", []).append(result)
+        for message, results in by_message.items():
+            names = ", ".join(r["check"] for r in results[:3]) + (f" and {len(results) - 3} more" if len(results) > 3 else "")
+            count = f"{len(results)} checks" if len(results) > 1 else "1 check"
+            print(f"  {count} ({names}) {message}", file=stream)
     counts = summary["counts"]
     verdict = "PASSED" if summary["passed"] else f"FAILED (pytest exit status {summary['exit_code']})"
     print(f"\n{verdict}: {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "

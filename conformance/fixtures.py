@@ -11,17 +11,22 @@ Subclass :class:`ConformanceFixtures` together with the test classes of
 - capabilities: ``supports_fp8``, ``expected_tied``, ``declare_quantization``,
   ``example_inputs``, ``run_model``.
 
+Each has a command-line form too (``--weightcache-*``, see ``weightcache.conformance.OPTIONS``),
+so ``weightcache conformance`` accepts everything a subclass can set.
+
 Every class shares one server, one publish, one disk load and one mapped
 model across its checks (class-scoped fixtures).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import typing
 from pathlib import Path
 
+import attrs
 import pytest
 
 from weightcache.conformance.assertions import flatten_outputs
@@ -53,36 +58,34 @@ def declare_hf_quantization(checkpoint: Path, method: str) -> None:
 
 
 def load(request: "LoadRequest", mode: str, plugins=None, socket_dir=None, strict: bool = False) -> "LoadedModel":
-    """``weightcache.core.modes.load_model`` for ``request`` in ``mode``."""
-    from weightcache.core.modes import load_model
+    """``request`` through the core's mode runner in ``mode`` (what every engine integration calls)."""
+    from weightcache.core.modes import CacheOptions, run
 
-    return load_model(
-        request.model, adapter=request.adapter, mode=mode, dtype=request.dtype, device=request.device,
-        quantization=request.quantization, parallel=request.parallel, socket_dir=socket_dir, strict=strict,
-        plugins=plugins, **dict(request.options),
-    )
+    fresh = attrs.evolve(request, state={})  # each load gets its own adapter scratch space
+    return run(fresh, CacheOptions(mode=mode, socket_dir=socket_dir, strict=strict), plugins=plugins)
 
 
-def default_inputs(model, spec: str | None):
-    """Inputs from ``MODULE:FUNCTION`` (called with the model), else ``input_ids`` for a model whose config has a vocab_size."""
-    import torch
-
-    if spec:
-        module, _, name = spec.partition(":")
-        if not name:
-            raise ValueError(f"--weightcache-inputs {spec!r}: expected MODULE:FUNCTION")
-        return getattr(importlib.import_module(module), name)(model)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(vocab, int) and vocab > 0:
-        input_ids = (torch.arange(32, dtype=torch.long).reshape(2, 16) * 7919 + 11) % vocab
-        return {"input_ids": input_ids}
-    raise NotImplementedError(
-        f"the kit cannot guess inputs for {type(model).__name__}: override the example_inputs fixture "
-        "or pass --weightcache-inputs MODULE:FUNCTION"
-    )
+def inputs_from_spec(spec: str, model):
+    """Inputs from ``MODULE:FUNCTION``, called with the model."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"inputs {spec!r}: expected MODULE:FUNCTION (e.g. my_package.testing:example_inputs)")
+    return getattr(importlib.import_module(module), name)(model)
 
 
-def _to_device(value, device: str):
+def declaration_from_spec(spec: str | None):
+    """``declare_quantization`` from its command-line form: ``hf-config`` (default), ``none`` or ``MODULE:FUNCTION``."""
+    if spec in (None, "", "hf-config"):
+        return declare_hf_quantization
+    if spec == "none":
+        return None
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"declare-quantization {spec!r}: expected hf-config, none or MODULE:FUNCTION")
+    return getattr(importlib.import_module(module), name)
+
+
+def _to_device(value, device):
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -98,7 +101,9 @@ def run_with_inputs(model, inputs, device: str = "cpu"):
     """Call ``model`` on ``inputs`` (a dict as keywords, a tuple as positionals, else one argument) without grad."""
     import torch
 
-    inputs = _to_device(inputs, device)
+    from weightcache.core.device import Device
+
+    inputs = _to_device(inputs, Device.parse(device).torch())
     with torch.inference_mode():
         if isinstance(inputs, typing.Mapping):
             return model(**inputs)
@@ -114,8 +119,29 @@ def _option(pytest_request, name: str):
 def _required_option(pytest_request, name: str, fixture: str, flag: str):
     value = _option(pytest_request, name)
     if not value:
-        raise NotImplementedError(f"override the {fixture} fixture or pass {flag}")
+        cli = flag.replace("--weightcache-", "--")
+        raise NotImplementedError(f"override the {fixture} fixture, or pass {flag} (pytest) / {cli} (weightcache conformance)")
     return value
+
+
+def adapter_facade(plugins, name: str):
+    """The adapter ``name`` from ``plugins`` (default: the installed ones)."""
+    from weightcache.core.plugins import installed_plugins
+
+    return (plugins or installed_plugins()).adapter(name)
+
+
+@contextlib.contextmanager
+def refused_quantization_skips(load_request):
+    """A model that rightly refuses the requested method skips the checks that need it loaded (one reason, not 58 errors)."""
+    from weightcache.core.errors import UnsupportedQuantization
+
+    try:
+        yield
+    except UnsupportedQuantization as exc:
+        if load_request.quantization in (None, "none"):
+            raise
+        pytest.skip(f"the adapter refuses {load_request.quantization} for this model: {exc.reason}")
 
 
 class ConformanceFixtures:
@@ -157,9 +183,11 @@ class ConformanceFixtures:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def load_options(cls) -> dict:
-        """Adapter options passed to ``load_model`` (e.g. ``{"model_class": "AutoModel"}`` for hf)."""
-        return {}
+    def load_options(cls, request) -> dict:
+        """Adapter options passed to ``load_model`` (e.g. ``{"model_class": "AutoModel"}`` for hf); ``--weightcache-option KEY=VALUE``."""
+        from weightcache.core.cli import parse_options
+
+        return parse_options(_option(request, "weightcache_option") or [])
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -171,30 +199,42 @@ class ConformanceFixtures:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def supports_fp8(cls) -> bool:
-        """Whether the adapter implements block-wise FP8; if not, it must refuse ``fp8-block`` requests."""
-        return True
+    def supports_fp8(cls, request) -> bool:
+        """Whether the adapter implements block-wise FP8; if not, it must refuse ``fp8-block`` requests (``--weightcache-no-fp8``)."""
+        return not _option(request, "weightcache_no_fp8")
 
     @pytest.fixture(scope="class")
     @classmethod
-    def expected_tied(cls) -> tuple[tuple[str, ...], ...]:
-        """Groups of names that must share memory in both models (e.g. ``(("lm_head.weight", "embed.weight"),)``)."""
-        return ()
+    def expected_tied(cls, request) -> tuple[tuple[str, ...], ...]:
+        """Groups of names that must share memory in both models (e.g. ``(("lm_head.weight", "embed.weight"),)``).
+
+        Command line: ``--weightcache-tied lm_head.weight,embed.weight`` (repeatable).
+        """
+        return tuple(tuple(name.strip() for name in group.split(",") if name.strip()) for group in _option(request, "weightcache_tied") or [])
 
     @pytest.fixture(scope="class")
     @classmethod
-    def declare_quantization(cls, adapter_name):
+    def declare_quantization(cls, request):
         """``f(checkpoint_dir, method)`` making a checkpoint copy declare ``method``, or None if the adapter has no such notion.
 
-        The default knows transformers' ``quantization_config`` (adapter ``hf``).
+        The default writes transformers' ``quantization_config`` into ``config.json`` (what the hf,
+        vllm and sglang adapters read). Command line: ``--weightcache-declare-quantization
+        hf-config|none|MODULE:FUNCTION``.
         """
-        return declare_hf_quantization if adapter_name == "hf" else None
+        return declaration_from_spec(_option(request, "weightcache_declare_quantization"))
 
     @pytest.fixture(scope="class")
     @classmethod
-    def example_inputs(cls, request, disk_model):
-        """Fixed inputs for the forward checks; default: ``--weightcache-inputs``, else ``input_ids`` from ``config.vocab_size``."""
-        return default_inputs(disk_model.model, _option(request, "weightcache_inputs"))
+    def example_inputs(cls, request, load_request, plugins, disk_model):
+        """Fixed inputs for the forward checks: ``--weightcache-inputs MODULE:FUNCTION``, else the adapter's
+        ``weightcache_example_inputs`` hook (whose core default builds them from the model's forward signature).
+
+        ``ForwardUnavailable(reason)`` makes the kit skip its forward checks with that reason.
+        """
+        spec = _option(request, "weightcache_inputs")
+        if spec:
+            return inputs_from_spec(spec, disk_model.model)
+        return adapter_facade(plugins, load_request.adapter).example_inputs(load_request, disk_model.model)
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -203,6 +243,12 @@ class ConformanceFixtures:
         return lambda model, inputs: run_with_inputs(model, inputs, device)
 
     # ------------------------------------------------------------- built by the kit
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _weightcache_adapter_exists(cls, adapter_name, plugins):
+        """Every check errors at once, with one message, for an adapter that is not there (none can pass)."""
+        adapter_facade(plugins, adapter_name)
 
     @pytest.fixture(scope="class", autouse=True)
     @classmethod
@@ -247,13 +293,15 @@ class ConformanceFixtures:
         """The model loaded from disk into arenas and published to ``weightcache_server``."""
         from weightcache.core.loader import prepare, publish
 
-        return publish(prepare(load_request, plugins), weightcache_server.socket_dir)
+        with refused_quantization_skips(load_request):
+            return publish(prepare(load_request, plugins), weightcache_server.socket_dir)
 
     @pytest.fixture(scope="class")
     @classmethod
     def disk_model(cls, load_request, plugins):
         """The model loaded from disk (mode ``off``): the reference."""
-        loaded = load(load_request, "off", plugins)
+        with refused_quantization_skips(load_request):
+            loaded = load(load_request, "off", plugins)
         try:
             yield loaded
         finally:
@@ -272,7 +320,11 @@ class ConformanceFixtures:
     @pytest.fixture(scope="class")
     @classmethod
     def disk_outputs(cls, disk_model, run_model, example_inputs):
-        """The disk model's output tensors on ``example_inputs``, by path (``output.logits``)."""
+        """The disk model's output tensors on ``example_inputs``, by path (``output.logits``); skips without a forward."""
+        from weightcache.core.request import ForwardUnavailable
+
+        if isinstance(example_inputs, ForwardUnavailable):
+            pytest.skip(f"no forward pass for this model here: {example_inputs.reason}")
         outputs = flatten_outputs(run_model(disk_model.model, example_inputs))
         if not outputs:
             raise AssertionError("the model's output holds no tensor; override run_model to return tensors")

@@ -145,18 +145,18 @@ def test_pytest_plugin_runs_suite_on_installed_example_fp8(installed_example, ex
 
 
 def test_cli_fails_with_nonzero_exit_and_json(installed_example, example_checkpoint, tmp_path):
-    """Without inputs for a non-transformers model the forward checks error out: the exit status says so."""
+    """Inputs that cannot be built make the forward checks error out: the exit status says so."""
     out = tmp_path / "results.json"
     proc = _run(
         [sys.executable, "-m", "weightcache.core.cli", "conformance", "--adapter", "example", "--model", str(example_checkpoint),
-         "--json", str(out), "--pytest-args", "-k bit_identical"],
+         "--inputs", "weightcache_example:no_such_inputs", "--json", str(out), "--pytest-args", "-k bit_identical"],
         env={"PYTHONPATH": str(installed_example)}, cwd=tmp_path, check=False,
     )
     assert proc.returncode != 0, proc.stdout
     results = json.loads(out.read_text())
     assert not results["passed"]
     [check] = results["checks"]
-    assert check["outcome"] == "error" and "--weightcache-inputs" in check["message"]
+    assert check["outcome"] == "error" and "no_such_inputs" in check["message"]
     assert "FAIL" in proc.stdout and "failures:" in proc.stdout
 
 
@@ -205,7 +205,7 @@ class TestBroken(ConformanceFixtures, ConformanceTests):
     def plugins(cls):
         from weightcache.core.plugins import Plugins
 
-        return Plugins.from_modules({"example": Broken})
+        return Plugins.from_modules({{"example": Broken}})
 
     @pytest.fixture(scope="class")
     @classmethod

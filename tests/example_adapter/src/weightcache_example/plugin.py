@@ -1,9 +1,10 @@
-"""The weightcache adapter for TinyLM: five hooks, registered as ``example`` in ``weightcache.adapters``.
+"""The weightcache adapter for TinyLM: six hooks, registered as ``example`` in ``weightcache.adapters``.
 
 - ``weightcache_describe``: read config.json only; say which quantization applies.
 - ``weightcache_quantization_allowlist``: methods validated beyond the core's (none).
 - ``weightcache_load``: build the model and read its weights from disk.
 - ``weightcache_post_process``: block-wise FP8 with the core's helpers (optional).
+- ``weightcache_example_inputs``: inputs for the conformance kit's forward checks.
 - ``weightcache_rebind``: build the model on meta and point it at the mapped tensors.
 
 The core's defaults place every parameter and buffer into arenas
@@ -19,7 +20,7 @@ from weightcache.core.hookspecs import hookimpl
 from weightcache.core.quantization.fp8_block import Fp8BlockConfig, convert_model_to_fp8_skeleton, quantize_model
 from weightcache.core.rebind import rebind_module
 from weightcache.core.request import ModelDescription
-from weightcache_example import TinyLM, __version__, read_config
+from weightcache_example import TinyLM, __version__, example_inputs, read_config
 
 FP8_BLOCK = "fp8-block"
 FP8_CONFIG = Fp8BlockConfig(exclude=("embed", "head"))
@@ -27,8 +28,10 @@ FP8_CONFIG = Fp8BlockConfig(exclude=("embed", "head"))
 
 @hookimpl
 def weightcache_describe(request):
-    method = request.quantization or "none"  # anything but none/fp8-block is refused by the core's allowlist
     config = read_config(request.model)
+    # Report honestly what the checkpoint declares (the core refuses anything but none and fp8-block).
+    declared = (config.get("quantization_config") or {}).get("quant_method")
+    method = declared or request.quantization or "none"
     dtype = config.get("dtype", "float32")
     if request.dtype not in (None, dtype):
         raise ValueError(f"TinyLM loads the dtype its checkpoint stores ({dtype}), not {request.dtype}")
@@ -64,6 +67,11 @@ def weightcache_post_process(request, model, description):
     if description.quantization == FP8_BLOCK:
         quantize_model(model, Fp8BlockConfig.from_json(description.quantization_config))
     return model
+
+
+@hookimpl
+def weightcache_example_inputs(request, model):
+    return example_inputs(model)  # TinyLM has no transformers config to build inputs from
 
 
 @hookimpl
