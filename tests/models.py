@@ -19,6 +19,13 @@ def _configs():
                                                       num_experts_per_tok=2, architectures=["MixtralForCausalLM"]),
         "bert": lambda: transformers.BertConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                                 num_attention_heads=4, architectures=["BertModel"]),
+        # Encoder-decoders: their forward needs decoder inputs as well.
+        "t5": lambda: transformers.T5Config(vocab_size=512, d_model=128, d_kv=32, d_ff=256, num_layers=2, num_decoder_layers=2,
+                                            num_heads=4, decoder_start_token_id=0, architectures=["T5ForConditionalGeneration"]),
+        "bart": lambda: transformers.BartConfig(vocab_size=512, d_model=128, encoder_layers=2, decoder_layers=2,
+                                                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
+                                                decoder_ffn_dim=256, max_position_embeddings=128,
+                                                architectures=["BartForConditionalGeneration"]),
     }
 
 

@@ -1,4 +1,4 @@
-"""The adapter guide's example adapter (tests/example_adapter/) through the conformance kit.
+"""The adapter guide's example adapter (examples/tinylm-adapter/, an outside package) through the conformance kit.
 
 Three ways, as its author would use them:
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from weightcache.conformance import ConformanceFixtures, ConformanceTests
 
-EXAMPLE = Path(__file__).parents[1] / "example_adapter"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "tinylm-adapter"
 SRC = EXAMPLE / "src"
 
 

@@ -93,3 +93,18 @@ class TestMixtral(HfFixtures, ConformanceTests):
 
 class TestMixtralFp8(Fp8, TestMixtral):
     pass
+
+
+class TestT5(HfFixtures, ConformanceTests):
+    """An encoder-decoder: the kit's inputs carry decoder ids too (built from T5's forward signature)."""
+
+    kind = "t5"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def expected_tied(cls):
+        return (("encoder.embed_tokens.weight", "shared.weight", "decoder.embed_tokens.weight"),)
+
+
+class TestBart(HfFixtures, ConformanceTests):
+    kind = "bart"

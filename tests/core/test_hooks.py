@@ -1,0 +1,137 @@
+"""One test per hook spec, each calling the hook through a real adapter (the meta-test checks every spec has one here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import attrs
+import pytest
+
+from weightcache.core.export import ArenaBuilder
+from weightcache.core.loader import prepare
+from weightcache.core.plugins import installed_plugins
+from weightcache.core.request import ForwardUnavailable, LoadRequest
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return installed_plugins().adapter("hf")
+
+
+def test_hook_weightcache_options(hf):
+    assert {"model_class", "block_size", "exclude"} <= set(hf.options())
+    assert all(isinstance(text, str) and text for text in hf.options().values())
+
+
+def test_hook_weightcache_describe(hf, model_dir):
+    """The dtype is resolved before it enters the fingerprint: asking for none or for the stored one is one entry."""
+    path = model_dir("llama")
+    unset = prepare(LoadRequest(model=str(path)))
+    explicit = prepare(LoadRequest(model=str(path), dtype="float32"))
+    assert unset.description.dtype == explicit.description.dtype == "float32"
+    assert unset.description.architecture == "LlamaForCausalLM" and unset.description.engine == "transformers"
+    assert unset.fingerprint.digest == explicit.fingerprint.digest
+    assert prepare(LoadRequest(model=str(path), dtype="bfloat16")).fingerprint.dtype == "bfloat16"
+
+
+def test_hook_weightcache_quantization_allowlist(hf, model_dir):
+    assert hf.quantization_allowlist(LoadRequest(model=str(model_dir("llama")))) == ()
+
+
+def test_hook_weightcache_load(hf, model_dir):
+    """With a builder, a checkpoint that is exactly the model is read straight into the arenas."""
+    request = LoadRequest(model=str(model_dir("llama")))
+    plain = hf.load(request, None)
+    with ArenaBuilder("cpu") as builder:
+        direct = hf.load(request, builder)
+        weight = direct.model.embed_tokens.weight
+        assert builder.locate(weight) is not None, "the embedding was not read into an arena"
+        assert torch.equal(weight, plain.model.embed_tokens.weight)
+        del direct, weight
+
+
+def test_hook_weightcache_post_process(hf, model_dir):
+    prepared = prepare(LoadRequest(model=str(model_dir("llama")), quantization="fp8-block"))
+    model = hf.load(prepared.request, None)
+    model = hf.post_process(prepared.request, model, prepared.description)
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float8_e4m3fn
+    assert model.lm_head.weight.dtype == torch.float32  # excluded by default
+
+
+def test_hook_weightcache_export(hf, model_dir):
+    """The core default places every parameter and buffer, non-persistent buffers too."""
+    request = LoadRequest(model=str(model_dir("bert")))
+    model = hf.load(request, None)
+    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    with ArenaBuilder("cpu") as builder:
+        manifest = hf.export(request, model, builder)
+    recorded = {record.name for record in manifest.tensors} | set(manifest.aliases)
+    assert names <= recorded, sorted(names - recorded)
+    assert any(not record.persistent for record in manifest.tensors), "BERT's position_ids (non-persistent) were not exported"
+
+
+def test_hook_weightcache_manifest_extra(hf, model_dir):
+    request = LoadRequest(model=str(model_dir("llama")))
+    assert hf.manifest_extra(request, hf.load(request, None)) == {"model_class": "LlamaForCausalLM", "dtype": "float32"}
+
+
+def test_hook_weightcache_rebind(hf, model_dir):
+    """Rebind builds the model on meta around mapped tensors, zero-copy."""
+    request = LoadRequest(model=str(model_dir("llama")))
+    model = hf.load(request, None)
+    extra = hf.manifest_extra(request, model)
+    with ArenaBuilder("cpu") as builder:
+        manifest = attrs.evolve(hf.export(request, model, builder), extra=extra)  # as the loader does
+        builder.seal()
+        tensors = manifest.views(builder.arenas)
+        rebound = hf.rebind(request, tensors, manifest)
+        assert rebound.lm_head.weight.data_ptr() == tensors["lm_head.weight"].data_ptr()
+        assert not any(p.device.type == "meta" for p in rebound.parameters())
+        del rebound, tensors
+
+
+@pytest.mark.parametrize(
+    ("kind", "keys"),
+    [
+        ("llama", {"input_ids", "attention_mask"}),
+        ("bert", {"input_ids", "attention_mask", "token_type_ids"}),
+        ("t5", {"input_ids", "attention_mask", "decoder_input_ids"}),
+        ("bart", {"input_ids", "attention_mask", "decoder_input_ids"}),
+    ],
+)
+def test_hook_weightcache_example_inputs(hf, model_dir, kind, keys):
+    """The core default builds inputs from the forward signature; the forward runs on them."""
+    request = LoadRequest(model=str(model_dir(kind)))
+    model = hf.load(request, None)
+    inputs = hf.example_inputs(request, model)
+    assert set(inputs) == keys
+    with torch.inference_mode():
+        model(**inputs)
+
+
+def test_hook_weightcache_example_inputs_says_why_it_cannot(hf):
+    class Opaque(torch.nn.Module):
+        def forward(self, batch):
+            return batch
+
+    result = hf.example_inputs(LoadRequest(model="/nowhere"), Opaque())
+    assert isinstance(result, ForwardUnavailable) and "Opaque.forward(batch)" in result.reason
+
+
+def test_hook_weightcache_warm_up(model_dir):
+    """Warm-up imports the model's module, so a timed load or a standby's takeover pays no import."""
+    code = textwrap.dedent("""
+        import sys
+        from weightcache.core.loader import prepare
+        from weightcache.core.request import LoadRequest
+        prepared = prepare(LoadRequest(model=sys.argv[1]))
+        assert "transformers.models.llama.modeling_llama" not in sys.modules
+        prepared.adapter.warm_up(prepared.request)
+        assert "transformers.models.llama.modeling_llama" in sys.modules
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(model_dir("llama"))], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
