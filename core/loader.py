@@ -46,7 +46,9 @@ class Published:
 def prepare(request: LoadRequest, plugins: Plugins | None = None) -> Prepared:
     """Describe the model, check its quantization method against the allowlist and fingerprint it.
 
-    Reads configs and safetensors headers only: an unsupported method fails here, before any weight is read.
+    The allowlist check reads configs only, so an unsupported method fails here before any weight byte
+    is read; the fingerprint then needs each weight file's content digest (remembered per file version:
+    hashed on first sight, a stat per file afterwards; see ``weightcache.core.digests``).
     """
     adapter = (plugins or Plugins()).adapter(request.adapter)
     description = adapter.describe(request)
