@@ -92,11 +92,14 @@ def _serve(args) -> int:
     from weightcache.core.paths import default_socket_dir
     from weightcache.core.server import ServerConfig, serve
 
-    limits = {"max_connections": args.max_connections, "frame_deadline_s": args.frame_deadline}
+    limits = {}  # only what was given: ServerConfig holds the defaults
+    if args.max_connections is not None:
+        limits["max_connections"] = args.max_connections
+    if args.frame_deadline is not None:
+        limits["frame_deadline_s"] = args.frame_deadline
     if args.idle_timeout is not None:
         limits["idle_timeout_s"] = args.idle_timeout or None  # 0: never
-    given = {name: value for name, value in limits.items() if value is not None or name == "idle_timeout_s"}
-    serve(ServerConfig(socket_dir=args.socket_dir or default_socket_dir(), byte_budget=args.byte_budget, **given))
+    serve(ServerConfig(socket_dir=args.socket_dir or default_socket_dir(), byte_budget=args.byte_budget, **limits))
     return 0
 
 

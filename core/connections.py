@@ -68,10 +68,6 @@ class ConnectionTable:
         self._open: dict[int, ConnectionState] = {}
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._open)
-
     def admit(self, state: ConnectionState) -> bool:
         """Add ``state``; at the limit, first shed the longest-idle connection. False when none can be shed."""
         with self._lock:

@@ -97,6 +97,7 @@ class Server:
         self._stopping = threading.Event()
         self._ids = itertools.count(1)
         self._table = ConnectionTable(config.max_connections)
+        # Both limits are fitted to the open-file limit in start() (_size_limits).
         self._in_flight = InFlight(config.max_inflight_fds or 1024, config.max_inflight_bytes, config.inflight_wait_s)
         self._failed_accepts = 0  # in a row: they set the back-off
         self._last_failed_accept = float("-inf")

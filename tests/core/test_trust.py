@@ -119,7 +119,7 @@ def test_the_peer_rule_on_real_peer_credentials(tmp_path):
     finally:
         listener.close()
     assert (pid, uid, gid) == (os.getpid(), os.geteuid(), os.getegid())
-    other = pwd.getpwnam(NOBODY).pw_uid if _has_user(NOBODY) else uid + 1
+    other = next((user.pw_uid for user in pwd.getpwall() if user.pw_uid not in (uid, 0)), uid + 1)  # a real other uid
     assert trusted_uid(uid, os.geteuid()), "a server of one's own uid is trusted"
     assert trusted_uid(uid, other) is (uid == 0), "another user trusts this process only if it runs as root"
     assert not trusted_uid(other, uid) or uid == other, "a server of another non-root uid is never trusted"
