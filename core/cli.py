@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the server (holds arena fds; never touches CUDA)")
     _add_socket_dir(serve)
     serve.add_argument("--byte-budget", type=_parse_size, help="most bytes held at once, e.g. 64G (default: no limit)")
+    serve.add_argument("--idle-timeout", type=float, metavar="SECONDS",
+                       help="close a connection with nothing attached after this long without a request (default: 120; 0: never)")
+    serve.add_argument("--max-connections", type=int,
+                       help="connections served at once; a newcomer beyond it displaces the longest-idle one (default: 1024)")
+    serve.add_argument("--frame-deadline", type=float, metavar="SECONDS",
+                       help="a request must arrive whole within this time of its first byte (default: 10)")
 
     load = commands.add_parser("load", help="load a checkpoint into arenas and publish it")
     _add_socket_dir(load)
@@ -86,7 +92,14 @@ def _serve(args) -> int:
     from weightcache.core.paths import default_socket_dir
     from weightcache.core.server import ServerConfig, serve
 
-    serve(ServerConfig(socket_dir=args.socket_dir or default_socket_dir(), byte_budget=args.byte_budget))
+    limits = {}  # only what was given: ServerConfig holds the defaults
+    if args.max_connections is not None:
+        limits["max_connections"] = args.max_connections
+    if args.frame_deadline is not None:
+        limits["frame_deadline_s"] = args.frame_deadline
+    if args.idle_timeout is not None:
+        limits["idle_timeout_s"] = args.idle_timeout or None  # 0: never
+    serve(ServerConfig(socket_dir=args.socket_dir or default_socket_dir(), byte_budget=args.byte_budget, **limits))
     return 0
 
 

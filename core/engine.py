@@ -3,9 +3,10 @@
 - ``off`` (default): a plain disk load through the adapter.
 - ``daemon``: make sure a server runs, load from disk into arenas and publish
   (unless the entry exists already), then attach like a client.
-- ``client``: attach to a running server's entry; a missing server or a
-  fingerprint mismatch falls back to a disk load with one log line, or raises
-  with ``strict=True``.
+- ``client``: attach to a running server's entry; a missing, untrusted or busy
+  server, a fingerprint mismatch or an entry this process cannot map falls
+  back to a disk load with one log line (``core.attach.fallback_reason``), or
+  raises with ``strict=True``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import time
 
 import attrs
 
-from weightcache.core.attach import Attachment
+from weightcache.core.attach import Attachment, fallback_reason
 from weightcache.core.client import server_is_running, spawn_server
-from weightcache.core.errors import EntryNotFound, ServerUnavailable
+from weightcache.core.errors import EntryNotFound, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.loader import Prepared, load_from_disk, prepare, publish
 from weightcache.core.plugins import Plugins
@@ -96,11 +97,10 @@ def _client(prepared: Prepared, socket_dir, strict: bool, timings: dict) -> Load
     request = prepared.request
     try:
         return attach_model(prepared, socket_dir, timings)
-    except (ServerUnavailable, EntryNotFound) as exc:
-        if strict:
+    except WeightCacheError as exc:
+        reason = fallback_reason(exc)
+        if strict or reason is None:
             raise
-        fields = f" (mismatched fields: {', '.join(exc.fields)})" if getattr(exc, "fields", ()) else ""
-        reason = f"{exc}{fields}"
         log.warning("weightcache: loading %s from disk: %s", request.model, reason)
         loaded = _from_disk(prepared, "client", timings)
         loaded.fallback_reason = reason

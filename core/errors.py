@@ -10,7 +10,22 @@ class WeightCacheError(Exception):
 
 
 class ProtocolError(WeightCacheError):
-    """A frame broke the wire format (bad magic, version, size, JSON, fds)."""
+    """A frame broke the wire format (bad magic, version, size, JSON, fds).
+
+    ``code`` is the error code the server answers with before it closes the connection.
+    """
+
+    code = "protocol_error"
+
+
+class FrameRefused(ProtocolError):
+    """A well-formed frame would exceed what the server holds for unfinished frames (fds or bytes in flight)."""
+
+    code = "busy"
+
+
+class IdleTimeout(TimeoutError):
+    """No frame began within the idle time."""
 
 
 class ServerUnavailable(WeightCacheError):
@@ -57,6 +72,18 @@ class EntryNotFound(WeightCacheError):
 
 class FingerprintMismatch(EntryNotFound):
     """An entry for this model exists, but its fingerprint differs in ``fields``."""
+
+
+class EntryUnusable(WeightCacheError):
+    """The server handed over an entry this process cannot decode, view or map (``reason`` says why)."""
+
+    def __init__(self, digest: str, reason: str):
+        self.digest = digest
+        self.reason = reason
+        super().__init__(
+            f"the cached entry {digest[:12]} cannot be used here: {reason}; load from disk, or evict it "
+            f"(`weightcache evict --force {digest[:12]}`) and publish it again"
+        )
 
 
 class UnsupportedQuantization(WeightCacheError):
