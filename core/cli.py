@@ -133,7 +133,7 @@ def _status(args) -> int:
         return 0
     entries = status["entries"]
     budget = f" of {status['byte_budget'] / 2**30:.1f} GiB" if status.get("byte_budget") else ""
-    print(f"server pid {status['pid']} (weightcache {status['version']}): {len(entries)} entries, "
+    print(f"server pid {status['pid']} (weightcache {status['version']}): {len(entries) + status.get('omitted', 0)} entries, "
           f"{status['held_bytes'] / 2**30:.2f} GiB held{budget}")
     if not entries:
         return 0
@@ -144,6 +144,8 @@ def _status(args) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    if status.get("omitted"):
+        print(f"... and {status['omitted']} more entries (the reply holds as many as fit one frame)")
     return 0
 
 

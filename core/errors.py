@@ -86,6 +86,39 @@ class EntryUnusable(WeightCacheError):
         )
 
 
+class InvalidManifest(WeightCacheError, ValueError):
+    """A manifest that no client could view: ``tensor`` and ``field`` name the first fault found.
+
+    ``tensor`` is empty when the fault is not in a tensor record (an arena, an alias).
+    """
+
+    def __init__(self, tensor: str, field: str, problem: str):
+        self.tensor = tensor
+        self.field = field
+        self.problem = problem
+        where = f"tensor {tensor!r:.120} field {field!r}" if tensor else f"field {field!r}"
+        super().__init__(
+            f"invalid manifest: {where}: {problem}; the publisher's export is broken "
+            "(fix the adapter that built it; docs/protocol.md lists the rules)"
+        )
+
+
+class AmbiguousDigest(WeightCacheError):
+    """A digest prefix matches more than one entry; ``matches`` lists their digests."""
+
+    SHOWN = 20
+
+    def __init__(self, prefix: str, matches: list[str] | tuple[str, ...]):
+        self.prefix = prefix
+        self.matches = tuple(matches)
+        shown = ", ".join(digest[:12] for digest in self.matches[: self.SHOWN])
+        more = f" and {len(self.matches) - self.SHOWN} more" if len(self.matches) > self.SHOWN else ""
+        super().__init__(
+            f"digest prefix {prefix!r:.80} matches {len(self.matches)} entries ({shown}{more}); "
+            "give more characters of the digest (`weightcache status` lists them)"
+        )
+
+
 class UnsupportedQuantization(WeightCacheError):
     """The quantization method is not validated for zero-copy caching."""
 

@@ -325,25 +325,31 @@ class Server:
 
     def _publish(self, message, fds, connection_id, pid):
         from weightcache.core.manifest import Manifest  # attrs only; no torch at import
+        from weightcache.core.protocol import encode
 
         try:
             fingerprint = Fingerprint.from_json(message["fingerprint"])
             manifest = Manifest.from_json(message["manifest"])
             if len(fds) != len(manifest.arenas):
                 raise ValueError(f"manifest lists {len(manifest.arenas)} arenas but {len(fds)} fds came")
-            for fd, spec in zip(fds, manifest.arenas):
-                _check_arena_fd(fd, spec)
+            counted = [
+                _check_arena_fd(fd, spec, extent, index)
+                for index, (fd, spec, extent) in enumerate(zip(fds, manifest.arenas, manifest.arena_extents()))
+            ]
             entry = Entry(
                 fingerprint=fingerprint,
                 manifest=message["manifest"],
                 fds=fds,
-                nbytes=manifest.nbytes,
-                label=str(message.get("label", "")),
+                nbytes=sum(counted),
+                label=message.get("label", ""),
                 published_by=pid,
             )
+            reply_bytes = len(encode(entry.manifest)) + _REPLY_ENVELOPE_BYTES  # escaped, it may outgrow the frame it came in
+            if reply_bytes > self.config.max_frame_bytes:
+                raise ValueError(f"the manifest would need a {reply_bytes}-byte attach reply, past the frame limit; split the model")
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError, OSError) as exc:
             close_fds(fds)
-            return error_reply("bad_request", f"malformed publish request: {exc!s:.300}"), []
+            return error_reply("bad_request", f"malformed publish request: {exc!s:.600}"), []
         try:
             created = self.registry.publish(entry)
         except OverBudget as exc:
@@ -368,8 +374,11 @@ class Server:
         return ok_reply(), []
 
     def _status(self, message, fds, connection_id, pid):
+        # Rows are bounded (labels and shown texts are short); this bounds their count too, so the reply fits a frame.
+        entries, omitted = self.registry.status(max_bytes=self.config.max_frame_bytes - _REPLY_ENVELOPE_BYTES)
         return ok_reply(
-            entries=self.registry.status(),
+            entries=entries,
+            omitted=omitted,
             held_bytes=self.registry.held_bytes(),
             byte_budget=self.config.byte_budget,
             pid=os.getpid(),
@@ -377,10 +386,14 @@ class Server:
         ), []
 
     def _evict(self, message, fds, connection_id, pid):
+        from weightcache.core.errors import AmbiguousDigest
+
         try:
             evicted = self.registry.evict(str(message["digest"]), force=bool(message.get("force", False)))
         except KeyError as exc:
             return error_reply("not_found", exc.args[0]), []
+        except AmbiguousDigest as exc:
+            return error_reply("ambiguous", str(exc), matches=[digest[:12] for digest in exc.matches]), []
         except PermissionError as exc:
             return error_reply("attached", str(exc)), []
         return ok_reply(evicted=evicted), []
@@ -401,7 +414,12 @@ class Server:
             self._lock_fd = -1
 
 
-_HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK
+_HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_REPLY_ENVELOPE_BYTES = 4096  # a reply's fields besides its rows (status) or its manifest (attach)
+CUDA_GRANULE = 2 << 20
+"""Allocation granularity the server assumes for CUDA arenas (the driver's recommended VMM granularity on current GPUs)."""
+CUDA_SLACK = 2 << 20
+"""Bytes a CUDA arena may declare beyond its tensors' extent rounded up to CUDA_GRANULE (covers granularities up to 4 MiB)."""
 
 
 def _raise_fd_limit() -> int:
@@ -421,27 +439,46 @@ def _raise_fd_limit() -> int:
 
 
 
-def _check_arena_fd(fd: int, spec) -> None:
-    """A host arena must be a memfd sealed against writes and shrinking, at least as large as its manifest says.
+def _check_arena_fd(fd: int, spec, extent: int, index: int) -> int:
+    """Check arena ``index``'s fd against its spec and its tensors' ``extent``; the bytes it counts against the budget.
 
-    The seals are what make the bytes immutable for every engine: an unsealed
-    memfd could be rewritten under a live engine, or shrunk so its mappings fault.
+    A host arena must be a memfd sealed against writes, shrinking and growing,
+    as large as its spec says (up to one page more): the seals make the bytes
+    immutable for every engine, and its real size is what it counts.  A CUDA
+    arena's fd cannot be sized without CUDA, so its declared size counts and
+    must be plausible: at most its tensors' extent rounded up to CUDA_GRANULE,
+    plus CUDA_SLACK (the manifest already checked it is at least that extent).
     """
     if spec.backend not in ("host", "cuda"):
         raise ValueError(f"unknown arena backend {spec.backend!r:.40}; expected 'host' or 'cuda'")
-    if spec.backend != "host":
-        return
+    from weightcache.core.arena.base import round_up
+
+    if spec.backend == "cuda":
+        bound = round_up(extent, CUDA_GRANULE) + CUDA_SLACK
+        if spec.size > bound:
+            raise ValueError(
+                f"cuda arena {index} declares {spec.size} bytes but its tensors reach only {extent}; "
+                f"an arena may exceed its tensors by its allocation granularity only (at most {bound} bytes here); "
+                "export into arenas sized for the tensors they hold"
+            )
+        return spec.size
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"host arena fd is not a memfd (file type {stat.S_IFMT(info.st_mode):#o})")
+        raise ValueError(f"host arena {index} fd is not a memfd (file type {stat.S_IFMT(info.st_mode):#o})")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
-        raise ValueError("host arena fd is not a memfd (it cannot be sealed)") from None
+        raise ValueError(f"host arena {index} fd is not a memfd (it cannot be sealed)") from None
     if seals & _HOST_SEALS != _HOST_SEALS:
-        raise ValueError("host arena memfd is not sealed against writes and shrinking; seal it before publishing")
+        raise ValueError(f"host arena {index} memfd is not sealed against writes, shrinking and growing; seal it before publishing")
     if info.st_size < spec.size:
-        raise ValueError(f"host arena fd is {info.st_size} bytes, manifest says {spec.size}")
+        raise ValueError(f"host arena {index} fd is {info.st_size} bytes, manifest says {spec.size}")
+    if info.st_size > spec.size + resource.getpagesize():
+        raise ValueError(
+            f"host arena {index} memfd is {info.st_size} bytes but its manifest declares {spec.size}; "
+            "declare the memfd's real size"
+        )
+    return info.st_size
 
 
 def serve(config: ServerConfig) -> None:

@@ -87,6 +87,7 @@ def test_least_recently_used_unattached_entries_make_room_within_the_byte_budget
             if sum(p.stat().st_size for p in big.glob("*.safetensors")) + sizes["llama"] <= budget:
                 pytest.skip("the MoE test model fits the budget; nothing to refuse")
             publish(prepare(LoadRequest(model=str(big))), socket_dir)
+        assert {e["digest"] for e in _entries(socket_dir)} == digests, "a publish that cannot fit evicts nothing"
         holder.close()
     finally:
         server.stop()
