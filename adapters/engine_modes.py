@@ -8,8 +8,10 @@ the meta device around mapped tensors; this module runs the mode around them:
 - ``daemon``: make sure a ``weightcache serve`` runs; attach the entry, or, if
   there is none, load through the engine's own loader and post-processing,
   publish the final tensors, then attach like a client.
-- ``client``: attach; a missing server or entry falls back to the disk load
-  with one warning naming the mismatched fingerprint fields (``strict``: raise).
+- ``client``: attach; a missing, untrusted or busy server, a missing entry or
+  one this process cannot map falls back to the disk load with one warning
+  (naming mismatched fingerprint fields; ``strict``: raise), by the same rule
+  as the core's client mode (``core.attach.fallback_reason``).
 
 No engine is imported here.
 """
@@ -24,7 +26,7 @@ import typing
 
 import attrs
 
-from weightcache.core.errors import EntryNotFound, ServerUnavailable
+from weightcache.core.errors import EntryNotFound, ServerUnavailable, WeightCacheError
 from weightcache.core.export import DEFAULT_CHUNK_BYTES
 from weightcache.core.request import MODES
 
@@ -143,16 +145,16 @@ def _disk(disk_load, timings: dict, reason: str | None = None) -> EngineLoad:
 
 def _client(options: LoaderOptions, fingerprint, disk_load, rebuild) -> EngineLoad:
     from weightcache.core import api
+    from weightcache.core.attach import fallback_reason
 
     timings: dict[str, float] = {}
     start = time.perf_counter()
     try:
         attachment = api.attach(fingerprint, options.socket_dir, timeout=options.timeout_s)
-    except (ServerUnavailable, EntryNotFound) as exc:
-        if options.strict:
+    except WeightCacheError as exc:
+        reason = fallback_reason(exc)
+        if options.strict or reason is None:
             raise
-        fields = getattr(exc, "fields", ())
-        reason = f"{exc}" + (f" (mismatched fields: {', '.join(fields)})" if fields else "")
         log.warning("weightcache: loading from disk: %s", reason)
         return _disk(disk_load, timings, reason)
     timings["attach_s"] = time.perf_counter() - start

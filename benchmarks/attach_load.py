@@ -107,15 +107,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(args) -> int:
-    from weightcache.core.client import Connection, spawn_server
+    from weightcache.core.client import Connection
+    from weightcache.core.server_process import ServerProcess
 
     own_dir = None
-    server_pid = None
+    server = None
     socket_dir = Path(args.socket_dir) if args.socket_dir else None
     if socket_dir is None:
         own_dir = Path(tempfile.mkdtemp(prefix="wc-bench-"))
         socket_dir = own_dir
-        server_pid = spawn_server(socket_dir, log_file=str(own_dir) + ".server.log")
+        server = ServerProcess.start(socket_dir)
     try:
         fingerprint = publish_entry(socket_dir, args.mib << 20, args.tensors)
         with Connection(socket_dir) as conn:
@@ -138,8 +139,8 @@ def run(args) -> int:
             proc.join()
         after = resting_facts(pid)
     finally:
-        if server_pid and server_pid > 0:
-            os.kill(server_pid, signal.SIGTERM)
+        if server is not None:
+            server.close()
         if own_dir is not None:
             for _ in range(100):  # the server removes its socket on the way out
                 if not (own_dir / "weightcache.sock").exists():

@@ -2,12 +2,16 @@
 
 Why this proves "no disk I/O before the refusal": each ``*.safetensors`` file
 is copied up to the end of its header (the 8-byte length and the JSON header)
-and cut there. Configs, tokenizers and headers read as before, so the
-checkpoint identity (a hash of the headers) is unchanged, but every attempt to
-read a tensor hits a file shorter than its header declares: safetensors
-raises, a raw ``pread`` comes back short. Other weight formats
+and cut there. Configs, tokenizers and headers read as before, but every
+attempt to read a tensor hits a file shorter than its header declares:
+safetensors raises, a raw ``pread`` comes back short. Other weight formats
 (``*.bin``, ``*.pt``, ...) are copied empty. The kit also checks the control:
 a plain disk load of the weightless copy must fail.
+
+The copy is another checkpoint as far as the cache goes (the checkpoint
+identity hashes the files' content, so it differs from the original's); that
+does not matter here, because the quantization check runs before the
+fingerprint is computed: a refused method never gets as far as hashing.
 
 Using a copy keeps the check independent of permissions (``chmod 000`` does not
 stop root) and of the process (no monkeypatching of file reads).

@@ -1,4 +1,8 @@
-"""An engine's attachment to a cached entry: the connection, the mapped arenas and the tensors."""
+"""An engine's attachment to a cached entry: the connection, the mapped arenas and the tensors.
+
+Also the one rule for when a ``client`` falls back to a disk load instead of
+raising (``fallback_reason``): a cache miss is always safe, a wrong hit never is.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,14 @@ import typing
 
 from weightcache.core.arena import backend
 from weightcache.core.client import Connection
+from weightcache.core.errors import (
+    AccessDenied,
+    ArenaError,
+    EntryNotFound,
+    EntryUnusable,
+    ServerError,
+    ServerUnavailable,
+)
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.manifest import Manifest
 from weightcache.core.protocol import close_fds
@@ -20,12 +32,15 @@ if typing.TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# What decoding, checking, mapping or viewing an entry raises when its manifest does not fit this process.
+_UNUSABLE = (ValueError, TypeError, OverflowError, RuntimeError, ArenaError)
+
 
 class Attachment:
     """A mapped entry. Keep it alive as long as the model uses its tensors; ``close()`` detaches.
 
     It keeps the entry's fds, so it can publish the entry again to a restarted
-    server without touching the disk (``republish``).
+    server without touching the disk (``reattach``, driven by ``watch``).
     """
 
     def __init__(self, connection: Connection, fingerprint: Fingerprint, digest: str, manifest: Manifest, fds, label: str):
@@ -39,23 +54,31 @@ class Attachment:
         self.watcher = None
         self.arenas: list[Arena] = []
         self.timings: dict[str, float] = {}
-        start = time.perf_counter()
+        self.tensors: dict[str, torch.Tensor] = {}
         try:
+            if len(self.fds) != len(manifest.arenas):
+                raise ValueError(f"the manifest lists {len(manifest.arenas)} arenas but {len(self.fds)} fds came")
+            start = time.perf_counter()
             for fd, spec in zip(self.fds, manifest.arenas):
                 self.arenas.append(backend(spec.backend).map(fd, spec))
+            self.timings["map_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            self.tensors = manifest.views(self.arenas)
+            self.timings["views_s"] = time.perf_counter() - start
+        except _UNUSABLE as exc:
+            self.close()
+            raise EntryUnusable(digest, f"{type(exc).__name__}: {exc}") from exc
         except BaseException:
             self.close()
             raise
-        self.timings["map_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        self.tensors: dict[str, torch.Tensor] = manifest.views(self.arenas)
-        self.timings["views_s"] = time.perf_counter() - start
 
     @classmethod
     def open(cls, fingerprint: Fingerprint, socket_dir=None, timeout: float = 30.0) -> "Attachment":
         """Ask the server at ``socket_dir`` for ``fingerprint`` and map the answer.
 
-        Raises ServerUnavailable, FingerprintMismatch or EntryNotFound.
+        Raises ServerUnavailable, AccessDenied, ServerError, FingerprintMismatch,
+        EntryNotFound or EntryUnusable. Whatever fails, every fd received and
+        the connection are closed.
         """
         start = time.perf_counter()
         connection = Connection(socket_dir, timeout=timeout)
@@ -67,21 +90,17 @@ class Attachment:
         requested = time.perf_counter()
         try:
             manifest = Manifest.from_json(reply.manifest)
-        except ValueError:
+        except BaseException as exc:
             close_fds(reply.fds)
             connection.close()
+            if isinstance(exc, _UNUSABLE):
+                raise EntryUnusable(reply.digest, f"{type(exc).__name__}: {exc}") from exc
             raise
         decoded = time.perf_counter()
         attachment = cls(connection, fingerprint, reply.digest, manifest, reply.fds, reply.label)
         attachment.socket_dir = socket_dir
         attachment.timings.update(request_s=requested - start, manifest_s=decoded - requested)
         return attachment
-
-    def republish(self, socket_dir=None) -> bool:
-        """Publish this entry to the server at ``socket_dir`` (e.g. after it restarted) from the fds held here."""
-        with Connection(socket_dir if socket_dir is not None else self.socket_dir) as connection:
-            reply = connection.publish(self.fingerprint, self.manifest.to_json(), self.fds, label=self.label)
-        return bool(reply.get("created"))
 
     def reattach(self) -> bool:
         """After a server restart: publish this entry again from the fds held here and attach to it anew.
@@ -126,3 +145,18 @@ class Attachment:
 
     def __repr__(self) -> str:
         return f"<Attachment {self.digest[:12]} {self.label} pid={os.getpid()} arenas={len(self.arenas)}>"
+
+
+def fallback_reason(exc: BaseException) -> str | None:
+    """Why a ``client`` may load from disk instead of raising ``exc`` (one line), or None when it must raise.
+
+    A missing or refusing server, an untrusted one (AccessDenied), a busy one,
+    no matching entry, or an entry this process cannot use: each only costs
+    the disk load. Anything else (a rebind that does not fit, a bug) raises.
+    """
+    if isinstance(exc, ServerError) and exc.code != "busy":
+        return None
+    if not isinstance(exc, (ServerUnavailable, AccessDenied, ServerError, EntryNotFound, EntryUnusable)):
+        return None
+    fields = getattr(exc, "fields", ())
+    return f"{exc}" + (f" (mismatched fields: {', '.join(fields)})" if fields else "")

@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--byte-budget", type=_parse_size, help="most bytes held at once, e.g. 64G (default: no limit)")
     serve.add_argument("--detach", action="store_true", help="run in the background, detached from this terminal and process tree")
     serve.add_argument("--log-file", help="with --detach: where the server logs (default: nowhere)")
+    serve.add_argument("--idle-timeout", type=float, metavar="SECONDS",
+                       help="close a connection with nothing attached after this long without a request (default: 120; 0: never)")
+    serve.add_argument("--max-connections", type=int,
+                       help="connections served at once; a newcomer beyond it displaces the longest-idle one (default: 1024)")
+    serve.add_argument("--frame-deadline", type=float, metavar="SECONDS",
+                       help="a request must arrive whole within this time of its first byte (default: 10)")
 
     load = commands.add_parser("load", help="load a checkpoint into arenas and publish it")
     _add_socket_dir(load)
@@ -126,7 +132,14 @@ def _serve(args) -> int:
     from weightcache.core.paths import default_socket_dir
     from weightcache.core.server import ServerConfig, serve
 
-    config = ServerConfig(socket_dir=args.socket_dir or default_socket_dir(), byte_budget=args.byte_budget)
+    limits = {}  # only what was given: ServerConfig holds the defaults
+    if args.max_connections is not None:
+        limits["max_connections"] = args.max_connections
+    if args.frame_deadline is not None:
+        limits["frame_deadline_s"] = args.frame_deadline
+    if args.idle_timeout is not None:
+        limits["idle_timeout_s"] = args.idle_timeout or None  # 0: never
+    config = ServerConfig(socket_dir=args.socket_dir or default_socket_dir(), byte_budget=args.byte_budget, **limits)
     if args.detach:
         from weightcache.core.server_process import serve_detached
 
@@ -167,7 +180,7 @@ def _status(args) -> int:
         return 0
     entries = status["entries"]
     budget = f" of {status['byte_budget'] / 2**30:.1f} GiB" if status.get("byte_budget") else ""
-    print(f"server pid {status['pid']} (weightcache {status['version']}): {len(entries)} entries, "
+    print(f"server pid {status['pid']} (weightcache {status['version']}): {len(entries) + status.get('omitted', 0)} entries, "
           f"{status['held_bytes'] / 2**30:.2f} GiB held{budget}")
     if not entries:
         return 0
@@ -178,6 +191,8 @@ def _status(args) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    if status.get("omitted"):
+        print(f"... and {status['omitted']} more entries (the reply holds as many as fit one frame)")
     return 0
 
 

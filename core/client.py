@@ -1,4 +1,9 @@
-"""The client side of the wire: publish, attach, detach, status and evict requests."""
+"""The client side of the wire: publish, attach, detach, status and evict requests.
+
+A client trusts only its own server: before it sends anything it checks the
+socket directory (owned by this user or root, not a symlink, nobody else may
+write it) and the process it reached (SO_PEERCRED: this user or root).
+"""
 
 from __future__ import annotations
 
@@ -12,13 +17,13 @@ import attrs
 
 from weightcache.core.errors import AccessDenied, EntryNotFound, FingerprintMismatch, ProtocolError, ServerError, ServerUnavailable
 from weightcache.core.fingerprint import Fingerprint
-from weightcache.core.paths import socket_path
+from weightcache.core.paths import check_client_dir, check_server_peer, socket_path
 from weightcache.core.protocol import FrameReader, close_fds, send_frame
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
-_SPAWNED: list = []  # servers this process started; they outlive it (own session)
+_CONNECT_BACKOFF_S = (0.002, 0.1)  # while the server's listen queue is full
 
 
 @attrs.frozen
@@ -41,25 +46,16 @@ class Connection:
     def __init__(self, socket_dir: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT_S):
         self.path = socket_path(socket_dir)
         self.timeout = timeout
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
         try:
-            self._sock.connect(str(self.path))
+            check_client_dir(self.path.parent)
         except FileNotFoundError:
-            self._sock.close()
             raise ServerUnavailable(str(self.path), "no socket") from None
-        except ConnectionRefusedError:
+        self._sock = _connect(self.path, timeout)
+        try:
+            check_server_peer(self._sock, self.path)
+        except BaseException:
             self._sock.close()
-            raise ServerUnavailable(str(self.path), "socket exists but nobody listens: the server died") from None
-        except PermissionError:
-            self._sock.close()
-            raise AccessDenied(
-                f"permission denied on {self.path}: the server belongs to another user; "
-                "run the engine as the server's user or use your own --socket-dir"
-            ) from None
-        except OSError as exc:
-            self._sock.close()
-            raise ServerUnavailable(str(self.path), str(exc)) from None
+            raise
         self._reader = FrameReader(self._sock, deadline_s=timeout)
 
     def request(self, message: dict, fds=()) -> tuple[dict, list[int]]:
@@ -110,7 +106,12 @@ class Connection:
     def attach(self, fingerprint: Fingerprint) -> AttachReply:
         """Mark the entry attached by this connection and receive its fds."""
         reply, fds = self.request({"op": "attach", "fingerprint": fingerprint.to_json()})
-        return AttachReply(digest=reply["digest"], manifest=reply["manifest"], fds=tuple(fds), label=reply.get("label", ""))
+        try:
+            return AttachReply(digest=str(reply["digest"]), manifest=reply["manifest"], fds=tuple(fds),
+                               label=str(reply.get("label", "")))
+        except KeyError as exc:
+            close_fds(fds)
+            raise ProtocolError(f"the server's attach reply lacks {exc}; run the same weightcache version on both sides") from None
 
     def detach(self, digest: str) -> None:
         self.request({"op": "detach", "digest": digest})
@@ -129,6 +130,39 @@ class Connection:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _connect(path: Path, timeout: float) -> socket.socket:
+    """A socket connected to ``path``; retried with a short backoff while the server's listen queue is full."""
+    deadline = time.monotonic() + timeout
+    delay, longest = _CONNECT_BACKOFF_S
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+            return sock
+        except BlockingIOError:
+            sock.close()
+            if time.monotonic() + delay >= deadline:
+                raise ServerUnavailable(str(path), f"its listen queue stayed full for {timeout:g} s") from None
+            time.sleep(delay)
+            delay = min(delay * 2, longest)
+        except FileNotFoundError:
+            sock.close()
+            raise ServerUnavailable(str(path), "no socket") from None
+        except ConnectionRefusedError:
+            sock.close()
+            raise ServerUnavailable(str(path), "socket exists but nobody listens: the server died") from None
+        except PermissionError:
+            sock.close()
+            raise AccessDenied(
+                f"permission denied on {path}: the server belongs to another user; "
+                "run the engine as the server's user or use your own --socket-dir"
+            ) from None
+        except OSError as exc:
+            sock.close()
+            raise ServerUnavailable(str(path), str(exc)) from None
 
 
 def wait_for_server(socket_dir: str | os.PathLike | None = None, timeout: float = 10.0) -> None:
@@ -154,27 +188,3 @@ def server_is_running(socket_dir: str | os.PathLike | None = None) -> bool:
         return True
     except (ServerUnavailable, AccessDenied):
         return False
-
-
-def spawn_server(socket_dir: str | os.PathLike | None = None, log_file: str | os.PathLike | None = None) -> int:
-    """Start ``weightcache serve`` as a detached process (own session) and wait until it answers; returns its pid."""
-    import subprocess
-    import sys
-
-    socket_dir = Path(socket_dir) if socket_dir else socket_path(None).parent
-    args = [sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir)]
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    try:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
-        _SPAWNED.append(proc)
-    finally:
-        if log_file:
-            out.close()
-    try:
-        wait_for_server(socket_dir, timeout=20.0)
-    except ServerUnavailable:
-        if proc.poll() is not None:
-            if server_is_running(socket_dir):  # lost a race with another starter; theirs serves
-                return -1
-        raise
-    return proc.pid

@@ -1,21 +1,22 @@
-"""Names of torch dtypes on the wire, and back."""
+"""Names of torch dtypes on the wire, their item sizes, and back."""
 
 from __future__ import annotations
 
 import functools
 
-_NAMES = (
-    "float32", "float16", "bfloat16", "float64",
-    "float8_e4m3fn", "float8_e5m2",
-    "int8", "uint8", "int16", "int32", "int64", "bool",
-)
+ITEM_SIZES: dict[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
+}
+"""Bytes per element of every dtype the wire carries (torch-free: the server validates manifests with it)."""
 
 
 @functools.cache
 def _by_name() -> dict:
     import torch
 
-    return {name: getattr(torch, name) for name in _NAMES if hasattr(torch, name)}
+    return {name: getattr(torch, name) for name in ITEM_SIZES if hasattr(torch, name)}
 
 
 def to_dtype(value):
@@ -34,6 +35,11 @@ def to_dtype(value):
 def dtype_name(value) -> str:
     """The wire name of a dtype (``torch.bfloat16`` -> ``"bfloat16"``); needs no torch for names."""
     name = str(value).removeprefix("torch.")
-    if name not in _NAMES:
-        raise ValueError(f"unsupported dtype {value!r}; use one of {', '.join(sorted(_NAMES))}")
+    if name not in ITEM_SIZES:
+        raise ValueError(f"unsupported dtype {value!r:.80}; use one of {', '.join(sorted(ITEM_SIZES))}")
     return name
+
+
+def item_size(name: str) -> int:
+    """Bytes per element of the dtype called ``name`` (a wire name, as :func:`dtype_name` returns)."""
+    return ITEM_SIZES[dtype_name(name)]

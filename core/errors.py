@@ -11,7 +11,22 @@ class WeightCacheError(Exception):
 
 
 class ProtocolError(WeightCacheError):
-    """A frame broke the wire format (bad magic, version, size, JSON, fds)."""
+    """A frame broke the wire format (bad magic, version, size, JSON, fds).
+
+    ``code`` is the error code the server answers with before it closes the connection.
+    """
+
+    code = "protocol_error"
+
+
+class FrameRefused(ProtocolError):
+    """A well-formed frame would exceed what the server holds for unfinished frames (fds or bytes in flight)."""
+
+    code = "busy"
+
+
+class IdleTimeout(TimeoutError):
+    """No frame began within the idle time."""
 
 
 class ServerUnavailable(WeightCacheError):
@@ -56,18 +71,53 @@ class EntryNotFound(WeightCacheError):
         super().__init__(f"no cached entry for fingerprint {digest[:12]}: {detail}; publish one with `weightcache load`")
 
 
+class FingerprintMismatch(EntryNotFound):
+    """An entry for this model exists, but its fingerprint differs in ``fields``."""
+
+
 class EntryUnusable(WeightCacheError):
-    """The server has the entry, but this process cannot view or map it (a corrupt manifest, a foreign GPU)."""
+    """The server handed over an entry this process cannot decode, view or map (``reason`` says why)."""
 
     def __init__(self, digest: str, reason: str):
         self.digest = digest
         self.reason = reason
-        super().__init__(f"cached entry {digest[:12]} cannot be used here: {reason}; evict it (`weightcache evict {digest[:12]}`) "
-                         "and publish it again")
+        super().__init__(
+            f"the cached entry {digest[:12]} cannot be used here: {reason}; load from disk, or evict it "
+            f"(`weightcache evict --force {digest[:12]}`) and publish it again"
+        )
 
 
-class FingerprintMismatch(EntryNotFound):
-    """An entry for this model exists, but its fingerprint differs in ``fields``."""
+class InvalidManifest(WeightCacheError, ValueError):
+    """A manifest that no client could view: ``tensor`` and ``field`` name the first fault found.
+
+    ``tensor`` is empty when the fault is not in a tensor record (an arena, an alias).
+    """
+
+    def __init__(self, tensor: str, field: str, problem: str):
+        self.tensor = tensor
+        self.field = field
+        self.problem = problem
+        where = f"tensor {tensor!r:.120} field {field!r}" if tensor else f"field {field!r}"
+        super().__init__(
+            f"invalid manifest: {where}: {problem}; the publisher's export is broken "
+            "(fix the adapter that built it; docs/protocol.md lists the rules)"
+        )
+
+
+class AmbiguousDigest(WeightCacheError):
+    """A digest prefix matches more than one entry; ``matches`` lists their digests."""
+
+    SHOWN = 20
+
+    def __init__(self, prefix: str, matches: list[str] | tuple[str, ...]):
+        self.prefix = prefix
+        self.matches = tuple(matches)
+        shown = ", ".join(digest[:12] for digest in self.matches[: self.SHOWN])
+        more = f" and {len(self.matches) - self.SHOWN} more" if len(self.matches) > self.SHOWN else ""
+        super().__init__(
+            f"digest prefix {prefix!r:.80} matches {len(self.matches)} entries ({shown}{more}); "
+            "give more characters of the digest (`weightcache status` lists them)"
+        )
 
 
 class UnsupportedQuantization(WeightCacheError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import typing
 
@@ -9,6 +10,7 @@ import attrs
 
 from weightcache.core.arena import ArenaSpec, backend_for_device, round_up
 from weightcache.core.device import Device
+from weightcache.core.errors import ArenaError
 from weightcache.core.manifest import Manifest, TensorRecord
 
 if typing.TYPE_CHECKING:
@@ -49,6 +51,7 @@ class ArenaBuilder:
         self._sizes: list[int] = []  # planned bytes per arena
         self._arenas: list[Arena | None] = []
         self._fill = 0  # bytes used in the last planned arena
+        self._sealed = False
 
     def __enter__(self) -> "ArenaBuilder":
         return self
@@ -57,9 +60,15 @@ class ArenaBuilder:
         self.close()
 
     def plan(self, nbytes: int) -> Slot:
-        """Reserve ``nbytes`` (aligned) in the current arena, or start a new one."""
+        """Reserve ``nbytes`` (aligned) in the current arena, or start a new one.
+
+        An arena that exists already never grows: a slot goes into its spare
+        bytes (its size rounded up to the backend's granularity) or into a new arena.
+        """
         size = round_up(max(nbytes, 1), ALIGNMENT)
-        if not self._sizes or self._fill + size > self.chunk_bytes:
+        if self._sealed:
+            raise ArenaError(f"cannot plan {nbytes} bytes: the arenas are sealed; plan every tensor before publishing")
+        if not self._sizes or self._fill + size > self._capacity():
             self._sizes.append(0)
             self._arenas.append(None)
             self._fill = 0
@@ -68,12 +77,26 @@ class ArenaBuilder:
         self._sizes[-1] = self._fill
         return slot
 
+    def _capacity(self) -> int:
+        """Bytes the last arena may hold: ``chunk_bytes`` while only planned, its real size once created."""
+        arena = self._arenas[-1]
+        return self.chunk_bytes if arena is None else arena.spec.size
+
     def view(self, slot: Slot) -> "torch.Tensor":
-        """The writable uint8 bytes of ``slot`` (creates its arena on first use)."""
+        """The writable uint8 bytes of ``slot`` (creates its arena on first use).
+
+        Raises ArenaError for a slot that does not lie inside its arena.
+        """
+        if self._sealed:
+            raise ArenaError(f"cannot write {slot}: the arenas are sealed")
+        if not 0 <= slot.arena < len(self._arenas):
+            raise ArenaError(f"{slot} names arena {slot.arena}, but {len(self._arenas)} were planned; plan the slot with this builder")
         arena = self._arenas[slot.arena]
         if arena is None:
             arena = self.backend.create(self._sizes[slot.arena], str(self.device))
             self._arenas[slot.arena] = arena
+        if slot.offset < 0 or slot.offset + slot.nbytes > arena.spec.size:
+            raise ArenaError(f"{slot} lies outside arena {slot.arena} ({arena.spec.size} bytes); write only slots this builder's plan() returned")
         return arena.bytes_view()[slot.offset : slot.offset + slot.nbytes]
 
     @property
@@ -90,6 +113,7 @@ class ArenaBuilder:
         """Make every arena final; views handed out before must be dropped by now."""
         for arena in self.arenas:
             self.backend.seal(arena)
+        self._sealed = True
 
     def close(self) -> None:
         """Release this process's handles (the server keeps its own fds)."""
@@ -185,43 +209,71 @@ def export_state(state, builder: ArenaBuilder, extra: dict | None = None) -> Man
 
 
 def export_tensors(items: list[NamedTensor], aliases: dict, builder: ArenaBuilder, extra: dict | None = None, release: bool = True) -> Manifest:
-    """Place ``items`` into arenas (copying those not there yet) and return their manifest."""
+    """Place ``items`` into arenas (copying those not there yet) and return their manifest.
+
+    Raises ValueError for tensors on the meta device and ArenaError naming
+    the tensor that could not be placed.
+    """
     import torch
 
     if any(item.tensor.device.type == "meta" for item in items):
         meta = [item.name for item in items if item.tensor.device.type == "meta"][:5]
         raise ValueError(f"cannot export tensors on the meta device ({', '.join(meta)}); load the weights first")
-    placed = [(item, builder.locate(item.tensor)) for item in items]
-    slots = {item.name: slot or builder.plan(storage_region_bytes(item.tensor)) for item, slot in placed}
+    placed = []
+    for item in items:
+        with _naming(item):
+            existing = builder.locate(item.tensor)
+            placed.append((item, existing, existing or builder.plan(storage_region_bytes(item.tensor))))
     records = []
     with torch.no_grad():
-        for item, existing in placed:
-            slot = slots[item.name]
-            tensor = item.tensor
-            records.append(
-                TensorRecord(
-                    name=item.name,
-                    kind=item.kind,
-                    dtype=str(tensor.dtype),
-                    shape=tuple(tensor.shape),
-                    stride=tuple(tensor.stride()),
-                    storage_offset=0,
-                    arena=slot.arena,
-                    offset=slot.offset,
-                    nbytes=slot.nbytes,
-                    persistent=item.persistent,
-                )
-            )
-            if existing is None:
-                target = builder.view(slot)
-                if slot.nbytes:
-                    target.copy_(region_bytes(tensor.detach()))
-                    builder.progress.update(slot.nbytes)
-                    if release:
-                        _release(tensor)
+        for item, existing, slot in placed:
+            with _naming(item, slot):
+                records.append(_record(item, slot))
+                if existing is None:
+                    target = builder.view(slot)  # creates the arena, even for an empty tensor
+                    if slot.nbytes:
+                        target.copy_(region_bytes(item.tensor.detach()))
+                        builder.progress.update(slot.nbytes)
+                        if release:
+                            _release(item.tensor)
     if builder.device.is_cuda:
         torch.cuda.synchronize()
     return Manifest(tensors=records, arenas=builder.specs(), aliases=aliases, extra=dict(extra or {}))
+
+
+def _record(item: NamedTensor, slot: Slot) -> TensorRecord:
+    tensor = item.tensor
+    return TensorRecord(
+        name=item.name,
+        kind=item.kind,
+        dtype=str(tensor.dtype),
+        shape=tuple(tensor.shape),
+        stride=tuple(tensor.stride()),
+        storage_offset=0,
+        arena=slot.arena,
+        offset=slot.offset,
+        nbytes=slot.nbytes,
+        persistent=item.persistent,
+    )
+
+
+@contextlib.contextmanager
+def _naming(item: NamedTensor, slot: Slot | None = None):
+    """Re-raise any failure to place ``item`` as an ArenaError that names it."""
+    import torch
+
+    try:
+        yield
+    except Exception as exc:
+        tensor = item.tensor
+        shape = f" {tuple(tensor.shape)}" if tensor.layout == torch.strided else ""
+        where = f" into {slot}" if slot is not None else ""
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        hint = "only dense tensors fit in arenas: make it one (to_dense())" if tensor.layout != torch.strided else "make it an ordinary tensor"
+        raise ArenaError(
+            f"cannot export {item.kind} {item.name!r} ({tensor.dtype}{shape}, {tensor.layout}, on {tensor.device}){where}: "
+            f"{reason}; nothing was published: {hint} in the adapter's load or post-processing"
+        ) from exc
 
 
 def _release(tensor: "torch.Tensor") -> None:

@@ -66,8 +66,10 @@ class Published:
 def prepare(request: LoadRequest, plugins: Plugins | None = None) -> Prepared:
     """Find the adapter, check the options, describe the model and check its quantization method.
 
-    Reads configs only: an unknown option or an unsupported method fails here,
-    before any weight is read.
+    Reads configs only: an unknown option or an unsupported method fails here, before any weight
+    byte is read. The fingerprint, computed on first use, needs each weight file's content digest
+    (remembered per file version: hashed on first sight, a stat per file afterwards; see
+    ``weightcache.core.digests``).
     """
     adapter = (plugins or installed_plugins()).adapter(request.adapter)
     adapter.check_options(request)

@@ -7,7 +7,8 @@ import typing
 import attrs
 
 from weightcache.core.arena.base import ArenaSpec
-from weightcache.core.dtypes import dtype_name, to_dtype
+from weightcache.core.dtypes import ITEM_SIZES, to_dtype
+from weightcache.core.errors import InvalidManifest
 
 if typing.TYPE_CHECKING:
     import torch
@@ -15,10 +16,34 @@ if typing.TYPE_CHECKING:
     from weightcache.core.arena.base import Arena
 
 KINDS = ("parameter", "buffer")
+MAX_INDEX = 2**63 - 1
+"""Largest size, stride or offset: torch keeps them as int64."""
+
+_INDEX_FIELDS = ("storage_offset", "arena", "offset", "nbytes")
 
 
-def _ints(value) -> tuple[int, ...]:
-    return tuple(map(int, value))
+def _as_tuple(value):
+    """A list or tuple becomes a tuple; anything else is kept for the record's check to refuse (never coerced)."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _wire_dtype(value):
+    """``"torch.bfloat16"`` -> ``"bfloat16"``; anything but a string is kept for the record's check to refuse."""
+    return value.removeprefix("torch.") if isinstance(value, str) else value
+
+
+def _is_index(value) -> bool:
+    """Whether ``value`` is a usable size, stride or offset: a JSON integer (not a bool) in [0, 2**63)."""
+    return type(value) is int and 0 <= value <= MAX_INDEX
+
+
+def _index_problem(value) -> str:
+    """Why ``value`` is not a usable size, stride or offset (``_is_index(value)`` is false)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"must be an integer, not {type(value).__name__} {value!r:.40}"
+    if value < 0:
+        return f"must not be negative, got {value}"
+    return f"{value} exceeds 2**63-1"
 
 
 @attrs.frozen
@@ -27,34 +52,97 @@ class TensorRecord:
 
     ``offset`` is the byte offset of the tensor's storage region in arena
     ``arena``; the tensor is that region viewed as ``dtype`` and strided by
-    ``shape``/``stride`` from element ``storage_offset``.
+    ``shape``/``stride`` from element ``storage_offset``.  A record that no
+    client could view raises :class:`InvalidManifest` (no field is coerced).
     """
 
     name: str
-    kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
-    dtype: str = attrs.field(converter=dtype_name)
-    shape: tuple[int, ...] = attrs.field(converter=_ints)
-    stride: tuple[int, ...] = attrs.field(converter=_ints)
+    kind: str
+    dtype: str = attrs.field(converter=_wire_dtype)
+    shape: tuple[int, ...] = attrs.field(converter=_as_tuple)
+    stride: tuple[int, ...] = attrs.field(converter=_as_tuple)
     storage_offset: int
     arena: int
     offset: int
     nbytes: int
     persistent: bool = True
 
+    def __attrs_post_init__(self) -> None:
+        fault = self._fault()
+        if fault is not None:
+            raise InvalidManifest(str(self.name), *fault)
+
+    def _fault(self) -> tuple[str, str] | None:
+        """``(field, problem)`` of the first fault that would stop a client viewing this record, or None."""
+        if not isinstance(self.name, str) or not self.name:
+            return "name", "must be a non-empty string"
+        if self.kind not in KINDS:
+            return "kind", f"{self.kind!r:.40} is not one of {', '.join(KINDS)}"
+        if not isinstance(self.dtype, str) or self.dtype not in ITEM_SIZES:
+            return "dtype", f"{self.dtype!r:.40} is not one of {', '.join(sorted(ITEM_SIZES))}"
+        for field in _INDEX_FIELDS:
+            value = getattr(self, field)
+            if not _is_index(value):
+                return field, _index_problem(value)
+        for field in ("shape", "stride"):
+            value = getattr(self, field)
+            if not isinstance(value, tuple):
+                return field, f"must be a list of integers, not {type(value).__name__}"
+            for dim, item in enumerate(value):
+                if not _is_index(item):
+                    return field, f"dimension {dim} {_index_problem(item)}"
+        if len(self.stride) != len(self.shape):
+            return "stride", f"has {len(self.stride)} dimensions, shape has {len(self.shape)}"
+        if not isinstance(self.persistent, bool):
+            return "persistent", f"must be true or false, not {type(self.persistent).__name__}"
+        itemsize = ITEM_SIZES[self.dtype]
+        if self.offset % itemsize:
+            return "offset", f"{self.offset} is not a multiple of {self.dtype}'s item size ({itemsize} bytes)"
+        if self.nbytes % itemsize:
+            return "nbytes", f"{self.nbytes} is not a multiple of {self.dtype}'s item size ({itemsize} bytes)"
+        if _numel(self.shape) > MAX_INDEX:
+            return "shape", f"{list(self.shape)} holds more than 2**63-1 elements"
+        extent = self.extent_bytes
+        if extent > self.nbytes:
+            return "nbytes", (
+                f"the view (shape {list(self.shape)}, stride {list(self.stride)}, storage_offset {self.storage_offset}) "
+                f"reaches {extent} bytes into its region, which holds only {self.nbytes}"
+            )
+        return None
+
+    @property
+    def extent_bytes(self) -> int:
+        """Bytes from the region's start up to the end of the view's last element (0 without elements)."""
+        if 0 in self.shape:
+            return 0
+        last = self.storage_offset + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride))
+        return (last + 1) * ITEM_SIZES[self.dtype]
+
     def to_json(self) -> dict:
         return {**attrs.asdict(self), "shape": list(self.shape), "stride": list(self.stride)}
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorRecord":
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise ValueError(f"malformed tensor record: {exc}") from None
+        if not isinstance(data, dict):
+            raise InvalidManifest("", "tensors", f"every record must be an object, not {type(data).__name__}")
+        unknown, missing = data.keys() - _RECORD_FIELDS, _REQUIRED_RECORD_FIELDS.difference(data)
+        if unknown or missing:
+            name = data.get("name")
+            raise InvalidManifest(name if isinstance(name, str) else "", ", ".join(sorted(unknown) + sorted(missing)),
+                                  f"unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
+        return cls(**data)
+
+
+_RECORD_FIELDS = frozenset(field.name for field in attrs.fields(TensorRecord))
+_REQUIRED_RECORD_FIELDS = frozenset(field.name for field in attrs.fields(TensorRecord) if field.default is attrs.NOTHING)
 
 
 @attrs.frozen
 class Manifest:
     """Every tensor of one published model rank, its arenas, tied-weight aliases and adapter state.
+
+    Constructing one checks everything a client needs to view it (docs/protocol.md, "Manifest"):
+    a manifest that no client could view raises :class:`InvalidManifest`.
 
     :param aliases: alias name -> name of the tensor it shares (tied weights).
     :param extra: small JSON-able state an adapter needs to rebuild the model
@@ -66,25 +154,43 @@ class Manifest:
     aliases: dict = attrs.field(factory=dict, hash=False)
     extra: dict = attrs.field(factory=dict, hash=False)
 
-    @tensors.validator
-    def _check(self, _attr, records):
-        seen = set()
-        for record in records:
-            if record.name in seen:
-                raise ValueError(f"manifest names tensor {record.name!r} twice")
-            seen.add(record.name)
-            if not 0 <= record.arena < len(self.arenas):
-                raise ValueError(f"tensor {record.name!r} points at arena {record.arena}, manifest has {len(self.arenas)}")
-            if record.offset < 0 or record.offset + record.nbytes > self.arenas[record.arena].size:
-                raise ValueError(f"tensor {record.name!r} lies outside arena {record.arena}")
+    def __attrs_post_init__(self) -> None:
+        names: set[str] = set()
+        for record in self.tensors:
+            if record.name in names:
+                raise InvalidManifest(record.name, "name", "names a second tensor")
+            names.add(record.name)
+            if record.arena >= len(self.arenas):
+                raise InvalidManifest(record.name, "arena", f"{record.arena} is not below the manifest's {len(self.arenas)} arenas")
+            size = self.arenas[record.arena].size
+            if record.offset + record.nbytes > size:
+                raise InvalidManifest(
+                    record.name, "offset",
+                    f"its region [{record.offset}, {record.offset + record.nbytes}) ends past arena {record.arena} ({size} bytes)",
+                )
+        if not isinstance(self.aliases, dict):
+            raise InvalidManifest("", "aliases", f"must be an object, not {type(self.aliases).__name__}")
         for alias, target in self.aliases.items():
-            if target not in seen:
-                raise ValueError(f"alias {alias!r} points at unknown tensor {target!r}")
+            if not isinstance(alias, str) or not isinstance(target, str):
+                raise InvalidManifest("", "aliases", f"alias {alias!r:.80} -> {target!r:.80}: both must be strings")
+            if alias in names:
+                raise InvalidManifest(alias, "aliases", "an alias may not reuse a tensor's name")
+            if target not in names:
+                raise InvalidManifest("", "aliases", f"alias {alias!r:.80} points at unknown tensor {target!r:.80}")
+        if not isinstance(self.extra, dict):
+            raise InvalidManifest("", "extra", f"must be an object, not {type(self.extra).__name__}")
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all arenas together."""
+        """Bytes of all arenas together, as their specs declare them."""
         return sum(spec.size for spec in self.arenas)
+
+    def arena_extents(self) -> tuple[int, ...]:
+        """Per arena, the end of the last tensor region in it (0 for an arena no tensor uses)."""
+        extents = [0] * len(self.arenas)
+        for record in self.tensors:
+            extents[record.arena] = max(extents[record.arena], record.offset + record.nbytes)
+        return tuple(extents)
 
     def to_json(self) -> dict:
         return {
@@ -96,15 +202,24 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: dict) -> "Manifest":
-        try:
-            return cls(
-                tensors=[TensorRecord.from_json(t) for t in data["tensors"]],
-                arenas=[ArenaSpec.from_json(a) for a in data["arenas"]],
-                aliases={str(k): str(v) for k, v in data.get("aliases", {}).items()},
-                extra=dict(data.get("extra", {})),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"malformed manifest: {exc}") from None
+        """Parse and check a manifest from the wire; InvalidManifest (a ValueError) names the first fault."""
+        if not isinstance(data, dict):
+            raise InvalidManifest("", "manifest", f"must be an object, not {type(data).__name__}")
+        for field in ("tensors", "arenas"):
+            if not isinstance(data.get(field), list):
+                raise InvalidManifest("", field, f"must be a list, not {type(data.get(field)).__name__}")
+        arenas = []
+        for index, spec in enumerate(data["arenas"]):
+            try:
+                arenas.append(ArenaSpec.from_json(spec))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise InvalidManifest("", f"arenas[{index}]", f"malformed arena spec ({exc!s:.200})") from None
+        return cls(
+            tensors=[TensorRecord.from_json(t) for t in data["tensors"]],
+            arenas=arenas,
+            aliases=data.get("aliases", {}),
+            extra=data.get("extra", {}),
+        )
 
     def views(self, arenas: "typing.Sequence[Arena]") -> "dict[str, torch.Tensor]":
         """Tensors viewing the mapped ``arenas`` (no copy), aliases included."""

@@ -22,9 +22,9 @@ import typing
 
 import attrs
 
-from weightcache.core.attach import Attachment
+from weightcache.core.attach import Attachment, fallback_reason
 from weightcache.core.client import server_is_running
-from weightcache.core.errors import AccessDenied, ArenaError, EntryNotFound, EntryUnusable, ServerError, ServerUnavailable
+from weightcache.core.errors import EntryNotFound, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.loader import Prepared, load_from_disk, prepare, publish
 from weightcache.core.request import LoadRequest
@@ -166,27 +166,17 @@ def run(request: LoadRequest, cache: CacheOptions, plugins: "Plugins | None" = N
     return loaded
 
 
-FALLBACK_ERRORS = (ServerUnavailable, AccessDenied, EntryNotFound, EntryUnusable, ArenaError)
-"""Why a client may load from disk instead: no (trusted) server, no matching entry, an entry it cannot map."""
-
-
 def _client(prepared: Prepared, cache: CacheOptions, timings: dict) -> LoadedModel:
     try:
         return attach(prepared, cache, timings)
-    except (*FALLBACK_ERRORS, ServerError) as exc:
-        if cache.strict or (isinstance(exc, ServerError) and exc.code != "busy"):
+    except WeightCacheError as exc:
+        reason = fallback_reason(exc)  # None: not a reason to load from disk (a rebind that does not fit, a bug)
+        if cache.strict or reason is None:
             raise
-        reason = fallback_reason(exc)
         log.warning("weightcache: loading %s from disk: %s", prepared.request.model, reason)
         loaded = _from_disk(prepared, "client", timings)
         loaded.fallback_reason = reason
         return loaded
-
-
-def fallback_reason(exc: Exception) -> str:
-    """One line saying why the cache was not used (the mismatched fingerprint fields included)."""
-    fields = getattr(exc, "fields", ())
-    return f"{exc}" + (f" (mismatched fields: {', '.join(fields)})" if fields and ", ".join(fields) not in str(exc) else "")
 
 
 def attach(prepared: Prepared, cache: CacheOptions, timings: dict | None = None) -> LoadedModel:
@@ -194,10 +184,7 @@ def attach(prepared: Prepared, cache: CacheOptions, timings: dict | None = None)
     timings = {} if timings is None else timings
     fingerprint = prepared.fingerprint
     start = time.perf_counter()
-    try:
-        attachment = Attachment.open(fingerprint, cache.socket_dir, timeout=cache.timeout_s)
-    except ValueError as exc:  # a manifest this process cannot view or map
-        raise EntryUnusable(fingerprint.digest, str(exc)) from None
+    attachment = Attachment.open(fingerprint, cache.socket_dir, timeout=cache.timeout_s)
     timings["attach_s"] = time.perf_counter() - start
     try:
         start = time.perf_counter()

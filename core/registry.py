@@ -9,21 +9,42 @@ import time
 
 import attrs
 
+from weightcache.core.errors import AmbiguousDigest
 from weightcache.core.fingerprint import Fingerprint
-from weightcache.core.protocol import close_fds
+from weightcache.core.protocol import close_fds, encode
 
 log = logging.getLogger(__name__)
+
+MAX_LABEL_CHARS = 256
+"""Longest label a publish may carry (longer ones are refused); also the most characters of any
+fingerprint text a status row shows, so that every row, and so the status reply, stays small."""
+
+
+def _check_label(_entry, _attribute, label) -> None:
+    if not isinstance(label, str):
+        raise ValueError(f"the label must be a string, not {type(label).__name__}")
+    if len(label) > MAX_LABEL_CHARS:
+        raise ValueError(f"the label has {len(label)} characters, more than the {MAX_LABEL_CHARS} allowed; shorten it")
+
+
+def _shown(text: str) -> str:
+    """``text`` cut to MAX_LABEL_CHARS characters for a status row."""
+    return text[:MAX_LABEL_CHARS]
 
 
 @attrs.define
 class Entry:
-    """One published model rank: the server's own fds to its arenas and its manifest."""
+    """One published model rank: the server's own fds to its arenas and its manifest.
+
+    ``nbytes`` is what the entry counts against the byte budget: the real size
+    of each host memfd, the declared size of each CUDA arena.
+    """
 
     fingerprint: Fingerprint
     manifest: dict
     fds: list[int]
     nbytes: int
-    label: str
+    label: str = attrs.field(validator=_check_label)
     published_by: int
     created: float = attrs.field(factory=time.time)
     last_used: float = attrs.field(factory=time.monotonic)
@@ -39,9 +60,9 @@ class Entry:
             "digest": self.digest,
             "label": self.label,
             "rank": f"tp{fp.tp_rank}/{fp.tp_size} pp{fp.pp_rank}/{fp.pp_size} ep{fp.ep_rank}/{fp.ep_size}",
-            "device": fp.gpu_uuid or "cpu",
-            "quantization": fp.quantization,
-            "dtype": fp.dtype,
+            "device": _shown(fp.gpu_uuid or "cpu"),
+            "quantization": _shown(fp.quantization),
+            "dtype": _shown(fp.dtype),
             "bytes": self.nbytes,
             "tensors": len(self.manifest.get("tensors", ())),
             "arenas": len(self.fds),
@@ -68,35 +89,43 @@ class Registry:
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     def publish(self, entry: Entry) -> bool:
-        """Add ``entry``; False (and its fds closed) if one with that digest exists already."""
+        """Add ``entry``; False (and its fds closed) if one with that digest exists already.
+
+        Raises OverBudget, having evicted nothing, when the entry does not fit
+        even after evicting every unattached entry.
+        """
         with self._lock:
             if entry.digest in self._entries:
                 close_fds(entry.fds)
                 return False
-            self._make_room(entry.nbytes)
+            for victim in self._victims(entry.nbytes):
+                self._drop(victim.digest, reason="least recently used, to stay within the byte budget")
             self._entries[entry.digest] = entry
         log.info("published %s (%s, %d bytes, %d arenas)", entry.digest[:12], entry.label, entry.nbytes, len(entry.fds))
         return True
 
-    def _make_room(self, nbytes: int) -> None:
+    def _victims(self, nbytes: int) -> list[Entry]:
+        """The least recently used unattached entries whose eviction makes room for ``nbytes``.
+
+        Decided before anything is evicted: OverBudget if even all of them would not make room.
+        """
         if self.byte_budget is None:
-            return
+            return []
         held = sum(e.nbytes for e in self._entries.values())
         idle = sorted((e for e in self._entries.values() if not e.sessions), key=lambda e: e.last_used)
-        while held + nbytes > self.byte_budget and idle:
-            victim = idle.pop(0)
-            self._drop(victim.digest, reason="least recently used, to stay within the byte budget")
-            held -= victim.nbytes
-        if held + nbytes > self.byte_budget:
+        idle_bytes = sum(e.nbytes for e in idle)
+        if held - idle_bytes + nbytes > self.byte_budget:
             raise OverBudget(
                 f"{nbytes} bytes do not fit the server's budget of {self.byte_budget} bytes "
-                f"({held} held by attached entries); raise --byte-budget or evict entries"
+                f"({held - idle_bytes} held by attached entries, {idle_bytes} by idle ones; nothing was evicted); "
+                "raise --byte-budget, detach engines or evict entries"
             )
-
-    def attach(self, fingerprint: Fingerprint, connection: int, pid: int) -> Entry | None:
-        """The entry for ``fingerprint``, now marked attached by ``connection``; None if absent."""
-        with self._lock:
-            return self._attach_locked(fingerprint, connection, pid)
+        victims = []
+        while held + nbytes > self.byte_budget:
+            victim = idle.pop(0)
+            victims.append(victim)
+            held -= victim.nbytes
+        return victims
 
     def _attach_locked(self, fingerprint: Fingerprint, connection: int, pid: int) -> Entry | None:
         entry = self._entries.get(fingerprint.digest)
@@ -146,32 +175,46 @@ class Registry:
                 entry.sessions.pop(connection, None)
 
     def evict(self, prefix: str, force: bool = False) -> list[str]:
-        """Evict the entries whose digest starts with ``prefix``; attached ones only with ``force``."""
+        """Evict the one entry whose digest is or starts with ``prefix``; an attached one only with ``force``.
+
+        A prefix that matches several entries raises AmbiguousDigest and evicts nothing.
+        """
         if len(prefix) < 4:
             raise ValueError("give at least 4 characters of the entry's digest")
         with self._lock:
-            matches = [e for d, e in self._entries.items() if d.startswith(prefix)]
+            exact = self._entries.get(prefix)
+            matches = [exact] if exact is not None else [e for d, e in self._entries.items() if d.startswith(prefix)]
             if not matches:
-                raise KeyError(f"no entry matches {prefix!r}; `weightcache status` lists them")
-            attached = [e for e in matches if e.sessions]
-            if attached and not force:
-                pids = sorted({p for e in attached for p in e.sessions.values()})
+                raise KeyError(f"no entry matches {prefix!r:.80}; `weightcache status` lists them")
+            if len(matches) > 1:
+                raise AmbiguousDigest(prefix, sorted(e.digest for e in matches))
+            [entry] = matches
+            if entry.sessions and not force:
+                pids = sorted(set(entry.sessions.values()))
                 raise PermissionError(
-                    f"entry {attached[0].digest[:12]} is attached by pids {pids}; detach those engines "
+                    f"entry {entry.digest[:12]} is attached by pids {pids}; detach those engines "
                     "or evict with --force (their mappings stay valid; memory is freed once they exit)"
                 )
-            for entry in matches:
-                self._drop(entry.digest, reason="evicted on request")
-            return [e.digest for e in matches]
+            self._drop(entry.digest, reason="evicted on request")
+            return [entry.digest]
 
     def _drop(self, digest: str, reason: str) -> None:
         entry = self._entries.pop(digest)
         close_fds(entry.fds)
         log.info("dropped %s (%s): %s", digest[:12], entry.label, reason)
 
-    def status(self) -> list[dict]:
+    def status(self, max_bytes: int | None = None) -> tuple[list[dict], int]:
+        """A row per entry, oldest first, and how many rows were left out to keep the rows' JSON within ``max_bytes``."""
         with self._lock:
-            return [e.status() for e in self._entries.values()]
+            rows = [e.status() for e in self._entries.values()]
+        if max_bytes is None:
+            return rows, 0
+        used = 0
+        for count, row in enumerate(rows):
+            used += len(encode(row)) + 1  # the comma between rows
+            if used > max_bytes:
+                return rows[:count], len(rows) - count
+        return rows, 0
 
     def held_bytes(self) -> int:
         with self._lock:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import attrs
 
+from weightcache.core.digests import SCHEME, DigestStore, ProgressLike, checkpoint_digests
+
 MAX_HEADER_BYTES = 100 << 20
 
 # safetensors dtype codes -> torch dtype names
@@ -84,19 +86,21 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
     return files
 
 
-def checkpoint_identity(path: str | os.PathLike) -> str:
-    """sha256 over every safetensors file's name (relative) and header bytes.
+def checkpoint_identity(path: str | os.PathLike, store: DigestStore | None = None, progress: ProgressLike | None = None) -> str:
+    """sha256 over the digest scheme and every safetensors file's relative name and content digest.
 
-    The same files in two directories give the same identity; any changed
-    header byte (a dtype, a shape, an offset, metadata) gives another.
+    The same bytes in two directories give the same identity; any changed byte
+    (data or header) gives another. Digests come from ``store`` (default: the
+    user's ``DigestStore``) while a file is unchanged, else the file is hashed once
+    (see ``weightcache.core.digests``; ``progress`` counts the bytes hashed).
     """
     path = Path(path)
-    digest = hashlib.sha256()
-    for file in checkpoint_files(path):
-        header = read_header(file)
+    files = checkpoint_files(path)
+    digest = hashlib.sha256(SCHEME.encode())
+    for file, content in zip(files, checkpoint_digests(files, store, progress)):
         relative = file.name if path.is_file() else str(file.relative_to(path))
-        digest.update(struct.pack("<Q", len(relative)) + relative.encode())
-        digest.update(struct.pack("<Q", len(header.raw)) + header.raw)
+        for part in (relative.encode(), content.encode()):
+            digest.update(struct.pack("<Q", len(part)) + part)
     return digest.hexdigest()
 
 

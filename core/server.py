@@ -3,10 +3,16 @@
 It never imports torch or CUDA: it only keeps file descriptors open, which is
 what keeps the memory alive. One thread per connection; an engine's attach
 session is its connection, so a dead engine detaches by itself.
+
+No single peer can exhaust it (docs/protocol.md, "Limits"): frames are
+bounded in bytes and fds, unfinished frames share server-wide caps, idle
+connections time out or make room for newcomers, and running out of fds at
+accept() sheds idle connections instead of ending the server.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import logging
@@ -15,20 +21,22 @@ import resource
 import signal
 import socket
 import stat
-import struct
 import threading
+import time
 from pathlib import Path
 
 import attrs
 
 from weightcache.core import PROTOCOL_VERSION, __version__
-from weightcache.core.errors import AccessDenied, ProtocolError
+from weightcache.core.connections import ConnectionState, ConnectionTable
+from weightcache.core.errors import AccessDenied, IdleTimeout, ProtocolError
 from weightcache.core.fingerprint import Fingerprint
-from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir
+from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir, peer_credentials
 from weightcache.core.protocol import (
     FRAME_DEADLINE_S,
     MAX_FRAME_BYTES,
     FrameReader,
+    InFlight,
     close_fds,
     error_reply,
     ok_reply,
@@ -38,7 +46,11 @@ from weightcache.core.registry import Entry, OverBudget, Registry
 
 log = logging.getLogger(__name__)
 
-_UCRED = struct.Struct("3i")
+LISTEN_BACKLOG = max(socket.SOMAXCONN, 4096)  # the kernel caps it at net.core.somaxconn
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_SHED_WHEN_OUT_OF_FDS = 4  # idle connections closed per failed accept(): room for the newcomer and its replies
+_ACCEPT_BACKOFF_S = (0.01, 0.5)
+_FAILURE_BURST_GAP_S = 10.0  # failed accepts closer together than this are one burst (one log line)
 
 
 @attrs.frozen
@@ -47,7 +59,16 @@ class ServerConfig:
 
     :param socket_dir: private directory (0700) holding the socket and the lock.
     :param byte_budget: most bytes of arenas held at once (None: no limit).
-    :param max_connections: connections served at once; more are refused.
+    :param max_frame_bytes: most payload bytes of one frame.
+    :param frame_deadline_s: a frame must arrive whole within this time of its first byte.
+    :param max_connections: connections served at once (also at most half the open-file limit);
+        a newcomer beyond it displaces the longest-idle connection, or gets ``busy`` when none is idle.
+    :param idle_timeout_s: a connection with nothing attached and no request is closed after this long
+        (None: never); attached connections stay open as long as their engine keeps them.
+    :param max_inflight_fds: most fds held by unfinished frames of all connections together
+        (None: a quarter of the open-file limit).
+    :param max_inflight_bytes: most payload bytes of unfinished frames of all connections together.
+    :param inflight_wait_s: how long a frame waits for ``max_inflight_bytes`` to make room before it is refused with ``busy``.
     """
 
     socket_dir: Path = attrs.field(converter=Path)
@@ -55,15 +76,14 @@ class ServerConfig:
     max_frame_bytes: int = MAX_FRAME_BYTES
     frame_deadline_s: float = FRAME_DEADLINE_S
     max_connections: int = 1024
+    idle_timeout_s: float | None = 120.0
+    max_inflight_fds: int | None = None
+    max_inflight_bytes: int = 256 << 20
+    inflight_wait_s: float = 1.0
 
 
 class ServerAlreadyRunning(AccessDenied):
     """Another server holds the lock of this socket directory."""
-
-
-def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` of the process at the other end of ``conn`` (SO_PEERCRED)."""
-    return _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
 
 
 class Server:
@@ -76,9 +96,11 @@ class Server:
         self._lock_fd = -1
         self._stopping = threading.Event()
         self._ids = itertools.count(1)
-        self._slots = threading.BoundedSemaphore(config.max_connections)
-        self._connections: dict[int, socket.socket] = {}
-        self._connections_lock = threading.Lock()
+        self._table = ConnectionTable(config.max_connections)
+        # Both limits are fitted to the open-file limit in start() (_size_limits).
+        self._in_flight = InFlight(config.max_inflight_fds or 1024, config.max_inflight_bytes, config.inflight_wait_s)
+        self._failed_accepts = 0  # in a row: they set the back-off
+        self._last_failed_accept = float("-inf")
 
     @property
     def socket_path(self) -> Path:
@@ -87,7 +109,7 @@ class Server:
     def start(self) -> None:
         """Take the directory's lock, clear a dead server's socket, bind and listen."""
         socket_dir = ensure_private_dir(self.config.socket_dir)
-        _raise_fd_limit()
+        self._size_limits(_raise_fd_limit())
         self._lock_fd = os.open(socket_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -109,10 +131,17 @@ class Server:
         finally:
             os.umask(old_umask)
         os.chmod(self.socket_path, 0o600)
-        listener.listen(128)
+        listener.listen(LISTEN_BACKLOG)
         listener.settimeout(0.2)
         self._listener = listener
         log.info("weightcache server %s (protocol %d) serving on %s", __version__, PROTOCOL_VERSION, self.socket_path)
+
+    def _size_limits(self, open_files: int) -> None:
+        """Fit the connection and in-flight fd limits to the open-file limit: half for connections, a quarter for frames."""
+        self._table.limit = max(1, min(self.config.max_connections, open_files // 2))
+        self._in_flight.max_fds = self.config.max_inflight_fds or max(1, open_files // 4)
+        if self._table.limit < self.config.max_connections:
+            log.warning("serving at most %d connections: the open-file limit is %d", self._table.limit, open_files)
 
     def _remove_stale_socket(self) -> None:
         """We hold the lock, so a socket file left here belongs to a dead server."""
@@ -135,13 +164,31 @@ class Server:
                     conn, _ = self._listener.accept()
                 except (socket.timeout, InterruptedError):
                     continue
-                except OSError:
+                except OSError as exc:
                     if self._stopping.is_set():
                         break
+                    if exc.errno in _OUT_OF_RESOURCES:
+                        self._accept_failed(exc)
+                        continue
+                    if exc.errno in (errno.ECONNABORTED, errno.EPROTO):
+                        continue
                     raise
+                self._failed_accepts = 0
                 self._spawn(conn)
         finally:
             self._shutdown()
+
+    def _accept_failed(self, exc: OSError) -> None:
+        """Out of fds or memory at accept(): never fatal. Log once per burst, shed idle connections, back off, go on."""
+        now = time.monotonic()
+        if now - self._last_failed_accept > _FAILURE_BURST_GAP_S:
+            log.warning("accept() failed: %s; closing idle connections and backing off (logged once per burst)",
+                        exc.strerror or exc)
+        self._last_failed_accept = now
+        self._failed_accepts += 1
+        if not self._table.shed_idle(_SHED_WHEN_OUT_OF_FDS, "to free file descriptors"):
+            low, high = _ACCEPT_BACKOFF_S
+            self._stopping.wait(min(high, low * 2 ** min(self._failed_accepts - 1, 10)))
 
     def stop(self) -> None:
         """Ask ``serve_forever`` to return (safe from a signal handler or another thread)."""
@@ -153,39 +200,48 @@ class Server:
             signal.signal(signum, lambda *_: self.stop())
 
     def _spawn(self, conn: socket.socket) -> None:
-        if not self._slots.acquire(blocking=False):
-            log.warning("refusing a connection: %d connections already open", self.config.max_connections)
-            self._refuse(conn, "busy", "too many connections; try again shortly")
+        state = ConnectionState(next(self._ids), conn)
+        if not self._table.admit(state):
+            log.warning("refusing a connection: %d connections open and none idle", self._table.limit)
+            self._refuse(conn, "busy", "too many connections, none of them idle; try again shortly")
+            conn.close()
             return
-        connection_id = next(self._ids)
-        thread = threading.Thread(target=self._serve_connection, args=(conn, connection_id), daemon=True)
-        thread.start()
+        try:
+            threading.Thread(target=self._serve_connection, args=(state,), daemon=True).start()
+        except RuntimeError as exc:  # no more threads
+            self._table.remove(state)
+            log.warning("refusing a connection: %s", exc)
+            self._refuse(conn, "busy", "the server cannot start another thread; try again shortly")
+            conn.close()
 
     def _refuse(self, conn: socket.socket, code: str, message: str) -> None:
+        """Tell the peer why it is refused (the caller closes the connection)."""
         try:
             conn.settimeout(1.0)
             send_frame(conn, error_reply(code, message))
         except OSError:
             pass
-        finally:
-            conn.close()
 
-    def _serve_connection(self, conn: socket.socket, connection_id: int) -> None:
-        with self._connections_lock:
-            self._connections[connection_id] = conn
+    def _serve_connection(self, state: ConnectionState) -> None:
+        conn = state.sock
         try:
             pid, uid, _ = peer_credentials(conn)
+            state.pid = pid
             if uid != os.geteuid():
                 log.warning("refused pid %d of uid %d: the server runs as uid %d", pid, uid, os.geteuid())
                 self._refuse(conn, "access_denied", f"uid {uid} may not use a server of uid {os.geteuid()}; run the engine as the server's user")
                 return
-            reader = FrameReader(conn, self.config.max_frame_bytes, self.config.frame_deadline_s)
+            state.reader = reader = FrameReader(conn, self.config.max_frame_bytes, self.config.frame_deadline_s, self._in_flight)
             while not self._stopping.is_set():
+                idle_timeout = None if state.attached else self.config.idle_timeout_s
                 try:
-                    frame = reader.read(idle_timeout=None)
+                    frame = reader.read(idle_timeout=idle_timeout)
+                except IdleTimeout:
+                    log.info("closing pid %d's connection: idle for %g s with nothing attached", pid, idle_timeout)
+                    return
                 except ProtocolError as exc:
-                    log.warning("protocol error from pid %d: %s", pid, exc)
-                    self._try_send(conn, error_reply("protocol_error", str(exc)))
+                    log.warning("refused a frame from pid %d (%s): %s", pid, exc.code, exc)
+                    self._try_send(conn, error_reply(exc.code, str(exc)))
                     return
                 except (TimeoutError, OSError) as exc:
                     log.warning("dropping pid %d's connection: %s", pid, exc or type(exc).__name__)
@@ -193,20 +249,20 @@ class Server:
                 if frame is None:
                     return
                 message, fds = frame
-                reply, reply_fds = self._dispatch(message, fds, connection_id, pid)
+                reply, reply_fds = self._dispatch(message, fds, state.id, pid)
+                state.note_reply(message, reply)
                 try:
                     if not self._try_send(conn, reply, reply_fds):
                         return
                 finally:
                     close_fds(reply_fds)  # our own duplicates, made for this reply
         except Exception:
-            log.exception("unexpected error serving connection %d", connection_id)
+            log.exception("unexpected error serving connection %d", state.id)
         finally:
-            self.registry.drop_connection(connection_id)
-            with self._connections_lock:
-                self._connections.pop(connection_id, None)
+            self.registry.drop_connection(state.id)
+            self._table.remove(state)
             conn.close()
-            self._slots.release()
+            state.closed.set()
 
     def _try_send(self, conn: socket.socket, reply: dict, fds=()) -> bool:
         try:
@@ -236,38 +292,64 @@ class Server:
             return error_reply("bad_request", f"op {op!r} takes no fds; {len(fds)} were closed"), []
         # A handler that raises has kept none of the fds (publish hands them over only on success).
         try:
-            return handler(message, fds, connection_id, pid)
+            return self._handle(handler, message, fds, connection_id, pid)
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
             close_fds(fds)
             return error_reply("bad_request", f"malformed {op} request: {exc!s:.300}"), []
+        except OSError as exc:
+            close_fds(fds)
+            if exc.errno not in _OUT_OF_RESOURCES:
+                raise
+            log.warning("could not answer %s: %s", op, exc.strerror or exc)
+            return error_reply("busy", f"the server is out of file descriptors or memory ({exc.strerror}); try again shortly"), []
         except BaseException:
             close_fds(fds)
             raise
+
+    def _handle(self, handler, message, fds, connection_id, pid):
+        """Run ``handler``; out of fds (an attach duplicates its entry's), shed idle connections and try once more.
+
+        Only requests that brought no fds are tried again: a handler that raised has closed none of its own.
+        """
+        try:
+            return handler(message, fds, connection_id, pid)
+        except OSError as exc:
+            if fds or exc.errno not in _OUT_OF_RESOURCES:
+                raise
+            if not self._table.shed_idle(_SHED_WHEN_OUT_OF_FDS, "to free file descriptors"):
+                raise
+        return handler(message, fds, connection_id, pid)
 
     def _hello(self, message, fds, connection_id, pid):
         return ok_reply(version=__version__, protocol=PROTOCOL_VERSION, pid=os.getpid(), uid=os.geteuid()), []
 
     def _publish(self, message, fds, connection_id, pid):
         from weightcache.core.manifest import Manifest  # attrs only; no torch at import
+        from weightcache.core.protocol import encode
 
         try:
             fingerprint = Fingerprint.from_json(message["fingerprint"])
             manifest = Manifest.from_json(message["manifest"])
             if len(fds) != len(manifest.arenas):
                 raise ValueError(f"manifest lists {len(manifest.arenas)} arenas but {len(fds)} fds came")
-            for fd, spec in zip(fds, manifest.arenas):
-                _check_arena_fd(fd, spec)
+            counted = [
+                _check_arena_fd(fd, spec, extent, index)
+                for index, (fd, spec, extent) in enumerate(zip(fds, manifest.arenas, manifest.arena_extents()))
+            ]
             entry = Entry(
                 fingerprint=fingerprint,
                 manifest=message["manifest"],
                 fds=fds,
-                nbytes=manifest.nbytes,
-                label=str(message.get("label", "")),
+                nbytes=sum(counted),
+                label=message.get("label", ""),
                 published_by=pid,
             )
+            reply_bytes = len(encode(entry.manifest)) + _REPLY_ENVELOPE_BYTES  # escaped, it may outgrow the frame it came in
+            if reply_bytes > self.config.max_frame_bytes:
+                raise ValueError(f"the manifest would need a {reply_bytes}-byte attach reply, past the frame limit; split the model")
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError, OSError) as exc:
             close_fds(fds)
-            return error_reply("bad_request", f"malformed publish request: {exc!s:.300}"), []
+            return error_reply("bad_request", f"malformed publish request: {exc!s:.600}"), []
         try:
             created = self.registry.publish(entry)
         except OverBudget as exc:
@@ -292,8 +374,11 @@ class Server:
         return ok_reply(), []
 
     def _status(self, message, fds, connection_id, pid):
+        # Rows are bounded (labels and shown texts are short); this bounds their count too, so the reply fits a frame.
+        entries, omitted = self.registry.status(max_bytes=self.config.max_frame_bytes - _REPLY_ENVELOPE_BYTES)
         return ok_reply(
-            entries=self.registry.status(),
+            entries=entries,
+            omitted=omitted,
             held_bytes=self.registry.held_bytes(),
             byte_budget=self.config.byte_budget,
             pid=os.getpid(),
@@ -301,10 +386,14 @@ class Server:
         ), []
 
     def _evict(self, message, fds, connection_id, pid):
+        from weightcache.core.errors import AmbiguousDigest
+
         try:
             evicted = self.registry.evict(str(message["digest"]), force=bool(message.get("force", False)))
         except KeyError as exc:
             return error_reply("not_found", exc.args[0]), []
+        except AmbiguousDigest as exc:
+            return error_reply("ambiguous", str(exc), matches=[digest[:12] for digest in exc.matches]), []
         except PermissionError as exc:
             return error_reply("attached", str(exc)), []
         return ok_reply(evicted=evicted), []
@@ -318,56 +407,78 @@ class Server:
                 os.unlink(self.socket_path)
             except FileNotFoundError:
                 pass
-        with self._connections_lock:
-            for conn in self._connections.values():
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        self._table.close_all()
         self.registry.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
 
-_HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK
+_HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_REPLY_ENVELOPE_BYTES = 4096  # a reply's fields besides its rows (status) or its manifest (attach)
+CUDA_GRANULE = 2 << 20
+"""Allocation granularity the server assumes for CUDA arenas (the driver's recommended VMM granularity on current GPUs)."""
+CUDA_SLACK = 2 << 20
+"""Bytes a CUDA arena may declare beyond its tensors' extent rounded up to CUDA_GRANULE (covers granularities up to 4 MiB)."""
 
 
-def _raise_fd_limit() -> None:
-    """Lift the soft limit on open fds to the hard one: the server holds every arena's fd, and one
+def _raise_fd_limit() -> int:
+    """Lift the soft limit on open fds to the hard one and return it: the server holds every arena's fd, and one
     frame may carry up to MAX_FDS of them (more than the common default soft limit of 1024)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError) as exc:
-            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return target if soft == resource.RLIM_INFINITY else soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+        return soft
+    return target
 
 
 
 
-def _check_arena_fd(fd: int, spec) -> None:
-    """A host arena must be a memfd sealed against writes and shrinking, at least as large as its manifest says.
+def _check_arena_fd(fd: int, spec, extent: int, index: int) -> int:
+    """Check arena ``index``'s fd against its spec and its tensors' ``extent``; the bytes it counts against the budget.
 
-    The seals are what make the bytes immutable for every engine: an unsealed
-    memfd could be rewritten under a live engine, or shrunk so its mappings fault.
+    A host arena must be a memfd sealed against writes, shrinking and growing,
+    as large as its spec says (up to one page more): the seals make the bytes
+    immutable for every engine, and its real size is what it counts.  A CUDA
+    arena's fd cannot be sized without CUDA, so its declared size counts and
+    must be plausible: at most its tensors' extent rounded up to CUDA_GRANULE,
+    plus CUDA_SLACK (the manifest already checked it is at least that extent).
     """
     if spec.backend not in ("host", "cuda"):
         raise ValueError(f"unknown arena backend {spec.backend!r:.40}; expected 'host' or 'cuda'")
-    if spec.backend != "host":
-        return
+    from weightcache.core.arena.base import round_up
+
+    if spec.backend == "cuda":
+        bound = round_up(extent, CUDA_GRANULE) + CUDA_SLACK
+        if spec.size > bound:
+            raise ValueError(
+                f"cuda arena {index} declares {spec.size} bytes but its tensors reach only {extent}; "
+                f"an arena may exceed its tensors by its allocation granularity only (at most {bound} bytes here); "
+                "export into arenas sized for the tensors they hold"
+            )
+        return spec.size
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"host arena fd is not a memfd (file type {stat.S_IFMT(info.st_mode):#o})")
+        raise ValueError(f"host arena {index} fd is not a memfd (file type {stat.S_IFMT(info.st_mode):#o})")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
-        raise ValueError("host arena fd is not a memfd (it cannot be sealed)") from None
+        raise ValueError(f"host arena {index} fd is not a memfd (it cannot be sealed)") from None
     if seals & _HOST_SEALS != _HOST_SEALS:
-        raise ValueError("host arena memfd is not sealed against writes and shrinking; seal it before publishing")
+        raise ValueError(f"host arena {index} memfd is not sealed against writes, shrinking and growing; seal it before publishing")
     if info.st_size < spec.size:
-        raise ValueError(f"host arena fd is {info.st_size} bytes, manifest says {spec.size}")
+        raise ValueError(f"host arena {index} fd is {info.st_size} bytes, manifest says {spec.size}")
+    if info.st_size > spec.size + resource.getpagesize():
+        raise ValueError(
+            f"host arena {index} memfd is {info.st_size} bytes but its manifest declares {spec.size}; "
+            "declare the memfd's real size"
+        )
+    return info.st_size
 
 
 def serve(config: ServerConfig) -> None:

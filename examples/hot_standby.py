@@ -65,13 +65,13 @@ def main(argv=None) -> int:
         engine(args.role, args.model, args.device, args.socket_dir, args.lock)
         return 0
 
-    from weightcache.core.client import spawn_server
+    from weightcache.core.server_process import ServerProcess
     from weightcache.core.loader import prepare, publish
     from weightcache.core.request import LoadRequest
 
     work = Path(tempfile.mkdtemp(prefix="wc-standby-"))
     socket_dir, lock = work / "sock", work / "primary.lock"
-    server_pid = spawn_server(socket_dir)
+    server = ServerProcess.start(socket_dir)
     processes = []
     try:
         publish(prepare(LoadRequest(model=args.model, device=args.device)), socket_dir)
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
                 proc.kill()
             proc.wait()
             proc.stdout.close()
-        os.kill(server_pid, signal.SIGTERM)
+        server.close()
     if args.json:
         print(json.dumps(result))
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -13,6 +14,15 @@ from tests.models import save_random_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Checkpoint digests go to a private directory of this session, never to ~/.cache; child processes inherit it.
+DIGEST_DIR = os.environ["WEIGHTCACHE_CACHE_DIR"] = tempfile.mkdtemp(prefix="wc-digests-")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_digest_dir():
+    """Remove the session's digest directory at the end."""
+    yield DIGEST_DIR
+    shutil.rmtree(DIGEST_DIR, ignore_errors=True)
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """An engine in its own process, driven over stdin/stdout by tests.
 
 Commands (one per line): ``hash`` prints the output digest, ``maps`` the
-inodes of mapped arenas, ``write`` adds 1 to a weight in place, ``quit``.
+inodes of mapped arenas, ``opens`` the safetensors files opened (with
+``--count-opens``), ``write`` adds 1 to a weight in place, ``quit``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,38 @@ def arena_inodes() -> list[int]:
     return sorted(inodes)
 
 
+def watch_opens(model: str):
+    """A function that lists the files in ``model``'s directory opened since now, by any code (inotify).
+
+    Python's audit hook misses files that native code opens (safetensors reads
+    through Rust); the kernel's IN_OPEN events do not.
+    """
+    import ctypes
+    import struct
+
+    directory = model if os.path.isdir(model) else os.path.dirname(model)
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    if fd < 0 or libc.inotify_add_watch(fd, os.fsencode(directory), 0x20) < 0:  # IN_OPEN
+        raise OSError(ctypes.get_errno(), f"cannot watch {directory} with inotify")
+
+    def opened() -> list[str]:
+        names = []
+        while True:
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return names
+            offset = 0
+            while offset < len(data):
+                _, _, _, length = struct.unpack_from("iIII", data, offset)
+                name = data[offset + 16 : offset + 16 + length].rstrip(b"\0").decode()
+                names.append(os.path.join(directory, name))
+                offset += 16 + length
+
+    return opened
+
+
 def _gpu_free(device: str):
     """Free GPU memory after this process's CUDA context exists (None on CPU)."""
     if not device.startswith("cuda"):
@@ -52,11 +85,13 @@ def main() -> None:
     parser.add_argument("--mode", default="client")
     parser.add_argument("--dtype")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--count-opens", action="store_true", help="count opens of *.safetensors files (audit hook)")
+    parser.add_argument("--count-opens", action="store_true", help="count opens of *.safetensors files (audit hook and inotify)")
     args = parser.parse_args()
     opens = []
+    watched = list
     if args.count_opens:
         sys.addaudithook(lambda event, hook_args: opens.append(hook_args[0]) if event == "open" and str(hook_args[0]).endswith(".safetensors") else None)
+        watched = watch_opens(args.model)
     from weightcache.core.modes import load_model
 
     free_before = _gpu_free(args.device)
@@ -78,7 +113,8 @@ def main() -> None:
                 next(loaded.model.parameters()).add_(1)
             print(json.dumps({"wrote": True}), flush=True)
         elif command == "opens":
-            print(json.dumps({"opens": [str(p) for p in opens]}), flush=True)
+            native = [p for p in watched() if p.endswith(".safetensors")]
+            print(json.dumps({"opens": [str(p) for p in opens], "kernel_opens": native}), flush=True)
         elif command == "quit":
             break
     loaded.close()

@@ -35,7 +35,12 @@ class ArenaSpec:
 
     @classmethod
     def from_json(cls, data: dict) -> "ArenaSpec":
-        return cls(backend=str(data["backend"]), size=int(data["size"]), device=str(data["device"]))
+        backend, size, device = data["backend"], data["size"], data["device"]
+        if not isinstance(backend, str) or not isinstance(device, str):
+            raise ValueError("backend and device must be strings")
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise ValueError(f"size must be an integer, not {type(size).__name__}")
+        return cls(backend=backend, size=size, device=device)
 
 
 class Arena(abc.ABC):

@@ -146,16 +146,16 @@ def test_weightless_copy_keeps_headers_and_fails_reads(model_dir, tmp_path):
     import safetensors.torch
     from safetensors import SafetensorError
 
-    from weightcache.core.safetensors_io import checkpoint_identity
+    from weightcache.core.safetensors_io import read_header
 
     source = model_dir("llama", sharded=True)
     copy = copy_without_weights(source, tmp_path / "copy")
-    assert checkpoint_identity(copy) == checkpoint_identity(source)
     assert (copy / "config.json").read_bytes() == (source / "config.json").read_bytes()
     shards = sorted(copy.glob("*.safetensors"))
     assert len(shards) > 1
     for shard in shards:
         assert shard.stat().st_size < (source / shard.name).stat().st_size
+        assert read_header(shard).raw == read_header(source / shard.name).raw
         with pytest.raises(SafetensorError):
             safetensors.torch.load_file(shard)
 

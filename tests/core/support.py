@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import time
@@ -16,7 +17,8 @@ from weightcache.core.manifest import Manifest, TensorRecord
 from weightcache.core.paths import SOCKET_NAME
 from weightcache.core.protocol import HEADER, MAGIC, FrameReader, close_fds
 
-ERROR_CODES = {"protocol_error", "bad_request", "not_found", "attached", "over_budget", "busy", "access_denied"}
+ERROR_CODES = {"protocol_error", "bad_request", "not_found", "attached", "ambiguous", "over_budget", "busy", "access_denied"}
+ALL_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
 def make_fingerprint(**overrides) -> Fingerprint:
@@ -54,6 +56,18 @@ def sealed_memfd(data: bytes) -> tuple[int, ArenaSpec]:
         return fd, arena.spec
     finally:
         arena.close()
+
+
+def sparse_memfd(size: int, seals: int = ALL_SEALS) -> int:
+    """A memfd of ``size`` zero bytes (no page touched) with ``seals`` added; the caller closes it."""
+    fd = os.memfd_create("weightcache-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def pattern(nbytes: int, seed: int = 7) -> bytes:

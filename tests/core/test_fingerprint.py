@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import attrs
 import pytest
 
 from weightcache.core.fingerprint import FIELDS, Fingerprint
-from weightcache.core.safetensors_io import checkpoint_identity
+from weightcache.core.safetensors_io import checkpoint_identity, read_header
+
+from tests.models import save_random_model
 
 
 def make(**changes) -> Fingerprint:
@@ -38,17 +41,57 @@ def test_malformed_fingerprint_json_is_refused():
         Fingerprint.from_json(data)
 
 
-def test_same_files_in_two_directories_match_and_a_changed_header_byte_does_not(model_dir, tmp_path):
+def _flip(file, position: int) -> None:
+    """Change the byte at ``position`` of ``file`` in place (low bit: a float stays a finite float)."""
+    with open(file, "r+b") as fh:
+        fh.seek(position)
+        byte = fh.read(1)[0]
+        fh.seek(position)
+        fh.write(bytes([byte ^ 1]))
+
+
+def _data_start(file) -> int:
+    with open(file, "rb") as fh:
+        return 8 + int.from_bytes(fh.read(8), "little")
+
+
+def test_same_bytes_in_two_directories_match_and_a_changed_data_byte_does_not(model_dir, tmp_path):
     original = model_dir("llama", "float32", True)
-    copy = tmp_path / "copy"
-    shutil.copytree(original, copy)
+    copy = Path(shutil.copytree(original, tmp_path / "copy"))
     assert checkpoint_identity(original) == checkpoint_identity(copy)
-    shard = sorted(copy.glob("*.safetensors"))[0]
-    data = bytearray(shard.read_bytes())
-    position = data.index(b'"shape":[') + len(b'"shape":[')
-    data[position] = ord("9") if data[position] != ord("9") else ord("8")
-    shard.write_bytes(bytes(data))
+    shard = max(copy.glob("*.safetensors"))
+    _flip(shard, (_data_start(shard) + shard.stat().st_size) // 2 // 4 * 4)
+    assert read_header(shard).raw == read_header(original / shard.name).raw, "only the data region changed"
     assert checkpoint_identity(original) != checkpoint_identity(copy)
+
+
+def test_a_changed_header_byte_changes_the_identity_too(model_dir, tmp_path):
+    original = model_dir("llama", "float32", True)
+    copy = Path(shutil.copytree(original, tmp_path / "copy"))
+    shard = min(copy.glob("*.safetensors"))
+    _flip(shard, shard.read_bytes().index(b'"shape":[') + len(b'"shape":['))
+    assert checkpoint_identity(original) != checkpoint_identity(copy)
+
+
+def test_two_fine_tunes_with_identical_headers_get_different_identities(tmp_path):
+    first = save_random_model("llama", tmp_path / "first", seed=1)
+    second = save_random_model("llama", tmp_path / "second", seed=2)
+    assert read_header(first / "model.safetensors").raw == read_header(second / "model.safetensors").raw
+    assert checkpoint_identity(first) != checkpoint_identity(second)
+
+
+def _another_value(value):
+    if isinstance(value, dict):
+        return {**value, "changed": 1}
+    return value + 1 if isinstance(value, int) else value + "'"
+
+
+@pytest.mark.parametrize("field", [f.name for f in attrs.fields(Fingerprint)])
+def test_changing_any_one_field_changes_the_digest(field):
+    base = make(extra={"kernel": "reference"})
+    changed = attrs.evolve(base, **{field: _another_value(getattr(base, field))})
+    assert changed.digest != base.digest
+    assert base.mismatched_fields(changed) == (("extra.changed",) if field == "extra" else (field,))
 
 
 def test_a_directory_without_safetensors_gets_a_clear_error(tmp_path):

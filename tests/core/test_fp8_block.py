@@ -352,6 +352,20 @@ def test_prequantized_for_a_missing_module_raises():
 # ---------------------------------------------------------------- config
 
 
+@pytest.mark.parametrize(("out_features", "in_features"), [(128, 128), (129, 127), (300, 200), (1, 1), (257, 1000)])
+def test_default_block_is_128_by_128_with_one_scale_per_started_block(out_features, in_features):
+    """The validated layout (DeepSeek-V3, FineGrainedFP8): 128x128 blocks, scales of shape (ceil(out/128), ceil(in/128))."""
+    config = Fp8BlockConfig()
+    assert config.block_size == (128, 128)
+    grid = (-(-out_features // 128), -(-in_features // 128))
+    model = nn.Sequential(nn.Linear(in_features, out_features, bias=False))
+    assert quantize_model(model, config) == ["0"]
+    assert (model[0].block_size, tuple(model[0].weight_scale_inv.shape)) == ((128, 128), grid)
+    skeleton = Fp8BlockLinear(in_features, out_features, bias=False, device="meta")
+    assert (skeleton.block_size, tuple(skeleton.weight_scale_inv.shape)) == ((128, 128), grid)
+    assert tuple(quantize_weight(torch.randn(out_features, in_features))[1].shape) == grid
+
+
 def test_config_json_round_trip():
     config = Fp8BlockConfig(block_size=(64, 128), exclude=("lm_head", "x.*"))
     assert Fp8BlockConfig.from_json(config.to_json()) == config

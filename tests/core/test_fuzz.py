@@ -362,16 +362,17 @@ def impatient_server():
 
 
 HELLO = frame(b'{"op":"hello","pad":"' + b"x" * 40 + b'"}')
+TRICKLED = frame(b'{"op":"hello","pad":"' + b"x" * 40 + b'"}', nfds=1)  # declares the fd its first byte carries
 
 
 @pytest.mark.parametrize(
     ("name", "chunks", "interval"),
     [
-        ("one-byte-every-100ms", [HELLO[i : i + 1] for i in range(len(HELLO))], 0.1),
-        ("header-then-silence", [HELLO[:12]], 0.0),
-        ("first-byte-then-silence", [HELLO[:1]], 0.0),
-        ("all-but-the-last-byte", [HELLO[:-1]], 0.0),
-        ("ten-bytes-every-200ms", [HELLO[i : i + 10] for i in range(0, len(HELLO), 10)], 0.2),
+        ("one-byte-every-100ms", [TRICKLED[i : i + 1] for i in range(len(TRICKLED))], 0.1),
+        ("header-then-silence", [TRICKLED[:12]], 0.0),
+        ("first-byte-then-silence", [TRICKLED[:1]], 0.0),
+        ("all-but-the-last-byte", [TRICKLED[:-1]], 0.0),
+        ("ten-bytes-every-200ms", [TRICKLED[i : i + 10] for i in range(0, len(TRICKLED), 10)], 0.2),
     ],
 )
 def test_trickled_frame_is_dropped_at_the_deadline(impatient_server, name, chunks, interval):

@@ -7,6 +7,7 @@ import json
 import mmap
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -26,7 +27,7 @@ from weightcache.core.errors import (
     ServerError,
     ServerUnavailable,
 )
-from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir
+from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir, user_label
 from weightcache.core.protocol import (
     MAX_FRAME_BYTES,
     FrameReader,
@@ -356,11 +357,11 @@ def test_unsafe_socket_directory_is_refused(tmp_path, kind):
         if os.geteuid() != 0:
             pytest.skip("needs root to give the directory to another uid")
         os.chown(real, 65534, 65534)
-        expected = "belongs to uid 65534, not to you"
+        expected = f"belongs to {user_label(65534)}, not to you"
     else:
         target, expected = tmp_path / "file", "is not a directory"
         target.write_text("")
-    with pytest.raises(AccessDenied, match=expected):
+    with pytest.raises(AccessDenied, match=re.escape(expected)):
         ensure_private_dir(target)
     result = cli("serve", "--socket-dir", str(target))
     assert result.returncode != 0, "the server must refuse the directory"
@@ -454,10 +455,18 @@ def test_a_client_of_another_uid_is_refused_by_its_peer_credentials(foreign_serv
     uid, _ = test_user
     info = os.lstat(foreign_server.socket_dir / SOCKET_NAME)
     assert info.st_uid == uid and stat.S_IMODE(info.st_mode) == 0o600
-    # Root may enter the user's 0700 directory, so only SO_PEERCRED stands between us and the server.
-    with pytest.raises(AccessDenied, match=f"uid {os.geteuid()} may not use a server of uid {uid}"), \
-            Connection(foreign_server.socket_dir, timeout=10) as conn:
-        conn.hello()
+    # Our own client refuses another user's directory before it connects (tests/core/test_trust.py)...
+    with pytest.raises(AccessDenied, match=re.escape(f"belongs to {user_label(uid)}")):
+        Connection(foreign_server.socket_dir, timeout=10)
+    # ...so speak to the server directly: root may enter the user's 0700 directory, and only SO_PEERCRED stands between.
+    sock = raw_connect(foreign_server.socket_dir)
+    try:
+        send_frame(sock, {"op": "hello"})
+        replies = read_replies(sock)
+    finally:
+        sock.close()
+    assert [r["error"]["code"] for r in replies] == ["access_denied"], replies
+    assert f"uid {os.geteuid()} may not use a server of uid {uid}" in replies[0]["error"]["message"]
     assert wait_until(lambda: f"refused pid {os.getpid()} of uid {os.geteuid()}" in foreign_server.log()), foreign_server.log()
     # The refusal is about the uid: the server's own user is served.
     assert hello_as(test_user, foreign_server.socket_dir) == {"ok": True, "uid": uid}

@@ -1,0 +1,300 @@
+"""Content digests of files, remembered per file version: an unchanged file costs a stat and one small read.
+
+A file's digest covers every byte: the file is cut into fixed 64 MiB pieces from
+offset 0, each piece is hashed with sha256 (pieces of all files in one thread
+pool: hashlib releases the GIL), and the digest is sha256 over the file size and
+the piece digests in order. ``SCHEME`` names the method; the digest carries it
+as a prefix so that a later scheme never matches an earlier one.
+
+A ``DigestStore`` remembers digests by ``FileKey`` (device, inode, size, mtime
+and ctime of the file, symlinks followed). A user cannot set a file's ctime and
+every write changes it, so a changed key is the only way bytes can have changed
+under a remembered digest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import stat
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+import attrs
+
+log = logging.getLogger(__name__)
+
+SCHEME = "wc-sha256-tree-64MiB"
+PIECE_BYTES = 64 << 20
+READ_BYTES = 8 << 20  # one pread; each worker holds one such buffer
+ENV_CACHE_DIR = "WEIGHTCACHE_CACHE_DIR"
+RACY_WINDOW_NS = 100_000_000
+"""A file changed less than this before hashing began is hashed but not remembered.
+
+Filesystems stamp ctime from a coarse clock (one tick: 1-10 ms on Linux), so a
+second write within the tick of the first keeps the ctime; waiting out the
+window makes sure any later write gets another ctime (git's "racy clean" rule).
+"""
+
+
+class ProgressLike(Protocol):
+    """What ``checkpoint_digests`` reports hashed bytes to (``core.progress.Progress`` is one)."""
+
+    def update(self, nbytes: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@attrs.frozen
+class FileKey:
+    """What ``os.stat`` (symlinks followed) says about one version of a file."""
+
+    st_dev: int
+    st_ino: int
+    st_size: int
+    st_mtime_ns: int
+    st_ctime_ns: int
+
+    @classmethod
+    def of(cls, path: str | os.PathLike) -> FileKey:
+        info = os.stat(path)
+        return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+    def as_list(self) -> list[int]:
+        return [getattr(self, field.name) for field in attrs.fields(FileKey)]
+
+    @property
+    def entry_name(self) -> str:
+        """The store's file name for this key: sha256 of the scheme and the key."""
+        return hashlib.sha256(json.dumps([SCHEME, *self.as_list()]).encode()).hexdigest()
+
+
+def hashing_threads() -> int:
+    """Threads that hash pieces: min(8, 2 x the CPUs this process may run on)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(8, 2 * cpus)
+
+
+def _hash_piece(path: Path, offset: int, length: int) -> bytes:
+    """sha256 of ``length`` bytes of ``path`` at ``offset`` (fewer when the file got shorter meanwhile).
+
+    Each piece opens the file itself, so a checkpoint of thousands of files never holds thousands of fds.
+    """
+    digest = hashlib.sha256()
+    buffer = bytearray(min(READ_BYTES, length))
+    view = memoryview(buffer)
+    done = 0
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        while done < length:
+            count = os.preadv(fd, [view[: min(len(buffer), length - done)]], offset + done)
+            if not count:
+                break
+            digest.update(view[:count])
+            done += count
+    finally:
+        os.close(fd)
+    return digest.digest()
+
+
+def _combine(size: int, pieces: list[bytes]) -> str:
+    digest = hashlib.sha256(struct.pack("<Q", size))
+    for piece in pieces:
+        digest.update(piece)
+    return f"{SCHEME}:{digest.hexdigest()}"
+
+
+def _hash_files(files: list[Path], keys: list[FileKey], progress: ProgressLike | None = None) -> list[str]:
+    """The digest of each file (``keys``: their stat before hashing); all pieces share one thread pool."""
+    pieces: list[dict[int, bytes]] = [{} for _ in files]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=hashing_threads(), thread_name_prefix="wc-digest") as pool:
+        futures = {
+            pool.submit(_hash_piece, file, offset, min(PIECE_BYTES, key.st_size - offset)): (index, offset)
+            for index, (file, key) in enumerate(zip(files, keys))
+            for offset in range(0, key.st_size, PIECE_BYTES)
+        }
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                index, offset = futures[future]
+                pieces[index][offset] = future.result()
+                if progress is not None:
+                    progress.update(min(PIECE_BYTES, keys[index].st_size - offset))
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+    return [_combine(key.st_size, [found[o] for o in sorted(found)]) for key, found in zip(keys, pieces)]
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """The content digest of one file (``SCHEME:hex``), computed now."""
+    return _hash_files([Path(path)], [FileKey.of(path)])[0]
+
+
+@attrs.frozen
+class DigestStore:
+    """Remembered digests, one small file per ``FileKey`` in a private directory.
+
+    ``directory`` is None when no trusted directory is available: then every
+    digest is computed and nothing is remembered.
+    """
+
+    directory: Path | None
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike | None = None) -> DigestStore:
+        """The store in ``directory`` (default ``default_directory()``), created 0700 when missing.
+
+        A directory that another user could write (a symlink, another owner,
+        group- or world-writable) is not used: one warning says why and how to fix it.
+        """
+        path = Path(directory) if directory is not None else default_directory()
+        problem = _untrusted(path)
+        if problem:
+            log.warning(
+                "weightcache: not remembering checkpoint digests in %s: %s; every start hashes the checkpoint "
+                "(set %s to a directory of your own with mode 0700)",
+                path,
+                problem,
+                ENV_CACHE_DIR,
+            )
+            return cls(None)
+        return cls(path)
+
+    def get(self, key: FileKey) -> str | None:
+        """The digest remembered for ``key``, or None (also for an unreadable or corrupt entry)."""
+        if self.directory is None:
+            return None
+        try:
+            fd = os.open(self.directory / key.entry_name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            entry = json.loads(os.read(fd, 4096))
+        except ValueError:
+            return None
+        finally:
+            os.close(fd)
+        if not isinstance(entry, dict) or entry.get("key") != key.as_list() or not _valid_digest(entry.get("digest")):
+            return None
+        return entry["digest"]
+
+    def put(self, key: FileKey, digest: str) -> None:
+        """Remember ``digest`` for ``key`` (atomically: a temporary file renamed into place)."""
+        if self.directory is None:
+            return
+        data = json.dumps({"scheme": SCHEME, "key": key.as_list(), "digest": digest}).encode()
+        try:
+            fd, temporary = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+        except OSError as exc:
+            log.debug("could not remember a digest in %s: %s", self.directory, exc)
+            return
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(temporary, self.directory / key.entry_name)
+        except OSError as exc:
+            log.debug("could not remember a digest in %s: %s", self.directory, exc)
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+
+
+def default_directory() -> Path:
+    """``$WEIGHTCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/weightcache/digests``, else ``~/.cache/weightcache/digests``."""
+    if os.environ.get(ENV_CACHE_DIR):
+        return Path(os.environ[ENV_CACHE_DIR])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "weightcache" / "digests"
+
+
+_default_stores: dict[Path, DigestStore] = {}
+_default_lock = threading.Lock()
+
+
+def default_store() -> DigestStore:
+    """The store of ``default_directory()``, opened (and checked, warned about) once per process."""
+    path = default_directory()
+    with _default_lock:
+        if path not in _default_stores:
+            _default_stores[path] = DigestStore.open(path)
+        return _default_stores[path]
+
+
+def checkpoint_digests(
+    files: Iterable[str | os.PathLike], store: DigestStore | None = None, progress: ProgressLike | None = None
+) -> list[str]:
+    """The content digest of each of ``files``, in order: remembered ones from ``store``, the others hashed now.
+
+    ``store`` defaults to ``default_store()``. Hashing logs one INFO line and
+    reports bytes to ``progress`` (an object with ``update(nbytes)`` and ``close()``).
+    """
+    checkpoint = [Path(file) for file in files]
+    store = default_store() if store is None else store
+    started = time.time_ns()
+    keys = [FileKey.of(file) for file in checkpoint]
+    digests = [store.get(key) for key in keys]
+    unknown = [index for index, digest in enumerate(digests) if digest is None]
+    if unknown:
+        paths, unknown_keys = [checkpoint[i] for i in unknown], [keys[i] for i in unknown]
+        log.info(
+            "first sight of %d files (%.2f GiB) of %s: hashing their content",
+            len(paths),
+            sum(key.st_size for key in unknown_keys) / 2**30,
+            os.path.commonpath([str(p.parent) for p in paths]),
+        )
+        try:
+            hashed = _hash_files(paths, unknown_keys, progress)
+        finally:
+            if progress is not None:
+                progress.close()
+        for index, path, key, digest in zip(unknown, paths, unknown_keys, hashed):
+            digests[index] = digest
+            _remember(store, path, key, digest, started)
+    return [digest for digest in digests if digest is not None]
+
+
+def _remember(store: DigestStore, path: Path, key: FileKey, digest: str, started_ns: int) -> None:
+    """Record ``digest`` unless the file changed while it was hashed or just before (see ``RACY_WINDOW_NS``)."""
+    if FileKey.of(path) != key:
+        log.warning(
+            "weightcache: %s changed while it was hashed; its digest is not remembered. "
+            "Start engines only after the checkpoint is written completely.",
+            path,
+        )
+    elif started_ns - max(key.st_mtime_ns, key.st_ctime_ns) >= RACY_WINDOW_NS:
+        store.put(key, digest)
+
+
+def _valid_digest(value) -> bool:
+    return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
+
+
+_DIGEST = re.compile(re.escape(SCHEME) + ":[0-9a-f]{64}")
+
+
+def _untrusted(path: Path) -> str | None:
+    """Why ``path`` (created 0700 when missing) must not hold digests, or None when it may."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = os.lstat(path)
+    except OSError as exc:
+        return f"it cannot be created ({exc.strerror})"
+    if stat.S_ISLNK(info.st_mode):
+        return "it is a symlink"
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a directory"
+    if info.st_uid != os.geteuid():
+        return f"it belongs to uid {info.st_uid}, not to you (uid {os.geteuid()})"
+    if info.st_mode & 0o022:
+        return f"the group or others can write it (mode {stat.S_IMODE(info.st_mode):04o}; run `chmod 700 {path}`)"
+    return None
