@@ -19,7 +19,7 @@ import pytest
 from tests.helpers import assert_tensors_equal
 from tests.models import ARCHITECTURES, ENCODERS, LARGE
 
-from weightcache.core.engine import load_model
+from weightcache.core.modes import load_model
 from weightcache.core.loader import prepare, publish
 from weightcache.core.request import LoadRequest
 

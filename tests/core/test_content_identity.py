@@ -21,7 +21,7 @@ from tests.helpers import assert_tensors_equal, run_python
 from tests.models import save_random_model
 
 from weightcache.core.digests import RACY_WINDOW_NS, DigestStore, FileKey, checkpoint_digests, file_digest
-from weightcache.core.engine import load_model
+from weightcache.core.modes import load_model
 from weightcache.core.loader import prepare, publish
 from weightcache.core.request import LoadRequest
 from weightcache.core.safetensors_io import checkpoint_files, checkpoint_identity, read_header

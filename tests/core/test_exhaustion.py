@@ -23,12 +23,11 @@ import time
 from pathlib import Path
 
 import pytest
-from weightcache.adapters import engine_modes
 from weightcache.core import PROTOCOL_VERSION
 from weightcache.core.arena import ArenaSpec
 from weightcache.core.attach import Attachment
 from weightcache.core.client import Connection, wait_for_server
-from weightcache.core.engine import load_model
+from weightcache.core.modes import load_model
 from weightcache.core.errors import EntryNotFound, EntryUnusable, ServerError, ServerUnavailable
 from weightcache.core.loader import prepare
 from weightcache.core.manifest import Manifest, TensorRecord
@@ -139,13 +138,6 @@ def hangs_up_within(sock: socket.socket, seconds: float) -> float:
     except TimeoutError:
         pytest.fail(f"the server kept the connection open for {seconds} s")
     return time.monotonic() - started
-
-
-def client_mode(socket_dir, strict: bool = False):
-    """An engine adapter's client mode (adapters/engine_modes.py) around a stand-in engine's own load."""
-    options = engine_modes.LoaderOptions(mode="client", socket_dir=str(socket_dir), strict=strict, republish=False, timeout_s=10)
-    return engine_modes.load(options, make_fingerprint(), device="cpu", disk_load=lambda: "loaded from disk",
-                             rebuild=lambda attachment: pytest.fail("nothing can be attached here"))
 
 
 # --- the acceptance test ----------------------------------------------------------------------------------------------
@@ -296,14 +288,13 @@ def test_a_full_table_sheds_the_longest_idle_connection_and_answers_busy_only_wh
             with pytest.raises(ServerError) as caught, Connection(socket_dir, timeout=10) as conn:
                 conn.hello()
             assert caught.value.code == "busy"
-            # Client modes: the busy server costs a disk load, not a crash; strict raises.
-            loaded = client_mode(socket_dir)
-            assert loaded.source == "disk" and "(busy)" in loaded.fallback_reason, loaded.fallback_reason
-            with pytest.raises(ServerError):
-                client_mode(socket_dir, strict=True)
+            # Client mode (the one mode runner every adapter goes through): a busy server costs a disk load, not a
+            # crash; strict raises.
             path = str(model_dir("llama"))
             cached = load_model(path, mode="client", socket_dir=socket_dir)
             assert cached.source == "disk" and "(busy)" in cached.fallback_reason, cached.fallback_reason
+            with pytest.raises(ServerError):
+                load_model(path, mode="client", socket_dir=socket_dir, strict=True)
             for holder in holders:
                 assert holder.status()["entries"][0]["digest"] == entry.digest, "attached connections are never shed"
         finally:
@@ -534,8 +525,3 @@ def test_client_modes_fall_back_from_an_entry_they_cannot_use(server, model_dir,
     assert fd_count() == before, "the failed attach closed what it received"
     loaded = load_model(path, mode="client", socket_dir=server.socket_dir)
     assert loaded.source == "disk" and "cannot be used here" in loaded.fallback_reason, loaded.fallback_reason
-    _publish_unusable(server.socket_dir, make_fingerprint(), kind)
-    adapter = client_mode(server.socket_dir)
-    assert adapter.source == "disk" and "cannot be used here" in adapter.fallback_reason
-    with pytest.raises(EntryUnusable):
-        client_mode(server.socket_dir, strict=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightcache.core.engine import load_model
+from weightcache.core.modes import load_model
 from weightcache.core.errors import ArenaError
 from weightcache.core.export import ArenaBuilder, NamedTensor, Slot, export_module, export_tensors
 from weightcache.core.loader import prepare, publish
