@@ -89,3 +89,10 @@ def test_a_plain_install_puts_everything_under_the_weightcache_namespace(tmp_pat
         assert (target / "weightcache" / package / "__init__.py").exists(), package
     entry_points = next(target.glob("weightcache-*.dist-info")).joinpath("entry_points.txt").read_text()
     assert "hf = weightcache.adapters.hf.plugin" in entry_points and "weightcache = weightcache.core.cli:main" in entry_points
+
+
+def test_the_adapter_guide_shows_the_example_adapter_as_it_is():
+    """The guide's copy of examples/tinylm-adapter's plugin module is the file itself, so the guide never drifts."""
+    guide = (ROOT / "docs" / "adapter-guide.md").read_text()
+    shown = guide.split("<!-- example-plugin:begin -->\n```python\n", 1)[1].split("```\n<!-- example-plugin:end -->", 1)[0]
+    assert shown == (ROOT / "examples" / "tinylm-adapter" / "src" / "weightcache_example" / "plugin.py").read_text()

@@ -1,4 +1,4 @@
-"""The weightcache adapter for TinyLM: six hooks, registered as ``example`` in ``weightcache.adapters``.
+"""The weightcache adapter for TinyLM: seven hooks, registered as ``example`` in ``weightcache.adapters``.
 
 - ``weightcache_describe``: read config.json only; say which quantization applies.
 - ``weightcache_quantization_allowlist``: methods validated beyond the core's (none).
