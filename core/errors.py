@@ -75,6 +75,16 @@ class FingerprintMismatch(EntryNotFound):
     """An entry for this model exists, but its fingerprint differs in ``fields``."""
 
 
+class CheckpointChanged(WeightCacheError):
+    """A weight file changed between fingerprinting and the end of loading; nothing was published."""
+
+    def __init__(self, checkpoint: str, file: str):
+        self.checkpoint = checkpoint
+        self.file = file
+        super().__init__(f"{file} changed while {checkpoint} was being loaded; nothing was published. "
+                         "Load it again once the checkpoint is written completely")
+
+
 class EntryUnusable(WeightCacheError):
     """The server handed over an entry this process cannot decode, view or map (``reason`` says why)."""
 

@@ -11,6 +11,8 @@ import attrs
 
 from weightcache.core import identity
 from weightcache.core.client import Connection
+from weightcache.core.digests import FileKey
+from weightcache.core.errors import CheckpointChanged
 from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.manifest import Manifest
@@ -18,6 +20,7 @@ from weightcache.core.plugins import Adapter, Plugins, installed_plugins
 from weightcache.core.protocol import close_fds
 from weightcache.core.quantization.allowlist import check_quantization
 from weightcache.core.request import LoadRequest, ModelDescription
+from weightcache.core.safetensors_io import checkpoint_files
 
 if typing.TYPE_CHECKING:
     import torch
@@ -102,8 +105,11 @@ def publish(
     """Load ``prepared`` into arenas and publish it in one frame (atomic: a crash before leaves nothing)."""
     timings: dict[str, float] = {}
     request = prepared.request
+    fingerprint = prepared.fingerprint  # the content identity, before a byte is loaded
+    versions = file_versions(request.model)
     with ArenaBuilder(request.device, chunk_bytes=chunk_bytes, progress=progress) as builder:
         model = load_from_disk(prepared, builder, timings)
+        check_unchanged(request.model, versions)  # else new bytes would be published under the old identity
         start = time.perf_counter()
         manifest = prepared.adapter.export(request, model, builder)
         extra = prepared.adapter.manifest_extra(request, model)
@@ -113,10 +119,26 @@ def publish(
         timings["export_s"] = time.perf_counter() - start
         builder.progress.close()
         start = time.perf_counter()
-        reply = publish_arenas(builder, prepared.fingerprint, manifest, socket_dir, label or prepared.label)
+        reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label or prepared.label)
         timings["publish_s"] = time.perf_counter() - start
     log.info("published %s (%s) in %.2f s", reply["digest"][:12], label or prepared.label, sum(timings.values()))
-    return Published(reply["digest"], bool(reply["created"]), prepared.fingerprint, manifest, timings)
+    return Published(reply["digest"], bool(reply["created"]), fingerprint, manifest, timings)
+
+
+def file_versions(model: str) -> "list[tuple[str, FileKey]]":
+    """Each weight file of the checkpoint ``model`` with its version (device, inode, size, mtime, ctime)."""
+    return [(str(file), FileKey.of(file)) for file in checkpoint_files(model)]
+
+
+def check_unchanged(model: str, versions: "list[tuple[str, FileKey]]") -> None:
+    """Raise CheckpointChanged if a weight file of ``model`` is not the version ``versions`` recorded."""
+    for file, key in versions:
+        try:
+            now = FileKey.of(file)
+        except FileNotFoundError:
+            now = None
+        if now != key:
+            raise CheckpointChanged(model, file)
 
 
 def publish_arenas(builder: ArenaBuilder, fingerprint: Fingerprint, manifest: Manifest, socket_dir=None, label: str = "") -> dict:

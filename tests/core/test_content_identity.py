@@ -20,6 +20,7 @@ import pytest
 from tests.helpers import assert_tensors_equal, run_python
 from tests.models import save_random_model
 
+from weightcache.core.client import Connection
 from weightcache.core.digests import RACY_WINDOW_NS, DigestStore, FileKey, checkpoint_digests, file_digest
 from weightcache.core.modes import load_model
 from weightcache.core.loader import prepare, publish
@@ -249,3 +250,38 @@ def test_first_sight_logs_one_line_and_counts_every_byte(model_dir, tmp_path, ca
     assert len(lines) == 1 and lines[0].startswith(f"first sight of {len(files)} files") and str(path) in lines[0], lines
     assert hashed == sum(f.stat().st_size for f in files)
     assert run() == ([], 0), "an unchanged checkpoint is hashed again"
+
+
+def test_a_file_changed_while_it_is_loaded_is_never_published_under_the_old_identity(socket_dir, server, model_dir, tmp_path):
+    """The identity is taken before loading; if a weight file changes before loading ends, nothing is published."""
+    import types
+
+    from weightcache.adapters.hf import plugin as hf
+    from weightcache.core.errors import CheckpointChanged
+    from weightcache.core.hookspecs import hookimpl
+    from weightcache.core.loader import prepare, publish
+    from weightcache.core.plugins import Plugins
+    from weightcache.core.request import LoadRequest
+
+    path = Path(shutil.copytree(model_dir("llama"), tmp_path / "changing"))
+    weights = next(path.glob("*.safetensors"))
+    racing = types.ModuleType("racing")
+    for name in ("weightcache_describe", "weightcache_rebind", "weightcache_options"):
+        setattr(racing, name, getattr(hf, name))
+
+    @hookimpl
+    def weightcache_load(request, builder):
+        model = hf.weightcache_load(request=request, builder=builder)
+        with open(weights, "r+b") as fh:  # another writer finishes the file while we load it
+            fh.seek(-1, os.SEEK_END)
+            last = fh.read(1)
+            fh.seek(-1, os.SEEK_END)
+            fh.write(bytes([last[0] ^ 1]))
+        return model
+
+    racing.weightcache_load = weightcache_load
+    prepared = prepare(LoadRequest(model=str(path), adapter="racing"), Plugins.from_modules({"racing": racing}))
+    with pytest.raises(CheckpointChanged, match="changed while .* was being loaded; nothing was published"):
+        publish(prepared, socket_dir)
+    with Connection(socket_dir) as conn:
+        assert conn.status()["entries"] == [], "a partial or stale entry was published"
