@@ -10,7 +10,7 @@ ENGINE_PYTHON ?= python3.11
 ENGINE_VENV := .engine-venv
 ENGINES ?= vllm==0.33.0 sglang==0.5.23
 
-.PHONY: demo test setup clean gpu engine-venv
+.PHONY: demo test lint setup clean gpu engine-venv
 
 $(BIN)/weightcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,11 @@ setup: $(BIN)/weightcache
 demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/weightcache demo
 
-test: setup
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
 
 gpu:
