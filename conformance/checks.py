@@ -25,7 +25,7 @@ from weightcache.conformance.assertions import (
     model_tensors,
     tied_groups,
 )
-from weightcache.conformance.fixtures import FP8_BLOCK, load, refused_quantization_skips
+from weightcache.conformance.fixtures import FP8_BLOCK, fresh, load, refused_quantization_skips
 from weightcache.core.errors import FingerprintMismatch, UnsupportedQuantization
 from weightcache.core.fingerprint import FIELDS, Fingerprint
 from weightcache.core.server_process import ServerProcess
@@ -332,7 +332,7 @@ class CrashTests:
         server = ServerProcess.start()
         try:
             with refused_quantization_skips(load_request):
-                publish(prepare(load_request, plugins), server.socket_dir)
+                publish(prepare(fresh(load_request), plugins), server.socket_dir)
             loaded = load(load_request, "client", plugins, server.socket_dir, strict=True)
             try:
                 assert loaded.source == "cache", f"attach failed: {loaded.fallback_reason}"

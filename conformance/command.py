@@ -183,6 +183,14 @@ def print_table(summary: dict, stream=None) -> None:
         print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip(), file=stream)
         if index == 0:
             print("  " + "  ".join("-" * width for width in widths), file=stream)
+    skips: dict[str, list[str]] = {}
+    for result in summary["checks"]:
+        if result["outcome"] == "skipped":
+            skips.setdefault(result["message"], []).append(result["check"])
+    if skips:
+        print("\nskipped:", file=stream)
+        for reason, names in skips.items():
+            print(f"  {len(names)} ({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}): {reason}", file=stream)
     failures = [r for r in summary["checks"] if r["outcome"] in ("failed", "error")]
     for error in summary["collection_errors"]:
         print(f"  collection error: {error}", file=stream)

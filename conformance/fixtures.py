@@ -61,8 +61,12 @@ def load(request: "LoadRequest", mode: str, plugins=None, socket_dir=None, stric
     """``request`` through the core's mode runner in ``mode`` (what every engine integration calls)."""
     from weightcache.core.modes import CacheOptions, run
 
-    fresh = attrs.evolve(request, state={})  # each load gets its own adapter scratch space
-    return run(fresh, CacheOptions(mode=mode, socket_dir=socket_dir, strict=strict), plugins=plugins)
+    return run(fresh(request), CacheOptions(mode=mode, socket_dir=socket_dir, strict=strict), plugins=plugins)
+
+
+def fresh(request: "LoadRequest") -> "LoadRequest":
+    """``request`` with scratch space of its own: every load the kit makes starts like a new engine's."""
+    return attrs.evolve(request, state={})
 
 
 def inputs_from_spec(spec: str, model):
@@ -294,7 +298,7 @@ class ConformanceFixtures:
         from weightcache.core.loader import prepare, publish
 
         with refused_quantization_skips(load_request):
-            return publish(prepare(load_request, plugins), weightcache_server.socket_dir)
+            return publish(prepare(fresh(load_request), plugins), weightcache_server.socket_dir)
 
     @pytest.fixture(scope="class")
     @classmethod
