@@ -14,7 +14,8 @@ if typing.TYPE_CHECKING:
 
     from weightcache.core.arena.base import Arena
 
-KINDS = ("parameter", "buffer")
+KINDS = ("parameter", "buffer", "attribute")
+"""``attribute``: a plain tensor attribute of a module (``module.W_UV = tensor``), neither parameter nor buffer."""
 
 
 def _ints(value) -> tuple[int, ...]:
@@ -27,7 +28,9 @@ class TensorRecord:
 
     ``offset`` is the byte offset of the tensor's storage region in arena
     ``arena``; the tensor is that region viewed as ``dtype`` and strided by
-    ``shape``/``stride`` from element ``storage_offset``.
+    ``shape``/``stride`` from element ``storage_offset``. ``attributes`` holds
+    the JSON-able Python attributes an engine hung on the tensor (e.g.
+    ``format_ue8m0``), restored on rebind.
     """
 
     name: str
@@ -40,9 +43,13 @@ class TensorRecord:
     offset: int
     nbytes: int
     persistent: bool = True
+    attributes: dict = attrs.field(factory=dict, hash=False, validator=attrs.validators.instance_of(dict))
 
     def to_json(self) -> dict:
-        return {**attrs.asdict(self), "shape": list(self.shape), "stride": list(self.stride)}
+        data = {**attrs.asdict(self), "shape": list(self.shape), "stride": list(self.stride)}
+        if not self.attributes:
+            del data["attributes"]  # most tensors carry none: keep manifests small
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorRecord":
