@@ -17,7 +17,6 @@ its baseline (a mapped entry that this process did not create).
 from __future__ import annotations
 
 import logging
-import os
 import typing
 
 from weightcache.adapters.engine_support import lazy_class
@@ -81,15 +80,15 @@ def load_request(load_config, model_config, device_config) -> "LoadRequest":
     """The LoadRequest for SGLang's objects, which travel in its ``state``; refuses an unvalidated method first.
 
     ``model`` is the local checkpoint directory: for a hub name SGLang's
-    downloader fetches the safetensors files first (the fingerprint reads them).
+    downloader fetches the safetensors files first (the fingerprint reads them),
+    after that refusal.
     """
     from weightcache.adapters.sglang import identity
     from weightcache.adapters.sglang.runtime import STATE_KEY, EngineConfigs
     from weightcache.core.request import LoadRequest
 
+    identity.quantization(model_config)  # refuse before anything else (describe checks again, in the core's flow)
     configs = EngineConfigs.of_engine(load_config, model_config, device_config)
-    if not os.path.isdir(model_config.model_path):
-        identity.quantization(model_config)  # refuse before downloading anything
     return LoadRequest(
         model=identity.checkpoint_dir(model_config, configs.load_config),
         adapter=ADAPTER,

@@ -22,6 +22,9 @@ ENGINE_WARNINGS = (
     "ignore::Warning:triton",
     "ignore::Warning:xgrammar",
     "ignore::Warning:importlib",
+    # SGLang's MLA and MoE layers subclass a deprecated base; the warning is attributed to <frozen abc>, and as an
+    # error it makes SGLang's model registry skip deepseek_v2 and fall back to its transformers backend.
+    "ignore:MultiPlatformOp is deprecated:DeprecationWarning",
 )
 """Filter lines (pytest's syntax): warnings those packages raise while importing or configuring are not ours."""
 
@@ -37,6 +40,99 @@ def write_tiny_llama(directory: Path) -> Path:
     from tests.models import save_random_model
 
     return save_random_model("llama", Path(directory), dtype="bfloat16")
+
+
+def write_tiny_deepseek_v3(directory: Path) -> Path:
+    """A 2-layer DeepSeek-V3 (MLA attention, one dense then one MoE layer) with random bf16 weights.
+
+    The config carries what the released DeepSeek-V3 config.json has beside
+    transformers' defaults (YaRN rope scaling, ``moe_layer_freq``, ``topk_method``):
+    the engines read them.
+    """
+    import torch
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=64,
+        q_lora_rank=96,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=163840,
+        architectures=["DeepseekV3ForCausalLM"],
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "rope_theta": 10000.0,
+        },
+    )
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16).eval().save_pretrained(directory)
+    path = Path(directory) / "config.json"
+    path.write_text(
+        json.dumps(
+            {
+                **json.loads(path.read_text()),
+                "moe_layer_freq": 1,
+                "topk_method": "noaux_tc",
+                "scoring_func": "sigmoid",
+                "ep_size": 1,
+            }
+        )
+    )
+    return Path(directory)
+
+
+def write_fp8_block_llama(directory: Path) -> Path:
+    """A 2-layer Llama stored in block-wise FP8 (e4m3 weights, 128x128 ``weight_scale_inv``; FP8_BLOCK config).
+
+    Every quantized dimension is a multiple of 128, as the engines' block-FP8 layers require.
+    """
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from weightcache.core.quantization.fp8_block import Fp8BlockConfig, quantize_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model.save_pretrained(directory)
+    quantize_model(model, Fp8BlockConfig())
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        Path(directory) / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    path = Path(directory) / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "quantization_config": FP8_BLOCK}))
+    return Path(directory)
 
 
 def with_quantization(source: Path, directory: Path, quantization_config: dict, weights: bool = False) -> Path:
