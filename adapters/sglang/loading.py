@@ -16,10 +16,10 @@ Each model built here gets rotary-embedding modules of its own (see ``own_rope_c
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import typing
 
+from weightcache.adapters.engine_support import isolated
 from weightcache.adapters.sglang import internals
 
 if typing.TYPE_CHECKING:
@@ -29,7 +29,6 @@ if typing.TYPE_CHECKING:
     from weightcache.core.manifest import Manifest
 
 
-@contextlib.contextmanager
 def own_rope_cache():
     """Build with an empty rotary-embedding cache, then put SGLang's back as it was.
 
@@ -39,14 +38,7 @@ def own_rope_cache():
     are freed as they are copied into arenas) or rebinding the other (the
     buffer is pointed at an arena) would change both.
     """
-    table = internals.ROPE_CACHE.lookup()
-    saved = dict(table)
-    table.clear()
-    try:
-        yield
-    finally:
-        table.clear()
-        table.update(saved)
+    return isolated(internals.ROPE_CACHE.lookup())
 
 
 def default_loader(configs: "EngineConfigs"):

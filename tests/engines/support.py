@@ -34,7 +34,6 @@ FP8_PER_TENSOR = {"quant_method": "fp8", "activation_scheme": "static"}
 FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
-
 def write_tiny_llama(directory: Path) -> Path:
     """A 2-layer Llama with random weights, saved as bf16 safetensors (tests/models.py's architecture)."""
     from tests.models import save_random_model
@@ -42,97 +41,84 @@ def write_tiny_llama(directory: Path) -> Path:
     return save_random_model("llama", Path(directory), dtype="bfloat16")
 
 
-def write_tiny_deepseek_v3(directory: Path) -> Path:
-    """A 2-layer DeepSeek-V3 (MLA attention, one dense then one MoE layer) with random bf16 weights.
+def _tiny_configs():
+    import transformers
 
-    The config carries what the released DeepSeek-V3 config.json has beside
-    transformers' defaults (YaRN rope scaling, ``moe_layer_freq``, ``topk_method``):
-    the engines read them.
-    """
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
+    return {
+        # Every projection a whole number of 128x128 FP8 blocks (head_dim 128), as in real block-FP8 checkpoints.
+        "llama_blocks": lambda: transformers.LlamaConfig(
+            vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, architectures=["LlamaForCausalLM"]),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **common, num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+            architectures=["Qwen3MoeForCausalLM"]),
+        # DeepSeek-V3: MLA attention (compressed KV, kv_b_proj), a dense first layer, then routed + shared experts.
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            **common, num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
+            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, architectures=["DeepseekV3ForCausalLM"],
+            topk_method="noaux_tc", scoring_func="sigmoid",  # as DeepSeek-V3's own config.json (engines read them)
+            moe_layer_freq=1, ep_size=1, max_position_embeddings=163840, rope_parameters=DEEPSEEK_V3_YARN),
+    }
+
+
+DEEPSEEK_V3_YARN = {
+    "rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+}
+"""DeepSeek-V3's released rope scaling; SGLang's CPU rotary embedding for MLA requires it (``deepseek_yarn``)."""
+
+
+TINY_MODELS = ("llama_blocks", "qwen3_moe", "deepseek_v3")
+"""Tiny random-weight models beyond tests/models.py's (``write_tiny_model``): a Llama shaped for 128x128 FP8
+blocks (``write_fp8_block`` makes its FP8 checkpoint), a MoE and an MLA model."""
+
+
+def write_tiny_model(kind: str, directory: Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """``kind`` (TINY_MODELS) with seeded random weights, saved by transformers' ``save_pretrained`` (safetensors)."""
     import torch
     import transformers
 
-    config = transformers.DeepseekV3Config(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        kv_lora_rank=64,
-        q_lora_rank=96,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        max_position_embeddings=163840,
-        architectures=["DeepseekV3ForCausalLM"],
-        rope_parameters={
-            "rope_type": "yarn",
-            "factor": 40.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 4096,
-            "rope_theta": 10000.0,
-        },
-    )
-    torch.manual_seed(0)
-    transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16).eval().save_pretrained(directory)
-    path = Path(directory) / "config.json"
-    path.write_text(
-        json.dumps(
-            {
-                **json.loads(path.read_text()),
-                "moe_layer_freq": 1,
-                "topk_method": "noaux_tc",
-                "scoring_func": "sigmoid",
-                "ep_size": 1,
-            }
-        )
-    )
+    config = _tiny_configs()[kind]()
+    torch.manual_seed(seed)
+    model = getattr(transformers, config.architectures[0])(config).to(getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        for param in model.parameters():  # some initialisers leave zeros or ones: make every weight distinct
+            param.copy_(torch.randn_like(param, dtype=torch.float32).mul_(0.05).to(param.dtype))
+    model.save_pretrained(directory, safe_serialization=True)
     return Path(directory)
 
 
-def write_fp8_block_llama(directory: Path) -> Path:
-    """A 2-layer Llama stored in block-wise FP8 (e4m3 weights, 128x128 ``weight_scale_inv``; FP8_BLOCK config).
+FP8_BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-    Every quantized dimension is a multiple of 128, as the engines' block-FP8 layers require.
-    """
-    import torch
-    import transformers
-    from safetensors.torch import save_file
 
-    from weightcache.core.quantization.fp8_block import Fp8BlockConfig, quantize_model
+def write_fp8_block(source: Path, directory: Path) -> Path:
+    """A copy of the transformers checkpoint ``source`` as a block-FP8 checkpoint (as DeepSeek and Qwen ship them):
+    each linear layer's ``weight`` in float8_e4m3fn with a float32 ``weight_scale_inv`` per 128x128 block, and
+    ``quantization_config`` FP8_BLOCK in config.json."""
+    import safetensors.torch
 
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        architectures=["LlamaForCausalLM"],
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    model.save_pretrained(directory)
-    quantize_model(model, Fp8BlockConfig())
-    save_file(
-        {k: v.contiguous() for k, v in model.state_dict().items()},
-        Path(directory) / "model.safetensors",
-        metadata={"format": "pt"},
-    )
-    path = Path(directory) / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), "quantization_config": FP8_BLOCK}))
-    return Path(directory)
+    from weightcache.core.quantization.fp8_block import quantize_weight
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for file in sorted(source.glob("*.safetensors")):
+        tensors.update(safetensors.torch.load_file(str(file)))
+    quantized = {}
+    for name, tensor in tensors.items():
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if name.endswith(".weight") and module in FP8_BLOCK_LINEARS:
+            weight, scale_inv = quantize_weight(tensor, (128, 128))
+            quantized[name], quantized[name + "_scale_inv"] = weight, scale_inv
+        else:
+            quantized[name] = tensor
+    safetensors.torch.save_file(quantized, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    for file in source.iterdir():
+        if file.suffix == ".json" and file.name != "model.safetensors.index.json":
+            (directory / file.name).write_bytes(file.read_bytes())
+    with_quantization(source, directory, FP8_BLOCK, weights=False)
+    return directory
 
 
 def with_quantization(source: Path, directory: Path, quantization_config: dict, weights: bool = False) -> Path:

@@ -4,7 +4,7 @@
   pickling, the loader ABC and its signatures;
 - the hooks (``weightcache.adapters.sglang.hooks``): fingerprint facts from real
   configs and ranks, refusals before any weight is read, the private SGLang names used;
-- the conformance kit on a Llama (every check), a Mixtral (MoE), a DeepSeek-V3
+- the conformance kit on a Llama (every check), a Qwen3-MoE, a DeepSeek-V3
   (MLA: ``w_kc``/``w_vc`` tensor attributes) and a block-FP8 Llama (parity checks);
 - SGLang's own loader path across processes: ``--load-format weightcache`` in
   off/daemon/client on those four models, bit-identical to SGLang's plain load,
@@ -39,8 +39,8 @@ from tests.engines.support import (
     server_status,
     stop_spawned_server,
     with_quantization,
-    write_fp8_block_llama,
-    write_tiny_deepseek_v3,
+    write_fp8_block,
+    write_tiny_model,
 )
 
 sglang = pytest.importorskip("sglang")
@@ -80,14 +80,13 @@ def server_args(path, **kwargs) -> ServerArgs:
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_llama, tmp_path_factory) -> dict[str, Path]:
-    """The four model families the adapter is verified on: Llama, Mixtral (MoE), DeepSeek-V3 (MLA), block-FP8 Llama."""
-    from tests.models import save_random_model
-
+    """The four model families the adapter is verified on: Llama, Qwen3-MoE, DeepSeek-V3 (MLA), block-FP8 Llama."""
+    blocks = write_tiny_model("llama_blocks", tmp_path_factory.mktemp("llama-blocks"))
     return {
         "llama": tiny_llama,
-        "mixtral": save_random_model("mixtral", tmp_path_factory.mktemp("mixtral"), dtype="bfloat16"),
-        "deepseek-v3": write_tiny_deepseek_v3(tmp_path_factory.mktemp("deepseek-v3")),
-        "llama-fp8-block": write_fp8_block_llama(tmp_path_factory.mktemp("llama-fp8-block")),
+        "qwen3-moe": write_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3-moe")),
+        "deepseek-v3": write_tiny_model("deepseek_v3", tmp_path_factory.mktemp("deepseek-v3")),
+        "llama-fp8-block": write_fp8_block(blocks, tmp_path_factory.mktemp("llama-fp8-block")),
     }
 
 
@@ -370,8 +369,8 @@ class TestKitLlama(SGLangKit, ConformanceTests):
     family = "llama"
 
 
-class TestKitMixtral(SGLangKit, ParityTests):
-    family = "mixtral"
+class TestKitQwen3Moe(SGLangKit, ParityTests):
+    family = "qwen3-moe"
 
 
 class TestKitDeepseekV3(SGLangKit, ParityTests):
@@ -458,7 +457,7 @@ def test_a_client_without_a_server_raises_when_strict_else_loads_sglangs_plain_l
     assert plain["source"] == "disk" and plain["preloaded_weights_bytes"] == 0
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral", "deepseek-v3", "llama-fp8-block"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-moe", "deepseek-v3", "llama-fp8-block"])
 def test_daemon_and_client_engines_equal_sglangs_plain_load_bit_for_bit(engine_runs, family):
     """Every parameter, buffer and tensor attribute (MLA's w_kc/w_vc) of daemon and client is SGLang's plain load's."""
     plain, daemon, client = (engine_runs[mode][family] for mode in ("plain", "daemon", "client"))
