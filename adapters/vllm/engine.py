@@ -116,23 +116,28 @@ def standalone_objects(request: "LoadRequest") -> EngineObjects:
     model_config = ModelConfig(model=request.model, dtype=request.dtype or "auto", skip_tokenizer_init=True)
     load_config = LoadConfig(load_format="auto", device=str(device))
     vllm_config = VllmConfig(model_config=model_config, load_config=load_config)
-    objects = EngineObjects(vllm_config, model_config, device, Ranks())
-    with objects.current():
-        init_single_process(device)
-    return objects
+    init_single_process(device)
+    return EngineObjects(vllm_config, model_config, device, Ranks())
 
 
 def init_single_process(device: "torch.device") -> None:
-    """vLLM's process groups for world size 1, once per process (a worker does this before loading)."""
+    """vLLM's process groups for world size 1, once per process (a worker does this before loading).
+
+    They are made for no model in particular, so that the expert-parallel group
+    exists too (vLLM makes it only for MoE models): later loads in this process
+    may be of any model, dense or MoE.
+    """
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
     if model_parallel_is_initialized():
         return
-    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-                                 local_rank=0 if device.index is None else device.index,
-                                 backend="gloo" if device.type == "cpu" else "nccl")
-    ensure_model_parallel_initialized(1, 1)
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+                                     local_rank=0 if device.index is None else device.index,
+                                     backend="gloo" if device.type == "cpu" else "nccl")
+        ensure_model_parallel_initialized(1, 1)
 
 
 def free_port() -> int:

@@ -2,8 +2,8 @@
 
     python -m tests.engines.engine_child --engine vllm --model DIR --steps JSON
 
-Each step is ``{"extra": {...model_loader_extra_config...}, "out": PATH or null, "try_reload": bool}`` (SGLang
-also takes ``model`` and ``shutdown``, see ``run_sglang``):
+Each step is ``{"extra": {...model_loader_extra_config...}, "out": PATH or null, "try_reload": bool}`` (vLLM
+also takes ``load_format``, see ``run_vllm``; SGLang ``model`` and ``shutdown``, see ``run_sglang``):
 a fresh engine config, the engine's own ``get_model_loader`` (the plugin
 registered the format), ``load_model``; the model's parameters, buffers and
 tensor attributes go to ``out`` (torch.save) and a ``WCRESULT {json}`` line to stdout describes it.
@@ -87,6 +87,14 @@ def describe(model, out) -> dict:
     }
 
 
+def python_attributes(model) -> dict:
+    """The JSON-able Python attributes engines hang on each parameter and buffer (``format_ue8m0``), by tensor name."""
+    from weightcache.core.export import json_attributes
+
+    named = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    return {name: json_attributes(tensor) for name, tensor in named.items() if json_attributes(tensor)}
+
+
 def attempt(result: dict, load) -> object:
     try:
         return load()
@@ -104,18 +112,21 @@ def try_reload(result: dict, reload) -> None:
 
 
 def run_vllm(model_path: str, steps: list) -> None:
+    """vLLM's steps; ``load_format`` (default ``weightcache``) may be ``auto``: vLLM's own ``DefaultModelLoader``."""
     from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.plugins import load_general_plugins
 
-    from weightcache.adapters.vllm import identity
+    from weightcache.adapters.vllm.loader import load_request
+    from weightcache.core.loader import prepare
 
     load_general_plugins()
     initialised = False
     for step in steps:
         model_config = ModelConfig(model=model_path, dtype="bfloat16", skip_tokenizer_init=True)
-        load_config = LoadConfig(load_format="weightcache", model_loader_extra_config=step["extra"])
+        load_format = step.get("load_format", "weightcache")
+        load_config = LoadConfig(load_format=load_format, model_loader_extra_config=step.get("extra") or {})
         vllm_config = VllmConfig(model_config=model_config, load_config=load_config)
         with set_current_vllm_config(vllm_config):
             if not initialised:
@@ -124,14 +135,14 @@ def run_vllm(model_path: str, steps: list) -> None:
                 ensure_model_parallel_initialized(1, 1)
                 initialised = True
             loader = get_model_loader(load_config)
-            result = {
-                "loader": f"{type(loader).__module__}.{type(loader).__qualname__}",
-                "fingerprint": identity.fingerprint(vllm_config, model_config, device="cpu").digest,
-                "external_before": loader.get_external_weight_memory(vllm_config),
-            }
+            result = {"loader": f"{type(loader).__module__}.{type(loader).__qualname__}"}
+            if load_format == "weightcache":
+                result["fingerprint"] = prepare(load_request(load_config, vllm_config, model_config)).fingerprint.digest
+                result["external_before"] = loader.get_external_weight_memory(vllm_config)
             model = attempt(result, lambda: loader.load_model(vllm_config=vllm_config, model_config=model_config))
             if model is not None:
                 result.update(describe(model, step.get("out")))
+                result["python_attributes"] = python_attributes(model)
                 result["external_after"] = loader.get_external_weight_memory(vllm_config)
                 if step.get("try_reload"):
                     try_reload(result, lambda: loader.load_weights(model, model_config))

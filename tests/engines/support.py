@@ -136,13 +136,16 @@ def with_quantization(source: Path, directory: Path, quantization_config: dict, 
     return directory
 
 
-def run_engine(engine: str, model: Path, steps: list[dict], timeout: float = 300) -> list[dict]:
-    """Run ``steps`` in a fresh engine process (tests/engines/engine_child.py); one result per step."""
+def run_engine(engine: str, model: Path, steps: list[dict], timeout: float = 300, env: dict | None = None) -> list[dict]:
+    """Run ``steps`` in a fresh engine process (tests/engines/engine_child.py); one result per step.
+
+    :param env: further environment variables of that process (e.g. ``shims.CPU_FP8_ENV``).
+    """
     from tests.engines.engine_child import RESULT
 
     proc = subprocess.run(
         [sys.executable, "-m", "tests.engines.engine_child", "--engine", engine, "--model", str(model), "--steps", json.dumps(steps)],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     results = [json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or len(results) != len(steps):
