@@ -58,16 +58,8 @@ def _tiny_configs():
             **common, num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
             num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
             qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, architectures=["DeepseekV3ForCausalLM"],
-            topk_method="noaux_tc", scoring_func="sigmoid",  # as DeepSeek-V3's own config.json (engines read them)
-            moe_layer_freq=1, ep_size=1, max_position_embeddings=163840, rope_parameters=DEEPSEEK_V3_YARN),
+            topk_method="noaux_tc", scoring_func="sigmoid"),  # as DeepSeek-V3's own config.json (engines read them)
     }
-
-
-DEEPSEEK_V3_YARN = {
-    "rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-    "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
-}
-"""DeepSeek-V3's released rope scaling; SGLang's CPU rotary embedding for MLA requires it (``deepseek_yarn``)."""
 
 
 TINY_MODELS = ("llama_blocks", "qwen3_moe", "deepseek_v3")

@@ -78,6 +78,25 @@ def server_args(path, **kwargs) -> ServerArgs:
 # Checkpoints ---------------------------------------------------------------------------------------------------------
 
 
+DEEPSEEK_V3_RELEASED = {
+    "rope_parameters": {
+        "rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+    },
+    "max_position_embeddings": 163840,
+    "moe_layer_freq": 1,
+    "ep_size": 1,
+}  # fmt: skip
+"""Fields of DeepSeek-V3's released config.json that SGLang reads on the CPU: its MLA rotary embedding
+there is YaRN only (``deepseek_yarn``), and its layer builder reads ``moe_layer_freq``."""
+
+
+def with_released_deepseek_fields(checkpoint: Path) -> Path:
+    path = checkpoint / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **DEEPSEEK_V3_RELEASED}))
+    return checkpoint
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tiny_llama, tmp_path_factory) -> dict[str, Path]:
     """The four model families the adapter is verified on: Llama, Qwen3-MoE, DeepSeek-V3 (MLA), block-FP8 Llama."""
@@ -85,7 +104,7 @@ def checkpoints(tiny_llama, tmp_path_factory) -> dict[str, Path]:
     return {
         "llama": tiny_llama,
         "qwen3-moe": write_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3-moe")),
-        "deepseek-v3": write_tiny_model("deepseek_v3", tmp_path_factory.mktemp("deepseek-v3")),
+        "deepseek-v3": with_released_deepseek_fields(write_tiny_model("deepseek_v3", tmp_path_factory.mktemp("deepseek-v3"))),
         "llama-fp8-block": write_fp8_block(blocks, tmp_path_factory.mktemp("llama-fp8-block")),
     }
 
