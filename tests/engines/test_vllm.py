@@ -44,7 +44,8 @@ from vllm.config import CacheConfig, LoadConfig, ModelConfig, VllmConfig  # noqa
 from vllm.model_executor.model_loader import get_model_loader  # noqa: E402
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader  # noqa: E402
 
-from weightcache.adapters.vllm import identity, plugin  # noqa: E402
+from weightcache.adapters.engine_support import PrivateName  # noqa: E402
+from weightcache.adapters.vllm import identity, internals, plugin  # noqa: E402
 from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, Ranks  # noqa: E402
 from weightcache.adapters.vllm.loader import LOAD_FORMAT, loader_class  # noqa: E402
 from weightcache.conformance import ConformanceFixtures, ConformanceTests  # noqa: E402
@@ -370,33 +371,37 @@ def test_daemon_publishes_and_a_client_in_another_process_maps_it_bit_identical_
 # vLLM's private names --------------------------------------------------------------------------------------------------
 
 
-PRIVATE_NAMES = (
-    ("vllm.model_executor.layers.rotary_embedding", "_ROPE_DICT"),
-)
-"""Private vLLM 0.33 names the adapter uses (docs/engines.md, "Engine internals"); each is a break waiting to happen."""
-
 PRIVATE_NAMES_IN_TESTS = (
-    ("vllm.model_executor.model_loader", "_LOAD_FORMAT_TO_MODEL_LOADER"),
+    PrivateName("vllm", internals.CHECKED_WITH, "vllm.model_executor.model_loader", "_LOAD_FORMAT_TO_MODEL_LOADER",
+                "this suite removes the load format to test registration as in a fresh process"),
 )
-"""Private names only this suite uses (to simulate a fresh process)."""
 
 
-@pytest.mark.parametrize(("module", "name"), PRIVATE_NAMES + PRIVATE_NAMES_IN_TESTS)
-def test_each_private_vllm_name_the_adapter_uses_still_exists(module, name):
-    assert hasattr(importlib.import_module(module), name), (
-        f"vLLM {vllm.__version__} no longer has {module}.{name}, which weightcache's vllm adapter uses "
-        "(see docs/engines.md, 'Engine internals'): adapt adapters/vllm to this vLLM release"
-    )
+@pytest.mark.parametrize("name", internals.PRIVATE_NAMES + PRIVATE_NAMES_IN_TESTS, ids=lambda name: name.dotted)
+def test_each_private_vllm_name_the_adapter_uses_still_exists(name):
+    name.lookup()  # ImportError naming it, its use and the version it was checked with
 
 
-def test_the_adapter_names_no_other_private_vllm_name():
-    """Every ``vllm`` attribute starting with ``_`` in the adapter's source is listed in PRIVATE_NAMES."""
+def test_a_missing_private_name_is_named_with_what_to_do():
+    missing = PrivateName("vllm", internals.CHECKED_WITH, "vllm.model_executor.layers.rotary_embedding", "_GONE", "a test")
+    with pytest.raises(ImportError, match=f"vllm {vllm.__version__} lacks vllm.model_executor.layers.rotary_embedding._GONE, "
+                                          f"a private name weightcache's vllm adapter uses \\(a test\\); it was checked with vllm 0.33.0"):
+        missing.lookup()
+
+
+def private_vllm_names_in(text: str) -> set[str]:
+    """Private names reached through a vLLM module (``rotary_embedding._ROPE_DICT``, ``from vllm.x import _y``)."""
     import re
+
+    found = set(re.findall(r"\b(?:vllm[\w.]*|rotary_embedding|model_loader|parallel_state|ipc_loader)\.(_[A-Za-z]\w*)", text))
+    return found | set(re.findall(r"from vllm[\w.]* import [^\n]*?\b(_[A-Za-z]\w*)", text))
+
+
+def test_the_adapter_names_no_private_vllm_name_outside_internals():
+    """Only ``adapters/vllm/internals.py`` names private vLLM attributes; the rest of the adapter goes through it."""
     from pathlib import Path
 
-    listed = {name for _, name in PRIVATE_NAMES}
-    used = set()
-    for path in Path(ROOT / "adapters" / "vllm").glob("*.py"):
-        used |= set(re.findall(r"\b(?:vllm[\w.]*|rotary_embedding|model_loader|parallel_state)\.(_[A-Za-z]\w*)", path.read_text()))
-        used |= set(re.findall(r"from vllm[\w.]* import [^\n]*\b(_[A-Za-z]\w*)", path.read_text()))
-    assert used <= listed, f"private vLLM names used by adapters/vllm but not listed: {sorted(used - listed)}"
+    assert private_vllm_names_in("from vllm.a import b, _c\nx = rotary_embedding._ROPE_DICT") == {"_c", "_ROPE_DICT"}
+    found = {path.name: private_vllm_names_in(path.read_text()) for path in Path(ROOT / "adapters" / "vllm").glob("*.py")
+             if path.name != "internals.py"}
+    assert not any(found.values()), f"private vLLM names outside adapters/vllm/internals.py: { {k: v for k, v in found.items() if v} }"
