@@ -56,7 +56,7 @@ class Registrations:
         try:
             yield
         finally:
-            for table, keys in zip(self.tables, before):
+            for table, keys in zip(self.tables, before, strict=True):
                 self.added += [(table, key) for key in table if key not in keys]
 
     def forget(self) -> None:
@@ -99,7 +99,8 @@ def check_publishable(model: "torch.nn.Module") -> None:
 
 
 INPLACE_DUNDERS = frozenset(
-    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")
+    f"__i{op}__"
+    for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")
 ) | {"__setitem__"}
 NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "set_", "retain_grad", "_fix_weakref"})
 """Methods whose names end in ``_`` but leave the tensor's bytes alone."""

@@ -21,7 +21,10 @@ CHECKED_WITH = "0.33.0"
 """The vLLM version these names were read from."""
 
 ROPE_CACHE = PrivateName(
-    "vllm", CHECKED_WITH, "vllm.model_executor.layers.rotary_embedding", "_ROPE_DICT",
+    "vllm",
+    CHECKED_WITH,
+    "vllm.model_executor.layers.rotary_embedding",
+    "_ROPE_DICT",
     "vLLM's process-wide cache of rotary embedding modules: each build of the adapter runs with it empty and puts it "
     "back afterwards, so that no model shares a rotary module built on meta or viewing an arena (no public accessor)",
 )
