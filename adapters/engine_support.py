@@ -6,6 +6,8 @@
 - ``no_writes_into``: turn an engine's write into mapped (read-only) weights into
   an error naming the tensor, instead of a SIGSEGV or a device fault.
 - ``refuse_reload``, ``lazy_class``, ``entry_bytes``: the engines' loader classes.
+- ``PrivateName``: an engine's private name an adapter relies on, looked up with
+  an error that names it when a newer engine dropped it.
 
 The modes themselves (off, daemon, client, fallback, publish) are the core's
 (``weightcache.core.modes``). No engine is imported here.
@@ -15,8 +17,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import importlib
 import logging
 import typing
+
+import attrs
 
 from weightcache.core.errors import AccessDenied, RebindError, ServerUnavailable
 from weightcache.core.modes import ATTACHMENT_ATTR
@@ -51,7 +56,7 @@ class Registrations:
         try:
             yield
         finally:
-            for table, keys in zip(self.tables, before):
+            for table, keys in zip(self.tables, before, strict=True):
                 self.added += [(table, key) for key in table if key not in keys]
 
     def forget(self) -> None:
@@ -94,7 +99,8 @@ def check_publishable(model: "torch.nn.Module") -> None:
 
 
 INPLACE_DUNDERS = frozenset(
-    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")
+    f"__i{op}__"
+    for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")
 ) | {"__setitem__"}
 NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "set_", "retain_grad", "_fix_weakref"})
 """Methods whose names end in ``_`` but leave the tensor's bytes alone."""
@@ -196,3 +202,45 @@ def entry_bytes(fingerprint: "Fingerprint", socket_dir=None, timeout_s: float = 
         log.info("weightcache: no entry size from the server: %s", exc)
         return 0
     return sum(int(entry.get("bytes", 0)) for entry in entries if entry.get("digest") == digest)
+
+
+@attrs.frozen
+class PrivateName:
+    """A private attribute of an engine (``module``, then a dotted ``path`` inside it) that an adapter uses, and why.
+
+    :param engine: the engine's distribution name (``vllm``).
+    :param checked_with: the engine version the name was read from.
+    """
+
+    engine: str
+    checked_with: str
+    module: str
+    path: str
+    why: str
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.module}.{self.path}"
+
+    def lookup(self) -> typing.Any:
+        """The object; ImportError naming it, its use and the version it was checked with when this engine lacks it."""
+        try:
+            found: typing.Any = importlib.import_module(self.module)
+            for part in self.path.split("."):
+                found = getattr(found, part)
+        except (ImportError, AttributeError) as exc:
+            raise ImportError(
+                f"{self.engine} {_installed_version(self.engine)} lacks {self.dotted}, a private name weightcache's "
+                f"{self.engine} adapter uses ({self.why}); it was checked with {self.engine} {self.checked_with}: "
+                f"install {self.engine}=={self.checked_with} or update the adapter ({type(exc).__name__}: {exc})"
+            ) from None
+        return found
+
+
+def _installed_version(distribution: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"

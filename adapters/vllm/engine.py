@@ -42,20 +42,36 @@ class Ranks:
     @classmethod
     def current(cls) -> "Ranks":
         """The ranks of vLLM's initialised process groups (the worker has set them up before loading)."""
-        from vllm.distributed import get_dp_group, get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        from vllm.distributed import (
+            get_dp_group,
+            get_pp_group,
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
 
         pp, dp, ep = get_pp_group(), get_dp_group(), expert_group()
         return cls(
-            tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
-            pp_size=pp.world_size, pp_rank=pp.rank_in_group,
-            dp_size=dp.world_size, dp_rank=dp.rank_in_group,
-            ep_size=ep.world_size if ep is not None else 1, ep_rank=ep.rank_in_group if ep is not None else 0,
+            tp_size=get_tensor_model_parallel_world_size(),
+            tp_rank=get_tensor_model_parallel_rank(),
+            pp_size=pp.world_size,
+            pp_rank=pp.rank_in_group,
+            dp_size=dp.world_size,
+            dp_rank=dp.rank_in_group,
+            ep_size=ep.world_size if ep is not None else 1,
+            ep_rank=ep.rank_in_group if ep is not None else 0,
         )
 
     @property
     def parallel(self) -> ParallelSpec:
-        return ParallelSpec(tp_size=self.tp_size, tp_rank=self.tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
-                            dp_size=self.dp_size, ep_size=self.ep_size, ep_rank=self.ep_rank)
+        return ParallelSpec(
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+            pp_size=self.pp_size,
+            pp_rank=self.pp_rank,
+            dp_size=self.dp_size,
+            ep_size=self.ep_size,
+            ep_rank=self.ep_rank,
+        )
 
 
 def expert_group():
@@ -134,9 +150,13 @@ def init_single_process(device: "torch.device") -> None:
     if model_parallel_is_initialized():
         return
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-                                     local_rank=0 if device.index is None else device.index,
-                                     backend="gloo" if device.type == "cpu" else "nccl")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            local_rank=0 if device.index is None else device.index,
+            backend="gloo" if device.type == "cpu" else "nccl",
+        )
         ensure_model_parallel_initialized(1, 1)
 
 

@@ -10,12 +10,19 @@ vLLM is imported inside the hooks only.
 
 from __future__ import annotations
 
+import importlib
+
 from weightcache.adapters.engine_support import check_publishable
 from weightcache.adapters.vllm import identity, loading
 from weightcache.adapters.vllm.engine import engine_objects
 from weightcache.core.hookspecs import hookimpl
 from weightcache.core.request import ForwardUnavailable
 
+WARM_UP_MODULES = (
+    "vllm.model_executor.model_loader.default_loader",
+    "vllm.model_executor.model_loader.utils",
+    "vllm.model_executor.model_loader.weight_cache.protocol",
+)
 NO_FORWARD = (
     "vLLM's model forward runs only inside its model runner (forward context, attention metadata and KV cache "
     "set up by a worker), so the kit compares every parameter, buffer and tensor attribute instead"
@@ -30,9 +37,8 @@ def weightcache_describe(request):
 @hookimpl
 def weightcache_warm_up(request):
     """Import vLLM's loader, layers and post-processing (the model's own module loads when it is built)."""
-    import vllm.model_executor.model_loader.default_loader  # noqa: F401
-    import vllm.model_executor.model_loader.utils  # noqa: F401
-    import vllm.model_executor.model_loader.weight_cache.protocol  # noqa: F401
+    for module in WARM_UP_MODULES:
+        importlib.import_module(module)
 
 
 @hookimpl

@@ -51,7 +51,10 @@ def checkpoint_dir(model_config, load_config) -> str:
     from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
 
     return download_weights_from_hf(
-        model_config.model, load_config.download_dir, ["*.safetensors"], model_config.revision,
+        model_config.model,
+        load_config.download_dir,
+        ["*.safetensors"],
+        model_config.revision,
         ignore_patterns=load_config.ignore_patterns,
     )
 
@@ -63,8 +66,15 @@ def vllm_key_fields(objects: EngineObjects) -> dict:
     vllm_config, ranks = objects.vllm_config, objects.ranks
     parallel_config = vllm_config.parallel_config
     key = WeightCacheKey.from_model_config(
-        objects.model_config, ranks.tp_size, ranks.tp_rank, cache_config=vllm_config.cache_config,
-        pp_size=ranks.pp_size, pp_rank=ranks.pp_rank, is_draft=objects.draft, dp_size=ranks.dp_size, dp_rank=ranks.dp_rank,
+        objects.model_config,
+        ranks.tp_size,
+        ranks.tp_rank,
+        cache_config=vllm_config.cache_config,
+        pp_size=ranks.pp_size,
+        pp_rank=ranks.pp_rank,
+        is_draft=objects.draft,
+        dp_size=ranks.dp_size,
+        dp_rank=ranks.dp_rank,
         enable_expert_parallel=parallel_config.enable_expert_parallel,
         expert_placement_strategy=parallel_config.expert_placement_strategy,
         kernel_config=vllm_config.kernel_config,
@@ -95,7 +105,8 @@ def describe(request: "LoadRequest") -> ModelDescription:
     method, quant_config = quantization(objects.model_config)
     if requested is not None and requested != method:
         raise UnsupportedQuantization(
-            requested, "the vllm adapter quantizes nothing itself, it loads the checkpoint's own method: save a "
+            requested,
+            "the vllm adapter quantizes nothing itself, it loads the checkpoint's own method: save a "
             "block-FP8 checkpoint (quantization_config with weight_block_size [128, 128]) and load it as it is",
         )
     model_config = objects.model_config

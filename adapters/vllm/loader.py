@@ -92,11 +92,15 @@ def load_request(load_config, vllm_config, model_config, prefix: str = ""):
 
     device = target_device(load_config, vllm_config)
     ranks = Ranks.current()
-    objects = EngineObjects(vllm_config, model_config, device, ranks, prefix=prefix,
-                            draft=identity.is_draft(vllm_config, model_config))
+    objects = EngineObjects(
+        vllm_config, model_config, device, ranks, prefix=prefix, draft=identity.is_draft(vllm_config, model_config)
+    )
     return LoadRequest(
-        model=identity.checkpoint_dir(model_config, load_config), adapter=ADAPTER,
-        dtype=str(model_config.dtype).removeprefix("torch."), device=str(device), parallel=ranks.parallel,
+        model=identity.checkpoint_dir(model_config, load_config),
+        adapter=ADAPTER,
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        device=str(device),
+        parallel=ranks.parallel,
         state={STATE_KEY: objects},
     )
 
@@ -106,8 +110,13 @@ def load_model(loader, vllm_config, model_config, prefix: str = ""):
     from weightcache.core.modes import run
 
     loaded = run(load_request(loader.load_config, vllm_config, model_config, prefix), loader.options)
-    log.info("weightcache: %s from %s (%s) in %s", model_config.model, loaded.source, loaded.mode,
-             ", ".join(f"{k} {v:.2f} s" for k, v in loaded.timings.items()))
+    log.info(
+        "weightcache: %s from %s (%s) in %s",
+        model_config.model,
+        loaded.source,
+        loaded.mode,
+        ", ".join(f"{k} {v:.2f} s" for k, v in loaded.timings.items()),
+    )
     return loaded.model.eval()
 
 

@@ -49,10 +49,10 @@ def plain_loader(load_config):
 
 
 def rope_table() -> dict:
-    """vLLM's process-wide cache of rotary embeddings (``rotary_embedding._ROPE_DICT``; no public accessor in 0.33)."""
-    from vllm.model_executor.layers import rotary_embedding
+    """vLLM's process-wide cache of rotary embeddings (a private name: ``internals.ROPE_CACHE``)."""
+    from weightcache.adapters.vllm.internals import ROPE_CACHE
 
-    return rotary_embedding._ROPE_DICT
+    return ROPE_CACHE.lookup()
 
 
 def load(objects: "EngineObjects") -> "torch.nn.Module":

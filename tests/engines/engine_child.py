@@ -139,13 +139,13 @@ def run_vllm(model_path: str, steps: list) -> None:
             if load_format == "weightcache":
                 result["fingerprint"] = prepare(load_request(load_config, vllm_config, model_config)).fingerprint.digest
                 result["external_before"] = loader.get_external_weight_memory(vllm_config)
-            model = attempt(result, lambda: loader.load_model(vllm_config=vllm_config, model_config=model_config))
+            model = attempt(result, functools.partial(loader.load_model, vllm_config=vllm_config, model_config=model_config))
             if model is not None:
                 result.update(describe(model, step.get("out")))
                 result["python_attributes"] = python_attributes(model)
                 result["external_after"] = loader.get_external_weight_memory(vllm_config)
                 if step.get("try_reload"):
-                    try_reload(result, lambda: loader.load_weights(model, model_config))
+                    try_reload(result, functools.partial(loader.load_weights, model, model_config))
         emit(result)
 
 

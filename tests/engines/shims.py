@@ -65,8 +65,10 @@ def install() -> None:
         library.impl("prepack_moe_weight", _prepack_moe_weight_copy, "CPU")
         _libraries["vllm"] = library
         if os.environ.get(CPU_FP8_ENV) == "1":
-            library.define("fp8_scaled_mm_cpu(Tensor x, Tensor w, Tensor scale, int[] block, Tensor? bias, "
-                           "ScalarType out_dtype, bool is_vnni) -> Tensor")
+            library.define(
+                "fp8_scaled_mm_cpu(Tensor x, Tensor w, Tensor scale, int[] block, Tensor? bias, "
+                "ScalarType out_dtype, bool is_vnni) -> Tensor"
+            )
             library.define("convert_weight_packed(Tensor weight) -> Tensor")
             library.impl("convert_weight_packed", _convert_weight_packed_copy, "CPU")
             torch.cpu._is_amx_tile_supported = _amx_for_fp8_tests

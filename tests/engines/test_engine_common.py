@@ -25,9 +25,11 @@ def test_options_default_to_off():
 
 @pytest.mark.parametrize(
     ("config", "message"),
-    [({"mode": "zero_copy"}, "unknown weightcache mode 'zero_copy'"),
-     ({"socket_path": "/x"}, "unknown keys \\['socket_path'\\] in --model-loader-extra-config"),
-     ({"strict": "yes"}, "'strict' must be true or false")],
+    [
+        ({"mode": "zero_copy"}, "unknown weightcache mode 'zero_copy'"),
+        ({"socket_path": "/x"}, "unknown keys \\['socket_path'\\] in --model-loader-extra-config"),
+        ({"strict": "yes"}, "'strict' must be true or false"),
+    ],
 )
 def test_bad_options_are_refused_with_what_to_write(config, message):
     with pytest.raises(ValueError, match=message):
@@ -49,10 +51,19 @@ def test_block_fp8_with_128_blocks_passes():
 
 @pytest.mark.parametrize(
     ("method", "config", "family"),
-    [("fp8", {"activation_scheme": "static"}, "fp8"), ("fp8", {"weight_block_size": [64, 64]}, "fp8"),
-     ("fp8", {"weight_block_size": [128, 128], "fmt": "e5m2"}, "fp8"), ("awq", {}, "awq"), ("awq_marlin", {}, "awq"),
-     ("auto_gptq", {}, "gptq"), ("gptq_marlin", {}, "gptq"), ("fp8_per_tensor", {}, "fp8-tensor"),
-     ("bitsandbytes", {}, "bitsandbytes"), ("compressed-tensors", {}, "compressed-tensors"), ("modelopt_fp4", {}, "modelopt_fp4")],
+    [
+        ("fp8", {"activation_scheme": "static"}, "fp8"),
+        ("fp8", {"weight_block_size": [64, 64]}, "fp8"),
+        ("fp8", {"weight_block_size": [128, 128], "fmt": "e5m2"}, "fp8"),
+        ("awq", {}, "awq"),
+        ("awq_marlin", {}, "awq"),
+        ("auto_gptq", {}, "gptq"),
+        ("gptq_marlin", {}, "gptq"),
+        ("fp8_per_tensor", {}, "fp8-tensor"),
+        ("bitsandbytes", {}, "bitsandbytes"),
+        ("compressed-tensors", {}, "compressed-tensors"),
+        ("modelopt_fp4", {}, "modelopt_fp4"),
+    ],
 )
 def test_every_other_method_is_refused_with_its_reason(method, config, family):
     with pytest.raises(UnsupportedQuantization) as caught:
@@ -85,7 +96,7 @@ def test_a_model_whose_post_processing_emptied_weights_is_not_published():
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     model[1].weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # as vLLM's CPU oneDNN repacking leaves it
-    with pytest.raises(RuntimeError, match="left 1 parameters empty \\(1.weight\\)"):
+    with pytest.raises(RuntimeError, match=r"left 1 parameters empty \(1\.weight\)"):
         engine_support.check_publishable(model)
     engine_support.check_publishable(torch.nn.Linear(2, 2))
 
@@ -104,8 +115,12 @@ def test_writes_into_mapped_weights_are_named_and_private_tensors_stay_writable(
         tensors, manifest = attachment.tensors, attachment.manifest
         private = torch.zeros(4)
         with engine_support.no_writes_into(tensors, manifest, "the post-processing under test"):
-            for write in (lambda: tensors["scale"].fill_(1.0), lambda: torch.add(private, 1, out=tensors["weight"][:4]),
-                          lambda: tensors["weight"].__setitem__(0, 2.0), lambda: tensors["weight"][2:].mul_(2)):
+            for write in (
+                lambda: tensors["scale"].fill_(1.0),
+                lambda: torch.add(private, 1, out=tensors["weight"][:4]),
+                lambda: tensors["weight"].__setitem__(0, 2.0),
+                lambda: tensors["weight"][2:].mul_(2),
+            ):
                 with pytest.raises(RebindError, match="the post-processing under test writes into the mapped weight"):
                     write()
             private.fill_(2.0)

@@ -245,8 +245,34 @@ def test_a_missing_private_name_is_reported_by_name_and_version():
     with pytest.raises(ImportError) as caught:
         gone.lookup()
     message = str(caught.value)
-    assert "sglang.srt.layers.rotary_embedding.factory._ROPE_DICT_RENAMED" in message
-    assert f"SGLang {sglang.__version__} lacks" in message and f"sglang=={internals.CHECKED_WITH}" in message
+    assert f"sglang {sglang.__version__} lacks sglang.srt.layers.rotary_embedding.factory._ROPE_DICT_RENAMED" in message
+    assert f"install sglang=={internals.CHECKED_WITH}" in message
+
+
+def private_sglang_names_in(text: str) -> set[str]:
+    """Private names reached through an SGLang module or class (``factory._ROPE_DICT``, ``from sglang.x import _y``)."""
+    import re
+
+    found = set(
+        re.findall(
+            r"\b(?:sglang[\w.]*|factory|loader|ipc_loader|HookRegistry|LoadConfig|IpcModelLoader|DefaultModelLoader)\.(_[A-Za-z]\w*)",
+            text,
+        )
+    )
+    return found | set(re.findall(r"from sglang[\w.]* import [^\n]*?\b(_[A-Za-z]\w*)", text))
+
+
+def test_the_adapter_names_no_private_sglang_name_outside_internals():
+    """Only ``adapters/sglang/internals.py`` names private SGLang attributes; the rest of the adapter goes through it."""
+    assert private_sglang_names_in("from sglang.a import b, _c\nx = HookRegistry._hooks") == {"_c", "_hooks"}
+    found = {
+        path.name: private_sglang_names_in(path.read_text())
+        for path in (ROOT / "adapters" / "sglang").glob("*.py")
+        if path.name != "internals.py"
+    }
+    assert not any(found.values()), (
+        f"private SGLang names outside adapters/sglang/internals.py: { {k: v for k, v in found.items() if v} }"
+    )
 
 
 def test_docs_list_every_private_name_with_the_version():

@@ -44,7 +44,8 @@ from vllm.config import CacheConfig, LoadConfig, ModelConfig, VllmConfig  # noqa
 from vllm.model_executor.model_loader import get_model_loader  # noqa: E402
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader  # noqa: E402
 
-from weightcache.adapters.vllm import identity, plugin  # noqa: E402
+from weightcache.adapters.engine_support import PrivateName  # noqa: E402
+from weightcache.adapters.vllm import identity, internals, plugin  # noqa: E402
 from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, Ranks  # noqa: E402
 from weightcache.adapters.vllm.loader import LOAD_FORMAT, loader_class  # noqa: E402
 from weightcache.conformance import ConformanceFixtures, ConformanceTests  # noqa: E402
@@ -69,11 +70,14 @@ def model_config(path, dtype="bfloat16") -> ModelConfig:
 
 
 def vllm_config(mc: ModelConfig, extra=None, **kwargs) -> VllmConfig:
-    return VllmConfig(model_config=mc, load_config=LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config=extra or {}), **kwargs)
+    return VllmConfig(
+        model_config=mc, load_config=LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config=extra or {}), **kwargs
+    )
 
 
-def fingerprint(vc: VllmConfig, mc: ModelConfig, ranks: Ranks = Ranks(), draft: bool = False):
+def fingerprint(vc: VllmConfig, mc: ModelConfig, ranks: Ranks | None = None, draft: bool = False):
     """The fingerprint the core computes for this rank, from vLLM's own objects (as the engine's loader passes them)."""
+    ranks = ranks or Ranks()
     objects = EngineObjects(vc, mc, torch.device("cpu"), ranks, draft=draft)
     request = LoadRequest(model=mc.model, adapter="vllm", device="cpu", parallel=ranks.parallel, state={STATE_KEY: objects})
     return prepare(request).fingerprint
@@ -123,9 +127,25 @@ def test_the_kit_cli_passes_on_a_block_fp8_checkpoint(tiny_fp8_block, tmp_path):
     """``weightcache conformance --adapter vllm --quant fp8-block`` (vLLM's CPU FP8 kernel needs the shim: its own process)."""
     report = tmp_path / "fp8.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "weightcache.core.cli", "conformance", "--adapter", "vllm", "--model", str(tiny_fp8_block),
-         "--quant", "fp8-block", "--json", str(report)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**_environ(), shims.CPU_FP8_ENV: "1"},
+        [
+            sys.executable,
+            "-m",
+            "weightcache.core.cli",
+            "conformance",
+            "--adapter",
+            "vllm",
+            "--model",
+            str(tiny_fp8_block),
+            "--quant",
+            "fp8-block",
+            "--json",
+            str(report),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**_environ(), shims.CPU_FP8_ENV: "1"},
     )
     assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
     summary = json.loads(report.read_text())
@@ -163,7 +183,9 @@ def test_vllms_plugin_loader_registers_the_load_format(monkeypatch):
     with pytest.raises(ValueError, match="Load format `weightcache` is not supported"):
         get_model_loader(LoadConfig(load_format=LOAD_FORMAT))
     vllm.plugins.load_general_plugins()
-    loader = get_model_loader(LoadConfig(load_format="weightcache", model_loader_extra_config={"mode": "client", "socket_dir": "/x"}))
+    loader = get_model_loader(
+        LoadConfig(load_format="weightcache", model_loader_extra_config={"mode": "client", "socket_dir": "/x"})
+    )
     assert type(loader) is loader_class()
     assert (loader.options.mode, loader.options.socket_dir, loader.options.strict) == ("client", "/x", False)
 
@@ -181,8 +203,16 @@ def test_the_cli_flags_reach_our_loader(tiny_llama):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    args = parser.parse_args(["--model", str(tiny_llama), "--load-format", "weightcache",
-                              "--model-loader-extra-config", '{"mode": "daemon", "strict": true}'])
+    args = parser.parse_args(
+        [
+            "--model",
+            str(tiny_llama),
+            "--load-format",
+            "weightcache",
+            "--model-loader-extra-config",
+            '{"mode": "daemon", "strict": true}',
+        ]
+    )
     load_config = EngineArgs.from_cli_args(args).create_load_config()
     loader = get_model_loader(load_config)
     assert type(loader) is loader_class()
@@ -267,8 +297,12 @@ def test_the_draft_role_is_part_of_the_fingerprint(tiny_llama):
 
 @pytest.mark.parametrize(
     ("name", "config", "method"),
-    [("awq", AWQ, "awq"), ("gptq", GPTQ, "gptq"), ("fp8-per-tensor", FP8_PER_TENSOR, "fp8"),
-     ("fp8-block-64", {**FP8_BLOCK, "weight_block_size": [64, 64]}, "fp8")],
+    [
+        ("awq", AWQ, "awq"),
+        ("gptq", GPTQ, "gptq"),
+        ("fp8-per-tensor", FP8_PER_TENSOR, "fp8"),
+        ("fp8-block-64", {**FP8_BLOCK, "weight_block_size": [64, 64]}, "fp8"),
+    ],
 )
 @pytest.mark.parametrize("mode", ["client", "daemon"])
 def test_unvalidated_quantization_is_refused_before_any_weight_is_read(tiny_llama, tmp_path, name, config, method, mode):
@@ -309,8 +343,9 @@ def test_vllms_in_place_parameter_update_into_mapped_weights_is_an_error_not_a_c
     attachment = api.attach(fp, socket_dir)
     try:
         mapped = rebind_module(torch.nn.Module(), attachment.tensors, attachment.manifest)
-        with pytest.raises(RebindError, match="writes into the mapped weight W_UV"), no_writes_into(
-            attachment.tensors, attachment.manifest, "the test's post-processing"
+        with (
+            pytest.raises(RebindError, match="writes into the mapped weight W_UV"),
+            no_writes_into(attachment.tensors, attachment.manifest, "the test's post-processing"),
         ):
             replace_parameter(mapped, "W_UV", torch.zeros(2, 3))
         with no_writes_into(attachment.tensors, attachment.manifest, "reading"):
@@ -324,23 +359,36 @@ def test_vllms_in_place_parameter_update_into_mapped_weights_is_an_error_not_a_c
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_deepseek_v3"])
-def test_daemon_publishes_and_a_client_in_another_process_maps_it_bit_identical_to_vllms_own_load(model, request, socket_dir, tmp_path):
+def test_daemon_publishes_and_a_client_in_another_process_maps_it_bit_identical_to_vllms_own_load(
+    model, request, socket_dir, tmp_path
+):
     """vLLM's own ``--load-format auto`` vs off, fallback and daemon (one process) and a client (another), every
     parameter, buffer and tensor attribute. DeepSeek-V3's MLA used to die with SIGSEGV in daemon and client mode."""
     checkpoint = request.getfixturevalue(model)
     missing = str(tmp_path / "nobody-serves-here")
     try:
-        plain, off, strict_missing, fallback, daemon = run_engine("vllm", checkpoint, [
-            {"load_format": "auto", "out": str(tmp_path / "plain.pt")},
-            {"extra": {"mode": "off"}, "out": str(tmp_path / "off.pt")},
-            {"extra": {"mode": "client", "socket_dir": missing, "strict": True}},
-            {"extra": {"mode": "client", "socket_dir": missing}, "out": str(tmp_path / "fallback.pt")},
-            {"extra": {"mode": "daemon", "socket_dir": str(socket_dir)}, "out": str(tmp_path / "daemon.pt")},
-        ])
-        (client,) = run_engine("vllm", checkpoint, [
-            {"extra": {"mode": "client", "socket_dir": str(socket_dir), "strict": True}, "out": str(tmp_path / "client.pt"),
-             "try_reload": True},
-        ])
+        plain, off, strict_missing, fallback, daemon = run_engine(
+            "vllm",
+            checkpoint,
+            [
+                {"load_format": "auto", "out": str(tmp_path / "plain.pt")},
+                {"extra": {"mode": "off"}, "out": str(tmp_path / "off.pt")},
+                {"extra": {"mode": "client", "socket_dir": missing, "strict": True}},
+                {"extra": {"mode": "client", "socket_dir": missing}, "out": str(tmp_path / "fallback.pt")},
+                {"extra": {"mode": "daemon", "socket_dir": str(socket_dir)}, "out": str(tmp_path / "daemon.pt")},
+            ],
+        )
+        (client,) = run_engine(
+            "vllm",
+            checkpoint,
+            [
+                {
+                    "extra": {"mode": "client", "socket_dir": str(socket_dir), "strict": True},
+                    "out": str(tmp_path / "client.pt"),
+                    "try_reload": True,
+                },
+            ],
+        )
         status = server_status(socket_dir)
     finally:
         stop_spawned_server(socket_dir)
@@ -370,33 +418,50 @@ def test_daemon_publishes_and_a_client_in_another_process_maps_it_bit_identical_
 # vLLM's private names --------------------------------------------------------------------------------------------------
 
 
-PRIVATE_NAMES = (
-    ("vllm.model_executor.layers.rotary_embedding", "_ROPE_DICT"),
-)
-"""Private vLLM 0.33 names the adapter uses (docs/engines.md, "Engine internals"); each is a break waiting to happen."""
-
 PRIVATE_NAMES_IN_TESTS = (
-    ("vllm.model_executor.model_loader", "_LOAD_FORMAT_TO_MODEL_LOADER"),
+    PrivateName(
+        "vllm",
+        internals.CHECKED_WITH,
+        "vllm.model_executor.model_loader",
+        "_LOAD_FORMAT_TO_MODEL_LOADER",
+        "this suite removes the load format to test registration as in a fresh process",
+    ),
 )
-"""Private names only this suite uses (to simulate a fresh process)."""
 
 
-@pytest.mark.parametrize(("module", "name"), PRIVATE_NAMES + PRIVATE_NAMES_IN_TESTS)
-def test_each_private_vllm_name_the_adapter_uses_still_exists(module, name):
-    assert hasattr(importlib.import_module(module), name), (
-        f"vLLM {vllm.__version__} no longer has {module}.{name}, which weightcache's vllm adapter uses "
-        "(see docs/engines.md, 'Engine internals'): adapt adapters/vllm to this vLLM release"
-    )
+@pytest.mark.parametrize("name", internals.PRIVATE_NAMES + PRIVATE_NAMES_IN_TESTS, ids=lambda name: name.dotted)
+def test_each_private_vllm_name_the_adapter_uses_still_exists(name):
+    name.lookup()  # ImportError naming it, its use and the version it was checked with
 
 
-def test_the_adapter_names_no_other_private_vllm_name():
-    """Every ``vllm`` attribute starting with ``_`` in the adapter's source is listed in PRIVATE_NAMES."""
+def test_a_missing_private_name_is_named_with_what_to_do():
+    missing = PrivateName("vllm", internals.CHECKED_WITH, "vllm.model_executor.layers.rotary_embedding", "_GONE", "a test")
+    with pytest.raises(
+        ImportError,
+        match=f"vllm {vllm.__version__} lacks vllm.model_executor.layers.rotary_embedding._GONE, "
+        f"a private name weightcache's vllm adapter uses \\(a test\\); it was checked with vllm 0.33.0",
+    ):
+        missing.lookup()
+
+
+def private_vllm_names_in(text: str) -> set[str]:
+    """Private names reached through a vLLM module (``rotary_embedding._ROPE_DICT``, ``from vllm.x import _y``)."""
     import re
+
+    found = set(re.findall(r"\b(?:vllm[\w.]*|rotary_embedding|model_loader|parallel_state|ipc_loader)\.(_[A-Za-z]\w*)", text))
+    return found | set(re.findall(r"from vllm[\w.]* import [^\n]*?\b(_[A-Za-z]\w*)", text))
+
+
+def test_the_adapter_names_no_private_vllm_name_outside_internals():
+    """Only ``adapters/vllm/internals.py`` names private vLLM attributes; the rest of the adapter goes through it."""
     from pathlib import Path
 
-    listed = {name for _, name in PRIVATE_NAMES}
-    used = set()
-    for path in Path(ROOT / "adapters" / "vllm").glob("*.py"):
-        used |= set(re.findall(r"\b(?:vllm[\w.]*|rotary_embedding|model_loader|parallel_state)\.(_[A-Za-z]\w*)", path.read_text()))
-        used |= set(re.findall(r"from vllm[\w.]* import [^\n]*\b(_[A-Za-z]\w*)", path.read_text()))
-    assert used <= listed, f"private vLLM names used by adapters/vllm but not listed: {sorted(used - listed)}"
+    assert private_vllm_names_in("from vllm.a import b, _c\nx = rotary_embedding._ROPE_DICT") == {"_c", "_ROPE_DICT"}
+    found = {
+        path.name: private_vllm_names_in(path.read_text())
+        for path in Path(ROOT / "adapters" / "vllm").glob("*.py")
+        if path.name != "internals.py"
+    }
+    assert not any(found.values()), (
+        f"private vLLM names outside adapters/vllm/internals.py: { {k: v for k, v in found.items() if v} }"
+    )
