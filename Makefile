@@ -43,7 +43,10 @@ $(ENGINE_VENV)/.ready: pyproject.toml tests/engines/engine-venv.txt
 	$(ENGINE_VENV)/bin/python -m pip install -q --no-deps $(ENGINES)
 	$(ENGINE_VENV)/bin/python -m pip install -q --no-deps -r tests/engines/engine-venv.txt
 	$(ENGINE_VENV)/bin/python -m pip install -q --no-deps -e .
-	$(ENGINE_VENV)/bin/python -c "from tests.engines import shims; shims.install(); import vllm, sglang, weightcache.adapters.vllm.loader"
+	# Every Python process of this venv applies tests/engines/shims.py before it imports an engine (the engines start
+	# subprocesses of their own): a .pth file in its site-packages.
+	$(ENGINE_VENV)/bin/python -m tests.engines.shims "$$($(ENGINE_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	cd /tmp && $(CURDIR)/$(ENGINE_VENV)/bin/python -c "import vllm, sglang, weightcache.adapters.vllm.loader"
 	touch $@
 
 engine-venv: $(ENGINE_VENV)/.ready

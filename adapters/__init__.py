@@ -1,8 +1,9 @@
-"""Built-in adapters, one subpackage per engine.
+"""Built-in adapters, one subpackage per engine; each registers in the ``weightcache.adapters`` entry points.
 
-``hf`` implements weightcache's hooks and registers through the ``weightcache.adapters``
-entry points. ``vllm`` and ``sglang`` plug weightcache into each engine's own loader
-extension point (``vllm.general_plugins``, ``sglang.srt.plugins``) and share
-``engine_modes`` (the off/daemon/client flow around an engine's own load) and
+``hf`` (transformers), ``vllm`` and ``sglang`` implement weightcache's hooks. The
+engines' own extension points (``vllm.general_plugins``, SGLang's ``load_format``)
+stay how users turn weightcache on; their loader classes call the core's one mode
+runner (``weightcache.core.modes``). The engine adapters share ``engine_support``
+(engines' process-wide tables, read-only guards, loader-class helpers) and
 ``engine_quantization`` (engine method names onto the allowlist).
 """

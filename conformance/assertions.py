@@ -23,6 +23,7 @@ class TensorFacts:
     device: str
     digest: str
     tensor: typing.Any = attrs.field(eq=False, repr=False)
+    attributes: dict = attrs.field(factory=dict, hash=False)
 
     def differences(self, other: "TensorFacts") -> list[str]:
         """What differs from ``other`` (empty when identical), each item readable on its own."""
@@ -33,6 +34,7 @@ class TensorFacts:
                 ("dtype", self.dtype, other.dtype),
                 ("shape", self.shape, other.shape),
                 ("stride", self.stride, other.stride),
+                ("Python attributes", self.attributes, other.attributes),
             )
             if mine != theirs
         ]
@@ -112,11 +114,16 @@ def assert_tensors_identical(name: str, actual: "torch.Tensor", expected: "torch
 
 
 def model_tensors(model: "torch.nn.Module") -> dict[str, TensorFacts]:
-    """Every parameter and buffer of ``model`` by name, tied aliases included."""
+    """Every tensor the forward may read, by name, tied aliases included: parameters, buffers and the
+    tensor-valued plain attributes of modules (kind ``attribute``, e.g. vLLM's MLA ``W_UV``), each with the
+    JSON-able Python attributes hung on it (``format_ue8m0``)."""
+    from weightcache.core.export import json_attributes, tensor_attributes
+
     facts: dict[str, TensorFacts] = {}
     named = [
         *(("parameter", n, t) for n, t in model.named_parameters(remove_duplicate=False)),
         *(("buffer", n, t) for n, t in model.named_buffers(remove_duplicate=False)),
+        *(("attribute", n, t) for n, _, _, t in tensor_attributes(model)),
     ]
     for kind, name, tensor in named:
         facts[name] = TensorFacts(
@@ -128,6 +135,7 @@ def model_tensors(model: "torch.nn.Module") -> dict[str, TensorFacts]:
             device=str(tensor.device),
             digest=tensor_digest(tensor) if tensor.device.type != "meta" else "meta",
             tensor=tensor,
+            attributes=json_attributes(tensor),
         )
     return facts
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import math
 import typing
 
 import attrs
@@ -153,14 +155,58 @@ def region_bytes(tensor: "torch.Tensor") -> "torch.Tensor":
 
 @attrs.frozen
 class NamedTensor:
+    """One tensor to export: ``kind`` is ``parameter``, ``buffer`` or ``attribute`` (a plain tensor attribute of a module)."""
+
     name: str
     kind: str
     tensor: typing.Any = attrs.field(eq=False, repr=False)
     persistent: bool = True
 
 
+def json_attributes(tensor: "torch.Tensor") -> dict:
+    """The JSON-able Python attributes an engine hung on ``tensor`` (``param.format_ue8m0 = True``), by name.
+
+    Values are kept as JSON gives them back (tuples become lists); functions,
+    tensors and other objects are left out (an engine's skeleton recreates those).
+    """
+    found = {}
+    for name, value in sorted(getattr(tensor, "__dict__", {}).items()):
+        if _is_json_value(value):
+            found[name] = json.loads(json.dumps(value, allow_nan=False))
+    return found
+
+
+def _is_json_value(value) -> bool:
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_is_json_value(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _is_json_value(item) for key, item in value.items())
+    return False
+
+
+def tensor_attributes(module: "torch.nn.Module") -> "list[tuple[str, torch.nn.Module, str, torch.Tensor]]":
+    """Every tensor-valued plain attribute of ``module`` and its submodules: ``(name, owner, leaf, tensor)``.
+
+    These are tensors a module keeps outside its parameters and buffers
+    (vLLM's MLA ``W_UV``, SGLang's ``w_kc``/``w_vc``), usually made by
+    post-processing; the forward reads them like weights.
+    """
+    import torch
+
+    found = []
+    for owner_name, owner in module.named_modules(remove_duplicate=False):
+        for leaf, value in vars(owner).items():
+            if isinstance(value, torch.Tensor):
+                found.append((f"{owner_name}.{leaf}" if owner_name else leaf, owner, leaf, value))
+    return found
+
+
 def collect_tensors(module: "torch.nn.Module") -> tuple[list[NamedTensor], dict[str, str]]:
-    """Every parameter and buffer of ``module`` once, plus aliases for tied ones (alias -> name)."""
+    """Every parameter, buffer and tensor attribute of ``module`` once, plus aliases for shared ones (alias -> name)."""
     seen: dict[int, str] = {}
     items: list[NamedTensor] = []
     aliases: dict[str, str] = {}
@@ -181,18 +227,36 @@ def collect_tensors(module: "torch.nn.Module") -> tuple[list[NamedTensor], dict[
                 continue
             seen[id(buffer)] = name
             items.append(NamedTensor(name, "buffer", buffer, leaf not in owner._non_persistent_buffers_set))
+    for name, _owner, _leaf, tensor in tensor_attributes(module):
+        if id(tensor) in seen:
+            if seen[id(tensor)] != name:
+                aliases[name] = seen[id(tensor)]
+            continue
+        seen[id(tensor)] = name
+        items.append(NamedTensor(name, "attribute", tensor))
     return items, aliases
 
 
 def export_module(module: "torch.nn.Module", builder: ArenaBuilder, extra: dict | None = None, release: bool = True) -> Manifest:
-    """Copy every parameter and buffer of ``module`` into ``builder``'s arenas and describe them.
+    """Copy every parameter, buffer and tensor attribute of ``module`` into ``builder``'s arenas and describe them.
 
     Tensors already inside the builder's arenas are recorded without a copy.
     With ``release`` each original is freed as soon as it is copied, so the
     module is empty afterwards: use the manifest (rebind) to get it back.
     """
     items, aliases = collect_tensors(module)
+    items, aliases = _on_device(items, aliases, builder.device)
     return export_tensors(items, aliases, builder, extra, release)
+
+
+def _on_device(items: list[NamedTensor], aliases: dict, device: Device) -> tuple[list[NamedTensor], dict]:
+    """Leave out tensor attributes that live elsewhere than the weights (a CPU-side index beside GPU weights):
+    mapped from a GPU arena they would change device."""
+    elsewhere = {item.name for item in items if item.kind == "attribute" and item.tensor.device.type != device.kind}
+    if not elsewhere:
+        return items, aliases
+    log.info("not cached (not on %s): tensor attributes %s", device, ", ".join(sorted(elsewhere)[:8]))
+    return [item for item in items if item.name not in elsewhere], {a: t for a, t in aliases.items() if t not in elsewhere}
 
 
 def export_state(state, builder: ArenaBuilder, extra: dict | None = None) -> Manifest:
@@ -254,6 +318,7 @@ def _record(item: NamedTensor, slot: Slot) -> TensorRecord:
         offset=slot.offset,
         nbytes=slot.nbytes,
         persistent=item.persistent,
+        attributes=json_attributes(tensor),
     )
 
 

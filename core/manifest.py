@@ -15,9 +15,12 @@ if typing.TYPE_CHECKING:
 
     from weightcache.core.arena.base import Arena
 
-KINDS = ("parameter", "buffer")
+KINDS = ("parameter", "buffer", "attribute")
+"""``attribute``: a plain tensor attribute of a module (``module.W_UV = tensor``), neither parameter nor buffer."""
 MAX_INDEX = 2**63 - 1
 """Largest size, stride or offset: torch keeps them as int64."""
+MAX_ATTRIBUTE_BYTES = 4096
+"""Largest JSON text of one record's ``attributes`` (flags such as ``format_ue8m0``, not data)."""
 
 _INDEX_FIELDS = ("storage_offset", "arena", "offset", "nbytes")
 
@@ -37,6 +40,16 @@ def _is_index(value) -> bool:
     return type(value) is int and 0 <= value <= MAX_INDEX
 
 
+def _attributes_json(value: dict) -> str | None:
+    """The JSON text of a record's attributes, or None when they are not JSON values."""
+    import json
+
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+
+
 def _index_problem(value) -> str:
     """Why ``value`` is not a usable size, stride or offset (``_is_index(value)`` is false)."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -52,8 +65,10 @@ class TensorRecord:
 
     ``offset`` is the byte offset of the tensor's storage region in arena
     ``arena``; the tensor is that region viewed as ``dtype`` and strided by
-    ``shape``/``stride`` from element ``storage_offset``.  A record that no
-    client could view raises :class:`InvalidManifest` (no field is coerced).
+    ``shape``/``stride`` from element ``storage_offset``. ``attributes`` holds
+    the JSON-able Python attributes an engine hung on the tensor (e.g.
+    ``format_ue8m0``), restored on rebind. A record that no client could view
+    raises :class:`InvalidManifest` (no field is coerced).
     """
 
     name: str
@@ -66,6 +81,7 @@ class TensorRecord:
     offset: int
     nbytes: int
     persistent: bool = True
+    attributes: dict = attrs.field(factory=dict, hash=False)
 
     def __attrs_post_init__(self) -> None:
         fault = self._fault()
@@ -95,6 +111,13 @@ class TensorRecord:
             return "stride", f"has {len(self.stride)} dimensions, shape has {len(self.shape)}"
         if not isinstance(self.persistent, bool):
             return "persistent", f"must be true or false, not {type(self.persistent).__name__}"
+        if not isinstance(self.attributes, dict) or not all(isinstance(key, str) and key for key in self.attributes):
+            return "attributes", "must be an object whose keys are attribute names"
+        text = _attributes_json(self.attributes)
+        if text is None:
+            return "attributes", "must hold JSON values only (booleans, numbers, strings, lists, objects)"
+        if len(text) > MAX_ATTRIBUTE_BYTES:
+            return "attributes", f"hold more than {MAX_ATTRIBUTE_BYTES} bytes of JSON; only small flags belong there"
         itemsize = ITEM_SIZES[self.dtype]
         if self.offset % itemsize:
             return "offset", f"{self.offset} is not a multiple of {self.dtype}'s item size ({itemsize} bytes)"
@@ -119,7 +142,10 @@ class TensorRecord:
         return (last + 1) * ITEM_SIZES[self.dtype]
 
     def to_json(self) -> dict:
-        return {**attrs.asdict(self), "shape": list(self.shape), "stride": list(self.stride)}
+        data = {**attrs.asdict(self), "shape": list(self.shape), "stride": list(self.stride)}
+        if not self.attributes:
+            del data["attributes"]  # most tensors carry none: keep manifests small
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorRecord":

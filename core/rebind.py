@@ -1,4 +1,4 @@
-"""Pointing a meta-device model's parameters and buffers at mapped tensors."""
+"""Pointing a meta-device model's parameters, buffers and tensor attributes at mapped tensors."""
 
 from __future__ import annotations
 
@@ -47,10 +47,12 @@ def _owner(model: "torch.nn.Module", name: str) -> tuple["torch.nn.Module", str]
 def rebind_module(
     model: "torch.nn.Module", tensors: "dict[str, torch.Tensor]", manifest: "Manifest", device=None, check: bool = True
 ) -> "torch.nn.Module":
-    """Point every parameter and buffer of ``model`` at ``tensors`` (zero-copy) and check the result.
+    """Point every parameter, buffer and tensor attribute of ``model`` at ``tensors`` (zero-copy) and check the result.
 
     Tensors the model lacks (made by post-processing) are registered; tied
-    weights become one Parameter; buffers the manifest does not hold are
+    weights become one Parameter; plain tensor attributes (kind ``attribute``)
+    are set as such; the Python attributes recorded on each tensor
+    (``format_ue8m0``) are set again; buffers the manifest does not hold are
     moved to ``device``. Raises RebindError naming what does not fit.
     With ``check=False`` tensors may stay on meta: for an engine that runs its
     own post-processing on the rebound model first, then calls ``check_no_meta``.
@@ -72,12 +74,23 @@ def rebind_module(
             params[record.name] = param
             owner._buffers.pop(leaf, None)
             owner._parameters[leaf] = param
-        else:
+            bound = param
+        elif record.kind == "buffer":
             owner._parameters.pop(leaf, None)
             owner.register_buffer(leaf, tensor, persistent=record.persistent)
+            bound = tensor
+        else:
+            set_tensor_attribute(owner, leaf, tensor)
+            bound = tensor
+        for name, value in record.attributes.items():
+            setattr(bound, name, value)
+    kinds = {record.name: record.kind for record in manifest.tensors}
     for alias, target in manifest.aliases.items():
         owner, leaf = _owner(model, alias)
-        if target in params:
+        registered = leaf in owner._parameters or leaf in owner._buffers
+        if not registered and (kinds[target] == "attribute" or leaf in vars(owner)):
+            set_tensor_attribute(owner, leaf, params.get(target, tensors[target]))
+        elif target in params:
             owner._parameters[leaf] = params[target]
         else:
             owner._buffers[leaf] = tensors[target]
@@ -87,6 +100,13 @@ def rebind_module(
         check_no_meta(model)
     model.eval()
     return model
+
+
+def set_tensor_attribute(owner: "torch.nn.Module", leaf: str, tensor: "torch.Tensor") -> None:
+    """Make ``tensor`` the plain attribute ``leaf`` of ``owner`` (neither parameter nor buffer)."""
+    owner._parameters.pop(leaf, None)
+    owner._buffers.pop(leaf, None)
+    vars(owner)[leaf] = tensor
 
 
 def _move_unmapped_buffers(model, manifest, device) -> None:
@@ -99,8 +119,11 @@ def _move_unmapped_buffers(model, manifest, device) -> None:
 
 
 def check_no_meta(model: "torch.nn.Module") -> None:
-    """Raise RebindError if any parameter or buffer is still on the meta device."""
-    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    """Raise RebindError if any parameter, buffer or tensor attribute is still on the meta device."""
+    from weightcache.core.export import tensor_attributes
+
+    named = [*model.named_parameters(), *model.named_buffers(), *((name, t) for name, _, _, t in tensor_attributes(model))]
+    left = list(dict.fromkeys(name for name, t in named if t.device.type == "meta"))
     if left:
         shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
         raise RebindError(f"{len(left)} tensors stayed on the meta device after rebind: {shown}; the cached entry lacks them")

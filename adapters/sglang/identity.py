@@ -1,13 +1,13 @@
-"""The fingerprint of an SGLang model rank, from its ModelConfig and the published ServerArgs, before any weight is read.
+"""What an SGLang model rank is, from ModelConfig, the published ServerArgs and the parallel context, before any weight is read.
 
-It holds weightcache's own fields (checkpoint content, architecture, full
-config, ranks, dtype, quantization, torch/CUDA versions, GPU UUID and compute
-capability, protocol and adapter versions) and, in ``extra``, every field of
-SGLang's own weight-cache ``CacheConfig`` that the core fields do not carry
-(MoE and attention data/context-parallel ranks, ``moe_a2a_backend``, SGLang's
-quantization name and config hash, revision), plus the server arguments that
-choose a post-processed weight layout (kernel backends, kv-cache dtype).
-SGLang's own key names the model by its path; this one by its content.
+``describe`` gives the core its ModelDescription; the core builds the
+fingerprint from it (checkpoint content, architecture, full config, ranks,
+dtype, quantization, torch/CUDA versions, GPU, protocol and adapter versions).
+``extra`` holds every field of SGLang's own weight-cache ``CacheConfig`` that
+the core's fields do not carry (MoE and attention data/context-parallel ranks,
+SGLang's quantization name and config hash, revision), plus the server
+arguments that choose a post-processed weight layout (kernel backends,
+kv-cache dtype). SGLang's own key names the model by its path; this one by its content.
 """
 
 from __future__ import annotations
@@ -15,16 +15,20 @@ from __future__ import annotations
 import json
 import os
 import typing
+from pathlib import Path
 
 import attrs
 
 from weightcache.adapters import engine_quantization
+from weightcache.core.errors import UnsupportedQuantization
 from weightcache.core.fingerprint import ParallelSpec
+from weightcache.core.request import ModelDescription
 
 if typing.TYPE_CHECKING:
-    from weightcache.core.fingerprint import Fingerprint
+    from weightcache.adapters.sglang.runtime import EngineConfigs
+    from weightcache.core.request import LoadRequest
 
-ADAPTER = "sglang"
+FP8_BLOCK = engine_quantization.FP8_BLOCK
 
 SERVER_ARGS = ("quantization", "kv_cache_dtype", "attention_backend", "moe_runner_backend", "moe_a2a_backend")
 """ServerArgs fields that choose how post-processing lays out the final weights."""
@@ -58,8 +62,57 @@ class Ranks:
 
     @property
     def parallel(self) -> ParallelSpec:
-        return ParallelSpec(tp_size=self.tp_size, tp_rank=self.tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
-                            dp_size=self.dp_size, ep_size=self.moe_ep_size, ep_rank=self.moe_ep_rank)
+        return ParallelSpec(
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+            pp_size=self.pp_size,
+            pp_rank=self.pp_rank,
+            dp_size=self.dp_size,
+            ep_size=self.moe_ep_size,
+            ep_rank=self.moe_ep_rank,
+        )
+
+
+def describe(request: "LoadRequest", configs: "EngineConfigs") -> ModelDescription:
+    """The model rank ``configs`` describe; UnsupportedQuantization (before any weight is read) unless allowlisted."""
+    import sglang
+
+    from weightcache.core import __version__
+
+    model_config = configs.model_config
+    method, quant_config = quantization(model_config)
+    check_fp8_block_request(request, method)
+    return ModelDescription(
+        architecture=",".join(getattr(model_config.hf_config, "architectures", None) or []),
+        config=hf_config_json(model_config),
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        quantization=method,
+        quantization_config=quant_config,
+        adapter_version=__version__,
+        engine="sglang",
+        engine_version=sglang.__version__,
+        extra=sglang_key_fields(model_config, configs.ranks, configs.server_args),
+    )
+
+
+def check_requested_quantization(request: "LoadRequest") -> None:
+    """Refuse a requested method SGLang cannot load as validated, before anything is built or read.
+
+    ``fp8-block`` passes here; ``describe`` then checks that the checkpoint is stored so
+    (SGLang quantizes online only per tensor).
+    """
+    if request.quantization not in (None, "none", FP8_BLOCK):
+        engine_quantization.checked_method(request.quantization, {})
+
+
+def check_fp8_block_request(request: "LoadRequest", method: str) -> None:
+    """``fp8-block`` requested: the checkpoint must be block FP8 itself."""
+    if request.quantization == FP8_BLOCK and method != FP8_BLOCK:
+        raise UnsupportedQuantization(
+            FP8_BLOCK,
+            "SGLang quantizes online only per tensor (--quantization fp8); block-wise FP8 loads from a checkpoint that "
+            "is stored so (quantization_config with weight_block_size [128, 128]): request no quantization for it",
+        )
 
 
 def quant_method_name(model_config) -> str:
@@ -82,14 +135,32 @@ def quantization(model_config) -> tuple[str, dict]:
     return engine_quantization.checked_method(quant_method_name(model_config), hf_quant)
 
 
+def check_declared_quantization(checkpoint: str) -> None:
+    """Refuse the method a local checkpoint's config.json declares, before SGLang parses it (its own error would differ).
+
+    A hub name or a directory without config.json is left to ``quantization``.
+    """
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        return
+    declared = json.loads(path.read_text()).get("quantization_config")
+    if isinstance(declared, dict):
+        engine_quantization.checked_method(declared.get("quant_method"), declared)
+
+
 def checkpoint_dir(model_config, load_config) -> str:
     """The local directory of the checkpoint's safetensors files (SGLang downloads them first for a hub name)."""
     if os.path.isdir(model_config.model_path):
         return model_config.model_path
     from sglang.srt.model_loader.weight_utils import download_weights_from_hf
 
-    return download_weights_from_hf(model_config.model_path, load_config.download_dir, ["*.safetensors"],
-                                    model_config.revision, ignore_patterns=load_config.ignore_patterns)
+    return download_weights_from_hf(
+        model_config.model_path,
+        load_config.download_dir,
+        ["*.safetensors"],
+        model_config.revision,
+        ignore_patterns=load_config.ignore_patterns,
+    )
 
 
 def published_server_args():
@@ -147,37 +218,3 @@ def device_name(device_config) -> str:
     if device == "cpu":
         return "cpu"
     return f"{device}:{int(device_config.gpu_id)}"
-
-
-def fingerprint(model_config, load_config, *, device: str, ranks: Ranks | None = None, server_args=None,
-                checkpoint: str | None = None) -> "Fingerprint":
-    """The fingerprint of one SGLang model rank; call it before loading (post-processing may mutate configs).
-
-    :param device: ``cpu`` or ``cuda:N``.
-    :param ranks: default: the ranks SGLang published for this process.
-    :param server_args: default: the ServerArgs SGLang published for this process.
-    :param checkpoint: the local checkpoint directory (default: resolved from ``model_config``).
-    """
-    import sglang
-
-    from weightcache.core import __version__
-    from weightcache.core.identity import make_fingerprint
-
-    method, quant_config = quantization(model_config)
-    ranks = ranks or Ranks.current()
-    architectures = getattr(model_config.hf_config, "architectures", None) or []
-    return make_fingerprint(
-        checkpoint or checkpoint_dir(model_config, load_config),
-        architecture=",".join(architectures),
-        config=hf_config_json(model_config),
-        dtype=str(model_config.dtype).removeprefix("torch."),
-        device=device,
-        parallel=ranks.parallel,
-        quantization=method,
-        quantization_config=quant_config,
-        adapter=ADAPTER,
-        adapter_version=__version__,
-        engine="sglang",
-        engine_version=sglang.__version__,
-        extra=sglang_key_fields(model_config, ranks, server_args if server_args is not None else published_server_args()),
-    )

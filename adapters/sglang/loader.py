@@ -1,33 +1,25 @@
-"""SGLang's model loader for weightcache: SGLang's own load, published; or SGLang's meta model, rebound.
+"""SGLang's model loader for weightcache: the way users turn it on, and a thin door into the core's mode runner.
 
 ``WeightcacheLoader`` subclasses SGLang's ``BaseModelLoader``; pass the class
 itself as ``load_format`` or use ``--load-format weightcache`` (see
 ``weightcache.adapters.sglang.plugin``). SGLang is imported only when the
-class is first looked up, so this module imports without SGLang. Options come
-from ``--model-loader-extra-config`` (see ``weightcache.adapters.engine_modes.LoaderOptions``).
+class is first looked up, so this module imports without SGLang.
 
-- ``off``: SGLang's loader for ``--load-format auto``, untouched.
-- ``daemon``: if the server has no entry for this rank, load with that
-  loader (reading, sharding, post-processing), publish every final parameter
-  and buffer, then continue as a client.
-- ``client``: build the model on the meta device as SGLang's ``IpcModelLoader``
-  does, rebind it to the mapped tensors (nothing may stay on meta), skip
-  post-processing as SGLang does for cached weights, and rebuild the tensor
-  views some modules keep as plain attributes.
-
-``preloaded_weights_bytes`` tells SGLang's memory profiler how much of the
-weights was resident before it took its baseline (a mapped entry that this
-process did not create).
+``load_model`` puts SGLang's configuration objects into a LoadRequest and
+calls ``weightcache.core.modes.run`` with the options of
+``--model-loader-extra-config`` (``mode``, ``socket_dir``, ``strict``,
+``republish``, ``timeout_s``); the steps are the adapter's hooks
+(``weightcache.adapters.sglang.hooks``). ``preloaded_weights_bytes`` tells
+SGLang's memory profiler how much of the weights was resident before it took
+its baseline (a mapped entry that this process did not create).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import typing
 
-from weightcache.adapters import engine_modes
-from weightcache.adapters.sglang import identity
+from weightcache.adapters.engine_support import lazy_class
 
 if typing.TYPE_CHECKING:
     from sglang.srt.configs.device_config import DeviceConfig
@@ -35,15 +27,19 @@ if typing.TYPE_CHECKING:
     from sglang.srt.configs.model_config import ModelConfig
     from torch import nn
 
+    from weightcache.core.request import LoadRequest
+
 log = logging.getLogger(__name__)
 
+ADAPTER = "sglang"
 CLASS_NAME = "WeightcacheLoader"
 LOAD_FORMAT = "weightcache"
+OPTIONS_WHERE = "--model-loader-extra-config"
 
 
 def loader_class():
     """``WeightcacheLoader``, defined on first use (it subclasses SGLang's ``BaseModelLoader``)."""
-    return engine_modes.lazy_class(globals(), CLASS_NAME, _build_class)
+    return lazy_class(globals(), CLASS_NAME, _build_class)
 
 
 def __getattr__(name: str):
@@ -57,15 +53,21 @@ def _build_class():
     from sglang.srt.model_loader.loader import BaseModelLoader
 
     class WeightcacheLoader(BaseModelLoader):
-        """Loads through weightcache; ``model_loader_extra_config`` takes ``mode`` (off, daemon, client), ``socket_dir``, ``strict``."""
+        """Loads through weightcache; ``model_loader_extra_config`` takes ``mode`` (off, daemon, client), ``socket_dir``, ``strict``, ``republish``, ``timeout_s``."""
 
         def __init__(self, load_config: LoadConfig):
+            from weightcache.core.modes import CacheOptions
+
             super().__init__(load_config)
-            self.options = engine_modes.LoaderOptions.from_extra_config(load_config.model_loader_extra_config, LOAD_FORMAT)
+            self.options = CacheOptions.from_mapping(load_config.model_loader_extra_config, OPTIONS_WHERE)
             self.preloaded_weights_bytes = 0
 
         def download_model(self, model_config: ModelConfig) -> None:
-            plain_loader(self.load_config, model_config).download_model(model_config)
+            from sglang.srt.model_loader.loader import get_model_loader
+
+            from weightcache.adapters.sglang.runtime import plain_load_config
+
+            get_model_loader(plain_load_config(self.load_config), model_config).download_model(model_config)
 
         def load_model(self, *, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
             return load_model(self, model_config=model_config, device_config=device_config)
@@ -74,78 +76,40 @@ def _build_class():
     return WeightcacheLoader
 
 
-def plain_load_config(load_config):
-    """``load_config`` for SGLang's ``auto`` format, without weightcache's keys."""
-    from sglang.srt.configs.load_config import LoadFormat
+def load_request(load_config, model_config, device_config) -> "LoadRequest":
+    """The LoadRequest for SGLang's objects, which travel in its ``state``; refuses an unvalidated method first.
 
-    return dataclasses.replace(load_config, load_format=LoadFormat.AUTO, model_loader_extra_config={})
+    ``model`` is the local checkpoint directory: for a hub name SGLang's
+    downloader fetches the safetensors files first (the fingerprint reads them),
+    after that refusal.
+    """
+    from weightcache.adapters.sglang import identity
+    from weightcache.adapters.sglang.runtime import STATE_KEY, EngineConfigs
+    from weightcache.core.request import LoadRequest
 
-
-def plain_loader(load_config, model_config):
-    """The loader SGLang picks for ``--load-format auto`` and this model."""
-    from sglang.srt.model_loader.loader import get_model_loader
-
-    return get_model_loader(plain_load_config(load_config), model_config)
+    identity.quantization(model_config)  # refuse before anything else (describe checks again, in the core's flow)
+    configs = EngineConfigs.of_engine(load_config, model_config, device_config)
+    return LoadRequest(
+        model=identity.checkpoint_dir(model_config, configs.load_config),
+        adapter=ADAPTER,
+        dtype=str(model_config.dtype),
+        device=identity.device_name(device_config),
+        parallel=configs.ranks.parallel,
+        state={STATE_KEY: configs},
+    )
 
 
 def load_model(loader, *, model_config, device_config):
-    """The body of ``WeightcacheLoader.load_model``; sets ``loader.preloaded_weights_bytes``."""
-    options = loader.options
+    """The body of ``WeightcacheLoader.load_model``: the core's mode runner; sets ``loader.preloaded_weights_bytes``."""
+    from weightcache.core.modes import run
+
     loader.preloaded_weights_bytes = 0
-
-    def disk_load():
-        return plain_loader(loader.load_config, model_config).load_model(model_config=model_config, device_config=device_config)
-
-    if options.mode == "off":
-        return disk_load()
-    identity.quantization(model_config)  # refuse before anything touches the checkpoint
-    device = identity.device_name(device_config)
-    fingerprint = identity.fingerprint(model_config, loader.load_config, device=device)
-    registrations = engine_modes.Registrations(registered_tables())
-
-    def publish_load():
-        with registrations.recorded():
-            return disk_load(), {}
-
-    def rebuild(attachment):
-        registrations.forget()  # the published model is gone: its rotary caches go with it
-        return rebuild_model(loader.load_config, model_config, device, attachment)
-
-    loaded = engine_modes.load(options, fingerprint, device=device, disk_load=disk_load, rebuild=rebuild,
-                               publish_load=publish_load, label=label(model_config, fingerprint))
+    loaded = run(load_request(loader.load_config, model_config, device_config), loader.options)
     loader.preloaded_weights_bytes = loaded.external_bytes
-    log.info("weightcache: %s from %s in %s", model_config.model_path, loaded.source,
-             ", ".join(f"{k} {v:.2f} s" for k, v in loaded.timings.items()))
-    return loaded.model.eval()
-
-
-def registered_tables() -> tuple[dict, ...]:
-    """SGLang's process-wide table a model build adds to: cached rotary embeddings."""
-    from sglang.srt.layers.rotary_embedding.factory import _ROPE_DICT
-
-    return (_ROPE_DICT,)
-
-
-def rebuild_model(load_config, model_config, device: str, attachment):
-    """SGLang's model on the meta device, rebound to the attachment, as SGLang's IpcModelLoader rebuilds it."""
-    import torch
-    from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
-    from sglang.srt.model_loader.utils import set_default_torch_dtype
-    from sglang.srt.weight_cache.ipc_loader import IpcModelLoader
-
-    from weightcache.core.rebind import rebind_module
-
-    quant_config = _get_quantization_config(model_config, load_config)
-    with set_default_torch_dtype(model_config.dtype):
-        with torch.device("meta"):
-            model = _initialize_model(model_config, load_config, quant_config)
-    rebind_module(model, attachment.tensors, attachment.manifest, device=device)
-    # SGLang skips post-processing for cached weights: the publisher ran it.
-    IpcModelLoader._rebuild_stale_views(model)
-    return model
-
-
-def label(model_config, fingerprint) -> str:
-    name = str(model_config.model_path).rstrip("/").rsplit("/", 1)[-1]
-    quant = "" if fingerprint.quantization == "none" else f" {fingerprint.quantization}"
-    return f"{name} ({fingerprint.architecture}{quant}, tp{fingerprint.tp_rank}/{fingerprint.tp_size} pp{fingerprint.pp_rank}/{fingerprint.pp_size}, sglang)"
+    log.info(
+        "weightcache: %s from %s in %s",
+        model_config.model_path,
+        loaded.source,
+        ", ".join(f"{key} {value:.2f} s" for key, value in loaded.timings.items()),
+    )
+    return loaded.model

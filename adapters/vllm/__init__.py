@@ -1,7 +1,8 @@
-"""The vLLM adapter: ``--load-format weightcache`` for vLLM 0.33.
+"""The vLLM adapter (vLLM 0.33): the ``vllm`` weightcache adapter and ``--load-format weightcache``.
 
-vLLM runs ``weightcache.adapters.vllm.plugin:register`` (the ``vllm.general_plugins``
-entry point) in each of its processes; it registers the load format. Usage::
+- ``hooks``: the adapter's hooks (registered as ``vllm`` in the ``weightcache.adapters`` entry points);
+- ``loader``: ``WeightcacheModelLoader``, which vLLM finds through the ``vllm.general_plugins`` entry point
+  (``plugin.register``) and which calls weightcache's one mode runner. Usage::
 
     vllm serve MODEL --load-format weightcache --model-loader-extra-config '{"mode": "daemon"}'
     vllm serve MODEL --load-format weightcache --model-loader-extra-config '{"mode": "client"}'

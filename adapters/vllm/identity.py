@@ -1,11 +1,11 @@
-"""The fingerprint of a vLLM model rank, from VllmConfig and ModelConfig, before any weight is read.
+"""What a vLLM model rank is, from VllmConfig and ModelConfig, before any weight is read (``weightcache_describe``).
 
-It holds weightcache's own fields (checkpoint content, architecture, full
-config, ranks, dtype, quantization, torch/CUDA versions, GPU UUID and compute
-capability, protocol and adapter versions) and, in ``extra``, every field of
-vLLM's own ``WeightCacheKey`` that the core fields do not already carry
-(kv-cache dtype, RoPE parameters, kernel backends, draft role, DP rank, ...),
-computed by vLLM's own ``WeightCacheKey.from_model_config``.
+The description feeds the core's fingerprint (checkpoint content, ranks,
+torch/CUDA versions, GPU and protocol come from the core): architecture, the
+full HF config, dtype, quantization and, in ``extra``, every field of vLLM's
+own ``WeightCacheKey`` that the core fields do not already carry (kv-cache
+dtype, RoPE parameters, kernel backends, draft role, DP rank, ...), computed
+by vLLM's own ``WeightCacheKey.from_model_config``.
 """
 
 from __future__ import annotations
@@ -14,53 +14,19 @@ import dataclasses
 import json
 import os
 import typing
-
-import attrs
+from pathlib import Path
 
 from weightcache.adapters import engine_quantization
-from weightcache.core.fingerprint import ParallelSpec
+from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, engine_objects
+from weightcache.core.errors import UnsupportedQuantization
+from weightcache.core.quantization.allowlist import check_quantization
+from weightcache.core.request import ModelDescription
 
 if typing.TYPE_CHECKING:
-    from weightcache.core.fingerprint import Fingerprint
-
-ADAPTER = "vllm"
+    from weightcache.core.request import LoadRequest
 
 COVERED_BY_CORE = ("checkpoint", "model_arch", "tp_size", "tp_rank", "pp_size", "pp_rank", "dp_size", "dtype", "vllm_version")
 """WeightCacheKey fields that the core fingerprint already holds (the checkpoint as a hash of every safetensors header)."""
-
-
-@attrs.frozen
-class Ranks:
-    """This process's place in vLLM's parallel groups."""
-
-    tp_size: int = 1
-    tp_rank: int = 0
-    pp_size: int = 1
-    pp_rank: int = 0
-    dp_size: int = 1
-    dp_rank: int = 0
-    ep_size: int = 1
-    ep_rank: int = 0
-
-    @classmethod
-    def current(cls) -> "Ranks":
-        """The ranks of vLLM's initialised process groups (the worker has set them up before loading)."""
-        from vllm.distributed import get_dp_group, get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-        from vllm.distributed import parallel_state
-
-        pp, dp = get_pp_group(), get_dp_group()
-        ep = parallel_state._EP  # created only for MoE models with expert parallelism
-        return cls(
-            tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
-            pp_size=pp.world_size, pp_rank=pp.rank_in_group,
-            dp_size=dp.world_size, dp_rank=dp.rank_in_group,
-            ep_size=ep.world_size if ep is not None else 1, ep_rank=ep.rank_in_group if ep is not None else 0,
-        )
-
-    @property
-    def parallel(self) -> ParallelSpec:
-        return ParallelSpec(tp_size=self.tp_size, tp_rank=self.tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
-                            dp_size=self.dp_size, ep_size=self.ep_size, ep_rank=self.ep_rank)
 
 
 def quantization(model_config) -> tuple[str, dict]:
@@ -85,19 +51,30 @@ def checkpoint_dir(model_config, load_config) -> str:
     from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
 
     return download_weights_from_hf(
-        model_config.model, load_config.download_dir, ["*.safetensors"], model_config.revision,
+        model_config.model,
+        load_config.download_dir,
+        ["*.safetensors"],
+        model_config.revision,
         ignore_patterns=load_config.ignore_patterns,
     )
 
 
-def vllm_key_fields(vllm_config, model_config, ranks: Ranks, draft: bool) -> dict:
+def vllm_key_fields(objects: EngineObjects) -> dict:
     """The fields of vLLM's own WeightCacheKey not covered by the core fingerprint, as JSON values."""
     from vllm.model_executor.model_loader.weight_cache.protocol import WeightCacheKey
 
+    vllm_config, ranks = objects.vllm_config, objects.ranks
     parallel_config = vllm_config.parallel_config
     key = WeightCacheKey.from_model_config(
-        model_config, ranks.tp_size, ranks.tp_rank, cache_config=vllm_config.cache_config,
-        pp_size=ranks.pp_size, pp_rank=ranks.pp_rank, is_draft=draft, dp_size=ranks.dp_size, dp_rank=ranks.dp_rank,
+        objects.model_config,
+        ranks.tp_size,
+        ranks.tp_rank,
+        cache_config=vllm_config.cache_config,
+        pp_size=ranks.pp_size,
+        pp_rank=ranks.pp_rank,
+        is_draft=objects.draft,
+        dp_size=ranks.dp_size,
+        dp_rank=ranks.dp_rank,
         enable_expert_parallel=parallel_config.enable_expert_parallel,
         expert_placement_strategy=parallel_config.expert_placement_strategy,
         kernel_config=vllm_config.kernel_config,
@@ -111,36 +88,44 @@ def hf_config_json(model_config) -> dict:
     return json.loads(model_config.hf_config.to_json_string(use_diff=False))
 
 
-def fingerprint(vllm_config, model_config, *, device: str, ranks: Ranks | None = None, draft: bool | None = None,
-                checkpoint: str | None = None) -> "Fingerprint":
-    """The fingerprint of one vLLM model rank; call it before loading (post-processing may mutate configs).
-
-    :param device: ``cpu`` or ``cuda:N`` (the GPU's UUID, compute capability and CUDA version are read from it).
-    :param ranks: default: vLLM's current process groups.
-    :param draft: default: whether ``model_config`` is the speculative draft of ``vllm_config``.
-    :param checkpoint: the local checkpoint directory (default: resolved from ``model_config``).
-    """
+def describe(request: "LoadRequest") -> ModelDescription:
+    """The description of ``request``'s model; UnsupportedQuantization (or ValueError for EPLB) before any weight is read."""
     import vllm
 
     from weightcache.core import __version__
-    from weightcache.core.identity import make_fingerprint
 
-    method, quant_config = quantization(model_config)
-    ranks = ranks or Ranks.current()
-    draft = is_draft(vllm_config, model_config) if draft is None else draft
-    architectures = getattr(model_config.hf_config, "architectures", None) or []
-    return make_fingerprint(
-        checkpoint or checkpoint_dir(model_config, vllm_config.load_config),
-        architecture=",".join(architectures),
+    requested = request.quantization if request.quantization not in (None, "none") else None
+    if requested is not None:
+        check_quantization(requested)  # every method outside the allowlist, by the name asked for
+    if STATE_KEY not in request.state:
+        declared_quantization(request.model)  # config.json alone, before vLLM reads the checkpoint
+    objects = engine_objects(request)
+    if objects.vllm_config.parallel_config.enable_eplb:
+        raise ValueError("weightcache does not support EPLB: it moves experts between ranks at run time; use --load-format auto")
+    method, quant_config = quantization(objects.model_config)
+    if requested is not None and requested != method:
+        raise UnsupportedQuantization(
+            requested,
+            "the vllm adapter quantizes nothing itself, it loads the checkpoint's own method: save a "
+            "block-FP8 checkpoint (quantization_config with weight_block_size [128, 128]) and load it as it is",
+        )
+    model_config = objects.model_config
+    return ModelDescription(
+        architecture=",".join(getattr(model_config.hf_config, "architectures", None) or []),
         config=hf_config_json(model_config),
         dtype=str(model_config.dtype).removeprefix("torch."),
-        device=device,
-        parallel=ranks.parallel,
         quantization=method,
         quantization_config=quant_config,
-        adapter=ADAPTER,
         adapter_version=__version__,
         engine="vllm",
         engine_version=vllm.__version__,
-        extra=vllm_key_fields(vllm_config, model_config, ranks, draft),
+        extra=vllm_key_fields(objects),
     )
+
+
+def declared_quantization(checkpoint: str) -> tuple[str, dict]:
+    """The method the checkpoint's config.json declares, checked against the allowlist in vLLM's names."""
+    path = Path(checkpoint) / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    quant = config.get("quantization_config") or {}
+    return engine_quantization.checked_method(quant.get("quant_method") if quant else None, quant)

@@ -1,38 +1,31 @@
-"""vLLM's model loader for ``--load-format weightcache``: vLLM's own load, published; or vLLM's meta model, rebound.
+"""``--load-format weightcache``: vLLM's model loader, through weightcache's one mode runner.
 
-``WeightcacheModelLoader`` subclasses vLLM's ``BaseModelLoader``. vLLM is
-imported only when the class is first looked up (``loader.WeightcacheModelLoader``),
-so this module imports without vLLM. Options come from
-``--model-loader-extra-config`` (see ``weightcache.adapters.engine_modes.LoaderOptions``).
-
-- ``off``: vLLM's ``DefaultModelLoader``, untouched.
-- ``daemon``: if the server has no entry for this rank, load exactly as
-  vLLM's own weight-cache daemon does (``create_model``, ``load_weights``,
-  ``process_weights_after_loading``), publish every final parameter and
-  buffer, then continue as a client.
-- ``client``: build the model on the meta device as vLLM's ``IpcModelLoader``
-  does, rebind it to the mapped tensors, re-run ``process_weights_after_loading``
-  under ``weights_already_processed()`` (quant methods rebuild only their
-  Python-side state) and materialise what post-processing consumed, as vLLM does.
+``WeightcacheModelLoader.load_model`` turns vLLM's objects into a
+``LoadRequest`` for the ``vllm`` adapter (the checkpoint directory, dtype,
+device, this rank's parallel groups; the objects themselves in
+``request.state``) and calls ``weightcache.core.modes.run`` with the
+``CacheOptions`` read from ``--model-loader-extra-config``: off, daemon and
+client, fallback, strict, server start, publish and re-publish are the core's.
+What each step does inside vLLM is in ``weightcache.adapters.vllm.hooks``.
 """
 
-import dataclasses
 import logging
 
-from weightcache.adapters import engine_modes
+from weightcache.adapters import engine_support
 from weightcache.adapters.vllm import identity
+from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, Ranks
 
 log = logging.getLogger(__name__)
 
 LOAD_FORMAT = "weightcache"
+ADAPTER = "vllm"
 CLASS_NAME = "WeightcacheModelLoader"
-MODEL_ATTRS_KEY = "vllm_model_attrs"
-"""Manifest extra: Python-side flags vLLM's weight loading sets (EAGLE ownership), as vLLM's daemon ships them."""
+OPTIONS_WHERE = "--model-loader-extra-config"
 
 
 def loader_class():
     """``WeightcacheModelLoader``, defined on first use (it subclasses vLLM's ``BaseModelLoader``)."""
-    return engine_modes.lazy_class(globals(), CLASS_NAME, _build_class)
+    return engine_support.lazy_class(globals(), CLASS_NAME, _build_class)
 
 
 def __getattr__(name: str):
@@ -49,12 +42,14 @@ def _build_class():
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
+    from weightcache.core.modes import CacheOptions
+
     class WeightcacheModelLoader(BaseModelLoader):
         """Loads through weightcache: ``--load-format weightcache --model-loader-extra-config '{"mode": "client"}'``."""
 
         def __init__(self, load_config: LoadConfig):
             super().__init__(load_config)
-            self.options = engine_modes.LoaderOptions.from_extra_config(load_config.model_loader_extra_config, LOAD_FORMAT)
+            self.options = CacheOptions.from_mapping(load_config.model_loader_extra_config, OPTIONS_WHERE)
 
         def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
             """Bytes of this rank's weights (target and draft) the server already holds: mapped, not allocated here."""
@@ -65,7 +60,7 @@ def _build_class():
 
         def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
             """In-place reload through vLLM's default loader; refused for a model that maps a cached entry."""
-            engine_modes.refuse_reload(model)
+            engine_support.refuse_reload(model)
             plain_loader(self.load_config).load_weights(model, model_config)
 
         def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
@@ -75,15 +70,10 @@ def _build_class():
     return WeightcacheModelLoader
 
 
-def plain_load_config(load_config):
-    """``load_config`` for vLLM's default loader: format ``auto``, none of weightcache's keys."""
-    return dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
-
-
 def plain_loader(load_config):
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from weightcache.adapters.vllm.loading import plain_loader as build
 
-    return DefaultModelLoader(plain_load_config(load_config))
+    return build(load_config)
 
 
 def target_device(load_config, vllm_config):
@@ -96,113 +86,38 @@ def target_device(load_config, vllm_config):
     return device
 
 
+def load_request(load_config, vllm_config, model_config, prefix: str = ""):
+    """The ``LoadRequest`` of this rank: what the ``vllm`` adapter's hooks load, with vLLM's objects in its state."""
+    from weightcache.core.request import LoadRequest
+
+    device = target_device(load_config, vllm_config)
+    ranks = Ranks.current()
+    objects = EngineObjects(
+        vllm_config, model_config, device, ranks, prefix=prefix, draft=identity.is_draft(vllm_config, model_config)
+    )
+    return LoadRequest(
+        model=identity.checkpoint_dir(model_config, load_config),
+        adapter=ADAPTER,
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        device=str(device),
+        parallel=ranks.parallel,
+        state={STATE_KEY: objects},
+    )
+
+
 def load_model(loader, vllm_config, model_config, prefix: str = ""):
-    """The body of ``WeightcacheModelLoader.load_model``."""
-    options = loader.options
-    plain = plain_loader(loader.load_config)
+    """The body of ``WeightcacheModelLoader.load_model``: the request through ``weightcache.core.modes.run``."""
+    from weightcache.core.modes import run
 
-    def disk_load():
-        return plain.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-
-    if options.mode == "off":
-        return disk_load()
-    identity.quantization(model_config)  # refuse before anything touches the checkpoint
-    if vllm_config.parallel_config.enable_eplb:
-        raise ValueError("weightcache does not support EPLB: it moves experts between ranks at run time")
-    device = target_device(loader.load_config, vllm_config)
-    fingerprint = identity.fingerprint(vllm_config, model_config, device=str(device))
-    registrations = engine_modes.Registrations(registered_tables(vllm_config))
-
-    def publish_load():
-        with registrations.recorded():
-            return daemon_load(plain, vllm_config, model_config, prefix, device)
-
-    def rebuild(attachment):
-        registrations.forget()  # the published model is gone: its layers and rotary caches go with it
-        return rebuild_model(vllm_config, model_config, prefix, device, attachment)
-
-    loaded = engine_modes.load(options, fingerprint, device=str(device), disk_load=disk_load, rebuild=rebuild,
-                               publish_load=publish_load, label=label(model_config, fingerprint))
-    log.info("weightcache: %s from %s in %s", model_config.model, loaded.source,
-             ", ".join(f"{k} {v:.2f} s" for k, v in loaded.timings.items()))
+    loaded = run(load_request(loader.load_config, vllm_config, model_config, prefix), loader.options)
+    log.info(
+        "weightcache: %s from %s (%s) in %s",
+        model_config.model,
+        loaded.source,
+        loaded.mode,
+        ", ".join(f"{k} {v:.2f} s" for k, v in loaded.timings.items()),
+    )
     return loaded.model.eval()
-
-
-def registered_tables(vllm_config) -> tuple[dict, ...]:
-    """vLLM's process-wide tables a model build adds to: attention layers by name, cached rotary embeddings."""
-    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
-
-    return (vllm_config.compilation_config.static_forward_context, _ROPE_DICT)
-
-
-def daemon_load(plain, vllm_config, model_config, prefix, device):
-    """Load from disk exactly as vLLM's own weight-cache daemon does; returns the model and the manifest extra."""
-    import torch
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-    from vllm.model_executor.model_loader.weight_cache.utils import export_model_attrs
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    with set_default_torch_dtype(model_config.dtype):
-        with torch.device(device):
-            model = plain.create_model(vllm_config, model_config, prefix)
-        check_pre_processed_support(model, model_config)
-        plain.load_weights(model, model_config)
-        process_weights_after_loading(model, model_config, device)
-    return model.eval(), {MODEL_ATTRS_KEY: export_model_attrs(model)}
-
-
-def rebuild_model(vllm_config, model_config, prefix, device, attachment):
-    """vLLM's model on the meta device, rebound to the attachment, post-processed as pre-processed weights."""
-    import torch
-    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
-    from vllm.model_executor.model_loader.weight_cache.ipc_loader import _materialize_remaining_meta_tensors
-    from vllm.model_executor.utils import weights_already_processed
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    from weightcache.core.rebind import check_no_meta, rebind_module
-
-    with set_default_torch_dtype(model_config.dtype):
-        with torch.device("meta"):
-            model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-        check_pre_processed_support(model, model_config)
-        rebind_module(model, attachment.tensors, attachment.manifest, device=device, check=False)
-        privatize_scalar_buffers(model)
-        for name, value in attachment.manifest.extra.get(MODEL_ATTRS_KEY, {}).items():
-            setattr(model, name, value)
-        with weights_already_processed():
-            process_weights_after_loading(model, model_config, device)
-        _materialize_remaining_meta_tensors(model, device)
-    check_no_meta(model)
-    return model
-
-
-def privatize_scalar_buffers(model) -> int:
-    """Give this engine its own copy of every one-element buffer; returns how many.
-
-    The arenas are mapped read-only: no engine may write weights others share.
-    vLLM's attention post-processing stamps its q/k/v/prob scales in place
-    (``set_default_quant_scales``) even for pre-processed weights, so those
-    scalars become private (a few bytes per layer) before it runs.
-    """
-    count = 0
-    for module in model.modules():
-        for leaf, buffer in list(module._buffers.items()):
-            if buffer is not None and buffer.device.type != "meta" and buffer.numel() <= 1:
-                module._buffers[leaf] = buffer.clone()
-                count += 1
-    return count
-
-
-def check_pre_processed_support(model, model_config) -> None:
-    """vLLM's own per-layer gate: every quant method must accept pre-processed weights."""
-    from vllm.model_executor.model_loader.weight_cache.protocol import UnsupportedQuantForIPCError, check_ipc_quant_support
-
-    from weightcache.core.errors import UnsupportedQuantization
-
-    try:
-        check_ipc_quant_support(model)
-    except UnsupportedQuantForIPCError as exc:
-        raise UnsupportedQuantization(model_config.quantization or "none", str(exc)) from None
 
 
 def external_weight_memory(loader, vllm_config) -> int:
@@ -220,15 +135,9 @@ def external_weight_memory(loader, vllm_config) -> int:
 
 
 def _entry_bytes(loader, vllm_config, model_config) -> int:
+    from weightcache.core.loader import prepare
+
     if loader.options.mode == "off":
         return 0
-    device = target_device(loader.load_config, vllm_config)
-    fingerprint = identity.fingerprint(vllm_config, model_config, device=str(device))
-    return engine_modes.entry_bytes(fingerprint, loader.options.socket_dir, timeout_s=min(loader.options.timeout_s, 5.0))
-
-
-def label(model_config, fingerprint) -> str:
-    name = str(model_config.model).rstrip("/").rsplit("/", 1)[-1]
-    quant = "" if fingerprint.quantization == "none" else f" {fingerprint.quantization}"
-    draft = " draft" if fingerprint.extra.get("is_draft") else ""
-    return f"{name} ({fingerprint.architecture}{quant}{draft}, tp{fingerprint.tp_rank}/{fingerprint.tp_size} pp{fingerprint.pp_rank}/{fingerprint.pp_size}, vllm)"
+    fingerprint = prepare(load_request(loader.load_config, vllm_config, model_config)).fingerprint
+    return engine_support.entry_bytes(fingerprint, loader.options.socket_dir, timeout_s=min(loader.options.timeout_s, 5.0))

@@ -35,3 +35,25 @@ if ENGINES_HERE:
         from tests.engines.support import write_tiny_llama
 
         return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+    @pytest.fixture(scope="session")
+    def tiny_qwen3_moe(tmp_path_factory):
+        """A tiny random-weight Qwen3-MoE checkpoint (4 experts, 2 per token)."""
+        from tests.engines.support import write_tiny_model
+
+        return write_tiny_model("qwen3_moe", tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+    @pytest.fixture(scope="session")
+    def tiny_deepseek_v3(tmp_path_factory):
+        """A tiny random-weight DeepSeek-V3 checkpoint (MLA attention, a dense then a MoE layer)."""
+        from tests.engines.support import write_tiny_model
+
+        return write_tiny_model("deepseek_v3", tmp_path_factory.mktemp("tiny-deepseek-v3"))
+
+    @pytest.fixture(scope="session")
+    def tiny_fp8_block(tmp_path_factory):
+        """A tiny block-FP8 Llama checkpoint: float8_e4m3fn weights with weight_scale_inv per 128x128 block."""
+        from tests.engines.support import write_fp8_block, write_tiny_model
+
+        source = write_tiny_model("llama_blocks", tmp_path_factory.mktemp("tiny-llama-blocks"))
+        return write_fp8_block(source, tmp_path_factory.mktemp("tiny-fp8-block"))

@@ -22,6 +22,9 @@ ENGINE_WARNINGS = (
     "ignore::Warning:triton",
     "ignore::Warning:xgrammar",
     "ignore::Warning:importlib",
+    # SGLang's MLA and MoE layers subclass a deprecated base; the warning is attributed to <frozen abc>, and as an
+    # error it makes SGLang's model registry skip deepseek_v2 and fall back to its transformers backend.
+    "ignore:MultiPlatformOp is deprecated:DeprecationWarning",
 )
 """Filter lines (pytest's syntax): warnings those packages raise while importing or configuring are not ours."""
 
@@ -31,12 +34,83 @@ FP8_PER_TENSOR = {"quant_method": "fp8", "activation_scheme": "static"}
 FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
-
 def write_tiny_llama(directory: Path) -> Path:
     """A 2-layer Llama with random weights, saved as bf16 safetensors (tests/models.py's architecture)."""
     from tests.models import save_random_model
 
     return save_random_model("llama", Path(directory), dtype="bfloat16")
+
+
+def _tiny_configs():
+    import transformers
+
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
+    return {
+        # Every projection a whole number of 128x128 FP8 blocks (head_dim 128), as in real block-FP8 checkpoints.
+        "llama_blocks": lambda: transformers.LlamaConfig(
+            vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, architectures=["LlamaForCausalLM"]),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **common, num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+            architectures=["Qwen3MoeForCausalLM"]),
+        # DeepSeek-V3: MLA attention (compressed KV, kv_b_proj), a dense first layer, then routed + shared experts.
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            **common, num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
+            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, architectures=["DeepseekV3ForCausalLM"],
+            topk_method="noaux_tc", scoring_func="sigmoid"),  # as DeepSeek-V3's own config.json (engines read them)
+    }
+
+
+TINY_MODELS = ("llama_blocks", "qwen3_moe", "deepseek_v3")
+"""Tiny random-weight models beyond tests/models.py's (``write_tiny_model``): a Llama shaped for 128x128 FP8
+blocks (``write_fp8_block`` makes its FP8 checkpoint), a MoE and an MLA model."""
+
+
+def write_tiny_model(kind: str, directory: Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """``kind`` (TINY_MODELS) with seeded random weights, saved by transformers' ``save_pretrained`` (safetensors)."""
+    import torch
+    import transformers
+
+    config = _tiny_configs()[kind]()
+    torch.manual_seed(seed)
+    model = getattr(transformers, config.architectures[0])(config).to(getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        for param in model.parameters():  # some initialisers leave zeros or ones: make every weight distinct
+            param.copy_(torch.randn_like(param, dtype=torch.float32).mul_(0.05).to(param.dtype))
+    model.save_pretrained(directory, safe_serialization=True)
+    return Path(directory)
+
+
+FP8_BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_fp8_block(source: Path, directory: Path) -> Path:
+    """A copy of the transformers checkpoint ``source`` as a block-FP8 checkpoint (as DeepSeek and Qwen ship them):
+    each linear layer's ``weight`` in float8_e4m3fn with a float32 ``weight_scale_inv`` per 128x128 block, and
+    ``quantization_config`` FP8_BLOCK in config.json."""
+    import safetensors.torch
+
+    from weightcache.core.quantization.fp8_block import quantize_weight
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for file in sorted(source.glob("*.safetensors")):
+        tensors.update(safetensors.torch.load_file(str(file)))
+    quantized = {}
+    for name, tensor in tensors.items():
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if name.endswith(".weight") and module in FP8_BLOCK_LINEARS:
+            weight, scale_inv = quantize_weight(tensor, (128, 128))
+            quantized[name], quantized[name + "_scale_inv"] = weight, scale_inv
+        else:
+            quantized[name] = tensor
+    safetensors.torch.save_file(quantized, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    for file in source.iterdir():
+        if file.suffix == ".json" and file.name != "model.safetensors.index.json":
+            (directory / file.name).write_bytes(file.read_bytes())
+    with_quantization(source, directory, FP8_BLOCK, weights=False)
+    return directory
 
 
 def with_quantization(source: Path, directory: Path, quantization_config: dict, weights: bool = False) -> Path:
@@ -54,13 +128,16 @@ def with_quantization(source: Path, directory: Path, quantization_config: dict, 
     return directory
 
 
-def run_engine(engine: str, model: Path, steps: list[dict], timeout: float = 300) -> list[dict]:
-    """Run ``steps`` in a fresh engine process (tests/engines/engine_child.py); one result per step."""
+def run_engine(engine: str, model: Path, steps: list[dict], timeout: float = 300, env: dict | None = None) -> list[dict]:
+    """Run ``steps`` in a fresh engine process (tests/engines/engine_child.py); one result per step.
+
+    :param env: further environment variables of that process (e.g. ``shims.CPU_FP8_ENV``).
+    """
     from tests.engines.engine_child import RESULT
 
     proc = subprocess.run(
         [sys.executable, "-m", "tests.engines.engine_child", "--engine", engine, "--model", str(model), "--steps", json.dumps(steps)],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     results = [json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or len(results) != len(steps):

@@ -30,10 +30,13 @@ def test_engine_suite_passes_in_the_engine_venv():
             f"no engine venv at {python}: run `make engine-venv` (vLLM 0.33.0 and SGLang 0.5.23 on CPU torch, "
             f"about 3.5 GB) or point ${ENV_PYTHON} at a Python that has both, to run tests/engines against the engines' own code"
         )
-    imports = "from tests.engines import shims; shims.install(); import vllm, sglang, weightcache.adapters.vllm"
-    check = subprocess.run([str(python), "-c", imports], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    # From outside the checkout and without calling the shims: the venv's .pth file must apply them in every
+    # process, as in the subprocesses the engines start themselves.
+    imports = "import vllm, sglang, weightcache.adapters.vllm.hooks"
+    check = subprocess.run([str(python), "-c", imports], capture_output=True, text=True, cwd="/", timeout=300)
     assert check.returncode == 0, (
-        f"{python} cannot import vllm, sglang and weightcache; rebuild it with `make engine-venv`:\n{check.stderr[-3000:]}"
+        f"{python} cannot import vllm, sglang and weightcache in a fresh process; rebuild it with `make engine-venv`:\n"
+        f"{check.stderr[-3000:]}"
     )
     proc = subprocess.run(
         [str(python), "-m", "pytest", "tests/engines", "-q", "-rs", "-p", "no:cacheprovider"],

@@ -1,4 +1,13 @@
-"""The vLLM adapter against vLLM 0.33's own code: plugin registration, ABC and signatures, fingerprint, refusals, load path.
+"""The vLLM adapter against vLLM 0.33's own code.
+
+- The conformance kit on a tiny Llama, Qwen3-MoE and DeepSeek-V3 (MLA) in this
+  process, and on a block-FP8 checkpoint through ``weightcache conformance``;
+- what only vLLM has: the plugin registration, ``BaseModelLoader`` and its
+  signatures, the command-line flags, the fingerprint from vLLM's configs
+  (draft role, kv-cache dtype, ranks), refusals before any weight is read;
+- ``--load-format weightcache`` across engine processes (off, daemon, client,
+  fallback), every tensor bit-identical to vLLM's own ``--load-format auto``;
+- the private vLLM names the adapter relies on (docs/engines.md lists them).
 
 Runs in the engine venv (``make engine-venv``); the project's own test run
 reaches it through test_engine_venv.py.
@@ -6,16 +15,21 @@ reaches it through test_engine_venv.py.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import inspect
 import json
+import subprocess
+import sys
 
 import pytest
 
+from tests.engines import shims
 from tests.engines.support import (
     AWQ,
     FP8_BLOCK,
     FP8_PER_TENSOR,
+    ROOT,
     assert_same_state,
     run_engine,
     server_status,
@@ -25,16 +39,30 @@ from tests.engines.support import (
 
 vllm = pytest.importorskip("vllm")
 
+import torch  # noqa: E402
 from vllm.config import CacheConfig, LoadConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm.model_executor.model_loader import get_model_loader  # noqa: E402
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader  # noqa: E402
 
-from weightcache.adapters.vllm import identity, plugin  # noqa: E402
+from weightcache.adapters.engine_support import PrivateName  # noqa: E402
+from weightcache.adapters.vllm import identity, internals, plugin  # noqa: E402
+from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, Ranks  # noqa: E402
 from weightcache.adapters.vllm.loader import LOAD_FORMAT, loader_class  # noqa: E402
+from weightcache.conformance import ConformanceFixtures, ConformanceTests  # noqa: E402
 from weightcache.core.errors import UnsupportedQuantization  # noqa: E402
+from weightcache.core.loader import prepare  # noqa: E402
+from weightcache.core.request import LoadRequest  # noqa: E402
 from weightcache.core.safetensors_io import checkpoint_identity  # noqa: E402
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_groups():
+    """vLLM's process groups (world size 1), as a worker sets them up before it calls a model loader."""
+    from weightcache.adapters.vllm.engine import init_single_process
+
+    init_single_process(torch.device("cpu"))
 
 
 def model_config(path, dtype="bfloat16") -> ModelConfig:
@@ -42,15 +70,106 @@ def model_config(path, dtype="bfloat16") -> ModelConfig:
 
 
 def vllm_config(mc: ModelConfig, extra=None, **kwargs) -> VllmConfig:
-    return VllmConfig(model_config=mc, load_config=LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config=extra or {}), **kwargs)
+    return VllmConfig(
+        model_config=mc, load_config=LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config=extra or {}), **kwargs
+    )
+
+
+def fingerprint(vc: VllmConfig, mc: ModelConfig, ranks: Ranks | None = None, draft: bool = False):
+    """The fingerprint the core computes for this rank, from vLLM's own objects (as the engine's loader passes them)."""
+    ranks = ranks or Ranks()
+    objects = EngineObjects(vc, mc, torch.device("cpu"), ranks, draft=draft)
+    request = LoadRequest(model=mc.model, adapter="vllm", device="cpu", parallel=ranks.parallel, state={STATE_KEY: objects})
+    return prepare(request).fingerprint
+
+
+# The kit ---------------------------------------------------------------------------------------------------------------
+
+
+class VllmKit(ConformanceFixtures, ConformanceTests):
+    """The kit on the ``vllm`` adapter (installed entry point), in this process: vLLM plain loads without an engine."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def adapter_name(cls):
+        return "vllm"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def supports_fp8(cls):
+        return False  # it loads block-FP8 checkpoints as they are, and quantizes nothing itself
+
+
+class TestKitLlama(VllmKit):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_path(cls, tiny_llama):
+        return tiny_llama
+
+
+class TestKitQwen3Moe(VllmKit):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_path(cls, tiny_qwen3_moe):
+        return tiny_qwen3_moe
+
+
+class TestKitDeepseekV3(VllmKit):
+    """MLA: post-processing makes ``W_UV``/``W_UK_T`` from ``kv_b_proj`` and writes them even for pre-processed weights."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_path(cls, tiny_deepseek_v3):
+        return tiny_deepseek_v3
+
+
+def test_the_kit_cli_passes_on_a_block_fp8_checkpoint(tiny_fp8_block, tmp_path):
+    """``weightcache conformance --adapter vllm --quant fp8-block`` (vLLM's CPU FP8 kernel needs the shim: its own process)."""
+    report = tmp_path / "fp8.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightcache.core.cli",
+            "conformance",
+            "--adapter",
+            "vllm",
+            "--model",
+            str(tiny_fp8_block),
+            "--quant",
+            "fp8-block",
+            "--json",
+            str(report),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**_environ(), shims.CPU_FP8_ENV: "1"},
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    summary = json.loads(report.read_text())
+    checks = {check["check"]: check for check in summary["checks"]}
+    assert checks["test_fp8_block_weights_are_quantized"]["outcome"] == "passed"
+    assert checks["test_tensor_parity"]["outcome"] == "passed"
+    skipped = {check["message"] for check in summary["checks"] if check["outcome"] == "skipped"}
+    assert any("model runner" in message for message in skipped), skipped  # forward checks skipped, with the reason
+
+
+def _environ() -> dict:
+    import os
+
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 # Registration ----------------------------------------------------------------------------------------------------
 
 
-def test_the_entry_point_is_installed_in_vllms_plugin_group():
-    entry_points = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
-    assert entry_points.get("weightcache") == "weightcache.adapters.vllm.plugin:register"
+def test_the_entry_points_are_installed():
+    engine = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    adapters = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="weightcache.adapters")}
+    assert engine.get("weightcache") == "weightcache.adapters.vllm.plugin:register"
+    assert adapters.get("vllm") == "weightcache.adapters.vllm.hooks"
 
 
 def test_vllms_plugin_loader_registers_the_load_format(monkeypatch):
@@ -60,21 +179,23 @@ def test_vllms_plugin_loader_registers_the_load_format(monkeypatch):
     monkeypatch.delitem(model_loader._LOAD_FORMAT_TO_MODEL_LOADER, LOAD_FORMAT, raising=False)  # as in a fresh process
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     monkeypatch.setenv("VLLM_PLUGINS", "weightcache")
+    assert plugin.registered_class(LOAD_FORMAT) is None
     with pytest.raises(ValueError, match="Load format `weightcache` is not supported"):
         get_model_loader(LoadConfig(load_format=LOAD_FORMAT))
     vllm.plugins.load_general_plugins()
-    loader = get_model_loader(LoadConfig(load_format="weightcache", model_loader_extra_config={"mode": "client", "socket_dir": "/x"}))
+    loader = get_model_loader(
+        LoadConfig(load_format="weightcache", model_loader_extra_config={"mode": "client", "socket_dir": "/x"})
+    )
     assert type(loader) is loader_class()
     assert (loader.options.mode, loader.options.socket_dir, loader.options.strict) == ("client", "/x", False)
 
 
-def test_register_is_idempotent_and_keeps_one_class():
-    from vllm.model_executor import model_loader
-
+def test_register_is_idempotent_and_keeps_one_class(caplog):
     plugin.register()
-    plugin.register()
-    assert model_loader._LOAD_FORMAT_TO_MODEL_LOADER[LOAD_FORMAT] is loader_class()
-    assert loader_class() is loader_class()
+    with caplog.at_level("WARNING"):
+        plugin.register()
+    assert plugin.registered_class(LOAD_FORMAT) is loader_class() is loader_class()
+    assert not [r for r in caplog.records if "already registered" in r.getMessage()]
 
 
 def test_the_cli_flags_reach_our_loader(tiny_llama):
@@ -82,8 +203,16 @@ def test_the_cli_flags_reach_our_loader(tiny_llama):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    args = parser.parse_args(["--model", str(tiny_llama), "--load-format", "weightcache",
-                              "--model-loader-extra-config", '{"mode": "daemon", "strict": true}'])
+    args = parser.parse_args(
+        [
+            "--model",
+            str(tiny_llama),
+            "--load-format",
+            "weightcache",
+            "--model-loader-extra-config",
+            '{"mode": "daemon", "strict": true}',
+        ]
+    )
     load_config = EngineArgs.from_cli_args(args).create_load_config()
     loader = get_model_loader(load_config)
     assert type(loader) is loader_class()
@@ -91,7 +220,7 @@ def test_the_cli_flags_reach_our_loader(tiny_llama):
 
 
 def test_unknown_or_malformed_extra_config_is_refused():
-    with pytest.raises(ValueError, match="unknown keys \\['socket_path'\\]"):
+    with pytest.raises(ValueError, match="unknown keys \\['socket_path'\\] in --model-loader-extra-config"):
         get_model_loader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config={"socket_path": "/x"}))
     with pytest.raises(ValueError, match="unknown weightcache mode 'zero_copy'"):
         get_model_loader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config={"mode": "zero_copy"}))
@@ -121,7 +250,7 @@ def test_fingerprint_is_built_from_vllm_config_and_model_config(tiny_llama):
     from vllm.model_executor.model_loader.weight_cache.protocol import hash_rope_parameters
 
     mc = model_config(tiny_llama)
-    fp = identity.fingerprint(vllm_config(mc), mc, device="cpu", ranks=identity.Ranks())
+    fp = fingerprint(vllm_config(mc), mc)
     assert fp.checkpoint == checkpoint_identity(tiny_llama)
     assert (fp.architecture, fp.dtype, fp.quantization) == ("LlamaForCausalLM", "bfloat16", "none")
     assert (fp.adapter, fp.engine, fp.engine_version) == ("vllm", "vllm", vllm.__version__)
@@ -136,26 +265,22 @@ def test_fingerprint_is_built_from_vllm_config_and_model_config(tiny_llama):
 
 def test_fingerprint_is_stable_for_the_same_configs(tiny_llama):
     first, second = model_config(tiny_llama), model_config(tiny_llama)
-    a = identity.fingerprint(vllm_config(first), first, device="cpu", ranks=identity.Ranks())
-    b = identity.fingerprint(vllm_config(second), second, device="cpu", ranks=identity.Ranks())
-    assert a.digest == b.digest
+    assert fingerprint(vllm_config(first), first).digest == fingerprint(vllm_config(second), second).digest
 
 
 def test_fingerprint_names_the_field_that_differs(tiny_llama, tmp_path):
     mc = model_config(tiny_llama)
-    base = identity.fingerprint(vllm_config(mc), mc, device="cpu", ranks=identity.Ranks(tp_size=2, tp_rank=0))
-
-    rank1 = identity.fingerprint(vllm_config(mc), mc, device="cpu", ranks=identity.Ranks(tp_size=2, tp_rank=1))
-    assert base.mismatched_fields(rank1) == ("tp_rank",)
+    base = fingerprint(vllm_config(mc), mc, Ranks(tp_size=2, tp_rank=0))
+    assert base.mismatched_fields(fingerprint(vllm_config(mc), mc, Ranks(tp_size=2, tp_rank=1))) == ("tp_rank",)
 
     fp16 = model_config(tiny_llama, dtype="float16")
-    assert "dtype" in base.mismatched_fields(identity.fingerprint(vllm_config(fp16), fp16, device="cpu", ranks=identity.Ranks(tp_size=2)))
+    assert "dtype" in base.mismatched_fields(fingerprint(vllm_config(fp16), fp16, Ranks(tp_size=2)))
 
-    fp8_kv = identity.fingerprint(vllm_config(mc, cache_config=CacheConfig(cache_dtype="fp8")), mc, device="cpu", ranks=identity.Ranks(tp_size=2))
+    fp8_kv = fingerprint(vllm_config(mc, cache_config=CacheConfig(cache_dtype="fp8")), mc, Ranks(tp_size=2))
     assert base.mismatched_fields(fp8_kv) == ("extra.kv_cache_dtype",)
 
     block = model_config(with_quantization(tiny_llama, tmp_path / "fp8-block", FP8_BLOCK, weights=True))
-    quantized = identity.fingerprint(vllm_config(block), block, device="cpu", ranks=identity.Ranks(tp_size=2))
+    quantized = fingerprint(vllm_config(block), block, Ranks(tp_size=2))
     fields = base.mismatched_fields(quantized)
     assert {"quantization", "quantization_config", "extra.quantization", "extra.quant_config_hash"} <= set(fields)
     assert "checkpoint" not in fields  # same safetensors: the difference is named where it is
@@ -164,9 +289,7 @@ def test_fingerprint_names_the_field_that_differs(tiny_llama, tmp_path):
 
 def test_the_draft_role_is_part_of_the_fingerprint(tiny_llama):
     mc = model_config(tiny_llama)
-    target = identity.fingerprint(vllm_config(mc), mc, device="cpu", ranks=identity.Ranks(), draft=False)
-    draft = identity.fingerprint(vllm_config(mc), mc, device="cpu", ranks=identity.Ranks(), draft=True)
-    assert target.mismatched_fields(draft) == ("extra.is_draft",)
+    assert fingerprint(vllm_config(mc), mc).mismatched_fields(fingerprint(vllm_config(mc), mc, draft=True)) == ("extra.is_draft",)
 
 
 # Quantization allowlist ----------------------------------------------------------------------------------------------
@@ -174,8 +297,12 @@ def test_the_draft_role_is_part_of_the_fingerprint(tiny_llama):
 
 @pytest.mark.parametrize(
     ("name", "config", "method"),
-    [("awq", AWQ, "awq"), ("gptq", GPTQ, "gptq"), ("fp8-per-tensor", FP8_PER_TENSOR, "fp8"),
-     ("fp8-block-64", {**FP8_BLOCK, "weight_block_size": [64, 64]}, "fp8")],
+    [
+        ("awq", AWQ, "awq"),
+        ("gptq", GPTQ, "gptq"),
+        ("fp8-per-tensor", FP8_PER_TENSOR, "fp8"),
+        ("fp8-block-64", {**FP8_BLOCK, "weight_block_size": [64, 64]}, "fp8"),
+    ],
 )
 @pytest.mark.parametrize("mode", ["client", "daemon"])
 def test_unvalidated_quantization_is_refused_before_any_weight_is_read(tiny_llama, tmp_path, name, config, method, mode):
@@ -196,47 +323,145 @@ def test_block_fp8_with_128_blocks_passes_the_allowlist(tiny_llama, tmp_path):
     assert method == "fp8-block" and config["weight_block_size"] == [128, 128]
 
 
+# Never a write into mapped weights -----------------------------------------------------------------------------------
+
+
+def test_vllms_in_place_parameter_update_into_mapped_weights_is_an_error_not_a_crash(server, socket_dir, tiny_llama):
+    """vLLM's ``replace_parameter`` copies a same-shaped result into the existing weight (MLA's ``W_UV`` path);
+    on a mapped weight the guard names it instead of the SIGSEGV a read-only mapping gives."""
+    from vllm.model_executor.utils import replace_parameter
+
+    from weightcache.adapters.engine_support import no_writes_into
+    from weightcache.core import api
+    from weightcache.core.errors import RebindError
+    from weightcache.core.rebind import rebind_module
+
+    layer = torch.nn.Module()
+    layer.W_UV = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3), requires_grad=False)
+    fp = api.fingerprint(tiny_llama, architecture="GuardTest", dtype="float32")
+    api.publish_model(layer, fp, socket_dir=socket_dir)
+    attachment = api.attach(fp, socket_dir)
+    try:
+        mapped = rebind_module(torch.nn.Module(), attachment.tensors, attachment.manifest)
+        with (
+            pytest.raises(RebindError, match="writes into the mapped weight W_UV"),
+            no_writes_into(attachment.tensors, attachment.manifest, "the test's post-processing"),
+        ):
+            replace_parameter(mapped, "W_UV", torch.zeros(2, 3))
+        with no_writes_into(attachment.tensors, attachment.manifest, "reading"):
+            assert float(mapped.W_UV.sum()) == 15.0  # reads are fine
+        del mapped
+    finally:
+        attachment.close()
+
+
 # The load path, across processes -------------------------------------------------------------------------------------
 
 
-def test_daemon_publishes_vllms_own_load_and_a_client_in_another_process_maps_it_bit_identical(tiny_llama, socket_dir, tmp_path):
-    """off (vLLM's plain load) vs daemon (vLLM's load, published, rebound) vs client (meta model, rebound), three processes."""
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_deepseek_v3"])
+def test_daemon_publishes_and_a_client_in_another_process_maps_it_bit_identical_to_vllms_own_load(
+    model, request, socket_dir, tmp_path
+):
+    """vLLM's own ``--load-format auto`` vs off, fallback and daemon (one process) and a client (another), every
+    parameter, buffer and tensor attribute. DeepSeek-V3's MLA used to die with SIGSEGV in daemon and client mode."""
+    checkpoint = request.getfixturevalue(model)
     missing = str(tmp_path / "nobody-serves-here")
-    plain, strict_missing, fallback = run_engine("vllm", tiny_llama, [
-        {"extra": {"mode": "off"}, "out": str(tmp_path / "plain.pt")},
-        {"extra": {"mode": "client", "socket_dir": missing, "strict": True}, "out": None},
-        {"extra": {"mode": "client", "socket_dir": missing}, "out": str(tmp_path / "fallback.pt")},
-    ])
-    assert plain["source"] == "disk" and plain["external_before"] == 0
-    assert strict_missing["error"] == "ServerUnavailable"
-    assert fallback["source"] == "disk" and fallback["external_before"] == 0
-
     try:
-        (daemon,) = run_engine("vllm", tiny_llama, [
-            {"extra": {"mode": "daemon", "socket_dir": str(socket_dir)}, "out": str(tmp_path / "daemon.pt")},
-        ])
-        (client,) = run_engine("vllm", tiny_llama, [
-            {"extra": {"mode": "client", "socket_dir": str(socket_dir), "strict": True}, "out": str(tmp_path / "client.pt"),
-             "try_reload": True},
-        ])
+        plain, off, strict_missing, fallback, daemon = run_engine(
+            "vllm",
+            checkpoint,
+            [
+                {"load_format": "auto", "out": str(tmp_path / "plain.pt")},
+                {"extra": {"mode": "off"}, "out": str(tmp_path / "off.pt")},
+                {"extra": {"mode": "client", "socket_dir": missing, "strict": True}},
+                {"extra": {"mode": "client", "socket_dir": missing}, "out": str(tmp_path / "fallback.pt")},
+                {"extra": {"mode": "daemon", "socket_dir": str(socket_dir)}, "out": str(tmp_path / "daemon.pt")},
+            ],
+        )
+        (client,) = run_engine(
+            "vllm",
+            checkpoint,
+            [
+                {
+                    "extra": {"mode": "client", "socket_dir": str(socket_dir), "strict": True},
+                    "out": str(tmp_path / "client.pt"),
+                    "try_reload": True,
+                },
+            ],
+        )
         status = server_status(socket_dir)
     finally:
         stop_spawned_server(socket_dir)
 
+    assert plain["loader"].endswith("DefaultModelLoader") and off["source"] == fallback["source"] == "disk"
+    assert strict_missing["error"] == "ServerUnavailable"
+    assert off["external_before"] == fallback["external_before"] == 0
     for result in (daemon, client):
         assert result["source"] == "cache", result
-        assert result["meta"] == [] and result["unmapped_parameters"] == []
-        assert result["parameters"] == plain["parameters"] and result["buffers"] == plain["buffers"]
+        assert result["meta"] == [] and result["unmapped_parameters"] == [] and result["unmapped_buffers"] == []
+        for kind in ("parameters", "buffers", "attributes"):
+            assert result[kind] == plain[kind], f"{kind} differ from vLLM's own load"
+        assert result["python_attributes"] == plain["python_attributes"]
     assert daemon["external_before"] == 0  # no server yet: the daemon-mode engine started one and allocates the weights itself
     assert client["external_before"] == client["entry_bytes"] == client["external_after"] > 0
-    assert daemon["digest"] == client["digest"] and daemon["fingerprint"] == client["fingerprint"] == plain["fingerprint"]
-    # Only the one-element attention scales are private copies (vLLM re-stamps them in post-processing).
-    assert client["unmapped_buffers"] and all(name.rsplit(".", 1)[1] in {"_k_scale", "_v_scale", "_q_scale", "_prob_scale"}
-                                              for name in client["unmapped_buffers"])
+    assert daemon["digest"] == client["digest"] and daemon["fingerprint"] == client["fingerprint"] == off["fingerprint"]
     assert client["reload"].startswith("RuntimeError") and "read-only" in client["reload"]
     (entry,) = status["entries"]
     assert entry["digest"] == client["digest"] and "vllm" in entry["label"] and entry["bytes"] == client["entry_bytes"]
+    if model == "tiny_deepseek_v3":
+        assert {name.rsplit(".", 1)[1] for name in client["parameters"]} >= {"W_UV", "W_UK_T"}
 
-    assert_same_state(tmp_path / "fallback.pt", tmp_path / "plain.pt", "client fallback vs vLLM's plain load")
-    assert_same_state(tmp_path / "daemon.pt", tmp_path / "plain.pt", "daemon vs vLLM's plain load")
-    assert_same_state(tmp_path / "client.pt", tmp_path / "plain.pt", "client vs vLLM's plain load")
+    for name in ("off", "fallback", "daemon", "client"):
+        assert_same_state(tmp_path / f"{name}.pt", tmp_path / "plain.pt", f"{name} vs vLLM's own load")
+
+
+# vLLM's private names --------------------------------------------------------------------------------------------------
+
+
+PRIVATE_NAMES_IN_TESTS = (
+    PrivateName(
+        "vllm",
+        internals.CHECKED_WITH,
+        "vllm.model_executor.model_loader",
+        "_LOAD_FORMAT_TO_MODEL_LOADER",
+        "this suite removes the load format to test registration as in a fresh process",
+    ),
+)
+
+
+@pytest.mark.parametrize("name", internals.PRIVATE_NAMES + PRIVATE_NAMES_IN_TESTS, ids=lambda name: name.dotted)
+def test_each_private_vllm_name_the_adapter_uses_still_exists(name):
+    name.lookup()  # ImportError naming it, its use and the version it was checked with
+
+
+def test_a_missing_private_name_is_named_with_what_to_do():
+    missing = PrivateName("vllm", internals.CHECKED_WITH, "vllm.model_executor.layers.rotary_embedding", "_GONE", "a test")
+    with pytest.raises(
+        ImportError,
+        match=f"vllm {vllm.__version__} lacks vllm.model_executor.layers.rotary_embedding._GONE, "
+        f"a private name weightcache's vllm adapter uses \\(a test\\); it was checked with vllm 0.33.0",
+    ):
+        missing.lookup()
+
+
+def private_vllm_names_in(text: str) -> set[str]:
+    """Private names reached through a vLLM module (``rotary_embedding._ROPE_DICT``, ``from vllm.x import _y``)."""
+    import re
+
+    found = set(re.findall(r"\b(?:vllm[\w.]*|rotary_embedding|model_loader|parallel_state|ipc_loader)\.(_[A-Za-z]\w*)", text))
+    return found | set(re.findall(r"from vllm[\w.]* import [^\n]*?\b(_[A-Za-z]\w*)", text))
+
+
+def test_the_adapter_names_no_private_vllm_name_outside_internals():
+    """Only ``adapters/vllm/internals.py`` names private vLLM attributes; the rest of the adapter goes through it."""
+    from pathlib import Path
+
+    assert private_vllm_names_in("from vllm.a import b, _c\nx = rotary_embedding._ROPE_DICT") == {"_c", "_ROPE_DICT"}
+    found = {
+        path.name: private_vllm_names_in(path.read_text())
+        for path in Path(ROOT / "adapters" / "vllm").glob("*.py")
+        if path.name != "internals.py"
+    }
+    assert not any(found.values()), (
+        f"private vLLM names outside adapters/vllm/internals.py: { {k: v for k, v in found.items() if v} }"
+    )
