@@ -164,14 +164,21 @@ class NamedTensor:
 
 
 def json_attributes(tensor: "torch.Tensor") -> dict:
-    """The JSON-able Python attributes an engine hung on ``tensor`` (``param.format_ue8m0 = True``), by name.
+    """The public JSON-able Python attributes an engine hung on ``tensor`` (``param.format_ue8m0 = True``), by name.
 
     Values are kept as JSON gives them back (tuples become lists); functions,
-    tensors and other objects are left out (an engine's skeleton recreates those).
+    tensors and other objects are left out (an engine's skeleton recreates those),
+    and so are names with a leading underscore: a framework's own bookkeeping
+    (transformers' ``_is_hf_initialized``), which depends on how a model was
+    loaded, not on what it computes; and ``nn.Buffer``'s own ``persistent``
+    (a record's ``persistent`` field holds it).
     """
+    import torch
+
+    own = ("persistent",) if isinstance(tensor, torch.nn.Buffer) else ()
     found = {}
     for name, value in sorted(getattr(tensor, "__dict__", {}).items()):
-        if _is_json_value(value):
+        if not name.startswith("_") and name not in own and _is_json_value(value):
             found[name] = json.loads(json.dumps(value, allow_nan=False))
     return found
 

@@ -33,6 +33,7 @@ class Attention(torch.nn.Module):
         self.kv_b_proj.weight.format_ue8m0 = True
         self.kv_b_proj.weight.block = (128, 128)
         self.kv_b_proj.weight.weight_loader = print  # not JSON-able: left to the engine's skeleton
+        self.kv_b_proj.weight._is_hf_initialized = True  # a framework's own bookkeeping: left out
         self.weight_view = self.kv_b_proj.weight[:2]  # a plain attribute viewing a parameter
 
     def forward(self, x):
@@ -95,7 +96,7 @@ def test_json_flags_on_tensors_go_into_the_manifest_and_survive_its_json():
     with ArenaBuilder("cpu") as builder:
         manifest = export_module(build(), builder, release=False)
     record = next(r for r in manifest.tensors if r.name == "0.kv_b_proj.weight")
-    assert record.attributes == {"block": [128, 128], "format_ue8m0": True}  # weight_loader is not JSON: left out
+    assert record.attributes == {"block": [128, 128], "format_ue8m0": True}  # no weight_loader (not JSON), no _private
     again = Manifest.from_json(manifest.to_json())
     assert again == manifest and next(r for r in again.tensors if r.name == "0.W_UV").kind == "attribute"
     plain = next(r for r in manifest.tensors if r.name == "0.W_UV").to_json()
