@@ -9,6 +9,8 @@ a real server, and the kit's comparison sees a missing or differing one.
 from __future__ import annotations
 
 import pytest
+
+from weightcache.core.errors import InvalidManifest
 import torch
 
 from weightcache.conformance.assertions import model_tensors
@@ -105,9 +107,11 @@ def test_json_flags_on_tensors_go_into_the_manifest_and_survive_its_json():
 
 def test_malformed_attributes_are_refused():
     record = next(r for r in _one_record_manifest().tensors).to_json()
-    with pytest.raises(ValueError, match="malformed"):
+    with pytest.raises(InvalidManifest, match="field 'attributes': must be an object whose keys are attribute names"):
         Manifest.from_json({**_one_record_manifest().to_json(), "tensors": [{**record, "attributes": ["x"]}]})
-    with pytest.raises(ValueError, match="malformed"):
+    with pytest.raises(InvalidManifest, match="field 'attributes': hold more than 4096 bytes of JSON"):
+        Manifest.from_json({**_one_record_manifest().to_json(), "tensors": [{**record, "attributes": {"blob": "x" * 5000}}]})
+    with pytest.raises(InvalidManifest, match="field 'kind': 'closure' is not one of parameter, buffer, attribute"):
         Manifest.from_json({**_one_record_manifest().to_json(), "tensors": [{**record, "kind": "closure"}]})
 
 
