@@ -244,7 +244,7 @@ class CheckpointNotFound(WeightCacheError, FileNotFoundError):
 class InvalidCheckpoint(WeightCacheError, ValueError):
     """A checkpoint file weightcache cannot read: a damaged header, a length other than its header says, a dtype it does not handle."""
 
-    DAMAGED = "the file is damaged: copy or download the checkpoint again"
+    DAMAGED = "the file is damaged; copy or download the checkpoint again"
 
     def __init__(self, file: "str | os.PathLike", problem: str, fix: str = DAMAGED):
         self.file = str(file)

@@ -77,7 +77,7 @@ def read_header(file: str | os.PathLike) -> Header:
     if length != data_start + data_bytes:
         missing = data_start + data_bytes - length
         problem = f"{missing:,} bytes shorter than its header says (cut off?)" if missing > 0 else f"{-missing:,} bytes longer than its header says"
-        raise InvalidCheckpoint(file, f"the file is {problem}")
+        raise InvalidCheckpoint(file, f"it is {problem}")
     return Header(file=file, raw=prefix + raw, tensors=tuple(sorted(tensors, key=lambda t: t.start)), metadata=metadata)
 
 
