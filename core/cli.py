@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import traceback
+import typing
 
 from weightcache.core import __version__
 from weightcache.core.errors import WeightCacheError
@@ -201,8 +202,17 @@ def main(argv=None) -> int:
     _configure_logging(args)
     if not is_terminal():
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars too stay off when nobody watches
+    return reporting_errors(lambda: _run(args), verbose=args.verbose)
+
+
+def reporting_errors(work: typing.Callable[[], int], verbose: bool = False) -> int:
+    """Run ``work`` and return its exit status; a user's mistake becomes one ``weightcache: error:`` line and status 1.
+
+    The one place where exceptions meet the user (the CLI and the demo's worker processes).
+    A bug (``user_error`` gives None) propagates with its traceback.
+    """
     try:
-        code = _run(args)
+        code = work()
         sys.stdout.flush()  # here, so that a closed pipe is caught below and not at exit
         return code
     except KeyboardInterrupt:
@@ -218,7 +228,7 @@ def main(argv=None) -> int:
         message = user_error(exc)
         if message is None:
             raise
-        if args.verbose:
+        if verbose:
             traceback.print_exc()
         print(f"weightcache: error: {message}", file=sys.stderr)
         return 1

@@ -276,3 +276,12 @@ class NoRoom(WeightCacheError):
             "held by entries engines have attached); nothing was loaded. Restart the server with a larger --byte-budget, "
             "detach engines, or evict entries (`weightcache status` lists them)"
         )
+
+
+class DemoStepFailed(WeightCacheError):
+    """A process of ``weightcache demo`` failed; it printed its own error above."""
+
+    def __init__(self, step: str, returncode: int):
+        self.step = step
+        self.returncode = returncode
+        super().__init__(f"the demo step '{step}' failed (exit {returncode}); its error is printed above")
