@@ -20,7 +20,6 @@ import json
 import mmap
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -164,7 +163,7 @@ def publish_random(gib: float, tensors: int, device: str, socket_dir, anchor: Pa
     per = int(gib * GIB) // tensors // 2
     per -= per % 256
     fp = api.fingerprint(anchor, architecture=f"synthetic-{gib}GiB", dtype="bfloat16", device=device)
-    from weightcache.core.export import ArenaBuilder, NamedTensor, export_tensors
+    from weightcache.core.export import ArenaBuilder, NamedTensor
     from weightcache.core.loader import publish_arenas
 
     builder = ArenaBuilder(device)
@@ -179,7 +178,7 @@ def publish_random(gib: float, tensors: int, device: str, socket_dir, anchor: Pa
         from weightcache.core.manifest import Manifest, TensorRecord
 
         records = [TensorRecord(name=item.name, kind="parameter", dtype="bfloat16", shape=(per,), stride=(1,), storage_offset=0,
-                                arena=slot.arena, offset=slot.offset, nbytes=slot.nbytes) for item, slot in zip(items, slots)]
+                                arena=slot.arena, offset=slot.offset, nbytes=slot.nbytes) for item, slot in zip(items, slots, strict=True)]
         publish_arenas(builder, fp, Manifest(tensors=records, arenas=builder.specs()), socket_dir, f"random {gib} GiB")
     finally:
         builder.close()
@@ -286,7 +285,7 @@ def print_table(r: dict, nbytes: int) -> None:
     title = f"{r['gib']:g} GiB, {r['tensors']} tensors on {r['device']}" + (f" ({r['gpu']})" if "gpu" in r else "") + f", torch {r['torch']}"
     print("\n" + title)
     for i, cells in enumerate(rows):
-        print("  ".join(c.rjust(w) if 0 < j < 3 else c.ljust(w) for j, (c, w) in enumerate(zip(cells, widths))).rstrip())
+        print("  ".join(c.rjust(w) if 0 < j < 3 else c.ljust(w) for j, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
     phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in r["attach"]["phases_ms"].items())

@@ -151,7 +151,7 @@ def plugin_commands() -> dict:
     for entry_point in importlib.metadata.entry_points(group=COMMANDS_GROUP):
         try:
             found[entry_point.name] = entry_point.load()
-        except Exception as exc:  # noqa: BLE001  a broken extension must not break the core commands
+        except Exception as exc:  # a broken extension must not break the core commands
             logging.getLogger(__name__).warning("weightcache: command %r (%s) could not be loaded: %s", entry_point.name,
                                                 entry_point.value, exc)
     return found
@@ -369,7 +369,7 @@ def status_table(status: dict) -> list[str]:
         rows.append((e["digest"][:12], e["label"] or "-", _rank(e["rank"]), _device_cell(e["device"]), e["dtype"],
                      format_bytes(e["bytes"]), str(e["tensors"]), ",".join(map(str, e["attached_pids"])) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     if status.get("omitted"):
         lines.append(f"... and {status['omitted']} more (a status reply holds as many rows as fit one frame; see --json)")
     return lines

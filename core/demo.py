@@ -55,14 +55,14 @@ def run_demo(model: str | None = None, device: str = "cpu", keep_server: bool = 
         _say(f"  1. server running (pid {server.pid}, socket dir {socket_dir})")
         worker = [python, "-m", "weightcache.core.demo", "--model", model, "--device", device, "--socket-dir", str(socket_dir)]
         _say("  2. loader process: identify the checkpoint, load it into shared memory, publish it ...")
-        published = _run_json(worker + ["--mode", "publish"], "load and publish")
+        published = _run_json([*worker, "--mode", "publish"], "load and publish")
         _say(f"     published {published['digest'][:12]}: {published['tensors']} tensors, {format_bytes(published['bytes'])} "
              f"in {published['publish_s']:.2f} s")
         _say("  3. engine A: load from disk (mode off) ...")
-        disk = _run_json(worker + ["--mode", "off"], "disk load")
+        disk = _run_json([*worker, "--mode", "off"], "disk load")
         _say(f"     loaded in {disk['load_s'] * 1000:.1f} ms")
         _say("  4. engine B: attach the published entry (mode client) ...")
-        attached = _run_json(worker + ["--mode", "client"], "attach")
+        attached = _run_json([*worker, "--mode", "client"], "attach")
         _say(f"     attached in {attached['load_s'] * 1000:.1f} ms (source: {attached['source']})")
         same = disk["output_sha256"] == attached["output_sha256"] and attached["source"] == "cache"
         _say("\n" + "\n".join(demo_table(published, disk, attached, same)) + "\n")
@@ -92,7 +92,7 @@ def demo_table(published: dict, disk: dict, attached: dict, same: bool) -> list[
         ("outputs bit-identical", "yes" if same else "NO", f"sha256 {attached['output_sha256'][:16]}"),
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines = ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  " + "  ".join("-" * width for width in widths))
     return lines
 

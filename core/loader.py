@@ -69,6 +69,7 @@ class Prepared:
 
 _GENERIC_NAMES = frozenset({"model", "models", "checkpoint", "checkpoints", "weights", "hf", "final", "latest", "main"})
 _HEX_NAME = re.compile(r"[0-9a-f]{7,64}")
+_NAME_CHARS = 160  # a label stays well within the server's limit (registry.MAX_LABEL_CHARS)
 
 
 def checkpoint_name(path: str | os.PathLike) -> str:
@@ -85,9 +86,6 @@ def checkpoint_name(path: str | os.PathLike) -> str:
     elif (name.lower() in _GENERIC_NAMES or _HEX_NAME.fullmatch(name)) and len(parts) > 2:
         name = f"{parts[-2]}/{name}"
     return name[:_NAME_CHARS]
-
-
-_NAME_CHARS = 160  # a label stays well within the server's limit (registry.MAX_LABEL_CHARS)
 
 
 @attrs.frozen
@@ -143,17 +141,12 @@ def estimated_bytes(headers: "typing.Sequence[Header]", description: ModelDescri
     Floating-point tensors count at the resolved dtype (one byte each when quantized); the
     rest as stored. Buffers the checkpoint lacks and arena padding only add to the real size.
     """
-    quantized = description.quantization != "none"
-    per_float = 1 if quantized else item_size(description.dtype)
-    total = 0
-    for header in headers:
-        for tensor in header.tensors:
-            if tensor.dtype in _FLOATING:
-                elements = tensor.nbytes // item_size(tensor.dtype)
-                total += min(tensor.nbytes, elements * per_float) if quantized else elements * per_float
-            else:
-                total += tensor.nbytes
-    return total
+    per_float = 1 if description.quantization != "none" else item_size(description.dtype)
+    return sum(
+        tensor.nbytes // item_size(tensor.dtype) * per_float if tensor.dtype in _FLOATING else tensor.nbytes
+        for header in headers
+        for tensor in header.tensors
+    )
 
 
 def check_room(status: dict, needed: int) -> None:

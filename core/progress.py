@@ -84,8 +84,14 @@ class ByteProgress:
         else:
             shape = "{desc}: {n:.1f} MiB [{elapsed}, {rate_fmt}]"
         return tqdm(
-            desc=self.description, total=self.total / MIB if self.total else None, unit="MiB", bar_format=shape,
-            file=self.stream, dynamic_ncols=True, mininterval=0.2, leave=True,
+            desc=self.description,
+            total=self.total / MIB if self.total else None,
+            unit="MiB",
+            bar_format=shape,
+            file=self.stream,
+            dynamic_ncols=True,
+            mininterval=0.2,
+            leave=True,
         )
 
     def close(self) -> None:

@@ -155,7 +155,7 @@ def checkpoint_identity(path: str | os.PathLike, store: DigestStore | None = Non
     path = Path(path)
     files = checkpoint_files(path)
     digest = hashlib.sha256(SCHEME.encode())
-    for file, content in zip(files, checkpoint_digests(files, store, progress)):
+    for file, content in zip(files, checkpoint_digests(files, store, progress), strict=True):
         relative = file.name if path.is_file() else str(file.relative_to(path))
         for part in (relative.encode(), content.encode()):
             digest.update(struct.pack("<Q", len(part)) + part)

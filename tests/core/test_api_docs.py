@@ -19,7 +19,7 @@ import pytest
 API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 PLACEHOLDER = "/models/llama"
 
-CHECK_OUTPUTS = '''
+CHECK_OUTPUTS = """
 # --- the test's own check, after the snippets ---
 from tests.helpers import assert_tensors_equal
 
@@ -36,7 +36,7 @@ with torch.no_grad():
 assert_tensors_equal("first output", actual, expected)
 second.close()
 print("outputs bit-identical")
-'''
+"""
 
 
 def python_blocks(markdown: str) -> list[str]:
@@ -53,7 +53,10 @@ def test_the_doc_has_both_snippets_and_the_placeholder():
 def test_api_md_snippets_run_verbatim(kind, model_dir, server):
     script = "\n".join(python_blocks(API_DOC.read_text())).replace(PLACEHOLDER, str(model_dir(kind)))
     proc = subprocess.run(
-        [sys.executable, "-c", script + CHECK_OUTPUTS], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", script + CHECK_OUTPUTS],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "WEIGHTCACHE_SOCKET_DIR": str(server.socket_dir)},
         cwd=Path(__file__).resolve().parents[2],
     )
