@@ -48,11 +48,11 @@ class Header:
 
 
 def read_header(file: str | os.PathLike) -> Header:
-    """Parse and check the header of one safetensors file (reads only the header; the length comes from a stat).
+    """Parse and check the header of one safetensors file (reads only the header).
 
-    Raises InvalidCheckpoint when the header is not safetensors, a tensor's record is
-    malformed or has a dtype weightcache does not handle, or the file is shorter or
-    longer than its tensors' data offsets say (a cut-off download or copy).
+    Raises InvalidCheckpoint when the header is not safetensors or a tensor's record is
+    malformed or has a dtype weightcache does not handle. The data region is not checked
+    here (``check_checkpoint`` compares it with the file's length).
     """
     file = Path(file)
     with open(file, "rb") as fh:
@@ -73,11 +73,6 @@ def read_header(file: str | os.PathLike) -> Header:
     data_start = 8 + size
     metadata = header.pop("__metadata__", None) or {}
     tensors = [_tensor_info(file, name, info, data_start) for name, info in header.items()]
-    data_bytes = max((t.start + t.nbytes - data_start for t in tensors), default=0)
-    if length != data_start + data_bytes:
-        missing = data_start + data_bytes - length
-        problem = f"{missing:,} bytes shorter than its header says (cut off?)" if missing > 0 else f"{-missing:,} bytes longer than its header says"
-        raise InvalidCheckpoint(file, f"it is {problem}")
     return Header(file=file, raw=prefix + raw, tensors=tuple(sorted(tensors, key=lambda t: t.start)), metadata=metadata)
 
 
@@ -141,7 +136,19 @@ def check_checkpoint(path: str | os.PathLike) -> list[Header]:
     header or a cut-off file fails here in milliseconds (CheckpointNotFound,
     InvalidCheckpoint) instead of deep inside a load.
     """
-    return [read_header(file) for file in checkpoint_files(path)]
+    headers = [read_header(file) for file in checkpoint_files(path)]
+    for header in headers:
+        _check_length(header)
+    return headers
+
+
+def _check_length(header: Header) -> None:
+    """InvalidCheckpoint unless the file ends where its last tensor's data ends (a cut-off download or copy does not)."""
+    expected = max((t.start + t.nbytes for t in header.tensors), default=len(header.raw))
+    missing = expected - header.file.stat().st_size
+    if missing:
+        problem = f"{missing:,} bytes shorter than its header says (cut off?)" if missing > 0 else f"{-missing:,} bytes longer than its header says"
+        raise InvalidCheckpoint(header.file, f"it is {problem}")
 
 
 def checkpoint_identity(path: str | os.PathLike, store: DigestStore | None = None, progress: ProgressLike | None = None) -> str:
