@@ -158,5 +158,4 @@ def fallback_reason(exc: BaseException) -> str | None:
         return None
     if not isinstance(exc, (ServerUnavailable, AccessDenied, ServerError, EntryNotFound, EntryUnusable)):
         return None
-    fields = getattr(exc, "fields", ())
-    return f"{exc}" + (f" (mismatched fields: {', '.join(fields)})" if fields else "")
+    return str(exc)  # a mismatch's message names its fields (EntryNotFound)

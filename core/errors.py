@@ -30,15 +30,30 @@ class IdleTimeout(TimeoutError):
 
 
 class ServerUnavailable(WeightCacheError):
-    """No server answers on the socket."""
+    """No server answers on the socket.
+
+    The hint names the command that starts one on the same directory: ``weightcache serve``
+    for the default directory, else with ``--socket-dir`` as the caller named it.
+    """
 
     def __init__(self, socket_path: str, reason: str):
         self.socket_path = socket_path
         self.reason = reason
-        super().__init__(
-            f"no weightcache server at {socket_path} ({reason}); start one with "
-            f"`weightcache serve --socket-dir {socket_path.rsplit('/', 1)[0]}` or use mode 'daemon'"
-        )
+        super().__init__(f"no weightcache server at {socket_path} ({reason}); start one with `{serve_command(socket_path)}`")
+
+
+def serve_command(socket_path: "str | os.PathLike") -> str:
+    """``weightcache serve`` with the ``--socket-dir`` that serves ``socket_path`` (a socket or its directory)."""
+    import shlex
+    from pathlib import Path
+
+    from weightcache.core.paths import SOCKET_NAME, default_socket_dir
+
+    path = Path(socket_path)
+    directory = path.parent if path.name == SOCKET_NAME else path
+    if directory == default_socket_dir():
+        return "weightcache serve"
+    return f"weightcache serve --socket-dir {shlex.quote(str(directory))}"
 
 
 class AccessDenied(WeightCacheError):
@@ -65,7 +80,7 @@ class EntryNotFound(WeightCacheError):
         self.fields = tuple(fields)
         self.closest = closest
         if fields:
-            detail = f"closest entry {closest} differs in: {', '.join(fields)}"
+            detail = f"the closest entry, {(closest or '?')[:12]}, differs in: {', '.join(fields)}"
         else:
             detail = "the server holds no entry for this model"
         super().__init__(f"no cached entry for fingerprint {digest[:12]}: {detail}; publish one with `weightcache load`")
@@ -225,3 +240,58 @@ class DeviceNotFound(ArenaError):
             f"no visible GPU is {device}; visible: {', '.join(self.visible) or 'none'} "
             f"(CUDA_VISIBLE_DEVICES={cvd}). Run on the node that holds the arena and make that GPU visible."
         )
+
+
+class CheckpointNotFound(WeightCacheError, FileNotFoundError):
+    """The checkpoint path does not exist or holds no safetensors file."""
+
+    def __init__(self, path: "str | os.PathLike", problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}; pass a checkpoint directory that holds *.safetensors files (save_pretrained writes them)")
+
+
+class InvalidCheckpoint(WeightCacheError, ValueError):
+    """A checkpoint file weightcache cannot read: a damaged header, a length other than its header says, a dtype it does not handle."""
+
+    DAMAGED = "the file is damaged; copy or download the checkpoint again"
+
+    def __init__(self, file: "str | os.PathLike", problem: str, fix: str = DAMAGED):
+        self.file = str(file)
+        self.problem = problem
+        super().__init__(f"{self.file}: {problem}; {fix}")
+
+
+class DeviceUnavailable(WeightCacheError):
+    """A load asked for a GPU this process cannot use (no CUDA, or not that index or UUID)."""
+
+    def __init__(self, device: str, reason: str):
+        self.device = device
+        self.reason = reason
+        super().__init__(f"device {device!r} is not available here: {reason}; use device 'cpu', or run where that GPU is visible")
+
+
+class NoRoom(WeightCacheError):
+    """The server's byte budget cannot hold the entry even after evicting every idle entry (checked before loading)."""
+
+    def __init__(self, needed: int, budget: int, attached: int):
+        from weightcache.core.progress import format_bytes
+
+        self.needed = needed
+        self.budget = budget
+        self.attached = attached
+        super().__init__(
+            f"the model needs at least {format_bytes(needed)} but the server can make room for only "
+            f"{format_bytes(max(budget - attached, 0))} (its budget is {format_bytes(budget)}, {format_bytes(attached)} of it "
+            "held by entries engines have attached); nothing was loaded. Restart the server with a larger --byte-budget, "
+            "detach engines, or evict entries (`weightcache status` lists them)"
+        )
+
+
+class DemoStepFailed(WeightCacheError):
+    """A process of ``weightcache demo`` failed; it printed its own error above."""
+
+    def __init__(self, step: str, returncode: int):
+        self.step = step
+        self.returncode = returncode
+        super().__init__(f"the demo step '{step}' failed (exit {returncode}); its error is printed above")

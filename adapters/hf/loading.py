@@ -115,7 +115,7 @@ def load_prequantized_fp8(request, config: dict):
     device = request.device.torch()
     tensors = {}
     for file in checkpoint_files(request.model):
-        tensors.update(safetensors.torch.load_file(file, device=device))
+        tensors.update(safetensors.torch.load_file(file, device=str(device)))  # this safetensors takes a name, not a torch.device
     converted = load_prequantized(model, tensors, fp8)
     rest = {k: v for k, v in tensors.items() if not any(k.startswith(m + ".") for m in converted) or k.endswith(".bias")}
     rest = {k: (v.to(load_dtype(request, config)) if v.dtype.is_floating_point else v) for k, v in rest.items()}

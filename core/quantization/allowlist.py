@@ -6,11 +6,15 @@ from weightcache.core.errors import UnsupportedQuantization
 
 VALIDATED = ("none", "fp8-block")
 
+PER_TENSOR_FP8 = (
+    "per-tensor FP8 keeps activation and weight scales whose meaning depends on the engine's kernels "
+    "and may be re-derived after loading; only block-wise FP8 (128x128, weight_scale_inv) is validated"
+)
+
 REFUSED = {
-    "fp8": "per-tensor FP8 keeps activation and weight scales whose meaning depends on the engine's kernels "
-    "and may be re-derived after loading; only block-wise FP8 (128x128, weight_scale_inv) is validated",
-    "fp8-tensor": "per-tensor FP8 keeps activation and weight scales whose meaning depends on the engine's kernels "
-    "and may be re-derived after loading; only block-wise FP8 (128x128, weight_scale_inv) is validated",
+    "fp8": PER_TENSOR_FP8,
+    "fp8-tensor": PER_TENSOR_FP8,
+    "fp8-per-tensor": PER_TENSOR_FP8,
     "marlin": "Marlin repacks and permutes weights for its kernel and keeps a workspace and permutation in Python; "
     "raw bytes mapped elsewhere would be read in the wrong order",
     "awq": "AWQ packs int4 weights with zero points and scales whose layout the engine transposes or repacks after "
@@ -27,7 +31,7 @@ def check_quantization(method: str, adapter_allowlist=()) -> None:
     method = (method or "none").lower()
     if method in VALIDATED or method in tuple(adapter_allowlist):
         return
-    reason = REFUSED.get(method) or (
+    reason = REFUSED.get(method.replace("_", "-")) or (
         "it is unknown to weightcache: its effect may live partly outside the tensor bytes, so a raw-bytes map "
         "could give wrong numbers silently"
     )

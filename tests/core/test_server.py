@@ -498,7 +498,7 @@ def test_evict_refuses_an_attached_entry_until_it_is_detached(server):
         table = cli("status", "--socket-dir", str(server.socket_dir))
         assert table.returncode == 0, table.stderr
         lines = table.stdout.splitlines()
-        assert f"server pid {server.pid}" in lines[0] and "1 entries" in lines[0]
+        assert f"server pid {server.pid}" in lines[0] and "1 entry," in lines[0]
         header, row = lines[1].split(), lines[2]
         assert header[0] == "ID" and "ATTACHED" in header
         assert row.startswith(prefix) and "evict-me" in row and row.rstrip().endswith(str(os.getpid())), table.stdout

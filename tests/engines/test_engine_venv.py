@@ -28,7 +28,7 @@ def test_engine_suite_passes_in_the_engine_venv():
     if not python.exists():
         pytest.skip(
             f"no engine venv at {python}: run `make engine-venv` (vLLM 0.33.0 and SGLang 0.5.23 on CPU torch, "
-            f"about 3.5 GB) or point ${ENV_PYTHON} at a Python that has both, to run tests/engines against the engines' own code"
+            f"about 3.4 GiB) or point ${ENV_PYTHON} at a Python that has both, to run tests/engines against the engines' own code"
         )
     # From outside the checkout and without calling the shims: the venv's .pth file must apply them in every
     # process, as in the subprocesses the engines start themselves.
