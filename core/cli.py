@@ -274,7 +274,7 @@ def _serve(args) -> int:
 
 def _load(args) -> int:
     """Check everything that can be checked before reading a weight, then load and publish (see docs/operations.md)."""
-    from weightcache.core import loader
+    from weightcache.core import loader, preflight
     from weightcache.core.client import Connection
     from weightcache.core.plugins import installed_plugins
     from weightcache.core.progress import byte_progress, format_bytes, note
@@ -289,7 +289,7 @@ def _load(args) -> int:
     headers = check_checkpoint(request.model)  # files, headers, lengths: no weight byte read
     with Connection(args.socket_dir) as connection:
         connection.hello()  # no server: say so now, not after the load
-    loader.check_device(request.device)
+    preflight.check_device(request.device)
     prepared = loader.prepare(request)  # the adapter reads the configs
     fingerprint = prepared.identify(progress=_hashing_progress(headers))
     with Connection(args.socket_dir) as connection:
@@ -298,8 +298,8 @@ def _load(args) -> int:
     if cached is not None:
         print(f"already cached: {fingerprint.short}  {cached['label']}, {format_bytes(cached['bytes'])}; nothing was loaded")
         return 0
-    needed = loader.estimated_bytes(headers, prepared.description)
-    loader.check_room(status, needed)
+    needed = preflight.estimated_bytes(headers, prepared.description)
+    preflight.check_room(status, needed)
     note(f"loading {prepared.label} ({format_bytes(needed)} or more) into {request.device} arenas ...")
     published = loader.publish(prepared, args.socket_dir, progress=byte_progress("loading"))
     manifest = published.manifest

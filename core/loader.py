@@ -14,10 +14,8 @@ import attrs
 
 from weightcache.core import identity
 from weightcache.core.client import Connection
-from weightcache.core.device import Device
 from weightcache.core.digests import FileKey, ProgressLike
-from weightcache.core.dtypes import item_size
-from weightcache.core.errors import CheckpointChanged, DeviceNotFound, DeviceUnavailable, NoRoom
+from weightcache.core.errors import CheckpointChanged
 from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.manifest import Manifest
@@ -25,7 +23,7 @@ from weightcache.core.plugins import Adapter, Plugins, installed_plugins
 from weightcache.core.protocol import close_fds
 from weightcache.core.quantization.allowlist import check_quantization
 from weightcache.core.request import LoadRequest, ModelDescription
-from weightcache.core.safetensors_io import Header, checkpoint_files, checkpoint_identity
+from weightcache.core.safetensors_io import checkpoint_files, checkpoint_identity
 
 if typing.TYPE_CHECKING:
     import torch
@@ -112,55 +110,6 @@ def prepare(request: LoadRequest, plugins: Plugins | None = None) -> Prepared:
     description = adapter.describe(request)
     check_quantization(description.quantization, adapter.quantization_allowlist(request))
     return Prepared(request, adapter, description)
-
-
-def check_device(device: Device) -> None:
-    """Raise DeviceUnavailable unless this process can use ``device``: checked before any weight is read.
-
-    Nothing to check for the CPU; for a GPU, torch is imported and asked.
-    """
-    if not device.is_cuda:
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        build = "was built without CUDA" if torch.version.cuda is None else "finds no CUDA GPU"
-        raise DeviceUnavailable(str(device), f"this torch ({torch.__version__}) {build}")
-    try:
-        device.torch_index()
-    except DeviceNotFound as exc:
-        raise DeviceUnavailable(str(device), f"this process sees {len(exc.visible)} GPUs ({', '.join(exc.visible)})") from None
-
-
-_FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
-
-
-def estimated_bytes(headers: "typing.Sequence[Header]", description: ModelDescription) -> int:
-    """A lower bound of the bytes an entry of this checkpoint holds, from its headers alone.
-
-    Floating-point tensors count at the resolved dtype (one byte each when quantized); the
-    rest as stored. Buffers the checkpoint lacks and arena padding only add to the real size.
-    """
-    per_float = 1 if description.quantization != "none" else item_size(description.dtype)
-    return sum(
-        tensor.nbytes // item_size(tensor.dtype) * per_float if tensor.dtype in _FLOATING else tensor.nbytes
-        for header in headers
-        for tensor in header.tensors
-    )
-
-
-def check_room(status: dict, needed: int) -> None:
-    """Raise NoRoom when a server whose ``status`` reply this is could not hold ``needed`` more bytes.
-
-    Conservative: it refuses only when the entry cannot fit even after the server evicts
-    every idle entry (those no engine has attached); the server has the last word at publish.
-    """
-    budget = status.get("byte_budget")
-    if not budget:
-        return
-    attached = sum(entry["bytes"] for entry in status.get("entries", ()) if entry.get("attached_pids"))
-    if needed > budget - attached:
-        raise NoRoom(needed, budget, attached)
 
 
 def load_from_disk(prepared: Prepared, builder: ArenaBuilder | None = None, timings: dict | None = None) -> "torch.nn.Module":

@@ -1,0 +1,66 @@
+"""Checks a load runs before reading any weight: the device is usable here, the server has room.
+
+``weightcache load`` runs them after ``prepare`` (adapter, options, quantization) and
+before asking the server for the entry, so every mistake costs no weight read.
+"""
+
+from __future__ import annotations
+
+import typing
+
+from weightcache.core.device import Device
+from weightcache.core.dtypes import item_size
+from weightcache.core.errors import DeviceNotFound, DeviceUnavailable, NoRoom
+from weightcache.core.request import ModelDescription
+
+if typing.TYPE_CHECKING:
+    from weightcache.core.safetensors_io import Header
+
+
+def check_device(device: Device) -> None:
+    """Raise DeviceUnavailable unless this process can use ``device``: checked before any weight is read.
+
+    Nothing to check for the CPU; for a GPU, torch is imported and asked.
+    """
+    if not device.is_cuda:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "was built without CUDA" if torch.version.cuda is None else "finds no CUDA GPU"
+        raise DeviceUnavailable(str(device), f"this torch ({torch.__version__}) {build}")
+    try:
+        device.torch_index()
+    except DeviceNotFound as exc:
+        raise DeviceUnavailable(str(device), f"this process sees {len(exc.visible)} GPUs ({', '.join(exc.visible)})") from None
+
+
+_FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+
+
+def estimated_bytes(headers: "typing.Sequence[Header]", description: ModelDescription) -> int:
+    """A lower bound of the bytes an entry of this checkpoint holds, from its headers alone.
+
+    Floating-point tensors count at the resolved dtype (one byte each when quantized); the
+    rest as stored. Buffers the checkpoint lacks and arena padding only add to the real size.
+    """
+    per_float = 1 if description.quantization != "none" else item_size(description.dtype)
+    return sum(
+        tensor.nbytes // item_size(tensor.dtype) * per_float if tensor.dtype in _FLOATING else tensor.nbytes
+        for header in headers
+        for tensor in header.tensors
+    )
+
+
+def check_room(status: dict, needed: int) -> None:
+    """Raise NoRoom when a server whose ``status`` reply this is could not hold ``needed`` more bytes.
+
+    Conservative: it refuses only when the entry cannot fit even after the server evicts
+    every idle entry (those no engine has attached); the server has the last word at publish.
+    """
+    budget = status.get("byte_budget")
+    if not budget:
+        return
+    attached = sum(entry["bytes"] for entry in status.get("entries", ()) if entry.get("attached_pids"))
+    if needed > budget - attached:
+        raise NoRoom(needed, budget, attached)
