@@ -62,11 +62,11 @@ def test_required_fixtures_raise_not_implemented(tmp_path):
             pass
     """))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "test_bare.py", "-q", "-p", "no:cacheprovider", "-k", "tensor_parity", "--tb=line"],
+        [sys.executable, "-m", "pytest", "test_bare.py", "-q", "-p", "no:cacheprovider", "-k", "tensor_parity", "--tb=line", "-rE"],
         capture_output=True, text=True, cwd=tmp_path, timeout=300,
     )
     assert proc.returncode == 1, proc.stdout
-    assert "NotImplementedError: override the adapter_name fixture or pass --weightcache-adapter NAME" in proc.stdout
+    assert "NotImplementedError: override the adapter_name fixture, or pass --weightcache-adapter NAME (pytest) / --adapter NAME (weightcache conformance)" in proc.stdout
 
 
 # ------------------------------------------------------------------ assertions
@@ -187,7 +187,35 @@ def test_cli_table(capsys):
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines()]
     assert ["a", "FAIL", "1", "1", "0"] in rows and ["b", "PASS", "1", "0", "0"] in rows
-    assert "test_a[y] (failed): boom" in out and "FAILED (pytest exit status 1)" in out
+    assert "1 check (test_a[y]) failed: boom" in out and "FAILED (pytest exit status 1)" in out
+
+
+def test_cli_table_says_each_distinct_failure_once_and_why_checks_skipped(capsys):
+    """A broken model makes many checks error with one message: the table says it once, with how many."""
+    from weightcache.conformance.command import print_table
+
+    errors = [{"check": f"test_{n}", "group": f"test_{n}", "outcome": "error", "duration_s": 0.1, "message": "same cause"}
+              for n in "abcde"]
+    skipped = [{"check": "test_f", "group": "test_f", "outcome": "skipped", "duration_s": 0.0, "message": "no forward here"}]
+    summary = {
+        "adapter": "hf", "model": "m", "quantization": "none", "device": "cpu", "passed": False, "exit_code": 1,
+        "counts": {"passed": 0, "failed": 0, "error": 5, "skipped": 1}, "seconds": 1.0, "collection_errors": [],
+        "checks": errors + skipped,
+    }
+    print_table(summary)
+    out = capsys.readouterr().out
+    assert out.count("same cause") == 1 and "5 checks (test_a, test_b, test_c and 2 more) error: same cause" in out
+    assert "1 (test_f): no forward here" in out
+
+
+def test_cli_stops_at_once_on_an_unknown_adapter(tmp_path):
+    """No check runs, none can pass: one line, a non-zero exit."""
+    (tmp_path / "config.json").write_text("{}")
+    proc = subprocess.run([sys.executable, "-m", "weightcache.core.cli", "conformance", "--adapter", "nosuch", "--model", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.startswith("weightcache: error: no weightcache adapter named 'nosuch'"), proc.stderr
+    assert "passed" not in proc.stdout and "CHECK" not in proc.stdout, proc.stdout
 
 
 def test_fingerprint_fields_are_all_covered():
