@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Run the GPU tests and the GPU benchmarks in one go; logs go to OUTDIR.
-#   tests/gpu/run_gpu.sh OUTDIR [all|tests|bench]   (default: all)
+#   tests/gpu/run_gpu.sh OUTDIR [all|tests|kit|bench]   (default: all; one 10-minute device call fits one part)
+#   tests: the GPU tests (tests/gpu); kit: the conformance kit on cuda:0 for four architectures; bench: the GPU benchmarks.
 # Needs: a CUDA GPU, torch, transformers, safetensors, pluggy, attrs, pytest, cuda-bindings.
 # weightcache itself is put on the path from this checkout (no install, no network).
 set -uo pipefail
-OUT=${1:?usage: tests/gpu/run_gpu.sh OUTDIR [all|tests|bench]}
+OUT=${1:?usage: tests/gpu/run_gpu.sh OUTDIR [all|tests|kit|bench]}
 PART=${2:-all}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$OUT"
@@ -34,8 +35,12 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', tr
 } > "$OUT/machine.txt" 2>&1
 
 status=0
-if [ "$PART" != bench ]; then
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+echo "visible GPUs: $GPUS$( [ "$GPUS" -lt 2 ] && echo ' (the tests that need two GPUs skip, each saying so)')" | tee -a "$OUT/machine.txt"
+if [ "$PART" = all ] || [ "$PART" = tests ]; then
   python3 -m pytest tests/gpu -v -p no:cacheprovider -W error -o addopts="-ra" 2>&1 | tee "$OUT/gpu-tests.log" || status=1
+fi
+if [ "$PART" = all ] || [ "$PART" = kit ]; then
   # The conformance kit on the GPU, as an adapter author would run it: random-weight models of four architectures.
   MODELS=$(mktemp -d /tmp/wc-conformance-XXXX)
   for kind in llama gemma mixtral gpt2; do
@@ -51,7 +56,7 @@ if [ "$PART" != bench ]; then
   done
   rm -rf "$MODELS"
 fi
-if [ "$PART" != tests ]; then
+if [ "$PART" = all ] || [ "$PART" = bench ]; then
   python3 benchmarks/attach.py --device cuda:0 --gib 16 --extra-gib 64 --json "$OUT/attach-gpu.json" 2>&1 | tee "$OUT/attach-gpu.log" || status=1
   python3 benchmarks/fp8.py --device cuda:0 --hidden 4096 --layers 8 --json "$OUT/fp8-gpu.json" 2>&1 | tee "$OUT/fp8-gpu.log" || status=1
   python3 benchmarks/standby.py --device cuda:0 2>&1 | tee "$OUT/standby-gpu.log" || status=1

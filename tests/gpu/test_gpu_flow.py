@@ -131,15 +131,19 @@ def test_100_attach_detach_cycles_leave_memory_and_fds_where_they_were(server, g
 
 
 def test_a_reordered_cuda_visible_devices_still_maps_the_right_gpu(server, gpu_model):
-    from weightcache.core.arena.devices import visible_gpu_uuids
+    """With CUDA_VISIBLE_DEVICES reversed, the index that now names the publisher's GPU attaches its entry (and, on two
+    GPUs, the old index names the other GPU: another gpu_uuid, so a miss, never the wrong GPU's memory)."""
+    from weightcache.core.arena.devices import cuda_index, visible_gpu_uuids
 
     _publish_in_subprocess(gpu_model, server.socket_dir)
-    order = ",".join(reversed(visible_gpu_uuids()))
-    engine = Engine.__new__(Engine)
+    visible = visible_gpu_uuids()
+    original = visible[cuda_index(DEVICE)]
+    reordered = list(reversed(visible))
     env_before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = order
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(reordered)
     try:
-        engine.__init__(gpu_model, server.socket_dir, device=DEVICE)
+        engine = Engine(gpu_model, server.socket_dir, device=f"cuda:{reordered.index(original)}")
+        other = Engine(gpu_model, server.socket_dir, device="cuda:0") if len(visible) > 1 else None
     finally:
         if env_before is None:
             del os.environ["CUDA_VISIBLE_DEVICES"]
@@ -147,8 +151,12 @@ def test_a_reordered_cuda_visible_devices_still_maps_the_right_gpu(server, gpu_m
             os.environ["CUDA_VISIBLE_DEVICES"] = env_before
     try:
         assert engine.ready["source"] == "cache"
+        if other is not None:
+            assert other.ready["source"] == "disk", "the other GPU must not map this GPU's entry"
     finally:
         engine.close()
+        if other is not None:
+            other.close()
 
 
 def test_fp8_block_model_attached_equals_the_disk_quantized_model(server, gpu_model):
