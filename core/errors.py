@@ -215,3 +215,15 @@ class DeviceNotFound(ArenaError):
             f"no visible GPU is {device}; visible: {', '.join(self.visible) or 'none'} "
             f"(CUDA_VISIBLE_DEVICES={cvd}). Run on the node that holds the arena and make that GPU visible."
         )
+
+
+class CompileArtifactsUnavailable(WeightCacheError):
+    """Compile artifacts could not be kept beside an entry or restored from it (``reason`` says why)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(f"compile artifacts unavailable: {reason}; the engine compiles from scratch (pass strict=False to go on with a warning)")
+
+
+class StandbyError(WeightCacheError):
+    """A warm spare could not get ready (no entry to attach, no forward to warm up with, a bad --then or --watch-pid)."""
