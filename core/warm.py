@@ -54,7 +54,7 @@ class EarlyCuda:
 
             CudaArenaBackend().granularity(str(self.device))  # torch's context, the primary context, the granularity
             Environment.of(self.device)  # compute capability and UUID for the fingerprint (cached per process)
-        except BaseException as exc:  # noqa: BLE001  handed to the thread that waits
+        except BaseException as exc:  # handed to the thread that waits
             self._error = exc
         finally:
             self.seconds = time.perf_counter() - start

@@ -15,9 +15,6 @@ import os
 import tempfile
 
 import pytest
-from weightcache.core.client import Connection
-from weightcache.core.compile_cache import read_memfd, sealed_memfd
-from weightcache.core.errors import ServerError
 
 from tests.core.support import (
     ALL_SEALS,
@@ -31,6 +28,9 @@ from tests.core.support import (
 )
 from tests.core.test_exhaustion import configured_server
 from tests.helpers import run_python
+from weightcache.core.client import Connection
+from weightcache.core.compile_cache import read_memfd, sealed_memfd
+from weightcache.core.errors import ServerError
 
 KEY = "torch.compile;torch=test;triton=none;device=cpu"
 MAX_BYTES = 1 << 20

@@ -10,12 +10,12 @@ import pytest
 
 from tests.core.test_standby import StandbyProcess
 from tests.helpers import Engine, ServerProcess, wait_until
-
 from weightcache.core.client import Connection
 from weightcache.core.digests import RACY_WINDOW_NS
 from weightcache.core.errors import ServerError
 from weightcache.core.loader import prepare, publish
 from weightcache.core.request import LoadRequest
+
 
 def _entries(socket_dir) -> list[dict]:
     with Connection(socket_dir) as conn:

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import wait_until
-
 from weightcache.core.errors import StandbyError
 from weightcache.core.loader import prepare, publish
 from weightcache.core.request import LoadRequest
