@@ -397,8 +397,12 @@ def table(result: dict) -> str:
             f"{ours:.3f} (skeleton {skeleton:.3f})" if n == "attach" else "" for n in columns)))
     if "warm-spare" in s:
         spare = s["warm-spare"]["median"]
-        rows.append(("warm spare: kill -> trigger / trigger -> token", *(
-            f"{spare['trigger_s'] * 1000:.1f} / {spare['first_token_s'] * 1000:.1f} ms" if n == "warm-spare" else "" for n in columns)))
+        for label, text in (
+            ("warm spare: kill -> trigger / trigger -> token", f"{spare['trigger_s'] * 1000:.1f} / {spare['first_token_s'] * 1000:.1f} ms"),
+            ("warm spare: ready after its start (paid before)", f"{spare['ready_after_spawn_s']:.2f}"),
+            ("warm spare: private memory grown by attach + warm-up", f"{spare['private_growth_bytes'] / 2**20:.1f} MiB"),
+        ):
+            rows.append((label, *(text if n == "warm-spare" else "" for n in columns)))
     if "disk-cold" in s:
         rows.append(("page cache resident before the run", *(
             f"{s[n]['resident_before']:.0%}" if "resident_before" in s[n] else "" for n in columns)))

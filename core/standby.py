@@ -134,7 +134,7 @@ class Standby:
                 f"the standby for {self.request.model} cannot attach: {exc}. A standby maps the server's entry and holds "
                 "no copy of its own: publish the model first (`weightcache load --model ...`, or an engine in daemon mode)"
             ) from None
-        self.timings["attach_s"] = time.perf_counter() - start
+        self.timings["load_s"] = time.perf_counter() - start  # prepare + attach + rebind (each in the report too)
         start = time.perf_counter()
         inputs = fixed_prompt(self.request, self.loaded.model, self.plugins)
         if isinstance(inputs, ForwardUnavailable):
@@ -174,12 +174,19 @@ class Standby:
         return TakeOver(trigger, token=token, first_token_at=time.monotonic())
 
     def close(self) -> None:
+        """Stop watching, restore SIGUSR1, detach."""
         if self._triggers is not None:
             self._triggers.close()
             self._triggers = None
         if self.loaded is not None:
             self.loaded.close()
             self.loaded = None
+
+    def __enter__(self) -> "Standby":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def fixed_prompt(request: LoadRequest, model: "torch.nn.Module", plugins: "Plugins | None" = None):
