@@ -195,3 +195,18 @@ def test_a_primarys_exit_is_seen_by_pidfd_or_by_polling(pidfd):
     assert wait_until(lambda: signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL), "the SIGUSR1 handler is restored"
     with pytest.raises(StandbyError, match="there is no process"):
         _Triggers(primary.pid, None, use_pidfd=pidfd)
+
+
+def test_early_cuda_set_up_does_nothing_on_the_cpu_and_hands_its_error_to_the_waiter():
+    import torch
+
+    from weightcache.core.errors import ArenaError
+    from weightcache.core.warm import start_cuda_early
+
+    assert start_cuda_early("cpu").wait() < 0.01
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the set-up would succeed")
+    early = start_cuda_early("cuda:0")
+    with pytest.raises(ArenaError, match="cuda:0"):  # raised in the background thread, handed over here
+        early.wait(timeout=60)
+    assert early.done
