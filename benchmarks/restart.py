@@ -322,12 +322,13 @@ def weightcache_env(work: Path) -> dict:
     """The environment of every child: offline, a private digest store, and weightcache importable with its entry points."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "WEIGHTCACHE_CACHE_DIR": str(work / "digests")}
     (work / "digests").mkdir(mode=0o700)
-    probe = ("import importlib.metadata as m, weightcache.core; "
+    probe = ("import importlib.metadata as m, pathlib, sys, weightcache.core; "
              "names = {e.name for e in m.entry_points(group='weightcache.adapters')} | "
              "{e.name for e in m.entry_points(group='weightcache.commands')}; "
-             "raise SystemExit(0 if {'hf', 'standby'} <= names else 1)")
-    if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0:
-        return env
+             "here = pathlib.Path(weightcache.core.__file__).resolve().parent == pathlib.Path(sys.argv[1]); "
+             "raise SystemExit(0 if here and {'hf', 'standby'} <= names else 1)")
+    if subprocess.run([sys.executable, "-c", probe, str(ROOT / "core")], env=env, capture_output=True).returncode == 0:
+        return env  # this checkout is installed with its entry points
     shim = _shim(work / "shim")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), str(ROOT), env.get("PYTHONPATH")]))
     return env
