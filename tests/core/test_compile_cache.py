@@ -28,9 +28,13 @@ from tests.core.support import (
 )
 from tests.core.test_exhaustion import configured_server
 from tests.helpers import run_python
+from weightcache.core.attach import Attachment
 from weightcache.core.client import Connection
-from weightcache.core.compile_cache import read_memfd, sealed_memfd
-from weightcache.core.errors import ServerError
+from weightcache.core.compile_cache import publish_artifacts, read_memfd, restore_artifacts, sealed_memfd
+from weightcache.core.errors import CompileArtifactsUnavailable, ServerError
+from weightcache.core.loader import prepare, publish
+from weightcache.core.modes import LoadedModel
+from weightcache.core.request import LoadRequest
 
 KEY = "torch.compile;torch=test;triton=none;device=cpu"
 MAX_BYTES = 1 << 20
@@ -229,9 +233,6 @@ def _compile_in_a_fresh_process(model, socket_dir, role: str, tmp_path) -> dict:
 
 
 def test_restored_compile_artifacts_give_the_cold_compiles_outputs_bit_for_bit(server, model_dir, tmp_path, record_property):
-    from weightcache.core.loader import prepare, publish
-    from weightcache.core.request import LoadRequest
-
     model = model_dir("llama")
     publish(prepare(LoadRequest(model=str(model))), server.socket_dir)
     cold = _compile_in_a_fresh_process(model, server.socket_dir, "publish", tmp_path)
@@ -245,3 +246,25 @@ def test_restored_compile_artifacts_give_the_cold_compiles_outputs_bit_for_bit(s
     record_property("compile_restored_s", round(warm["compile_s"], 2))
     print(f"\ncompile + first forward: cold {cold['compile_s']:.1f} s, restored {warm['compile_s']:.1f} s "
           f"({cold['published']} bytes of artifacts)")
+
+
+def test_without_an_entry_or_a_server_the_engine_only_compiles_from_scratch(server, caplog):
+    from_disk = LoadedModel(model=None, source="disk", mode="off")
+    assert publish_artifacts(from_disk) is None and restore_artifacts(from_disk) is None
+    assert "without a cached entry" in caplog.text
+    with pytest.raises(CompileArtifactsUnavailable, match="without a cached entry"):
+        restore_artifacts(from_disk, strict=True)
+
+    entry = publish_host_entry(server.socket_dir)
+    attachment = Attachment.open(entry.fingerprint, server.socket_dir)
+    attached = LoadedModel(model=None, source="cache", mode="client", fingerprint=entry.fingerprint, attachment=attachment)
+    try:
+        assert restore_artifacts(attached) is None, "no artifacts kept yet: a cold compile, no warning"
+        with pytest.raises(CompileArtifactsUnavailable, match="nothing was compiled in this process yet"):
+            publish_artifacts(attached, strict=True)
+        server.kill()
+        caplog.clear()
+        assert restore_artifacts(attached) is None
+        assert "could not ask the server for compile artifacts: no weightcache server" in caplog.text
+    finally:
+        attached.close()
