@@ -1,4 +1,4 @@
-"""The client side of the wire: publish, attach, detach, status and evict requests.
+"""The client side of the wire: publish, attach, detach, status, evict and artifact requests.
 
 A client trusts only its own server: before it sends anything it checks the
 socket directory (owned by this user or root, not a symlink, nobody else may
@@ -121,6 +121,27 @@ class Connection:
 
     def evict(self, digest_prefix: str, force: bool = False) -> list[str]:
         return self.request({"op": "evict", "digest": digest_prefix, "force": force})[0]["evicted"]
+
+    def put_artifact(self, digest: str, key: str, fd: int) -> dict:
+        """Keep the sealed memfd ``fd`` beside entry ``digest`` under ``key`` (the server duplicates it; the caller keeps its own).
+
+        Returns the reply (``bytes``, ``replaced``); ServerError with code ``not_found``, ``too_large``,
+        ``too_many``, ``over_budget`` or ``bad_request`` says why it was not kept.
+        """
+        return self.request({"op": "put_artifact", "digest": digest, "key": key}, [fd])[0]
+
+    def get_artifact(self, digest: str, key: str) -> tuple[int, int] | None:
+        """``(fd, size)`` of entry ``digest``'s artifact ``key`` (the caller closes the fd), or None when there is none."""
+        try:
+            reply, fds = self.request({"op": "get_artifact", "digest": digest, "key": key})
+        except ServerError as exc:
+            if exc.code == "not_found":
+                return None
+            raise
+        if len(fds) != 1 or not isinstance(reply.get("bytes"), int):
+            close_fds(fds)
+            raise ProtocolError(f"the server's get_artifact reply carried {len(fds)} fds; run the same weightcache version on both sides")
+        return fds[0], reply["bytes"]
 
     def close(self) -> None:
         self._sock.close()

@@ -295,3 +295,15 @@ class DemoStepFailed(WeightCacheError):
         self.step = step
         self.returncode = returncode
         super().__init__(f"the demo step '{step}' failed (exit {returncode}); its error is printed above")
+
+
+class CompileArtifactsUnavailable(WeightCacheError):
+    """Compile artifacts could not be kept beside an entry or restored from it (``reason`` says why)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(f"compile artifacts unavailable: {reason}; the engine compiles from scratch (pass strict=False to go on with a warning)")
+
+
+class StandbyError(WeightCacheError):
+    """A warm spare could not get ready (no entry to attach, no forward to warm up with, a bad --then or --watch-pid)."""

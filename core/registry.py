@@ -1,4 +1,4 @@
-"""The server's table of published entries: fds and manifests keyed by fingerprint digest."""
+"""The server's table of published entries: fds and manifests keyed by fingerprint digest, and the artifacts beside them."""
 
 from __future__ import annotations
 
@@ -27,17 +27,30 @@ def _check_label(_entry, _attribute, label) -> None:
         raise ValueError(f"the label has {len(label)} characters, more than the {MAX_LABEL_CHARS} allowed; shorten it")
 
 
+MAX_ARTIFACT_KEY_CHARS = 256
+"""Longest key an artifact may be stored under."""
+
+
 def _shown(text: str) -> str:
     """``text`` cut to MAX_LABEL_CHARS characters for a status row."""
     return text[:MAX_LABEL_CHARS]
 
 
+@attrs.frozen
+class Artifact:
+    """A blob kept beside an entry (compile artifacts): the server's own fd to a sealed memfd and its size."""
+
+    fd: int
+    nbytes: int
+
+
 @attrs.define
 class Entry:
-    """One published model rank: the server's own fds to its arenas and its manifest.
+    """One published model rank: the server's own fds to its arenas and its manifest, and its artifacts.
 
-    ``nbytes`` is what the entry counts against the byte budget: the real size
-    of each host memfd, the declared size of each CUDA arena.
+    ``nbytes`` is what the arenas count against the byte budget: the real size
+    of each host memfd, the declared size of each CUDA arena. ``held_bytes``
+    adds the artifacts' sizes.
     """
 
     fingerprint: Fingerprint
@@ -49,10 +62,21 @@ class Entry:
     created: float = attrs.field(factory=time.time)
     last_used: float = attrs.field(factory=time.monotonic)
     sessions: dict = attrs.field(factory=dict)  # connection id -> client pid
+    artifacts: dict = attrs.field(factory=dict)  # key -> Artifact
 
     @property
     def digest(self) -> str:
         return self.fingerprint.digest
+
+    @property
+    def held_bytes(self) -> int:
+        """What the entry counts against the byte budget: its arenas and its artifacts."""
+        return self.nbytes + sum(artifact.nbytes for artifact in self.artifacts.values())
+
+    def close_fds(self) -> None:
+        """Close the server's fds to the arenas and the artifacts."""
+        close_fds(self.fds)
+        close_fds([artifact.fd for artifact in self.artifacts.values()])
 
     def status(self) -> dict:
         fp = self.fingerprint
@@ -66,6 +90,8 @@ class Entry:
             "bytes": self.nbytes,
             "tensors": len(self.manifest.get("tensors", ())),
             "arenas": len(self.fds),
+            "artifacts": len(self.artifacts),
+            "artifact_bytes": self.held_bytes - self.nbytes,
             "attached_pids": sorted(set(self.sessions.values())),
             "published_by": self.published_by,
             "age_s": round(time.time() - self.created, 1),
@@ -74,6 +100,10 @@ class Entry:
 
 class OverBudget(Exception):
     """Publishing would exceed the byte budget even after evicting every unattached entry."""
+
+
+class TooManyArtifacts(Exception):
+    """An entry already holds as many artifacts as the server allows."""
 
 
 @attrs.define
@@ -104,16 +134,16 @@ class Registry:
         log.info("published %s (%s, %d bytes, %d arenas)", entry.digest[:12], entry.label, entry.nbytes, len(entry.fds))
         return True
 
-    def _victims(self, nbytes: int) -> list[Entry]:
-        """The least recently used unattached entries whose eviction makes room for ``nbytes``.
+    def _victims(self, nbytes: int, keep: str | None = None) -> list[Entry]:
+        """The least recently used unattached entries (never ``keep``) whose eviction makes room for ``nbytes``.
 
         Decided before anything is evicted: OverBudget if even all of them would not make room.
         """
         if self.byte_budget is None:
             return []
-        held = sum(e.nbytes for e in self._entries.values())
-        idle = sorted((e for e in self._entries.values() if not e.sessions), key=lambda e: e.last_used)
-        idle_bytes = sum(e.nbytes for e in idle)
+        held = sum(e.held_bytes for e in self._entries.values())
+        idle = sorted((e for e in self._entries.values() if not e.sessions and e.digest != keep), key=lambda e: e.last_used)
+        idle_bytes = sum(e.held_bytes for e in idle)
         if held - idle_bytes + nbytes > self.byte_budget:
             raise OverBudget(
                 f"{nbytes} bytes do not fit the server's budget of {self.byte_budget} bytes "
@@ -124,7 +154,7 @@ class Registry:
         while held + nbytes > self.byte_budget:
             victim = idle.pop(0)
             victims.append(victim)
-            held -= victim.nbytes
+            held -= victim.held_bytes
         return victims
 
     def _attach_locked(self, fingerprint: Fingerprint, connection: int, pid: int) -> Entry | None:
@@ -152,6 +182,43 @@ class Registry:
                 entry.sessions.pop(connection, None)
                 raise
             return entry, fds
+
+    def put_artifact(self, digest: str, key: str, fd: int, nbytes: int, max_count: int) -> bool:
+        """Keep ``fd`` (a sealed memfd of ``nbytes``) as entry ``digest``'s artifact ``key``; True if it replaced one.
+
+        On success the registry owns ``fd``. Raises KeyError (no such entry),
+        TooManyArtifacts or OverBudget (nothing evicted), leaving ``fd`` to the caller.
+        Unattached entries other than ``digest`` are evicted, least recently used first, to make room.
+        """
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is None:
+                raise KeyError(f"no entry {digest[:12]}; publish or attach the model first (`weightcache status` lists entries)")
+            old = entry.artifacts.get(key)
+            if old is None and len(entry.artifacts) >= max_count:
+                raise TooManyArtifacts(
+                    f"entry {digest[:12]} already holds {len(entry.artifacts)} artifacts, the most the server keeps per entry; "
+                    "replace one under its key or evict the entry"
+                )
+            growth = nbytes - (old.nbytes if old is not None else 0)
+            for victim in self._victims(max(growth, 0), keep=digest):
+                self._drop(victim.digest, reason="least recently used, to make room for an artifact within the byte budget")
+            entry.artifacts[key] = Artifact(fd, nbytes)
+            entry.last_used = time.monotonic()
+        if old is not None:
+            close_fds([old.fd])
+        log.info("kept artifact %r of %s (%d bytes%s)", key[:80], digest[:12], nbytes, ", replacing the previous one" if old else "")
+        return old is not None
+
+    def checkout_artifact(self, digest: str, key: str) -> tuple[int, int] | None:
+        """A duplicate of entry ``digest``'s artifact ``key`` (the caller closes it) and its size, or None."""
+        with self._lock:
+            entry = self._entries.get(digest)
+            artifact = entry.artifacts.get(key) if entry is not None else None
+            if artifact is None:
+                return None
+            entry.last_used = time.monotonic()
+            return os.dup(artifact.fd), artifact.nbytes
 
     def closest(self, fingerprint: Fingerprint) -> tuple[str | None, tuple[str, ...]]:
         """The digest of the entry that differs from ``fingerprint`` in the fewest fields, and those fields."""
@@ -200,7 +267,7 @@ class Registry:
 
     def _drop(self, digest: str, reason: str) -> None:
         entry = self._entries.pop(digest)
-        close_fds(entry.fds)
+        entry.close_fds()
         log.info("dropped %s (%s): %s", digest[:12], entry.label, reason)
 
     def status(self, max_bytes: int | None = None) -> tuple[list[dict], int]:
@@ -218,7 +285,7 @@ class Registry:
 
     def held_bytes(self) -> int:
         with self._lock:
-            return sum(e.nbytes for e in self._entries.values())
+            return sum(e.held_bytes for e in self._entries.values())
 
     def close(self) -> None:
         """Close every fd (the server is stopping)."""

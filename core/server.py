@@ -1,5 +1,8 @@
 """The weightcache server: holds arena fds and manifests, answers publish/attach/status/evict.
 
+Beside an entry it keeps a few artifacts (compile caches), each a sealed memfd
+it never reads: ``put_artifact`` and ``get_artifact``.
+
 It never imports torch or CUDA: it only keeps file descriptors open, which is
 what keeps the memory alive. One thread per connection; an engine's attach
 session is its connection, so a dead engine detaches by itself.
@@ -42,7 +45,7 @@ from weightcache.core.protocol import (
     ok_reply,
     send_frame,
 )
-from weightcache.core.registry import Entry, OverBudget, Registry
+from weightcache.core.registry import MAX_ARTIFACT_KEY_CHARS, Entry, OverBudget, Registry, TooManyArtifacts
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,8 @@ class ServerConfig:
         (None: a quarter of the open-file limit).
     :param max_inflight_bytes: most payload bytes of unfinished frames of all connections together.
     :param inflight_wait_s: how long a frame waits for ``max_inflight_bytes`` to make room before it is refused with ``busy``.
+    :param max_artifact_bytes: largest artifact (a compile cache blob) kept beside an entry.
+    :param max_artifacts_per_entry: most artifacts kept beside one entry (a put under a known key replaces).
     """
 
     socket_dir: Path = attrs.field(converter=Path)
@@ -80,6 +85,8 @@ class ServerConfig:
     max_inflight_fds: int | None = None
     max_inflight_bytes: int = 256 << 20
     inflight_wait_s: float = 1.0
+    max_artifact_bytes: int = 1 << 30
+    max_artifacts_per_entry: int = 16
 
 
 class ServerAlreadyRunning(AccessDenied):
@@ -282,12 +289,14 @@ class Server:
             "detach": self._detach,
             "status": self._status,
             "evict": self._evict,
+            "put_artifact": self._put_artifact,
+            "get_artifact": self._get_artifact,
         }
         handler = handlers.get(op) if isinstance(op, str) else None
         if handler is None:
             close_fds(fds)
-            return error_reply("bad_request", f"unknown op {op!r:.80}; expected hello, publish, attach, detach, status or evict"), []
-        if op != "publish" and fds:
+            return error_reply("bad_request", f"unknown op {op!r:.80}; expected one of {', '.join(handlers)}"), []
+        if op not in _OPS_WITH_FDS and fds:
             close_fds(fds)
             return error_reply("bad_request", f"op {op!r} takes no fds; {len(fds)} were closed"), []
         # A handler that raises has kept none of the fds (publish hands them over only on success).
@@ -398,6 +407,44 @@ class Server:
             return error_reply("attached", str(exc)), []
         return ok_reply(evicted=evicted), []
 
+    def _put_artifact(self, message, fds, connection_id, pid):
+        try:
+            digest, key = _artifact_address(message)
+            if len(fds) != 1:
+                raise ValueError(f"put_artifact carries exactly one fd (a sealed memfd holding the artifact), not {len(fds)}")
+            nbytes = _sealed_memfd_size(fds[0], "the artifact")
+            if nbytes == 0:
+                raise ValueError("the artifact memfd is empty")
+        except (KeyError, TypeError, ValueError, OSError) as exc:
+            close_fds(fds)
+            return error_reply("bad_request", f"malformed put_artifact request: {exc!s:.600}"), []
+        if nbytes > self.config.max_artifact_bytes:
+            close_fds(fds)
+            return error_reply(
+                "too_large", f"an artifact of {nbytes} bytes exceeds the {self.config.max_artifact_bytes} bytes the server keeps "
+                "per artifact; keep it elsewhere (the engine compiles again on restart)",
+            ), []
+        try:
+            replaced = self.registry.put_artifact(digest, key, fds[0], nbytes, self.config.max_artifacts_per_entry)
+        except KeyError as exc:
+            close_fds(fds)
+            return error_reply("not_found", exc.args[0]), []
+        except TooManyArtifacts as exc:
+            close_fds(fds)
+            return error_reply("too_many", str(exc)), []
+        except OverBudget as exc:
+            close_fds(fds)
+            return error_reply("over_budget", str(exc)), []
+        return ok_reply(digest=digest, key=key, bytes=nbytes, replaced=replaced), []
+
+    def _get_artifact(self, message, fds, connection_id, pid):
+        digest, key = _artifact_address(message)
+        found = self.registry.checkout_artifact(digest, key)
+        if found is None:
+            return error_reply("not_found", f"entry {digest[:12]} holds no artifact {key!r:.80} (or there is no such entry)"), []
+        fd, nbytes = found
+        return ok_reply(digest=digest, key=key, bytes=nbytes), [fd]
+
     def _shutdown(self) -> None:
         log.info("server stopping")
         if self._listener is not None:
@@ -415,6 +462,8 @@ class Server:
 
 
 _HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_OPS_WITH_FDS = frozenset({"publish", "put_artifact"})
+_DIGEST_CHARS = frozenset("0123456789abcdef")
 _REPLY_ENVELOPE_BYTES = 4096  # a reply's fields besides its rows (status) or its manifest (attach)
 CUDA_GRANULE = 2 << 20
 """Allocation granularity the server assumes for CUDA arenas (the driver's recommended VMM granularity on current GPUs)."""
@@ -462,23 +511,42 @@ def _check_arena_fd(fd: int, spec, extent: int, index: int) -> int:
                 "export into arenas sized for the tensors they hold"
             )
         return spec.size
+    size = _sealed_memfd_size(fd, f"host arena {index}")
+    if size < spec.size:
+        raise ValueError(f"host arena {index} fd is {size} bytes, manifest says {spec.size}")
+    if size > spec.size + resource.getpagesize():
+        raise ValueError(
+            f"host arena {index} memfd is {size} bytes but its manifest declares {spec.size}; "
+            "declare the memfd's real size"
+        )
+    return size
+
+
+def _sealed_memfd_size(fd: int, what: str) -> int:
+    """The size of ``fd``, a memfd sealed against writes, shrinking and growing (ValueError naming ``what`` otherwise).
+
+    The seals make the bytes immutable for every process that maps them, and fix the size counted.
+    """
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"host arena {index} fd is not a memfd (file type {stat.S_IFMT(info.st_mode):#o})")
+        raise ValueError(f"{what} fd is not a memfd (file type {stat.S_IFMT(info.st_mode):#o})")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
-        raise ValueError(f"host arena {index} fd is not a memfd (it cannot be sealed)") from None
+        raise ValueError(f"{what} fd is not a memfd (it cannot be sealed)") from None
     if seals & _HOST_SEALS != _HOST_SEALS:
-        raise ValueError(f"host arena {index} memfd is not sealed against writes, shrinking and growing; seal it before publishing")
-    if info.st_size < spec.size:
-        raise ValueError(f"host arena {index} fd is {info.st_size} bytes, manifest says {spec.size}")
-    if info.st_size > spec.size + resource.getpagesize():
-        raise ValueError(
-            f"host arena {index} memfd is {info.st_size} bytes but its manifest declares {spec.size}; "
-            "declare the memfd's real size"
-        )
-    return info.st_size
+        raise ValueError(f"{what} memfd is not sealed against writes, shrinking and growing; seal it before publishing")
+    return os.fstat(fd).st_size  # again: the size may have changed until the seals were added
+
+
+def _artifact_address(message: dict) -> tuple[str, str]:
+    """The entry digest and the artifact key of a put_artifact or get_artifact request (ValueError if malformed)."""
+    digest, key = message["digest"], message["key"]
+    if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _DIGEST_CHARS:
+        raise ValueError(f"digest must be an entry's full digest (64 lower-case hex characters), not {digest!r:.80}")
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_ARTIFACT_KEY_CHARS or not key.isprintable():
+        raise ValueError(f"key must be a printable string of 1 to {MAX_ARTIFACT_KEY_CHARS} characters, not {key!r:.80}")
+    return digest, key
 
 
 def serve(config: ServerConfig) -> None:

@@ -43,6 +43,32 @@ def test_importing_core_and_the_server_does_not_import_torch():
     assert out == "False", "the server and the CLI's import must stay light (no torch)"
 
 
+# What an engine's start and the CLI import from weightcache must stay light: a restart waits for every import.
+LIGHT_MODULES = {
+    "weightcache.core.cli": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
+    "weightcache.core.client": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
+    "weightcache.core.modes": ("transformers", "weightcache.conformance", "weightcache.adapters"),
+    "weightcache.core.standby": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
+    "weightcache.core.warm": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
+    "weightcache.core.compile_cache": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
+}
+
+
+@pytest.mark.parametrize("module", sorted(LIGHT_MODULES))
+def test_the_cli_and_the_client_path_import_neither_transformers_nor_the_kit(module):
+    heavy = LIGHT_MODULES[module]
+    code = f"import sys, {module}; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", f"importing {module} imported {out}: import them inside the functions that need them"
+
+
+def test_the_standby_commands_help_imports_no_framework():
+    code = ("import sys\nfrom weightcache.core.cli import main\ntry:\n    main(['standby', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'pytest') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    assert "--watch-pid" in "\n".join(out) and out[-1] == "[]", out
+
+
 def _hook_specs():
     return [f for name, f in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("weightcache_")]
 

@@ -1,0 +1,498 @@
+"""Restart to first token: what a user waits for, from ``exec`` of a fresh engine process to its first generated token.
+
+    python benchmarks/restart.py                                   # small Qwen3 (332 MB bf16) on the CPU
+    python benchmarks/restart.py --size 8b --device cuda:0 --json OUT.json [--keep-checkpoint DIR]
+
+Every scenario runs in fresh processes (subprocess), side by side in one run:
+
+- ``disk cold``: a plain load (``load_model(mode="off")``: transformers' ``from_pretrained``) with the
+  checkpoint's files dropped from the page cache first (``posix_fadvise(POSIX_FADV_DONTNEED)``, no root needed);
+- ``disk warm``: the same with the files in the page cache;
+- ``attach``: ``load_model(mode="client")`` of the entry a server holds;
+- ``warm spare``: ``weightcache standby --watch-pid PRIMARY`` started beforehand; the primary (an attached
+  engine) is SIGKILLed and the time to the spare's first token is what counts.
+
+Each engine process reports its phases as JSON: interpreter start (spawn to the first line of the
+child), imports (torch, transformers, weightcache, the model's module through the adapter's warm-up
+hook; CUDA set-up runs meanwhile in a background thread, ``weightcache.core.warm.start_cuda_early``),
+CUDA context (what was still left to wait for after the imports), model skeleton (transformers builds
+the model on the meta device; attach only: a disk load builds it inside ``from_pretrained``), map +
+rebind or disk load, first token (one forward of a fixed prompt, argmax; ``weightcache.core.standby.first_token``).
+The row "weightcache's own share" is, in the attach engine, loading weightcache's adapters (entry
+points) plus the whole ``load_model(mode="client")`` call — prepare (fingerprint), attach (request,
+manifest, map), rebind (skeleton included) — timed after the framework was imported and the CUDA
+context created, as a real engine has them; the modules imported inside it are counted in the JSON.
+
+``--size 8b`` builds the Qwen3-shaped 8 B model of issue 14 (hidden 4096, 36 layers, bf16, random
+weights, 16.4 GB, saved with ``save_pretrained``) on the device: meant for a GPU machine.
+``--keep-checkpoint DIR`` keeps (or reuses) the checkpoint there. weightcache must be importable with
+its entry points (``pip install -e .``); otherwise a shim of this checkout is put on ``PYTHONPATH``,
+as ``tests/gpu/run_gpu.sh`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import mmap
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = {
+    # Qwen3-8B's shape: 8.19 B parameters.
+    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0),
+    # 1.1 B parameters, tied embeddings (Qwen3-1.7B's width, 16 layers): the compile benchmark's GPU model.
+    "1b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16, num_attention_heads=16,
+               num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True),
+    # 166 M parameters: a few hundred MB, for a CPU.
+    "small": dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=64, max_position_embeddings=4096),
+    # 2 layers of 256: the compile benchmark's CPU model (inductor's C++ backend compiles every kernel with gcc).
+    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, max_position_embeddings=2048),
+}
+SCENARIOS = ("disk-cold", "disk-warm", "attach", "warm-spare")
+MARKER = "weightcache-restart-benchmark.json"
+PHASES = ("interpreter_s", "imports_s", "cuda_context_s", "plugins_s", "skeleton_s", "load_s", "first_token_s")
+
+
+# --- the engine process (one scenario, one run) ------------------------------------------------------------------------
+
+
+def engine(args) -> None:
+    """A fresh engine: report each phase from spawn to the first token as one JSON line (``--hold``: then wait to be killed)."""
+    began = time.monotonic()
+    phases = {"interpreter_s": began - args.spawned_at}
+    from weightcache.core.warm import start_cuda_early
+
+    cuda = start_cuda_early(args.device)
+    import torch
+    import transformers  # noqa: F401  the framework, imported before the clock of our share, as an engine has it
+
+    from weightcache.core.modes import load_model
+    from weightcache.core.plugins import installed_plugins
+    from weightcache.core.request import LoadRequest
+    from weightcache.core.standby import first_token, fixed_prompt
+
+    request = LoadRequest(model=args.model, device=args.device)
+    start = time.perf_counter()
+    adapter = installed_plugins().adapter(request.adapter)  # weightcache's own: entry points, the adapter's module
+    phases["plugins_s"] = time.perf_counter() - start
+    adapter.warm_up(request)  # the framework's: the model's module
+    phases["imports_s"] = time.monotonic() - began - phases["plugins_s"]
+    phases["cuda_context_s"] = cuda.wait()
+    phases["cuda_setup_in_thread_s"] = cuda.seconds
+    skeletons: list[float] = []
+    before = set(sys.modules)
+    start = time.perf_counter()
+    if args.scenario.startswith("disk"):
+        loaded = load_model(args.model, mode="off", device=args.device)
+        _synchronize(torch, args.device)
+        phases["load_s"] = time.perf_counter() - start
+        phases["skeleton_s"] = None  # inside from_pretrained
+    else:
+        _time_skeletons(skeletons)
+        loaded = load_model(args.model, mode="client", device=args.device, socket_dir=args.socket_dir, strict=True)
+        _synchronize(torch, args.device)
+        loading = time.perf_counter() - start
+        phases["skeleton_s"] = sum(skeletons)
+        phases["load_s"] = loading - phases["skeleton_s"]
+        phases["ours_s"] = phases["plugins_s"] + loading
+    phases["modules_imported_during_load"] = len(set(sys.modules) - before)
+    phases["load_timings"] = loaded.timings
+    start = time.perf_counter()
+    token = first_token(loaded.model, fixed_prompt(request, loaded.model))
+    phases["first_token_s"] = time.perf_counter() - start
+    phases["total_s"] = time.monotonic() - args.spawned_at
+    phases["token"] = token
+    phases["source"] = loaded.source
+    print(json.dumps(phases), flush=True)
+    while args.hold:
+        time.sleep(3600)
+
+
+def _time_skeletons(sink: list) -> None:
+    """Time every skeleton the hf adapter builds (inside rebind) into ``sink``."""
+    from weightcache.adapters.hf import loading
+
+    original = loading.skeleton
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            sink.append(time.perf_counter() - start)
+
+    loading.skeleton = timed
+
+
+def _synchronize(torch, device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# --- the checkpoint ----------------------------------------------------------------------------------------------------
+
+
+def make_checkpoint(args) -> None:
+    """Build the Qwen3-shaped model of ``--size`` with random bf16 weights on ``--device`` and ``save_pretrained`` it."""
+    import contextlib
+
+    import torch
+    import transformers
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # an older transformers: initialise, then overwrite
+        no_init_weights = contextlib.nullcontext
+    config = transformers.Qwen3Config(**{"tie_word_embeddings": False, **SIZES[args.size]}, architectures=["Qwen3ForCausalLM"])
+    device = torch.device(args.device)
+    start = time.perf_counter()
+    with device, no_init_weights():
+        model = transformers.Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02, generator=generator)
+    model = model.to("cpu").eval()
+    built = time.perf_counter()
+    model.save_pretrained(args.model, max_shard_size="5GB")
+    os.sync()
+    parameters = sum(p.numel() for p in model.parameters())
+    marker = {"size": args.size, "parameters": parameters, "build_s": built - start, "save_s": time.perf_counter() - built}
+    Path(args.model, MARKER).write_text(json.dumps(marker))
+    print(json.dumps(marker), flush=True)
+
+
+def ensure_checkpoint(size: str, device: str, model: Path, env: dict) -> Path:
+    """The checkpoint of ``size`` in ``model``: reused when its marker says so, else built there (in a child process)."""
+    model = model.resolve()
+    marker = model / MARKER
+    if not (marker.exists() and json.loads(marker.read_text())["size"] == size):
+        print(f"building the {size} checkpoint in {model} ...", flush=True)
+        model.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--role", "make", "--size", size, "--model", str(model),
+                        "--device", device], env=env, check=True)
+    return model
+
+
+def checkpoint_files(model: Path) -> list[Path]:
+    return sorted(model.glob("*.safetensors"))
+
+
+def drop_from_page_cache(paths) -> None:
+    """Evict ``paths`` from the page cache (written back first: dirty pages cannot be dropped); no root needed."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_into_page_cache(paths) -> None:
+    buffer = bytearray(64 << 20)
+    for path in paths:
+        with open(path, "rb", buffering=0) as file:
+            while file.readinto(buffer):
+                pass
+
+
+def resident_fraction(paths) -> float:
+    """The share of ``paths``' pages in the page cache (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    resident = total = 0
+    for path in paths:
+        size = os.path.getsize(path)
+        if size == 0:
+            continue
+        pages = -(-size // mmap.PAGESIZE)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if address in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {path}")
+            try:
+                vector = ctypes.create_string_buffer(pages)
+                if libc.mincore(address, size, vector) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore of {path}")
+                data = vector.raw
+                resident += pages - data.count(0)
+            finally:
+                libc.munmap(address, size)
+        finally:
+            os.close(fd)
+        total += pages
+    return resident / total if total else 0.0
+
+
+# --- the parent: one table -------------------------------------------------------------------------------------------
+
+
+class Runner:
+    """Starts engine processes for one checkpoint and server, and collects what they report."""
+
+    def __init__(self, model: Path, device: str, socket_dir: Path, env: dict):
+        self.model = model
+        self.device = device
+        self.socket_dir = socket_dir
+        self.env = env
+
+    def command(self, *args: str) -> list[str]:
+        return [sys.executable, str(Path(__file__).resolve()), *args, "--model", str(self.model), "--device", self.device]
+
+    def spawn_engine(self, scenario: str, hold: bool = False) -> subprocess.Popen:
+        args = ["--role", "engine", "--scenario", scenario, "--socket-dir", str(self.socket_dir)] + (["--hold"] if hold else [])
+        return subprocess.Popen(self.command(*args, "--spawned-at", repr(time.monotonic())), stdout=subprocess.PIPE, text=True,
+                                env=self.env)
+
+    def engine(self, scenario: str) -> dict:
+        proc = self.spawn_engine(scenario)
+        out, _ = proc.communicate(timeout=600)
+        if proc.returncode:
+            raise SystemExit(f"the {scenario} engine failed with status {proc.returncode}")
+        return json.loads(out.strip().splitlines()[-1])
+
+    def warm_spare(self) -> dict:
+        """A primary (attached engine) and a standby watching it; SIGKILL the primary; the spare's first token."""
+        primary = self.spawn_engine("attach", hold=True)
+        standby = None
+        try:
+            primary_report = _json_line(primary, "primary")
+            spawned = time.monotonic()
+            standby = subprocess.Popen(
+                [sys.executable, "-m", "weightcache.core.cli", "standby", "--model", str(self.model), "--device", self.device,
+                 "--socket-dir", str(self.socket_dir), "--watch-pid", str(primary.pid)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=self.env,
+            )
+            ready = _json_line(standby, "standby")
+            ready_after = time.monotonic() - spawned
+            killed = time.monotonic()
+            os.kill(primary.pid, signal.SIGKILL)
+            took = _json_line(standby, "standby")
+            standby.wait(timeout=120)
+        finally:
+            for proc in (primary, standby):
+                if proc is not None:
+                    if proc.poll() is None:
+                        proc.kill()
+                    proc.wait()
+                    proc.stdout.close()
+        timings = ready["timings"]
+        return {
+            "ready_after_spawn_s": ready_after,
+            "standby_timings": timings,
+            "skeleton_s": None,
+            "trigger_s": took["trigger_at"] - killed,
+            "first_token_s": took["first_token_at"] - took["trigger_at"],
+            "total_s": took["first_token_at"] - killed,
+            "token": took["token"],
+            "same_token_as_primary": took["token"] == primary_report["token"],
+            "parameters_outside_arenas": ready["parameters_outside_arenas"],
+            "private_growth_bytes": ready["private_growth_bytes"],
+        }
+
+
+def _json_line(proc: subprocess.Popen, who: str) -> dict:
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"the {who} exited with status {proc.wait()} before reporting")
+    return json.loads(line)
+
+
+def weightcache_env(work: Path) -> dict:
+    """The environment of every child: offline, a private digest store, and weightcache importable with its entry points."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "WEIGHTCACHE_CACHE_DIR": str(work / "digests")}
+    (work / "digests").mkdir(mode=0o700)
+    probe = ("import importlib.metadata as m, pathlib, sys, weightcache.core; "
+             "names = {e.name for e in m.entry_points(group='weightcache.adapters')} | "
+             "{e.name for e in m.entry_points(group='weightcache.commands')}; "
+             "here = pathlib.Path(weightcache.core.__file__).resolve().parent == pathlib.Path(sys.argv[1]); "
+             "raise SystemExit(0 if here and {'hf', 'standby'} <= names else 1)")
+    if subprocess.run([sys.executable, "-c", probe, str(ROOT / "core")], env=env, capture_output=True).returncode == 0:
+        return env  # this checkout is installed with its entry points
+    shim = _shim(work / "shim")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _shim(directory: Path) -> Path:
+    """This checkout as the ``weightcache`` package with a dist-info carrying pyproject's entry points (no pip)."""
+    import tomllib
+
+    package = directory / "weightcache"
+    package.mkdir(parents=True)
+    for part in ("core", "adapters", "conformance"):
+        (package / part).symlink_to(ROOT / part)
+    info = directory / "weightcache-0.0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: weightcache\nVersion: 0.0.0\n")
+    groups = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("entry-points", {})
+    lines = []
+    for group, entries in groups.items():
+        lines += [f"[{group}]", *(f"{name} = {target}" for name, target in entries.items())]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def machine(device: str, env: dict) -> dict:
+    code = ("import json, torch, transformers; d = {'torch': torch.__version__, 'transformers': transformers.__version__}; "
+            "d.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda) if torch.cuda.is_available() else None; "
+            "print(json.dumps(d))")
+    facts = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+    return {**facts, "python": platform.python_version(), "cpus": os.cpu_count(), "host": platform.node(), "device": device,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def parameter_count(count: int) -> str:
+    return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.0f} M"
+
+
+def median_of(runs: list[dict]) -> dict:
+    keys = {k for run in runs for k, v in run.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {k: statistics.median(run[k] for run in runs if isinstance(run.get(k), (int, float))) for k in sorted(keys)}
+
+
+def table(result: dict) -> str:
+    s = result["scenarios"]
+    columns = [name for name in SCENARIOS if name in s]
+    attach_total = s.get("attach", {}).get("median", {}).get("total_s")
+
+    def cell(name, key):
+        value = s[name]["median"].get(key)
+        if name == "warm-spare" and key in PHASES[:-1]:
+            return "(before)"
+        return "—" if value is None else f"{value:.2f}"
+
+    rows = [("phase (s, median)", *columns)]
+    labels = {
+        "interpreter_s": "interpreter start", "imports_s": "imports (torch, transformers, model; CUDA set-up overlapped)",
+        "cuda_context_s": "CUDA context (left after the imports)", "plugins_s": "weightcache's adapters (entry points)",
+        "skeleton_s": "model skeleton (meta)",
+        "load_s": "map + rebind / disk load", "first_token_s": "first token (one forward)",
+    }
+    for key in PHASES:
+        rows.append((labels[key], *(cell(name, key) for name in columns)))
+    rows.append(("total: exec -> first token", *(
+        f"{s[n]['median']['total_s']:.2f}" if n != "warm-spare" else f"{s[n]['median']['total_s']:.2f} (kill -> token)" for n in columns)))
+    if attach_total:
+        rows.append(("vs attach", *(f"{s[n]['median']['total_s'] / attach_total:.2f}x" for n in columns)))
+    if "attach" in s:
+        ours = s["attach"]["median"]["ours_s"]
+        skeleton = s["attach"]["median"]["skeleton_s"]
+        rows.append(("weightcache's own share (adapters + load_model, framework imported)", *(
+            f"{ours:.3f} (skeleton {skeleton:.3f})" if n == "attach" else "" for n in columns)))
+    if "warm-spare" in s:
+        spare = s["warm-spare"]["median"]
+        for label, text in (
+            ("warm spare: kill -> trigger / trigger -> token", f"{spare['trigger_s'] * 1000:.1f} / {spare['first_token_s'] * 1000:.1f} ms"),
+            ("warm spare: ready after its start (paid before)", f"{spare['ready_after_spawn_s']:.2f}"),
+            ("warm spare: private memory grown by attach + warm-up", f"{spare['private_growth_bytes'] / 2**20:.1f} MiB"),
+        ):
+            rows.append((label, *(text if n == "warm-spare" else "" for n in columns)))
+    if "disk-cold" in s:
+        rows.append(("page cache resident before the run", *(
+            f"{s[n]['resident_before']:.0%}" if "resident_before" in s[n] else "" for n in columns)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    m = result["model"]
+    head = (f"restart to first token: Qwen3 {result['size']} ({parameter_count(m['parameters'])} parameters, {m['bytes'] / 1e9:.2f} GB bf16), "
+            f"{result['machine']['device']}, median of {result['runs']} run(s); publish once: {result['publish_s']:.1f} s")
+    return "\n".join([head, *lines])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="small", help="8b: 16.4 GB (a GPU machine); small: 332 MB (default)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--runs", type=int, default=None, help="runs per scenario (default: 3 small, 1 8b)")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {', '.join(SCENARIOS)}")
+    parser.add_argument("--keep-checkpoint", metavar="DIR", help="build the checkpoint here and keep it (reused when it is there)")
+    parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+    parser.add_argument("--role", choices=["engine", "make"], help=argparse.SUPPRESS)
+    parser.add_argument("--scenario", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--socket-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role == "engine":
+        engine(args)
+        return 0
+    if args.role == "make":
+        make_checkpoint(args)
+        return 0
+    scenarios = [name.strip() for name in args.scenarios.split(",") if name.strip()]
+    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    if unknown:
+        parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
+    runs = args.runs or (3 if args.size == "small" else 1)
+    work = Path(tempfile.mkdtemp(prefix="wc-restart-"))
+    server = None
+    try:
+        env = weightcache_env(work)
+        model = ensure_checkpoint(args.size, args.device, Path(args.keep_checkpoint) if args.keep_checkpoint else work / "model", env)
+        files = checkpoint_files(model)
+        result = {"size": args.size, "runs": runs, "machine": machine(args.device, env),
+                  "model": {**json.loads((model / MARKER).read_text()), "bytes": sum(p.stat().st_size for p in files), "files": len(files)}}
+        os.environ.update(env)  # the server process too
+        sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        from weightcache.core.server_process import ServerProcess  # after the shim, if any, is on the path
+
+        server = ServerProcess.start(work / "sock")
+        runner = Runner(model, args.device, server.socket_dir, env)
+        start = time.monotonic()
+        subprocess.run([sys.executable, "-m", "weightcache.core.cli", "load", "--model", str(model), "--device", args.device,
+                        "--socket-dir", str(server.socket_dir)], env=env, check=True)
+        result["publish_s"] = time.monotonic() - start
+        result["scenarios"] = {}
+        for name in scenarios:
+            reports = []
+            for run in range(runs):
+                report = {}
+                if name == "disk-cold":
+                    drop_from_page_cache(files)
+                    report["resident_before"] = resident_fraction(files)
+                elif name == "disk-warm":
+                    read_into_page_cache(files)
+                    report["resident_before"] = resident_fraction(files)
+                report.update(runner.warm_spare() if name == "warm-spare" else runner.engine(name))
+                reports.append(report)
+                print(f"{name} run {run + 1}/{runs}: {report['total_s']:.2f} s to the first token", flush=True)
+            result["scenarios"][name] = {"runs": reports, "median": median_of(reports),
+                                         **({"resident_before": reports[0]["resident_before"]} if "resident_before" in reports[0] else {})}
+        tokens = {run["token"] for s in result["scenarios"].values() for run in s["runs"]}
+        result["same_first_token_everywhere"] = len(tokens) == 1
+        text = table(result)
+        result["table"] = text
+        print("\n" + text)
+        print(f"same first token in every engine: {result['same_first_token_everywhere']}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+        return 0 if result["same_first_token_everywhere"] else 1
+    finally:
+        if server is not None:
+            server.close()
+        shutil.rmtree(work, ignore_errors=True)  # the checkpoint too, unless --keep-checkpoint put it elsewhere
+
+
+if __name__ == "__main__":
+    sys.exit(main())
