@@ -41,7 +41,9 @@ def make_checkpoint(directory: Path, gib: float, tensors: int, files: int = 4, d
     per_file = -(-tensors // files)
     for f in range(files):
         names = range(f * per_file, min(tensors, (f + 1) * per_file))
-        shard = {f"layers.{i}.weight": torch.randn(per, generator=generator, device=where, dtype=torch.bfloat16).cpu() for i in names}
+        shard = {
+            f"layers.{i}.weight": torch.randn(per, generator=generator, device=where, dtype=torch.bfloat16).cpu() for i in names
+        }
         path = directory / f"model-{f:05d}-of-{files:05d}.safetensors"
         save_file(shard, path)
         paths.append(path)
@@ -147,8 +149,12 @@ print(json.dumps({"median_s": statistics.median(times), "min_s": min(times), "te
 
 
 def time_attach(fingerprint, socket_dir, device: str, repeat: int) -> dict:
-    proc = subprocess.run([sys.executable, "-c", ENGINE, json.dumps(fingerprint.to_json()), str(socket_dir), device, str(repeat)],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE, json.dumps(fingerprint.to_json()), str(socket_dir), device, str(repeat)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode:
         raise SystemExit(f"attach engine failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -177,8 +183,20 @@ def publish_random(gib: float, tensors: int, device: str, socket_dir, anchor: Pa
             builder.view(slot).view(torch.bfloat16).normal_()
         from weightcache.core.manifest import Manifest, TensorRecord
 
-        records = [TensorRecord(name=item.name, kind="parameter", dtype="bfloat16", shape=(per,), stride=(1,), storage_offset=0,
-                                arena=slot.arena, offset=slot.offset, nbytes=slot.nbytes) for item, slot in zip(items, slots, strict=True)]
+        records = [
+            TensorRecord(
+                name=item.name,
+                kind="parameter",
+                dtype="bfloat16",
+                shape=(per,),
+                stride=(1,),
+                storage_offset=0,
+                arena=slot.arena,
+                offset=slot.offset,
+                nbytes=slot.nbytes,
+            )
+            for item, slot in zip(items, slots, strict=True)
+        ]
         publish_arenas(builder, fp, Manifest(tensors=records, arenas=builder.specs()), socket_dir, f"random {gib} GiB")
     finally:
         builder.close()
@@ -191,7 +209,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gib", type=float, default=2.0)
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--extra-gib", type=float, nargs="*", default=[], help="also time attach at these sizes (published from memory)")
+    parser.add_argument(
+        "--extra-gib", type=float, nargs="*", default=[], help="also time attach at these sizes (published from memory)"
+    )
     parser.add_argument("--dir", help="where to write the checkpoint (default: a temp dir on disk)")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
@@ -203,8 +223,12 @@ def main(argv=None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
     socket_dir = Path(tempfile.mkdtemp(prefix="wc-bench-sock-"))
-    server = subprocess.Popen([sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     results: dict = {"device": args.device, "gib": args.gib, "tensors": args.tensors, "torch": torch.__version__}
     try:
         wait_for_server(socket_dir, 30)
@@ -265,27 +289,55 @@ def print_table(r: dict, nbytes: int) -> None:
 
     if "safetensors_cold_s" in r:
         row("safetensors load_file, cold cache", r["safetensors_cold_s"])
-    row("safetensors load_file, warm cache" + (" (lazy mmap)" if "safetensors_warm_touched_s" in r else ""), r["safetensors_warm_s"])
+    row(
+        "safetensors load_file, warm cache" + (" (lazy mmap)" if "safetensors_warm_touched_s" in r else ""),
+        r["safetensors_warm_s"],
+    )
     if "safetensors_warm_touched_s" in r:
         row("safetensors load_file, warm, every page read", r["safetensors_warm_touched_s"])
     row(f"weightcache load -> arenas ({'cold' if r['weightcache_load_cold'] else 'warm'})", r["weightcache_load_s"])
-    rows.append((f"attach -> ready model ({r['attach']['tensors']} tensors, {r['attach']['arenas']} arenas)",
-                 f"{attach * 1000:,.2f} ms", "", "-"))
+    rows.append(
+        (
+            f"attach -> ready model ({r['attach']['tensors']} tensors, {r['attach']['arenas']} arenas)",
+            f"{attach * 1000:,.2f} ms",
+            "",
+            "-",
+        )
+    )
     if r["attach"].get("touched_median_s"):
         touched = r["attach"]["touched_median_s"]
-        row("attach -> ready model, every page read", touched,
-            format_speedup(r["safetensors_warm_touched_s"], touched) + " (vs warm load, every page read)")
+        row(
+            "attach -> ready model, every page read",
+            touched,
+            format_speedup(r["safetensors_warm_touched_s"], touched) + " (vs warm load, every page read)",
+        )
     for gib, extra in r.get("extra", {}).items():
-        rows.append((f"attach at {gib} GiB (from memory)", f"{extra['median_s'] * 1000:,.2f} ms", "",
-                     f"{extra['median_s'] / attach:.2f}x the {r['gib']:g} GiB attach time"))
+        rows.append(
+            (
+                f"attach at {gib} GiB (from memory)",
+                f"{extra['median_s'] * 1000:,.2f} ms",
+                "",
+                f"{extra['median_s'] / attach:.2f}x the {r['gib']:g} GiB attach time",
+            )
+        )
     if "direct_io_gbps" in r:
         rows.append(("disk, direct-I/O reads (8 streams)", "", f"{r['direct_io_gbps']:,.2f} GB/s", ""))
-        rows.append(("weightcache load / direct-I/O bandwidth", "", f"{gb / r['weightcache_load_s'] / r['direct_io_gbps']:.0%}", ""))
+        rows.append(
+            ("weightcache load / direct-I/O bandwidth", "", f"{gb / r['weightcache_load_s'] / r['direct_io_gbps']:.0%}", "")
+        )
     widths = [max(len(x[i]) for x in rows) for i in range(4)]
-    title = f"{r['gib']:g} GiB, {r['tensors']} tensors on {r['device']}" + (f" ({r['gpu']})" if "gpu" in r else "") + f", torch {r['torch']}"
+    title = (
+        f"{r['gib']:g} GiB, {r['tensors']} tensors on {r['device']}"
+        + (f" ({r['gpu']})" if "gpu" in r else "")
+        + f", torch {r['torch']}"
+    )
     print("\n" + title)
     for i, cells in enumerate(rows):
-        print("  ".join(c.rjust(w) if 0 < j < 3 else c.ljust(w) for j, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip())
+        print(
+            "  ".join(
+                c.rjust(w) if 0 < j < 3 else c.ljust(w) for j, (c, w) in enumerate(zip(cells, widths, strict=True))
+            ).rstrip()
+        )
         if i == 0:
             print("  ".join("-" * w for w in widths))
     phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in r["attach"]["phases_ms"].items())

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import signal
 import statistics
 import tempfile
 import time
@@ -39,18 +38,42 @@ def publish_entry(socket_dir: Path, nbytes: int, tensors: int):
         host.seal(arena)
         per = nbytes // tensors // 4
         records = [
-            TensorRecord(name=f"layer{i}.weight", kind="parameter", dtype="float32", shape=(per,), stride=(1,),
-                         storage_offset=0, arena=0, offset=i * per * 4, nbytes=per * 4)
+            TensorRecord(
+                name=f"layer{i}.weight",
+                kind="parameter",
+                dtype="float32",
+                shape=(per,),
+                stride=(1,),
+                storage_offset=0,
+                arena=0,
+                offset=i * per * 4,
+                nbytes=per * 4,
+            )
             for i in range(tensors)
         ]
         manifest = Manifest(tensors=records, arenas=[arena.spec])
         fingerprint = Fingerprint(
             checkpoint=sha256_json({"benchmark": "attach_load", "bytes": nbytes, "tensors": tensors}),
-            architecture="AttachLoadBenchmark", config=sha256_json({}),
-            tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, dp_size=1, ep_size=1, ep_rank=0,
-            dtype="float32", quantization="none", quantization_config=sha256_json({}),
-            adapter="benchmark", adapter_version="1", engine="none", engine_version="0",
-            torch_version="", cuda_version="", compute_capability="", gpu_uuid="",
+            architecture="AttachLoadBenchmark",
+            config=sha256_json({}),
+            tp_size=1,
+            tp_rank=0,
+            pp_size=1,
+            pp_rank=0,
+            dp_size=1,
+            ep_size=1,
+            ep_rank=0,
+            dtype="float32",
+            quantization="none",
+            quantization_config=sha256_json({}),
+            adapter="benchmark",
+            adapter_version="1",
+            engine="none",
+            engine_version="0",
+            torch_version="",
+            cuda_version="",
+            compute_capability="",
+            gpu_uuid="",
         )
         with Connection(socket_dir) as conn:
             conn.publish(fingerprint, manifest.to_json(), [fd], label=f"attach_load ({tensors} tensors)")
@@ -127,8 +150,10 @@ def run(args) -> int:
         ctx.set_forkserver_preload(["torch", "weightcache.core.attach"])
         barrier = ctx.Barrier(args.clients + 1)
         results = ctx.Queue()
-        procs = [ctx.Process(target=attach_cycles, args=(str(socket_dir), fingerprint.to_json(), args.cycles, barrier, results))
-                 for _ in range(args.clients)]
+        procs = [
+            ctx.Process(target=attach_cycles, args=(str(socket_dir), fingerprint.to_json(), args.cycles, barrier, results))
+            for _ in range(args.clients)
+        ]
         for proc in procs:
             proc.start()
         barrier.wait(300)

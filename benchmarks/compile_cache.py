@@ -67,8 +67,13 @@ print(json.dumps(report), flush=True)
 def engine(role: str, model: Path, device: str, socket_dir: Path, env: dict, caches: Path) -> dict:
     caches.mkdir(parents=True)
     env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton")}
-    proc = subprocess.run([sys.executable, "-c", ENGINE, repr(time.monotonic()), str(model), device, str(socket_dir), role],
-                          env=env, stdout=subprocess.PIPE, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE, repr(time.monotonic()), str(model), device, str(socket_dir), role],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=1800,
+    )
     if proc.returncode:
         raise SystemExit(f"the {role} engine failed with status {proc.returncode}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -79,32 +84,57 @@ def main(argv=None) -> int:
     parser.add_argument("--size", choices=sorted(restart.SIZES), default="tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--keep-checkpoint", metavar="DIR", help="build the checkpoint here and keep it (reused when it is there)")
+    parser.add_argument(
+        "--keep-checkpoint", metavar="DIR", help="build the checkpoint here and keep it (reused when it is there)"
+    )
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="wc-compile-"))
     server = None
     try:
         env = restart.weightcache_env(work)
-        model = restart.ensure_checkpoint(args.size, args.device, Path(args.keep_checkpoint) if args.keep_checkpoint else work / "model", env)
+        model = restart.ensure_checkpoint(
+            args.size, args.device, Path(args.keep_checkpoint) if args.keep_checkpoint else work / "model", env
+        )
         os.environ.update(env)
         sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         from weightcache.core.server_process import ServerProcess
 
         server = ServerProcess.start(work / "sock")
-        subprocess.run([sys.executable, "-m", "weightcache.core.cli", "load", "--model", str(model), "--device", args.device,
-                        "--socket-dir", str(server.socket_dir)], env=env, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "weightcache.core.cli",
+                "load",
+                "--model",
+                str(model),
+                "--device",
+                args.device,
+                "--socket-dir",
+                str(server.socket_dir),
+            ],
+            env=env,
+            check=True,
+        )
         runs = []
         for run in range(args.runs):
             cold = engine("cold", model, args.device, server.socket_dir, env, work / f"caches-{run}-cold")
             restored = engine("restored", model, args.device, server.socket_dir, env, work / f"caches-{run}-restored")
             runs.append({"cold": cold, "restored": restored})
-            print(f"run {run + 1}/{args.runs}: compile + first forward cold {cold['compile_first_forward_s']:.1f} s, "
-                  f"restored {restored['restore_s']:.2f} + {restored['compile_first_forward_s']:.1f} s", flush=True)
-        result = {"size": args.size, "runs": runs, "machine": restart.machine(args.device, env),
-                  "model": json.loads((model / restart.MARKER).read_text()),
-                  "outputs_identical": all(r["cold"]["digest"] == r["restored"]["digest"] for r in runs),
-                  "restored_from_the_cache": all(r["restored"]["fx_hits"] > 0 and r["restored"]["fx_misses"] == 0 for r in runs)}
+            print(
+                f"run {run + 1}/{args.runs}: compile + first forward cold {cold['compile_first_forward_s']:.1f} s, "
+                f"restored {restored['restore_s']:.2f} + {restored['compile_first_forward_s']:.1f} s",
+                flush=True,
+            )
+        result = {
+            "size": args.size,
+            "runs": runs,
+            "machine": restart.machine(args.device, env),
+            "model": json.loads((model / restart.MARKER).read_text()),
+            "outputs_identical": all(r["cold"]["digest"] == r["restored"]["digest"] for r in runs),
+            "restored_from_the_cache": all(r["restored"]["fx_hits"] > 0 and r["restored"]["fx_misses"] == 0 for r in runs),
+        }
         result["table"] = table(result)
         print("\n" + result["table"])
         if args.json:
@@ -128,19 +158,30 @@ def table(result: dict) -> str:
         ("attach", f"{median('cold', 'attach_s'):.2f}", f"{median('restored', 'attach_s'):.2f}"),
         ("restore artifacts (get + load_cache_artifacts)", "—", f"{median('restored', 'restore_s'):.2f}"),
         ("torch.compile + first forward", f"{cold_total:.2f}", f"{median('restored', 'compile_first_forward_s'):.2f}"),
-        ("attach done -> first compiled forward", f"{cold_total:.2f}", f"{restored_total:.2f} ({cold_total / restored_total:.1f}x faster)"),
-        ("exec -> first compiled forward", f"{median('cold', 'exec_to_first_forward_s'):.2f}",
-         f"{median('restored', 'exec_to_first_forward_s'):.2f}"),
+        (
+            "attach done -> first compiled forward",
+            f"{cold_total:.2f}",
+            f"{restored_total:.2f} ({cold_total / restored_total:.1f}x faster)",
+        ),
+        (
+            "exec -> first compiled forward",
+            f"{median('cold', 'exec_to_first_forward_s'):.2f}",
+            f"{median('restored', 'exec_to_first_forward_s'):.2f}",
+        ),
         ("publish artifacts (once, after the cold compile)", f"{median('cold', 'publish_s'):.2f}", "—"),
     ]
     first = result["runs"][0]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
-    head = (f"torch.compile, Qwen3 {result['size']} ({restart.parameter_count(result['model']['parameters'])} parameters), "
-            f"{result['machine']['device']}, median of {len(result['runs'])} run(s); "
-            f"artifacts {first['cold']['artifact_bytes'] / 2**20:.1f} MiB")
-    tail = (f"outputs identical bit for bit: {result['outputs_identical']}; restored compiles hit inductor's cache "
-            f"(FX graph hits {first['restored']['fx_hits']}, misses {first['restored']['fx_misses']}): {result['restored_from_the_cache']}")
+    head = (
+        f"torch.compile, Qwen3 {result['size']} ({restart.parameter_count(result['model']['parameters'])} parameters), "
+        f"{result['machine']['device']}, median of {len(result['runs'])} run(s); "
+        f"artifacts {first['cold']['artifact_bytes'] / 2**20:.1f} MiB"
+    )
+    tail = (
+        f"outputs identical bit for bit: {result['outputs_identical']}; restored compiles hit inductor's cache "
+        f"(FX graph hits {first['restored']['fx_hits']}, misses {first['restored']['fx_misses']}): {result['restored_from_the_cache']}"
+    )
     return "\n".join([head, *lines, tail])
 
 

@@ -38,8 +38,9 @@ print(json.dumps({"seconds": seconds, "source": loaded.source, "timings": loaded
 
 
 def engine(model, mode, device, socket_dir) -> dict:
-    proc = subprocess.run([sys.executable, "-c", ENGINE, str(model), mode, device, str(socket_dir)],
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE, str(model), mode, device, str(socket_dir)], capture_output=True, text=True, timeout=1800
+    )
     if proc.returncode:
         raise SystemExit(f"{mode} engine failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -62,12 +63,22 @@ def main(argv=None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="wc-fp8-"))
     socket_dir = Path(tempfile.mkdtemp(prefix="wc-fp8-sock-"))
-    server = subprocess.Popen([sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
-        config = transformers.LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 128,
-                                          num_key_value_heads=max(1, args.hidden // 512), architectures=["LlamaForCausalLM"])
+        config = transformers.LlamaConfig(
+            vocab_size=32000,
+            hidden_size=args.hidden,
+            intermediate_size=args.hidden * 11 // 4,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.hidden // 128,
+            num_key_value_heads=max(1, args.hidden // 512),
+            architectures=["LlamaForCausalLM"],
+        )
         with torch.device(args.device if args.device.startswith("cuda") else "cpu"):
             model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
         model.save_pretrained(work)
@@ -86,15 +97,22 @@ def main(argv=None) -> int:
     rows = [
         ("measure", "time", "note"),
         ("disk load + FP8 quantize", f"{disk['seconds'] * 1000:,.1f} ms", f"of which quantize {_share(disk)}"),
-        ("publish (once: load, quantize, export)", f"{sum(published.timings.values()) * 1000:,.1f} ms",
-         f"{published.manifest.nbytes / 2**20:,.0f} MiB cached"),
-        ("attach (map + rebind, no quantize)", f"{attached['seconds'] * 1000:,.1f} ms", f"{disk['seconds'] / attached['seconds']:,.1f}x faster"),
+        (
+            "publish (once: load, quantize, export)",
+            f"{sum(published.timings.values()) * 1000:,.1f} ms",
+            f"{published.manifest.nbytes / 2**20:,.0f} MiB cached",
+        ),
+        (
+            "attach (map + rebind, no quantize)",
+            f"{attached['seconds'] * 1000:,.1f} ms",
+            f"{disk['seconds'] / attached['seconds']:,.1f}x faster",
+        ),
         ("outputs bit-identical", "yes" if same else "NO", attached["sha256"][:16]),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     print(f"\nLlama {params / 1e9:.2f} B parameters (bf16 -> block FP8) on {args.device}, torch {torch.__version__}")
     for i, row in enumerate(rows):
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
         if i == 0:
             print("  ".join("-" * w for w in widths))
     if args.json:

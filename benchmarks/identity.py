@@ -88,7 +88,9 @@ def main(argv=None) -> int:
     print(f"\none {args.big_gib:g} GiB file, page cache warm, median of {big_runs} runs\n")
     print("| measure | time | rate |")
     print("|---|---|---|")
-    print(f"| `file_digest` ({hashing_threads()} threads, 64 MiB pieces) | {digest_ms:.0f} ms | {nbytes / digest_ms / 1e6:.2f} GB/s |")
+    print(
+        f"| `file_digest` ({hashing_threads()} threads, 64 MiB pieces) | {digest_ms:.0f} ms | {nbytes / digest_ms / 1e6:.2f} GB/s |"
+    )
     print(f"| one sha256 stream (in memory) | {stream_ms:.0f} ms | {nbytes / stream_ms / 1e6:.2f} GB/s |")
     return 0
 

@@ -51,17 +51,52 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {
     # Qwen3-8B's shape: 8.19 B parameters.
-    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0),
+    "8b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+    ),
     # 1.1 B parameters, tied embeddings (Qwen3-1.7B's width, 16 layers): the compile benchmark's GPU model.
-    "1b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16, num_attention_heads=16,
-               num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True),
+    "1b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+    ),
     # 166 M parameters: a few hundred MB, for a CPU.
-    "small": dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=64, max_position_embeddings=4096),
+    "small": dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=4096,
+    ),
     # 2 layers of 256: the compile benchmark's CPU model (inductor's C++ backend compiles every kernel with gcc).
-    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64, max_position_embeddings=2048),
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+    ),
 }
 SCENARIOS = ("disk-cold", "disk-warm", "attach", "warm-spare")
 MARKER = "weightcache-restart-benchmark.json"
@@ -184,8 +219,22 @@ def ensure_checkpoint(size: str, device: str, model: Path, env: dict) -> Path:
     if not (marker.exists() and json.loads(marker.read_text())["size"] == size):
         print(f"building the {size} checkpoint in {model} ...", flush=True)
         model.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--role", "make", "--size", size, "--model", str(model),
-                        "--device", device], env=env, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--role",
+                "make",
+                "--size",
+                size,
+                "--model",
+                str(model),
+                "--device",
+                device,
+            ],
+            env=env,
+            check=True,
+        )
     return model
 
 
@@ -261,8 +310,9 @@ class Runner:
 
     def spawn_engine(self, scenario: str, hold: bool = False) -> subprocess.Popen:
         args = ["--role", "engine", "--scenario", scenario, "--socket-dir", str(self.socket_dir)] + (["--hold"] if hold else [])
-        return subprocess.Popen(self.command(*args, "--spawned-at", repr(time.monotonic())), stdout=subprocess.PIPE, text=True,
-                                env=self.env)
+        return subprocess.Popen(
+            self.command(*args, "--spawned-at", repr(time.monotonic())), stdout=subprocess.PIPE, text=True, env=self.env
+        )
 
     def engine(self, scenario: str) -> dict:
         proc = self.spawn_engine(scenario)
@@ -279,9 +329,24 @@ class Runner:
             primary_report = _json_line(primary, "primary")
             spawned = time.monotonic()
             standby = subprocess.Popen(
-                [sys.executable, "-m", "weightcache.core.cli", "standby", "--model", str(self.model), "--device", self.device,
-                 "--socket-dir", str(self.socket_dir), "--watch-pid", str(primary.pid)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=self.env,
+                [
+                    sys.executable,
+                    "-m",
+                    "weightcache.core.cli",
+                    "standby",
+                    "--model",
+                    str(self.model),
+                    "--device",
+                    self.device,
+                    "--socket-dir",
+                    str(self.socket_dir),
+                    "--watch-pid",
+                    str(primary.pid),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=self.env,
             )
             ready = _json_line(standby, "standby")
             ready_after = time.monotonic() - spawned
@@ -322,11 +387,13 @@ def weightcache_env(work: Path) -> dict:
     """The environment of every child: offline, a private digest store, and weightcache importable with its entry points."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "WEIGHTCACHE_CACHE_DIR": str(work / "digests")}
     (work / "digests").mkdir(mode=0o700)
-    probe = ("import importlib.metadata as m, pathlib, sys, weightcache.core; "
-             "names = {e.name for e in m.entry_points(group='weightcache.adapters')} | "
-             "{e.name for e in m.entry_points(group='weightcache.commands')}; "
-             "here = pathlib.Path(weightcache.core.__file__).resolve().parent == pathlib.Path(sys.argv[1]); "
-             "raise SystemExit(0 if here and {'hf', 'standby'} <= names else 1)")
+    probe = (
+        "import importlib.metadata as m, pathlib, sys, weightcache.core; "
+        "names = {e.name for e in m.entry_points(group='weightcache.adapters')} | "
+        "{e.name for e in m.entry_points(group='weightcache.commands')}; "
+        "here = pathlib.Path(weightcache.core.__file__).resolve().parent == pathlib.Path(sys.argv[1]); "
+        "raise SystemExit(0 if here and {'hf', 'standby'} <= names else 1)"
+    )
     if subprocess.run([sys.executable, "-c", probe, str(ROOT / "core")], env=env, capture_output=True).returncode == 0:
         return env  # this checkout is installed with its entry points
     shim = _shim(work / "shim")
@@ -354,12 +421,20 @@ def _shim(directory: Path) -> Path:
 
 
 def machine(device: str, env: dict) -> dict:
-    code = ("import json, torch, transformers; d = {'torch': torch.__version__, 'transformers': transformers.__version__}; "
-            "d.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda) if torch.cuda.is_available() else None; "
-            "print(json.dumps(d))")
+    code = (
+        "import json, torch, transformers; d = {'torch': torch.__version__, 'transformers': transformers.__version__}; "
+        "d.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda) if torch.cuda.is_available() else None; "
+        "print(json.dumps(d))"
+    )
     facts = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
-    return {**facts, "python": platform.python_version(), "cpus": os.cpu_count(), "host": platform.node(), "device": device,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    return {
+        **facts,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "host": platform.node(),
+        "device": device,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
 
 
 def parameter_count(count: int) -> str:
@@ -384,48 +459,75 @@ def table(result: dict) -> str:
 
     rows = [("phase (s, median)", *columns)]
     labels = {
-        "interpreter_s": "interpreter start", "imports_s": "imports (torch, transformers, model; CUDA set-up overlapped)",
-        "cuda_context_s": "CUDA context (left after the imports)", "plugins_s": "weightcache's adapters (entry points)",
+        "interpreter_s": "interpreter start",
+        "imports_s": "imports (torch, transformers, model; CUDA set-up overlapped)",
+        "cuda_context_s": "CUDA context (left after the imports)",
+        "plugins_s": "weightcache's adapters (entry points)",
         "skeleton_s": "model skeleton (meta)",
-        "load_s": "map + rebind / disk load", "first_token_s": "first token (one forward)",
+        "load_s": "map + rebind / disk load",
+        "first_token_s": "first token (one forward)",
     }
     for key in PHASES:
         rows.append((labels[key], *(cell(name, key) for name in columns)))
-    rows.append(("total: exec -> first token", *(
-        f"{s[n]['median']['total_s']:.2f}" if n != "warm-spare" else f"{s[n]['median']['total_s']:.2f} (kill -> token)" for n in columns)))
+    rows.append(
+        (
+            "total: exec -> first token",
+            *(
+                f"{s[n]['median']['total_s']:.2f}" if n != "warm-spare" else f"{s[n]['median']['total_s']:.2f} (kill -> token)"
+                for n in columns
+            ),
+        )
+    )
     if attach_total:
         rows.append(("vs attach", *(f"{s[n]['median']['total_s'] / attach_total:.2f}x" for n in columns)))
     if "attach" in s:
         ours = s["attach"]["median"]["ours_s"]
         skeleton = s["attach"]["median"]["skeleton_s"]
-        rows.append(("weightcache's own share (adapters + load_model, framework imported)", *(
-            f"{ours:.3f} (skeleton {skeleton:.3f})" if n == "attach" else "" for n in columns)))
+        rows.append(
+            (
+                "weightcache's own share (adapters + load_model, framework imported)",
+                *(f"{ours:.3f} (skeleton {skeleton:.3f})" if n == "attach" else "" for n in columns),
+            )
+        )
     if "warm-spare" in s:
         spare = s["warm-spare"]["median"]
         for label, text in (
-            ("warm spare: kill -> trigger / trigger -> token", f"{spare['trigger_s'] * 1000:.1f} / {spare['first_token_s'] * 1000:.1f} ms"),
+            (
+                "warm spare: kill -> trigger / trigger -> token",
+                f"{spare['trigger_s'] * 1000:.1f} / {spare['first_token_s'] * 1000:.1f} ms",
+            ),
             ("warm spare: ready after its start (paid before)", f"{spare['ready_after_spawn_s']:.2f}"),
             ("warm spare: private memory grown by attach + warm-up", f"{spare['private_growth_bytes'] / 2**20:.1f} MiB"),
         ):
             rows.append((label, *(text if n == "warm-spare" else "" for n in columns)))
     if "disk-cold" in s:
-        rows.append(("page cache resident before the run", *(
-            f"{s[n]['resident_before']:.0%}" if "resident_before" in s[n] else "" for n in columns)))
+        rows.append(
+            (
+                "page cache resident before the run",
+                *(f"{s[n]['resident_before']:.0%}" if "resident_before" in s[n] else "" for n in columns),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     m = result["model"]
-    head = (f"restart to first token: Qwen3 {result['size']} ({parameter_count(m['parameters'])} parameters, {m['bytes'] / 1e9:.2f} GB bf16), "
-            f"{result['machine']['device']}, median of {result['runs']} run(s); publish once: {result['publish_s']:.1f} s")
+    head = (
+        f"restart to first token: Qwen3 {result['size']} ({parameter_count(m['parameters'])} parameters, {m['bytes'] / 1e9:.2f} GB bf16), "
+        f"{result['machine']['device']}, median of {result['runs']} run(s); publish once: {result['publish_s']:.1f} s"
+    )
     return "\n".join([head, *lines])
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=sorted(SIZES), default="small", help="8b: 16.4 GB (a GPU machine); small: 332 MB (default)")
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default="small", help="8b: 16.4 GB (a GPU machine); small: 332 MB (default)"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--runs", type=int, default=None, help="runs per scenario (default: 3 small, 1 8b)")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {', '.join(SCENARIOS)}")
-    parser.add_argument("--keep-checkpoint", metavar="DIR", help="build the checkpoint here and keep it (reused when it is there)")
+    parser.add_argument(
+        "--keep-checkpoint", metavar="DIR", help="build the checkpoint here and keep it (reused when it is there)"
+    )
     parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     parser.add_argument("--role", choices=["engine", "make"], help=argparse.SUPPRESS)
     parser.add_argument("--scenario", help=argparse.SUPPRESS)
@@ -449,10 +551,20 @@ def main(argv=None) -> int:
     server = None
     try:
         env = weightcache_env(work)
-        model = ensure_checkpoint(args.size, args.device, Path(args.keep_checkpoint) if args.keep_checkpoint else work / "model", env)
+        model = ensure_checkpoint(
+            args.size, args.device, Path(args.keep_checkpoint) if args.keep_checkpoint else work / "model", env
+        )
         files = checkpoint_files(model)
-        result = {"size": args.size, "runs": runs, "machine": machine(args.device, env),
-                  "model": {**json.loads((model / MARKER).read_text()), "bytes": sum(p.stat().st_size for p in files), "files": len(files)}}
+        result = {
+            "size": args.size,
+            "runs": runs,
+            "machine": machine(args.device, env),
+            "model": {
+                **json.loads((model / MARKER).read_text()),
+                "bytes": sum(p.stat().st_size for p in files),
+                "files": len(files),
+            },
+        }
         os.environ.update(env)  # the server process too
         sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         from weightcache.core.server_process import ServerProcess  # after the shim, if any, is on the path
@@ -460,8 +572,22 @@ def main(argv=None) -> int:
         server = ServerProcess.start(work / "sock")
         runner = Runner(model, args.device, server.socket_dir, env)
         start = time.monotonic()
-        subprocess.run([sys.executable, "-m", "weightcache.core.cli", "load", "--model", str(model), "--device", args.device,
-                        "--socket-dir", str(server.socket_dir)], env=env, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "weightcache.core.cli",
+                "load",
+                "--model",
+                str(model),
+                "--device",
+                args.device,
+                "--socket-dir",
+                str(server.socket_dir),
+            ],
+            env=env,
+            check=True,
+        )
         result["publish_s"] = time.monotonic() - start
         result["scenarios"] = {}
         for name in scenarios:
@@ -477,8 +603,11 @@ def main(argv=None) -> int:
                 report.update(runner.warm_spare() if name == "warm-spare" else runner.engine(name))
                 reports.append(report)
                 print(f"{name} run {run + 1}/{runs}: {report['total_s']:.2f} s to the first token", flush=True)
-            result["scenarios"][name] = {"runs": reports, "median": median_of(reports),
-                                         **({"resident_before": reports[0]["resident_before"]} if "resident_before" in reports[0] else {})}
+            result["scenarios"][name] = {
+                "runs": reports,
+                "median": median_of(reports),
+                **({"resident_before": reports[0]["resident_before"]} if "resident_before" in reports[0] else {}),
+            }
         tokens = {run["token"] for s in result["scenarios"].values() for run in s["runs"]}
         result["same_first_token_everywhere"] = len(tokens) == 1
         text = table(result)

@@ -29,8 +29,12 @@ def main(argv=None) -> int:
     model = save_random_model("llama", Path(tempfile.mkdtemp(prefix="wc-standby-model-")), dtype="bfloat16")
     results = []
     for _ in range(args.runs):
-        out = subprocess.run([sys.executable, str(ROOT / "examples" / "hot_standby.py"), "--model", str(model),
-                              "--device", args.device, "--json"], capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "hot_standby.py"), "--model", str(model), "--device", args.device, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if out.returncode:
             raise SystemExit(out.stderr[-3000:])
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -60,13 +60,21 @@ OPTIONS = (
     ("--weightcache-quant", "quantization method to check (fp8-block); default: none", {}),
     ("--weightcache-device", "device to load on (default: cpu)", {}),
     ("--weightcache-dtype", "dtype of unquantized weights (default: the checkpoint's)", {}),
-    ("--weightcache-inputs", "MODULE:FUNCTION giving example inputs for a model: FUNCTION(model) -> dict, tuple or tensor "
-     "(default: the adapter's weightcache_example_inputs hook)", {}),
+    (
+        "--weightcache-inputs",
+        "MODULE:FUNCTION giving example inputs for a model: FUNCTION(model) -> dict, tuple or tensor "
+        "(default: the adapter's weightcache_example_inputs hook)",
+        {},
+    ),
     ("--weightcache-option", "an adapter option KEY=VALUE (repeatable; a JSON value is decoded)", {"action": "append"}),
     ("--weightcache-no-fp8", "the adapter does not implement fp8-block: check that it refuses it", {"action": "store_true"}),
     ("--weightcache-tied", "names that must stay tied, comma-separated (repeatable: one group each)", {"action": "append"}),
-    ("--weightcache-declare-quantization", "how a checkpoint declares a quantization method: hf-config (default: "
-     "config.json's quantization_config), none (the adapter has no such notion) or MODULE:FUNCTION(checkpoint, method)", {}),
+    (
+        "--weightcache-declare-quantization",
+        "how a checkpoint declares a quantization method: hf-config (default: "
+        "config.json's quantization_config), none (the adapter has no such notion) or MODULE:FUNCTION(checkpoint, method)",
+        {},
+    ),
 )
 """The kit's command-line options (pytest form); ``weightcache conformance`` takes each without the ``weightcache-`` prefix."""
 

@@ -98,7 +98,9 @@ def difference_message(actual: "torch.Tensor", expected: "torch.Tensor") -> str 
     )
 
 
-def assert_tensors_identical(name: str, actual: "torch.Tensor", expected: "torch.Tensor", context: str = "", label: str = "mapped") -> None:
+def assert_tensors_identical(
+    name: str, actual: "torch.Tensor", expected: "torch.Tensor", context: str = "", label: str = "mapped"
+) -> None:
     """Raise AssertionError naming ``name``, the dtype, both devices and the largest difference unless bit-identical.
 
     :param context: what is being compared (prefixes the message).

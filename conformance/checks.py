@@ -74,7 +74,9 @@ def _perturb_fingerprint(monkeypatch, field: str) -> str:
 
 def _skip_if_allowlisted(method: str, allowlist) -> None:
     if method in allowlist:
-        pytest.skip(f"the adapter validated {method!r} itself (weightcache_quantization_allowlist); check it with quantization={method!r}")
+        pytest.skip(
+            f"the adapter validated {method!r} itself (weightcache_quantization_allowlist); check it with quantization={method!r}"
+        )
 
 
 def _failures(title: str, problems: list[str], limit: int = 40) -> str:
@@ -115,7 +117,9 @@ class ParityTests:
 
     def test_mapped_model_comes_from_the_cache(self, disk_model, mapped_model, published):
         assert disk_model.source == "disk", f"mode 'off' gave source {disk_model.source!r}"
-        assert mapped_model.source == "cache", f"mode 'client' gave source {mapped_model.source!r}: {mapped_model.fallback_reason}"
+        assert mapped_model.source == "cache", (
+            f"mode 'client' gave source {mapped_model.source!r}: {mapped_model.fallback_reason}"
+        )
         assert mapped_model.attachment.digest == published.digest, "attached another entry than the one published"
         mismatched = mapped_model.fingerprint.mismatched_fields(published.fingerprint)
         assert not mismatched, f"the fingerprints of the published entry and of the mapped model differ in {mismatched}"
@@ -168,7 +172,9 @@ class ParityTests:
         disk, mapped = tied_groups(disk_model.model), tied_groups(mapped_model.model)
         for group in expected_tied:
             for label, groups in (("disk load", disk), ("mapped model", mapped)):
-                assert any(set(group) <= g for g in groups), f"{sorted(group)} are not tied in the {label}; tied: {sorted(map(sorted, groups))}"
+                assert any(set(group) <= g for g in groups), (
+                    f"{sorted(group)} are not tied in the {label}; tied: {sorted(map(sorted, groups))}"
+                )
         lost = [sorted(g) for g in disk - mapped]
         gained = [sorted(g) for g in mapped - disk]
         assert not lost and not gained, (
@@ -235,23 +241,37 @@ class FingerprintTests:
 
     @pytest.mark.parametrize("field", FIELDS)
     def test_fingerprint_mismatch_falls_back_to_disk(
-        self, field, load_request, plugins, weightcache_server, published, run_model, example_inputs, disk_model,
-        monkeypatch, caplog,
+        self,
+        field,
+        load_request,
+        plugins,
+        weightcache_server,
+        published,
+        run_model,
+        example_inputs,
+        disk_model,
+        monkeypatch,
+        caplog,
     ):
         expected = _perturb_fingerprint(monkeypatch, field)
         with caplog.at_level(logging.WARNING, logger="weightcache"):
             loaded = load(load_request, "client", plugins, weightcache_server.socket_dir, strict=False)
         try:
             assert loaded.source == "disk", f"a mismatch in {field!r} must fall back to disk, got source {loaded.source!r}"
-            assert expected in (loaded.fallback_reason or ""), f"fallback reason does not name {expected!r}: {loaded.fallback_reason!r}"
+            assert expected in (loaded.fallback_reason or ""), (
+                f"fallback reason does not name {expected!r}: {loaded.fallback_reason!r}"
+            )
             logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and expected in r.getMessage()]
             assert logged, f"no warning logged naming {expected!r}; logged: {[r.getMessage() for r in caplog.records]}"
-            _compare_with_disk(loaded.model, disk_model, run_model, example_inputs, f"fallback ({field} changed)", label="fallback")
+            _compare_with_disk(
+                loaded.model, disk_model, run_model, example_inputs, f"fallback ({field} changed)", label="fallback"
+            )
         finally:
             loaded.close()
 
-
-    def test_each_adapter_extra_field_mismatch_is_explicit(self, load_request, plugins, weightcache_server, published, monkeypatch):
+    def test_each_adapter_extra_field_mismatch_is_explicit(
+        self, load_request, plugins, weightcache_server, published, monkeypatch
+    ):
         """Every field the adapter itself adds to the fingerprint (``ModelDescription.extra``) is compared and named."""
         from weightcache.core import identity
 
@@ -260,6 +280,7 @@ class FingerprintTests:
             pytest.skip("the adapter adds no fields of its own to the fingerprint (ModelDescription.extra is empty)")
         original = identity.fingerprint_for
         for key in keys:
+
             def perturbed(request, description, checkpoint=None, key=key):
                 fingerprint = original(request, description, checkpoint)
                 return attrs.evolve(fingerprint, extra={**fingerprint.extra, key: ["changed by the kit", fingerprint.extra[key]]})
@@ -267,7 +288,9 @@ class FingerprintTests:
             monkeypatch.setattr(identity, "fingerprint_for", perturbed)
             with pytest.raises(FingerprintMismatch) as info:
                 load(load_request, "client", plugins, weightcache_server.socket_dir, strict=True)
-            assert info.value.fields == (f"extra.{key}",), f"changing extra.{key} alone must be reported as that field, got {info.value.fields}"
+            assert info.value.fields == (f"extra.{key}",), (
+                f"changing extra.{key} alone must be reported as that field, got {info.value.fields}"
+            )
 
 
 class QuantizationTests:
@@ -287,7 +310,9 @@ class QuantizationTests:
         except Exception:
             return
         loaded.close()
-        pytest.fail(f"the adapter loaded {weightless_checkpoint}, whose weight bytes are cut off; does it read weights elsewhere?")
+        pytest.fail(
+            f"the adapter loaded {weightless_checkpoint}, whose weight bytes are cut off; does it read weights elsewhere?"
+        )
 
     @pytest.mark.parametrize("mode", ["off", "client", "daemon"])
     @pytest.mark.parametrize("method", REFUSED_METHODS)
@@ -343,8 +368,12 @@ class CrashTests:
                 loaded.close()
             fallback = load(load_request, "client", plugins, server.socket_dir, strict=False)
             try:
-                assert fallback.source == "disk" and fallback.fallback_reason, "with the server dead, mode 'client' must fall back to disk"
-                _compare_with_disk(fallback.model, disk_model, run_model, example_inputs, "fallback with the server dead", label="fallback")
+                assert fallback.source == "disk" and fallback.fallback_reason, (
+                    "with the server dead, mode 'client' must fall back to disk"
+                )
+                _compare_with_disk(
+                    fallback.model, disk_model, run_model, example_inputs, "fallback with the server dead", label="fallback"
+                )
             finally:
                 fallback.close()
         finally:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 def add_parser(commands) -> None:
     parser = commands.add_parser(
-        "conformance", help="check that mapped weights give exactly a disk load's outputs",
+        "conformance",
+        help="check that mapped weights give exactly a disk load's outputs",
         description="Run the conformance kit on one model: publish it to a private server, attach it, and compare "
         "tensors and outputs with a disk load; also fingerprint mismatches, refused quantization methods and a "
         "server crash. Exit status 0 only if every check passes.",
@@ -28,17 +29,35 @@ def add_parser(commands) -> None:
     parser.add_argument("--quant", help="quantization method to check: fp8-block (default: none)")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cpu)")
     parser.add_argument("--dtype", help="dtype of unquantized weights (default: the checkpoint's)")
-    parser.add_argument("--inputs", help="MODULE:FUNCTION giving example inputs: FUNCTION(model) -> dict, tuple or tensor "
-                        "(default: the adapter's weightcache_example_inputs hook)")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="an adapter option (repeatable; a JSON value is decoded)")
-    parser.add_argument("--no-fp8", action="store_true", help="the adapter does not implement fp8-block: check that it refuses it")
-    parser.add_argument("--tied", action="append", default=[], metavar="NAME,NAME",
-                        help="names that must stay tied in both models (repeatable: one group each)")
-    parser.add_argument("--declare-quantization", metavar="HOW",
-                        help="how a checkpoint declares a method: hf-config (default), none, or MODULE:FUNCTION(checkpoint, method)")
+    parser.add_argument(
+        "--inputs",
+        help="MODULE:FUNCTION giving example inputs: FUNCTION(model) -> dict, tuple or tensor "
+        "(default: the adapter's weightcache_example_inputs hook)",
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an adapter option (repeatable; a JSON value is decoded)",
+    )
+    parser.add_argument(
+        "--no-fp8", action="store_true", help="the adapter does not implement fp8-block: check that it refuses it"
+    )
+    parser.add_argument(
+        "--tied",
+        action="append",
+        default=[],
+        metavar="NAME,NAME",
+        help="names that must stay tied in both models (repeatable: one group each)",
+    )
+    parser.add_argument(
+        "--declare-quantization",
+        metavar="HOW",
+        help="how a checkpoint declares a method: hf-config (default), none, or MODULE:FUNCTION(checkpoint, method)",
+    )
     parser.add_argument("--json", help="write the results to this file")
-    parser.add_argument("--pytest-args", default="", help="extra pytest arguments, as one string (e.g. \"-k parity -x\")")
+    parser.add_argument("--pytest-args", default="", help='extra pytest arguments, as one string (e.g. "-k parity -x")')
 
 
 class ResultCollector:
@@ -89,12 +108,27 @@ def pytest_arguments(args, workdir: Path) -> list[str]:
     config = workdir / "pytest.ini"
     config.write_text("[pytest]\n")  # ignore the caller's pytest configuration
     argv = [
-        str(SUITE), "-c", str(config), "--rootdir", str(workdir), "-p", "no:cacheprovider", "-q", "--tb=short",
-        "--weightcache-adapter", args.adapter, "--weightcache-model", str(Path(args.model).resolve()),
+        str(SUITE),
+        "-c",
+        str(config),
+        "--rootdir",
+        str(workdir),
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "--tb=short",
+        "--weightcache-adapter",
+        args.adapter,
+        "--weightcache-model",
+        str(Path(args.model).resolve()),
     ]
-    for flag, value in (("--weightcache-quant", args.quant), ("--weightcache-device", args.device),
-                        ("--weightcache-dtype", args.dtype), ("--weightcache-inputs", args.inputs),
-                        ("--weightcache-declare-quantization", args.declare_quantization)):
+    for flag, value in (
+        ("--weightcache-quant", args.quant),
+        ("--weightcache-device", args.device),
+        ("--weightcache-dtype", args.dtype),
+        ("--weightcache-inputs", args.inputs),
+        ("--weightcache-declare-quantization", args.declare_quantization),
+    ):
         if value:
             argv += [flag, value]
     for flag, values in (("--weightcache-option", args.option), ("--weightcache-tied", args.tied)):
@@ -115,8 +149,15 @@ def check_arguments(args) -> None:
     if not Path(args.model).exists():
         raise WeightCacheError(f"--model {args.model}: no such file or directory")
     adapter = installed_plugins().adapter(args.adapter)
-    adapter.check_options(LoadRequest(model=str(args.model), adapter=args.adapter, dtype=args.dtype,
-                                      device=args.device or "cpu", options=parse_options(args.option)))
+    adapter.check_options(
+        LoadRequest(
+            model=str(args.model),
+            adapter=args.adapter,
+            dtype=args.dtype,
+            device=args.device or "cpu",
+            options=parse_options(args.option),
+        )
+    )
 
 
 def run(args) -> int:
@@ -177,10 +218,13 @@ def print_table(summary: dict, stream=None) -> None:
         rows.append((group.removeprefix("test_"), result, str(counts["passed"]), str(bad), str(counts["skipped"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     quant = summary["quantization"]
-    print(f"\nweightcache conformance: adapter {summary['adapter']}, model {summary['model']}, "
-          f"quantization {quant}, device {summary['device']}", file=stream)
+    print(
+        f"\nweightcache conformance: adapter {summary['adapter']}, model {summary['model']}, "
+        f"quantization {quant}, device {summary['device']}",
+        file=stream,
+    )
     for index, row in enumerate(rows):
-        print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip(), file=stream)
+        print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip(), file=stream)
         if index == 0:
             print("  " + "  ".join("-" * width for width in widths), file=stream)
     skips: dict[str, list[str]] = {}
@@ -205,6 +249,9 @@ def print_table(summary: dict, stream=None) -> None:
             print(f"  {count} ({names}) {message}", file=stream)
     counts = summary["counts"]
     verdict = "PASSED" if summary["passed"] else f"FAILED (pytest exit status {summary['exit_code']})"
-    print(f"\n{verdict}: {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
-          f"{counts['skipped']} skipped in {summary['seconds']:.1f} s", file=stream)
+    print(
+        f"\n{verdict}: {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
+        f"{counts['skipped']} skipped in {summary['seconds']:.1f} s",
+        file=stream,
+    )
     stream.flush()

@@ -214,7 +214,10 @@ class ConformanceFixtures:
 
         Command line: ``--weightcache-tied lm_head.weight,embed.weight`` (repeatable).
         """
-        return tuple(tuple(name.strip() for name in group.split(",") if name.strip()) for group in _option(request, "weightcache_tied") or [])
+        return tuple(
+            tuple(name.strip() for name in group.split(",") if name.strip())
+            for group in _option(request, "weightcache_tied") or []
+        )
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -267,8 +270,12 @@ class ConformanceFixtures:
         from weightcache.core.request import LoadRequest
 
         return LoadRequest(
-            model=str(model_path), adapter=adapter_name, dtype=dtype, device=device,
-            quantization=quantization, options=dict(load_options),
+            model=str(model_path),
+            adapter=adapter_name,
+            dtype=dtype,
+            device=device,
+            quantization=quantization,
+            options=dict(load_options),
         )
 
     @pytest.fixture(scope="class")

@@ -28,7 +28,16 @@ from weightcache.core.request import LoadRequest, ModelDescription
 if typing.TYPE_CHECKING:
     import torch
 
-__all__ = ["Attachment", "PublishedState", "attach", "fingerprint", "publish_checkpoint", "publish_model", "publish_state", "rebind"]
+__all__ = [
+    "Attachment",
+    "PublishedState",
+    "attach",
+    "fingerprint",
+    "publish_checkpoint",
+    "publish_model",
+    "publish_state",
+    "rebind",
+]
 
 
 def fingerprint(
@@ -55,9 +64,15 @@ def fingerprint(
     """
     request = LoadRequest(model=str(checkpoint), adapter=adapter, dtype=dtype, device=device, parallel=parallel or ParallelSpec())
     description = ModelDescription(
-        architecture=architecture, config=dict(config or {}), dtype=dtype, quantization=quantization,
-        quantization_config=dict(quantization_config or {}), adapter_version=adapter_version, engine=engine,
-        engine_version=engine_version, extra=dict(extra or {}),
+        architecture=architecture,
+        config=dict(config or {}),
+        dtype=dtype,
+        quantization=quantization,
+        quantization_config=dict(quantization_config or {}),
+        adapter_version=adapter_version,
+        engine=engine,
+        engine_version=engine_version,
+        extra=dict(extra or {}),
     )
     return fingerprint_for(request, description)
 
@@ -129,8 +144,17 @@ def publish_checkpoint(
     with ArenaBuilder(device, chunk_bytes=chunk_bytes, progress=progress) as builder:
         placed = read_checkpoint(path, builder)
         records = [
-            TensorRecord(name=name, kind="parameter", dtype=info.dtype, shape=info.shape, stride=_contiguous_stride(info.shape),
-                         storage_offset=0, arena=slot.arena, offset=slot.offset, nbytes=slot.nbytes)
+            TensorRecord(
+                name=name,
+                kind="parameter",
+                dtype=info.dtype,
+                shape=info.shape,
+                stride=_contiguous_stride(info.shape),
+                storage_offset=0,
+                arena=slot.arena,
+                offset=slot.offset,
+                nbytes=slot.nbytes,
+            )
             for name, (info, slot) in placed.items()
         ]
         manifest = Manifest(tensors=records, arenas=builder.specs())
@@ -155,4 +179,6 @@ def rebind(model: "torch.nn.Module", attachment: Attachment, device=None) -> "to
     from weightcache.core.device import Device
     from weightcache.core.rebind import rebind_module
 
-    return rebind_module(model, attachment.tensors, attachment.manifest, device=None if device is None else Device.parse(device).torch())
+    return rebind_module(
+        model, attachment.tensors, attachment.manifest, device=None if device is None else Device.parse(device).torch()
+    )

@@ -59,7 +59,7 @@ class Attachment:
             if len(self.fds) != len(manifest.arenas):
                 raise ValueError(f"the manifest lists {len(manifest.arenas)} arenas but {len(self.fds)} fds came")
             start = time.perf_counter()
-            for fd, spec in zip(self.fds, manifest.arenas):
+            for fd, spec in zip(self.fds, manifest.arenas, strict=True):
                 self.arenas.append(backend(spec.backend).map(fd, spec))
             self.timings["map_s"] = time.perf_counter() - start
             start = time.perf_counter()
@@ -109,7 +109,9 @@ class Attachment:
         """
         connection = Connection(self.socket_dir)
         try:
-            created = bool(connection.publish(self.fingerprint, self.manifest.to_json(), self.fds, label=self.label).get("created"))
+            created = bool(
+                connection.publish(self.fingerprint, self.manifest.to_json(), self.fds, label=self.label).get("created")
+            )
             reply = connection.attach(self.fingerprint)
             close_fds(reply.fds)  # this engine keeps the fds it already holds
         except BaseException:

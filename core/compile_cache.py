@@ -160,7 +160,9 @@ def read_memfd(fd: int, size: int) -> bytes:
 def _entry(loaded: "LoadedModel", socket_dir, strict: bool) -> tuple[str | None, typing.Any]:
     """The digest of ``loaded``'s entry and the socket directory to ask, or (None, None) when it has no entry."""
     if loaded.attachment is None:
-        _unavailable(f"the model came from {loaded.source} without a cached entry (mode {loaded.mode!r}) to keep artifacts beside", strict)
+        _unavailable(
+            f"the model came from {loaded.source} without a cached entry (mode {loaded.mode!r}) to keep artifacts beside", strict
+        )
         return None, None
     return loaded.attachment.digest, socket_dir if socket_dir is not None else loaded.attachment.socket_dir
 

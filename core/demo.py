@@ -56,8 +56,10 @@ def run_demo(model: str | None = None, device: str = "cpu", keep_server: bool = 
         worker = [python, "-m", "weightcache.core.demo", "--model", model, "--device", device, "--socket-dir", str(socket_dir)]
         _say("  2. loader process: identify the checkpoint, load it into shared memory, publish it ...")
         published = _run_json([*worker, "--mode", "publish"], "load and publish")
-        _say(f"     published {published['digest'][:12]}: {published['tensors']} tensors, {format_bytes(published['bytes'])} "
-             f"in {published['publish_s']:.2f} s")
+        _say(
+            f"     published {published['digest'][:12]}: {published['tensors']} tensors, {format_bytes(published['bytes'])} "
+            f"in {published['publish_s']:.2f} s"
+        )
         _say("  3. engine A: load from disk (mode off) ...")
         disk = _run_json([*worker, "--mode", "off"], "disk load")
         _say(f"     loaded in {disk['load_s'] * 1000:.1f} ms")
@@ -83,12 +85,21 @@ def demo_table(published: dict, disk: dict, attached: dict, same: bool) -> list[
     rows = [
         ("step", "time", "what the clock covers"),
         ("content digest", _ms(published["hash_s"]), digest_note),
-        ("load + publish (once)", _ms(published["publish_s"]), "loader: " + ", ".join(
-            f"{what} {_ms(published['timings'].get(key, 0.0))}"
-            for what, key in (("read", "load_s"), ("copy into new shared memory", "export_s"), ("publish", "publish_s")))),
+        (
+            "load + publish (once)",
+            _ms(published["publish_s"]),
+            "loader: "
+            + ", ".join(
+                f"{what} {_ms(published['timings'].get(key, 0.0))}"
+                for what, key in (("read", "load_s"), ("copy into new shared memory", "export_s"), ("publish", "publish_s"))
+            ),
+        ),
         ("disk load (warm page cache)", _ms(disk["load_s"]), "engine A: transformers from_pretrained, mode off"),
-        ("attach (map + rebind)", _ms(attached["load_s"]), f"engine B, mode client: {format_speedup(disk['load_s'], attached['load_s'])} "
-                                                           "than engine A's disk load"),
+        (
+            "attach (map + rebind)",
+            _ms(attached["load_s"]),
+            f"engine B, mode client: {format_speedup(disk['load_s'], attached['load_s'])} than engine A's disk load",
+        ),
         ("outputs bit-identical", "yes" if same else "NO", f"sha256 {attached['output_sha256'][:16]}"),
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
@@ -142,15 +153,33 @@ def _work(args) -> int:
         prepared.identify(progress=hashing)
         hashed = time.perf_counter()
         published = publish(prepared, args.socket_dir, progress=byte_progress("loading"))
-        print(json.dumps({"digest": published.digest, "tensors": len(published.manifest.tensors), "bytes": published.manifest.nbytes,
-                          "hash_s": hashed - start, "hashed_bytes": hashing.done, "publish_s": time.perf_counter() - hashed,
-                          "timings": published.timings}))
+        print(
+            json.dumps(
+                {
+                    "digest": published.digest,
+                    "tensors": len(published.manifest.tensors),
+                    "bytes": published.manifest.nbytes,
+                    "hash_s": hashed - start,
+                    "hashed_bytes": hashing.done,
+                    "publish_s": time.perf_counter() - hashed,
+                    "timings": published.timings,
+                }
+            )
+        )
         return 0
     start = time.perf_counter()
     loaded = load_model(args.model, mode=args.mode, device=args.device, socket_dir=args.socket_dir, strict=True)
     load_s = time.perf_counter() - start
-    print(json.dumps({"source": loaded.source, "load_s": load_s, "pid": os.getpid(),
-                      "output_sha256": _output_digest(loaded.model, args.device)}))
+    print(
+        json.dumps(
+            {
+                "source": loaded.source,
+                "load_s": load_s,
+                "pid": os.getpid(),
+                "output_sha256": _output_digest(loaded.model, args.device),
+            }
+        )
+    )
     return 0
 
 

@@ -120,7 +120,7 @@ def _hash_files(files: list[Path], keys: list[FileKey], progress: ProgressLike |
     with concurrent.futures.ThreadPoolExecutor(max_workers=hashing_threads(), thread_name_prefix="wc-digest") as pool:
         futures = {
             pool.submit(_hash_piece, file, offset, min(PIECE_BYTES, key.st_size - offset)): (index, offset)
-            for index, (file, key) in enumerate(zip(files, keys))
+            for index, (file, key) in enumerate(zip(files, keys, strict=True))
             for offset in range(0, key.st_size, PIECE_BYTES)
         }
         try:
@@ -133,7 +133,7 @@ def _hash_files(files: list[Path], keys: list[FileKey], progress: ProgressLike |
             for future in futures:
                 future.cancel()
             raise
-    return [_combine(key.st_size, [found[o] for o in sorted(found)]) for key, found in zip(keys, pieces)]
+    return [_combine(key.st_size, [found[o] for o in sorted(found)]) for key, found in zip(keys, pieces, strict=True)]
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -257,7 +257,7 @@ def checkpoint_digests(
         finally:
             if progress is not None:
                 progress.close()
-        for index, path, key, digest in zip(unknown, paths, unknown_keys, hashed):
+        for index, path, key, digest in zip(unknown, paths, unknown_keys, hashed, strict=True):
             digests[index] = digest
             _remember(store, path, key, digest, started)
     return [digest for digest in digests if digest is not None]

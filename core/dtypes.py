@@ -5,9 +5,18 @@ from __future__ import annotations
 import functools
 
 ITEM_SIZES: dict[str, int] = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
 }
 """Bytes per element of every dtype the wire carries (torch-free: the server validates manifests with it)."""
 

@@ -96,8 +96,10 @@ class CheckpointChanged(WeightCacheError):
     def __init__(self, checkpoint: str, file: str):
         self.checkpoint = checkpoint
         self.file = file
-        super().__init__(f"{file} changed while {checkpoint} was being loaded; nothing was published. "
-                         "Load it again once the checkpoint is written completely")
+        super().__init__(
+            f"{file} changed while {checkpoint} was being loaded; nothing was published. "
+            "Load it again once the checkpoint is written completely"
+        )
 
 
 class EntryUnusable(WeightCacheError):
@@ -161,8 +163,13 @@ class UnsupportedQuantization(WeightCacheError):
 class AdapterNotFound(WeightCacheError):
     """No usable adapter has the requested name; the message says what is installed, broken or blocked."""
 
-    def __init__(self, name: str, installed: "typing.Sequence[str]" = (), broken: "typing.Mapping[str, str] | None" = None,
-                 blocked: bool = False):
+    def __init__(
+        self,
+        name: str,
+        installed: "typing.Sequence[str]" = (),
+        broken: "typing.Mapping[str, str] | None" = None,
+        blocked: bool = False,
+    ):
         self.name = name
         self.installed = tuple(installed)
         self.broken = dict(broken or {})
@@ -172,7 +179,9 @@ class AdapterNotFound(WeightCacheError):
             detail = "it is blocked by $WEIGHTCACHE_BLOCK_ADAPTERS; remove it from that list to use it"
         else:
             detail = "install the package that provides it (it registers in the 'weightcache.adapters' entry points)"
-        super().__init__(f"no weightcache adapter named {name!r}: {detail}. Usable adapters: {', '.join(self.installed) or 'none'}")
+        super().__init__(
+            f"no weightcache adapter named {name!r}: {detail}. Usable adapters: {', '.join(self.installed) or 'none'}"
+        )
 
 
 class InvalidAdapter(WeightCacheError):
@@ -181,8 +190,9 @@ class InvalidAdapter(WeightCacheError):
     def __init__(self, name: str, problems: "typing.Sequence[str]"):
         self.name = name
         self.problems = tuple(problems)
-        super().__init__(f"adapter {name!r} does not fit the weightcache hook contract: {'; '.join(self.problems)} "
-                         "(see docs/adapter-guide.md)")
+        super().__init__(
+            f"adapter {name!r} does not fit the weightcache hook contract: {'; '.join(self.problems)} (see docs/adapter-guide.md)"
+        )
 
 
 class UnknownOption(WeightCacheError):
@@ -248,7 +258,9 @@ class CheckpointNotFound(WeightCacheError, FileNotFoundError):
     def __init__(self, path: "str | os.PathLike", problem: str):
         self.path = str(path)
         self.problem = problem
-        super().__init__(f"{self.path}: {problem}; pass a checkpoint directory that holds *.safetensors files (save_pretrained writes them)")
+        super().__init__(
+            f"{self.path}: {problem}; pass a checkpoint directory that holds *.safetensors files (save_pretrained writes them)"
+        )
 
 
 class InvalidCheckpoint(WeightCacheError, ValueError):
@@ -302,7 +314,9 @@ class CompileArtifactsUnavailable(WeightCacheError):
 
     def __init__(self, reason: str):
         self.reason = reason
-        super().__init__(f"compile artifacts unavailable: {reason}; the engine compiles from scratch (pass strict=False to go on with a warning)")
+        super().__init__(
+            f"compile artifacts unavailable: {reason}; the engine compiles from scratch (pass strict=False to go on with a warning)"
+        )
 
 
 class StandbyError(WeightCacheError):

@@ -42,8 +42,13 @@ class ArenaBuilder:
     loaded model into them peaks at the weights plus one arena.
     """
 
-    def __init__(self, device: "Device | str" = "cpu", chunk_bytes: int = DEFAULT_CHUNK_BYTES, backend: "ArenaBackend | None" = None,
-                 progress=None):
+    def __init__(
+        self,
+        device: "Device | str" = "cpu",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        backend: "ArenaBackend | None" = None,
+        progress=None,
+    ):
         from weightcache.core.progress import NoProgress
 
         self.device = Device.parse(device)
@@ -92,13 +97,17 @@ class ArenaBuilder:
         if self._sealed:
             raise ArenaError(f"cannot write {slot}: the arenas are sealed")
         if not 0 <= slot.arena < len(self._arenas):
-            raise ArenaError(f"{slot} names arena {slot.arena}, but {len(self._arenas)} were planned; plan the slot with this builder")
+            raise ArenaError(
+                f"{slot} names arena {slot.arena}, but {len(self._arenas)} were planned; plan the slot with this builder"
+            )
         arena = self._arenas[slot.arena]
         if arena is None:
             arena = self.backend.create(self._sizes[slot.arena], str(self.device))
             self._arenas[slot.arena] = arena
         if slot.offset < 0 or slot.offset + slot.nbytes > arena.spec.size:
-            raise ArenaError(f"{slot} lies outside arena {slot.arena} ({arena.spec.size} bytes); write only slots this builder's plan() returned")
+            raise ArenaError(
+                f"{slot} lies outside arena {slot.arena} ({arena.spec.size} bytes); write only slots this builder's plan() returned"
+            )
         return arena.bytes_view()[slot.offset : slot.offset + slot.nbytes]
 
     @property
@@ -140,7 +149,7 @@ def storage_region_bytes(tensor: "torch.Tensor") -> int:
     """Bytes of the storage a tensor reaches from its own offset (all of it for a strided view)."""
     if tensor.numel() == 0:
         return 0
-    elements = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    elements = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
     return elements * tensor.element_size()
 
 
@@ -279,7 +288,9 @@ def export_state(state, builder: ArenaBuilder, extra: dict | None = None) -> Man
     return export_tensors(items, aliases, builder, extra, release=False)
 
 
-def export_tensors(items: list[NamedTensor], aliases: dict, builder: ArenaBuilder, extra: dict | None = None, release: bool = True) -> Manifest:
+def export_tensors(
+    items: list[NamedTensor], aliases: dict, builder: ArenaBuilder, extra: dict | None = None, release: bool = True
+) -> Manifest:
     """Place ``items`` into arenas (copying those not there yet) and return their manifest.
 
     Raises ValueError for tensors on the meta device and ArenaError naming
@@ -341,7 +352,11 @@ def _naming(item: NamedTensor, slot: Slot | None = None):
         shape = f" {tuple(tensor.shape)}" if tensor.layout == torch.strided else ""
         where = f" into {slot}" if slot is not None else ""
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        hint = "only dense tensors fit in arenas: make it one (to_dense())" if tensor.layout != torch.strided else "make it an ordinary tensor"
+        hint = (
+            "only dense tensors fit in arenas: make it one (to_dense())"
+            if tensor.layout != torch.strided
+            else "make it an ordinary tensor"
+        )
         raise ArenaError(
             f"cannot export {item.kind} {item.name!r} ({tensor.dtype}{shape}, {tensor.layout}, on {tensor.device}){where}: "
             f"{reason}; nothing was published: {hint} in the adapter's load or post-processing"

@@ -95,7 +95,9 @@ class Fingerprint:
             expected = _JSON_TYPES[field.type]
             value = data[field.name]
             if not isinstance(value, expected) or isinstance(value, bool):
-                raise ValueError(f"malformed fingerprint: field {field.name} must be {expected.__name__}, not {type(value).__name__}")
+                raise ValueError(
+                    f"malformed fingerprint: field {field.name} must be {expected.__name__}, not {type(value).__name__}"
+                )
         return cls(**data)
 
     @property

@@ -132,9 +132,7 @@ def weightcache_manifest_extra(request: "LoadRequest", model: "torch.nn.Module")
 
 
 @hookspec(firstresult=True)
-def weightcache_rebind(
-    request: "LoadRequest", tensors: "dict[str, torch.Tensor]", manifest: "Manifest"
-) -> "torch.nn.Module":
+def weightcache_rebind(request: "LoadRequest", tensors: "dict[str, torch.Tensor]", manifest: "Manifest") -> "torch.nn.Module":
     """Build the model without memory (meta device) and point every tensor it computes with at ``tensors``.
 
     Tensors created by post-processing (``weight_scale_inv``) must be

@@ -138,7 +138,7 @@ class TensorRecord:
         """Bytes from the region's start up to the end of the view's last element (0 without elements)."""
         if 0 in self.shape:
             return 0
-        last = self.storage_offset + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride))
+        last = self.storage_offset + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride, strict=True))
         return (last + 1) * ITEM_SIZES[self.dtype]
 
     def to_json(self) -> dict:
@@ -154,8 +154,11 @@ class TensorRecord:
         unknown, missing = data.keys() - _RECORD_FIELDS, _REQUIRED_RECORD_FIELDS.difference(data)
         if unknown or missing:
             name = data.get("name")
-            raise InvalidManifest(name if isinstance(name, str) else "", ", ".join(sorted(unknown) + sorted(missing)),
-                                  f"unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
+            raise InvalidManifest(
+                name if isinstance(name, str) else "",
+                ", ".join(sorted(unknown) + sorted(missing)),
+                f"unknown fields {sorted(unknown)}, missing fields {sorted(missing)}",
+            )
         return cls(**data)
 
 
@@ -187,11 +190,14 @@ class Manifest:
                 raise InvalidManifest(record.name, "name", "names a second tensor")
             names.add(record.name)
             if record.arena >= len(self.arenas):
-                raise InvalidManifest(record.name, "arena", f"{record.arena} is not below the manifest's {len(self.arenas)} arenas")
+                raise InvalidManifest(
+                    record.name, "arena", f"{record.arena} is not below the manifest's {len(self.arenas)} arenas"
+                )
             size = self.arenas[record.arena].size
             if record.offset + record.nbytes > size:
                 raise InvalidManifest(
-                    record.name, "offset",
+                    record.name,
+                    "offset",
                     f"its region [{record.offset}, {record.offset + record.nbytes}) ends past arena {record.arena} ({size} bytes)",
                 )
         if not isinstance(self.aliases, dict):

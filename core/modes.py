@@ -143,8 +143,13 @@ def load_model(
     adapter does not declare is refused before anything is read.
     """
     request = LoadRequest(
-        model=model, adapter=adapter, dtype=dtype, device=device, quantization=quantization,
-        parallel=parallel or ParallelSpec(), options=options,
+        model=model,
+        adapter=adapter,
+        dtype=dtype,
+        device=device,
+        quantization=quantization,
+        parallel=parallel or ParallelSpec(),
+        options=options,
     )
     cache = CacheOptions(mode=mode, socket_dir=socket_dir, strict=strict, republish=republish, timeout_s=timeout_s)
     return run(request, cache, plugins=plugins, progress=progress)

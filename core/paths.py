@@ -62,7 +62,9 @@ def _check_dir(path: Path, allow_root: bool, forbidden_mode: int) -> os.stat_res
     """
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
-        raise AccessDenied(f"socket directory {path} is a symlink; use a real directory owned by you with mode 0700: {_WHAT_TO_DO}")
+        raise AccessDenied(
+            f"socket directory {path} is a symlink; use a real directory owned by you with mode 0700: {_WHAT_TO_DO}"
+        )
     if not stat.S_ISDIR(info.st_mode):
         raise AccessDenied(f"socket directory {path} is not a directory; {_WHAT_TO_DO}")
     own = os.geteuid()

@@ -100,12 +100,15 @@ class Plugins:
                 continue
             try:
                 plugins.register(entry_point.load(), entry_point.name)
-            except Exception as exc:  # noqa: BLE001  an adapter's own failure must not stop the others
+            except Exception as exc:
                 reason = str(exc) if isinstance(exc, InvalidAdapter) else f"{type(exc).__name__}: {exc}"
                 plugins.broken[entry_point.name] = f"entry point {entry_point.value!r}: {reason}"
                 log.warning(
-                    "weightcache: adapter %r is broken and was skipped (%s); fix or uninstall its package, "
-                    "or set %s=%s", entry_point.name, plugins.broken[entry_point.name], ENV_BLOCK, entry_point.name,
+                    "weightcache: adapter %r is broken and was skipped (%s); fix or uninstall its package, or set %s=%s",
+                    entry_point.name,
+                    plugins.broken[entry_point.name],
+                    ENV_BLOCK,
+                    entry_point.name,
                 )
         return plugins
 
@@ -181,7 +184,9 @@ class Adapter:
     def load(self, request: "LoadRequest", builder: "ArenaBuilder | None") -> "torch.nn.Module":
         return self._required("weightcache_load", request=request, builder=builder)
 
-    def post_process(self, request: "LoadRequest", model: "torch.nn.Module", description: "ModelDescription") -> "torch.nn.Module":
+    def post_process(
+        self, request: "LoadRequest", model: "torch.nn.Module", description: "ModelDescription"
+    ) -> "torch.nn.Module":
         return self._required("weightcache_post_process", request=request, model=model, description=description)
 
     def export(self, request: "LoadRequest", model: "torch.nn.Module", builder: "ArenaBuilder") -> "Manifest":
@@ -204,4 +209,3 @@ class Adapter:
         if result is None:
             raise InvalidAdapter(self.name, [f"{hook} returned None; it must return a value for this request"])
         return result
-

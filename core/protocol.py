@@ -60,7 +60,7 @@ def send_frame(sock: socket.socket, message: dict, fds=(), version: int = PROTOC
         # Each batch after the first rides on at least one payload byte; a zero-byte sendmsg drops its fds.
         raise ProtocolError(f"a frame of {len(data)} bytes cannot carry {len(fds)} fds ({len(batches)} messages)")
     cuts = [0] + [HEADER.size + i for i in range(len(batches) - 1)] + [len(data)]
-    for batch, start, end in zip(batches, cuts, cuts[1:]):
+    for batch, start, end in zip(batches, cuts, cuts[1:], strict=False):
         _sendmsg_all(sock, data[start:end], batch)
 
 
@@ -125,8 +125,13 @@ class FrameReader:
     :param in_flight: the server-wide ledger this reader's unfinished frame counts against (None: no cap).
     """
 
-    def __init__(self, sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES, deadline_s: float = FRAME_DEADLINE_S,
-                 in_flight: InFlight | None = None):
+    def __init__(
+        self,
+        sock: socket.socket,
+        max_bytes: int = MAX_FRAME_BYTES,
+        deadline_s: float = FRAME_DEADLINE_S,
+        in_flight: InFlight | None = None,
+    ):
         self.sock = sock
         self.max_bytes = max_bytes
         self.deadline_s = deadline_s
@@ -210,7 +215,7 @@ class FrameReader:
         self.sock.settimeout(timeout)
         try:
             data, ancdata, flags, _ = self.sock.recvmsg(size, _CMSG_SPACE)
-        except socket.timeout:
+        except TimeoutError:
             if allow_eof:
                 raise IdleTimeout("no frame arrived in time") from None
             raise TimeoutError(f"frame not complete within {self.deadline_s:.1f} s") from None

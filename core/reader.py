@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+
 import attrs
 
 from weightcache.core.export import ArenaBuilder, Slot

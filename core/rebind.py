@@ -41,7 +41,9 @@ def _owner(model: "torch.nn.Module", name: str) -> tuple["torch.nn.Module", str]
     try:
         return (model.get_submodule(path) if path else model), leaf
     except AttributeError:
-        raise RebindError(f"the model has no module {path!r} for mapped tensor {name!r}; was it built from the same config?") from None
+        raise RebindError(
+            f"the model has no module {path!r} for mapped tensor {name!r}; was it built from the same config?"
+        ) from None
 
 
 def rebind_module(

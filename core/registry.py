@@ -207,7 +207,9 @@ class Registry:
             entry.last_used = time.monotonic()
         if old is not None:
             close_fds([old.fd])
-        log.info("kept artifact %r of %s (%d bytes%s)", key[:80], digest[:12], nbytes, ", replacing the previous one" if old else "")
+        log.info(
+            "kept artifact %r of %s (%d bytes%s)", key[:80], digest[:12], nbytes, ", replacing the previous one" if old else ""
+        )
         return old is not None
 
     def checkout_artifact(self, digest: str, key: str) -> tuple[int, int] | None:

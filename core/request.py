@@ -93,4 +93,4 @@ class ForwardUnavailable:
     reason: str
 
 
-ExampleInputs = typing.Union[dict, tuple, typing.Any, ForwardUnavailable]
+ExampleInputs = typing.Union[dict, tuple, typing.Any, ForwardUnavailable]  # noqa: UP007  (X | typing.Any fails on Python 3.10)

@@ -19,9 +19,18 @@ MAX_HEADER_BYTES = 100 << 20
 
 # safetensors dtype codes -> torch dtype names
 ST_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
 }
 
 
@@ -62,7 +71,9 @@ def read_header(file: str | os.PathLike) -> Header:
             raise InvalidCheckpoint(file, f"{length} bytes long, too short for a safetensors file")
         (size,) = struct.unpack("<Q", prefix)
         if size > MAX_HEADER_BYTES or 8 + size > length:
-            raise InvalidCheckpoint(file, f"it declares a {size:,}-byte header but is {length:,} bytes long: not a safetensors file")
+            raise InvalidCheckpoint(
+                file, f"it declares a {size:,}-byte header but is {length:,} bytes long: not a safetensors file"
+            )
         raw = fh.read(size)
     try:
         header = json.loads(raw)
@@ -84,14 +95,21 @@ def _tensor_info(file: Path, name: str, info, data_start: int) -> TensorInfo:
     except (KeyError, TypeError, ValueError):
         valid = False
     if not valid:
-        raise InvalidCheckpoint(file, f"the header's record of tensor {name!r:.120} is malformed (it needs dtype, shape and data_offsets)")
+        raise InvalidCheckpoint(
+            file, f"the header's record of tensor {name!r:.120} is malformed (it needs dtype, shape and data_offsets)"
+        )
     dtype = ST_DTYPES.get(stored)
     if dtype is None:
-        raise InvalidCheckpoint(file, f"tensor {name!r:.120} has dtype {stored!r:.40}, which weightcache does not handle",
-                                fix=f"use a checkpoint whose tensors are {', '.join(sorted(ST_DTYPES))}")
+        raise InvalidCheckpoint(
+            file,
+            f"tensor {name!r:.120} has dtype {stored!r:.40}, which weightcache does not handle",
+            fix=f"use a checkpoint whose tensors are {', '.join(sorted(ST_DTYPES))}",
+        )
     expected = math.prod(shape) * item_size(dtype)
     if end - begin != expected:
-        raise InvalidCheckpoint(file, f"tensor {name!r:.120} spans {end - begin:,} bytes but its dtype and shape need {expected:,}")
+        raise InvalidCheckpoint(
+            file, f"tensor {name!r:.120} spans {end - begin:,} bytes but its dtype and shape need {expected:,}"
+        )
     return TensorInfo(name, dtype, shape, file, data_start + begin, end - begin)
 
 
@@ -147,7 +165,11 @@ def _check_length(header: Header) -> None:
     expected = max((t.start + t.nbytes for t in header.tensors), default=len(header.raw))
     missing = expected - header.file.stat().st_size
     if missing:
-        problem = f"{missing:,} bytes shorter than its header says (cut off?)" if missing > 0 else f"{-missing:,} bytes longer than its header says"
+        problem = (
+            f"{missing:,} bytes shorter than its header says (cut off?)"
+            if missing > 0
+            else f"{-missing:,} bytes longer than its header says"
+        )
         raise InvalidCheckpoint(header.file, f"it is {problem}")
 
 

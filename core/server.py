@@ -169,7 +169,7 @@ class Server:
             while not self._stopping.is_set():
                 try:
                     conn, _ = self._listener.accept()
-                except (socket.timeout, InterruptedError):
+                except (TimeoutError, InterruptedError):
                     continue
                 except OSError as exc:
                     if self._stopping.is_set():
@@ -189,8 +189,9 @@ class Server:
         """Out of fds or memory at accept(): never fatal. Log once per burst, shed idle connections, back off, go on."""
         now = time.monotonic()
         if now - self._last_failed_accept > _FAILURE_BURST_GAP_S:
-            log.warning("accept() failed: %s; closing idle connections and backing off (logged once per burst)",
-                        exc.strerror or exc)
+            log.warning(
+                "accept() failed: %s; closing idle connections and backing off (logged once per burst)", exc.strerror or exc
+            )
         self._last_failed_accept = now
         self._failed_accepts += 1
         if not self._table.shed_idle(_SHED_WHEN_OUT_OF_FDS, "to free file descriptors"):
@@ -236,7 +237,11 @@ class Server:
             state.pid = pid
             if uid != os.geteuid():
                 log.warning("refused pid %d of uid %d: the server runs as uid %d", pid, uid, os.geteuid())
-                self._refuse(conn, "access_denied", f"uid {uid} may not use a server of uid {os.geteuid()}; run the engine as the server's user")
+                self._refuse(
+                    conn,
+                    "access_denied",
+                    f"uid {uid} may not use a server of uid {os.geteuid()}; run the engine as the server's user",
+                )
                 return
             state.reader = reader = FrameReader(conn, self.config.max_frame_bytes, self.config.frame_deadline_s, self._in_flight)
             while not self._stopping.is_set():
@@ -343,7 +348,7 @@ class Server:
                 raise ValueError(f"manifest lists {len(manifest.arenas)} arenas but {len(fds)} fds came")
             counted = [
                 _check_arena_fd(fd, spec, extent, index)
-                for index, (fd, spec, extent) in enumerate(zip(fds, manifest.arenas, manifest.arena_extents()))
+                for index, (fd, spec, extent) in enumerate(zip(fds, manifest.arenas, manifest.arena_extents(), strict=True))
             ]
             entry = Entry(
                 fingerprint=fingerprint,
@@ -355,7 +360,9 @@ class Server:
             )
             reply_bytes = len(encode(entry.manifest)) + _REPLY_ENVELOPE_BYTES  # escaped, it may outgrow the frame it came in
             if reply_bytes > self.config.max_frame_bytes:
-                raise ValueError(f"the manifest would need a {reply_bytes}-byte attach reply, past the frame limit; split the model")
+                raise ValueError(
+                    f"the manifest would need a {reply_bytes}-byte attach reply, past the frame limit; split the model"
+                )
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError, OSError) as exc:
             close_fds(fds)
             return error_reply("bad_request", f"malformed publish request: {exc!s:.600}"), []
@@ -372,8 +379,11 @@ class Server:
         if found is None:
             closest, fields = self.registry.closest(fingerprint)
             return error_reply(
-                "not_found", f"no entry for fingerprint {fingerprint.short}",
-                digest=fingerprint.digest, closest=closest, fields=list(fields),
+                "not_found",
+                f"no entry for fingerprint {fingerprint.short}",
+                digest=fingerprint.digest,
+                closest=closest,
+                fields=list(fields),
             ), []
         entry, fds = found
         return ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label), fds
@@ -421,7 +431,8 @@ class Server:
         if nbytes > self.config.max_artifact_bytes:
             close_fds(fds)
             return error_reply(
-                "too_large", f"an artifact of {nbytes} bytes exceeds the {self.config.max_artifact_bytes} bytes the server keeps "
+                "too_large",
+                f"an artifact of {nbytes} bytes exceeds the {self.config.max_artifact_bytes} bytes the server keeps "
                 "per artifact; keep it elsewhere (the engine compiles again on restart)",
             ), []
         try:
@@ -486,8 +497,6 @@ def _raise_fd_limit() -> int:
     return target
 
 
-
-
 def _check_arena_fd(fd: int, spec, extent: int, index: int) -> int:
     """Check arena ``index``'s fd against its spec and its tensors' ``extent``; the bytes it counts against the budget.
 
@@ -516,8 +525,7 @@ def _check_arena_fd(fd: int, spec, extent: int, index: int) -> int:
         raise ValueError(f"host arena {index} fd is {size} bytes, manifest says {spec.size}")
     if size > spec.size + resource.getpagesize():
         raise ValueError(
-            f"host arena {index} memfd is {size} bytes but its manifest declares {spec.size}; "
-            "declare the memfd's real size"
+            f"host arena {index} memfd is {size} bytes but its manifest declares {spec.size}; declare the memfd's real size"
         )
     return size
 

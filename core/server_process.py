@@ -58,7 +58,10 @@ class ServerProcess:
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 serve_command(socket_dir, *extra_args),
-                stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                start_new_session=True,
             )
         server = cls(socket_dir, proc, log_path, owns_dir)
         try:
@@ -66,7 +69,9 @@ class ServerProcess:
         except ServerUnavailable as exc:
             text = server.log()
             server.close()
-            raise ServerUnavailable(str(socket_dir), f"the server did not start: {exc.reason}; its log:\n{text[-3000:]}") from None
+            raise ServerUnavailable(
+                str(socket_dir), f"the server did not start: {exc.reason}; its log:\n{text[-3000:]}"
+            ) from None
         return server
 
     @property
@@ -153,7 +158,7 @@ def serve_detached(config, log_file: str | os.PathLike | None = None) -> int:
     server.install_signal_handlers()
     try:
         server.start()
-    except Exception as exc:  # noqa: BLE001  reported to the launcher, which prints it
+    except Exception as exc:
         os.write(write_end, f"{exc}".encode())
         os._exit(1)
     os.write(write_end, f"ok {os.getpid()}".encode())

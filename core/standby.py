@@ -73,11 +73,19 @@ class TakeOver:
     result: typing.Any = None
 
     def to_json(self) -> dict:
-        report = {"event": "took_over", "reason": self.trigger.reason, "detail": self.trigger.detail,
-                  "pid": os.getpid(), "trigger_at": self.trigger.at}
+        report = {
+            "event": "took_over",
+            "reason": self.trigger.reason,
+            "detail": self.trigger.detail,
+            "pid": os.getpid(),
+            "trigger_at": self.trigger.at,
+        }
         if self.first_token_at is not None:
-            report.update(token=self.token, first_token_at=self.first_token_at,
-                          first_token_ms=(self.first_token_at - self.trigger.at) * 1000)
+            report.update(
+                token=self.token,
+                first_token_at=self.first_token_at,
+                first_token_ms=(self.first_token_at - self.trigger.at) * 1000,
+            )
         return report
 
 
@@ -91,9 +99,17 @@ class Standby:
     :param requests: a file whose ``takeover`` lines trigger a take-over (the command passes standard input).
     """
 
-    def __init__(self, request: LoadRequest, *, socket_dir=None, watch_pid: int | None = None,
-                 then: "typing.Callable[[LoadedModel], typing.Any] | None" = None, requests: typing.IO | None = None,
-                 timeout_s: float = 30.0, plugins: "Plugins | None" = None):
+    def __init__(
+        self,
+        request: LoadRequest,
+        *,
+        socket_dir=None,
+        watch_pid: int | None = None,
+        then: "typing.Callable[[LoadedModel], typing.Any] | None" = None,
+        requests: typing.IO | None = None,
+        timeout_s: float = 30.0,
+        plugins: "Plugins | None" = None,
+    ):
         self.request = request
         self.socket_dir = socket_dir
         self.watch_pid = watch_pid
@@ -139,7 +155,9 @@ class Standby:
         inputs = fixed_prompt(self.request, self.loaded.model, self.plugins)
         if isinstance(inputs, ForwardUnavailable):
             if self.then is None:
-                raise StandbyError(f"the standby cannot generate a token with this model ({inputs.reason}); pass --then MODULE:FUNCTION")
+                raise StandbyError(
+                    f"the standby cannot generate a token with this model ({inputs.reason}); pass --then MODULE:FUNCTION"
+                )
             log.info("no warm-up forward: %s", inputs.reason)
         else:
             self.inputs = inputs
@@ -147,14 +165,22 @@ class Standby:
         self.timings["warm_up_s"] = time.perf_counter() - start
         attachment = self.loaded.attachment
         report = {
-            "event": "ready", "pid": os.getpid(), "model": self.request.model, "device": str(self.request.device),
-            "digest": attachment.digest, "mapped_bytes": attachment.manifest.nbytes,
+            "event": "ready",
+            "pid": os.getpid(),
+            "model": self.request.model,
+            "device": str(self.request.device),
+            "digest": attachment.digest,
+            "mapped_bytes": attachment.manifest.nbytes,
             "parameters_outside_arenas": parameters_outside(self.loaded.model, attachment.arenas),
             "private_growth_bytes": rss_anon_bytes() - private_before,
             "timings": {**self.timings, "ready_s": time.perf_counter() - began, **self.loaded.timings},
         }
-        log.info("standby ready for %s in %.2f s (%s mapped, no copy)", self.request.model, report["timings"]["ready_s"],
-                 _human(attachment.manifest.nbytes))
+        log.info(
+            "standby ready for %s in %.2f s (%s mapped, no copy)",
+            self.request.model,
+            report["timings"]["ready_s"],
+            _human(attachment.manifest.nbytes),
+        )
         return report
 
     def wait(self, timeout: float | None = None) -> Trigger | None:
@@ -392,8 +418,10 @@ def load_function(spec: str) -> "typing.Callable":
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "standby", help="a warm spare: attach, warm up, wait; take over when the primary dies",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "standby",
+        help="a warm spare: attach, warm up, wait; take over when the primary dies",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", required=True, help="checkpoint directory (published to the server already)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or a GPU UUID (default: cpu)")
@@ -401,15 +429,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--adapter", default="hf", help="adapter name (default: hf)")
     parser.add_argument("--dtype", help="dtype of unquantized weights, as the entry was published (default: the checkpoint's)")
     parser.add_argument("--watch-pid", type=int, metavar="PID", help="take over when this process (the primary) exits")
-    parser.add_argument("--then", metavar="MODULE:FUNCTION", help="call FUNCTION(loaded) on take-over instead of generating one token")
-    parser.add_argument("--timeout", type=float, default=30.0, help="deadline of each request to the server, in seconds (default: 30)")
+    parser.add_argument(
+        "--then", metavar="MODULE:FUNCTION", help="call FUNCTION(loaded) on take-over instead of generating one token"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=30.0, help="deadline of each request to the server, in seconds (default: 30)"
+    )
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     then = load_function(args.then) if args.then else None
-    standby = Standby.for_model(args.model, adapter=args.adapter, device=args.device, dtype=args.dtype, socket_dir=args.socket_dir,
-                                watch_pid=args.watch_pid, then=then, requests=sys.stdin, timeout_s=args.timeout)
+    standby = Standby.for_model(
+        args.model,
+        adapter=args.adapter,
+        device=args.device,
+        dtype=args.dtype,
+        socket_dir=args.socket_dir,
+        watch_pid=args.watch_pid,
+        then=then,
+        requests=sys.stdin,
+        timeout_s=args.timeout,
+    )
     try:
         print(json.dumps(standby.start()), flush=True)
         trigger = standby.wait()

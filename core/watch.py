@@ -30,8 +30,10 @@ class Republisher(threading.Thread):
             self._wait_for_server_loss()
             if self._stop_event.is_set():
                 return
-            log.warning("weightcache: the server went away; %s stays mapped here and will be published again "
-                        "when a server is back", self.attachment.label or self.attachment.digest[:12])
+            log.warning(
+                "weightcache: the server went away; %s stays mapped here and will be published again when a server is back",
+                self.attachment.label or self.attachment.digest[:12],
+            )
             self.republished.clear()
             while not self._stop_event.wait(self.poll_s):
                 try:
@@ -41,8 +43,11 @@ class Republisher(threading.Thread):
                 except (ServerError, AccessDenied) as exc:
                     log.error("weightcache: could not publish %s again: %s", self.attachment.digest[:12], exc)
                     return
-                log.info("weightcache: published %s to the new server (%s)", self.attachment.digest[:12],
-                         "first" if created else "already there")
+                log.info(
+                    "weightcache: published %s to the new server (%s)",
+                    self.attachment.digest[:12],
+                    "first" if created else "already there",
+                )
                 self.republished.set()
                 break
 

@@ -60,14 +60,29 @@ def main(argv=None) -> int:
     processes = []
     try:
         publish(prepare(LoadRequest(model=args.model, device=args.device)), server.socket_dir)
-        primary = subprocess.Popen([sys.executable, "-c", PRIMARY, args.model, args.device, str(server.socket_dir)],
-                                   stdout=subprocess.PIPE, text=True)
+        primary = subprocess.Popen(
+            [sys.executable, "-c", PRIMARY, args.model, args.device, str(server.socket_dir)], stdout=subprocess.PIPE, text=True
+        )
         processes.append(primary)
         primary_state = _line(primary)
         standby = subprocess.Popen(
-            [sys.executable, "-m", "weightcache.core.cli", "standby", "--model", args.model, "--device", args.device,
-             "--socket-dir", str(server.socket_dir), "--watch-pid", str(primary.pid)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "weightcache.core.cli",
+                "standby",
+                "--model",
+                args.model,
+                "--device",
+                args.device,
+                "--socket-dir",
+                str(server.socket_dir),
+                "--watch-pid",
+                str(primary.pid),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         processes.append(standby)
         _line(standby)  # ready: attached, warmed up, waiting
@@ -90,8 +105,10 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"primary SIGKILLed; the standby took over in {result['takeover_ms']:.1f} ms and produced its first token "
-              f"{result['first_output_ms']:.1f} ms after the kill; same token as the primary: {result['outputs_identical']}")
+        print(
+            f"primary SIGKILLed; the standby took over in {result['takeover_ms']:.1f} ms and produced its first token "
+            f"{result['first_output_ms']:.1f} ms after the kill; same token as the primary: {result['outputs_identical']}"
+        )
     return 0 if result["outputs_identical"] else 1
 
 

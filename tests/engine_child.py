@@ -90,7 +90,11 @@ def main() -> None:
     opens = []
     watched = list
     if args.count_opens:
-        sys.addaudithook(lambda event, hook_args: opens.append(hook_args[0]) if event == "open" and str(hook_args[0]).endswith(".safetensors") else None)
+        sys.addaudithook(
+            lambda event, hook_args: (
+                opens.append(hook_args[0]) if event == "open" and str(hook_args[0]).endswith(".safetensors") else None
+            )
+        )
         watched = watch_opens(args.model)
     from weightcache.core.modes import load_model
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+
 from weightcache.core.server_process import ServerProcess
 
 __all__ = ["ServerProcess"]  # one server-process helper for the kit, the demo and the project's tests
@@ -16,8 +17,19 @@ class Engine:
     """An engine (tests/engine_child.py) in its own process, driven line by line."""
 
     def __init__(self, model, socket_dir, mode="client", dtype=None, device="cpu", count_opens=False):
-        args = [sys.executable, "-m", "tests.engine_child", "--model", str(model), "--socket-dir", str(socket_dir),
-                "--mode", mode, "--device", device] + (["--count-opens"] if count_opens else [])
+        args = [
+            sys.executable,
+            "-m",
+            "tests.engine_child",
+            "--model",
+            str(model),
+            "--socket-dir",
+            str(socket_dir),
+            "--mode",
+            mode,
+            "--device",
+            device,
+        ] + (["--count-opens"] if count_opens else [])
         if dtype:
             args += ["--dtype", dtype]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -41,15 +53,21 @@ class Engine:
         self.proc.communicate(timeout=60)
 
 
-
-def run_python(code: str, *args: str, timeout: float = 240, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, *args: str, timeout: float = 240, env: dict | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (a real second process)."""
     proc = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**os.environ, **(env or {})},
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"child failed (exit {proc.returncode}):\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"child failed (exit {proc.returncode}):\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 

@@ -13,32 +13,81 @@ def _configs():
     return {
         "llama": lambda: transformers.LlamaConfig(**common, num_key_value_heads=2, architectures=["LlamaForCausalLM"]),
         "qwen2": lambda: transformers.Qwen2Config(**common, num_key_value_heads=2, architectures=["Qwen2ForCausalLM"]),
-        "gpt2": lambda: transformers.GPT2Config(vocab_size=512, n_embd=128, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0,
-                                                architectures=["GPT2LMHeadModel"]),
-        "gemma": lambda: transformers.GemmaConfig(**common, num_key_value_heads=1, head_dim=32, architectures=["GemmaForCausalLM"]),
-        "mixtral": lambda: transformers.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4,
-                                                      num_experts_per_tok=2, architectures=["MixtralForCausalLM"]),
-        "bert": lambda: transformers.BertConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                                num_attention_heads=4, architectures=["BertModel"]),
+        "gpt2": lambda: transformers.GPT2Config(
+            vocab_size=512,
+            n_embd=128,
+            n_layer=2,
+            n_head=4,
+            n_positions=128,
+            bos_token_id=0,
+            eos_token_id=0,
+            architectures=["GPT2LMHeadModel"],
+        ),
+        "gemma": lambda: transformers.GemmaConfig(
+            **common, num_key_value_heads=1, head_dim=32, architectures=["GemmaForCausalLM"]
+        ),
+        "mixtral": lambda: transformers.MixtralConfig(
+            **common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, architectures=["MixtralForCausalLM"]
+        ),
+        "bert": lambda: transformers.BertConfig(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            architectures=["BertModel"],
+        ),
         # Odd sizes: the bytes the checkpoint lacks (rotary inv_freq) do not fit the arena's page rounding.
-        "llama-odd": lambda: transformers.LlamaConfig(vocab_size=133, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                                      num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"]),
+        "llama-odd": lambda: transformers.LlamaConfig(
+            vocab_size=133,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            architectures=["LlamaForCausalLM"],
+        ),
         "roberta": lambda: transformers.RobertaConfig(**encoder, architectures=["RobertaModel"]),
         "xlm-roberta": lambda: transformers.XLMRobertaConfig(**encoder, architectures=["XLMRobertaModel"]),
-        "distilbert": lambda: transformers.DistilBertConfig(vocab_size=512, dim=128, hidden_dim=256, n_layers=2, n_heads=4,
-                                                            architectures=["DistilBertModel"]),
+        "distilbert": lambda: transformers.DistilBertConfig(
+            vocab_size=512, dim=128, hidden_dim=256, n_layers=2, n_heads=4, architectures=["DistilBertModel"]
+        ),
         "electra": lambda: transformers.ElectraConfig(**encoder, embedding_size=64, architectures=["ElectraModel"]),
         # Realistic sizes, where page rounding no longer hides a size bug: BERT-base (438 MB fp32) and a 499 MB Llama.
         "bert-base": lambda: transformers.BertConfig(architectures=["BertModel"]),
-        "llama-500m": lambda: transformers.LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                                                       num_attention_heads=12, num_key_value_heads=4, architectures=["LlamaForCausalLM"]),
+        "llama-500m": lambda: transformers.LlamaConfig(
+            vocab_size=32000,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            architectures=["LlamaForCausalLM"],
+        ),
         # Encoder-decoders: their forward needs decoder inputs as well.
-        "t5": lambda: transformers.T5Config(vocab_size=512, d_model=128, d_kv=32, d_ff=256, num_layers=2, num_decoder_layers=2,
-                                            num_heads=4, decoder_start_token_id=0, architectures=["T5ForConditionalGeneration"]),
-        "bart": lambda: transformers.BartConfig(vocab_size=512, d_model=128, encoder_layers=2, decoder_layers=2,
-                                                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
-                                                decoder_ffn_dim=256, max_position_embeddings=128,
-                                                architectures=["BartForConditionalGeneration"]),
+        "t5": lambda: transformers.T5Config(
+            vocab_size=512,
+            d_model=128,
+            d_kv=32,
+            d_ff=256,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            decoder_start_token_id=0,
+            architectures=["T5ForConditionalGeneration"],
+        ),
+        "bart": lambda: transformers.BartConfig(
+            vocab_size=512,
+            d_model=128,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=256,
+            decoder_ffn_dim=256,
+            max_position_embeddings=128,
+            architectures=["BartForConditionalGeneration"],
+        ),
     }
 
 
@@ -47,7 +96,9 @@ ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra")
 LARGE = ("bert-base", "llama-500m")
 
 
-def save_random_model(kind: str, directory: Path, dtype: str = "float32", seed: int = 0, max_shard_size: str | None = None) -> Path:
+def save_random_model(
+    kind: str, directory: Path, dtype: str = "float32", seed: int = 0, max_shard_size: str | None = None
+) -> Path:
     """Build ``kind`` from its config with seeded random weights and save it (safetensors) in ``directory``."""
     import torch
     import transformers

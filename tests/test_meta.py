@@ -29,10 +29,7 @@ def all_modules() -> list[str]:
 @pytest.mark.parametrize("module", all_modules())
 def test_every_module_imports_cleanly_without_engines(module):
     """Each module imports with warnings as errors, and vLLM/SGLang are never needed to import."""
-    code = (
-        "import sys, importlib; sys.modules['vllm'] = None; sys.modules['sglang'] = None; "
-        f"importlib.import_module({module!r})"
-    )
+    code = f"import sys, importlib; sys.modules['vllm'] = None; sys.modules['sglang'] = None; importlib.import_module({module!r})"
     proc = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -63,8 +60,10 @@ def test_the_cli_and_the_client_path_import_neither_transformers_nor_the_kit(mod
 
 
 def test_the_standby_commands_help_imports_no_framework():
-    code = ("import sys\nfrom weightcache.core.cli import main\ntry:\n    main(['standby', '--help'])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in ('torch', 'transformers', 'pytest') if m in sys.modules))")
+    code = (
+        "import sys\nfrom weightcache.core.cli import main\ntry:\n    main(['standby', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'pytest') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip().splitlines()
     assert "--watch-pid" in "\n".join(out) and out[-1] == "[]", out
 
@@ -83,7 +82,9 @@ def test_every_hook_spec_is_documented_with_params_and_returns():
             assert f":param {param}:" in doc, f"{spec.__name__} does not document {param}"
         assert ":returns:" in doc, spec.__name__
         firstresult = spec.weightcache_spec["firstresult"]
-        assert ("Stops at first non-None result" in doc) == firstresult, f"{spec.__name__}: say whether it stops at the first result"
+        assert ("Stops at first non-None result" in doc) == firstresult, (
+            f"{spec.__name__}: say whether it stops at the first result"
+        )
 
 
 def test_every_hook_is_documented_in_the_adapter_guide_and_exercised_by_its_own_test():
@@ -106,8 +107,12 @@ def test_no_top_level_core_or_adapters_module_is_installed():
 def test_a_plain_install_puts_everything_under_the_weightcache_namespace(tmp_path):
     """`pip install .` (not editable): weightcache.core/adapters/conformance, no top-level core or adapters."""
     target = tmp_path / "site"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(ROOT)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     top = {p.name for p in target.iterdir()}
     assert "weightcache" in top and not top & {"core", "adapters", "conformance"}, sorted(top)

@@ -20,7 +20,9 @@ def read_config(model: str) -> dict:
             f"{path} not found: the hf adapter needs a transformers checkpoint directory (save_pretrained writes config.json)"
         ) from None
     except ValueError as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc}); the checkpoint's config is damaged: copy or download it again") from None
+        raise ValueError(
+            f"{path} is not valid JSON ({exc}); the checkpoint's config is damaged: copy or download it again"
+        ) from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object; the checkpoint's config is damaged")
     return config

@@ -81,7 +81,8 @@ def load_into_arenas(request, config: dict, builder):
     stored = {info.name: info for info in checkpoint_tensors(request.model)}
     ties = {name for name, p in model.named_parameters(remove_duplicate=False)} - {name for name, _ in model.named_parameters()}
     fits = set(stored) <= set(wanted) and all(
-        tuple(wanted[n].shape) == info.shape and str(wanted[n].dtype).removeprefix("torch.") == info.dtype for n, info in stored.items()
+        tuple(wanted[n].shape) == info.shape and str(wanted[n].dtype).removeprefix("torch.") == info.dtype
+        for n, info in stored.items()
     )
     missing = [n for n in wanted if n not in stored and n not in ties and wanted[n].device.type == "meta"]
     if not fits or missing:
@@ -119,7 +120,7 @@ def load_prequantized_fp8(request, config: dict):
     converted = load_prequantized(model, tensors, fp8)
     rest = {k: v for k, v in tensors.items() if not any(k.startswith(m + ".") for m in converted) or k.endswith(".bias")}
     rest = {k: (v.to(load_dtype(request, config)) if v.dtype.is_floating_point else v) for k, v in rest.items()}
-    missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
+    _missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
     if unexpected:
         log.warning("checkpoint tensors the model does not use: %s", ", ".join(unexpected[:8]))
     model.tie_weights()

@@ -16,6 +16,7 @@ _HINTS = {
     "CUDA_ERROR_INVALID_DEVICE": "the arena's GPU is not usable here; check CUDA_VISIBLE_DEVICES",
 }
 
+
 def driver():
     """The ``cuda.bindings.driver`` module, imported on first use."""
     try:

@@ -45,7 +45,7 @@ FORMAT_VERSION = 1
 DEFAULT_EXCLUDE = ("lm_head", "*embed*", "*wte*", "*wpe*")
 _REGEX_ONLY = frozenset("^$()|+{}\\")
 
-BlockSize = typing.Tuple[int, int]
+BlockSize = tuple[int, int]
 
 
 # ---------------------------------------------------------------- config
@@ -153,7 +153,8 @@ def _refuse_hf_variants(qc: dict) -> None:
 def _hf_pattern(pattern: str) -> str:
     if _REGEX_ONLY & set(pattern):
         raise UnsupportedQuantization(
-            "fp8", f"modules_to_not_convert entry {pattern!r} is a regex; rewrite it as fnmatch patterns in Fp8BlockConfig.exclude"
+            "fp8",
+            f"modules_to_not_convert entry {pattern!r} is a regex; rewrite it as fnmatch patterns in Fp8BlockConfig.exclude",
         )
     return pattern
 
@@ -163,9 +164,7 @@ def is_excluded(name: str, patterns: typing.Iterable[str]) -> bool:
     parts = name.split(".")
     prefixes = [".".join(parts[: i + 1]) for i in range(len(parts))]
     return any(
-        fnmatch.fnmatchcase(prefix, pat) or fnmatch.fnmatchcase(prefix, "*." + pat)
-        for pat in patterns
-        for prefix in prefixes
+        fnmatch.fnmatchcase(prefix, pat) or fnmatch.fnmatchcase(prefix, "*." + pat) for pat in patterns for prefix in prefixes
     )
 
 
@@ -442,7 +441,9 @@ def _fp8_layer_for(model: nn.Module, name: str, block_size: BlockSize, shared: s
     try:
         module = model.get_submodule(name)
     except AttributeError:
-        raise RebindError(f"the checkpoint holds FP8 tensors for {name!r}, which the model lacks; check the architecture") from None
+        raise RebindError(
+            f"the checkpoint holds FP8 tensors for {name!r}, which the model lacks; check the architecture"
+        ) from None
     if isinstance(module, Fp8BlockLinear):
         return module
     if type(module) is not nn.Linear or _is_tied(module, shared):

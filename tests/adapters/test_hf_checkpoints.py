@@ -18,9 +18,8 @@ import pytest
 
 from tests.helpers import assert_tensors_equal
 from tests.models import ARCHITECTURES, ENCODERS, LARGE
-
-from weightcache.core.modes import load_model
 from weightcache.core.loader import prepare, publish
+from weightcache.core.modes import load_model
 from weightcache.core.request import LoadRequest
 
 SMALL = tuple(dict.fromkeys((*ARCHITECTURES, "llama-odd", *ENCODERS)))
@@ -113,7 +112,9 @@ def test_weightcache_load_command_publishes_a_saved_checkpoint(server, model_dir
     path = model_dir(kind)
     done = subprocess.run(
         [sys.executable, "-m", "weightcache.core.cli", "load", "--socket-dir", str(server.socket_dir), "--model", str(path)],
-        capture_output=True, text=True, timeout=240,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert done.returncode == 0, f"weightcache load failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
     assert done.stdout.startswith("published"), done.stdout

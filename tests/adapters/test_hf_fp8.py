@@ -7,10 +7,9 @@ import json
 import pytest
 
 from tests.helpers import assert_tensors_equal, run_python
-
-from weightcache.core.modes import load_model
 from weightcache.core.errors import UnsupportedQuantization
 from weightcache.core.loader import prepare, publish
+from weightcache.core.modes import load_model
 from weightcache.core.request import LoadRequest
 
 
@@ -86,8 +85,12 @@ def _prequantized_checkpoint(source, target):
     state = {k: v.contiguous() for k, v in model.state_dict().items() if "lm_head" not in k}
     save_file(state, target / "model.safetensors")
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
-                                     "modules_to_not_convert": ["lm_head"]}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+        "modules_to_not_convert": ["lm_head"],
+    }
     (target / "config.json").write_text(json.dumps(config))
     shutil.copy(source / "generation_config.json", target / "generation_config.json")
     return target
@@ -122,14 +125,17 @@ publish(prepare(LoadRequest(model=sys.argv[1])), sys.argv[2])
         cached.close()
 
 
-@pytest.mark.parametrize("method,config", [
-    ("fp8", {"quant_method": "fp8", "activation_scheme": "dynamic"}),
-    ("awq", {"quant_method": "awq", "bits": 4, "group_size": 128}),
-    ("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 128}),
-    ("marlin", {"quant_method": "marlin"}),
-    ("bitsandbytes", {"quant_method": "bitsandbytes", "load_in_4bit": True}),
-    ("mystery", {"quant_method": "mystery"}),
-])
+@pytest.mark.parametrize(
+    "method,config",
+    [
+        ("fp8", {"quant_method": "fp8", "activation_scheme": "dynamic"}),
+        ("awq", {"quant_method": "awq", "bits": 4, "group_size": 128}),
+        ("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 128}),
+        ("marlin", {"quant_method": "marlin"}),
+        ("bitsandbytes", {"quant_method": "bitsandbytes", "load_in_4bit": True}),
+        ("mystery", {"quant_method": "mystery"}),
+    ],
+)
 def test_unvalidated_methods_are_refused_before_any_weight_is_read(tmp_path, model_dir, method, config):
     """The checkpoint keeps its header but no weight bytes: any read of a weight would fail, so the error proves none happened."""
     import os

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from weightcache.conformance import ConformanceFixtures, ConformanceTests
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tinylm-adapter"
@@ -52,8 +53,23 @@ def installed_example(tmp_path_factory):
         pytest.skip("pip is not available in this environment")
     target = tmp_path_factory.mktemp("site")
     build = tmp_path_factory.mktemp("build")
-    _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-          "--target", str(target), str(EXAMPLE)], cwd=build, timeout=300)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(EXAMPLE),
+        ],
+        cwd=build,
+        timeout=300,
+    )
     entry_points = list(target.glob("weightcache_example-*.dist-info/entry_points.txt"))
     assert entry_points and "weightcache.adapters" in entry_points[0].read_text(), "the install registered no entry point"
     return target
@@ -119,26 +135,62 @@ def test_cli_passes_on_installed_example(installed_example, example_checkpoint, 
     """``weightcache conformance`` in a fresh process finds the adapter through its entry point and passes."""
     out = tmp_path / "results.json"
     proc = _run(
-        [sys.executable, "-m", "weightcache.core.cli", "conformance", "--adapter", "example", "--model", str(example_checkpoint),
-         "--inputs", "weightcache_example:example_inputs", "--json", str(out)],
-        env={"PYTHONPATH": str(installed_example)}, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "weightcache.core.cli",
+            "conformance",
+            "--adapter",
+            "example",
+            "--model",
+            str(example_checkpoint),
+            "--inputs",
+            "weightcache_example:example_inputs",
+            "--json",
+            str(out),
+        ],
+        env={"PYTHONPATH": str(installed_example)},
+        cwd=tmp_path,
     )
     results = json.loads(out.read_text())
     assert results["passed"] and results["exit_code"] == 0
     assert results["counts"]["failed"] == results["counts"]["error"] == 0
     groups = {check["group"] for check in results["checks"] if check["outcome"] == "passed"}
-    assert {"test_tensor_parity", "test_forward_outputs_bit_identical", "test_outputs_survive_server_sigkill",
-            "test_fingerprint_mismatch_is_explicit", "test_requested_method_refused_before_reading_weights"} <= groups
+    assert {
+        "test_tensor_parity",
+        "test_forward_outputs_bit_identical",
+        "test_outputs_survive_server_sigkill",
+        "test_fingerprint_mismatch_is_explicit",
+        "test_requested_method_refused_before_reading_weights",
+    } <= groups
     assert "PASSED:" in proc.stdout and "tensor_parity" in proc.stdout
 
 
 def test_pytest_plugin_runs_suite_on_installed_example_fp8(installed_example, example_checkpoint, tmp_path):
     """``pytest -p weightcache.conformance --weightcache-...`` alone runs the built-in suite."""
     proc = _run(
-        [sys.executable, "-m", "pytest", "-p", "weightcache.conformance", "-p", "no:cacheprovider", "-q", "-W", "error",
-         "--weightcache-adapter", "example", "--weightcache-model", str(example_checkpoint), "--weightcache-quant", "fp8-block",
-         "--weightcache-inputs", "weightcache_example:example_inputs"],
-        env={"PYTHONPATH": str(installed_example)}, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "weightcache.conformance",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-W",
+            "error",
+            "--weightcache-adapter",
+            "example",
+            "--weightcache-model",
+            str(example_checkpoint),
+            "--weightcache-quant",
+            "fp8-block",
+            "--weightcache-inputs",
+            "weightcache_example:example_inputs",
+        ],
+        env={"PYTHONPATH": str(installed_example)},
+        cwd=tmp_path,
     )
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, proc.stdout
@@ -148,9 +200,25 @@ def test_cli_fails_with_nonzero_exit_and_json(installed_example, example_checkpo
     """Inputs that cannot be built make the forward checks error out: the exit status says so."""
     out = tmp_path / "results.json"
     proc = _run(
-        [sys.executable, "-m", "weightcache.core.cli", "conformance", "--adapter", "example", "--model", str(example_checkpoint),
-         "--inputs", "weightcache_example:no_such_inputs", "--json", str(out), "--pytest-args", "-k bit_identical"],
-        env={"PYTHONPATH": str(installed_example)}, cwd=tmp_path, check=False,
+        [
+            sys.executable,
+            "-m",
+            "weightcache.core.cli",
+            "conformance",
+            "--adapter",
+            "example",
+            "--model",
+            str(example_checkpoint),
+            "--inputs",
+            "weightcache_example:no_such_inputs",
+            "--json",
+            str(out),
+            "--pytest-args",
+            "-k bit_identical",
+        ],
+        env={"PYTHONPATH": str(installed_example)},
+        cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode != 0, proc.stdout
     results = json.loads(out.read_text())
@@ -218,9 +286,23 @@ def test_kit_catches_a_broken_rebind(example_checkpoint, tmp_path):
     """A one-ulp change in one mapped tensor fails parity, forward and crash checks, naming tensor, dtype, device, difference."""
     (tmp_path / "test_broken.py").write_text(BROKEN_TEST.format(checkpoint=str(example_checkpoint)))
     proc = _run(
-        [sys.executable, "-m", "pytest", "test_broken.py", "-p", "no:cacheprovider", "-q", "--tb=short", "-W", "error",
-         "-k", "parity or bit_identical or sigkill or zero_copy or same_tensor_names"],
-        env={"PYTHONPATH": str(SRC)}, cwd=tmp_path, check=False,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "test_broken.py",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "--tb=short",
+            "-W",
+            "error",
+            "-k",
+            "parity or bit_identical or sigkill or zero_copy or same_tensor_names",
+        ],
+        env={"PYTHONPATH": str(SRC)},
+        cwd=tmp_path,
+        check=False,
     )
     output = proc.stdout
     assert proc.returncode == 1, output

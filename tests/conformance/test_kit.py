@@ -29,8 +29,9 @@ torch = pytest.importorskip("torch")
 
 
 def _python(code: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code), *args],
-                          capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-W", "error", "-c", textwrap.dedent(code), *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 def test_plugin_module_is_light():
@@ -55,18 +56,38 @@ def test_lazy_exports():
 
 def test_required_fixtures_raise_not_implemented(tmp_path):
     """A subclass that gives neither fixtures nor options errors with a message saying what to provide."""
-    (tmp_path / "test_bare.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_bare.py").write_text(
+        textwrap.dedent("""
         from weightcache.conformance import ConformanceFixtures, ConformanceTests
 
         class TestBare(ConformanceFixtures, ConformanceTests):
             pass
-    """))
+    """)
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "test_bare.py", "-q", "-p", "no:cacheprovider", "-k", "tensor_parity", "--tb=line", "-rE"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "test_bare.py",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "tensor_parity",
+            "--tb=line",
+            "-rE",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert proc.returncode == 1, proc.stdout
-    assert "NotImplementedError: override the adapter_name fixture, or pass --weightcache-adapter NAME (pytest) / --adapter NAME (weightcache conformance)" in proc.stdout
+    assert (
+        "NotImplementedError: override the adapter_name fixture, or pass --weightcache-adapter NAME (pytest) / --adapter NAME (weightcache conformance)"
+        in proc.stdout
+    )
 
 
 # ------------------------------------------------------------------ assertions
@@ -80,8 +101,11 @@ def test_difference_message_names_largest_difference():
     assert difference_message(expected, expected.clone()) is None
     message = difference_message(actual, expected)
     assert message.startswith("2 of 6 elements differ, largest difference 0.5 at index [1, 2]")
-    with pytest.raises(AssertionError, match=r"lm_head.weight: torch.float32 on cpu \(mapped\) differs from the disk load "
-                       r"\(torch.float32 on cpu\): 2 of 6 elements differ, largest difference 0.5"):
+    with pytest.raises(
+        AssertionError,
+        match=r"lm_head.weight: torch.float32 on cpu \(mapped\) differs from the disk load "
+        r"\(torch.float32 on cpu\): 2 of 6 elements differ, largest difference 0.5",
+    ):
         assert_tensors_identical("lm_head.weight", actual, expected)
 
 
@@ -164,8 +188,13 @@ def test_weightless_copy_keeps_headers_and_fails_reads(model_dir, tmp_path):
 
 
 def test_cli_help_lists_options():
-    proc = subprocess.run([sys.executable, "-m", "weightcache.core.cli", "conformance", "--help"],
-                          capture_output=True, text=True, timeout=120, env={**os.environ})
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightcache.core.cli", "conformance", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
     assert proc.returncode == 0, proc.stderr
     for option in ("--adapter", "--model", "--quant", "--json", "--device", "--inputs"):
         assert option in proc.stdout
@@ -175,8 +204,15 @@ def test_cli_table(capsys):
     from weightcache.conformance.command import print_table
 
     summary = {
-        "adapter": "hf", "model": "m", "quantization": "none", "device": "cpu", "passed": False, "exit_code": 1,
-        "counts": {"passed": 2, "failed": 1, "error": 0, "skipped": 0}, "seconds": 1.0, "collection_errors": [],
+        "adapter": "hf",
+        "model": "m",
+        "quantization": "none",
+        "device": "cpu",
+        "passed": False,
+        "exit_code": 1,
+        "counts": {"passed": 2, "failed": 1, "error": 0, "skipped": 0},
+        "seconds": 1.0,
+        "collection_errors": [],
         "checks": [
             {"check": "test_a[x]", "group": "test_a", "outcome": "passed", "duration_s": 0.1, "message": ""},
             {"check": "test_a[y]", "group": "test_a", "outcome": "failed", "duration_s": 0.1, "message": "boom"},
@@ -194,12 +230,21 @@ def test_cli_table_says_each_distinct_failure_once_and_why_checks_skipped(capsys
     """A broken model makes many checks error with one message: the table says it once, with how many."""
     from weightcache.conformance.command import print_table
 
-    errors = [{"check": f"test_{n}", "group": f"test_{n}", "outcome": "error", "duration_s": 0.1, "message": "same cause"}
-              for n in "abcde"]
+    errors = [
+        {"check": f"test_{n}", "group": f"test_{n}", "outcome": "error", "duration_s": 0.1, "message": "same cause"}
+        for n in "abcde"
+    ]
     skipped = [{"check": "test_f", "group": "test_f", "outcome": "skipped", "duration_s": 0.0, "message": "no forward here"}]
     summary = {
-        "adapter": "hf", "model": "m", "quantization": "none", "device": "cpu", "passed": False, "exit_code": 1,
-        "counts": {"passed": 0, "failed": 0, "error": 5, "skipped": 1}, "seconds": 1.0, "collection_errors": [],
+        "adapter": "hf",
+        "model": "m",
+        "quantization": "none",
+        "device": "cpu",
+        "passed": False,
+        "exit_code": 1,
+        "counts": {"passed": 0, "failed": 0, "error": 5, "skipped": 1},
+        "seconds": 1.0,
+        "collection_errors": [],
         "checks": errors + skipped,
     }
     print_table(summary)
@@ -211,8 +256,12 @@ def test_cli_table_says_each_distinct_failure_once_and_why_checks_skipped(capsys
 def test_cli_stops_at_once_on_an_unknown_adapter(tmp_path):
     """No check runs, none can pass: one line, a non-zero exit."""
     (tmp_path / "config.json").write_text("{}")
-    proc = subprocess.run([sys.executable, "-m", "weightcache.core.cli", "conformance", "--adapter", "nosuch", "--model", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightcache.core.cli", "conformance", "--adapter", "nosuch", "--model", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert proc.stderr.startswith("weightcache: error: no weightcache adapter named 'nosuch'"), proc.stderr
     assert "passed" not in proc.stdout and "CHECK" not in proc.stdout, proc.stdout

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import attrs
+
 from weightcache.core import PROTOCOL_VERSION
 from weightcache.core.arena import ArenaSpec, backend
 from weightcache.core.client import Connection
@@ -27,7 +28,13 @@ def make_fingerprint(**overrides) -> Fingerprint:
         checkpoint=sha256_json({"model.safetensors": {"w": {"dtype": "F32", "shape": [64, 64]}}}),
         architecture="WireTestForCausalLM",
         config=sha256_json({"hidden_size": 64}),
-        tp_size=2, tp_rank=1, pp_size=1, pp_rank=0, dp_size=1, ep_size=1, ep_rank=0,
+        tp_size=2,
+        tp_rank=1,
+        pp_size=1,
+        pp_rank=0,
+        dp_size=1,
+        ep_size=1,
+        ep_rank=0,
         dtype="float32",
         quantization="none",
         quantization_config=sha256_json({}),
@@ -89,13 +96,22 @@ def host_manifest(spec: ArenaSpec, nbytes: int) -> Manifest:
     """One float32 parameter ``w`` covering the first ``nbytes`` of one arena, tied as ``w_tied``."""
     count = nbytes // 4
     record = TensorRecord(
-        name="w", kind="parameter", dtype="float32", shape=(count,), stride=(1,),
-        storage_offset=0, arena=0, offset=0, nbytes=count * 4,
+        name="w",
+        kind="parameter",
+        dtype="float32",
+        shape=(count,),
+        stride=(1,),
+        storage_offset=0,
+        arena=0,
+        offset=0,
+        nbytes=count * 4,
     )
     return Manifest(tensors=[record], arenas=[spec], aliases={"w_tied": "w"}, extra={"source": "wire-tests"})
 
 
-def publish_host_entry(socket_dir, fingerprint: Fingerprint | None = None, nbytes: int = 16384, label: str = "wire-test") -> HostEntry:
+def publish_host_entry(
+    socket_dir, fingerprint: Fingerprint | None = None, nbytes: int = 16384, label: str = "wire-test"
+) -> HostEntry:
     """Build a sealed memfd arena, publish it with ``Connection.publish`` and close this side's fd."""
     fingerprint = fingerprint or make_fingerprint()
     data = pattern(nbytes)
@@ -109,7 +125,9 @@ def publish_host_entry(socket_dir, fingerprint: Fingerprint | None = None, nbyte
     return HostEntry(fingerprint, manifest, reply["digest"], data)
 
 
-def frame(payload: bytes, *, magic: bytes = MAGIC, version: int = PROTOCOL_VERSION, nfds: int = 0, length: int | None = None) -> bytes:
+def frame(
+    payload: bytes, *, magic: bytes = MAGIC, version: int = PROTOCOL_VERSION, nfds: int = 0, length: int | None = None
+) -> bytes:
     """A raw frame with any header fields, right or wrong."""
     return HEADER.pack(magic, version, nfds, len(payload) if length is None else length) + payload
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 
 import pytest
+
+from tests.core.support import host_manifest, make_fingerprint, publish_host_entry, sparse_memfd
+from tests.helpers import ServerProcess
 from weightcache.core.arena import ArenaSpec
 from weightcache.core.client import Connection
 from weightcache.core.errors import ServerError
 from weightcache.core.server import CUDA_GRANULE, CUDA_SLACK
-
-from tests.core.support import host_manifest, make_fingerprint, publish_host_entry, sparse_memfd
-from tests.helpers import ServerProcess
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -181,7 +181,9 @@ def test_artifacts_are_bounded_per_entry_and_by_the_byte_budget(socket_dir):
                 with pytest.raises(ServerError) as caught:
                     conn.put_artifact(entry.digest, "c", fds[2])
                 assert caught.value.code == "too_many" and "already holds 2 artifacts" in str(caught.value)
-                assert conn.put_artifact(entry.digest, "b", fds[2])["replaced"] is True, "a known key is replaced, not counted again"
+                assert conn.put_artifact(entry.digest, "b", fds[2])["replaced"] is True, (
+                    "a known key is replaced, not counted again"
+                )
                 with pytest.raises(ServerError) as caught:
                     conn.put_artifact(entry.digest, "b", big)
                 assert caught.value.code == "over_budget" and "nothing was evicted" in str(caught.value)
@@ -225,8 +227,11 @@ print(json.dumps({
 
 def _compile_in_a_fresh_process(model, socket_dir, role: str, tmp_path) -> dict:
     caches = tmp_path / role
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton"),
-           "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # 2 shared cores: no pool of compile workers
+    env = {
+        "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+        "TRITON_CACHE_DIR": str(caches / "triton"),
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+    }  # 2 shared cores: no pool of compile workers
     assert not caches.exists(), "each process starts with empty inductor and Triton caches"
     proc = run_python(_ENGINE, str(model), str(socket_dir), role, env=env, timeout=600)
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -244,8 +249,10 @@ def test_restored_compile_artifacts_give_the_cold_compiles_outputs_bit_for_bit(s
     assert warm["digest"] == cold["digest"], "the restored compile's outputs differ from the cold compile's"
     record_property("compile_cold_s", round(cold["compile_s"], 2))
     record_property("compile_restored_s", round(warm["compile_s"], 2))
-    print(f"\ncompile + first forward: cold {cold['compile_s']:.1f} s, restored {warm['compile_s']:.1f} s "
-          f"({cold['published']} bytes of artifacts)")
+    print(
+        f"\ncompile + first forward: cold {cold['compile_s']:.1f} s, restored {warm['compile_s']:.1f} s "
+        f"({cold['published']} bytes of artifacts)"
+    )
 
 
 def test_without_an_entry_or_a_server_the_engine_only_compiles_from_scratch(server, caplog):

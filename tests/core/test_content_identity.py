@@ -19,11 +19,10 @@ import pytest
 
 from tests.helpers import assert_tensors_equal, run_python
 from tests.models import save_random_model
-
 from weightcache.core.client import Connection
 from weightcache.core.digests import RACY_WINDOW_NS, DigestStore, FileKey, checkpoint_digests, file_digest
-from weightcache.core.modes import load_model
 from weightcache.core.loader import prepare, publish
+from weightcache.core.modes import load_model
 from weightcache.core.request import LoadRequest
 from weightcache.core.safetensors_io import checkpoint_files, checkpoint_identity, read_header
 
@@ -286,7 +285,7 @@ def test_a_file_changed_while_it_is_loaded_is_never_published_under_the_old_iden
 
     racing.weightcache_load = weightcache_load
     prepared = prepare(LoadRequest(model=str(path), adapter="racing"), Plugins.from_modules({"racing": racing}))
-    with pytest.raises(CheckpointChanged, match="changed while .* was being loaded; nothing was published"):
+    with pytest.raises(CheckpointChanged, match=r"changed while .* was being loaded; nothing was published"):
         publish(prepared, socket_dir)
     with Connection(socket_dir) as conn:
         assert conn.status()["entries"] == [], "a partial or stale entry was published"

@@ -23,17 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-from weightcache.core import PROTOCOL_VERSION
-from weightcache.core.arena import ArenaSpec
-from weightcache.core.attach import Attachment
-from weightcache.core.client import Connection, wait_for_server
-from weightcache.core.modes import load_model
-from weightcache.core.errors import EntryNotFound, EntryUnusable, ServerError, ServerUnavailable
-from weightcache.core.loader import prepare
-from weightcache.core.manifest import Manifest, TensorRecord
-from weightcache.core.paths import SOCKET_NAME
-from weightcache.core.protocol import FDS_PER_MESSAGE, HEADER, MAGIC, MAX_FDS, close_fds, encode
-from weightcache.core.request import LoadRequest
 
 from tests.core.support import (
     fd_count,
@@ -48,6 +37,17 @@ from tests.core.support import (
     settle_fd_count,
 )
 from tests.helpers import ServerProcess, wait_until
+from weightcache.core import PROTOCOL_VERSION
+from weightcache.core.arena import ArenaSpec
+from weightcache.core.attach import Attachment
+from weightcache.core.client import Connection, wait_for_server
+from weightcache.core.errors import EntryNotFound, EntryUnusable, ServerError, ServerUnavailable
+from weightcache.core.loader import prepare
+from weightcache.core.manifest import Manifest, TensorRecord
+from weightcache.core.modes import load_model
+from weightcache.core.paths import SOCKET_NAME
+from weightcache.core.protocol import FDS_PER_MESSAGE, HEADER, MAGIC, MAX_FDS, close_fds, encode
+from weightcache.core.request import LoadRequest
 
 _SERVE = """
 import json, logging, resource, sys
@@ -66,8 +66,9 @@ def configured_server(socket_dir: Path, **options):
     """A server process with ``ServerConfig(**options)`` (``open_files``: its RLIMIT_NOFILE, soft and hard)."""
     log_path = Path(str(socket_dir) + ".server.log")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", _SERVE, str(socket_dir), json.dumps(options)],
-                                stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVE, str(socket_dir), json.dumps(options)], stdout=log, stderr=log, start_new_session=True
+        )
     server = ServerProcess(socket_dir, proc, log_path)
     try:
         wait_for_server(socket_dir, timeout=30)
@@ -181,10 +182,14 @@ def test_a_burst_idle_connections_and_an_fd_flood_cannot_take_the_server_down(so
         results: dict = {}
         try:
             idle += [raw_connect(socket_dir) for _ in range(1024)]
-            assert wait_until(lambda: fd_count(server.pid) >= baseline + 1024, timeout=30), "the server did not take 1,024 connections"
+            assert wait_until(lambda: fd_count(server.pid) >= baseline + 1024, timeout=30), (
+                "the server did not take 1,024 connections"
+            )
             _flood_before_the_header(socket_dir, memfd, results)
-            floods = [threading.Thread(target=_flood_an_unfinished_frame, args=(socket_dir, memfd, results, f"unfinished-{i}"))
-                      for i in range(2)]
+            floods = [
+                threading.Thread(target=_flood_an_unfinished_frame, args=(socket_dir, memfd, results, f"unfinished-{i}"))
+                for i in range(2)
+            ]
             for thread in floods:
                 thread.start()
 
@@ -371,8 +376,10 @@ def test_payload_bytes_in_flight_wait_briefly_then_get_busy(socket_dir):
             waited = time.monotonic() - started
             assert caught.value.code == "busy" and "did not fit within 0.3 s" in str(caught.value)
             assert 0.25 <= waited < 5, f"refused after {waited:.2f} s"
-            with pytest.raises(ServerError, match="exceeds the 1048576 bytes the server reads at once"), \
-                    Connection(socket_dir, timeout=20) as conn:
+            with (
+                pytest.raises(ServerError, match="exceeds the 1048576 bytes the server reads at once"),
+                Connection(socket_dir, timeout=20) as conn,
+            ):
                 conn.request({"op": "hello", "pad": "z" * 1_100_000})
             holder.sendall(big[1000:])  # the first frame completes and frees its bytes
             assert [r["ok"] for r in _replies_until_closed(holder, 1)] == [True]
@@ -401,8 +408,17 @@ def _publish_arenas(socket_dir: Path, count: int, tp_rank: int) -> None:
             fd, spec = sealed_memfd(pattern(4096))
             fds.append(fd)
             specs.append(spec)
-        record = TensorRecord(name="w", kind="parameter", dtype="float32", shape=(1024,), stride=(1,),
-                              storage_offset=0, arena=0, offset=0, nbytes=4096)
+        record = TensorRecord(
+            name="w",
+            kind="parameter",
+            dtype="float32",
+            shape=(1024,),
+            stride=(1,),
+            storage_offset=0,
+            arena=0,
+            offset=0,
+            nbytes=4096,
+        )
         manifest = Manifest(tensors=[record], arenas=specs)
         with Connection(socket_dir, timeout=10) as conn:
             conn.publish(make_fingerprint(tp_rank=tp_rank, tp_size=8), manifest.to_json(), fds)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightcache.core.modes import load_model
 from weightcache.core.errors import ArenaError
 from weightcache.core.export import ArenaBuilder, NamedTensor, Slot, export_module, export_tensors
 from weightcache.core.loader import prepare, publish
+from weightcache.core.modes import load_model
 from weightcache.core.request import LoadRequest
 
 
@@ -110,7 +110,9 @@ def test_every_manifest_tensor_lies_in_an_arena_after_rebind(server, model_dir, 
             assert any(base <= start and end <= base + size for base, size in ranges), (
                 f"{record.kind} {name!r} ({tensor.dtype}, {tuple(tensor.shape)}) lies outside every arena of the attachment"
             )
-        model_names = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_buffers(remove_duplicate=False)}
+        model_names = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {
+            n for n, _ in model.named_buffers(remove_duplicate=False)
+        }
         assert model_names <= set(named), f"not in the manifest: {sorted(model_names - set(named))}"
         assert any(record.kind == "buffer" for record in manifest.tensors), "the model's buffers must be published too"
     finally:

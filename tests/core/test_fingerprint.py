@@ -8,10 +8,9 @@ from pathlib import Path
 import attrs
 import pytest
 
+from tests.models import save_random_model
 from weightcache.core.fingerprint import FIELDS, Fingerprint
 from weightcache.core.safetensors_io import checkpoint_identity, read_header
-
-from tests.models import save_random_model
 
 
 def make(**changes) -> Fingerprint:

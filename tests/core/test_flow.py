@@ -10,12 +10,11 @@ import attrs
 import pytest
 
 from tests.helpers import Engine, assert_tensors_equal
-
 from weightcache.core.attach import Attachment
-from weightcache.core.modes import load_model
 from weightcache.core.errors import EntryNotFound, FingerprintMismatch, ServerUnavailable
 from weightcache.core.fingerprint import FIELDS
 from weightcache.core.loader import prepare, publish
+from weightcache.core.modes import load_model
 from weightcache.core.request import LoadRequest
 
 
@@ -32,7 +31,9 @@ def publish_model(path, socket_dir, **kwargs):
     return publish(prepare(LoadRequest(model=str(path), **kwargs)), socket_dir)
 
 
-@pytest.mark.parametrize("kind,dtype,sharded", [("llama", "float32", False), ("llama", "bfloat16", True), ("qwen2", "float16", False)])
+@pytest.mark.parametrize(
+    "kind,dtype,sharded", [("llama", "float32", False), ("llama", "bfloat16", True), ("qwen2", "float16", False)]
+)
 def test_client_mode_matches_disk_load_bit_for_bit(server, model_dir, kind, dtype, sharded):
     path = model_dir(kind, dtype, sharded)
     published = publish_model(path, server.socket_dir)
@@ -147,7 +148,9 @@ def test_each_fingerprint_field_mismatch_is_named(server, model_dir):
     fingerprint = publish_model(path, server.socket_dir).fingerprint
     for field in FIELDS:
         value = getattr(fingerprint, field)
-        changed = {"extra": {"kernel": "other"}} if field == "extra" else {field: value + 1 if isinstance(value, int) else value + "x"}
+        changed = (
+            {"extra": {"kernel": "other"}} if field == "extra" else {field: value + 1 if isinstance(value, int) else value + "x"}
+        )
         with pytest.raises(FingerprintMismatch) as caught:
             Attachment.open(attrs.evolve(fingerprint, **changed), server.socket_dir)
         expected = ("extra.kernel",) if field == "extra" else (field,)
@@ -186,8 +189,11 @@ def test_a_loader_killed_at_any_point_leaves_no_partial_entry(server, minilm_dir
     shmem_before = _meminfo("Shmem")
     outcomes = set()
     for delay in (0.2, 0.8, 1.5, 2.5, 4.0):
-        proc = subprocess.Popen([sys.executable, "-m", "weightcache.core.cli", "load", "--socket-dir", str(server.socket_dir),
-                                 "--model", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "weightcache.core.cli", "load", "--socket-dir", str(server.socket_dir), "--model", str(path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             proc.wait(timeout=delay)
         except subprocess.TimeoutExpired:
@@ -210,8 +216,12 @@ def test_a_loader_killed_at_any_point_leaves_no_partial_entry(server, minilm_dir
 def test_cli_status_lists_entries(server, model_dir):
     path = model_dir("llama")
     published = publish_model(path, server.socket_dir)
-    out = subprocess.run([sys.executable, "-m", "weightcache.core.cli", "status", "--socket-dir", str(server.socket_dir)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "weightcache.core.cli", "status", "--socket-dir", str(server.socket_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert published.digest[:12] in out and "LlamaForCausalLM" in out
 
 

@@ -85,8 +85,13 @@ LLAMA_LINEARS = {
     f"model.layers.{i}.{part}"
     for i in range(2)
     for part in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
     )
 }
 
@@ -173,7 +178,9 @@ def test_other_block_sizes():
     qweight, scale_inv = quantize_weight(weight, (32, 64))
     assert tuple(scale_inv.shape) == (4, 2)
     restored = dequantize_weight(qweight, scale_inv, (32, 64), torch.float32)
-    assert_within("dequantized weight", restored, weight, weight.abs() * 2.0**-4 + spread(scale_inv, weight.shape, (32, 64)) * 2.0**-10)
+    assert_within(
+        "dequantized weight", restored, weight, weight.abs() * 2.0**-4 + spread(scale_inv, weight.shape, (32, 64)) * 2.0**-10
+    )
 
 
 def test_dequantize_refuses_wrong_scale_grid():

@@ -23,15 +23,6 @@ import attrs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from weightcache.core import PROTOCOL_VERSION
-from weightcache.core.client import Connection, wait_for_server
-from weightcache.core.protocol import (
-    MAGIC,
-    MAX_FDS,
-    MAX_FRAME_BYTES,
-    close_fds,
-    send_frame,
-)
 
 from tests.core.support import (
     ERROR_CODES,
@@ -47,11 +38,27 @@ from tests.core.support import (
     settle_fd_count,
 )
 from tests.helpers import ServerProcess, wait_until
+from weightcache.core import PROTOCOL_VERSION
+from weightcache.core.client import Connection, wait_for_server
+from weightcache.core.protocol import (
+    MAGIC,
+    MAX_FDS,
+    MAX_FRAME_BYTES,
+    close_fds,
+    send_frame,
+)
 
 RSS_TOLERANCE_KIB = 20 << 10
 FUZZ = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-EXAMPLES = {"raw_bytes": 2000, "header_fields": 2500, "random_requests": 3000, "fds_where_none_expected": 1500,
-            "no_fds_where_expected": 500, "oversized_or_wrong_version": 1000, "near_valid_publish": 600}
+EXAMPLES = {
+    "raw_bytes": 2000,
+    "header_fields": 2500,
+    "random_requests": 3000,
+    "fds_where_none_expected": 1500,
+    "no_fds_where_expected": 500,
+    "oversized_or_wrong_version": 1000,
+    "near_valid_publish": 600,
+}
 OPS = ("hello", "publish", "attach", "detach", "status", "evict")
 
 
@@ -175,7 +182,9 @@ def manifests(draw, base: dict):
 @st.composite
 def requests(draw, state: Fuzzed) -> dict:
     fingerprint = state.entry.fingerprint.to_json()
-    message = {"op": draw(st.integers(0, 9).flatmap(lambda i: st.sampled_from(OPS) if i < 8 else st.text(max_size=10) | json_values))}
+    message = {
+        "op": draw(st.integers(0, 9).flatmap(lambda i: st.sampled_from(OPS) if i < 8 else st.text(max_size=10) | json_values))
+    }
     fields = draw(st.sets(st.sampled_from(["fingerprint", "manifest", "label", "digest", "force", "junk"])))
     if "fingerprint" in fields:
         message["fingerprint"] = draw(mutated(fingerprint))
@@ -185,7 +194,9 @@ def requests(draw, state: Fuzzed) -> dict:
         message["label"] = draw(json_values)
     if "digest" in fields:
         # Never a prefix of the fixture's entry: fuzzing must not evict what it attaches to.
-        message["digest"] = draw(json_values.filter(lambda v: not (isinstance(v, str) and state.entry.digest.startswith(v) and v)))
+        message["digest"] = draw(
+            json_values.filter(lambda v: not (isinstance(v, str) and state.entry.digest.startswith(v) and v))
+        )
     if "force" in fields:
         message["force"] = draw(json_values)
     if "junk" in fields:
@@ -234,11 +245,11 @@ def test_random_requests(fuzzed, data):
     messages = data.draw(st.lists(requests(fuzzed), min_size=1, max_size=3))
     frame_fds = st.one_of(st.just([]), st.just(["sealed_memfd"]), fd_kinds)
     kinds = data.draw(st.lists(frame_fds, min_size=len(messages), max_size=len(messages)))
-    sent = b"".join(frame(json.dumps(m).encode(), nfds=len(k)) for m, k in zip(messages, kinds))
+    sent = b"".join(frame(json.dumps(m).encode(), nfds=len(k)) for m, k in zip(messages, kinds, strict=True))
     sock = raw_connect(fuzzed.server.socket_dir, timeout=10)
     try:
         try:
-            for message, frame_kinds in zip(messages, kinds):
+            for message, frame_kinds in zip(messages, kinds, strict=True):
                 send_frame(sock, message, [fuzzed.fds[k] for k in frame_kinds])
             sock.shutdown(socket.SHUT_WR)
         except (BrokenPipeError, ConnectionResetError):
@@ -257,7 +268,11 @@ def test_near_valid_publish(fuzzed, data):
     fuzzed.count("near_valid_publish")
     base = fuzzed.entry.fingerprint.to_json()
     field = data.draw(st.sampled_from(sorted(base)))
-    typed = {str: st.text(max_size=12), int: st.integers(-1, 8), dict: st.dictionaries(st.text(max_size=8), json_values, max_size=3)}
+    typed = {
+        str: st.text(max_size=12),
+        int: st.integers(-1, 8),
+        dict: st.dictionaries(st.text(max_size=8), json_values, max_size=3),
+    }
     fitting = typed[type(base[field])]
     fingerprint = {**base, field: data.draw(st.integers(0, 3).flatmap(lambda i: fitting if i else json_values))}
     base_manifest = fuzzed.entry.manifest.to_json()
@@ -347,8 +362,12 @@ def impatient_server():
     socket_dir.chmod(0o700)
     log_path = Path(str(socket_dir) + ".server.log")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", _SHORT_DEADLINE_SERVER, str(socket_dir), str(SHORT_DEADLINE_S)],
-                                stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SHORT_DEADLINE_SERVER, str(socket_dir), str(SHORT_DEADLINE_S)],
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
     server = ServerProcess(socket_dir, proc, log_path)
     try:
         wait_for_server(socket_dir, timeout=20)
@@ -442,8 +461,7 @@ def test_server_survived_every_case_and_returned_to_baseline(fuzzed):
     count = settle_fd_count(fuzzed.server.pid, fuzzed.baseline_fds)
     assert count == fuzzed.baseline_fds, f"server holds {count} fds, {fuzzed.baseline_fds} before fuzzing"
     rss = rss_kib(fuzzed.server.pid)
-    assert rss <= fuzzed.baseline_rss_kib + RSS_TOLERANCE_KIB, \
-        f"server RSS grew from {fuzzed.baseline_rss_kib} KiB to {rss} KiB"
+    assert rss <= fuzzed.baseline_rss_kib + RSS_TOLERANCE_KIB, f"server RSS grew from {fuzzed.baseline_rss_kib} KiB to {rss} KiB"
     if set(fuzzed.cases) == set(EXAMPLES):  # every fuzz test ran in this session
         total = sum(fuzzed.cases.values())
         assert total >= 10_000, f"only {total} cases ran: {fuzzed.cases}"

@@ -6,11 +6,10 @@ import multiprocessing
 import os
 import time
 
+from tests.core.support import fd_count, publish_host_entry, resting_fd_count, rss_kib
 from weightcache.core.client import Connection
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.protocol import close_fds
-
-from tests.core.support import fd_count, publish_host_entry, resting_fd_count, rss_kib
 
 CLIENTS = int(os.environ.get("WEIGHTCACHE_LOAD_CLIENTS", "32"))
 CYCLES = int(os.environ.get("WEIGHTCACHE_LOAD_CYCLES", "200"))

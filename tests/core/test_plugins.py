@@ -31,8 +31,11 @@ def _adapter_module(name: str = "mine", **hooks) -> types.ModuleType:
     def weightcache_rebind(request, tensors, manifest):
         raise AssertionError("not called in these tests")
 
-    defaults = {"weightcache_describe": weightcache_describe, "weightcache_load": weightcache_load,
-                "weightcache_rebind": weightcache_rebind}
+    defaults = {
+        "weightcache_describe": weightcache_describe,
+        "weightcache_load": weightcache_load,
+        "weightcache_rebind": weightcache_rebind,
+    }
     for hook, function in {**defaults, **hooks}.items():
         if function is not None:
             setattr(module, hook, function)
@@ -52,7 +55,7 @@ def test_an_environment_variable_blocks_adapters_by_name(monkeypatch):
 
 
 def test_an_unknown_adapter_names_the_usable_ones():
-    with pytest.raises(AdapterNotFound, match="no weightcache adapter named 'nope'.*Usable adapters: .*hf"):
+    with pytest.raises(AdapterNotFound, match=r"no weightcache adapter named 'nope'.*Usable adapters: .*hf"):
         Plugins.installed().adapter("nope")
 
 
@@ -61,7 +64,9 @@ def test_a_misspelt_hook_is_refused_at_registration_with_a_suggestion():
     def weightcache_rebnd(request, tensors, manifest):
         return None
 
-    with pytest.raises(InvalidAdapter, match="weightcache_rebnd is not a weightcache hook \\(did you mean weightcache_rebind\\?\\)"):
+    with pytest.raises(
+        InvalidAdapter, match="weightcache_rebnd is not a weightcache hook \\(did you mean weightcache_rebind\\?\\)"
+    ):
         Plugins.from_modules({"mine": _adapter_module(weightcache_rebnd=weightcache_rebnd)})
 
 
@@ -90,7 +95,7 @@ def test_a_hook_with_an_argument_its_spec_lacks_is_refused():
 def test_unknown_options_are_refused_with_the_ones_the_adapter_takes():
     adapter = Plugins.installed().adapter("hf")
     adapter.check_options(LoadRequest(model="/x", options={"model_class": "AutoModel"}))
-    with pytest.raises(UnknownOption, match="takes no option 'attn_implementation'.*model_class"):
+    with pytest.raises(UnknownOption, match=r"takes no option 'attn_implementation'.*model_class"):
         adapter.check_options(LoadRequest(model="/x", options={"attn_implementation": "eager"}))
 
 
@@ -135,8 +140,13 @@ def test_a_broken_installed_adapter_is_reported_by_name_and_the_others_keep_work
             except AdapterNotFound as exc:
                 print("refused", exc)
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "hf" in out.split("names", 1)[1].splitlines()[0]

@@ -15,6 +15,8 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.core.support import fd_count, frame, inode, send_raw
 from weightcache.core import PROTOCOL_VERSION
 from weightcache.core.errors import ProtocolError
 from weightcache.core.protocol import (
@@ -28,8 +30,6 @@ from weightcache.core.protocol import (
     encode,
     send_frame,
 )
-
-from tests.core.support import fd_count, frame, inode, send_raw
 
 
 @pytest.fixture
@@ -114,7 +114,7 @@ def test_round_trip_carries_every_fd_in_order(pair, fd_headroom, nfds):
             assert got_message == message
             assert len(got) == nfds, f"{nfds} fds sent, {len(got)} received"
             assert len(set(got)) == nfds, "every received fd must be a distinct descriptor"
-            mismatched = [i for i, (s, r) in enumerate(zip(sent, got)) if inode(s) != inode(r)]
+            mismatched = [i for i, (s, r) in enumerate(zip(sent, got, strict=True)) if inode(s) != inode(r)]
             assert not mismatched, f"received fds {mismatched[:5]} refer to other files than the ones sent there"
         finally:
             close_fds(got)
@@ -140,6 +140,7 @@ def test_consecutive_frames_keep_their_own_fds(pair):
     a, b = pair
     counts = [300, 0, 1, 0, 251, 2]
     with no_fd_leak(), memfds(3) as files:
+
         def send_all():
             for index, count in enumerate(counts):
                 send_frame(a, {"index": index}, [files[index % 3]] * count)
@@ -292,7 +293,7 @@ def test_trickled_frame_hits_the_deadline(pair):
         sender = Sender(trickle, memfd)
         sender.start()
         started = time.monotonic()
-        with pytest.raises(TimeoutError, match="frame not complete within 0.3 s"):
+        with pytest.raises(TimeoutError, match=r"frame not complete within 0\.3 s"):
             FrameReader(b, deadline_s=0.3).read(idle_timeout=5)
         elapsed = time.monotonic() - started
         stop.set()

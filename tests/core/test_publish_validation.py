@@ -17,13 +17,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from weightcache.core.arena import ArenaSpec, backend
-from weightcache.core.client import Connection
-from weightcache.core.dtypes import ITEM_SIZES
-from weightcache.core.errors import InvalidManifest, ServerError
-from weightcache.core.manifest import Manifest, TensorRecord
-from weightcache.core.protocol import FrameReader
-from weightcache.core.registry import MAX_LABEL_CHARS, Entry, Registry
 
 from tests.core.support import (
     ALL_SEALS,
@@ -37,6 +30,13 @@ from tests.core.support import (
     sparse_memfd,
 )
 from tests.helpers import ServerProcess
+from weightcache.core.arena import ArenaSpec, backend
+from weightcache.core.client import Connection
+from weightcache.core.dtypes import ITEM_SIZES
+from weightcache.core.errors import InvalidManifest, ServerError
+from weightcache.core.manifest import Manifest, TensorRecord
+from weightcache.core.protocol import FrameReader
+from weightcache.core.registry import MAX_LABEL_CHARS, Entry, Registry
 
 ARENA_BYTES = 4096
 
@@ -44,8 +44,17 @@ ARENA_BYTES = 4096
 def base_manifest() -> dict:
     """The JSON of two float32 tensors side by side in one arena, ``a`` then ``b``, 16 elements each, and an alias of ``b``."""
     records = [
-        TensorRecord(name=name, kind="parameter", dtype="float32", shape=(16,), stride=(1,), storage_offset=0,
-                     arena=0, offset=offset, nbytes=64)
+        TensorRecord(
+            name=name,
+            kind="parameter",
+            dtype="float32",
+            shape=(16,),
+            stride=(1,),
+            storage_offset=0,
+            arena=0,
+            offset=offset,
+            nbytes=64,
+        )
         for name, offset in (("a", 0), ("b", 64))
     ]
     return Manifest(tensors=records, arenas=[ArenaSpec(backend="host", size=ARENA_BYTES)], aliases={"tied": "b"}).to_json()
@@ -172,7 +181,7 @@ WEIRD = st.one_of(st.integers(-3, -1), st.floats(0, 8), st.booleans(), st.text(m
 def _extent(shape, stride, storage_offset, itemsize) -> int:
     if 0 in shape:
         return 0
-    return (storage_offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1) * itemsize
+    return (storage_offset + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * itemsize
 
 
 @st.composite
@@ -189,9 +198,18 @@ def viewable_records(draw, name: str, sizes: list[int]) -> dict:
     arena = draw(st.integers(0, len(sizes) - 1))
     last = (sizes[arena] - nbytes) // itemsize * itemsize  # the region ends exactly at the arena's end
     offset = draw(st.sampled_from([0, last]) | st.integers(0, last // itemsize).map(lambda k: k * itemsize))
-    return {"name": name, "kind": draw(st.sampled_from(["parameter", "buffer"])), "dtype": dtype, "shape": shape,
-            "stride": stride, "storage_offset": storage_offset, "arena": arena, "offset": offset, "nbytes": nbytes,
-            "persistent": draw(st.booleans())}
+    return {
+        "name": name,
+        "kind": draw(st.sampled_from(["parameter", "buffer"])),
+        "dtype": dtype,
+        "shape": shape,
+        "stride": stride,
+        "storage_offset": storage_offset,
+        "arena": arena,
+        "offset": offset,
+        "nbytes": nbytes,
+        "persistent": draw(st.booleans()),
+    }
 
 
 @st.composite
@@ -216,13 +234,17 @@ def fuzzed_manifests(draw) -> dict:
     aliases = draw(st.sampled_from([{}, {"tied": names[-1]}]))
     if draw(st.booleans()):
         record = draw(st.sampled_from(tensors))
-        field = draw(st.sampled_from(sorted(set(record) - {"name"}) + ["aliases"]))
+        field = draw(st.sampled_from([*sorted(set(record) - {"name"}), "aliases"]))
         if field == "aliases":
             aliases = draw(st.sampled_from([{"tied": "missing"}, {names[0]: names[-1]}, {"tied": 0}]))
         else:
             record[field] = draw(perturbed(record[field]))
-    return {"tensors": tensors, "arenas": [{"backend": "host", "size": s, "device": "cpu"} for s in sizes],
-            "aliases": aliases, "extra": {}}
+    return {
+        "tensors": tensors,
+        "arenas": [{"backend": "host", "size": s, "device": "cpu"} for s in sizes],
+        "aliases": aliases,
+        "extra": {},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +258,7 @@ def arena_fds():
 
 def _assert_views_stay_in_their_regions(manifest: Manifest, fds) -> None:
     host = backend("host")
-    arenas = [host.map(fd, spec) for fd, spec in zip(fds, manifest.arenas)]
+    arenas = [host.map(fd, spec) for fd, spec in zip(fds, manifest.arenas, strict=True)]
     try:
         _check_views(manifest, arenas)
     finally:
@@ -253,7 +275,7 @@ def _check_views(manifest: Manifest, arenas) -> None:
             continue
         assert tuple(tensor.stride()) == record.stride, record
         start = tensor.data_ptr() - arenas[record.arena].address
-        reach = (sum((n - 1) * s for n, s in zip(record.shape, record.stride)) + 1) * tensor.element_size()
+        reach = (sum((n - 1) * s for n, s in zip(record.shape, record.stride, strict=True)) + 1) * tensor.element_size()
         assert record.offset <= start and start + reach <= record.offset + record.nbytes, f"{record} views outside its region"
         tensor.clone()  # every element can be read
     for alias, target in manifest.aliases.items():
@@ -291,7 +313,9 @@ def test_every_manifest_the_server_accepts_can_be_viewed_by_a_client(served, are
 def test_a_label_longer_than_the_bound_is_refused_and_one_at_the_bound_is_kept(served):
     server, _ = served
     with pytest.raises(ServerError) as refused:
-        publish_host_entry(server.socket_dir, make_fingerprint(architecture="LongLabel"), nbytes=4096, label="x" * (MAX_LABEL_CHARS + 1))
+        publish_host_entry(
+            server.socket_dir, make_fingerprint(architecture="LongLabel"), nbytes=4096, label="x" * (MAX_LABEL_CHARS + 1)
+        )
     assert refused.value.code == "bad_request" and f"more than the {MAX_LABEL_CHARS} allowed" in str(refused.value)
     label = "é" * MAX_LABEL_CHARS
     publish_host_entry(server.socket_dir, make_fingerprint(architecture="FullLabel"), nbytes=4096, label=label)
@@ -324,8 +348,16 @@ def test_a_huge_non_ascii_text_is_refused_and_status_and_attach_still_answer(ser
 def test_status_leaves_out_the_rows_past_its_byte_bound():
     registry = Registry()
     for i in range(20):
-        registry.publish(Entry(fingerprint=make_fingerprint(architecture=f"Row{i}"), manifest={}, fds=[], nbytes=0,
-                               label="r" * MAX_LABEL_CHARS, published_by=1))
+        registry.publish(
+            Entry(
+                fingerprint=make_fingerprint(architecture=f"Row{i}"),
+                manifest={},
+                fds=[],
+                nbytes=0,
+                label="r" * MAX_LABEL_CHARS,
+                published_by=1,
+            )
+        )
     rows, omitted = registry.status()
     assert len(rows) == 20 and omitted == 0
     row_bytes = len(json.dumps(rows[0], separators=(",", ":"))) + 1
@@ -367,10 +399,17 @@ def test_an_ambiguous_evict_prefix_is_refused_and_lists_the_matches(served):
     assert "give more characters" in str(refused.value)
     assert {e["digest"] for e in status(server)["entries"]} == {first.digest, second.digest}, "nothing was evicted"
 
-    cli = subprocess.run([sys.executable, "-m", "weightcache.core.cli", "evict", "--socket-dir", str(server.socket_dir), prefix],
-                         capture_output=True, text=True, timeout=60, check=False)
+    cli = subprocess.run(
+        [sys.executable, "-m", "weightcache.core.cli", "evict", "--socket-dir", str(server.socket_dir), prefix],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert cli.returncode == 1 and cli.stdout == "", cli
-    assert f"matches 2 entries ({min(first.digest, second.digest)[:12]}, {max(first.digest, second.digest)[:12]})" in cli.stderr, cli.stderr
+    assert (
+        f"matches 2 entries ({min(first.digest, second.digest)[:12]}, {max(first.digest, second.digest)[:12]})" in cli.stderr
+    ), cli.stderr
     assert len(status(server)["entries"]) == 2
 
     with Connection(server.socket_dir) as conn:

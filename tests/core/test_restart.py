@@ -69,7 +69,9 @@ def test_hot_standby_takes_over_within_a_second(server, model_dir):
         primary.proc.kill()
         took = standby.line()
         assert (took["reason"], took["detail"]) == ("primary_exited", f"pid {primary.proc.pid}")
-        assert took["first_token_at"] - killed_at < 1.0, f"first token {1000 * (took['first_token_at'] - killed_at):.0f} ms after the kill"
+        assert took["first_token_at"] - killed_at < 1.0, (
+            f"first token {1000 * (took['first_token_at'] - killed_at):.0f} ms after the kill"
+        )
         assert standby.proc.wait(timeout=60) == 0
     finally:
         standby.close()

@@ -18,6 +18,22 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.core.support import (
+    frame,
+    host_manifest,
+    inode,
+    make_fingerprint,
+    pattern,
+    publish_host_entry,
+    raw_connect,
+    read_replies,
+    resting_fd_count,
+    sealed_memfd,
+    send_raw,
+    settle_fd_count,
+)
+from tests.helpers import ServerProcess, wait_until
 from weightcache.core import PROTOCOL_VERSION
 from weightcache.core.arena import ArenaSpec
 from weightcache.core.client import Connection
@@ -35,29 +51,14 @@ from weightcache.core.protocol import (
     send_frame,
 )
 
-from tests.core.support import (
-    frame,
-    host_manifest,
-    inode,
-    make_fingerprint,
-    pattern,
-    publish_host_entry,
-    raw_connect,
-    read_replies,
-    resting_fd_count,
-    sealed_memfd,
-    send_raw,
-    settle_fd_count,
-)
-from tests.helpers import ServerProcess, wait_until
-
 TEST_USER = "wctest"
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run the ``weightcache`` command in a fresh process."""
-    return subprocess.run([sys.executable, "-m", "weightcache.core.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "weightcache.core.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def status(socket_dir) -> dict:
@@ -121,8 +122,9 @@ def test_publish_and_attach_a_host_entry(server):
                 close_fds(reply.fds)
         finally:
             holder.close()
-        assert wait_until(lambda: status(server.socket_dir)["entries"][0]["attached_pids"] == []), \
+        assert wait_until(lambda: status(server.socket_dir)["entries"][0]["attached_pids"] == []), (
             "closing the connection detaches"
+        )
     finally:
         os.close(fd)
 
@@ -205,13 +207,34 @@ def _make_case(name: str, published, tmp_path: Path):
 
 
 MALFORMED = [
-    "garbage-bytes", "wrong-version", "too-large", "non-json", "non-object-json", "deeply-nested-json",
-    "declared-fds-mismatch", "truncated", "unknown-op", "missing-op", "op-not-a-string-with-fds", "fds-with-hello",
-    "fds-with-attach", "publish-no-fds", "publish-two-fds-for-one-arena", "publish-a-pipe", "publish-a-regular-file",
-    "publish-an-unsealed-memfd", "publish-a-memfd-smaller-than-its-manifest", "publish-an-unknown-backend",
-    "publish-malformed-manifest", "publish-malformed-fingerprint", "attach-fingerprint-missing-fields",
-    "attach-fingerprint-not-an-object", "attach-fingerprint-extra-is-a-list", "attach-fingerprint-unhashable-extra",
-    "detach-without-digest", "evict-short-prefix",
+    "garbage-bytes",
+    "wrong-version",
+    "too-large",
+    "non-json",
+    "non-object-json",
+    "deeply-nested-json",
+    "declared-fds-mismatch",
+    "truncated",
+    "unknown-op",
+    "missing-op",
+    "op-not-a-string-with-fds",
+    "fds-with-hello",
+    "fds-with-attach",
+    "publish-no-fds",
+    "publish-two-fds-for-one-arena",
+    "publish-a-pipe",
+    "publish-a-regular-file",
+    "publish-an-unsealed-memfd",
+    "publish-a-memfd-smaller-than-its-manifest",
+    "publish-an-unknown-backend",
+    "publish-malformed-manifest",
+    "publish-malformed-fingerprint",
+    "attach-fingerprint-missing-fields",
+    "attach-fingerprint-not-an-object",
+    "attach-fingerprint-extra-is-a-list",
+    "attach-fingerprint-unhashable-extra",
+    "detach-without-digest",
+    "evict-short-prefix",
 ]
 
 
@@ -249,7 +272,6 @@ def test_malformed_frame_gets_an_error_and_the_server_goes_on(server, tmp_path, 
     assert "unexpected error" not in server.log(), server.log()
 
 
-
 _SERVE_WITH_LOW_FD_LIMIT = """
 import resource, sys
 from weightcache.core.cli import main
@@ -262,8 +284,9 @@ def test_a_frame_with_more_fds_than_the_default_soft_limit_arrives_whole(socket_
     """A server started with a low soft fd limit lifts it: a frame may carry up to 4,096 fds."""
     log_path = Path(str(socket_dir) + ".server.log")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", _SERVE_WITH_LOW_FD_LIMIT, str(socket_dir)],
-                                stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVE_WITH_LOW_FD_LIMIT, str(socket_dir)], stdout=log, stderr=log, start_new_session=True
+        )
     server = ServerProcess(socket_dir, proc, log_path)
     try:
         wait_until(lambda: "serving on" in server.log() or proc.poll() is not None, timeout=20)
@@ -298,8 +321,9 @@ def test_sigterm_exits_cleanly_and_removes_the_socket(server):
             assert server.stop() == 0
             assert not (server.socket_dir / SOCKET_NAME).exists(), "a stopped server removes its socket"
             assert "server stopping" in server.log()
-            assert read_arena(reply.fds[0], published.manifest.arenas[0].size)[:64] == published.data[:64], \
+            assert read_arena(reply.fds[0], published.manifest.arenas[0].size)[:64] == published.data[:64], (
                 "an engine's mapping outlives the server"
+            )
         finally:
             close_fds(reply.fds)
     finally:
@@ -411,16 +435,25 @@ def test_user() -> tuple[int, int]:
     except KeyError:
         if shutil.which("useradd") is None:
             pytest.skip("useradd is not installed; cannot create a second user")
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", TEST_USER],
-                       capture_output=True, timeout=60, check=False)  # may race another session creating it: look it up again
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", TEST_USER],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )  # may race another session creating it: look it up again
         entry = pwd.getpwnam(TEST_USER)
     return entry.pw_uid, entry.pw_gid
 
 
 def hello_as(user: tuple[int, int], socket_dir: Path) -> dict:
     uid, gid = user
-    result = subprocess.run([sys.executable, "-c", _HELLO_AS_USER, str(uid), str(gid), str(socket_dir)],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", _HELLO_AS_USER, str(uid), str(gid), str(socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -434,8 +467,12 @@ def foreign_server(test_user):
     socket_dir.chmod(0o700)
     log_path = Path(str(socket_dir) + ".server.log")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", _SERVER_AS_USER, str(uid), str(gid), str(socket_dir)],
-                                stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVER_AS_USER, str(uid), str(gid), str(socket_dir)],
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
     server = ServerProcess(socket_dir, proc, log_path)
     try:
         # No hello to wait with (it would be refused): the log line comes once the socket listens.
@@ -534,4 +571,3 @@ def test_force_evict_frees_the_servers_fds_and_keeps_engine_mappings(server):
     assert settle_fd_count(server.pid, baseline) == baseline
     unknown = cli("evict", "--socket-dir", str(server.socket_dir), "ffffffff")
     assert unknown.returncode != 0 and "no entry matches" in unknown.stderr
-

@@ -30,8 +30,21 @@ class StandbyProcess:
     def __init__(self, model, socket_dir, *args: str, stdin=subprocess.DEVNULL):
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "weightcache.core.cli", "standby", "--model", str(model), "--socket-dir", str(socket_dir), *args],
-            stdin=stdin, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            [
+                sys.executable,
+                "-m",
+                "weightcache.core.cli",
+                "standby",
+                "--model",
+                str(model),
+                "--socket-dir",
+                str(socket_dir),
+                *args,
+            ],
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
         )
 
     @property
@@ -87,8 +100,15 @@ def mid_model(tmp_path_factory) -> Path:
     import transformers
     from transformers.initialization import no_init_weights
 
-    config = transformers.LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
-                                      num_attention_heads=8, num_key_value_heads=4, architectures=["LlamaForCausalLM"])
+    config = transformers.LlamaConfig(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        architectures=["LlamaForCausalLM"],
+    )
     torch.manual_seed(0)
     with no_init_weights():
         model = transformers.LlamaForCausalLM(config)
@@ -127,7 +147,9 @@ def test_a_standby_maps_the_entry_holds_no_copy_and_takes_over_on_sigusr1(server
 
 def report_and_exit(loaded) -> int:
     """A ``--then`` function: report what it was handed, exit with status 7."""
-    print(json.dumps({"then": True, "source": loaded.source, "mode": loaded.mode, "class": type(loaded.model).__name__}), flush=True)
+    print(
+        json.dumps({"then": True, "source": loaded.source, "mode": loaded.mode, "class": type(loaded.model).__name__}), flush=True
+    )
     return 7
 
 
@@ -165,15 +187,22 @@ def test_a_standby_that_cannot_attach_says_why_and_exits_non_zero(server, model_
         standby.close()
 
 
-@pytest.mark.parametrize(("args", "words"), [
-    (["--watch-pid", "999999999"], "there is no process 999999999 to watch"),
-    (["--then", "no_such_module_anywhere:serve"], "--then 'no_such_module_anywhere:serve': No module named"),
-    (["--then", "json"], "expected MODULE:FUNCTION"),
-])
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--watch-pid", "999999999"], "there is no process 999999999 to watch"),
+        (["--then", "no_such_module_anywhere:serve"], "--then 'no_such_module_anywhere:serve': No module named"),
+        (["--then", "json"], "expected MODULE:FUNCTION"),
+    ],
+)
 def test_a_bad_watch_pid_or_then_is_refused_before_anything_slow(socket_dir, model_dir, args, words):
     code = "import sys; from weightcache.core.cli import main; code = main(sys.argv[1:]); print('torch' in sys.modules); sys.exit(code)"
-    proc = subprocess.run([sys.executable, "-c", code, "standby", "--model", str(model_dir("llama")), "--socket-dir", str(socket_dir),
-                           *args], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "standby", "--model", str(model_dir("llama")), "--socket-dir", str(socket_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and words in proc.stderr, proc.stderr[-3000:]
     assert proc.stdout.strip() == "False", "refused before importing torch"
 

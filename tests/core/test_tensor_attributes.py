@@ -9,13 +9,11 @@ a real server, and the kit's comparison sees a missing or differing one.
 from __future__ import annotations
 
 import pytest
-
-from weightcache.core.errors import InvalidManifest
 import torch
 
 from weightcache.conformance.assertions import model_tensors
 from weightcache.core import api
-from weightcache.core.errors import RebindError
+from weightcache.core.errors import InvalidManifest, RebindError
 from weightcache.core.export import ArenaBuilder, collect_tensors, export_module
 from weightcache.core.manifest import Manifest, TensorRecord
 from weightcache.core.rebind import check_no_meta, rebind_module

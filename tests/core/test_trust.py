@@ -20,9 +20,11 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import wait_until
 from weightcache.core.client import Connection
-from weightcache.core.modes import load_model
 from weightcache.core.errors import AccessDenied
+from weightcache.core.modes import load_model
 from weightcache.core.paths import (
     ENV_SOCKET_DIR,
     SOCKET_NAME,
@@ -32,15 +34,18 @@ from weightcache.core.paths import (
     user_label,
 )
 
-from tests.helpers import wait_until
-
 NOBODY = "nobody"
 
 
 def serve_cli(socket_dir: Path) -> subprocess.CompletedProcess:
     """``weightcache serve`` on ``socket_dir`` in a fresh process (it exits at once when it refuses the directory)."""
-    return subprocess.run([sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir)],
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def listener_in(directory: Path) -> socket.socket:
@@ -64,7 +69,9 @@ def nobody_connected(listener: socket.socket) -> bool:
 # --- without root: the directory rule on real directories, the peer rule on real sockets ------------------------------
 
 
-@pytest.mark.parametrize(("mode", "kind"), [(0o770, "group-writable"), (0o707, "world-writable"), (0o777, "both"), (None, "symlink")])
+@pytest.mark.parametrize(
+    ("mode", "kind"), [(0o770, "group-writable"), (0o707, "world-writable"), (0o777, "both"), (None, "symlink")]
+)
 def test_a_client_refuses_an_unsafe_directory_before_it_connects(tmp_path, mode, kind):
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
@@ -177,9 +184,22 @@ def squatter():
     directory.chmod(0o777)
     captured = directory / "captured"
     proc = subprocess.Popen(
-        ["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups",
-         sys.executable, "-I", "-c", _SQUATTER, str(directory / SOCKET_NAME), str(captured)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
+        [
+            "setpriv",
+            f"--reuid={nobody.pw_uid}",
+            f"--regid={nobody.pw_gid}",
+            "--clear-groups",
+            sys.executable,
+            "-I",
+            "-c",
+            _SQUATTER,
+            str(directory / SOCKET_NAME),
+            str(captured),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd="/",
     )
     try:
         assert proc.stdout.readline().strip() == "listening", proc.stderr.read()

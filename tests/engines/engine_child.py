@@ -130,8 +130,9 @@ def run_vllm(model_path: str, steps: list) -> None:
         vllm_config = VllmConfig(model_config=model_config, load_config=load_config)
         with set_current_vllm_config(vllm_config):
             if not initialised:
-                init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-                                             local_rank=0, backend="gloo")
+                init_distributed_environment(
+                    world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}", local_rank=0, backend="gloo"
+                )
                 ensure_model_parallel_initialized(1, 1)
                 initialised = True
             loader = get_model_loader(load_config)

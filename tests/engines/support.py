@@ -48,17 +48,43 @@ def _tiny_configs():
     return {
         # Every projection a whole number of 128x128 FP8 blocks (head_dim 128), as in real block-FP8 checkpoints.
         "llama_blocks": lambda: transformers.LlamaConfig(
-            vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, architectures=["LlamaForCausalLM"]),
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            architectures=["LlamaForCausalLM"],
+        ),
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-            **common, num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-            architectures=["Qwen3MoeForCausalLM"]),
+            **common,
+            num_key_value_heads=2,
+            head_dim=32,
+            moe_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            architectures=["Qwen3MoeForCausalLM"],
+        ),
         # DeepSeek-V3: MLA attention (compressed KV, kv_b_proj), a dense first layer, then routed + shared experts.
         "deepseek_v3": lambda: transformers.DeepseekV3Config(
-            **common, num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
-            num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
-            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, architectures=["DeepseekV3ForCausalLM"],
-            topk_method="noaux_tc", scoring_func="sigmoid"),  # as DeepSeek-V3's own config.json (engines read them)
+            **common,
+            num_key_value_heads=4,
+            moe_intermediate_size=64,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=64,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            architectures=["DeepseekV3ForCausalLM"],
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+        ),  # as DeepSeek-V3's own config.json (engines read them)
     }
 
 
@@ -136,10 +162,24 @@ def run_engine(engine: str, model: Path, steps: list[dict], timeout: float = 300
     from tests.engines.engine_child import RESULT
 
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.engines.engine_child", "--engine", engine, "--model", str(model), "--steps", json.dumps(steps)],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        [
+            sys.executable,
+            "-m",
+            "tests.engines.engine_child",
+            "--engine",
+            engine,
+            "--model",
+            str(model),
+            "--steps",
+            json.dumps(steps),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
-    results = [json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    results = [json.loads(line[len(RESULT) :]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or len(results) != len(steps):
         raise AssertionError(
             f"{engine} child exited {proc.returncode} after {len(results)} of {len(steps)} steps:\n"

@@ -40,7 +40,10 @@ def test_engine_suite_passes_in_the_engine_venv():
     )
     proc = subprocess.run(
         [str(python), "-m", "pytest", "tests/engines", "-q", "-rs", "-p", "no:cacheprovider"],
-        capture_output=True, text=True, cwd=ROOT, timeout=TIMEOUT_S,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=TIMEOUT_S,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"},
     )
     summary = proc.stdout.strip().splitlines()[-1:] or ["(no output)"]

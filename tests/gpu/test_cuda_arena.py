@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+
 from weightcache.core.arena.base import ArenaSpec
 from weightcache.core.arena.cuda import CudaArenaBackend, unavailable_reason
 from weightcache.core.arena.devices import (
@@ -371,9 +372,7 @@ def test_child_with_another_device_order_maps_the_same_gpu(backend):
         order = ",".join(reversed(visible)) if len(visible) > 1 else visible[0]
         fd = created.export_fd()
         try:
-            report = _run(
-                "map", fd, json.dumps(created.spec.to_json()), "ro", pass_fds=(fd,), CUDA_VISIBLE_DEVICES=order
-            )
+            report = _run("map", fd, json.dumps(created.spec.to_json()), "ro", pass_fds=(fd,), CUDA_VISIBLE_DEVICES=order)
         finally:
             os.close(fd)
     finally:

@@ -25,8 +25,15 @@ def gpu_model(tmp_path_factory):
     """A random-weight Llama in bf16, large enough (~200 MiB) for memory figures to mean something."""
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
-                                      num_attention_heads=16, num_key_value_heads=4, architectures=["LlamaForCausalLM"])
+    config = transformers.LlamaConfig(
+        vocab_size=8192,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=6,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        architectures=["LlamaForCausalLM"],
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     path = tmp_path_factory.mktemp("gpu-llama")
@@ -38,7 +45,8 @@ def _publish_in_subprocess(model_path, socket_dir):
     run_python(
         "import sys; from weightcache.core.loader import prepare, publish; from weightcache.core.request import LoadRequest;"
         "publish(prepare(LoadRequest(model=sys.argv[1], device='cuda:0')), sys.argv[2])",
-        str(model_path), str(socket_dir),
+        str(model_path),
+        str(socket_dir),
     )
 
 
@@ -112,9 +120,9 @@ def test_evict_frees_gpu_memory_once_no_engine_maps_it(server, gpu_model):
 
 
 def test_100_attach_detach_cycles_leave_memory_and_fds_where_they_were(server, gpu_model):
+    from weightcache.core.attach import Attachment
     from weightcache.core.loader import prepare
     from weightcache.core.request import LoadRequest
-    from weightcache.core.attach import Attachment
 
     _publish_in_subprocess(gpu_model, server.socket_dir)
     fingerprint = prepare(LoadRequest(model=str(gpu_model), device=DEVICE)).fingerprint
@@ -163,7 +171,8 @@ def test_fp8_block_model_attached_equals_the_disk_quantized_model(server, gpu_mo
     run_python(
         "import sys; from weightcache.core.loader import prepare, publish; from weightcache.core.request import LoadRequest;"
         "publish(prepare(LoadRequest(model=sys.argv[1], device='cuda:0', quantization='fp8-block')), sys.argv[2])",
-        str(gpu_model), str(server.socket_dir),
+        str(gpu_model),
+        str(server.socket_dir),
     )
     code = """
 import sys, json, hashlib, torch
@@ -199,6 +208,7 @@ def test_engines_republish_gpu_entries_to_a_restarted_server(socket_dir, gpu_mod
         first.kill()
         second = ServerProcess.start(socket_dir)
         try:
+
             def entries():
                 with Connection(socket_dir) as conn:
                     return conn.status()["entries"]
