@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import importlib
+import json
 import logging
 import typing
 
@@ -31,6 +32,7 @@ if typing.TYPE_CHECKING:
 
     from weightcache.core.fingerprint import Fingerprint
     from weightcache.core.manifest import Manifest
+    from weightcache.core.request import ModelDescription
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,30 @@ class Registrations:
 
 
 @contextlib.contextmanager
+def engine_description(
+    model_config, *, engine: str, engine_version: str, method: str, quant_config: dict, extra: dict
+) -> "ModelDescription":
+    """The ModelDescription of an engine's model from its ModelConfig (vLLM's and SGLang's alike).
+
+    The full Hugging Face config (JSON), the architectures, the dtype the engine
+    resolved, the checked quantization method and the engine's own key fields (``extra``).
+    """
+    from weightcache.core import __version__
+    from weightcache.core.request import ModelDescription
+
+    return ModelDescription(
+        architecture=",".join(getattr(model_config.hf_config, "architectures", None) or []),
+        config=json.loads(model_config.hf_config.to_json_string(use_diff=False)),
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        quantization=method,
+        quantization_config=quant_config,
+        adapter_version=__version__,
+        engine=engine,
+        engine_version=engine_version,
+        extra=extra,
+    )
+
+
 def isolated(table: dict):
     """Run a model build with the process-wide cache ``table`` empty, then put its entries back.
 

@@ -101,22 +101,7 @@ def main(argv=None) -> int:
         from weightcache.core.server_process import ServerProcess
 
         server = ServerProcess.start(work / "sock")
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "weightcache.core.cli",
-                "load",
-                "--model",
-                str(model),
-                "--device",
-                args.device,
-                "--socket-dir",
-                str(server.socket_dir),
-            ],
-            env=env,
-            check=True,
-        )
+        restart.publish_with_cli(model, args.device, server.socket_dir, env)
         runs = []
         for run in range(args.runs):
             cold = engine("cold", model, args.device, server.socket_dir, env, work / f"caches-{run}-cold")

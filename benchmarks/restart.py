@@ -376,6 +376,12 @@ class Runner:
         }
 
 
+def publish_with_cli(model: Path, device: str, socket_dir, env: dict) -> None:
+    """``weightcache load`` in a fresh process, as a user publishes a model."""
+    command = [sys.executable, "-m", "weightcache.core.cli", "load", "--model", str(model), "--device", device]
+    subprocess.run([*command, "--socket-dir", str(socket_dir)], env=env, check=True)
+
+
 def _json_line(proc: subprocess.Popen, who: str) -> dict:
     line = proc.stdout.readline()
     if not line:
@@ -572,22 +578,7 @@ def main(argv=None) -> int:
         server = ServerProcess.start(work / "sock")
         runner = Runner(model, args.device, server.socket_dir, env)
         start = time.monotonic()
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "weightcache.core.cli",
-                "load",
-                "--model",
-                str(model),
-                "--device",
-                args.device,
-                "--socket-dir",
-                str(server.socket_dir),
-            ],
-            env=env,
-            check=True,
-        )
+        publish_with_cli(model, args.device, server.socket_dir, env)
         result["publish_s"] = time.monotonic() - start
         result["scenarios"] = {}
         for name in scenarios:

@@ -31,6 +31,7 @@ import pytest
 
 from weightcache.conformance.assertions import flatten_outputs
 from weightcache.conformance.weightless import copy_without_weights
+from weightcache.core.example_inputs import run_with_inputs
 
 if typing.TYPE_CHECKING:
     from weightcache.core.modes import LoadedModel
@@ -87,33 +88,6 @@ def declaration_from_spec(spec: str | None):
     if not module or not name:
         raise ValueError(f"declare-quantization {spec!r}: expected hf-config, none or MODULE:FUNCTION")
     return getattr(importlib.import_module(module), name)
-
-
-def _to_device(value, device):
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, typing.Mapping):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
-
-
-def run_with_inputs(model, inputs, device: str = "cpu"):
-    """Call ``model`` on ``inputs`` (a dict as keywords, a tuple as positionals, else one argument) without grad."""
-    import torch
-
-    from weightcache.core.device import Device
-
-    inputs = _to_device(inputs, Device.parse(device).torch())
-    with torch.inference_mode():
-        if isinstance(inputs, typing.Mapping):
-            return model(**inputs)
-        if isinstance(inputs, (list, tuple)):
-            return model(*inputs)
-        return model(inputs)
 
 
 def _option(pytest_request, name: str):

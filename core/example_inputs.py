@@ -79,3 +79,35 @@ def _config_int(config, name: str) -> int | None:
 
 def _is_encoder_decoder(config) -> bool:
     return bool(getattr(config, "is_encoder_decoder", False))
+
+
+def to_device(value, device):
+    """``value`` (a tensor, or mappings, lists and tuples of them) with every tensor moved to ``device``."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, typing.Mapping):
+        return {key: to_device(item, device) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(item, device) for item in value)
+    return value
+
+
+def run_with_inputs(model: "torch.nn.Module", inputs, device=None):
+    """Call ``model`` on ``inputs`` (a dict as keywords, a tuple as positionals, else one argument) without grad.
+
+    With ``device`` (anything ``Device.parse`` takes) the inputs move there first.
+    """
+    import torch
+
+    from weightcache.core.device import Device
+
+    if device is not None:
+        inputs = to_device(inputs, Device.parse(device).torch())
+    with torch.inference_mode():
+        if isinstance(inputs, typing.Mapping):
+            return model(**inputs)
+        if isinstance(inputs, (list, tuple)):
+            return model(*inputs)
+        return model(inputs)

@@ -39,6 +39,8 @@ import typing
 import attrs
 
 from weightcache.core.errors import StandbyError, WeightCacheError
+from weightcache.core.example_inputs import run_with_inputs, to_device
+from weightcache.core.progress import format_bytes
 from weightcache.core.request import ForwardUnavailable, LoadRequest
 
 if typing.TYPE_CHECKING:
@@ -179,7 +181,7 @@ class Standby:
             "standby ready for %s in %.2f s (%s mapped, no copy)",
             self.request.model,
             report["timings"]["ready_s"],
-            _human(attachment.manifest.nbytes),
+            format_bytes(attachment.manifest.nbytes),
         )
         return report
 
@@ -223,7 +225,7 @@ def fixed_prompt(request: LoadRequest, model: "torch.nn.Module", plugins: "Plugi
     from weightcache.core.plugins import installed_plugins
 
     inputs = (plugins or installed_plugins()).adapter(request.adapter).example_inputs(request, model)
-    return inputs if isinstance(inputs, ForwardUnavailable) else _to_device(inputs, request.device.torch())
+    return inputs if isinstance(inputs, ForwardUnavailable) else to_device(inputs, request.device.torch())
 
 
 def first_token(model: "torch.nn.Module", inputs) -> int:
@@ -234,13 +236,7 @@ def first_token(model: "torch.nn.Module", inputs) -> int:
     """
     import torch
 
-    with torch.inference_mode():
-        if isinstance(inputs, typing.Mapping):
-            output = model(**inputs)
-        elif isinstance(inputs, (list, tuple)):
-            output = model(*inputs)
-        else:
-            output = model(inputs)
+    output = run_with_inputs(model, inputs)
     scores = getattr(output, "logits", None)
     if scores is None:
         scores = output if isinstance(output, torch.Tensor) else output[0]
@@ -270,22 +266,6 @@ def rss_anon_bytes() -> int:
     except OSError:
         pass
     return 0
-
-
-def _to_device(value, device):
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, typing.Mapping):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
-
-
-def _human(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 class _Triggers:

@@ -20,6 +20,7 @@ from pathlib import Path
 import attrs
 
 from weightcache.adapters import engine_quantization
+from weightcache.adapters.engine_support import engine_description
 from weightcache.core.errors import UnsupportedQuantization
 from weightcache.core.fingerprint import ParallelSpec
 from weightcache.core.request import ModelDescription
@@ -77,20 +78,15 @@ def describe(request: "LoadRequest", configs: "EngineConfigs") -> ModelDescripti
     """The model rank ``configs`` describe; UnsupportedQuantization (before any weight is read) unless allowlisted."""
     import sglang
 
-    from weightcache.core import __version__
-
     model_config = configs.model_config
     method, quant_config = quantization(model_config)
     check_fp8_block_request(request, method)
-    return ModelDescription(
-        architecture=",".join(getattr(model_config.hf_config, "architectures", None) or []),
-        config=hf_config_json(model_config),
-        dtype=str(model_config.dtype).removeprefix("torch."),
-        quantization=method,
-        quantization_config=quant_config,
-        adapter_version=__version__,
+    return engine_description(
+        model_config,
         engine="sglang",
         engine_version=sglang.__version__,
+        method=method,
+        quant_config=quant_config,
         extra=sglang_key_fields(model_config, configs.ranks, configs.server_args),
     )
 
@@ -205,11 +201,6 @@ def _json(value):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(getattr(value, "value", value))
-
-
-def hf_config_json(model_config) -> dict:
-    """The model's full Hugging Face config as JSON."""
-    return json.loads(model_config.hf_config.to_json_string(use_diff=False))
 
 
 def device_name(device_config) -> str:

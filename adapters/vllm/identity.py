@@ -17,6 +17,7 @@ import typing
 from pathlib import Path
 
 from weightcache.adapters import engine_quantization
+from weightcache.adapters.engine_support import engine_description
 from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, engine_objects
 from weightcache.core.errors import UnsupportedQuantization
 from weightcache.core.quantization.allowlist import check_quantization
@@ -83,16 +84,9 @@ def vllm_key_fields(objects: EngineObjects) -> dict:
     return json.loads(json.dumps(fields))  # tuples become lists, as they come back from the wire
 
 
-def hf_config_json(model_config) -> dict:
-    """The model's full Hugging Face config as JSON."""
-    return json.loads(model_config.hf_config.to_json_string(use_diff=False))
-
-
 def describe(request: "LoadRequest") -> ModelDescription:
     """The description of ``request``'s model; UnsupportedQuantization (or ValueError for EPLB) before any weight is read."""
     import vllm
-
-    from weightcache.core import __version__
 
     requested = request.quantization if request.quantization not in (None, "none") else None
     if requested is not None:
@@ -110,15 +104,12 @@ def describe(request: "LoadRequest") -> ModelDescription:
             "block-FP8 checkpoint (quantization_config with weight_block_size [128, 128]) and load it as it is",
         )
     model_config = objects.model_config
-    return ModelDescription(
-        architecture=",".join(getattr(model_config.hf_config, "architectures", None) or []),
-        config=hf_config_json(model_config),
-        dtype=str(model_config.dtype).removeprefix("torch."),
-        quantization=method,
-        quantization_config=quant_config,
-        adapter_version=__version__,
+    return engine_description(
+        model_config,
         engine="vllm",
         engine_version=vllm.__version__,
+        method=method,
+        quant_config=quant_config,
         extra=vllm_key_fields(objects),
     )
 
