@@ -68,7 +68,6 @@ class Registrations:
         self.added = []
 
 
-@contextlib.contextmanager
 def engine_description(
     model_config, *, engine: str, engine_version: str, method: str, quant_config: dict, extra: dict
 ) -> "ModelDescription":
@@ -93,6 +92,7 @@ def engine_description(
     )
 
 
+@contextlib.contextmanager
 def isolated(table: dict):
     """Run a model build with the process-wide cache ``table`` empty, then put its entries back.
 
