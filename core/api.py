@@ -12,11 +12,13 @@ Everything here is built on the same pieces as the CLI and the adapters.
 
 from __future__ import annotations
 
+import os
 import typing
 
 import attrs
 
 from weightcache.core.attach import Attachment
+from weightcache.core.digests import ProgressLike
 from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder, export_module, export_state
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.identity import fingerprint_for
@@ -27,6 +29,8 @@ from weightcache.core.request import LoadRequest, ModelDescription
 
 if typing.TYPE_CHECKING:
     import torch
+
+    from weightcache.core.device import Device
 
 __all__ = [
     "Attachment",
@@ -41,7 +45,7 @@ __all__ = [
 
 
 def fingerprint(
-    checkpoint,
+    checkpoint: str | os.PathLike,
     *,
     architecture: str,
     dtype: str,
@@ -91,7 +95,7 @@ def publish_model(
     fingerprint: Fingerprint,
     *,
     device: str = "cpu",
-    socket_dir=None,
+    socket_dir: str | os.PathLike | None = None,
     label: str = "",
     extra: dict | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -112,7 +116,7 @@ def publish_state(
     fingerprint: Fingerprint,
     *,
     device: str = "cpu",
-    socket_dir=None,
+    socket_dir: str | os.PathLike | None = None,
     label: str = "",
     extra: dict | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -128,13 +132,13 @@ def publish_state(
 
 
 def publish_checkpoint(
-    path,
+    path: str | os.PathLike,
     fingerprint: Fingerprint,
     *,
     device: str = "cpu",
-    socket_dir=None,
+    socket_dir: str | os.PathLike | None = None,
     label: str = "",
-    progress=None,
+    progress: ProgressLike | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> PublishedState:
     """Read a safetensors checkpoint's bytes straight into arenas on ``device`` (no second copy) and publish it.
@@ -163,7 +167,7 @@ def publish_checkpoint(
     return PublishedState(reply["digest"], bool(reply["created"]), manifest)
 
 
-def attach(fingerprint: Fingerprint, socket_dir=None, timeout: float = 30.0) -> Attachment:
+def attach(fingerprint: Fingerprint, socket_dir: str | os.PathLike | None = None, timeout: float = 30.0) -> Attachment:
     """Map the entry for ``fingerprint``; its ``tensors`` view the shared memory. Close it when done.
 
     Raises ServerUnavailable, FingerprintMismatch (``.fields``) or EntryNotFound.
@@ -171,7 +175,7 @@ def attach(fingerprint: Fingerprint, socket_dir=None, timeout: float = 30.0) -> 
     return Attachment.open(fingerprint, socket_dir, timeout=timeout)
 
 
-def rebind(model: "torch.nn.Module", attachment: Attachment, device=None) -> "torch.nn.Module":
+def rebind(model: "torch.nn.Module", attachment: Attachment, device: "Device | str | None" = None) -> "torch.nn.Module":
     """Point every parameter and buffer of a meta-device ``model`` at the attachment's tensors.
 
     Raises RebindError when a tensor is missing, has another shape or stays on meta.

@@ -6,6 +6,9 @@ driver through here, so neither imports the other.
 
 from __future__ import annotations
 
+import types
+import typing
+
 from weightcache.core.errors import BackendUnavailable, CudaError
 
 _HINTS = {
@@ -17,7 +20,7 @@ _HINTS = {
 }
 
 
-def driver():
+def driver() -> types.ModuleType:
     """The ``cuda.bindings.driver`` module, imported on first use."""
     try:
         from cuda.bindings import driver as cu
@@ -28,7 +31,7 @@ def driver():
     return cu
 
 
-def check(result, call: str):
+def check(result: typing.Any, call: str) -> typing.Any:
     """The outputs of a cuda-bindings call (None, one value or a tuple); raises CudaError on failure."""
     err, *out = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:

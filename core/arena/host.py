@@ -12,9 +12,13 @@ import fcntl
 import logging
 import mmap
 import os
+import typing
 import warnings
 
 from weightcache.core.arena.base import Arena, ArenaBackend, ArenaSpec, round_up
+
+if typing.TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +35,7 @@ class HostArena(Arena):
         self._view = None
         self.remap(writable)
 
-    def bytes_view(self):
+    def bytes_view(self) -> "torch.Tensor":
         import torch
 
         if self._view is None:
