@@ -73,7 +73,7 @@ class Attachment:
             raise
 
     @classmethod
-    def open(cls, fingerprint: Fingerprint, socket_dir=None, timeout: float = 30.0) -> "Attachment":
+    def open(cls, fingerprint: Fingerprint, socket_dir: str | os.PathLike | None = None, timeout: float = 30.0) -> "Attachment":
         """Ask the server at ``socket_dir`` for ``fingerprint`` and map the answer.
 
         Raises ServerUnavailable, AccessDenied, ServerError, FingerprintMismatch,

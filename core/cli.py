@@ -17,6 +17,7 @@ import re
 import sys
 import traceback
 import typing
+from collections.abc import Sequence
 
 from weightcache.core import __version__
 from weightcache.core.errors import WeightCacheError
@@ -38,7 +39,7 @@ OPTIONAL_PACKAGES = {
 class _Parser(argparse.ArgumentParser):
     """argparse whose mistakes end like every other mistake: one ``weightcache: error:`` line."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"weightcache: error: {message} (see `{self.prog} --help`)\n")
 
 
@@ -256,7 +257,7 @@ def user_error(exc: BaseException) -> str | None:
     return re.sub(r"\s*\n\s*", " ", text.strip()) or type(exc).__name__
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args)
     if not is_terminal():

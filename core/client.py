@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
@@ -65,7 +66,7 @@ class Connection:
             raise
         self._reader = FrameReader(self._sock, deadline_s=timeout)
 
-    def request(self, message: dict, fds=()) -> tuple[dict, list[int]]:
+    def request(self, message: dict, fds: Iterable[int] = ()) -> tuple[dict, list[int]]:
         """Send one request, return the reply and the fds that came with it."""
         try:
             send_frame(self._sock, message, fds)
@@ -106,7 +107,7 @@ class Connection:
     def hello(self) -> dict:
         return self.request({"op": "hello"})[0]
 
-    def publish(self, fingerprint: Fingerprint, manifest: dict, fds, label: str = "") -> dict:
+    def publish(self, fingerprint: Fingerprint, manifest: dict, fds: Iterable[int], label: str = "") -> dict:
         """Publish an entry; the server duplicates ``fds``, the caller still owns its own."""
         return self.request({"op": "publish", "fingerprint": fingerprint.to_json(), "manifest": manifest, "label": label}, fds)[0]
 

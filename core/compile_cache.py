@@ -68,7 +68,12 @@ def artifact_key(device: "Device | str" = "cpu", name: str = DEFAULT_NAME) -> st
 
 
 def publish_artifacts(
-    loaded: "LoadedModel", *, name: str = DEFAULT_NAME, socket_dir=None, timeout_s: float = 30.0, strict: bool = False
+    loaded: "LoadedModel",
+    *,
+    name: str = DEFAULT_NAME,
+    socket_dir: str | os.PathLike | None = None,
+    timeout_s: float = 30.0,
+    strict: bool = False,
 ) -> ArtifactInfo | None:
     """Keep this process's compile artifacts beside ``loaded``'s entry; call it after the first compiled forward.
 
@@ -101,7 +106,12 @@ def publish_artifacts(
 
 
 def restore_artifacts(
-    loaded: "LoadedModel", *, name: str = DEFAULT_NAME, socket_dir=None, timeout_s: float = 30.0, strict: bool = False
+    loaded: "LoadedModel",
+    *,
+    name: str = DEFAULT_NAME,
+    socket_dir: str | os.PathLike | None = None,
+    timeout_s: float = 30.0,
+    strict: bool = False,
 ) -> ArtifactInfo | None:
     """Load the compile artifacts kept beside ``loaded``'s entry into torch's caches; call it before compiling.
 

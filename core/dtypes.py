@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import functools
+import typing
+
+if typing.TYPE_CHECKING:
+    import torch
 
 ITEM_SIZES: dict[str, int] = {
     "float32": 4,
@@ -28,7 +32,7 @@ def _by_name() -> dict:
     return {name: getattr(torch, name) for name in ITEM_SIZES if hasattr(torch, name)}
 
 
-def to_dtype(value):
+def to_dtype(value: "torch.dtype | str") -> "torch.dtype":
     """A torch dtype from a dtype or its name (``"bfloat16"``, ``"torch.bfloat16"``)."""
     import torch
 
@@ -41,7 +45,7 @@ def to_dtype(value):
         raise ValueError(f"unsupported dtype {value!r}; use one of {', '.join(sorted(_by_name()))}") from None
 
 
-def dtype_name(value) -> str:
+def dtype_name(value: "torch.dtype | str") -> str:
     """The wire name of a dtype (``torch.bfloat16`` -> ``"bfloat16"``); needs no torch for names."""
     name = str(value).removeprefix("torch.")
     if name not in ITEM_SIZES:

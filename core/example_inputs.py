@@ -17,6 +17,8 @@ from weightcache.core.request import ForwardUnavailable
 if typing.TYPE_CHECKING:
     import torch
 
+    from weightcache.core.device import Device
+
 BATCH = 2
 TOKENS = 16
 DECODER_TOKENS = 8
@@ -81,7 +83,7 @@ def _is_encoder_decoder(config) -> bool:
     return bool(getattr(config, "is_encoder_decoder", False))
 
 
-def to_device(value, device):
+def to_device(value: typing.Any, device: "torch.device | str") -> typing.Any:
     """``value`` (a tensor, or mappings, lists and tuples of them) with every tensor moved to ``device``."""
     import torch
 
@@ -94,7 +96,7 @@ def to_device(value, device):
     return value
 
 
-def run_with_inputs(model: "torch.nn.Module", inputs, device=None):
+def run_with_inputs(model: "torch.nn.Module", inputs: typing.Any, device: "Device | str | None" = None) -> typing.Any:
     """Call ``model`` on ``inputs`` (a dict as keywords, a tuple as positionals, else one argument) without grad.
 
     With ``device`` (anything ``Device.parse`` takes) the inputs move there first.

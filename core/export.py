@@ -275,7 +275,7 @@ def _on_device(items: list[NamedTensor], aliases: dict, device: Device) -> tuple
     return [item for item in items if item.name not in elsewhere], {a: t for a, t in aliases.items() if t not in elsewhere}
 
 
-def export_state(state, builder: ArenaBuilder, extra: dict | None = None) -> Manifest:
+def export_state(state: "typing.Mapping[str, torch.Tensor]", builder: ArenaBuilder, extra: dict | None = None) -> Manifest:
     """Copy a ``name -> tensor`` mapping into ``builder``'s arenas (the same tensor twice becomes an alias)."""
     seen: dict[int, str] = {}
     items, aliases = [], {}

@@ -11,12 +11,12 @@ import attrs
 from weightcache.core import PROTOCOL_VERSION
 
 
-def canonical_json(value) -> str:
+def canonical_json(value: typing.Any) -> str:
     """JSON with sorted keys and no spaces: the same value always gives the same text."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
-def sha256_json(value) -> str:
+def sha256_json(value: typing.Any) -> str:
     """sha256 hex digest of ``value``'s canonical JSON."""
     return hashlib.sha256(canonical_json(value).encode()).hexdigest()
 

@@ -128,8 +128,8 @@ def load_from_disk(prepared: Prepared, builder: ArenaBuilder | None = None, timi
 
 def publish(
     prepared: Prepared,
-    socket_dir=None,
-    progress=None,
+    socket_dir: str | os.PathLike | None = None,
+    progress: ProgressLike | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     label: str | None = None,
 ) -> Published:
@@ -173,7 +173,13 @@ def check_unchanged(model: str, versions: "list[tuple[str, FileKey]]") -> None:
             raise CheckpointChanged(model, file)
 
 
-def publish_arenas(builder: ArenaBuilder, fingerprint: Fingerprint, manifest: Manifest, socket_dir=None, label: str = "") -> dict:
+def publish_arenas(
+    builder: ArenaBuilder,
+    fingerprint: Fingerprint,
+    manifest: Manifest,
+    socket_dir: str | os.PathLike | None = None,
+    label: str = "",
+) -> dict:
     """Seal ``builder``'s arenas and publish them with ``manifest`` in one frame; returns the server's reply.
 
     The one publish sequence: the loader above, the Python API and the engine adapters all end here.

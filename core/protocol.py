@@ -21,6 +21,8 @@ import socket
 import struct
 import threading
 import time
+import typing
+from collections.abc import Iterable
 
 from weightcache.core import PROTOCOL_VERSION
 from weightcache.core.errors import FrameRefused, IdleTimeout, ProtocolError
@@ -41,7 +43,7 @@ def encode(message: dict) -> bytes:
     return json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
 
 
-def send_frame(sock: socket.socket, message: dict, fds=(), version: int = PROTOCOL_VERSION) -> None:
+def send_frame(sock: socket.socket, message: dict, fds: Iterable[int] = (), version: int = PROTOCOL_VERSION) -> None:
     """Send ``message`` and ``fds`` as one frame (the fds stay open on this side).
 
     The first batch of fds rides on the header, each further batch on one
@@ -250,7 +252,7 @@ def _decode(payload: bytes) -> dict:
     return message
 
 
-def close_fds(fds) -> None:
+def close_fds(fds: Iterable[int]) -> None:
     """Close every fd in ``fds``, ignoring ones already closed."""
     for fd in fds:
         try:
@@ -259,11 +261,11 @@ def close_fds(fds) -> None:
             pass
 
 
-def error_reply(code: str, message: str, **details) -> dict:
+def error_reply(code: str, message: str, **details: typing.Any) -> dict:
     """A reply that refuses a request."""
     return {"ok": False, "error": {"code": code, "message": message, **details}}
 
 
-def ok_reply(**fields) -> dict:
+def ok_reply(**fields: typing.Any) -> dict:
     """A reply that answers a request."""
     return {"ok": True, **fields}
