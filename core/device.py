@@ -10,9 +10,13 @@ weight is read. Parsing needs no torch; asking for the GPU's UUID or index does.
 from __future__ import annotations
 
 import re
+import typing
 import uuid as _uuid
 
 import attrs
+
+if typing.TYPE_CHECKING:
+    import torch as _torch  # aliased: the method Device.torch would shadow the module's name in the class body
 
 _CUDA = re.compile(r"^cuda(?::(\d+))?$")
 _PREFIXED_UUID = re.compile(r"^(GPU|MIG)-(.+)$", re.IGNORECASE)
@@ -56,7 +60,7 @@ class Device:
             raise ValueError("the CPU has no CUDA index")
         return cuda_index(self.uuid or str(self))
 
-    def torch(self):
+    def torch(self) -> "_torch.device":
         """The ``torch.device`` for this process (a UUID becomes its index here)."""
         import torch
 

@@ -277,7 +277,7 @@ def _typed_base(arena_bytes, dtype_name: str):
     return arena_bytes.view(dtype) if arena_bytes.numel() % itemsize == 0 else None
 
 
-def view_of(arena_bytes: "torch.Tensor", record: TensorRecord, typed_base=None) -> "torch.Tensor":
+def view_of(arena_bytes: "torch.Tensor", record: TensorRecord, typed_base: "torch.Tensor | None" = None) -> "torch.Tensor":
     """The tensor ``record`` describes, viewing ``arena_bytes`` without a copy.
 
     ``typed_base`` (the whole arena viewed as the record's dtype) saves two

@@ -17,6 +17,7 @@ else calls ``load_model``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import typing
 
@@ -30,6 +31,7 @@ from weightcache.core.loader import Prepared, load_from_disk, prepare, publish
 from weightcache.core.request import LoadRequest
 
 if typing.TYPE_CHECKING:
+    from weightcache.core.digests import ProgressLike
     from weightcache.core.plugins import Plugins
 
 log = logging.getLogger(__name__)
@@ -129,13 +131,13 @@ def load_model(
     device: str = "cpu",
     quantization: str | None = None,
     parallel: ParallelSpec | None = None,
-    socket_dir=None,
+    socket_dir: str | os.PathLike | None = None,
     strict: bool = False,
     republish: bool = True,
     timeout_s: float = 30.0,
     plugins: "Plugins | None" = None,
-    progress=None,
-    **options,
+    progress: "ProgressLike | None" = None,
+    **options: typing.Any,
 ) -> LoadedModel:
     """Load ``model`` for one engine rank in ``mode`` (see the module docstring).
 
@@ -155,7 +157,9 @@ def load_model(
     return run(request, cache, plugins=plugins, progress=progress)
 
 
-def run(request: LoadRequest, cache: CacheOptions, plugins: "Plugins | None" = None, progress=None) -> LoadedModel:
+def run(
+    request: LoadRequest, cache: CacheOptions, plugins: "Plugins | None" = None, progress: "ProgressLike | None" = None
+) -> LoadedModel:
     """Run ``cache.mode`` for ``request``: the flow every adapter and engine integration goes through."""
     start = time.perf_counter()
     prepared = prepare(request, plugins)

@@ -26,7 +26,9 @@ class Piece:
     nbytes: int
 
 
-def read_checkpoint(path, builder: ArenaBuilder, threads: int = DEFAULT_THREADS) -> dict[str, tuple[TensorInfo, Slot]]:
+def read_checkpoint(
+    path: str | os.PathLike, builder: ArenaBuilder, threads: int = DEFAULT_THREADS
+) -> dict[str, tuple[TensorInfo, Slot]]:
     """Plan a slot for every tensor of the checkpoint at ``path`` and read its bytes into it.
 
     Returns ``name -> (info, slot)``; the bytes are the file's, unconverted.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import typing
+from collections.abc import Iterator
 
 from weightcache.core.errors import RebindError
 
@@ -14,7 +15,7 @@ if typing.TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def meta_parameters():
+def meta_parameters() -> Iterator[None]:
     """Create parameters on the meta device (no memory); buffers stay real.
 
     Modules built inside allocate nothing for their weights, but buffers that
@@ -24,7 +25,7 @@ def meta_parameters():
 
     original = torch.nn.Module.register_parameter
 
-    def register_on_meta(module, name, param):
+    def register_on_meta(module: "torch.nn.Module", name: str, param: "torch.nn.Parameter | None") -> None:
         if param is not None and param.device.type != "meta":
             param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         original(module, name, param)
@@ -47,7 +48,11 @@ def _owner(model: "torch.nn.Module", name: str) -> tuple["torch.nn.Module", str]
 
 
 def rebind_module(
-    model: "torch.nn.Module", tensors: "dict[str, torch.Tensor]", manifest: "Manifest", device=None, check: bool = True
+    model: "torch.nn.Module",
+    tensors: "dict[str, torch.Tensor]",
+    manifest: "Manifest",
+    device: "torch.device | str | None" = None,
+    check: bool = True,
 ) -> "torch.nn.Module":
     """Point every parameter, buffer and tensor attribute of ``model`` at ``tensors`` (zero-copy) and check the result.
 

@@ -50,7 +50,7 @@ class LoadRequest:
     options: tuple = attrs.field(factory=tuple, converter=_frozen_options)
     state: dict = attrs.field(factory=dict, eq=False, repr=False)
 
-    def option(self, name: str, default=None):
+    def option(self, name: str, default: typing.Any = None) -> typing.Any:
         return dict(self.options).get(name, default)
 
     @property

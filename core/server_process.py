@@ -18,11 +18,15 @@ import signal
 import subprocess
 import sys
 import tempfile
+import typing
 from pathlib import Path
 
 from weightcache.core.client import server_is_running, wait_for_server
 from weightcache.core.errors import ServerUnavailable
 from weightcache.core.paths import default_socket_dir
+
+if typing.TYPE_CHECKING:
+    from weightcache.core.server import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +126,7 @@ def spawn_detached(socket_dir: str | os.PathLike | None = None, log_file: str | 
     log.info("weightcache: started a server on %s (%s)", socket_dir, launcher.stdout.strip() or "detached")
 
 
-def serve_detached(config, log_file: str | os.PathLike | None = None) -> int:
+def serve_detached(config: "ServerConfig", log_file: str | os.PathLike | None = None) -> int:
     """``weightcache serve --detach``: fork twice, serve in the grandchild, return 0 once it listens (1 if it could not).
 
     The grandchild runs in a session of its own with stdio on ``log_file``

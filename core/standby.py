@@ -35,17 +35,19 @@ import sys
 import threading
 import time
 import typing
+from collections.abc import Iterable
 
 import attrs
 
 from weightcache.core.errors import StandbyError, WeightCacheError
 from weightcache.core.example_inputs import run_with_inputs, to_device
 from weightcache.core.progress import format_bytes
-from weightcache.core.request import ForwardUnavailable, LoadRequest
+from weightcache.core.request import ExampleInputs, ForwardUnavailable, LoadRequest
 
 if typing.TYPE_CHECKING:
     import torch
 
+    from weightcache.core.arena.base import Arena
     from weightcache.core.modes import LoadedModel
     from weightcache.core.plugins import Plugins
 
@@ -125,7 +127,9 @@ class Standby:
         self._triggers: _Triggers | None = None
 
     @classmethod
-    def for_model(cls, model: str, *, adapter: str = "hf", device: str = "cpu", dtype: str | None = None, **kwargs) -> "Standby":
+    def for_model(
+        cls, model: str, *, adapter: str = "hf", device: str = "cpu", dtype: str | None = None, **kwargs: typing.Any
+    ) -> "Standby":
         """A standby for ``model``; ``kwargs`` are this class's keyword parameters."""
         return cls(LoadRequest(model=model, adapter=adapter, device=device, dtype=dtype), **kwargs)
 
@@ -217,7 +221,7 @@ class Standby:
         self.close()
 
 
-def fixed_prompt(request: LoadRequest, model: "torch.nn.Module", plugins: "Plugins | None" = None):
+def fixed_prompt(request: LoadRequest, model: "torch.nn.Module", plugins: "Plugins | None" = None) -> ExampleInputs:
     """The prompt a standby generates its first token from: the adapter's example inputs, on ``request.device``.
 
     ForwardUnavailable when the adapter says the model cannot run a forward here.
@@ -228,7 +232,7 @@ def fixed_prompt(request: LoadRequest, model: "torch.nn.Module", plugins: "Plugi
     return inputs if isinstance(inputs, ForwardUnavailable) else to_device(inputs, request.device.torch())
 
 
-def first_token(model: "torch.nn.Module", inputs) -> int:
+def first_token(model: "torch.nn.Module", inputs: typing.Any) -> int:
     """One forward on ``inputs``; the index of the largest value of the first output at the last position.
 
     For a causal LM that is the next token of the first prompt. Reading it
@@ -244,7 +248,7 @@ def first_token(model: "torch.nn.Module", inputs) -> int:
     return int((row[-1] if row.dim() > 1 else row).argmax())  # at its last position
 
 
-def parameters_outside(model: "torch.nn.Module", arenas) -> int:
+def parameters_outside(model: "torch.nn.Module", arenas: "Iterable[Arena]") -> int:
     """How many of ``model``'s parameters do not lie inside one of the mapped ``arenas`` (0: no private copy)."""
     spans = [(arena.address, arena.address + arena.spec.size) for arena in arenas]
     outside = 0
@@ -396,7 +400,7 @@ def load_function(spec: str) -> "typing.Callable":
 # --- the `weightcache standby` command (registered under the `weightcache.commands` entry points) ---------------------
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "standby",
         help="a warm spare: attach, warm up, wait; take over when the primary dies",

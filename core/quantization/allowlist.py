@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from weightcache.core.errors import UnsupportedQuantization
 
 VALIDATED = ("none", "fp8-block")
@@ -26,7 +28,7 @@ REFUSED = {
 }
 
 
-def check_quantization(method: str, adapter_allowlist=()) -> None:
+def check_quantization(method: str, adapter_allowlist: Iterable[str] = ()) -> None:
     """Raise UnsupportedQuantization unless ``method`` is validated (by the core or the adapter)."""
     method = (method or "none").lower()
     if method in VALIDATED or method in tuple(adapter_allowlist):

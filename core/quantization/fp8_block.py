@@ -275,7 +275,7 @@ class Fp8BlockLinear(nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def like(cls, linear: nn.Linear, block_size: BlockSize, device="meta") -> "Fp8BlockLinear":
+    def like(cls, linear: nn.Linear, block_size: BlockSize, device: torch.device | str = "meta") -> "Fp8BlockLinear":
         """An empty layer with ``linear``'s features, bias and bias dtype."""
         dtype = linear.bias.dtype if linear.bias is not None else linear.weight.dtype
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, block_size, dtype, device)
