@@ -8,6 +8,8 @@ engines' own names (vLLM's ``model_config.quantization``, SGLang's
 
 from __future__ import annotations
 
+import typing
+
 from weightcache.core.errors import UnsupportedQuantization
 from weightcache.core.quantization.allowlist import check_quantization
 
@@ -28,8 +30,11 @@ FAMILIES = {
 }
 """Engine method name -> the family whose refusal reason applies (others are refused as unknown)."""
 
+QuantConfig = typing.Any
+"""A checkpoint's ``quantization_config``: a dict, an engine's config object with ``to_dict()``, or None."""
 
-def as_dict(quant_config) -> dict:
+
+def as_dict(quant_config: QuantConfig) -> dict:
     """A checkpoint's ``quantization_config`` (a dict, or an object with ``to_dict``) as a plain dict."""
     if quant_config is None:
         return {}
@@ -40,7 +45,7 @@ def as_dict(quant_config) -> dict:
     return {}
 
 
-def checked_method(method: str | None, quant_config) -> tuple[str, dict]:
+def checked_method(method: str | None, quant_config: QuantConfig) -> tuple[str, dict]:
     """The canonical method (``none`` or ``fp8-block``) and its config, for the fingerprint.
 
     :param method: the engine's method name (None or "" when unquantized).

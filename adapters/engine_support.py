@@ -20,7 +20,9 @@ import contextlib
 import importlib
 import json
 import logging
+import os
 import typing
+from collections.abc import Callable, Iterator
 
 import attrs
 
@@ -35,6 +37,9 @@ if typing.TYPE_CHECKING:
     from weightcache.core.request import ModelDescription
 
 log = logging.getLogger(__name__)
+
+EngineModelConfig = typing.Any
+"""vLLM's ``vllm.config.ModelConfig`` or SGLang's ``ModelConfig``: neither engine is imported here."""
 
 
 class Registrations:
@@ -52,7 +57,7 @@ class Registrations:
         self.added: list[tuple[dict, object]] = []
 
     @contextlib.contextmanager
-    def recorded(self):
+    def recorded(self) -> Iterator[None]:
         """Record the keys added while the block runs."""
         before = [set(table) for table in self.tables]
         try:
@@ -69,7 +74,7 @@ class Registrations:
 
 
 def engine_description(
-    model_config, *, engine: str, engine_version: str, method: str, quant_config: dict, extra: dict
+    model_config: EngineModelConfig, *, engine: str, engine_version: str, method: str, quant_config: dict, extra: dict
 ) -> "ModelDescription":
     """The ModelDescription of an engine's model from its ModelConfig (vLLM's and SGLang's alike).
 
@@ -93,7 +98,7 @@ def engine_description(
 
 
 @contextlib.contextmanager
-def isolated(table: dict):
+def isolated(table: dict) -> Iterator[None]:
     """Run a model build with the process-wide cache ``table`` empty, then put its entries back.
 
     The build neither reuses a module another model holds (a rotary embedding
@@ -167,7 +172,7 @@ def _written(func, args, kwargs) -> list:
 
 
 @contextlib.contextmanager
-def no_writes_into(tensors: "typing.Mapping[str, torch.Tensor]", manifest: "Manifest", what: str):
+def no_writes_into(tensors: "typing.Mapping[str, torch.Tensor]", manifest: "Manifest", what: str) -> Iterator[None]:
     """Raise RebindError, naming the tensor and the operation, when code in the block writes into mapped weights.
 
     The arenas are mapped read-only and shared with other engines: a write
@@ -196,7 +201,7 @@ def no_writes_into(tensors: "typing.Mapping[str, torch.Tensor]", manifest: "Mani
         yield
 
 
-def refuse_reload(model) -> None:
+def refuse_reload(model: "torch.nn.Module") -> None:
     """Raise if ``model`` maps a cached entry: writing weights in place would change them for every engine attached."""
     if getattr(model, ATTACHMENT_ATTR, None) is not None:
         raise RuntimeError(
@@ -205,7 +210,7 @@ def refuse_reload(model) -> None:
         )
 
 
-def lazy_class(namespace: dict, name: str, build):
+def lazy_class(namespace: dict, name: str, build: Callable[[], type]) -> type:
     """``namespace[name]``, built by ``build()`` on first use: the engine is imported only then."""
     cls = namespace.get(name)
     if cls is None:
@@ -213,7 +218,7 @@ def lazy_class(namespace: dict, name: str, build):
     return cls
 
 
-def entry_bytes(fingerprint: "Fingerprint", socket_dir=None, timeout_s: float = 5.0) -> int:
+def entry_bytes(fingerprint: "Fingerprint", socket_dir: str | os.PathLike | None = None, timeout_s: float = 5.0) -> int:
     """Bytes the server holds for ``fingerprint`` (0 when it holds no such entry or does not answer).
 
     An engine's memory profiler must not count these as its own allocation.
