@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
 
 from weightcache.core.errors import UnsupportedQuantization
+
+if typing.TYPE_CHECKING:
+    from weightcache.core.quantization.fp8_block import Fp8BlockConfig
 
 FP8_BLOCK = "fp8-block"
 
@@ -45,7 +49,7 @@ def checkpoint_quantization(config: dict) -> str:
     return method
 
 
-def fp8_config(config: dict, requested: str | None, options: dict):
+def fp8_config(config: dict, requested: str | None, options: dict) -> "Fp8BlockConfig | None":
     """The Fp8BlockConfig this load uses, or None when the model stays unquantized.
 
     Raises UnsupportedQuantization for a method other than block FP8.

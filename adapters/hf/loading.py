@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import logging
+import typing
 
 from weightcache.adapters.hf import config as hf_config
 from weightcache.core.dtypes import to_dtype
 from weightcache.core.rebind import check_no_meta, meta_parameters
 
+if typing.TYPE_CHECKING:
+    import torch
+
+    from weightcache.core.export import ArenaBuilder
+    from weightcache.core.manifest import Manifest
+    from weightcache.core.request import LoadRequest
+
 log = logging.getLogger(__name__)
 
 
-def model_class(request, config: dict):
+def model_class(request: "LoadRequest", config: dict) -> type:
     """The transformers class to build: ``options['model_class']`` or the checkpoint's architecture."""
     import transformers
 
@@ -22,7 +30,7 @@ def model_class(request, config: dict):
     return cls
 
 
-def load_dtype(request, config: dict):
+def load_dtype(request: "LoadRequest", config: dict) -> "torch.dtype":
     """The dtype of unquantized weights: the request's, else the checkpoint's, else float32."""
     import torch
 
@@ -42,7 +50,7 @@ def _hf_config(request, drop_quantization: bool):
     return config
 
 
-def load(request, builder=None):
+def load(request: "LoadRequest", builder: "ArenaBuilder | None" = None) -> "torch.nn.Module":
     """The model from disk, on ``request.device``, in eval mode.
 
     With an arena ``builder`` and a checkpoint whose tensors are exactly the
@@ -64,7 +72,7 @@ def load(request, builder=None):
     return model.eval()
 
 
-def load_into_arenas(request, config: dict, builder):
+def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilder") -> "torch.nn.Module | None":
     """The model with its weights read from the files straight into ``builder``'s arenas, or None.
 
     None means the checkpoint needs transformers' own loading (renamed keys,
@@ -104,7 +112,7 @@ def load_into_arenas(request, config: dict, builder):
     return model.eval()
 
 
-def load_prequantized_fp8(request, config: dict):
+def load_prequantized_fp8(request: "LoadRequest", config: dict) -> "torch.nn.Module":
     """A checkpoint that stores block-FP8 weights and ``weight_scale_inv``: bind them, never re-quantize."""
     import safetensors.torch
 
@@ -138,7 +146,9 @@ def _buffers_to(model, device) -> None:
                 module._buffers[name] = buffer.to(device)
 
 
-def skeleton(request, drop_quantization: bool, dtype, class_name: str | None = None):
+def skeleton(
+    request: "LoadRequest", drop_quantization: bool, dtype: "torch.dtype", class_name: str | None = None
+) -> "torch.nn.Module":
     """The model built from its config with parameters on meta and real buffers.
 
     Weight initialisation is skipped (every parameter is replaced before use):
@@ -166,7 +176,7 @@ def _no_init_weights():
     return no_init_weights()
 
 
-def build_skeleton(request, manifest):
+def build_skeleton(request: "LoadRequest", manifest: "Manifest") -> "torch.nn.Module":
     """The meta-device model a client rebinds to the mapped tensors of ``manifest``.
 
     Modules whose ``weight_scale_inv`` the manifest holds become FP8 layers.
