@@ -29,6 +29,12 @@ if typing.TYPE_CHECKING:
     from weightcache.adapters.sglang.runtime import EngineConfigs
     from weightcache.core.request import LoadRequest
 
+# SGLang's configuration objects, as typing.Any: SGLang is imported inside functions only.
+ModelConfig = typing.Any  # sglang.srt.configs.model_config.ModelConfig
+LoadConfig = typing.Any  # sglang.srt.configs.load_config.LoadConfig
+DeviceConfig = typing.Any  # sglang.srt.configs.device_config.DeviceConfig
+ServerArgs = typing.Any  # sglang.srt.server_args.ServerArgs
+
 FP8_BLOCK = engine_quantization.FP8_BLOCK
 
 SERVER_ARGS = ("quantization", "kv_cache_dtype", "attention_backend", "moe_runner_backend", "moe_a2a_backend")
@@ -111,7 +117,7 @@ def check_fp8_block_request(request: "LoadRequest", method: str) -> None:
         )
 
 
-def quant_method_name(model_config) -> str:
+def quant_method_name(model_config: ModelConfig) -> str:
     """SGLang's name for the model's quantization method ("" when unquantized), as its weight cache resolves it."""
     from sglang.srt.weight_cache.protocol import get_quant_method_name
 
@@ -122,7 +128,7 @@ def quant_method_name(model_config) -> str:
     return method
 
 
-def quantization(model_config) -> tuple[str, dict]:
+def quantization(model_config: ModelConfig) -> tuple[str, dict]:
     """The canonical method and config; UnsupportedQuantization unless unquantized or 128x128 block FP8.
 
     Reads configs only: call it before anything touches the checkpoint's files.
@@ -144,7 +150,7 @@ def check_declared_quantization(checkpoint: str) -> None:
         engine_quantization.checked_method(declared.get("quant_method"), declared)
 
 
-def checkpoint_dir(model_config, load_config) -> str:
+def checkpoint_dir(model_config: ModelConfig, load_config: LoadConfig) -> str:
     """The local directory of the checkpoint's safetensors files (SGLang downloads them first for a hub name)."""
     if os.path.isdir(model_config.model_path):
         return model_config.model_path
@@ -159,7 +165,7 @@ def checkpoint_dir(model_config, load_config) -> str:
     )
 
 
-def published_server_args():
+def published_server_args() -> ServerArgs | None:
     """The ServerArgs SGLang published for this process, or None."""
     from sglang.srt.runtime_context import get_server_args
 
@@ -169,14 +175,14 @@ def published_server_args():
         return None
 
 
-def server_args_fields(server_args) -> dict:
+def server_args_fields(server_args: ServerArgs | None) -> dict:
     """The weight-layout fields of ``server_args`` (empty for None)."""
     if server_args is None:
         return {}
     return {name: _json(getattr(server_args, name, None)) for name in SERVER_ARGS}
 
 
-def sglang_key_fields(model_config, ranks: Ranks, server_args=None) -> dict:
+def sglang_key_fields(model_config: ModelConfig, ranks: Ranks, server_args: ServerArgs | None = None) -> dict:
     """SGLang's CacheConfig fields not covered by the core fingerprint, as JSON values."""
     from sglang.srt.weight_cache.protocol import hash_quant_config
 
@@ -203,7 +209,7 @@ def _json(value):
     return str(getattr(value, "value", value))
 
 
-def device_name(device_config) -> str:
+def device_name(device_config: DeviceConfig) -> str:
     """``cpu`` or ``cuda:N`` for SGLang's DeviceConfig (``gpu_id`` is the process's CUDA index)."""
     device = str(device_config.device)
     if device == "cpu":

@@ -37,7 +37,7 @@ LOAD_FORMAT = "weightcache"
 OPTIONS_WHERE = "--model-loader-extra-config"
 
 
-def loader_class():
+def loader_class() -> type:
     """``WeightcacheLoader``, defined on first use (it subclasses SGLang's ``BaseModelLoader``)."""
     return lazy_class(globals(), CLASS_NAME, _build_class)
 
@@ -76,7 +76,7 @@ def _build_class():
     return WeightcacheLoader
 
 
-def load_request(load_config, model_config, device_config) -> "LoadRequest":
+def load_request(load_config: LoadConfig, model_config: ModelConfig, device_config: DeviceConfig) -> "LoadRequest":
     """The LoadRequest for SGLang's objects, which travel in its ``state``; refuses an unvalidated method first.
 
     ``model`` is the local checkpoint directory: for a hub name SGLang's
@@ -99,8 +99,11 @@ def load_request(load_config, model_config, device_config) -> "LoadRequest":
     )
 
 
-def load_model(loader, *, model_config, device_config):
-    """The body of ``WeightcacheLoader.load_model``: the core's mode runner; sets ``loader.preloaded_weights_bytes``."""
+def load_model(loader: typing.Any, *, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
+    """The body of ``WeightcacheLoader.load_model``: the core's mode runner; sets ``loader.preloaded_weights_bytes``.
+
+    ``loader`` is typed Any: its class is defined on first use (``loader_class``).
+    """
     from weightcache.core.modes import run
 
     loader.preloaded_weights_bytes = 0

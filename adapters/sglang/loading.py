@@ -16,6 +16,7 @@ Each model built here gets rotary-embedding modules of its own (see ``own_rope_c
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import typing
 
@@ -28,8 +29,10 @@ if typing.TYPE_CHECKING:
     from weightcache.adapters.sglang.runtime import EngineConfigs
     from weightcache.core.manifest import Manifest
 
+ModelLoader = typing.Any  # sglang.srt.model_loader.loader.DefaultModelLoader; SGLang is imported inside functions only
 
-def own_rope_cache():
+
+def own_rope_cache() -> contextlib.AbstractContextManager[None]:
     """Build with an empty rotary-embedding cache, then put SGLang's back as it was.
 
     SGLang caches rotary-embedding modules process-wide and hands the same
@@ -41,7 +44,7 @@ def own_rope_cache():
     return isolated(internals.ROPE_CACHE.lookup())
 
 
-def default_loader(configs: "EngineConfigs"):
+def default_loader(configs: "EngineConfigs") -> ModelLoader:
     """The loader SGLang picks for ``--load-format auto``; RuntimeError unless it is ``DefaultModelLoader``.
 
     For the allowlisted methods (unquantized, block FP8) SGLang always picks
@@ -82,7 +85,9 @@ def post_process(configs: "EngineConfigs", model: "torch.nn.Module") -> "torch.n
     return model.eval()
 
 
-def rebuild(configs: "EngineConfigs", tensors: "dict[str, torch.Tensor]", manifest: "Manifest", device: "torch.device"):
+def rebuild(
+    configs: "EngineConfigs", tensors: "dict[str, torch.Tensor]", manifest: "Manifest", device: "torch.device"
+) -> "torch.nn.Module":
     """SGLang's model built on the meta device, every parameter, buffer and tensor attribute pointed at ``tensors``."""
     import torch
 

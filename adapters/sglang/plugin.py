@@ -10,6 +10,11 @@ running the plugins (``load_plugins``).
 
 from __future__ import annotations
 
+import typing
+
+if typing.TYPE_CHECKING:
+    from weightcache.adapters.sglang.identity import LoadConfig
+
 LOAD_FORMAT = "weightcache"
 HOOK_TARGET = "sglang.srt.configs.load_config.LoadConfig.__post_init__"
 
@@ -28,7 +33,7 @@ def register() -> None:
         _registered.append(True)
 
 
-def resolve_load_format(load_config, *args, **kwargs):
+def resolve_load_format(load_config: "LoadConfig", *args: typing.Any, **kwargs: typing.Any) -> None:
     """BEFORE ``LoadConfig.__post_init__``: the name ``weightcache`` becomes the loader class."""
     fmt = load_config.load_format
     if isinstance(fmt, str) and fmt.lower() == LOAD_FORMAT:

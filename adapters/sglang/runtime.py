@@ -23,6 +23,7 @@ from weightcache.adapters.sglang.identity import Ranks
 from weightcache.core.fingerprint import ParallelSpec
 
 if typing.TYPE_CHECKING:
+    from weightcache.adapters.sglang.identity import DeviceConfig, LoadConfig, ModelConfig
     from weightcache.core.request import LoadRequest
 
 log = logging.getLogger(__name__)
@@ -51,14 +52,14 @@ class EngineConfigs:
     single_process: bool = False
 
     @classmethod
-    def of_engine(cls, load_config, model_config, device_config) -> "EngineConfigs":
+    def of_engine(cls, load_config: "LoadConfig", model_config: "ModelConfig", device_config: "DeviceConfig") -> "EngineConfigs":
         """The objects an SGLang scheduler hands its loader, with what SGLang published for this process."""
         from weightcache.adapters.sglang.identity import published_server_args
 
         return cls(model_config, plain_load_config(load_config), device_config, published_server_args(), Ranks.current())
 
 
-def plain_load_config(load_config):
+def plain_load_config(load_config: "LoadConfig") -> "LoadConfig":
     """``load_config`` for SGLang's ``auto`` format, without weightcache's keys."""
     from sglang.srt.configs.load_config import LoadFormat
 
