@@ -9,6 +9,7 @@ per process as a vLLM worker does before loading.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import typing
 
@@ -21,6 +22,12 @@ if typing.TYPE_CHECKING:
     import torch
 
     from weightcache.core.request import LoadRequest
+
+# vLLM's objects, as typing.Any: vLLM is imported inside functions only.
+VllmConfig = typing.Any  # vllm.config.VllmConfig
+ModelConfig = typing.Any  # vllm.config.ModelConfig
+LoadConfig = typing.Any  # vllm.config.load.LoadConfig
+GroupCoordinator = typing.Any  # vllm.distributed.parallel_state.GroupCoordinator
 
 STATE_KEY = "vllm"
 """The key of the engine objects in ``LoadRequest.state``."""
@@ -74,7 +81,7 @@ class Ranks:
         )
 
 
-def expert_group():
+def expert_group() -> GroupCoordinator | None:
     """vLLM's expert-parallel group, or None: vLLM creates it only for MoE models with expert parallelism."""
     from vllm.distributed import get_ep_group
 
@@ -104,7 +111,7 @@ class EngineObjects:
         # Attention and MoE layers register under their names in the config's forward context.
         self.registrations = Registrations([self.vllm_config.compilation_config.static_forward_context])
 
-    def current(self):
+    def current(self) -> contextlib.AbstractContextManager:
         """``set_current_vllm_config``: vLLM's layers read the current config while they are built."""
         from vllm.config import set_current_vllm_config
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from weightcache.adapters import engine_quantization
 from weightcache.adapters.engine_support import engine_description
-from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, engine_objects
+from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, LoadConfig, ModelConfig, VllmConfig, engine_objects
 from weightcache.core.errors import UnsupportedQuantization
 from weightcache.core.quantization.allowlist import check_quantization
 from weightcache.core.request import ModelDescription
@@ -30,7 +30,7 @@ COVERED_BY_CORE = ("checkpoint", "model_arch", "tp_size", "tp_rank", "pp_size", 
 """WeightCacheKey fields that the core fingerprint already holds (the checkpoint as a hash of every safetensors header)."""
 
 
-def quantization(model_config) -> tuple[str, dict]:
+def quantization(model_config: ModelConfig) -> tuple[str, dict]:
     """The canonical method and config of ``model_config``; UnsupportedQuantization unless unquantized or 128x128 block FP8.
 
     Reads configs only: call it before anything touches the checkpoint's files.
@@ -39,13 +39,13 @@ def quantization(model_config) -> tuple[str, dict]:
     return engine_quantization.checked_method(model_config.quantization, hf_quant)
 
 
-def is_draft(vllm_config, model_config) -> bool:
+def is_draft(vllm_config: VllmConfig, model_config: ModelConfig) -> bool:
     """Whether ``model_config`` is the speculative draft (vLLM loads it through the same loader)."""
     spec = vllm_config.speculative_config
     return spec is not None and model_config is spec.draft_model_config
 
 
-def checkpoint_dir(model_config, load_config) -> str:
+def checkpoint_dir(model_config: ModelConfig, load_config: LoadConfig) -> str:
     """The local directory of the checkpoint's safetensors files (vLLM downloads them first if the model is a hub name)."""
     if os.path.isdir(model_config.model):
         return model_config.model

@@ -10,10 +10,17 @@ What each step does inside vLLM is in ``weightcache.adapters.vllm.hooks``.
 """
 
 import logging
+import typing
 
 from weightcache.adapters import engine_support
 from weightcache.adapters.vllm import identity
-from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, Ranks
+from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, LoadConfig, ModelConfig, Ranks, VllmConfig
+
+if typing.TYPE_CHECKING:
+    import torch
+
+    from weightcache.adapters.vllm.loading import DefaultModelLoader
+    from weightcache.core.request import LoadRequest
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +30,7 @@ CLASS_NAME = "WeightcacheModelLoader"
 OPTIONS_WHERE = "--model-loader-extra-config"
 
 
-def loader_class():
+def loader_class() -> type:
     """``WeightcacheModelLoader``, defined on first use (it subclasses vLLM's ``BaseModelLoader``)."""
     return engine_support.lazy_class(globals(), CLASS_NAME, _build_class)
 
@@ -70,13 +77,13 @@ def _build_class():
     return WeightcacheModelLoader
 
 
-def plain_loader(load_config):
+def plain_loader(load_config: LoadConfig) -> "DefaultModelLoader":
     from weightcache.adapters.vllm.loading import plain_loader as build
 
     return build(load_config)
 
 
-def target_device(load_config, vllm_config):
+def target_device(load_config: LoadConfig, vllm_config: VllmConfig) -> "torch.device":
     """The device vLLM loads onto, with its index (``cuda:N``)."""
     import torch
 
@@ -86,7 +93,7 @@ def target_device(load_config, vllm_config):
     return device
 
 
-def load_request(load_config, vllm_config, model_config, prefix: str = ""):
+def load_request(load_config: LoadConfig, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> "LoadRequest":
     """The ``LoadRequest`` of this rank: what the ``vllm`` adapter's hooks load, with vLLM's objects in its state."""
     from weightcache.core.request import LoadRequest
 
@@ -105,8 +112,11 @@ def load_request(load_config, vllm_config, model_config, prefix: str = ""):
     )
 
 
-def load_model(loader, vllm_config, model_config, prefix: str = ""):
-    """The body of ``WeightcacheModelLoader.load_model``: the request through ``weightcache.core.modes.run``."""
+def load_model(loader: typing.Any, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> "torch.nn.Module":
+    """The body of ``WeightcacheModelLoader.load_model``: the request through ``weightcache.core.modes.run``.
+
+    ``loader`` is typed Any: its class is defined on first use (``loader_class``).
+    """
     from weightcache.core.modes import run
 
     loaded = run(load_request(loader.load_config, vllm_config, model_config, prefix), loader.options)
@@ -120,7 +130,7 @@ def load_model(loader, vllm_config, model_config, prefix: str = ""):
     return loaded.model.eval()
 
 
-def external_weight_memory(loader, vllm_config) -> int:
+def external_weight_memory(loader: typing.Any, vllm_config: VllmConfig) -> int:
     """Bytes the server holds for this rank's target model and, if it loads through weightcache too, its draft."""
     from vllm.model_executor.model_loader.utils import get_draft_load_config
     from vllm.model_executor.model_loader.weight_cache.utils import is_draft_model_cacheable

@@ -27,21 +27,24 @@ from weightcache.adapters.engine_support import isolated, no_writes_into
 if typing.TYPE_CHECKING:
     import torch
 
-    from weightcache.adapters.vllm.engine import EngineObjects
+    from weightcache.adapters.vllm.engine import EngineObjects, LoadConfig, ModelConfig
     from weightcache.core.manifest import Manifest
 
 log = logging.getLogger(__name__)
+
+# vllm.model_executor.model_loader.default_loader.DefaultModelLoader; vLLM is imported inside functions only.
+DefaultModelLoader = typing.Any
 
 MODEL_ATTRS_KEY = "vllm_model_attrs"
 """Manifest extra: Python-side flags vLLM's weight loading sets on the model (EAGLE ownership), as vLLM's daemon ships them."""
 
 
-def plain_load_config(load_config):
+def plain_load_config(load_config: "LoadConfig") -> "LoadConfig":
     """``load_config`` for vLLM's default loader: format ``auto``, none of weightcache's keys."""
     return dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
 
 
-def plain_loader(load_config):
+def plain_loader(load_config: "LoadConfig") -> DefaultModelLoader:
     """vLLM's ``DefaultModelLoader`` for ``load_config`` (the ``auto`` load format)."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
@@ -168,7 +171,7 @@ def drop_consumed(model: "torch.nn.Module") -> list[str]:
     return dropped
 
 
-def check_pre_processed_support(model: "torch.nn.Module", model_config) -> None:
+def check_pre_processed_support(model: "torch.nn.Module", model_config: "ModelConfig") -> None:
     """vLLM's own per-layer gate: every quant method must accept pre-processed weights."""
     from vllm.model_executor.model_loader.weight_cache.protocol import UnsupportedQuantForIPCError, check_ipc_quant_support
 

@@ -20,7 +20,7 @@ def register() -> None:
     log.debug("weightcache: registered vLLM load format %r", LOAD_FORMAT)
 
 
-def registered_class(load_format: str):
+def registered_class(load_format: str) -> type | None:
     """The loader class vLLM has for ``load_format``, or None, asked through vLLM's public ``get_model_loader``."""
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
