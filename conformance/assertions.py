@@ -154,7 +154,7 @@ def tied_groups(model: "torch.nn.Module") -> set[frozenset[str]]:
     return {frozenset(names) for names in by_place.values() if len(names) > 1}
 
 
-def flatten_outputs(output, prefix: str = "output") -> dict[str, "torch.Tensor"]:
+def flatten_outputs(output: typing.Any, prefix: str = "output") -> dict[str, "torch.Tensor"]:
     """The tensors in a model's output (tensors, mappings such as ModelOutput, lists and tuples), by path.
 
     Other objects (e.g. a transformers cache) are skipped: they hold values the

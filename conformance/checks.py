@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import typing
 
 import attrs
 import pytest
@@ -29,6 +30,9 @@ from weightcache.conformance.fixtures import FP8_BLOCK, fresh, load, refused_qua
 from weightcache.core.errors import FingerprintMismatch, UnsupportedQuantization
 from weightcache.core.fingerprint import FIELDS, Fingerprint
 from weightcache.core.server_process import ServerProcess
+
+if typing.TYPE_CHECKING:
+    from weightcache.core.request import LoadRequest, ModelDescription
 
 REFUSED_METHODS = ("fp8", "fp8-tensor", "marlin", "awq", "gptq", "bitsandbytes", "conformance-unknown-method")
 """Methods every adapter must refuse: per-tensor FP8 (two spellings), Marlin, AWQ, GPTQ, bitsandbytes, an unknown one."""
@@ -65,7 +69,7 @@ def _perturb_fingerprint(monkeypatch, field: str) -> str:
 
     original = identity.fingerprint_for
 
-    def perturbed(request, description, checkpoint=None):
+    def perturbed(request: "LoadRequest", description: "ModelDescription", checkpoint: str | None = None) -> Fingerprint:
         return changed_fingerprint(original(request, description, checkpoint), field)[0]
 
     monkeypatch.setattr(identity, "fingerprint_for", perturbed)
@@ -281,7 +285,9 @@ class FingerprintTests:
         original = identity.fingerprint_for
         for key in keys:
 
-            def perturbed(request, description, checkpoint=None, key=key):
+            def perturbed(
+                request: "LoadRequest", description: "ModelDescription", checkpoint: str | None = None, key: str = key
+            ) -> Fingerprint:
                 fingerprint = original(request, description, checkpoint)
                 return attrs.evolve(fingerprint, extra={**fingerprint.extra, key: ["changed by the kit", fingerprint.extra[key]]})
 

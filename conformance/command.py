@@ -13,10 +13,14 @@ import logging
 import sys
 import tempfile
 import time
+import typing
 from pathlib import Path
 
+if typing.TYPE_CHECKING:
+    import argparse
 
-def add_parser(commands) -> None:
+
+def add_parser(commands: "argparse._SubParsersAction") -> None:
     parser = commands.add_parser(
         "conformance",
         help="check that mapped weights give exactly a disk load's outputs",
@@ -99,7 +103,7 @@ def _skip_reason(report) -> str:
     return str(longrepr or "")
 
 
-def pytest_arguments(args, workdir: Path) -> list[str]:
+def pytest_arguments(args: "argparse.Namespace", workdir: Path) -> list[str]:
     """The pytest command line that runs the built-in suite with the options of ``args``."""
     import shlex
 
@@ -139,7 +143,7 @@ def pytest_arguments(args, workdir: Path) -> list[str]:
     return argv + shlex.split(args.pytest_args or "")
 
 
-def check_arguments(args) -> None:
+def check_arguments(args: "argparse.Namespace") -> None:
     """Stop before running any check when the adapter, the model or an option cannot work (one line, not 84 errors)."""
     from weightcache.core.cli import parse_options
     from weightcache.core.errors import WeightCacheError
@@ -160,7 +164,7 @@ def check_arguments(args) -> None:
     )
 
 
-def run(args) -> int:
+def run(args: "argparse.Namespace") -> int:
     import pytest
 
     import weightcache.conformance as kit
@@ -203,7 +207,7 @@ def _summary(args, results: list[dict], collection_errors: list[str], exit_code:
     }
 
 
-def print_table(summary: dict, stream=None) -> None:
+def print_table(summary: dict, stream: typing.TextIO | None = None) -> None:
     """One row per check (parametrized variants counted together), then each failure's message."""
     stream = stream or sys.stdout
     groups: dict[str, dict[str, int]] = {}

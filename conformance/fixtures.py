@@ -23,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import os
 import typing
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -34,8 +36,11 @@ from weightcache.conformance.weightless import copy_without_weights
 from weightcache.core.example_inputs import run_with_inputs
 
 if typing.TYPE_CHECKING:
+    import torch
+
     from weightcache.core.modes import LoadedModel
-    from weightcache.core.request import LoadRequest
+    from weightcache.core.plugins import Adapter, Plugins
+    from weightcache.core.request import ExampleInputs, LoadRequest
 
 FP8_BLOCK = "fp8-block"
 
@@ -58,7 +63,13 @@ def declare_hf_quantization(checkpoint: Path, method: str) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
-def load(request: "LoadRequest", mode: str, plugins=None, socket_dir=None, strict: bool = False) -> "LoadedModel":
+def load(
+    request: "LoadRequest",
+    mode: str,
+    plugins: "Plugins | None" = None,
+    socket_dir: str | os.PathLike | None = None,
+    strict: bool = False,
+) -> "LoadedModel":
     """``request`` through the core's mode runner in ``mode`` (what every engine integration calls)."""
     from weightcache.core.modes import CacheOptions, run
 
@@ -70,7 +81,7 @@ def fresh(request: "LoadRequest") -> "LoadRequest":
     return attrs.evolve(request, state={})
 
 
-def inputs_from_spec(spec: str, model):
+def inputs_from_spec(spec: str, model: "torch.nn.Module") -> "ExampleInputs":
     """Inputs from ``MODULE:FUNCTION``, called with the model."""
     module, _, name = spec.partition(":")
     if not module or not name:
@@ -78,7 +89,7 @@ def inputs_from_spec(spec: str, model):
     return getattr(importlib.import_module(module), name)(model)
 
 
-def declaration_from_spec(spec: str | None):
+def declaration_from_spec(spec: str | None) -> Callable[[Path, str], None] | None:
     """``declare_quantization`` from its command-line form: ``hf-config`` (default), ``none`` or ``MODULE:FUNCTION``."""
     if spec in (None, "", "hf-config"):
         return declare_hf_quantization
@@ -102,7 +113,7 @@ def _required_option(pytest_request, name: str, fixture: str, flag: str):
     return value
 
 
-def adapter_facade(plugins, name: str):
+def adapter_facade(plugins: "Plugins | None", name: str) -> "Adapter":
     """The adapter ``name`` from ``plugins`` (default: the installed ones)."""
     from weightcache.core.plugins import installed_plugins
 
@@ -110,7 +121,7 @@ def adapter_facade(plugins, name: str):
 
 
 @contextlib.contextmanager
-def refused_quantization_skips(load_request):
+def refused_quantization_skips(load_request: "LoadRequest") -> Iterator[None]:
     """A model that rightly refuses the requested method skips the checks that need it loaded (one reason, not 58 errors)."""
     from weightcache.core.errors import UnsupportedQuantization
 
