@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
 import pkgutil
 import subprocess
@@ -127,3 +128,40 @@ def test_the_adapter_guide_shows_the_example_adapter_as_it_is():
     guide = (ROOT / "docs" / "adapter-guide.md").read_text()
     shown = guide.split("<!-- example-plugin:begin -->\n```python\n", 1)[1].split("```\n<!-- example-plugin:end -->", 1)[0]
     assert shown == (ROOT / "examples" / "tinylm-adapter" / "src" / "weightcache_example" / "plugin.py").read_text()
+
+
+def _is_exempt(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Private names, tests, pytest hooks, fixtures and hook implementations (typed by their spec in core/hookspecs.py)."""
+    if function.name.startswith(("_", "test_", "pytest_")):
+        return True
+    for decorator in function.decorator_list:
+        name = ast.unparse(decorator.func if isinstance(decorator, ast.Call) else decorator)
+        if name.endswith("hookimpl") or name in ("pytest.fixture", "fixture"):
+            return True
+    return False
+
+
+def _unannotated(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """The parameters (self and cls aside) and the return that ``function`` leaves without an annotation."""
+    arguments = function.args
+    positional = arguments.posonlyargs + arguments.args
+    if positional and positional[0].arg in ("self", "cls"):
+        positional = positional[1:]
+    starred = [a for a in (arguments.vararg, arguments.kwarg) if a is not None]
+    missing = [a.arg for a in positional + arguments.kwonlyargs + starred if a.annotation is None]
+    return missing + (["return"] if function.returns is None else [])
+
+
+def test_every_public_function_is_annotated():
+    """Every public function and method in core/, adapters/ and conformance/ annotates each parameter and its return."""
+    found, problems = 0, []
+    for package in ("core", "adapters", "conformance"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_exempt(node):
+                    found += 1
+                    missing = _unannotated(node)
+                    if missing:
+                        problems.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({', '.join(missing)})")
+    assert found > 300, f"found only {found} public functions: has the layout changed?"
+    assert not problems, f"{len(problems)} public functions lack annotations:\n  " + "\n  ".join(problems)
