@@ -35,7 +35,7 @@ gpu:
 	tests/gpu/run_gpu.sh out/gpu
 
 # Engines and their dependencies with --no-deps (they would pull CUDA torch 2.14); see tests/engines/engine-venv.txt.
-$(ENGINE_VENV)/.ready: pyproject.toml tests/engines/engine-venv.txt
+$(ENGINE_VENV)/.ready: pyproject.toml tests/engines/engine-venv.txt Makefile
 	rm -rf $(ENGINE_VENV)
 	$(ENGINE_PYTHON) -m venv $(ENGINE_VENV)
 	$(ENGINE_VENV)/bin/python -m pip install -q --upgrade pip
