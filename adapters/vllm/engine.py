@@ -70,15 +70,8 @@ class Ranks:
 
     @property
     def parallel(self) -> ParallelSpec:
-        return ParallelSpec(
-            tp_size=self.tp_size,
-            tp_rank=self.tp_rank,
-            pp_size=self.pp_size,
-            pp_rank=self.pp_rank,
-            dp_size=self.dp_size,
-            ep_size=self.ep_size,
-            ep_rank=self.ep_rank,
-        )
+        """The fingerprint's part of these ranks (the DP rank is left out: replicas share an entry)."""
+        return ParallelSpec(**{field.name: getattr(self, field.name) for field in attrs.fields(ParallelSpec)})
 
 
 def expert_group() -> GroupCoordinator | None:
