@@ -198,6 +198,7 @@ def make_checkpoint(args) -> None:
     start = time.perf_counter()
     with device, no_init_weights():
         model = transformers.Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    model.tie_weights()  # a tied config's checkpoint stores the embedding once, as save_pretrained writes a trained one
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():

@@ -85,6 +85,7 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
 
     dtype = load_dtype(request, config)
     model = skeleton(request, drop_quantization=False, dtype=dtype)
+    model.tie_weights()  # on meta: shows which names tying would overwrite
     wanted = {name: t for name, t in model.state_dict(keep_vars=True).items()}
     stored = {info.name: info for info in checkpoint_tensors(request.model)}
     ties = {name for name, p in model.named_parameters(remove_duplicate=False)} - {name for name, _ in model.named_parameters()}
@@ -93,7 +94,8 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
         for n, info in stored.items()
     )
     missing = [n for n in wanted if n not in stored and n not in ties and wanted[n].device.type == "meta"]
-    if not fits or missing:
+    if not fits or missing or ties & set(stored):
+        # A tied weight stored on its own is transformers' call: it unties the two when their values differ.
         log.debug("checkpoint does not match the model one to one; loading through transformers")
         return None
     placed = read_checkpoint(request.model, builder)

@@ -119,3 +119,36 @@ def test_weightcache_load_command_publishes_a_saved_checkpoint(server, model_dir
     assert done.returncode == 0, f"weightcache load failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
     assert done.stdout.startswith("published"), done.stdout
     assert_attaches_like_from_pretrained(path, server.socket_dir, "float32", None)
+
+
+def test_a_checkpoint_that_stores_a_tied_weight_publishes_no_dead_arena(server, tmp_path):
+    """Config ties the embeddings, yet the file also stores ``lm_head.weight`` with other values (a model built
+    untied and saved, as ``benchmarks/restart.py`` once did): transformers ties them and ignores the stored copy,
+    so must we, and no arena may be left holding only the ignored bytes (the server refuses such a CUDA arena)."""
+    import json
+
+    import torch
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.normal_()
+    model.save_pretrained(tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**stored, "tie_word_embeddings": True}))
+
+    published = publish(prepare(LoadRequest(model=str(tmp_path))), server.socket_dir)
+    extents = published.manifest.arena_extents()
+    assert all(extents), f"arenas {[i for i, e in enumerate(extents) if not e]} hold no tensor: {extents}"
+    assert_attaches_like_from_pretrained(tmp_path, server.socket_dir, "float32", None)
