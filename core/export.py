@@ -58,6 +58,7 @@ class ArenaBuilder:
         self._sizes: list[int] = []  # planned bytes per arena
         self._arenas: list[Arena | None] = []
         self._fill = 0  # bytes used in the last planned arena
+        self._last_is_whole = False  # the last arena came from add_arena: plan() never adds to it
         self._sealed = False
 
     def __enter__(self) -> "ArenaBuilder":
@@ -75,7 +76,8 @@ class ArenaBuilder:
         size = round_up(max(nbytes, 1), ALIGNMENT)
         if self._sealed:
             raise ArenaError(f"cannot plan {nbytes} bytes: the arenas are sealed; plan every tensor before publishing")
-        if not self._sizes or self._fill + size > self._capacity():
+        if not self._sizes or self._last_is_whole or self._fill + size > self._capacity():
+            self._last_is_whole = False
             self._sizes.append(0)
             self._arenas.append(None)
             self._fill = 0
@@ -83,6 +85,19 @@ class ArenaBuilder:
         self._fill += size
         self._sizes[-1] = self._fill
         return slot
+
+    def add_arena(self, nbytes: int) -> Slot:
+        """Plan a new arena of its own for ``nbytes`` and return the slot covering all of it (copying an entry
+        arena by arena keeps every manifest offset)."""
+        if self._sealed:
+            raise ArenaError(f"cannot plan an arena of {nbytes} bytes: the arenas are sealed")
+        if nbytes <= 0:
+            raise ValueError(f"an arena holds at least one byte, not {nbytes}")
+        self._sizes.append(nbytes)
+        self._arenas.append(None)
+        self._fill = nbytes
+        self._last_is_whole = True
+        return Slot(arena=len(self._sizes) - 1, offset=0, nbytes=nbytes)
 
     def _capacity(self) -> int:
         """Bytes the last arena may hold: ``chunk_bytes`` while only planned, its real size once created."""

@@ -48,6 +48,10 @@ class ParallelSpec:
         return f"tp{self.tp_rank}/{self.tp_size} pp{self.pp_rank}/{self.pp_size} ep{self.ep_rank}/{self.ep_size}"
 
 
+HOST_TIER: typing.Final = "host"
+"""The ``gpu_uuid`` of a GPU-made entry held in host memory (the host tier): GPUs of the same kind fill from it."""
+
+
 @attrs.frozen(hash=False)
 class Fingerprint:
     """Identity of one cached model rank; two fingerprints match only if every field is equal.
@@ -104,6 +108,19 @@ class Fingerprint:
     def digest(self) -> str:
         """sha256 of the canonical JSON of every field."""
         return sha256_json(self.to_json())
+
+    @property
+    def content_digest(self) -> str:
+        """The digest of everything but ``gpu_uuid``: the same bytes, wherever on the node they are held.
+
+        Entries of one content on two GPUs of a kind, or on the host tier (``HOST_TIER``), are copies of each
+        other; a GPU's entry may be filled from any of them (``weightcache.core.fill``).
+        """
+        return sha256_json({**self.to_json(), "gpu_uuid": None})
+
+    def on_device(self, gpu_uuid: str) -> "Fingerprint":
+        """This fingerprint for the copy held on ``gpu_uuid`` (a GPU's UUID, or ``HOST_TIER``)."""
+        return attrs.evolve(self, gpu_uuid=gpu_uuid)
 
     @property
     def short(self) -> str:

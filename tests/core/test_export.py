@@ -117,3 +117,17 @@ def test_every_manifest_tensor_lies_in_an_arena_after_rebind(server, model_dir, 
         assert any(record.kind == "buffer" for record in manifest.tensors), "the model's buffers must be published too"
     finally:
         cached.close()
+
+
+def test_add_arena_gives_a_whole_arena_of_its_own_that_later_slots_do_not_share():
+    from weightcache.core.export import ArenaBuilder
+
+    with ArenaBuilder("cpu", chunk_bytes=1 << 20) as builder:
+        first = builder.plan(100)
+        whole = builder.add_arena(8192)
+        after = builder.plan(100)
+        assert (whole.arena, whole.offset, whole.nbytes) == (1, 0, 8192)
+        assert first.arena == 0 and after.arena == 2
+        builder.view(whole).fill_(7)
+        builder.view(first), builder.view(after)
+        assert [spec.size for spec in builder.specs()][1] == 8192

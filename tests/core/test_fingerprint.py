@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 from tests.models import save_random_model
-from weightcache.core.fingerprint import FIELDS, Fingerprint
+from weightcache.core.fingerprint import FIELDS, HOST_TIER, Fingerprint
 from weightcache.core.safetensors_io import checkpoint_identity, read_header
 
 
@@ -96,3 +96,13 @@ def test_changing_any_one_field_changes_the_digest(field):
 def test_a_directory_without_safetensors_gets_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="safetensors"):
         checkpoint_identity(tmp_path)
+
+
+@pytest.mark.parametrize("field", [f for f in FIELDS if f != "gpu_uuid"])
+def test_the_content_digest_changes_with_every_field_but_the_gpu(field):
+    base = make()
+    assert base.on_device("GPU-other").content_digest == base.content_digest
+    assert base.on_device(HOST_TIER).content_digest == base.content_digest
+    assert base.on_device("GPU-other").digest != base.digest
+    changed = attrs.evolve(base, **{field: _another_value(getattr(base, field))})
+    assert changed.content_digest != base.content_digest
