@@ -43,7 +43,16 @@ class Attachment:
     server without touching the disk (``reattach``, driven by ``watch``).
     """
 
-    def __init__(self, connection: Connection, fingerprint: Fingerprint, digest: str, manifest: Manifest, fds, label: str):
+    def __init__(
+        self,
+        connection: Connection,
+        fingerprint: Fingerprint,
+        digest: str,
+        manifest: Manifest,
+        fds,
+        label: str,
+        map_on: int | None = None,
+    ):
         self.connection: Connection | None = connection
         self.fingerprint = fingerprint
         self.digest = digest
@@ -60,7 +69,7 @@ class Attachment:
                 raise ValueError(f"the manifest lists {len(manifest.arenas)} arenas but {len(self.fds)} fds came")
             start = time.perf_counter()
             for fd, spec in zip(self.fds, manifest.arenas, strict=True):
-                self.arenas.append(backend(spec.backend).map(fd, spec))
+                self.arenas.append(_map(fd, spec, map_on))
             self.timings["map_s"] = time.perf_counter() - start
             start = time.perf_counter()
             self.tensors = manifest.views(self.arenas)
@@ -73,8 +82,16 @@ class Attachment:
             raise
 
     @classmethod
-    def open(cls, fingerprint: Fingerprint, socket_dir: str | os.PathLike | None = None, timeout: float = 30.0) -> "Attachment":
+    def open(
+        cls,
+        fingerprint: Fingerprint,
+        socket_dir: str | os.PathLike | None = None,
+        timeout: float = 30.0,
+        map_on: int | None = None,
+    ) -> "Attachment":
         """Ask the server at ``socket_dir`` for ``fingerprint`` and map the answer.
+
+        ``map_on``: map CUDA arenas for this GPU index over peer access, wherever they live (a peer fill).
 
         Raises ServerUnavailable, AccessDenied, ServerError, FingerprintMismatch,
         EntryNotFound or EntryUnusable. Whatever fails, every fd received and
@@ -97,7 +114,7 @@ class Attachment:
                 raise EntryUnusable(reply.digest, f"{type(exc).__name__}: {exc}") from exc
             raise
         decoded = time.perf_counter()
-        attachment = cls(connection, fingerprint, reply.digest, manifest, reply.fds, reply.label)
+        attachment = cls(connection, fingerprint, reply.digest, manifest, reply.fds, reply.label, map_on)
         attachment.socket_dir = socket_dir
         attachment.timings.update(request_s=requested - start, manifest_s=decoded - requested)
         return attachment
@@ -147,6 +164,12 @@ class Attachment:
 
     def __repr__(self) -> str:
         return f"<Attachment {self.digest[:12]} {self.label} pid={os.getpid()} arenas={len(self.arenas)}>"
+
+
+def _map(fd: int, spec, map_on: int | None) -> "Arena":
+    if map_on is not None and spec.backend == "cuda":
+        return backend("cuda").map(fd, spec, on_device=map_on)
+    return backend(spec.backend).map(fd, spec)
 
 
 def fallback_reason(exc: BaseException) -> str | None:

@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"most bytes held at once; idle entries are evicted to make room. SIZE: {SIZE_EXAMPLE} (default: no limit)",
     )
     serve.add_argument(
+        "--host-budget",
+        type=size,
+        metavar="SIZE",
+        help="most bytes held in host memory (CPU entries, the host tier, artifacts) (default: no limit)",
+    )
+    serve.add_argument("--gpu-budget", type=size, metavar="SIZE", help="most bytes held on each GPU (default: no limit)")
+    serve.add_argument(
         "--detach", action="store_true", help="run in the background, detached from this terminal and process tree"
     )
     serve.add_argument("--log-file", help="with --detach: where the server logs (default: nowhere)")
@@ -141,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_device,
         default="cpu",
         help="where the arenas live: cpu, cuda, cuda:N or a GPU UUID as nvidia-smi -L prints it (default: cpu)",
+    )
+    load.add_argument(
+        "--tier",
+        choices=("device", "host", "both"),
+        default="device",
+        help="keep the model on --device (default), on the host tier only (GPU-made weights in host memory, "
+        "from which a GPU fills again in about a second), or both; host and both need a CUDA --device",
     )
     load.add_argument(
         "--quant",
@@ -323,7 +337,13 @@ def _serve(args) -> int:
         limits["frame_deadline_s"] = args.frame_deadline
     if args.idle_timeout is not None:
         limits["idle_timeout_s"] = args.idle_timeout or None  # 0: never
-    config = ServerConfig(socket_dir=args.socket_dir or default_socket_dir(), byte_budget=args.byte_budget, **limits)
+    config = ServerConfig(
+        socket_dir=args.socket_dir or default_socket_dir(),
+        byte_budget=args.byte_budget,
+        host_budget=args.host_budget,
+        gpu_budget=args.gpu_budget,
+        **limits,
+    )
     if args.detach:
         from weightcache.core.server_process import serve_detached
 
@@ -343,6 +363,10 @@ def _load(args) -> int:
 
     note(f"checking {args.model} ...")
     request = _load_request(args)  # device, dtype, ranks, options
+    if args.tier != "device" and not request.device.is_cuda:
+        raise ValueError(
+            f"the host tier keeps a GPU's weights in host memory: --tier {args.tier} needs a CUDA --device, not {request.device}"
+        )
     adapter = installed_plugins().adapter(request.adapter)
     adapter.check_options(request)
     check_quantization(request.quantization, adapter.quantization_allowlist(request))
@@ -354,24 +378,54 @@ def _load(args) -> int:
     fingerprint = prepared.identify(progress=_hashing_progress(headers))
     with Connection(args.socket_dir) as connection:
         status = connection.status()
-    cached = next((entry for entry in status["entries"] if entry["digest"] == fingerprint.digest), None)
-    if cached is not None:
-        print(f"already cached: {fingerprint.short}  {cached['label']}, {format_bytes(cached['bytes'])}; nothing was loaded")
+    wanted = _wanted_entries(fingerprint, args.tier)
+    held = {entry["digest"]: entry for entry in status["entries"] if entry["digest"] in wanted.values()}
+    if len(held) == len(wanted):
+        for where, digest in wanted.items():
+            entry = held[digest]
+            print(f"already cached{where}: {digest[:12]}  {entry['label']}, {format_bytes(entry['bytes'])}; nothing was loaded")
         return 0
     needed = preflight.estimated_bytes(headers, prepared.description)
-    preflight.check_room(status, needed)
+    for where, digest in wanted.items():
+        if digest not in held:
+            preflight.check_room(status, needed, tier="host" if where or not request.device.is_cuda else _gpu(request))
     note(f"loading {prepared.label} ({format_bytes(needed)} or more) into {request.device} arenas ...")
-    published = loader.publish(prepared, args.socket_dir, progress=byte_progress("loading"))
+    published = loader.publish(prepared, args.socket_dir, progress=byte_progress("loading"), tier=args.tier)
     manifest = published.manifest
+    source = "" if published.source == "disk" else f", copied from {published.source}"
+    host = f"; kept on the host tier as {published.host_digest[:12]}" if published.host_digest and args.tier == "both" else ""
     if not published.created:
-        print(f"already cached: {fingerprint.short}  {prepared.label} (another loader published it meanwhile)")
+        if host and published.source == "this GPU's entry":
+            print(f"kept {published.host_digest[:12]}  {prepared.label} on the host tier, copied from this GPU's entry")
+        else:
+            print(f"already cached: {published.digest[:12]}  {prepared.label} (another loader published it meanwhile)")
         return 0
     arenas = len(manifest.arenas)
+    where = " on the host tier" if args.tier == "host" else ""
     print(
-        f"published {published.digest[:12]}  {prepared.label}: {len(manifest.tensors)} tensors, {format_bytes(manifest.nbytes)} "
-        f"in {arenas} arena{'s' if arenas != 1 else ''}, {sum(published.timings.values()):.2f} s"
+        f"published {published.digest[:12]}  {prepared.label}{where}: {len(manifest.tensors)} tensors, "
+        f"{format_bytes(manifest.nbytes)} in {arenas} arena{'s' if arenas != 1 else ''}, "
+        f"{sum(published.timings.values()):.2f} s{source}{host}"
     )
     return 0
+
+
+def _wanted_entries(fingerprint, tier: str) -> dict[str, str]:
+    """The entries ``weightcache load --tier`` makes, by where they live ('' the device, ' on the host tier')."""
+    from weightcache.core.fingerprint import HOST_TIER
+
+    wanted = {}
+    if tier in ("device", "both"):
+        wanted[""] = fingerprint.digest
+    if tier in ("host", "both"):
+        wanted[" on the host tier"] = fingerprint.on_device(HOST_TIER).digest
+    return wanted
+
+
+def _gpu(request) -> str:
+    from weightcache.core.arena.devices import cuda_index, gpu_uuid
+
+    return gpu_uuid(cuda_index(request.device))
 
 
 def _load_request(args):
@@ -433,6 +487,7 @@ def status_table(status: dict) -> list[str]:
         f"server pid {status['pid']} (weightcache {status['version']}): {count} {'entry' if count == 1 else 'entries'}, "
         f"{format_bytes(status['held_bytes'])} held{budget}"
     ]
+    lines += _tier_lines(status)
     if not entries:
         return lines
     rows = [("ID", "MODEL", "RANK", "DEVICE", "DTYPE", "SIZE", "TENSORS", "ATTACHED PIDS")]
@@ -456,6 +511,20 @@ def status_table(status: dict) -> list[str]:
     return lines
 
 
+def _tier_lines(status: dict) -> list[str]:
+    """Bytes held per tier, when there is more than one or a tier has a budget of its own."""
+    from weightcache.core.progress import format_bytes
+
+    tiers = status.get("tiers") or {}
+    if len(tiers) < 2 and not any(t.get("budget") for t in tiers.values()):
+        return []
+    lines = []
+    for tier, held in tiers.items():
+        budget = f" of {format_bytes(held['budget'])}" if held.get("budget") else ""
+        lines.append(f"  {'host memory' if tier == 'host' else 'GPU ' + tier[:12]}: {format_bytes(held['held'])} held{budget}")
+    return lines
+
+
 def _rank(text: str) -> str:
     """``tp0/2 pp0/1 ep0/1`` -> ``tp0/2``: the tensor-parallel rank, and the others only where they split the model."""
     parts = text.split()
@@ -463,9 +532,12 @@ def _rank(text: str) -> str:
 
 
 def _device_cell(device: str) -> str:
-    """``cpu (host)`` for host memory, ``cuda GPU-8f3e2a1b`` (the UUID's first 8 digits) for a GPU's."""
+    """``cpu (host)`` for a CPU engine's weights, ``host tier`` for a GPU's kept in host memory,
+    ``cuda GPU-8f3e2a1b`` (the UUID's first 8 digits) for a GPU's."""
     if device == "cpu":
         return "cpu (host)"
+    if device == "host":
+        return "host tier"
     return f"cuda {device[:12]}"
 
 

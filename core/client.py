@@ -130,6 +130,15 @@ class Connection:
     def status(self) -> dict:
         return self.request({"op": "status"})[0]
 
+    def locate(self, fingerprint: Fingerprint) -> list[dict]:
+        """The other entries of the node that hold ``fingerprint``'s content (rows: ``fingerprint``, ``tier``, ``bytes``)."""
+        sources = self.request({"op": "locate", "fingerprint": fingerprint.to_json()})[0].get("sources")
+        if not isinstance(sources, list):
+            raise ProtocolError(
+                "the server's locate reply has no list of sources; run the same weightcache version on both sides"
+            )
+        return sources
+
     def evict(self, digest_prefix: str, force: bool = False) -> list[str]:
         return self.request({"op": "evict", "digest": digest_prefix, "force": force})[0]["evicted"]
 

@@ -286,7 +286,7 @@ class DeviceUnavailable(WeightCacheError):
 class NoRoom(WeightCacheError):
     """The server's byte budget cannot hold the entry even after evicting every idle entry (checked before loading)."""
 
-    def __init__(self, needed: int, budget: int, attached: int):
+    def __init__(self, needed: int, budget: int, attached: int, which: str = "budget", flag: str = "--byte-budget"):
         from weightcache.core.progress import format_bytes
 
         self.needed = needed
@@ -294,8 +294,8 @@ class NoRoom(WeightCacheError):
         self.attached = attached
         super().__init__(
             f"the model needs at least {format_bytes(needed)} but the server can make room for only "
-            f"{format_bytes(max(budget - attached, 0))} (its budget is {format_bytes(budget)}, {format_bytes(attached)} of it "
-            "held by entries engines have attached); nothing was loaded. Restart the server with a larger --byte-budget, "
+            f"{format_bytes(max(budget - attached, 0))} (its {which} is {format_bytes(budget)}, {format_bytes(attached)} of it "
+            f"held by entries engines have attached); nothing was loaded. Restart the server with a larger {flag}, "
             "detach engines, or evict entries (`weightcache status` lists them)"
         )
 

@@ -17,7 +17,7 @@ from weightcache.core.client import Connection
 from weightcache.core.digests import FileKey, ProgressLike
 from weightcache.core.errors import CheckpointChanged
 from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
-from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.fingerprint import HOST_TIER, Fingerprint
 from weightcache.core.manifest import Manifest
 from weightcache.core.plugins import Adapter, Plugins, installed_plugins
 from weightcache.core.protocol import close_fds
@@ -95,6 +95,14 @@ class Published:
     fingerprint: Fingerprint
     manifest: Manifest = attrs.field(eq=False)
     timings: dict = attrs.field(eq=False)
+    source: str = "disk"
+    """Where the bytes came from: ``disk``, ``peer GPU GPU-...`` or ``the host tier``."""
+    host_digest: str | None = None
+    """The host-tier copy's digest when one was kept (``tier`` ``host`` or ``both``)."""
+
+
+TIERS = ("device", "host", "both")
+"""Where ``publish`` keeps a model: on its device (the default), on the host tier only, or both."""
 
 
 def prepare(request: LoadRequest, plugins: Plugins | None = None) -> Prepared:
@@ -132,29 +140,100 @@ def publish(
     progress: ProgressLike | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     label: str | None = None,
-) -> Published:
-    """Load ``prepared`` into arenas and publish it in one frame (atomic: a crash before leaves nothing)."""
-    timings: dict[str, float] = {}
+    tier: str = "device",
+    disk: bool = True,
+) -> Published | None:
+    """Load ``prepared`` into arenas and publish it in one frame (atomic: a crash before leaves nothing).
+
+    On a GPU the bytes come from the fastest copy the node holds (a peer GPU's
+    entry, the host tier: ``weightcache.core.fill``), else from the disk; with
+    ``disk=False`` None is returned instead of reading the disk. ``tier``
+    (``TIERS``): ``host`` publishes a host-tier copy of the GPU-made weights
+    instead of the GPU entry, ``both`` publishes the two.
+    """
+    from weightcache.core import fill
+
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
     request = prepared.request
+    if tier != "device" and not request.device.is_cuda:
+        raise ValueError(
+            f"the host tier keeps a GPU's weights in host memory: tier {tier!r} needs a CUDA device, not {request.device}"
+        )
+    timings: dict[str, float] = {}
+    label = label or prepared.label
     fingerprint = prepared.fingerprint  # the content identity, before a byte is loaded
-    versions = file_versions(request.model)
+    on_node = fill.sources(fingerprint, socket_dir) if request.device.is_cuda else []
+    host_held = next((s.fingerprint.digest for s in on_node if s.tier == HOST_TIER), None)
+    if tier != "device":
+        done = _host_copy_of_what_is_held(fingerprint, host_held, tier, socket_dir, label, timings)
+        if done is not None:
+            return done
     with ArenaBuilder(request.device, chunk_bytes=chunk_bytes, progress=progress) as builder:
-        model = load_from_disk(prepared, builder, timings)
-        check_unchanged(request.model, versions)  # else new bytes would be published under the old identity
         start = time.perf_counter()
-        manifest = prepared.adapter.export(request, model, builder)
-        extra = prepared.adapter.manifest_extra(request, model)
-        manifest = attrs.evolve(manifest, extra={**manifest.extra, **extra})
-        del model
-        gc.collect()
-        timings["export_s"] = time.perf_counter() - start
+        copied = fill.copy_from_node(fingerprint, builder, socket_dir, on_node) if on_node else None
+        if copied is not None:
+            manifest, source = copied.manifest, copied.source.name
+            timings["fill_s"] = time.perf_counter() - start  # copied.timings has its steps
+        elif not disk:
+            return None
+        else:
+            manifest, source = _load_and_export(prepared, builder, timings), "disk"
         builder.progress.close()
-        start = time.perf_counter()
-        reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label or prepared.label)
-        timings["publish_s"] = time.perf_counter() - start
-    state = "published" if reply["created"] else "loaded, but the server already held"
-    log.info("%s %s (%s) in %.2f s", state, reply["digest"][:12], label or prepared.label, sum(timings.values()))
-    return Published(reply["digest"], bool(reply["created"]), fingerprint, manifest, timings)
+        host_digest = host_held
+        if tier != "device" and not host_held:
+            start = time.perf_counter()
+            host_digest = fill.keep_on_host(fingerprint, manifest, builder.arenas, socket_dir, label)["digest"]
+            timings["host_copy_s"] = time.perf_counter() - start
+        if tier == "host":
+            digest, created, published_as = host_digest, True, fingerprint.on_device(HOST_TIER)
+        else:
+            start = time.perf_counter()
+            reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
+            timings["publish_s"] = time.perf_counter() - start
+            digest, created, published_as = reply["digest"], bool(reply["created"]), fingerprint
+    state = "published" if created else "loaded, but the server already held"
+    log.info("%s %s (%s) from %s in %.2f s", state, digest[:12], label, source, sum(timings.values()))
+    return Published(digest, created, published_as, manifest, timings, source, host_digest)
+
+
+def _host_copy_of_what_is_held(
+    fingerprint: Fingerprint, host_held: str | None, tier: str, socket_dir, label: str, timings: dict
+) -> Published | None:
+    """``tier`` host or both when the node already holds what is asked: the host copy, or this GPU's entry to copy."""
+    from weightcache.core import fill
+
+    host = fingerprint.on_device(HOST_TIER)
+    if host_held and tier == "host":
+        log.info("the host tier already holds %s (%s)", host_held[:12], label)
+        return Published(host_held, False, host, Manifest([], []), timings, "the host tier", host_held)
+    if host_held:
+        return None
+    start = time.perf_counter()
+    kept = fill.keep_entry_on_host(fingerprint, socket_dir, label)  # this GPU's entry exists: copy it, not the disk
+    if kept is None:
+        return None
+    (reply, manifest), source = kept, "this GPU's entry"
+    timings["host_copy_s"] = time.perf_counter() - start
+    if tier == "host":
+        return Published(reply["digest"], bool(reply["created"]), host, manifest, timings, source, reply["digest"])
+    return Published(fingerprint.digest, False, fingerprint, manifest, timings, source, reply["digest"])
+
+
+def _load_and_export(prepared: Prepared, builder: ArenaBuilder, timings: dict) -> Manifest:
+    """The disk path of a publish: load and post-process into ``builder``, export, add the adapter's manifest extra."""
+    request = prepared.request
+    versions = file_versions(request.model)
+    model = load_from_disk(prepared, builder, timings)
+    check_unchanged(request.model, versions)  # else new bytes would be published under the old identity
+    start = time.perf_counter()
+    manifest = prepared.adapter.export(request, model, builder)
+    extra = prepared.adapter.manifest_extra(request, model)
+    manifest = attrs.evolve(manifest, extra={**manifest.extra, **extra})
+    del model
+    gc.collect()
+    timings["export_s"] = time.perf_counter() - start
+    return manifest
 
 
 def file_versions(model: str) -> "list[tuple[str, FileKey]]":

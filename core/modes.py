@@ -177,7 +177,12 @@ def run(
 
 def _client(prepared: Prepared, cache: CacheOptions, timings: dict) -> LoadedModel:
     try:
-        return attach(prepared, cache, timings)
+        try:
+            return attach(prepared, cache, timings)
+        except EntryNotFound:
+            if not _fill_from_node(prepared, cache, timings):
+                raise
+            return attach(prepared, cache, timings)
     except WeightCacheError as exc:
         reason = fallback_reason(exc)  # None: not a reason to load from disk (a rebind that does not fit, a bug)
         if cache.strict or reason is None:
@@ -186,6 +191,24 @@ def _client(prepared: Prepared, cache: CacheOptions, timings: dict) -> LoadedMod
         loaded = _from_disk(prepared, "client", timings)
         loaded.fallback_reason = reason
         return loaded
+
+
+def _fill_from_node(prepared: Prepared, cache: CacheOptions, timings: dict) -> bool:
+    """On a GPU, publish this rank's entry from a copy the node holds (peer GPU, host tier); False when there is none.
+
+    A client never reads the disk into the cache, but a copy of bytes already cached is a cache hit
+    by another road (decision 23). Whatever goes wrong here leaves the disk load to the caller.
+    """
+    if not prepared.request.device.is_cuda:
+        return False
+    try:
+        published = publish(prepared, cache.socket_dir, disk=False)
+    except WeightCacheError as exc:
+        log.warning("weightcache: could not fill %s from the node's copies: %s", prepared.request.device, exc)
+        return False
+    if published is not None:
+        timings.update(published.timings)
+    return published is not None
 
 
 def attach(prepared: Prepared, cache: CacheOptions, timings: dict | None = None) -> LoadedModel:

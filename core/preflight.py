@@ -52,15 +52,24 @@ def estimated_bytes(headers: "typing.Sequence[Header]", description: ModelDescri
     )
 
 
-def check_room(status: dict, needed: int) -> None:
-    """Raise NoRoom when a server whose ``status`` reply this is could not hold ``needed`` more bytes.
+def check_room(status: dict, needed: int, tier: str = "host") -> None:
+    """Raise NoRoom when a server whose ``status`` reply this is could not hold ``needed`` more bytes on ``tier``.
 
+    ``tier`` is ``host`` or a GPU's UUID; the total budget and the tier's own both count.
     Conservative: it refuses only when the entry cannot fit even after the server evicts
     every idle entry (those no engine has attached); the server has the last word at publish.
     """
-    budget = status.get("byte_budget")
-    if not budget:
-        return
-    attached = sum(entry["bytes"] for entry in status.get("entries", ()) if entry.get("attached_pids"))
-    if needed > budget - attached:
-        raise NoRoom(needed, budget, attached)
+    budgets = status.get("budgets") or {"total": status.get("byte_budget")}
+    attached = [entry for entry in status.get("entries", ()) if entry.get("attached_pids")]
+    checks = [(budgets.get("total"), sum(e["bytes"] for e in attached), "budget", "--byte-budget")]
+    if tier == "host":
+        checks.append(
+            (budgets.get("host"), sum(e["bytes"] for e in attached if e.get("tier") == "host"), "host budget", "--host-budget")
+        )
+    else:
+        checks.append(
+            (budgets.get("per_gpu"), sum(e["bytes"] for e in attached if e.get("tier") == tier), "per-GPU budget", "--gpu-budget")
+        )
+    for budget, held, which, flag in checks:
+        if budget and needed > budget - held:
+            raise NoRoom(needed, budget, held, which, flag)

@@ -63,6 +63,7 @@ class Entry:
     last_used: float = attrs.field(factory=time.monotonic)
     sessions: dict = attrs.field(factory=dict)  # connection id -> client pid
     artifacts: dict = attrs.field(factory=dict)  # key -> Artifact
+    tier_bytes: dict = attrs.field(factory=dict)  # tier (HOST or a GPU's UUID) -> arena bytes held there
 
     @property
     def digest(self) -> str:
@@ -72,6 +73,19 @@ class Entry:
     def held_bytes(self) -> int:
         """What the entry counts against the byte budget: its arenas and its artifacts."""
         return self.nbytes + sum(artifact.nbytes for artifact in self.artifacts.values())
+
+    @property
+    def tier(self) -> str:
+        """Where the entry's arenas live: ``host`` or a GPU's UUID (tiers joined by ``+`` if several)."""
+        return "+".join(self.tier_bytes) or HOST
+
+    def held_in(self) -> dict[str, int]:
+        """Bytes held per tier; artifacts (sealed memfds) count on the host."""
+        held = dict(self.tier_bytes)
+        artifacts = self.held_bytes - self.nbytes
+        if artifacts:
+            held[HOST] = held.get(HOST, 0) + artifacts
+        return held
 
     def close_fds(self) -> None:
         """Close the server's fds to the arenas and the artifacts."""
@@ -85,6 +99,8 @@ class Entry:
             "label": self.label,
             "rank": f"tp{fp.tp_rank}/{fp.tp_size} pp{fp.pp_rank}/{fp.pp_size} ep{fp.ep_rank}/{fp.ep_size}",
             "device": _shown(fp.gpu_uuid or "cpu"),
+            "tier": _shown(self.tier),
+            "content": fp.content_digest[:12],
             "quantization": _shown(fp.quantization),
             "dtype": _shown(fp.dtype),
             "bytes": self.nbytes,
@@ -98,25 +114,65 @@ class Entry:
         }
 
 
+HOST = "host"
+"""The tier of host memory (sealed memfds); every other tier is one GPU, named by its UUID."""
+
+
+MAX_TIERS_SHOWN = 16
+"""Tiers a status reply lists (the host and the GPUs holding most): a node has a few GPUs, and the reply must fit a frame."""
+_TIER_CHARS = 64  # a GPU UUID is 40 characters
+
+
+def tier_of(backend: str, device: str) -> str:
+    """The tier an arena of ``backend`` on ``device`` counts in."""
+    return HOST if backend == "host" else device
+
+
+@attrs.frozen
+class Budgets:
+    """Most bytes held at once: in all (``total``), on the host tier (``host``), on each GPU (``per_gpu``).
+
+    None is no limit. Entries count where their arenas live; artifacts count on the host.
+    """
+
+    total: int | None = None
+    host: int | None = None
+    per_gpu: int | None = None
+
+    def of(self, tier: str) -> int | None:
+        return self.host if tier == HOST else self.per_gpu
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+
 class OverBudget(Exception):
-    """Publishing would exceed the byte budget even after evicting every unattached entry."""
+    """Publishing would exceed a byte budget even after evicting every unattached entry."""
 
 
 class TooManyArtifacts(Exception):
     """An entry already holds as many artifacts as the server allows."""
 
 
+def _tier_name(tier: str) -> str:
+    return "host tier" if tier == HOST else f"GPU {tier[:40]}"
+
+
 @attrs.define
 class Registry:
     """Entries by digest; every method is safe to call from many connection threads.
 
-    :param byte_budget: most bytes held at once (None: no limit); the least
+    :param budgets: most bytes held at once, in all and per tier; the least
         recently used entries that no engine has attached are evicted to make room.
     """
 
-    byte_budget: int | None = None
+    budgets: Budgets = attrs.field(factory=Budgets)
     _entries: dict = attrs.field(factory=dict)
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    @property
+    def byte_budget(self) -> int | None:
+        return self.budgets.total
 
     def publish(self, entry: Entry) -> bool:
         """Add ``entry``; False (and its fds closed) if one with that digest exists already.
@@ -128,34 +184,50 @@ class Registry:
             if entry.digest in self._entries:
                 close_fds(entry.fds)
                 return False
-            for victim in self._victims(entry.nbytes):
+            for victim in self._victims(entry.held_in()):
                 self._drop(victim.digest, reason="least recently used, to stay within the byte budget")
             self._entries[entry.digest] = entry
         log.info("published %s (%s, %d bytes, %d arenas)", entry.digest[:12], entry.label, entry.nbytes, len(entry.fds))
         return True
 
-    def _victims(self, nbytes: int, keep: str | None = None) -> list[Entry]:
-        """The least recently used unattached entries (never ``keep``) whose eviction makes room for ``nbytes``.
+    def _victims(self, needed: dict[str, int], keep: str | None = None) -> list[Entry]:
+        """The least recently used unattached entries (never ``keep``) whose eviction makes room for ``needed``
+        (bytes per tier) within every budget.
 
-        Decided before anything is evicted: OverBudget if even all of them would not make room.
+        Decided before anything is evicted: OverBudget, naming the budget, if even all of them would not make room.
+        Only entries holding bytes where room is short are evicted.
         """
-        if self.byte_budget is None:
+        limits = [(None, self.budgets.total)] + [(tier, self.budgets.of(tier)) for tier in needed]
+        limits = [(tier, limit) for tier, limit in limits if limit is not None]
+        if not limits:
             return []
-        held = sum(e.held_bytes for e in self._entries.values())
+
+        def held(entry: Entry, tier: str | None) -> int:
+            return entry.held_bytes if tier is None else entry.held_in().get(tier, 0)
+
+        def want(tier: str | None) -> int:
+            return sum(needed.values()) if tier is None else needed.get(tier, 0)
+
         idle = sorted((e for e in self._entries.values() if not e.sessions and e.digest != keep), key=lambda e: e.last_used)
-        idle_bytes = sum(e.held_bytes for e in idle)
-        if held - idle_bytes + nbytes > self.byte_budget:
-            raise OverBudget(
-                f"{nbytes} bytes do not fit the server's budget of {self.byte_budget} bytes "
-                f"({held - idle_bytes} held by attached entries, {idle_bytes} by idle ones; nothing was evicted); "
-                "raise --byte-budget, detach engines or evict entries"
-            )
-        victims = []
-        while held + nbytes > self.byte_budget:
-            victim = idle.pop(0)
-            victims.append(victim)
-            held -= victim.held_bytes
-        return victims
+        for tier, limit in limits:
+            attached = sum(held(e, tier) for e in self._entries.values()) - sum(held(e, tier) for e in idle)
+            if attached + want(tier) > limit:
+                where = "the server's budget" if tier is None else f"the {_tier_name(tier)} budget"
+                raise OverBudget(
+                    f"{want(tier)} bytes do not fit {where} of {limit} bytes ({attached} held by attached entries, "
+                    f"{sum(held(e, tier) for e in idle)} by idle ones; nothing was evicted); "
+                    "raise the budget (weightcache serve --byte-budget/--host-budget/--gpu-budget), detach engines or evict entries"
+                )
+        victims: dict[str, Entry] = {}
+        for tier, limit in limits:
+            total = sum(held(e, tier) for e in self._entries.values() if e.digest not in victims)
+            for entry in idle:
+                if total + want(tier) <= limit:
+                    break
+                if entry.digest not in victims and held(entry, tier):
+                    victims[entry.digest] = entry
+                    total -= held(entry, tier)
+        return list(victims.values())
 
     def _attach_locked(self, fingerprint: Fingerprint, connection: int, pid: int) -> Entry | None:
         entry = self._entries.get(fingerprint.digest)
@@ -201,7 +273,7 @@ class Registry:
                     "replace one under its key or evict the entry"
                 )
             growth = nbytes - (old.nbytes if old is not None else 0)
-            for victim in self._victims(max(growth, 0), keep=digest):
+            for victim in self._victims({HOST: max(growth, 0)}, keep=digest):
                 self._drop(victim.digest, reason="least recently used, to make room for an artifact within the byte budget")
             entry.artifacts[key] = Artifact(fd, nbytes)
             entry.last_used = time.monotonic()
@@ -230,6 +302,19 @@ class Registry:
             return None, ()
         fields, digest = min(candidates, key=lambda c: len(c[0]))
         return digest, fields
+
+    def locate(self, fingerprint: Fingerprint) -> list[dict]:
+        """The other entries holding ``fingerprint``'s content (same ``content_digest``): GPUs first, then the host.
+
+        Each row: the entry's fingerprint (JSON), its tier and bytes. The loader copies from one of them.
+        """
+        content = fingerprint.content_digest
+        with self._lock:
+            found = [
+                e for e in self._entries.values() if e.digest != fingerprint.digest and e.fingerprint.content_digest == content
+            ]
+        found.sort(key=lambda e: (e.tier == HOST, -e.last_used))
+        return [{"fingerprint": e.fingerprint.to_json(), "tier": e.tier, "bytes": e.nbytes} for e in found]
 
     def detach(self, digest: str, connection: int) -> None:
         with self._lock:
@@ -288,6 +373,16 @@ class Registry:
     def held_bytes(self) -> int:
         with self._lock:
             return sum(e.held_bytes for e in self._entries.values())
+
+    def tiers(self) -> dict[str, dict]:
+        """Per tier: bytes held and its budget (None: no limit)."""
+        held: dict[str, int] = {}
+        with self._lock:
+            for entry in self._entries.values():
+                for tier, nbytes in entry.held_in().items():
+                    held[tier] = held.get(tier, 0) + nbytes
+        shown = sorted(held.items(), key=lambda item: (item[0] != HOST, -item[1]))[:MAX_TIERS_SHOWN]
+        return {tier[:_TIER_CHARS]: {"held": nbytes, "budget": self.budgets.of(tier)} for tier, nbytes in shown}
 
     def close(self) -> None:
         """Close every fd (the server is stopping)."""

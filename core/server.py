@@ -45,7 +45,7 @@ from weightcache.core.protocol import (
     ok_reply,
     send_frame,
 )
-from weightcache.core.registry import MAX_ARTIFACT_KEY_CHARS, Entry, OverBudget, Registry, TooManyArtifacts
+from weightcache.core.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, Entry, OverBudget, Registry, TooManyArtifacts, tier_of
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,9 @@ class ServerConfig:
     """How a server runs.
 
     :param socket_dir: private directory (0700) holding the socket and the lock.
-    :param byte_budget: most bytes of arenas held at once (None: no limit).
+    :param byte_budget: most bytes of arenas and artifacts held at once, in all tiers (None: no limit).
+    :param host_budget: most bytes held on the host tier (host memfd arenas and artifacts; None: no limit).
+    :param gpu_budget: most bytes of CUDA arenas held on each GPU (None: no limit).
     :param max_frame_bytes: most payload bytes of one frame.
     :param frame_deadline_s: a frame must arrive whole within this time of its first byte.
     :param max_connections: connections served at once (also at most half the open-file limit);
@@ -78,6 +80,8 @@ class ServerConfig:
 
     socket_dir: Path = attrs.field(converter=Path)
     byte_budget: int | None = None
+    host_budget: int | None = None
+    gpu_budget: int | None = None
     max_frame_bytes: int = MAX_FRAME_BYTES
     frame_deadline_s: float = FRAME_DEADLINE_S
     max_connections: int = 1024
@@ -98,7 +102,7 @@ class Server:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.registry = Registry(byte_budget=config.byte_budget)
+        self.registry = Registry(Budgets(total=config.byte_budget, host=config.host_budget, per_gpu=config.gpu_budget))
         self._listener: socket.socket | None = None
         self._lock_fd = -1
         self._stopping = threading.Event()
@@ -296,6 +300,7 @@ class Server:
             "evict": self._evict,
             "put_artifact": self._put_artifact,
             "get_artifact": self._get_artifact,
+            "locate": self._locate,
         }
         handler = handlers.get(op) if isinstance(op, str) else None
         if handler is None:
@@ -350,6 +355,10 @@ class Server:
                 _check_arena_fd(fd, spec, extent, index)
                 for index, (fd, spec, extent) in enumerate(zip(fds, manifest.arenas, manifest.arena_extents(), strict=True))
             ]
+            tier_bytes: dict[str, int] = {}
+            for spec, nbytes in zip(manifest.arenas, counted, strict=True):
+                tier = tier_of(spec.backend, spec.device)
+                tier_bytes[tier] = tier_bytes.get(tier, 0) + nbytes
             entry = Entry(
                 fingerprint=fingerprint,
                 manifest=message["manifest"],
@@ -357,6 +366,7 @@ class Server:
                 nbytes=sum(counted),
                 label=message.get("label", ""),
                 published_by=pid,
+                tier_bytes=tier_bytes,
             )
             reply_bytes = len(encode(entry.manifest)) + _REPLY_ENVELOPE_BYTES  # escaped, it may outgrow the frame it came in
             if reply_bytes > self.config.max_frame_bytes:
@@ -388,6 +398,11 @@ class Server:
         entry, fds = found
         return ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label), fds
 
+    def _locate(self, message, fds, connection_id, pid):
+        """Where else the node holds this fingerprint's content (the loader copies from there; the server copies nothing)."""
+        fingerprint = Fingerprint.from_json(message["fingerprint"])
+        return ok_reply(sources=self.registry.locate(fingerprint)[:_MAX_SOURCES]), []
+
     def _detach(self, message, fds, connection_id, pid):
         self.registry.detach(str(message["digest"]), connection_id)
         return ok_reply(), []
@@ -400,6 +415,8 @@ class Server:
             omitted=omitted,
             held_bytes=self.registry.held_bytes(),
             byte_budget=self.config.byte_budget,
+            tiers=self.registry.tiers(),
+            budgets=self.registry.budgets.to_json(),
             pid=os.getpid(),
             version=__version__,
         ), []
@@ -476,6 +493,7 @@ _HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _OPS_WITH_FDS = frozenset({"publish", "put_artifact"})
 _DIGEST_CHARS = frozenset("0123456789abcdef")
 _REPLY_ENVELOPE_BYTES = 4096  # a reply's fields besides its rows (status) or its manifest (attach)
+_MAX_SOURCES = 16  # copies of one content a locate reply names (a node has at most a few GPUs and one host tier)
 CUDA_GRANULE = 2 << 20
 """Allocation granularity the server assumes for CUDA arenas (the driver's recommended VMM granularity on current GPUs)."""
 CUDA_SLACK = 2 << 20

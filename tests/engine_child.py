@@ -100,7 +100,12 @@ def main() -> None:
 
     free_before = _gpu_free(args.device)
     loaded = load_model(args.model, mode=args.mode, socket_dir=args.socket_dir, dtype=args.dtype, device=args.device, strict=True)
-    ready = {"ready": True, "pid": os.getpid(), "source": loaded.source}
+    ready = {
+        "ready": True,
+        "pid": os.getpid(),
+        "source": loaded.source,
+        "digest": loaded.fingerprint.digest if loaded.fingerprint else None,
+    }
     if free_before is not None:
         ready["gpu_bytes_taken"] = free_before - _gpu_free(args.device)
     print(json.dumps(ready), flush=True)

@@ -206,17 +206,24 @@ class CudaArenaBackend(ArenaBackend):
             check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
         arena.sealed = True
 
-    def map(self, fd: int, spec: ArenaSpec, *, writable: bool = False) -> CudaArena:
+    def map(self, fd: int, spec: ArenaSpec, *, writable: bool = False, on_device: int | None = None) -> CudaArena:
         """Import and map the arena behind ``fd`` on the GPU ``spec.device`` names.
 
         ``fd`` is duplicated; the caller keeps and closes its own.  Unless
         ``writable``, the mapping is asked to be read-only; where the driver
         refuses that, it is read-write (``arena.writable`` says which).
+        With ``on_device``, another GPU's index, the memory stays where it is
+        and is mapped for ``on_device`` over peer access (its views are
+        ``cuda:on_device`` tensors, reading the owner's memory): what a peer
+        fill copies from. ArenaError when the two GPUs have no peer access.
         """
         if spec.backend != self.name:
             raise ArenaError(f"{spec} belongs to the {spec.backend!r} backend; map it with that backend")
-        index = devices.cuda_index(spec.device)
-        granularity = _granularity(index)
+        owner = devices.cuda_index(spec.device)
+        index = owner if on_device is None else on_device
+        if index != owner:
+            _check_peer_access(index, owner)
+        granularity = _granularity(owner)
         if spec.size % granularity:
             raise ArenaError(f"{spec}: size is not a multiple of {granularity} bytes on this GPU; the spec is corrupt")
         posix_fd = driver().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -225,7 +232,7 @@ class CudaArenaBackend(ArenaBackend):
             with _on_device(index) as (cu, dev):
                 handle = check(cu.cuMemImportFromShareableHandle(own, posix_fd), "cuMemImportFromShareableHandle")
                 try:
-                    _check_location(cu, handle, dev, spec)
+                    _check_location(cu, handle, _primary_context(owner)[1], spec)
                     ptr, granted = _map_handle(cu, dev, handle, spec.size, writable=writable)
                 except BaseException:
                     cu.cuMemRelease(handle)
@@ -295,6 +302,18 @@ def _primary_context(index: int):
             context = check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")  # kept for the process
             found = _contexts[index] = (context, device)
         return found
+
+
+def can_access_peer(index: int, peer: int) -> bool:
+    """Whether GPU ``index`` can read GPU ``peer``'s memory directly (NVLink or PCIe peer-to-peer)."""
+    import torch
+
+    return index == peer or torch.cuda.can_device_access_peer(index, peer)
+
+
+def _check_peer_access(index: int, owner: int) -> None:
+    if not can_access_peer(index, owner):
+        raise ArenaError(f"cuda:{index} has no peer access to cuda:{owner}, whose memory the arena holds")
 
 
 def _granularity(index: int) -> int:

@@ -1,0 +1,196 @@
+"""Filling a GPU's entry from a copy the node already holds: a peer GPU's entry, then the host tier, before the disk.
+
+The CUDA-free server says where a content lives (``locate``: entries whose
+fingerprint differs only in ``gpu_uuid``); the copy runs here, in the loader's
+CUDA process. The new arenas get the same sizes and the manifest the same
+offsets, so the entry is the source's bytes, byte for byte, published under this
+GPU's own fingerprint. A source that fails (no peer access, evicted meanwhile, a
+copy that breaks) costs one log line and the next source is tried; nothing is
+published until every byte has arrived.
+
+The host tier (``keep_on_host``) holds a GPU-made entry in sealed host memfds, so
+a GPU can be filled again after its entry was evicted (model swapping).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import typing
+
+import attrs
+
+from weightcache.core.attach import Attachment
+from weightcache.core.client import Connection
+from weightcache.core.errors import ServerUnavailable, WeightCacheError
+from weightcache.core.export import ArenaBuilder
+from weightcache.core.fingerprint import HOST_TIER, Fingerprint
+from weightcache.core.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Source:
+    """An entry of the node that holds the wanted content: its fingerprint, its tier (``host`` or a GPU UUID), bytes."""
+
+    fingerprint: Fingerprint
+    tier: str
+    nbytes: int
+
+    @property
+    def name(self) -> str:
+        """``the host tier`` or ``peer GPU GPU-8f3e2a1b``: how logs and reports name it."""
+        return "the host tier" if self.tier == HOST_TIER else f"peer GPU {self.tier[:12]}"
+
+    @classmethod
+    def from_row(cls, row: dict) -> "Source":
+        return cls(Fingerprint.from_json(row["fingerprint"]), str(row["tier"]), int(row["bytes"]))
+
+
+@attrs.frozen
+class Copied:
+    """A builder filled from ``source``: the manifest of its arenas, and the seconds each step took."""
+
+    source: Source
+    manifest: Manifest = attrs.field(eq=False)
+    timings: dict = attrs.field(eq=False)
+
+
+def sources(fingerprint: Fingerprint, socket_dir: str | os.PathLike | None = None) -> list[Source]:
+    """The node's other copies of ``fingerprint``'s content, fastest first (peer GPUs, then the host tier).
+
+    Empty when no server answers: then there is nothing to copy from.
+    """
+    try:
+        with Connection(socket_dir) as connection:
+            rows = connection.locate(fingerprint)
+    except ServerUnavailable:
+        return []
+    found = []
+    for row in rows:
+        try:
+            found.append(Source.from_row(row))
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("ignoring a malformed source the server named: %s", exc)
+    return found
+
+
+def copy_from_node(
+    fingerprint: Fingerprint,
+    builder: ArenaBuilder,
+    socket_dir: str | os.PathLike | None = None,
+    candidates: typing.Sequence[Source] | None = None,
+) -> Copied | None:
+    """Fill ``builder`` (empty, on a GPU) with ``fingerprint``'s content from the fastest source that works, or None.
+
+    ``candidates`` defaults to what the server names now (``sources``). Each source is
+    attached, copied arena by arena into new arenas of the same sizes, and detached.
+    """
+    if not builder.device.is_cuda:
+        return None
+    from weightcache.core.arena.cuda import can_access_peer
+    from weightcache.core.arena.devices import cuda_index, gpu_uuid, visible_gpu_uuids
+
+    index = cuda_index(builder.device)
+    own_uuid = gpu_uuid(index)
+    visible = visible_gpu_uuids()
+    for source in sources(fingerprint, socket_dir) if candidates is None else candidates:
+        if source.tier not in (HOST_TIER, own_uuid):
+            if source.tier not in visible:
+                log.info("weightcache: %s is not visible in this process; trying the next source", source.name)
+                continue
+            peer = visible.index(source.tier)
+            if not can_access_peer(index, peer):
+                log.info("weightcache: cuda:%d has no peer access to %s; trying the next source", index, source.name)
+                continue
+        elif source.tier == own_uuid:
+            continue  # this GPU's own entry of another fingerprint: not a copy to make
+        try:
+            return _copy(source, builder, socket_dir, index)
+        except (WeightCacheError, OSError, ValueError, RuntimeError) as exc:
+            log.warning("weightcache: filling cuda:%d from %s failed (%s); trying the next source", index, source.name, exc)
+            builder.reset()
+    return None
+
+
+def _copy(source: Source, builder: ArenaBuilder, socket_dir, index: int) -> Copied:
+    from weightcache.core.arena.transfer import Pair, host_to_device
+
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    attachment = Attachment.open(source.fingerprint, socket_dir, map_on=index)
+    try:
+        timings["map_s"] = time.perf_counter() - start
+        slots = [builder.add_arena(spec.size) for spec in attachment.manifest.arenas]
+        targets = [builder.view(slot) for slot in slots]
+        start = time.perf_counter()
+        if source.tier == HOST_TIER:
+            pairs = [Pair(arena.bytes_view(), target) for arena, target in zip(attachment.arenas, targets, strict=True)]
+            transfer = host_to_device(pairs)
+            timings["unlock_s"] = transfer.unlock()
+        else:
+            for arena, target in zip(attachment.arenas, targets, strict=True):
+                target.copy_(arena.bytes_view(), non_blocking=True)
+            import torch
+
+            torch.cuda.synchronize(index)
+        timings["copy_s"] = time.perf_counter() - start
+        del targets
+        manifest = attrs.evolve(attachment.manifest, arenas=builder.specs())
+    finally:
+        attachment.close()
+    log.info("weightcache: filled cuda:%d from %s (%d bytes)", index, source.name, sum(s.size for s in manifest.arenas))
+    return Copied(source, manifest, timings)
+
+
+def keep_on_host(
+    fingerprint: Fingerprint,
+    manifest: Manifest,
+    arenas: typing.Sequence,
+    socket_dir: str | os.PathLike | None = None,
+    label: str = "",
+) -> dict:
+    """Publish a host-tier copy of ``arenas`` (GPU arenas holding ``manifest``'s bytes: a builder's or an attachment's).
+
+    The copy's fingerprint is ``fingerprint.on_device(HOST_TIER)``; returns the server's reply.
+    """
+    from weightcache.core.arena.transfer import Pair, device_to_host
+    from weightcache.core.loader import publish_arenas
+
+    with ArenaBuilder("cpu") as host:
+        slots = [host.add_arena(arena.spec.size) for arena in arenas]
+        pairs = [Pair(host.view(slot), arena.bytes_view()) for slot, arena in zip(slots, arenas, strict=True)]
+        transfer = device_to_host(pairs)
+        transfer.unlock()
+        del pairs
+        host_manifest = attrs.evolve(manifest, arenas=host.specs())
+        reply = publish_arenas(host, fingerprint.on_device(HOST_TIER), host_manifest, socket_dir, label)
+    log.info(
+        "weightcache: kept %s on the host tier (%d bytes in %.2f s)",
+        reply.get("digest", "")[:12],
+        transfer.nbytes,
+        transfer.copy_s,
+    )
+    return reply
+
+
+def keep_entry_on_host(
+    fingerprint: Fingerprint, socket_dir: str | os.PathLike | None = None, label: str = ""
+) -> tuple[dict, Manifest] | None:
+    """Publish a host-tier copy of ``fingerprint``'s own GPU entry, if the server holds it (else None).
+
+    Returns the server's reply and the entry's manifest.
+    """
+    from weightcache.core.errors import EntryNotFound
+
+    try:
+        attachment = Attachment.open(fingerprint, socket_dir)
+    except EntryNotFound:
+        return None
+    try:
+        reply = keep_on_host(fingerprint, attachment.manifest, attachment.arenas, socket_dir, label or attachment.label)
+        return reply, attachment.manifest
+    finally:
+        attachment.close()

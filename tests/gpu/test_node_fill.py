@@ -1,0 +1,214 @@
+"""The node as one cache on real GPUs: a GPU's entry filled from a peer GPU or the host tier, never wrong, never partial.
+
+One GPU suffices for the host tier; the peer tests need two (each skips, saying so, with fewer).
+Every fill is compared bit for bit with the same GPU's disk load.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import Engine
+
+torch = pytest.importorskip("torch")
+
+from weightcache.core.arena.cuda import unavailable_reason  # noqa: E402
+
+_reason = unavailable_reason()
+pytestmark = pytest.mark.skipif(_reason is not None, reason=f"no CUDA GPU: {_reason}")
+two_gpus = pytest.mark.skipif(
+    _reason is not None or torch.cuda.device_count() < 2,
+    reason=f"needs two GPUs, this process sees {torch.cuda.device_count() if _reason is None else 0}",
+)
+
+
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory):
+    """A random-weight Llama in bf16 (~100 MiB) with tied embeddings left untied, saved by transformers."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=8192,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    path = tmp_path_factory.mktemp("node-llama")
+    model.save_pretrained(path)
+    return path
+
+
+def load(model, socket_dir, device: str, tier: str = "device") -> str:
+    """``weightcache load`` in its own process; its one line of output."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightcache.core.cli",
+            "load",
+            "--model",
+            str(model),
+            "--device",
+            device,
+            "--tier",
+            tier,
+            "--socket-dir",
+            str(socket_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+def status(socket_dir) -> list[dict]:
+    from weightcache.core.client import Connection
+
+    with Connection(socket_dir) as connection:
+        return connection.status()["entries"]
+
+
+def assert_attaches_like_a_disk_load(model, socket_dir, device: str) -> None:
+    from tests.adapters.test_hf_checkpoints import assert_same_bits, forward, named_tensors
+    from weightcache.core.modes import load_model
+
+    disk = load_model(str(model), mode="off", device=device)
+    cached = load_model(str(model), mode="client", device=device, socket_dir=socket_dir, strict=True)
+    try:
+        assert cached.source == "cache"
+        actual, expected = named_tensors(cached.model), named_tensors(disk.model)
+        assert sorted(actual) == sorted(expected)
+        for name, tensor in expected.items():
+            assert actual[name].device == tensor.device, name
+            assert_same_bits(name, actual[name], tensor)
+        assert_same_bits("output", forward(cached.model), forward(disk.model))
+    finally:
+        cached.close()
+        del disk
+
+
+def test_the_host_tier_holds_a_gpu_made_model_and_fills_the_gpu_from_it(server, gpu_model):
+    line = load(gpu_model, server.socket_dir, "cuda:0", tier="host")
+    assert " on the host tier:" in line, line
+    assert [row["tier"] for row in status(server.socket_dir)] == ["host"]
+    line = load(gpu_model, server.socket_dir, "cuda:0")
+    assert "copied from the host tier" in line, line
+    assert sorted(row["tier"] for row in status(server.socket_dir))[-1] == "host"
+    assert_attaches_like_a_disk_load(gpu_model, server.socket_dir, "cuda:0")
+
+
+def test_evicting_the_gpu_entry_keeps_its_host_copy_and_a_client_refills_from_it(server, gpu_model):
+    line = load(gpu_model, server.socket_dir, "cuda:0", tier="both")
+    assert "kept on the host tier as" in line, line
+    gpu = next(row for row in status(server.socket_dir) if row["tier"] != "host")
+    subprocess.run(
+        [sys.executable, "-m", "weightcache.core.cli", "evict", gpu["digest"], "--socket-dir", str(server.socket_dir)], check=True
+    )
+    assert [row["tier"] for row in status(server.socket_dir)] == ["host"]
+    engine = Engine(gpu_model, server.socket_dir, mode="client", device="cuda:0")  # a client: fills from the node, no disk
+    try:
+        assert engine.ready["source"] == "cache"
+    finally:
+        engine.close()
+    assert sorted(row["tier"] != "host" for row in status(server.socket_dir)) == [False, True]
+
+
+def test_a_source_gone_before_the_copy_costs_one_log_line_and_the_next_source_is_used(server, gpu_model, caplog):
+    from weightcache.core import fill
+    from weightcache.core.export import ArenaBuilder
+    from weightcache.core.fingerprint import HOST_TIER
+    from weightcache.core.loader import prepare
+    from weightcache.core.request import LoadRequest
+
+    load(gpu_model, server.socket_dir, "cuda:0", tier="host")
+    fingerprint = prepare(LoadRequest(model=str(gpu_model), device="cuda:0")).fingerprint
+    [host] = fill.sources(fingerprint, server.socket_dir)
+    gone = fill.Source(fingerprint.on_device(HOST_TIER + "-evicted"), HOST_TIER, host.nbytes)  # evicted meanwhile
+    with ArenaBuilder("cuda:0") as builder:
+        copied = fill.copy_from_node(fingerprint, builder, server.socket_dir, [gone, host])
+        assert copied is not None and copied.source == host
+    assert "failed" in caplog.text and "trying the next source" in caplog.text
+
+
+def test_a_filler_killed_before_it_publishes_leaves_no_entry(server, gpu_model):
+    load(gpu_model, server.socket_dir, "cuda:0", tier="host")
+    before = status(server.socket_dir)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _FILL_THEN_WAIT, str(gpu_model), str(server.socket_dir)], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline().strip() == "copied"
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    assert [row["digest"] for row in status(server.socket_dir)] == [row["digest"] for row in before]
+
+
+_FILL_THEN_WAIT = """
+import sys, time
+from weightcache.core import fill
+from weightcache.core.export import ArenaBuilder
+from weightcache.core.loader import prepare
+from weightcache.core.request import LoadRequest
+fingerprint = prepare(LoadRequest(model=sys.argv[1], device="cuda:0")).fingerprint
+with ArenaBuilder("cuda:0") as builder:
+    assert fill.copy_from_node(fingerprint, builder, sys.argv[2]) is not None
+    print("copied", flush=True)
+    time.sleep(600)
+"""
+
+
+@two_gpus
+def test_a_peer_gpu_fills_the_second_gpu_bit_identical_to_its_disk_load(server, gpu_model):
+    load(gpu_model, server.socket_dir, "cuda:0")
+    line = load(gpu_model, server.socket_dir, "cuda:1")
+    assert "copied from peer GPU" in line, line
+    tiers = {row["tier"] for row in status(server.socket_dir)}
+    assert len(tiers) == 2 and "host" not in tiers
+    assert_attaches_like_a_disk_load(gpu_model, server.socket_dir, "cuda:1")
+
+
+@two_gpus
+def test_an_evicted_peer_entry_falls_back_to_the_host_tier(server, gpu_model, caplog):
+    from weightcache.core import fill
+    from weightcache.core.client import Connection
+    from weightcache.core.export import ArenaBuilder
+    from weightcache.core.loader import prepare
+    from weightcache.core.request import LoadRequest
+
+    load(gpu_model, server.socket_dir, "cuda:0", tier="both")
+    fingerprint = prepare(LoadRequest(model=str(gpu_model), device="cuda:1")).fingerprint
+    found = fill.sources(fingerprint, server.socket_dir)
+    assert [source.tier == "host" for source in found] == [False, True]
+    with Connection(server.socket_dir) as connection:
+        connection.evict(found[0].fingerprint.digest)
+    with ArenaBuilder("cuda:1") as builder:
+        copied = fill.copy_from_node(fingerprint, builder, server.socket_dir, found)
+        assert copied is not None and copied.source.tier == "host"
+    assert "trying the next source" in caplog.text
+
+
+@two_gpus
+def test_two_engines_on_two_gpus_each_attach_their_own_gpus_entry(server, gpu_model):
+    load(gpu_model, server.socket_dir, "cuda:0")
+    engines = [Engine(gpu_model, server.socket_dir, mode="client", device=f"cuda:{i}") for i in range(2)]
+    disk = Engine(gpu_model, server.socket_dir, mode="off", device="cuda:1")
+    try:
+        assert [engine.ready["source"] for engine in engines] == ["cache", "cache"]
+        digests = [engine.ready["digest"] for engine in engines]
+        assert len(set(digests)) == 2
+        rows = {row["digest"]: row for row in status(server.socket_dir)}
+        assert [rows[d]["attached_pids"] for d in digests] == [[engine.ready["pid"]] for engine in engines]
+        assert engines[0].ask("hash") == engines[1].ask("hash") == disk.ask("hash")
+    finally:
+        for engine in (*engines, disk):
+            engine.close()
