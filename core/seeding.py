@@ -115,7 +115,7 @@ def send_entry(
     socket_dir: "str | os.PathLike | None",
     *,
     src: int = 0,
-    group=None,
+    group: "torch.distributed.ProcessGroup | None" = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> SeedReport:
     """Broadcast the entry ``fingerprint`` names, from this node's server, to every other rank of ``group``.
@@ -160,7 +160,7 @@ def receive_entry(
     device: "Device | str",
     *,
     src: int = 0,
-    group=None,
+    group: "torch.distributed.ProcessGroup | None" = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> SeedReport:
     """Receive the entry rank ``src`` broadcasts into arenas on ``device`` and publish it into the server at ``socket_dir``.
