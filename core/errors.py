@@ -321,3 +321,28 @@ class CompileArtifactsUnavailable(WeightCacheError):
 
 class StandbyError(WeightCacheError):
     """A warm spare could not get ready (no entry to attach, no forward to warm up with, a bad --then or --watch-pid)."""
+
+
+class SeedRefused(WeightCacheError):
+    """A node cannot use the entry a peer offers it (``fields``: the environment fields that differ); nothing was published."""
+
+    def __init__(self, digest: str, reason: str, fields: "typing.Sequence[str]" = ()):
+        self.digest = digest
+        self.reason = reason
+        self.fields = tuple(fields)
+        super().__init__(
+            f"this node cannot use the entry {digest[:12]} its peer offers: {reason}; nothing was published. "
+            "Seed from a node of the same software and GPU kind, or load the checkpoint here (`weightcache load`)"
+        )
+
+
+class SeedFailed(WeightCacheError):
+    """Seeding an entry from a peer broke off (the sender died or stalled, a peer refused); nothing was published."""
+
+    def __init__(self, src: int, reason: str):
+        self.src = src
+        self.reason = reason
+        super().__init__(
+            f"seeding from rank {src} failed: {reason}; nothing was published. "
+            "Check the other ranks' output, then run `weightcache seed` again on every rank"
+        )
