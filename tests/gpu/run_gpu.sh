@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the GPU tests and the GPU benchmarks in one go; logs go to OUTDIR.
-#   tests/gpu/run_gpu.sh OUTDIR [all|tests|kit|bench]   (default: all; one 10-minute device call fits one part)
-#   tests: the GPU tests (tests/gpu); kit: the conformance kit on cuda:0 for four architectures; bench: the GPU benchmarks.
+#   tests/gpu/run_gpu.sh OUTDIR [all|tests|kit|bench|node]   (default: all but node; one 10-minute device call fits one part)
+#   tests: the GPU tests (tests/gpu, or those WC_GPU_TESTS names); kit: the conformance kit on cuda:0 for four architectures;
+#   bench: the GPU benchmarks; node: benchmarks/node.py (two GPUs).
 # Needs: a CUDA GPU, torch, transformers, safetensors, pluggy, attrs, pytest, cuda-bindings.
 # weightcache itself is put on the path from this checkout (no install, no network).
 set -uo pipefail
@@ -38,7 +39,8 @@ status=0
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 echo "visible GPUs: $GPUS$( [ "$GPUS" -lt 2 ] && echo ' (the tests that need two GPUs skip, each saying so)')" | tee -a "$OUT/machine.txt"
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
-  python3 -m pytest tests/gpu -v -p no:cacheprovider -W error -o addopts="-ra" 2>&1 | tee "$OUT/gpu-tests.log" || status=1
+  # WC_GPU_TESTS: which tests (pytest paths or node ids; default: all of tests/gpu).
+  python3 -m pytest ${WC_GPU_TESTS:-tests/gpu} -v -p no:cacheprovider -W error -o addopts="-ra" 2>&1 | tee "$OUT/gpu-tests.log" || status=1
 fi
 if [ "$PART" = all ] || [ "$PART" = kit ]; then
   # The conformance kit on the GPU, as an adapter author would run it: random-weight models of four architectures.
@@ -60,6 +62,10 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
   python3 benchmarks/attach.py --device cuda:0 --gib 16 --extra-gib 64 --json "$OUT/attach-gpu.json" 2>&1 | tee "$OUT/attach-gpu.log" || status=1
   python3 benchmarks/fp8.py --device cuda:0 --hidden 4096 --layers 8 --json "$OUT/fp8-gpu.json" 2>&1 | tee "$OUT/fp8-gpu.log" || status=1
   python3 benchmarks/standby.py --device cuda:0 2>&1 | tee "$OUT/standby-gpu.log" || status=1
+fi
+if [ "$PART" = node ]; then
+  # Two GPUs: peer, host-tier and NCCL fills of GPU1, the model-swap scenario, and the 8 B checkpoint from disk.
+  python3 benchmarks/node.py --with-8b --json "$OUT/node.json" 2>&1 | tee "$OUT/node.log" || status=1
 fi
 rm -rf "$SHIM"
 exit $status
