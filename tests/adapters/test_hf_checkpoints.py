@@ -67,6 +67,7 @@ def forward(model):
     import torch
 
     input_ids = torch.arange(32, dtype=torch.long).reshape(2, 16) * 31 % model.config.vocab_size
+    input_ids = input_ids.to(next(model.parameters()).device)
     with torch.no_grad():
         return model(input_ids=input_ids)[0]
 

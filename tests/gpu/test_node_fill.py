@@ -83,9 +83,7 @@ def assert_attaches_like_a_disk_load(model, socket_dir, device: str) -> None:
     from tests.adapters.test_hf_checkpoints import assert_same_bits, forward, named_tensors
     from weightcache.core.modes import load_model
 
-    disk = load_model(str(model), mode="off", device=device)
-    cached = load_model(str(model), mode="client", device=device, socket_dir=socket_dir, strict=True)
-    try:
+    def compare(cached, disk) -> None:  # its locals (views of the arenas) are gone before the arenas are unmapped
         assert cached.source == "cache"
         actual, expected = named_tensors(cached.model), named_tensors(disk.model)
         assert sorted(actual) == sorted(expected)
@@ -93,9 +91,18 @@ def assert_attaches_like_a_disk_load(model, socket_dir, device: str) -> None:
             assert actual[name].device == tensor.device, name
             assert_same_bits(name, actual[name], tensor)
         assert_same_bits("output", forward(cached.model), forward(disk.model))
+
+    disk = load_model(str(model), mode="off", device=device)
+    cached = load_model(str(model), mode="client", device=device, socket_dir=socket_dir, strict=True)
+    try:
+        failure = None
+        try:
+            compare(cached, disk)
+        except AssertionError as exc:
+            failure = str(exc)  # the message only: a traceback's frames would keep views of the arenas alive
+        assert failure is None, failure
     finally:
         cached.close()
-        del disk
 
 
 def test_the_host_tier_holds_a_gpu_made_model_and_fills_the_gpu_from_it(server, gpu_model):
@@ -147,9 +154,10 @@ def test_a_filler_killed_before_it_publishes_leaves_no_entry(server, gpu_model):
     child = subprocess.Popen(
         [sys.executable, "-c", _FILL_THEN_WAIT, str(gpu_model), str(server.socket_dir)], stdout=subprocess.PIPE, text=True
     )
-    assert child.stdout.readline().strip() == "copied"
-    child.send_signal(signal.SIGKILL)
-    child.wait(timeout=30)
+    with child.stdout:
+        assert child.stdout.readline().strip() == "copied"
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
     assert [row["digest"] for row in status(server.socket_dir)] == [row["digest"] for row in before]
 
 
