@@ -279,7 +279,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="wc-node-"))
     env = restart.weightcache_env(work)
     sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-    os.environ["WEIGHTCACHE_CACHE_DIR"] = env["WEIGHTCACHE_CACHE_DIR"]
+    os.environ.update({key: env[key] for key in ("WEIGHTCACHE_CACHE_DIR", "PYTHONPATH") if key in env})  # for the servers too
     for index in (0, 1):
         torch.empty(1, device=f"cuda:{index}")  # both CUDA contexts, as an engine of the node has its own
     rows = synthetic_rows(args, work, env)
