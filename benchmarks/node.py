@@ -172,6 +172,8 @@ def synthetic_rows(args, work: Path, env: dict) -> dict:
             args.runs, lambda: fill_gpu1(f1, server.socket_dir, "host"), lambda: evict(server.socket_dir, f1)
         )
         evict(server.socket_dir, f1)
+        if args.no_nccl:
+            return rows
         rows["NCCL seeding GPU0 -> GPU1 (two servers)"] = repeat(
             args.runs,
             lambda: seed_gpu0_to_gpu1(f0, server.socket_dir, other.socket_dir, env),
@@ -270,6 +272,7 @@ def main(argv=None) -> int:
     parser.add_argument("--with-8b", action="store_true", help="also the 8 B Qwen3-shaped checkpoint (builds it: ~30 s)")
     parser.add_argument("--keep-checkpoint", help="where the 8 B checkpoint is kept or reused")
     parser.add_argument("--no-swap", action="store_true", help="skip the model-swap scenario")
+    parser.add_argument("--no-nccl", action="store_true", help="skip NCCL seeding")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     import torch
@@ -288,7 +291,7 @@ def main(argv=None) -> int:
     if args.with_8b:
         rows.update(model_rows(args, work, env))
     peer = median(rows["peer GPU0 -> GPU1"], "ready_s")
-    nccl = median(rows["NCCL seeding GPU0 -> GPU1 (two servers)"], "ready_s")
+    nccl = median(rows["NCCL seeding GPU0 -> GPU1 (two servers)"], "ready_s") if not args.no_nccl else None
     result = {"machine": restart.machine("cuda:0", env), "gib": args.gib, "tensors": args.tensors, "rows": rows}
     print(f"\nnode fills: {args.gib:g} GiB in {args.tensors} tensors (synthetic) on {result['machine'].get('gpu')} x2")
     print(table(rows, peer / nccl if nccl else None))

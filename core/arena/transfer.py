@@ -2,7 +2,7 @@
 
 Copying from pageable memory runs at a fraction of the link's speed; registering
 (page-locking) the whole range first costs about as long as the copy itself. So a
-registrar thread locks chunk after chunk (``cudaHostRegister``; read-only for a
+few registrar threads lock chunk after chunk (``cudaHostRegister``; read-only for a
 sealed source) while the caller's thread queues each locked chunk's copy on a
 stream of its own: locking and copying overlap. After the last copy the chunks
 are unlocked (``unlock``): a sealed memfd cannot be sealed, and should not be
@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 256 << 20
 """Bytes locked and copied at a time: small enough to overlap well, large enough for full-speed copies."""
+LOCKERS = 8
+"""Threads page-locking chunks at once: locking one thread's worth runs at ~13 GB/s on an H200 host, the copy at ~55."""
 _REGISTER_DEFAULT = 0
 _REGISTER_READ_ONLY = 8  # CU_MEMHOSTREGISTER_READ_ONLY: a sealed memfd is mapped read-only
 
@@ -99,7 +101,7 @@ def _copy(pairs: typing.Sequence[Pair], to_device: bool, chunk_bytes: int) -> Tr
     transfer = Transfer(nbytes=sum(host.numel() for host, _ in chunks), device_index=index)
     start = time.perf_counter()
     stream = torch.cuda.Stream(device)
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightcache-lock") as registrar:
+    with concurrent.futures.ThreadPoolExecutor(LOCKERS, thread_name_prefix="weightcache-lock") as registrar:
         locks = [registrar.submit(_lock, host, flags, index) for host, _ in chunks]
         try:
             with torch.cuda.stream(stream):
