@@ -128,8 +128,7 @@ def _copy(source: Source, builder: ArenaBuilder, socket_dir, index: int) -> Copi
         start = time.perf_counter()
         if source.tier == HOST_TIER:
             pairs = [Pair(arena.bytes_view(), target) for arena, target in zip(attachment.arenas, targets, strict=True)]
-            transfer = host_to_device(pairs)
-            timings["unlock_s"] = transfer.unlock()
+            host_to_device(pairs)
         else:
             for arena, target in zip(attachment.arenas, targets, strict=True):
                 target.copy_(arena.bytes_view(), non_blocking=True)
@@ -163,7 +162,6 @@ def keep_on_host(
         slots = [host.add_arena(arena.spec.size) for arena in arenas]
         pairs = [Pair(host.view(slot), arena.bytes_view()) for slot, arena in zip(slots, arenas, strict=True)]
         transfer = device_to_host(pairs)
-        transfer.unlock()
         del pairs
         host_manifest = attrs.evolve(manifest, arenas=host.specs())
         reply = publish_arenas(host, fingerprint.on_device(HOST_TIER), host_manifest, socket_dir, label)
