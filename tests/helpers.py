@@ -94,3 +94,12 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
 
 def open_fd_count(pid: int | None = None) -> int:
     return len(os.listdir(f"/proc/{pid or os.getpid()}/fd"))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (a rendezvous for torch.distributed)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

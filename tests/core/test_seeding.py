@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,34 +16,14 @@ import pytest
 
 from tests.adapters.test_hf_checkpoints import assert_attaches_like_from_pretrained
 from tests.core.support import resting_fd_count
+from tests.helpers import free_port
 from weightcache.core.client import Connection
 from weightcache.core.errors import SeedRefused
 from weightcache.core.loader import prepare, publish
 from weightcache.core.request import LoadRequest
 from weightcache.core.seeding import check_environment
-from weightcache.core.server_process import ServerProcess
 
 TIMEOUT_S = 20
-
-
-@pytest.fixture
-def nodes():
-    """Two servers, each on a socket directory of its own: node A and node B."""
-    a = ServerProcess.start()
-    try:
-        b = ServerProcess.start()
-        try:
-            yield a, b
-        finally:
-            b.close()
-    finally:
-        a.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rank_env(rank: int, port: int) -> dict:

@@ -7,15 +7,13 @@ Run with ``-s`` to see the GB/s each rank reports, e.g.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import run_python
+from tests.helpers import free_port, run_python
 from weightcache.core.client import Connection
-from weightcache.core.server_process import ServerProcess
 
 torch = pytest.importorskip("torch")
 
@@ -39,26 +37,6 @@ _REASON = _two_gpus_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
 TIMEOUT_S = 240
-
-
-@pytest.fixture
-def nodes():
-    """Node A (serves cuda:0's entry) and node B (receives on cuda:1): two servers on socket directories of their own."""
-    a = ServerProcess.start()
-    try:
-        b = ServerProcess.start()
-        try:
-            yield a, b
-        finally:
-            b.close()
-    finally:
-        a.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _seed(socket_dir, device: str, *args: str) -> list[str]:
@@ -86,7 +64,7 @@ def test_nccl_seeds_a_gpu_entry_into_another_gpus_server(nodes, model_dir):
         str(path),
         str(a.socket_dir),
     )
-    port = _free_port()
+    port = free_port()
     # NVLink multicast stays off (the machine's rule; a broadcast never uses it anyway).
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "NCCL_NVLS_ENABLE": "0"}
     commands = [_seed(a.socket_dir, "cuda:0", "--model", str(path)), _seed(b.socket_dir, "cuda:1")]
