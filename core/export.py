@@ -148,6 +148,19 @@ class ArenaBuilder:
                 arena.close()
         self._arenas = [None] * len(self._arenas)
 
+    def create(self, slots: typing.Sequence[Slot], threads: int = 1) -> None:
+        """Create the arenas of ``slots`` now, ``threads`` at a time: a new host arena populates its pages when it is
+        mapped (``MAP_POPULATE``), which one thread does at a few GB/s; several arenas at once go faster."""
+        import concurrent.futures
+
+        if threads <= 1:
+            for slot in slots:
+                self.view(slot)
+            return
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="weightcache-arena") as pool:
+            for done in [pool.submit(self.view, slot) for slot in slots]:
+                done.result()
+
     def reset(self) -> None:
         """Close every arena and forget every plan: the builder is empty again (a failed copy starts over)."""
         self.close()

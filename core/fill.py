@@ -30,6 +30,8 @@ from weightcache.core.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
+_HOST_ARENA_THREADS = 8
+
 
 @attrs.frozen
 class Source:
@@ -160,6 +162,7 @@ def keep_on_host(
 
     with ArenaBuilder("cpu") as host:
         slots = [host.add_arena(arena.spec.size) for arena in arenas]
+        host.create(slots, threads=_HOST_ARENA_THREADS)  # the kernel zeroes new shared memory: in parallel
         pairs = [Pair(host.view(slot), arena.bytes_view()) for slot, arena in zip(slots, arenas, strict=True)]
         transfer = device_to_host(pairs)
         del pairs

@@ -131,3 +131,15 @@ def test_add_arena_gives_a_whole_arena_of_its_own_that_later_slots_do_not_share(
         builder.view(whole).fill_(7)
         builder.view(first), builder.view(after)
         assert [spec.size for spec in builder.specs()][1] == 8192
+
+
+def test_create_makes_every_arena_at_once_from_several_threads():
+    from weightcache.core.export import ArenaBuilder
+
+    with ArenaBuilder("cpu") as builder:
+        slots = [builder.add_arena((index + 1) << 16) for index in range(6)]
+        builder.create(slots, threads=4)
+        assert [spec.size for spec in builder.specs()] == [(index + 1) << 16 for index in range(6)]
+        for index, slot in enumerate(slots):
+            builder.view(slot).fill_(index)
+        assert [int(builder.view(slot)[-1]) for slot in slots] == list(range(6))
