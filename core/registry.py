@@ -10,7 +10,7 @@ import time
 import attrs
 
 from weightcache.core.errors import AmbiguousDigest
-from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.fingerprint import HOST_TIER, Fingerprint
 from weightcache.core.protocol import close_fds, encode
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Entry:
     last_used: float = attrs.field(factory=time.monotonic)
     sessions: dict = attrs.field(factory=dict)  # connection id -> client pid
     artifacts: dict = attrs.field(factory=dict)  # key -> Artifact
-    tier_bytes: dict = attrs.field(factory=dict)  # tier (HOST or a GPU's UUID) -> arena bytes held there
+    tier_bytes: dict = attrs.field(factory=dict)  # tier (HOST_TIER or a GPU's UUID) -> arena bytes held there
 
     @property
     def digest(self) -> str:
@@ -77,14 +77,14 @@ class Entry:
     @property
     def tier(self) -> str:
         """Where the entry's arenas live: ``host`` or a GPU's UUID (tiers joined by ``+`` if several)."""
-        return "+".join(self.tier_bytes) or HOST
+        return "+".join(self.tier_bytes) or HOST_TIER
 
     def held_in(self) -> dict[str, int]:
         """Bytes held per tier; artifacts (sealed memfds) count on the host."""
         held = dict(self.tier_bytes)
         artifacts = self.held_bytes - self.nbytes
         if artifacts:
-            held[HOST] = held.get(HOST, 0) + artifacts
+            held[HOST_TIER] = held.get(HOST_TIER, 0) + artifacts
         return held
 
     def close_fds(self) -> None:
@@ -97,7 +97,7 @@ class Entry:
         return {
             "digest": self.digest,
             "label": self.label,
-            "rank": f"tp{fp.tp_rank}/{fp.tp_size} pp{fp.pp_rank}/{fp.pp_size} ep{fp.ep_rank}/{fp.ep_size}",
+            "rank": fp.parallel.label,
             "device": _shown(fp.gpu_uuid or "cpu"),
             "tier": _shown(self.tier),
             "content": fp.content_digest[:12],
@@ -114,18 +114,14 @@ class Entry:
         }
 
 
-HOST = "host"
-"""The tier of host memory (sealed memfds); every other tier is one GPU, named by its UUID."""
-
-
 MAX_TIERS_SHOWN = 16
 """Tiers a status reply lists (the host and the GPUs holding most): a node has a few GPUs, and the reply must fit a frame."""
 _TIER_CHARS = 64  # a GPU UUID is 40 characters
 
 
 def tier_of(backend: str, device: str) -> str:
-    """The tier an arena of ``backend`` on ``device`` counts in."""
-    return HOST if backend == "host" else device
+    """The tier an arena of ``backend`` on ``device`` counts in: ``HOST_TIER`` for host memory, else the GPU's UUID."""
+    return HOST_TIER if backend == "host" else device
 
 
 @attrs.frozen
@@ -140,7 +136,7 @@ class Budgets:
     per_gpu: int | None = None
 
     def of(self, tier: str) -> int | None:
-        return self.host if tier == HOST else self.per_gpu
+        return self.host if tier == HOST_TIER else self.per_gpu
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
@@ -155,7 +151,7 @@ class TooManyArtifacts(Exception):
 
 
 def _tier_name(tier: str) -> str:
-    return "host tier" if tier == HOST else f"GPU {tier[:40]}"
+    return "host tier" if tier == HOST_TIER else f"GPU {tier[:40]}"
 
 
 @attrs.define
@@ -273,7 +269,7 @@ class Registry:
                     "replace one under its key or evict the entry"
                 )
             growth = nbytes - (old.nbytes if old is not None else 0)
-            for victim in self._victims({HOST: max(growth, 0)}, keep=digest):
+            for victim in self._victims({HOST_TIER: max(growth, 0)}, keep=digest):
                 self._drop(victim.digest, reason="least recently used, to make room for an artifact within the byte budget")
             entry.artifacts[key] = Artifact(fd, nbytes)
             entry.last_used = time.monotonic()
@@ -313,7 +309,7 @@ class Registry:
             found = [
                 e for e in self._entries.values() if e.digest != fingerprint.digest and e.fingerprint.content_digest == content
             ]
-        found.sort(key=lambda e: (e.tier == HOST, -e.last_used))
+        found.sort(key=lambda e: (e.tier == HOST_TIER, -e.last_used))
         return [{"fingerprint": e.fingerprint.to_json(), "tier": e.tier, "bytes": e.nbytes} for e in found]
 
     def detach(self, digest: str, connection: int) -> None:
@@ -381,7 +377,7 @@ class Registry:
             for entry in self._entries.values():
                 for tier, nbytes in entry.held_in().items():
                     held[tier] = held.get(tier, 0) + nbytes
-        shown = sorted(held.items(), key=lambda item: (item[0] != HOST, -item[1]))[:MAX_TIERS_SHOWN]
+        shown = sorted(held.items(), key=lambda item: (item[0] != HOST_TIER, -item[1]))[:MAX_TIERS_SHOWN]
         return {tier[:_TIER_CHARS]: {"held": nbytes, "budget": self.budgets.of(tier)} for tier, nbytes in shown}
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ from tests.core.test_exhaustion import configured_server
 from weightcache.core.client import Connection
 from weightcache.core.errors import ServerError
 from weightcache.core.fingerprint import HOST_TIER
-from weightcache.core.registry import HOST, Budgets, Entry, OverBudget, Registry
+from weightcache.core.registry import Budgets, Entry, OverBudget, Registry
 
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
@@ -37,7 +37,7 @@ def test_locate_names_every_other_copy_of_the_content_peer_gpus_first_then_the_h
         again = connection.locate(wanted)
     assert [row["fingerprint"]["gpu_uuid"] for row in sources] == [GPU_A, HOST_TIER]
     assert [row["fingerprint"] for row in sources] == [peer_copy.fingerprint.to_json(), host_copy.fingerprint.to_json()]
-    assert all(row["tier"] == HOST and row["bytes"] > 0 for row in sources)  # host memfds here: their tier is the host
+    assert all(row["tier"] == HOST_TIER and row["bytes"] > 0 for row in sources)  # host memfds here: their tier is the host
     assert mine.digest not in {row["fingerprint"]["gpu_uuid"] for row in again} and len(again) == 2
 
 
@@ -56,11 +56,11 @@ def test_status_says_where_each_entry_lives_and_which_rows_share_a_content(serve
     with Connection(server.socket_dir) as connection:
         status = connection.status()
     rows = {row["label"]: row for row in status["entries"]}
-    assert rows["model-x"]["device"] == HOST_TIER and rows["model-x"]["tier"] == HOST
+    assert rows["model-x"]["device"] == HOST_TIER and rows["model-x"]["tier"] == HOST_TIER
     assert rows["model-x"]["content"] == wanted.content_digest[:12]
     assert rows["model-y"]["content"] != rows["model-x"]["content"]
     assert status["budgets"] == {"total": None, "host": None, "per_gpu": None}
-    assert status["tiers"] == {HOST: {"held": status["held_bytes"], "budget": None}}
+    assert status["tiers"] == {HOST_TIER: {"held": status["held_bytes"], "budget": None}}
     table = _cli("status", "--socket-dir", str(server.socket_dir))
     assert "host tier" in table and "cpu (host)" in table
 
@@ -77,7 +77,7 @@ def test_a_host_tier_over_its_budget_refuses_a_new_model_naming_the_budget_and_e
             with Connection(socket_dir) as connection:
                 status = connection.status()
         assert [row["label"] for row in status["entries"]] == ["attached"]
-        assert status["tiers"][HOST] == {"held": 2 << 20, "budget": 3 << 20}
+        assert status["tiers"][HOST_TIER] == {"held": 2 << 20, "budget": 3 << 20}
         assert server.proc.poll() is None
         table = _cli("status", "--socket-dir", str(socket_dir))
         assert "host memory: 2.0 MiB held of 3.0 MiB" in table
@@ -113,7 +113,7 @@ def test_the_server_command_takes_per_tier_budgets(tmp_path):
 
 
 def _entry(digest_seed: str, tier: str, nbytes: int) -> Entry:
-    fingerprint = make_fingerprint(gpu_uuid=tier if tier != HOST else HOST_TIER, architecture=digest_seed)
+    fingerprint = make_fingerprint(gpu_uuid=tier, architecture=digest_seed)
     return Entry(
         fingerprint=fingerprint,
         manifest={},
@@ -127,7 +127,7 @@ def _entry(digest_seed: str, tier: str, nbytes: int) -> Entry:
 
 def test_a_full_gpu_evicts_only_that_gpus_idle_entries_and_never_the_host_copies():
     registry = Registry(Budgets(per_gpu=100, host=1000))
-    for entry in (_entry("a-on-gpu-a", GPU_A, 80), _entry("a-on-host", HOST, 80), _entry("b-on-gpu-b", GPU_B, 80)):
+    for entry in (_entry("a-on-gpu-a", GPU_A, 80), _entry("a-on-host", HOST_TIER, 80), _entry("b-on-gpu-b", GPU_B, 80)):
         assert registry.publish(entry)
     assert registry.publish(_entry("c-on-gpu-a", GPU_A, 60))  # evicts a-on-gpu-a, LRU on that GPU alone
     labels = sorted(row["label"] for row in registry.status()[0])
@@ -139,7 +139,7 @@ def test_model_swapping_three_models_one_gpu_budget_all_on_the_host_tier():
     """Three models on the host tier; the GPU holds one at a time: each switch evicts the idle GPU entry, keeps its host copy."""
     registry = Registry(Budgets(per_gpu=100, host=300))
     for name in ("x", "y", "z"):
-        assert registry.publish(_entry(f"{name}-host", HOST, 90))
+        assert registry.publish(_entry(f"{name}-host", HOST_TIER, 90))
     for name in ("x", "y", "z", "x"):
         assert registry.publish(_entry(f"{name}-gpu", GPU_A, 90))
         rows = [row["label"] for row in registry.status()[0]]
