@@ -99,16 +99,15 @@ def copy_from_node(
     own_uuid = gpu_uuid(index)
     visible = visible_gpu_uuids()
     for source in sources(fingerprint, socket_dir) if candidates is None else candidates:
-        if source.tier not in (HOST_TIER, own_uuid):
+        if source.tier == own_uuid:
+            continue  # this GPU's own entry of another fingerprint: not a copy to make
+        if source.tier != HOST_TIER:
             if source.tier not in visible:
                 log.info("weightcache: %s is not visible in this process; trying the next source", source.name)
                 continue
-            peer = visible.index(source.tier)
-            if not can_access_peer(index, peer):
+            if not can_access_peer(index, visible.index(source.tier)):
                 log.info("weightcache: cuda:%d has no peer access to %s; trying the next source", index, source.name)
                 continue
-        elif source.tier == own_uuid:
-            continue  # this GPU's own entry of another fingerprint: not a copy to make
         try:
             return _copy(source, builder, socket_dir, index)
         except (WeightCacheError, OSError, ValueError, RuntimeError) as exc:
