@@ -356,6 +356,7 @@ def _load(args) -> int:
     """Check everything that can be checked before reading a weight, then load and publish (see docs/operations.md)."""
     from weightcache.core import loader, preflight
     from weightcache.core.client import Connection
+    from weightcache.core.fingerprint import HOST_TIER
     from weightcache.core.plugins import installed_plugins
     from weightcache.core.progress import byte_progress, format_bytes, note
     from weightcache.core.quantization.allowlist import check_quantization
@@ -363,10 +364,7 @@ def _load(args) -> int:
 
     note(f"checking {args.model} ...")
     request = _load_request(args)  # device, dtype, ranks, options
-    if args.tier != "device" and not request.device.is_cuda:
-        raise ValueError(
-            f"the host tier keeps a GPU's weights in host memory: --tier {args.tier} needs a CUDA --device, not {request.device}"
-        )
+    loader.check_tier(args.tier, request.device)
     adapter = installed_plugins().adapter(request.adapter)
     adapter.check_options(request)
     check_quantization(request.quantization, adapter.quantization_allowlist(request))
@@ -388,7 +386,7 @@ def _load(args) -> int:
     needed = preflight.estimated_bytes(headers, prepared.description)
     for where, digest in wanted.items():
         if digest not in held:
-            preflight.check_room(status, needed, tier="host" if where or not request.device.is_cuda else _gpu(request))
+            preflight.check_room(status, needed, tier=HOST_TIER if where or not fingerprint.gpu_uuid else fingerprint.gpu_uuid)
     note(f"loading {prepared.label} ({format_bytes(needed)} or more) into {request.device} arenas ...")
     published = loader.publish(prepared, args.socket_dir, progress=byte_progress("loading"), tier=args.tier)
     manifest = published.manifest
@@ -420,12 +418,6 @@ def _wanted_entries(fingerprint, tier: str) -> dict[str, str]:
     if tier in ("host", "both"):
         wanted[" on the host tier"] = fingerprint.on_device(HOST_TIER).digest
     return wanted
-
-
-def _gpu(request) -> str:
-    from weightcache.core.arena.devices import cuda_index, gpu_uuid
-
-    return gpu_uuid(cuda_index(request.device))
 
 
 def _load_request(args):

@@ -28,6 +28,8 @@ from weightcache.core.safetensors_io import checkpoint_files, checkpoint_identit
 if typing.TYPE_CHECKING:
     import torch
 
+    from weightcache.core.device import Device
+
 log = logging.getLogger(__name__)
 
 
@@ -153,13 +155,8 @@ def publish(
     """
     from weightcache.core import fill
 
-    if tier not in TIERS:
-        raise ValueError(f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
     request = prepared.request
-    if tier != "device" and not request.device.is_cuda:
-        raise ValueError(
-            f"the host tier keeps a GPU's weights in host memory: tier {tier!r} needs a CUDA device, not {request.device}"
-        )
+    check_tier(tier, request.device)
     timings: dict[str, float] = {}
     label = label or prepared.label
     fingerprint = prepared.fingerprint  # the content identity, before a byte is loaded
@@ -195,6 +192,14 @@ def publish(
     state = "published" if created else "loaded, but the server already held"
     log.info("%s %s (%s) from %s in %.2f s", state, digest[:12], label, source, sum(timings.values()))
     return Published(digest, created, published_as, manifest, timings, source, host_digest)
+
+
+def check_tier(tier: str, device: "Device") -> None:
+    """ValueError unless ``tier`` is one of ``TIERS`` and fits ``device`` (the host tier holds a GPU's weights)."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
+    if tier != "device" and not device.is_cuda:
+        raise ValueError(f"the host tier keeps a GPU's weights in host memory: --tier {tier} needs a CUDA --device, not {device}")
 
 
 def _host_copy_of_what_is_held(

@@ -61,15 +61,13 @@ def check_room(status: dict, needed: int, tier: str = "host") -> None:
     """
     budgets = status.get("budgets") or {"total": status.get("byte_budget")}
     attached = [entry for entry in status.get("entries", ()) if entry.get("attached_pids")]
-    checks = [(budgets.get("total"), sum(e["bytes"] for e in attached), "budget", "--byte-budget")]
-    if tier == "host":
-        checks.append(
-            (budgets.get("host"), sum(e["bytes"] for e in attached if e.get("tier") == "host"), "host budget", "--host-budget")
-        )
-    else:
-        checks.append(
-            (budgets.get("per_gpu"), sum(e["bytes"] for e in attached if e.get("tier") == tier), "per-GPU budget", "--gpu-budget")
-        )
+    key, which, flag = (
+        ("host", "host budget", "--host-budget") if tier == "host" else ("per_gpu", "per-GPU budget", "--gpu-budget")
+    )
+    checks = [
+        (budgets.get("total"), sum(e["bytes"] for e in attached), "budget", "--byte-budget"),
+        (budgets.get(key), sum(e["bytes"] for e in attached if e.get("tier") == tier), which, flag),
+    ]
     for budget, held, which, flag in checks:
         if budget and needed > budget - held:
             raise NoRoom(needed, budget, held, which, flag)
