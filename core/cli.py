@@ -23,6 +23,9 @@ from weightcache.core import __version__
 from weightcache.core.errors import WeightCacheError
 from weightcache.core.progress import is_terminal
 
+if typing.TYPE_CHECKING:
+    from weightcache.core.request import LoadRequest
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 SIZE_EXAMPLE = "bytes, or a number with K, M, G or T (powers of 1024), e.g. 512M, 64G, 1.5T"
@@ -137,53 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     load = _command(commands, "load", "load a checkpoint into arenas and publish it to the server (once per model and rank)")
-    _add_socket_dir(load)
-    load.add_argument(
-        "--adapter", default="hf", help="adapter that reads the checkpoint (default: hf, Hugging Face transformers)"
-    )
-    load.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (config.json and *.safetensors)")
-    load.add_argument("--dtype", choices=DTYPES, help="dtype of unquantized weights (default: auto, the checkpoint's own)")
-    load.add_argument(
-        "--device",
-        type=_device,
-        default="cpu",
-        help="where the arenas live: cpu, cuda, cuda:N or a GPU UUID as nvidia-smi -L prints it (default: cpu)",
-    )
+    add_request_options(load)
     load.add_argument(
         "--tier",
         choices=("device", "host", "both"),
         default="device",
         help="keep the model on --device (default), on the host tier only (GPU-made weights in host memory, "
         "from which a GPU fills again in about a second), or both; host and both need a CUDA --device",
-    )
-    load.add_argument(
-        "--quant",
-        metavar="METHOD",
-        help="quantize while loading: fp8-block (block-wise FP8, the one method validated for caching)",
-    )
-    load.add_argument(
-        "--model-class", metavar="CLASS", help="transformers class to build (default: the checkpoint's architecture)"
-    )
-    load.add_argument(
-        "--tp-size",
-        type=_count(1),
-        default=1,
-        metavar="N",
-        help="tensor-parallel size: how many ranks share the model (default: 1)",
-    )
-    load.add_argument(
-        "--tp-rank",
-        type=_count(0),
-        default=0,
-        metavar="RANK",
-        help="the rank this load is for, 0 to --tp-size minus 1 (default: 0)",
-    )
-    load.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an adapter option (repeatable); a JSON value is decoded, e.g. --option block_size=[128,128]",
     )
 
     status = _command(commands, "status", "list the server's entries: model, rank, device, size, attached engines")
@@ -207,6 +170,56 @@ def build_parser() -> argparse.ArgumentParser:
     for command in plugin_commands().values():
         command.add_parser(commands)
     return parser
+
+
+def add_request_options(
+    parser: argparse.ArgumentParser,
+    *,
+    model_required: bool = True,
+    model_help: str = "checkpoint directory (config.json and *.safetensors)",
+) -> None:
+    """The options that name one model rank as ``weightcache load`` takes them (``load_request`` reads them back)."""
+    _add_socket_dir(parser)
+    parser.add_argument(
+        "--adapter", default="hf", help="adapter that reads the checkpoint (default: hf, Hugging Face transformers)"
+    )
+    parser.add_argument("--model", required=model_required, metavar="DIR", help=model_help)
+    parser.add_argument("--dtype", choices=DTYPES, help="dtype of unquantized weights (default: auto, the checkpoint's own)")
+    parser.add_argument(
+        "--device",
+        type=_device,
+        default="cpu",
+        help="where the arenas live: cpu, cuda, cuda:N or a GPU UUID as nvidia-smi -L prints it (default: cpu)",
+    )
+    parser.add_argument(
+        "--quant",
+        metavar="METHOD",
+        help="quantize while loading: fp8-block (block-wise FP8, the one method validated for caching)",
+    )
+    parser.add_argument(
+        "--model-class", metavar="CLASS", help="transformers class to build (default: the checkpoint's architecture)"
+    )
+    parser.add_argument(
+        "--tp-size",
+        type=_count(1),
+        default=1,
+        metavar="N",
+        help="tensor-parallel size: how many ranks share the model (default: 1)",
+    )
+    parser.add_argument(
+        "--tp-rank",
+        type=_count(0),
+        default=0,
+        metavar="RANK",
+        help="the rank this load is for, 0 to --tp-size minus 1 (default: 0)",
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an adapter option (repeatable); a JSON value is decoded, e.g. --option block_size=[128,128]",
+    )
 
 
 COMMANDS_GROUP = "weightcache.commands"
@@ -363,7 +376,7 @@ def _load(args) -> int:
     from weightcache.core.safetensors_io import check_checkpoint
 
     note(f"checking {args.model} ...")
-    request = _load_request(args)  # device, dtype, ranks, options
+    request = load_request(args)  # device, dtype, ranks, options
     loader.check_tier(args.tier, request.device)
     adapter = installed_plugins().adapter(request.adapter)
     adapter.check_options(request)
@@ -420,7 +433,7 @@ def _wanted_entries(fingerprint, tier: str) -> dict[str, str]:
     return wanted
 
 
-def _load_request(args):
+def load_request(args: argparse.Namespace) -> "LoadRequest":
     from weightcache.core.fingerprint import ParallelSpec
     from weightcache.core.request import LoadRequest
 

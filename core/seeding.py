@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import datetime
 import json
 import logging
@@ -331,20 +330,6 @@ def _first_line(exc: BaseException) -> str:
 
 # --- the `weightcache seed` command (registered under the `weightcache.commands` entry points) --------------------------
 
-LOAD_OPTIONS: typing.Final = (
-    "socket_dir",
-    "adapter",
-    "model",
-    "dtype",
-    "device",
-    "quant",
-    "model_class",
-    "tp_size",
-    "tp_rank",
-    "option",
-)
-"""The options of ``weightcache load`` that ``seed`` takes as they are: the sender names its entry the way it was loaded."""
-
 
 def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
@@ -353,16 +338,13 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    load = subparsers.choices.get("load")
-    if load is None:
-        raise RuntimeError("`weightcache seed` takes the options of `weightcache load`, which is not registered")
-    for action in load._actions:  # the load command's own definitions, not a copy of them
-        if action.dest in LOAD_OPTIONS:
-            option = copy.copy(action)
-            if option.dest == "model":
-                option.required = False
-                option.help = "the sender's checkpoint directory, as it was loaded (receivers need none and ignore it)"
-            parser._add_action(option)
+    from weightcache.core.cli import add_request_options
+
+    add_request_options(  # the sender names its entry the way it was loaded
+        parser,
+        model_required=False,
+        model_help="the sender's checkpoint directory, as it was loaded (receivers need none and ignore it)",
+    )
     parser.add_argument(
         "--src-rank", type=int, default=0, metavar="RANK", help="the rank that holds the entry and sends it (default: 0)"
     )
@@ -380,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from weightcache.core.cli import _load_request
+    from weightcache.core.cli import load_request
     from weightcache.core.loader import prepare
     from weightcache.core.progress import note
 
@@ -396,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
                 f"rank {rank} sends (--src-rank): name its entry with --model DIR and the options it was loaded with"
             )
         note(f"rank {rank}: identifying {args.model} ...")
-        fingerprint = prepare(_load_request(args)).fingerprint  # before the rendezvous: a first hash of the weights takes a while
+        fingerprint = prepare(load_request(args)).fingerprint  # before the rendezvous: a first hash of the weights takes a while
     if device.is_cuda:
         torch.cuda.set_device(device.torch())
         # A timed-out collective aborts the communicator and raises in the waiting thread (2: CleanUpOnly) instead of
