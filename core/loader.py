@@ -177,13 +177,14 @@ def publish(
         else:
             manifest, source = _load_and_export(prepared, builder, timings), "disk"
         builder.progress.close()
-        host_digest = host_held
+        host_digest, host_created = host_held, False
         if tier != "device" and not host_held:
             start = time.perf_counter()
-            host_digest = fill.keep_on_host(fingerprint, manifest, builder.arenas, socket_dir, label)["digest"]
+            kept = fill.keep_on_host(fingerprint, manifest, builder.arenas, socket_dir, label)
+            host_digest, host_created = kept["digest"], bool(kept["created"])
             timings["host_copy_s"] = time.perf_counter() - start
         if tier == "host":
-            digest, created, published_as = host_digest, True, fingerprint.on_device(HOST_TIER)
+            digest, created, published_as = host_digest, host_created, fingerprint.on_device(HOST_TIER)
         else:
             start = time.perf_counter()
             reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
