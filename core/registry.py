@@ -97,7 +97,8 @@ class Entry:
         return {
             "digest": self.digest,
             "label": self.label,
-            "rank": fp.parallel.label,
+            # Not ParallelSpec.label: that validates ranks, and a status row must show any fingerprint a publisher sent.
+            "rank": f"tp{fp.tp_rank}/{fp.tp_size} pp{fp.pp_rank}/{fp.pp_size} ep{fp.ep_rank}/{fp.ep_size}",
             "device": _shown(fp.gpu_uuid or "cpu"),
             "tier": _shown(self.tier),
             "content": fp.content_digest[:12],
