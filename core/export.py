@@ -352,7 +352,7 @@ def export_tensors(
                         if release:
                             _release(item.tensor)
     if builder.device.is_cuda:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(builder.device.torch())  # this GPU's: a bare synchronize() makes a context on cuda:0
     return Manifest(tensors=records, arenas=builder.specs(), aliases=aliases, extra=dict(extra or {}))
 
 

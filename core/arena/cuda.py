@@ -223,7 +223,7 @@ class CudaArenaBackend(ArenaBackend):
         index = owner if on_device is None else on_device
         if index != owner:
             _check_peer_access(index, owner)
-        granularity = _granularity(owner)
+        granularity = _granularity(owner, via=index)
         if spec.size % granularity:
             raise ArenaError(f"{spec}: size is not a multiple of {granularity} bytes on this GPU; the spec is corrupt")
         posix_fd = driver().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -232,7 +232,7 @@ class CudaArenaBackend(ArenaBackend):
             with _on_device(index) as (cu, dev):
                 handle = check(cu.cuMemImportFromShareableHandle(own, posix_fd), "cuMemImportFromShareableHandle")
                 try:
-                    _check_location(cu, handle, _primary_context(owner)[1], spec)
+                    _check_location(cu, handle, check(cu.cuDeviceGet(owner), "cuDeviceGet"), spec)
                     ptr, granted = _map_handle(cu, dev, handle, spec.size, writable=writable)
                 except BaseException:
                     cu.cuMemRelease(handle)
@@ -316,14 +316,20 @@ def _check_peer_access(index: int, owner: int) -> None:
         raise ArenaError(f"cuda:{index} has no peer access to cuda:{owner}, whose memory the arena holds")
 
 
-def _granularity(index: int) -> int:
+def _granularity(index: int, *, via: int | None = None) -> int:
+    """Device ``index``'s VMM granularity, asked in ``via``'s context (default its own).
+
+    A peer mapping asks in the mapping GPU's context, so that it creates no
+    context (hundreds of MiB) on the GPU that owns the memory.
+    """
     found = _granularities.get(index)
     if found is None:
-        with _on_device(index) as (cu, dev):
+        with _on_device(index if via is None else via) as (cu, _):
+            device = check(cu.cuDeviceGet(index), "cuDeviceGet")
             recommended = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
             found = int(
                 check(
-                    cu.cuMemGetAllocationGranularity(_allocation_prop(cu, dev), recommended),
+                    cu.cuMemGetAllocationGranularity(_allocation_prop(cu, device), recommended),
                     "cuMemGetAllocationGranularity",
                 )
             )

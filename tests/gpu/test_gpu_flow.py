@@ -142,6 +142,7 @@ def test_a_reordered_cuda_visible_devices_still_maps_the_right_gpu(server, gpu_m
     """With CUDA_VISIBLE_DEVICES reversed, the index that now names the publisher's GPU attaches its entry (and, on two
     GPUs, the old index names the other GPU: another gpu_uuid, so never the first GPU's entry: a client fills its own)."""
     from weightcache.core.arena.devices import cuda_index, visible_gpu_uuids
+    from weightcache.core.client import Connection
 
     _publish_in_subprocess(gpu_model, server.socket_dir)
     visible = visible_gpu_uuids()
@@ -160,7 +161,10 @@ def test_a_reordered_cuda_visible_devices_still_maps_the_right_gpu(server, gpu_m
     try:
         assert engine.ready["source"] == "cache"
         if other is not None:
-            assert other.ready["source"] == "disk", "the other GPU must not map this GPU's entry"
+            assert other.ready["digest"] != engine.ready["digest"], "the other GPU must not map this GPU's entry"
+            with Connection(server.socket_dir) as connection:
+                tiers = {row["digest"]: row["tier"] for row in connection.status()["entries"]}
+            assert tiers[other.ready["digest"]] == reordered[0], "the other GPU's entry must live on that GPU"
     finally:
         engine.close()
         if other is not None:

@@ -205,6 +205,46 @@ def test_an_evicted_peer_entry_falls_back_to_the_host_tier(server, gpu_model, ca
     assert "trying the next source" in caplog.text
 
 
+_LOAD_ON_CUDA1_THEN_LIST_CONTEXTS = """
+import sys
+from weightcache.core.arena.driver import check, driver
+from weightcache.core.cli import main
+assert main(["load", "--model", sys.argv[1], "--device", "cuda:1", "--socket-dir", sys.argv[2]]) == 0
+cu = driver()
+states = [check(cu.cuDevicePrimaryCtxGetState(check(cu.cuDeviceGet(i), "cuDeviceGet")), "state") for i in range(2)]
+print("active contexts:", [i for i, (_, active) in enumerate(states) if active])
+"""
+
+
+def load_on_cuda1_and_list_contexts(model, socket_dir) -> tuple[str, str]:
+    """``weightcache load --device cuda:1`` in a child; (its output, the GPUs it holds a CUDA context on)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_ON_CUDA1_THEN_LIST_CONTEXTS, str(model), str(socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    *output, contexts = done.stdout.strip().splitlines()
+    return "\n".join(output), contexts
+
+
+@two_gpus
+def test_loading_for_the_second_gpu_makes_no_context_on_the_first(server, gpu_model):
+    """A CUDA context costs hundreds of MiB of its GPU: a loader for cuda:1, from disk or from cuda:0's entry, makes none on cuda:0."""
+    from weightcache.core.client import Connection
+
+    output, contexts = load_on_cuda1_and_list_contexts(gpu_model, server.socket_dir)
+    assert "copied from" not in output, output
+    assert contexts == "active contexts: [1]", f"from disk: {contexts}"
+    with Connection(server.socket_dir) as connection:
+        connection.evict(status(server.socket_dir)[0]["digest"])
+    load(gpu_model, server.socket_dir, "cuda:0")
+    output, contexts = load_on_cuda1_and_list_contexts(gpu_model, server.socket_dir)
+    assert "copied from peer GPU" in output, output
+    assert contexts == "active contexts: [1]", f"from the peer: {contexts}"
+
+
 @two_gpus
 def test_two_engines_on_two_gpus_each_attach_their_own_gpus_entry(server, gpu_model):
     load(gpu_model, server.socket_dir, "cuda:0")
