@@ -109,6 +109,15 @@ class ArenaBuilder:
 
         Raises ArenaError for a slot that does not lie inside its arena.
         """
+        arena = self.arena(slot)
+        if slot.offset < 0 or slot.offset + slot.nbytes > arena.spec.size:
+            raise ArenaError(
+                f"{slot} lies outside arena {slot.arena} ({arena.spec.size} bytes); write only slots this builder's plan() returned"
+            )
+        return arena.bytes_view()[slot.offset : slot.offset + slot.nbytes]
+
+    def arena(self, slot: Slot) -> "Arena":
+        """The arena ``slot`` lies in, created on first use (a host arena's memfd is mapped only when viewed)."""
         if self._sealed:
             raise ArenaError(f"cannot write {slot}: the arenas are sealed")
         if not 0 <= slot.arena < len(self._arenas):
@@ -117,13 +126,8 @@ class ArenaBuilder:
             )
         arena = self._arenas[slot.arena]
         if arena is None:
-            arena = self.backend.create(self._sizes[slot.arena], str(self.device))
-            self._arenas[slot.arena] = arena
-        if slot.offset < 0 or slot.offset + slot.nbytes > arena.spec.size:
-            raise ArenaError(
-                f"{slot} lies outside arena {slot.arena} ({arena.spec.size} bytes); write only slots this builder's plan() returned"
-            )
-        return arena.bytes_view()[slot.offset : slot.offset + slot.nbytes]
+            arena = self._arenas[slot.arena] = self.backend.create(self._sizes[slot.arena], str(self.device))
+        return arena
 
     @property
     def arenas(self) -> list["Arena"]:
@@ -147,19 +151,6 @@ class ArenaBuilder:
             if arena is not None:
                 arena.close()
         self._arenas = [None] * len(self._arenas)
-
-    def create(self, slots: typing.Sequence[Slot], threads: int = 1) -> None:
-        """Create the arenas of ``slots`` now, ``threads`` at a time: a new host arena populates its pages when it is
-        mapped (``MAP_POPULATE``), which one thread does at a few GB/s; several arenas at once go faster."""
-        import concurrent.futures
-
-        if threads <= 1:
-            for slot in slots:
-                self.view(slot)
-            return
-        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="weightcache-arena") as pool:
-            for done in [pool.submit(self.view, slot) for slot in slots]:
-                done.result()
 
     def reset(self) -> None:
         """Close every arena and forget every plan: the builder is empty again (a failed copy starts over)."""

@@ -30,8 +30,6 @@ from weightcache.core.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
-_HOST_ARENA_THREADS = 8
-
 
 @attrs.frozen
 class Source:
@@ -128,7 +126,7 @@ def _copy(source: Source, builder: ArenaBuilder, socket_dir, index: int) -> Copi
         targets = [builder.view(slot) for slot in slots]
         start = time.perf_counter()
         if source.tier == HOST_TIER:
-            pairs = [Pair(arena.bytes_view(), target) for arena, target in zip(attachment.arenas, targets, strict=True)]
+            pairs = [Pair(arena.fileno(), target) for arena, target in zip(attachment.arenas, targets, strict=True)]
             host_to_device(pairs)
         else:
             for arena, target in zip(attachment.arenas, targets, strict=True):
@@ -161,8 +159,7 @@ def keep_on_host(
 
     with ArenaBuilder("cpu") as host:
         slots = [host.add_arena(arena.spec.size) for arena in arenas]
-        host.create(slots, threads=_HOST_ARENA_THREADS)  # the kernel zeroes new shared memory: in parallel
-        pairs = [Pair(host.view(slot), arena.bytes_view()) for slot, arena in zip(slots, arenas, strict=True)]
+        pairs = [Pair(host.arena(slot).fileno(), arena.bytes_view()) for slot, arena in zip(slots, arenas, strict=True)]
         transfer = device_to_host(pairs)
         del pairs
         host_manifest = attrs.evolve(manifest, arenas=host.specs())

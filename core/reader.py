@@ -109,7 +109,8 @@ class _GpuReader:
         staging = buffers[turn][: piece.nbytes]
         _pread_into(fd, staging.numpy(), piece.start)
         target = self.builder.view(piece.slot)[piece.offset : piece.offset + piece.nbytes]
-        with torch.cuda.stream(stream):
+        # A worker thread's current device is cuda:0: without the guard, a copy to another GPU makes a context there.
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
             target.copy_(staging, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)

@@ -26,48 +26,58 @@ _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_S
 
 
 class HostArena(Arena):
-    """A memfd mapped into this process (read-write while building, read-only once sealed)."""
+    """A memfd, mapped into this process on first use (read-write while building, read-only once sealed).
+
+    Copies to and from a GPU read or write the memfd itself (:meth:`fileno`) and never map it:
+    faulting 16 GiB of pages in and unmapping them again costs more than the copy.
+    """
 
     def __init__(self, fd: int, spec: ArenaSpec, writable: bool):
         self.spec = spec
+        self.writable = writable
         self._fd = fd
         self._map = None
         self._view = None
-        self.remap(writable)
+
+    def fileno(self) -> int:
+        """The memfd: ``os.preadv`` reads the arena's bytes; a new arena's are written with ``os.pwritev`` before sealing."""
+        if self._fd < 0:
+            raise ValueError("arena is closed")
+        return self._fd
 
     def bytes_view(self) -> "torch.Tensor":
         import torch
 
         if self._view is None:
-            if self._map is None:
-                raise ValueError("arena is closed")
             with warnings.catch_warnings():
                 # A sealed arena is read-only on purpose; torch warns that it cannot write to it.
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                self._view = torch.frombuffer(self._map, dtype=torch.uint8)
+                self._view = torch.frombuffer(self._mapping(), dtype=torch.uint8)
         return self._view
 
     def buffer(self) -> memoryview:
         """The mapping as a memoryview (writable while the arena is being filled)."""
-        if self._map is None:
-            raise ValueError("arena is closed")
-        return memoryview(self._map)
+        return memoryview(self._mapping())
 
     def export_fd(self) -> int:
-        return os.dup(self._fd)
+        return os.dup(self.fileno())
 
     @property
     def address(self) -> int:
         return self.bytes_view().data_ptr()
 
-    def remap(self, writable: bool) -> None:
-        """Replace this process's mapping (all views must be dropped first)."""
+    def _mapping(self) -> mmap.mmap:
+        if self._map is None:
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+            # A new arena mapped here is filled at once: populate its pages up front instead of faulting one by one.
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if self.writable else 0)
+            self._map = mmap.mmap(self.fileno(), self.spec.size, flags=flags, prot=prot)
+        return self._map
+
+    def make_read_only(self) -> None:
+        """Drop the writable mapping (all views must be dropped first); later views map read-only."""
         self._drop_map()
-        self.writable = writable
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        # A new arena is filled at once: populate its pages up front instead of faulting one by one.
-        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if writable else 0)
-        self._map = mmap.mmap(self._fd, self.spec.size, flags=flags, prot=prot)
+        self.writable = False
 
     def _drop_map(self):
         self._view = None
@@ -104,13 +114,12 @@ class HostArenaBackend(ArenaBackend):
             raise
 
     def seal(self, arena: HostArena) -> None:
-        """Drop the writable mapping, seal the memfd and map it again read-only.
+        """Drop the writable mapping and seal the memfd; views made later map it read-only.
 
         Tensors that viewed the writable mapping must be dropped before sealing.
         """
-        arena._drop_map()
-        fcntl.fcntl(arena._fd, fcntl.F_ADD_SEALS, _SEALS)
-        arena.remap(writable=False)
+        arena.make_read_only()
+        fcntl.fcntl(arena.fileno(), fcntl.F_ADD_SEALS, _SEALS)
 
     def map(self, fd: int, spec: ArenaSpec) -> HostArena:
         if spec.backend != self.name:

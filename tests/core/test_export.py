@@ -133,13 +133,26 @@ def test_add_arena_gives_a_whole_arena_of_its_own_that_later_slots_do_not_share(
         assert [spec.size for spec in builder.specs()][1] == 8192
 
 
-def test_create_makes_every_arena_at_once_from_several_threads():
+def test_a_host_arena_is_filled_through_its_memfd_and_mapped_only_when_viewed():
+    """What a host-tier copy does: write each new arena's memfd with pwritev (no mapping, no page faults), seal, read."""
+    import os
+
     from weightcache.core.export import ArenaBuilder
 
+    def mapped_arenas() -> int:
+        with open("/proc/self/maps") as maps:
+            return sum("memfd:weightcache-arena" in line for line in maps)
+
+    before = mapped_arenas()
     with ArenaBuilder("cpu") as builder:
-        slots = [builder.add_arena((index + 1) << 16) for index in range(6)]
-        builder.create(slots, threads=4)
-        assert [spec.size for spec in builder.specs()] == [(index + 1) << 16 for index in range(6)]
-        for index, slot in enumerate(slots):
-            builder.view(slot).fill_(index)
-        assert [int(builder.view(slot)[-1]) for slot in slots] == list(range(6))
+        slots = [builder.add_arena((index + 1) << 16) for index in range(3)]
+        arenas = [builder.arena(slot) for slot in slots]
+        assert mapped_arenas() == before
+        for index, arena in enumerate(arenas):
+            assert os.pwritev(arena.fileno(), [bytes([index]) * arena.spec.size], 0) == arena.spec.size
+        builder.seal()
+        assert [spec.size for spec in builder.specs()] == [(index + 1) << 16 for index in range(3)]
+        assert [set(arena.bytes_view().tolist()) for arena in arenas] == [{0}, {1}, {2}]
+        assert mapped_arenas() == before + 3
+        with pytest.raises(PermissionError):
+            os.pwritev(arenas[0].fileno(), [b"x"], 0)  # sealed: nobody writes a published arena again

@@ -3,6 +3,7 @@
 #   tests/gpu/run_gpu.sh OUTDIR [all|tests|kit|bench|node]   (default: all but node; one 10-minute device call fits one part)
 #   tests: the GPU tests (tests/gpu, or those WC_GPU_TESTS names); kit: the conformance kit on cuda:0 for four architectures;
 #   bench: the GPU benchmarks; node: benchmarks/node.py (two GPUs).
+#   tests/gpu/run_gpu.sh OUTDIR run CMD [ARG...]   runs one command with weightcache on the path (for a diagnosis).
 # Needs: a CUDA GPU, torch, transformers, safetensors, pluggy, attrs, pytest, cuda-bindings.
 # weightcache itself is put on the path from this checkout (no install, no network).
 set -uo pipefail
@@ -38,9 +39,14 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', tr
 status=0
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 echo "visible GPUs: $GPUS$( [ "$GPUS" -lt 2 ] && echo ' (the tests that need two GPUs skip, each saying so)')" | tee -a "$OUT/machine.txt"
+if [ "$PART" = run ]; then
+  "${@:3}" 2>&1 | tee "$OUT/run.log" || status=1
+fi
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
   # WC_GPU_TESTS: which tests (pytest paths or node ids; default: all of tests/gpu).
-  python3 -m pytest ${WC_GPU_TESTS:-tests/gpu} -v -p no:cacheprovider -W error -o addopts="-ra" 2>&1 | tee "$OUT/gpu-tests.log" || status=1
+  # A hung test fails after 5 minutes (where pytest-timeout is installed) instead of eating the device call.
+  TIMEOUT=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=300")
+  python3 -m pytest ${WC_GPU_TESTS:-tests/gpu} -v -p no:cacheprovider -W error -o addopts="-ra" --durations=10 $TIMEOUT 2>&1 | tee "$OUT/gpu-tests.log" || status=1
 fi
 if [ "$PART" = all ] || [ "$PART" = kit ]; then
   # The conformance kit on the GPU, as an adapter author would run it: random-weight models of four architectures.
