@@ -9,6 +9,7 @@ import threading
 import attrs
 
 from weightcache.core.export import ArenaBuilder, Slot
+from weightcache.core.fileio import read_fully
 from weightcache.core.safetensors_io import TensorInfo, checkpoint_tensors
 
 PIECE_BYTES = 64 << 20
@@ -55,23 +56,13 @@ def read_checkpoint(
     return placed
 
 
-def _pread_into(fd: int, buffer, start: int) -> None:
-    view = memoryview(buffer).cast("B")
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], start + done)
-        if got == 0:
-            raise EOFError(f"checkpoint file ended {len(view) - done} bytes early; the file is truncated")
-        done += got
-
-
 class _HostReader:
     def __init__(self, builder: ArenaBuilder):
         self.builder = builder
 
     def read(self, piece: Piece, fd: int) -> int:
         target = self.builder.view(piece.slot)[piece.offset : piece.offset + piece.nbytes]
-        _pread_into(fd, target.numpy(), piece.start)
+        read_fully(fd, target.numpy(), piece.start, "checkpoint file")
         return piece.nbytes
 
     def finish(self) -> None:
@@ -107,7 +98,7 @@ class _GpuReader:
         if events[turn] is not None:
             events[turn].synchronize()  # the copy out of this buffer has finished
         staging = buffers[turn][: piece.nbytes]
-        _pread_into(fd, staging.numpy(), piece.start)
+        read_fully(fd, staging.numpy(), piece.start, "checkpoint file")
         target = self.builder.view(piece.slot)[piece.offset : piece.offset + piece.nbytes]
         # A worker thread's current device is cuda:0: without the guard, a copy to another GPU makes a context there.
         with torch.cuda.device(self.device), torch.cuda.stream(stream):

@@ -24,6 +24,7 @@ import typing
 import attrs
 
 from weightcache.core.errors import ArenaError
+from weightcache.core.fileio import read_fully, write_fully
 
 if typing.TYPE_CHECKING:
     import torch
@@ -89,7 +90,10 @@ def _copy(pairs: typing.Sequence[Pair], to_device: bool, chunk_bytes: int, worke
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="weightcache-copy") as pool:
             done = [pool.submit(lane.run, chunks[index::workers], to_device, device) for index, lane in enumerate(lanes)]
             for future in done:
-                future.result()
+                try:
+                    future.result()
+                except EOFError as exc:
+                    raise ArenaError(f"{exc}; publish the host copy again") from None
     return Transfer(sum(chunk.device.numel() for chunk in chunks), time.perf_counter() - start)
 
 
@@ -119,25 +123,10 @@ class _Lane:
                 staged = self.buffer[:size]
                 if to_device:
                     self.stream.synchronize()  # the buffer's previous chunk has left it
-                    _read_fully(chunk.fd, memory[:size], chunk.offset)
+                    read_fully(chunk.fd, memory[:size], chunk.offset, "a host arena")
                     chunk.device.copy_(staged, non_blocking=True)
                 else:
                     staged.copy_(chunk.device, non_blocking=True)
                     self.stream.synchronize()
-                    _write_fully(chunk.fd, memory[:size], chunk.offset)
+                    write_fully(chunk.fd, memory[:size], chunk.offset)
             self.stream.synchronize()
-
-
-def _read_fully(fd: int, into: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(into):
-        got = os.preadv(fd, [into[done:]], offset + done)
-        if got == 0:
-            raise ArenaError(f"a host arena ended at byte {offset + done}, before the {len(into)} bytes at {offset}")
-        done += got
-
-
-def _write_fully(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwritev(fd, [data[done:]], offset + done)
