@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import typing
+
+Buffer = typing.Any
+"""Anything ``memoryview`` takes: bytes, bytearray, a numpy array, an mmap (``collections.abc.Buffer`` from Python 3.12)."""
 
 
-def read_fully(fd: int, into, offset: int, what: str = "the file") -> None:
+def read_fully(fd: int, into: Buffer, offset: int, what: str = "the file") -> None:
     """Fill the writable buffer ``into`` with ``fd``'s bytes from ``offset``; EOFError naming ``what`` if it ends early."""
     view = memoryview(into).cast("B")
     done = 0
@@ -16,7 +20,7 @@ def read_fully(fd: int, into, offset: int, what: str = "the file") -> None:
         done += got
 
 
-def write_fully(fd: int, data, offset: int) -> None:
+def write_fully(fd: int, data: Buffer, offset: int) -> None:
     """Write all of the buffer ``data`` to ``fd`` at ``offset``."""
     view = memoryview(data).cast("B")
     done = 0
