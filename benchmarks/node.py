@@ -8,7 +8,7 @@ under GPU1's fingerprint (what an engine then attaches in milliseconds). The cop
 this process, which has a CUDA context on both GPUs already (an engine has one too).
 
 - peer GPU0 -> GPU1: ``fill.copy_from_node`` from GPU0's entry (peer access), then publish;
-- host tier -> GPU1: the same from the host-tier copy (sealed memfds, page-locked chunk by chunk while copying);
+- host tier -> GPU1: the same from the host-tier copy (sealed memfds, read through page-locked bounce buffers);
 - NCCL seeding GPU0 -> GPU1 across two servers (``weightcache.core.seeding``, two processes, one per "node");
 - disk -> GPU1 (``--with-8b``): ``weightcache load``'s path on the 8 B checkpoint, cold and warm page cache;
 - model swap: three 16 GiB models on the host tier, a GPU budget for one: time to switch GPU1 between them.
