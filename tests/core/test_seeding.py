@@ -26,11 +26,19 @@ from weightcache.core.seeding import check_environment
 TIMEOUT_S = 20
 
 
-def rank_env(rank: int, port: int) -> dict:
-    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2"}
+def rank_env(rank: int, port: int, extra: dict | None = None) -> dict:
+    return {
+        **os.environ,
+        **(extra or {}),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+    }
 
 
-def seed_command(socket_dir, *args: str) -> list[str]:
+def seed_command(socket_dir, *args: str, timeout_s: int = TIMEOUT_S) -> list[str]:
+    """``weightcache seed`` for one rank, every wait bounded by ``timeout_s``."""
     return [
         sys.executable,
         "-m",
@@ -39,7 +47,7 @@ def seed_command(socket_dir, *args: str) -> list[str]:
         "--socket-dir",
         str(socket_dir),
         "--timeout-s",
-        str(TIMEOUT_S),
+        str(timeout_s),
         *args,
     ]
 
@@ -56,17 +64,17 @@ def sender_script(socket_dir, fingerprint, *die_after: int) -> list[str]:
     ]
 
 
-def run_ranks(*commands: list[str]) -> list[subprocess.CompletedProcess]:
-    """Run one command per rank (rank = position) on a fresh port; each must end within the timeout."""
+def run_ranks(*commands: list[str], wait_s: float = TIMEOUT_S + 40, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Run one command per rank (rank = position) on a fresh port, ``env`` added; each must end within ``wait_s``."""
     port = free_port()
     procs = [
-        subprocess.Popen(command, env=rank_env(rank, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(command, env=rank_env(rank, port, env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for rank, command in enumerate(commands)
     ]
     done = []
     try:
         for proc in procs:
-            stdout, stderr = proc.communicate(timeout=TIMEOUT_S + 40)
+            stdout, stderr = proc.communicate(timeout=wait_s)
             done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
     finally:
         for proc in procs:

@@ -6,13 +6,10 @@ Run with ``-s`` to see the GB/s each rank reports, e.g.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers import free_port, run_python
+from tests.core.test_seeding import run_ranks, seed_command
+from tests.helpers import run_python
 from weightcache.core.client import Connection
 
 torch = pytest.importorskip("torch")
@@ -39,22 +36,6 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 TIMEOUT_S = 240
 
 
-def _seed(socket_dir, device: str, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "weightcache.core.cli",
-        "seed",
-        "--socket-dir",
-        str(socket_dir),
-        "--device",
-        device,
-        "--timeout-s",
-        "120",
-        *args,
-    ]
-
-
 def test_nccl_seeds_a_gpu_entry_into_another_gpus_server(nodes, model_dir):
     a, b = nodes
     path = model_dir("llama-500m")  # ~500 MB in fp32
@@ -64,27 +45,17 @@ def test_nccl_seeds_a_gpu_entry_into_another_gpus_server(nodes, model_dir):
         str(path),
         str(a.socket_dir),
     )
-    port = free_port()
     # NVLink multicast stays off (the machine's rule; a broadcast never uses it anyway).
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "NCCL_NVLS_ENABLE": "0"}
-    commands = [_seed(a.socket_dir, "cuda:0", "--model", str(path)), _seed(b.socket_dir, "cuda:1")]
-    procs = [
-        subprocess.Popen(command, env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank, command in enumerate(commands)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=TIMEOUT_S))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for rank, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs, strict=True)):
-        print(f"rank {rank} exit {proc.returncode}: {stdout.strip()}")
-        assert proc.returncode == 0, f"rank {rank} failed (exit {proc.returncode}):\n{stderr[-5000:]}"
-    assert outputs[1][0].startswith("rank 1: received and published"), outputs[1][0]
+    ranks = run_ranks(
+        seed_command(a.socket_dir, "--device", "cuda:0", "--model", str(path), timeout_s=120),
+        seed_command(b.socket_dir, "--device", "cuda:1", timeout_s=120),
+        wait_s=TIMEOUT_S,
+        env={"NCCL_NVLS_ENABLE": "0"},
+    )
+    for rank, done in enumerate(ranks):
+        print(f"rank {rank} exit {done.returncode}: {done.stdout.strip()}")
+        assert done.returncode == 0, f"rank {rank} failed (exit {done.returncode}):\n{done.stderr[-5000:]}"
+    assert ranks[1].stdout.startswith("rank 1: received and published"), ranks[1].stdout
 
     with Connection(b.socket_dir) as connection:
         (entry,) = connection.status()["entries"]
