@@ -71,6 +71,17 @@ def run_python(
     return proc
 
 
+def run_cli(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
+    """``weightcache ARGS`` in a fresh process; with ``check``, a failure shows its output."""
+    proc = subprocess.run([sys.executable, "-m", "weightcache.core.cli", *args], capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"weightcache {' '.join(args)} failed (exit {proc.returncode}):\nstdout:\n{proc.stdout[-3000:]}\n"
+            f"stderr:\n{proc.stderr[-5000:]}"
+        )
+    return proc
+
+
 def assert_tensors_equal(name: str, actual, expected) -> None:
     """Bit-exact equality with a message naming the tensor, dtype, device and largest difference."""
     import torch

@@ -64,6 +64,25 @@ def _configs():
             num_key_value_heads=4,
             architectures=["LlamaForCausalLM"],
         ),
+        # The GPU tests' Llamas: 72 MiB in bf16 for the node fills, 161 MiB where GPU memory figures must mean something.
+        "llama-gpu-small": lambda: transformers.LlamaConfig(
+            vocab_size=8192,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=4,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            architectures=["LlamaForCausalLM"],
+        ),
+        "llama-gpu": lambda: transformers.LlamaConfig(
+            vocab_size=8192,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=6,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            architectures=["LlamaForCausalLM"],
+        ),
         # Encoder-decoders: their forward needs decoder inputs as well.
         "t5": lambda: transformers.T5Config(
             vocab_size=512,

@@ -33,7 +33,7 @@ from tests.core.support import (
     send_raw,
     settle_fd_count,
 )
-from tests.helpers import ServerProcess, wait_until
+from tests.helpers import ServerProcess, run_cli, wait_until
 from weightcache.core import PROTOCOL_VERSION
 from weightcache.core.arena import ArenaSpec
 from weightcache.core.client import Connection
@@ -55,10 +55,8 @@ TEST_USER = "wctest"
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run the ``weightcache`` command in a fresh process."""
-    return subprocess.run(
-        [sys.executable, "-m", "weightcache.core.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
+    """Run the ``weightcache`` command in a fresh process (its exit status is the test's to check)."""
+    return run_cli(*args, timeout=timeout, check=False)
 
 
 def status(socket_dir) -> dict:

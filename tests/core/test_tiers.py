@@ -17,6 +17,7 @@ import pytest
 
 from tests.core.support import make_fingerprint, publish_host_entry
 from tests.core.test_exhaustion import configured_server
+from tests.helpers import run_cli
 from weightcache.core.client import Connection
 from weightcache.core.errors import ServerError
 from weightcache.core.fingerprint import HOST_TIER
@@ -61,7 +62,7 @@ def test_status_says_where_each_entry_lives_and_which_rows_share_a_content(serve
     assert rows["model-y"]["content"] != rows["model-x"]["content"]
     assert status["budgets"] == {"total": None, "host": None, "per_gpu": None}
     assert status["tiers"] == {HOST_TIER: {"held": status["held_bytes"], "budget": None}}
-    table = _cli("status", "--socket-dir", str(server.socket_dir))
+    table = run_cli("status", "--socket-dir", str(server.socket_dir)).stdout
     assert "host tier" in table and "cpu (host)" in table
 
 
@@ -79,7 +80,7 @@ def test_a_host_tier_over_its_budget_refuses_a_new_model_naming_the_budget_and_e
         assert [row["label"] for row in status["entries"]] == ["attached"]
         assert status["tiers"][HOST_TIER] == {"held": 2 << 20, "budget": 3 << 20}
         assert server.proc.poll() is None
-        table = _cli("status", "--socket-dir", str(socket_dir))
+        table = run_cli("status", "--socket-dir", str(socket_dir)).stdout
         assert "host memory: 2.0 MiB held of 3.0 MiB" in table
 
 
@@ -105,7 +106,7 @@ def test_the_server_command_takes_per_tier_budgets(tmp_path):
         from weightcache.core.client import wait_for_server
 
         wait_for_server(socket_dir, timeout=30)
-        status = json.loads(_cli("status", "--json", "--socket-dir", str(socket_dir)))
+        status = json.loads(run_cli("status", "--json", "--socket-dir", str(socket_dir)).stdout)
         assert status["budgets"] == {"total": None, "host": 1 << 30, "per_gpu": 80 << 30}
     finally:
         proc.terminate()
@@ -158,28 +159,8 @@ def test_an_attached_gpu_entry_is_never_evicted_for_another_and_the_refusal_name
 
 
 def test_load_into_the_host_tier_needs_a_gpu(tmp_path, model_dir):
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "weightcache.core.cli",
-            "load",
-            "--model",
-            str(model_dir("llama")),
-            "--tier",
-            "host",
-            "--socket-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = run_cli(
+        "load", "--model", str(model_dir("llama")), "--tier", "host", "--socket-dir", str(tmp_path), timeout=120, check=False
     )
     assert done.returncode != 0
     assert "--tier host needs a CUDA --device, not cpu" in done.stderr, done.stderr
-
-
-def _cli(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "weightcache.core.cli", *args], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    return done.stdout

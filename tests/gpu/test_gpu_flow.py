@@ -22,23 +22,10 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def gpu_model(tmp_path_factory):
-    """A random-weight Llama in bf16, large enough (~200 MiB) for memory figures to mean something."""
-    import transformers
+    """A random-weight Llama in bf16, large enough (161 MiB) for memory figures to mean something."""
+    from tests.models import save_random_model
 
-    config = transformers.LlamaConfig(
-        vocab_size=8192,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=6,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        architectures=["LlamaForCausalLM"],
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    path = tmp_path_factory.mktemp("gpu-llama")
-    model.save_pretrained(path)
-    return path
+    return save_random_model("llama-gpu", tmp_path_factory.mktemp("gpu-llama"), dtype="bfloat16")
 
 
 def _publish_in_subprocess(model_path, socket_dir):

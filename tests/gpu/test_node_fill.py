@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.helpers import Engine
+from tests.helpers import Engine, run_cli
 
 torch = pytest.importorskip("torch")
 
@@ -28,48 +28,16 @@ two_gpus = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def gpu_model(tmp_path_factory):
-    """A random-weight Llama in bf16 (~100 MiB) with tied embeddings left untied, saved by transformers."""
-    import transformers
+    """A random-weight Llama in bf16 (72 MiB) with tied embeddings left untied, saved by transformers."""
+    from tests.models import save_random_model
 
-    config = transformers.LlamaConfig(
-        vocab_size=8192,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=4,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        architectures=["LlamaForCausalLM"],
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    path = tmp_path_factory.mktemp("node-llama")
-    model.save_pretrained(path)
-    return path
+    return save_random_model("llama-gpu-small", tmp_path_factory.mktemp("node-llama"), dtype="bfloat16")
 
 
 def load(model, socket_dir, device: str, tier: str = "device") -> str:
     """``weightcache load`` in its own process; its one line of output."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "weightcache.core.cli",
-            "load",
-            "--model",
-            str(model),
-            "--device",
-            device,
-            "--tier",
-            tier,
-            "--socket-dir",
-            str(socket_dir),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip()
+    args = ("--model", str(model), "--device", device, "--tier", tier, "--socket-dir", str(socket_dir))
+    return run_cli("load", *args, timeout=300).stdout.strip()
 
 
 def status(socket_dir) -> list[dict]:
