@@ -72,10 +72,11 @@ def _copy(pairs: typing.Sequence[Pair], to_device: bool, chunk_bytes: int, worke
         return Transfer()
     device = pairs[0].device.device
     for pair in pairs:
-        if pair.device.device != device or pair.device.dtype != torch.uint8 or pair.device.dim() != 1:
+        flat_bytes = pair.device.is_cuda and pair.device.dtype == torch.uint8 and pair.device.dim() == 1
+        if not flat_bytes or pair.device.device != device:
             raise ArenaError("every pair's device bytes must be one flat uint8 CUDA tensor, all on one GPU")
-        if to_device and os.fstat(pair.host_fd).st_size < pair.device.numel():
-            raise ArenaError(f"a host arena holds fewer bytes than the {pair.device.numel()} to copy from it")
+        if os.fstat(pair.host_fd).st_size < pair.device.numel():  # a write past its end would grow the memfd
+            raise ArenaError(f"a host arena holds fewer bytes than the {pair.device.numel()} to copy")
     chunks = [
         _Chunk(pair.host_fd, start, pair.device[start : start + chunk_bytes])
         for pair in pairs
