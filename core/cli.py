@@ -370,6 +370,7 @@ def _load(args) -> int:
     from weightcache.core import loader, preflight
     from weightcache.core.client import Connection
     from weightcache.core.fingerprint import HOST_TIER
+    from weightcache.core.identity import Environment
     from weightcache.core.plugins import installed_plugins
     from weightcache.core.progress import byte_progress, format_bytes, note
     from weightcache.core.quantization.allowlist import check_quantization
@@ -386,22 +387,28 @@ def _load(args) -> int:
         connection.hello()  # no server: say so now, not after the load
     preflight.check_device(request.device)
     prepared = loader.prepare(request)  # the adapter reads the configs
-    fingerprint = prepared.identify(progress=_hashing_progress(headers))
+    fingerprint = prepared.remembered()  # None on first sight: the load digests the bytes it reads
     with Connection(args.socket_dir) as connection:
         status = connection.status()
-    wanted = _wanted_entries(fingerprint, args.tier)
-    held = {entry["digest"]: entry for entry in status["entries"] if entry["digest"] in wanted.values()}
-    if len(held) == len(wanted):
-        for where, digest in wanted.items():
-            entry = held[digest]
-            print(f"already cached{where}: {digest[:12]}  {entry['label']}, {format_bytes(entry['bytes'])}; nothing was loaded")
-        return 0
+    tiers = _tiers(args.tier, Environment.of(request.device).gpu_uuid)
+    if fingerprint is not None:
+        wanted = {where: (fingerprint.on_device(HOST_TIER) if where else fingerprint).digest for where in tiers}
+        held = {entry["digest"]: entry for entry in status["entries"] if entry["digest"] in wanted.values()}
+        if len(held) == len(wanted):
+            for where, digest in wanted.items():
+                entry = held[digest]
+                print(
+                    f"already cached{where}: {digest[:12]}  {entry['label']}, {format_bytes(entry['bytes'])}; nothing was loaded"
+                )
+            return 0
+        tiers = {where: tier for where, tier in tiers.items() if wanted[where] not in held}
+    else:
+        note("first sight of these weight files: their digests are computed from the bytes read, in the same pass")
     needed = preflight.estimated_bytes(headers, prepared.description)
-    for where, digest in wanted.items():
-        if digest not in held:
-            preflight.check_room(status, needed, tier=HOST_TIER if where or not fingerprint.gpu_uuid else fingerprint.gpu_uuid)
+    for tier in tiers.values():
+        preflight.check_room(status, needed, tier=tier)
     note(f"loading {prepared.label} ({format_bytes(needed)} or more) into {request.device} arenas ...")
-    published = loader.publish(prepared, args.socket_dir, progress=byte_progress("loading"), tier=args.tier)
+    published = loader.publish(prepared, args.socket_dir, progress=byte_progress("loading", total=needed), tier=args.tier)
     manifest = published.manifest
     source = "" if published.source == "disk" else f", copied from {published.source}"
     host = f"; kept on the host tier as {published.host_digest[:12]}" if published.host_digest and args.tier == "both" else ""
@@ -409,7 +416,8 @@ def _load(args) -> int:
         if host and published.source == "this GPU's entry":
             print(f"kept {published.host_digest[:12]}  {prepared.label} on the host tier, copied from this GPU's entry")
         else:
-            print(f"already cached: {published.digest[:12]}  {prepared.label} (another loader published it meanwhile)")
+            why = "another loader published it meanwhile" if fingerprint is not None else "it held these bytes already"
+            print(f"already cached: {published.digest[:12]}  {prepared.label} ({why})")
         return 0
     arenas = len(manifest.arenas)
     where = " on the host tier" if args.tier == "host" else ""
@@ -421,15 +429,16 @@ def _load(args) -> int:
     return 0
 
 
-def _wanted_entries(fingerprint, tier: str) -> dict[str, str]:
-    """The entries ``weightcache load --tier`` makes, by where they live ('' the device, ' on the host tier')."""
+def _tiers(tier: str, gpu_uuid: str) -> dict[str, str]:
+    """Where the entries ``weightcache load --tier`` makes live, by how messages say it ('' the device, ' on the host
+    tier'): a GPU's UUID or ``HOST_TIER`` (a CPU device's entries count against the host budget too)."""
     from weightcache.core.fingerprint import HOST_TIER
 
     wanted = {}
     if tier in ("device", "both"):
-        wanted[""] = fingerprint.digest
+        wanted[""] = gpu_uuid or HOST_TIER
     if tier in ("host", "both"):
-        wanted[" on the host tier"] = fingerprint.on_device(HOST_TIER).digest
+        wanted[" on the host tier"] = HOST_TIER
     return wanted
 
 
@@ -453,20 +462,6 @@ def load_request(args: argparse.Namespace) -> "LoadRequest":
         parallel=ParallelSpec(tp_size=args.tp_size, tp_rank=args.tp_rank),
         options=options,
     )
-
-
-def _hashing_progress(headers):
-    """A progress bar for the weight files seen for the first time (hashed once per file version), or None."""
-    from weightcache.core.digests import FileKey, default_store
-    from weightcache.core.progress import byte_progress, format_bytes, note
-
-    store = default_store()
-    new = [header.file for header in headers if store.get(FileKey.of(header.file)) is None]
-    if not new:
-        return None
-    nbytes = sum(file.stat().st_size for file in new)
-    note(f"hashing {len(new)} weight file{'s' if len(new) != 1 else ''} seen for the first time ({format_bytes(nbytes)}) ...")
-    return byte_progress("hashing", total=nbytes)
 
 
 def _status(args) -> int:

@@ -67,7 +67,15 @@ class FileKey:
 
     @classmethod
     def of(cls, path: str | os.PathLike) -> FileKey:
-        info = os.stat(path)
+        return cls._from(os.stat(path))
+
+    @classmethod
+    def of_fd(cls, fd: int) -> FileKey:
+        """The key of the file ``fd`` has open (whatever its path names now)."""
+        return cls._from(os.fstat(fd))
+
+    @classmethod
+    def _from(cls, info: os.stat_result) -> FileKey:
         return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
     def as_list(self) -> list[int]:
@@ -77,6 +85,15 @@ class FileKey:
     def entry_name(self) -> str:
         """The store's file name for this key: sha256 of the scheme and the key."""
         return hashlib.sha256(json.dumps([SCHEME, *self.as_list()]).encode()).hexdigest()
+
+
+@attrs.frozen
+class FileDigest:
+    """The content digest of one version (``key``) of a file, computed from the bytes one read of it returned."""
+
+    path: Path
+    key: FileKey
+    digest: str
 
 
 def hashing_threads() -> int:
@@ -107,7 +124,13 @@ def _hash_piece(path: Path, offset: int, length: int) -> bytes:
     return digest.digest()
 
 
-def _combine(size: int, pieces: list[bytes]) -> str:
+def piece_offsets(size: int) -> range:
+    """Where the pieces of a file of ``size`` bytes start (each ``PIECE_BYTES`` long, the last one shorter)."""
+    return range(0, size, PIECE_BYTES)
+
+
+def combine(size: int, pieces: list[bytes]) -> str:
+    """A file's digest from its size and the sha256 of each of its pieces, in order (the scheme's last step)."""
     digest = hashlib.sha256(struct.pack("<Q", size))
     for piece in pieces:
         digest.update(piece)
@@ -121,7 +144,7 @@ def _hash_files(files: list[Path], keys: list[FileKey], progress: ProgressLike |
         futures = {
             pool.submit(_hash_piece, file, offset, min(PIECE_BYTES, key.st_size - offset)): (index, offset)
             for index, (file, key) in enumerate(zip(files, keys, strict=True))
-            for offset in range(0, key.st_size, PIECE_BYTES)
+            for offset in piece_offsets(key.st_size)
         }
         try:
             for future in concurrent.futures.as_completed(futures):
@@ -133,7 +156,7 @@ def _hash_files(files: list[Path], keys: list[FileKey], progress: ProgressLike |
             for future in futures:
                 future.cancel()
             raise
-    return [_combine(key.st_size, [found[o] for o in sorted(found)]) for key, found in zip(keys, pieces, strict=True)]
+    return [combine(key.st_size, [found[o] for o in sorted(found)]) for key, found in zip(keys, pieces, strict=True)]
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -242,7 +265,7 @@ def checkpoint_digests(
     store = default_store() if store is None else store
     started = time.time_ns()
     keys = [FileKey.of(file) for file in checkpoint]
-    digests = [store.get(key) for key in keys]
+    digests = remembered_digests(keys, store)
     unknown = [index for index, digest in enumerate(digests) if digest is None]
     if unknown:
         paths, unknown_keys = [checkpoint[i] for i in unknown], [keys[i] for i in unknown]
@@ -259,13 +282,24 @@ def checkpoint_digests(
                 progress.close()
         for index, path, key, digest in zip(unknown, paths, unknown_keys, hashed, strict=True):
             digests[index] = digest
-            _remember(store, path, key, digest, started)
+            remember(store, path, key, digest, started)
     return [digest for digest in digests if digest is not None]
 
 
-def _remember(store: DigestStore, path: Path, key: FileKey, digest: str, started_ns: int) -> None:
-    """Record ``digest`` unless the file changed while it was hashed or just before (see ``RACY_WINDOW_NS``)."""
-    if FileKey.of(path) != key:
+def remembered_digests(keys: Iterable[FileKey], store: DigestStore | None = None) -> list[str | None]:
+    """The digest ``store`` (default ``default_store()``) remembers for each file version, None where it has none."""
+    store = default_store() if store is None else store
+    return [store.get(key) for key in keys]
+
+
+def remember(store: DigestStore, path: Path, key: FileKey, digest: str, started_ns: int) -> None:
+    """Record ``digest`` of ``path`` (version ``key``, read from ``started_ns`` on) unless the file changed while it
+    was read or just before (see ``RACY_WINDOW_NS``)."""
+    try:
+        now = FileKey.of(path)
+    except OSError:
+        now = None
+    if now != key:
         log.warning(
             "weightcache: %s changed while it was hashed; its digest is not remembered. "
             "Start engines only after the checkpoint is written completely.",

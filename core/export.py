@@ -12,6 +12,7 @@ import attrs
 
 from weightcache.core.arena import ArenaSpec, backend_for_device, round_up
 from weightcache.core.device import Device
+from weightcache.core.digests import FileDigest
 from weightcache.core.errors import ArenaError
 from weightcache.core.manifest import Manifest, TensorRecord
 
@@ -60,6 +61,9 @@ class ArenaBuilder:
         self._fill = 0  # bytes used in the last planned arena
         self._last_is_whole = False  # the last arena came from add_arena: plan() never adds to it
         self._sealed = False
+        self.read_digests: dict[str, FileDigest] = {}
+        """Digests of the checkpoint files whose bytes ``weightcache.core.reader`` placed here, by path: computed
+        from those very bytes, they name what the arenas hold."""
 
     def __enter__(self) -> "ArenaBuilder":
         return self

@@ -14,7 +14,15 @@ import attrs
 
 from weightcache.core import identity
 from weightcache.core.client import Connection
-from weightcache.core.digests import FileKey, ProgressLike
+from weightcache.core.digests import (
+    FileDigest,
+    FileKey,
+    ProgressLike,
+    checkpoint_digests,
+    default_store,
+    remember,
+    remembered_digests,
+)
 from weightcache.core.errors import CheckpointChanged
 from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
 from weightcache.core.fingerprint import HOST_TIER, Fingerprint
@@ -23,7 +31,7 @@ from weightcache.core.plugins import Adapter, Plugins, installed_plugins
 from weightcache.core.protocol import close_fds
 from weightcache.core.quantization.allowlist import check_quantization
 from weightcache.core.request import LoadRequest, ModelDescription
-from weightcache.core.safetensors_io import checkpoint_files, checkpoint_identity
+from weightcache.core.safetensors_io import checkpoint_files, checkpoint_identity, identity_of
 
 if typing.TYPE_CHECKING:
     import torch
@@ -37,8 +45,10 @@ log = logging.getLogger(__name__)
 class Prepared:
     """A request checked before any weight is read: adapter found, options known, quantization allowed.
 
-    The fingerprint is computed on first use (it reads the checkpoint's
-    identity), so a plain disk load never pays for it.
+    The fingerprint needs the checkpoint's content identity. ``remembered()`` gives it without
+    reading a weight byte when every file's digest is remembered; a load from disk derives it
+    from the bytes it read (``settle``); ``identify()`` hashes what is not remembered (a pass of
+    its own: for a client that attaches without loading). A plain disk load never pays for it.
     """
 
     request: LoadRequest
@@ -56,6 +66,36 @@ class Prepared:
             checkpoint = checkpoint_identity(self.request.model, progress=progress)
             self._fingerprint = identity.fingerprint_for(self.request, self.description, checkpoint)
         return self._fingerprint
+
+    def remembered(self) -> Fingerprint | None:
+        """The fingerprint if every weight file's digest is known without reading it, else None (first sight)."""
+        if self._fingerprint is None:
+            files = checkpoint_files(self.request.model)
+            digests = remembered_digests(FileKey.of(file) for file in files)
+            if any(digest is None for digest in digests):
+                return None
+            checkpoint = identity_of(self.request.model, files, typing.cast("list[str]", digests))
+            self._fingerprint = identity.fingerprint_for(self.request, self.description, checkpoint)
+        return self._fingerprint
+
+    def settle(self, files: "list[Path]", digests: "list[str]") -> Fingerprint:
+        """The fingerprint of the bytes a load read (``digests`` of ``files``); it replaces a remembered one.
+
+        A remembered fingerprint that differs was stale (a file rewritten without a new
+        size, mtime or ctime): the disk's content wins, and nothing is published under it.
+        """
+        checkpoint = identity_of(self.request.model, files, digests)
+        fingerprint = identity.fingerprint_for(self.request, self.description, checkpoint)
+        if self._fingerprint is not None and self._fingerprint.checkpoint != checkpoint:
+            log.warning(
+                "weightcache: the bytes read from %s are not the content remembered for it; "
+                "publishing them under their own identity %s, not the stale %s",
+                self.request.model,
+                fingerprint.short,
+                self._fingerprint.short,
+            )
+        self._fingerprint = fingerprint
+        return fingerprint
 
     @property
     def label(self) -> str:
@@ -159,23 +199,24 @@ def publish(
     check_tier(tier, request.device)
     timings: dict[str, float] = {}
     label = label or prepared.label
-    fingerprint = prepared.fingerprint  # the content identity, before a byte is loaded
-    on_node = fill.sources(fingerprint, socket_dir) if request.device.is_cuda else []
+    fingerprint = prepared.remembered()  # None on first sight: the load derives it from the bytes it reads
+    on_node = fill.sources(fingerprint, socket_dir) if fingerprint is not None and request.device.is_cuda else []
     host_held = next((s.fingerprint.digest for s in on_node if s.tier == HOST_TIER), None)
-    if tier != "device":
+    if tier != "device" and fingerprint is not None:
         done = _host_copy_of_what_is_held(fingerprint, host_held, tier, socket_dir, label, timings)
         if done is not None:
             return done
     with ArenaBuilder(request.device, chunk_bytes=chunk_bytes, progress=progress) as builder:
         start = time.perf_counter()
-        copied = fill.copy_from_node(fingerprint, builder, socket_dir, on_node) if on_node else None
+        copied = fill.copy_from_node(fingerprint, builder, socket_dir, on_node) if fingerprint and on_node else None
         if copied is not None:
             manifest, source = copied.manifest, copied.source.name
             timings["fill_s"] = time.perf_counter() - start  # copied.timings has its steps
         elif not disk:
             return None
         else:
-            manifest, source = _load_and_export(prepared, builder, timings), "disk"
+            manifest, fingerprint = _load_and_export(prepared, builder, timings)
+            source = "disk"
         builder.progress.close()
         host_digest, host_created = host_held, False
         if tier != "device" and not host_held:
@@ -226,12 +267,20 @@ def _host_copy_of_what_is_held(
     return Published(fingerprint.digest, False, fingerprint, manifest, timings, source, reply["digest"])
 
 
-def _load_and_export(prepared: Prepared, builder: ArenaBuilder, timings: dict) -> Manifest:
-    """The disk path of a publish: load and post-process into ``builder``, export, add the adapter's manifest extra."""
+def _load_and_export(prepared: Prepared, builder: ArenaBuilder, timings: dict) -> tuple[Manifest, Fingerprint]:
+    """The disk path of a publish: load and post-process into ``builder``, export, add the adapter's manifest extra.
+
+    Returns the manifest and the fingerprint of the bytes that were read (``content_digests``).
+    """
     request = prepared.request
     versions = file_versions(request.model)
+    started = time.time_ns()
     model = load_from_disk(prepared, builder, timings)
+    start = time.perf_counter()
+    digests = content_digests(request.model, versions, builder.read_digests, started)
     check_unchanged(request.model, versions)  # else new bytes would be published under the old identity
+    fingerprint = prepared.settle([Path(file) for file, _ in versions], digests)
+    timings["identify_s"] = time.perf_counter() - start
     start = time.perf_counter()
     manifest = prepared.adapter.export(request, model, builder)
     extra = prepared.adapter.manifest_extra(request, model)
@@ -239,7 +288,39 @@ def _load_and_export(prepared: Prepared, builder: ArenaBuilder, timings: dict) -
     del model
     gc.collect()
     timings["export_s"] = time.perf_counter() - start
-    return manifest
+    return manifest, fingerprint
+
+
+def content_digests(
+    model: str, versions: "list[tuple[str, FileKey]]", read: "typing.Mapping[str, FileDigest]", started_ns: int
+) -> list[str]:
+    """The content digest of each weight file of ``model`` (``versions``, before the load) after a load.
+
+    A file weightcache's reader read has the digest of the very bytes it placed
+    (``read``); the store learns it, and a remembered digest that differs is
+    replaced: the disk's content wins. A file the adapter read its own way (an
+    engine's loader, transformers) is digested from the store or hashed now, a
+    pass of its own, and ``check_unchanged`` must then hold around the load.
+    """
+    store = default_store()
+    digests: dict[str, str] = {}
+    for file, key in versions:
+        found = read.get(file)
+        if found is None:
+            continue
+        if found.key != key:
+            raise CheckpointChanged(model, file)
+        stale = store.get(key)
+        if stale is not None and stale != found.digest:
+            log.warning("weightcache: the digest remembered for %s was stale; it now holds that of the bytes read", file)
+        if stale != found.digest:
+            remember(store, Path(file), key, found.digest, started_ns)
+        digests[file] = found.digest
+    others = [file for file, _ in versions if file not in digests]
+    if others:
+        log.info("%d weight files were read by the adapter, not by weightcache's reader: digesting them", len(others))
+        digests.update(zip(others, checkpoint_digests(others, store), strict=True))
+    return [digests[file] for file, _ in versions]
 
 
 def file_versions(model: str) -> "list[tuple[str, FileKey]]":

@@ -242,10 +242,11 @@ def _daemon(prepared: Prepared, cache: CacheOptions, progress, timings: dict) ->
 
     if not server_is_running(cache.socket_dir):
         spawn_detached(cache.socket_dir)
-    try:
-        return attach(prepared, cache, timings)
-    except EntryNotFound:
-        pass
+    if prepared.remembered() is not None:  # first sight: no identity yet, the publish reads and digests in one pass
+        try:
+            return attach(prepared, cache, timings)
+        except EntryNotFound:
+            pass
     published = publish(prepared, cache.socket_dir, progress=progress)
     timings.update(published.timings)
     loaded = attach(prepared, cache, timings)

@@ -1,76 +1,181 @@
-"""Reading safetensors bytes straight into arenas: parallel preads, pinned staging for GPUs."""
+"""Reading safetensors checkpoints straight into arenas in one pass that also computes their content digests.
+
+Each file is read in the digest scheme's own pieces (``digests.PIECE_BYTES`` from
+offset 0, header included) into a staging buffer; the buffer is hashed and the
+tensor bytes in it are copied to their slots, so the digest and the arenas come
+from the very same bytes: no second read can disagree with the first. The file
+digests land in ``builder.read_digests``; the loader derives the checkpoint's
+identity from them (``safetensors_io.identity_of``).
+
+A file that is replaced, rewritten, cut off or grown while it is read, or whose
+header no longer says what the plan was made from, raises ``CheckpointChanged``.
+"""
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
+import hashlib
 import os
 import threading
+from pathlib import Path
 
 import attrs
 
+from weightcache.core.digests import PIECE_BYTES, FileDigest, FileKey, combine, piece_offsets
+from weightcache.core.errors import CheckpointChanged
 from weightcache.core.export import ArenaBuilder, Slot
 from weightcache.core.fileio import read_fully
-from weightcache.core.safetensors_io import TensorInfo, checkpoint_tensors
+from weightcache.core.safetensors_io import Header, TensorInfo, check_length, checkpoint_files, read_header
 
-PIECE_BYTES = 64 << 20
 DEFAULT_THREADS = min(8, (os.cpu_count() or 2) * 2)
 
 
 @attrs.frozen
-class Piece:
-    """One read: ``nbytes`` from ``file`` at ``start`` into ``slot`` at ``offset``."""
+class Copy:
+    """Bytes of one tensor inside a piece: ``nbytes`` at ``source`` in the piece go to ``slot`` at ``offset``."""
 
-    file: str
-    start: int
     slot: Slot
     offset: int
+    source: int
     nbytes: int
+
+
+@attrs.frozen
+class Piece:
+    """One read: ``nbytes`` of file number ``file`` at ``start``, the tensor bytes it holds, and its index in the file."""
+
+    file: int
+    index: int
+    start: int
+    nbytes: int
+    copies: tuple[Copy, ...]
 
 
 def read_checkpoint(
     path: str | os.PathLike, builder: ArenaBuilder, threads: int = DEFAULT_THREADS
 ) -> dict[str, tuple[TensorInfo, Slot]]:
-    """Plan a slot for every tensor of the checkpoint at ``path`` and read its bytes into it.
+    """Plan a slot for every tensor of the checkpoint at ``path``, read its bytes into it and digest every file.
 
-    Returns ``name -> (info, slot)``; the bytes are the file's, unconverted.
+    Returns ``name -> (info, slot)``; the bytes are the file's, unconverted. The
+    file digests are added to ``builder.read_digests``.
     """
-    infos = checkpoint_tensors(path)
-    placed = {info.name: (info, builder.plan(info.nbytes)) for info in infos}
-    pieces = [
-        Piece(str(info.file), info.start + done, slot, done, min(PIECE_BYTES, info.nbytes - done))
-        for info, slot in placed.values()
-        for done in range(0, info.nbytes, PIECE_BYTES)
-    ]
+    files = checkpoint_files(path)
+    headers = [read_header(file) for file in files]
+    placed = {info.name: (info, builder.plan(info.nbytes)) for header in headers for info in header.tensors}
     for _, slot in placed.values():
         builder.view(slot)  # create every arena up front, on this thread
-    files = {name: os.open(name, os.O_RDONLY | os.O_CLOEXEC) for name in {p.file for p in pieces}}
+    fds: list[int] = []
     try:
+        for file in files:
+            fds.append(os.open(file, os.O_RDONLY | os.O_CLOEXEC))
+        keys = [FileKey.of_fd(fd) for fd in fds]
+        pieces = [piece for number, header in enumerate(headers) for piece in _pieces(number, header, keys[number], placed)]
+        hashes: list[dict[int, bytes]] = [{} for _ in files]
         reader = _GpuReader(builder) if builder.device.is_cuda else _HostReader(builder)
         with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightcache-read") as pool:
-            for done in pool.map(lambda piece: reader.read(piece, files[piece.file]), pieces):
-                builder.progress.update(done)
-        reader.finish()
+            work = {pool.submit(_read_piece, reader, piece, fds[piece.file], headers[piece.file]): piece for piece in pieces}
+            try:
+                for future in concurrent.futures.as_completed(work):
+                    piece = work[future]
+                    hashes[piece.file][piece.index] = future.result()
+                    builder.progress.update(sum(copy.nbytes for copy in piece.copies))
+            except BaseException:
+                for future in work:
+                    future.cancel()
+                raise
+            finally:
+                reader.finish()
+        for number, file in enumerate(files):
+            _check_unchanged(path, file, fds[number], keys[number])
+            size = keys[number].st_size
+            digest = combine(size, [hashes[number][i] for i in range(len(piece_offsets(size)))])
+            builder.read_digests[str(file)] = FileDigest(file, keys[number], digest)
     finally:
-        for fd in files.values():
+        for fd in fds:
             os.close(fd)
     return placed
 
 
-class _HostReader:
-    def __init__(self, builder: ArenaBuilder):
-        self.builder = builder
+def _pieces(number: int, header: Header, key: FileKey, placed: dict) -> list[Piece]:
+    """The digest scheme's pieces of one file, each with the tensor bytes that fall into it."""
+    if key != header.key:
+        raise CheckpointChanged(str(header.file.parent), str(header.file))  # not the version whose header was read
+    check_length(header)
+    starts = [info.start for info in header.tensors]
+    pieces = []
+    for index, start in enumerate(piece_offsets(key.st_size)):
+        stop = min(start + PIECE_BYTES, key.st_size)
+        copies = []
+        first = max(bisect.bisect_right(starts, start) - 1, 0)
+        for info in header.tensors[first:]:
+            if info.start >= stop:
+                break
+            low, high = max(start, info.start), min(stop, info.start + info.nbytes)
+            if low < high:
+                copies.append(Copy(placed[info.name][1], low - info.start, low - start, high - low))
+        pieces.append(Piece(number, index, start, stop - start, tuple(copies)))
+    return pieces
 
-    def read(self, piece: Piece, fd: int) -> int:
-        target = self.builder.view(piece.slot)[piece.offset : piece.offset + piece.nbytes]
-        read_fully(fd, target.numpy(), piece.start, "checkpoint file")
-        return piece.nbytes
+
+class _Changed(Exception):
+    """The bytes read are not those of the file the plan was made from."""
+
+
+def _read_piece(reader: "_HostReader | _GpuReader", piece: Piece, fd: int, header: Header) -> bytes:
+    """Read ``piece`` into a staging buffer, check the header bytes it holds, place its tensor bytes; its sha256."""
+    try:
+        return reader.read(piece, fd, header.raw)
+    except (EOFError, _Changed):
+        raise CheckpointChanged(str(header.file.parent), str(header.file)) from None  # cut off or rewritten meanwhile
+
+
+def _check_header(staging, piece: Piece, raw: bytes) -> None:
+    """_Changed unless the header bytes inside ``piece`` are the ones the plan was made from."""
+    if piece.start < len(raw):
+        stop = min(len(raw), piece.start + piece.nbytes)
+        if bytes(staging[: stop - piece.start]) != raw[piece.start : stop]:
+            raise _Changed
+
+
+def _check_unchanged(checkpoint: str | os.PathLike, file: Path, fd: int, key: FileKey) -> None:
+    """CheckpointChanged if the file read (``fd``) was written meanwhile, or ``file`` now names another file."""
+    try:
+        named = FileKey.of(file)
+    except OSError:
+        named = None
+    if FileKey.of_fd(fd) != key or named != key:
+        raise CheckpointChanged(str(checkpoint), str(file))
+
+
+class _HostReader:
+    """Each thread reads into its own staging buffer and copies the tensor bytes into host arenas."""
+
+    def __init__(self, builder: ArenaBuilder):
+        import numpy
+
+        self.builder = builder
+        self.local = threading.local()
+        self.numpy = numpy
+
+    def read(self, piece: Piece, fd: int, raw: bytes) -> bytes:
+        staging = getattr(self.local, "staging", None)
+        if staging is None:
+            staging = self.local.staging = self.numpy.empty(PIECE_BYTES, dtype=self.numpy.uint8)
+        staging = staging[: piece.nbytes]
+        read_fully(fd, staging, piece.start, "checkpoint file")
+        _check_header(staging, piece, raw)
+        for copy in piece.copies:
+            target = self.builder.view(copy.slot)[copy.offset : copy.offset + copy.nbytes].numpy()
+            target[:] = staging[copy.source : copy.source + copy.nbytes]
+        return hashlib.sha256(staging).digest()
 
     def finish(self) -> None:
         pass
 
 
 class _GpuReader:
-    """Each thread reads into its own pinned buffers and copies them to the GPU on its own stream."""
+    """Each thread reads into its own two pinned buffers, copies to the GPU on its own stream and hashes meanwhile."""
 
     def __init__(self, builder: ArenaBuilder):
         import torch
@@ -79,35 +184,39 @@ class _GpuReader:
         self.device = builder.view(Slot(0, 0, 0)).device
         self.local = threading.local()
         self.streams: list = []
+        self.lock = threading.Lock()
         self.torch = torch
 
-    def _state(self):
+    def _state(self) -> list:
         state = getattr(self.local, "state", None)
         if state is None:
             torch = self.torch
             buffers = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
             stream = torch.cuda.Stream(device=self.device)
-            events = [None, None]
-            state = self.local.state = [buffers, stream, events, 0]
-            self.streams.append(stream)
+            state = self.local.state = [buffers, stream, [None, None], 0]
+            with self.lock:
+                self.streams.append(stream)
         return state
 
-    def read(self, piece: Piece, fd: int) -> int:
+    def read(self, piece: Piece, fd: int, raw: bytes) -> bytes:
         torch = self.torch
         buffers, stream, events, turn = state = self._state()
         if events[turn] is not None:
-            events[turn].synchronize()  # the copy out of this buffer has finished
+            events[turn].synchronize()  # the copies out of this buffer have finished
         staging = buffers[turn][: piece.nbytes]
-        read_fully(fd, staging.numpy(), piece.start, "checkpoint file")
-        target = self.builder.view(piece.slot)[piece.offset : piece.offset + piece.nbytes]
+        host = staging.numpy()
+        read_fully(fd, host, piece.start, "checkpoint file")
+        _check_header(host, piece, raw)
         # A worker thread's current device is cuda:0: without the guard, a copy to another GPU makes a context there.
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            target.copy_(staging, non_blocking=True)
+            for copy in piece.copies:
+                target = self.builder.view(copy.slot)[copy.offset : copy.offset + copy.nbytes]
+                target.copy_(staging[copy.source : copy.source + copy.nbytes], non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         events[turn] = event
         state[3] = 1 - turn
-        return piece.nbytes
+        return hashlib.sha256(host).digest()  # while the DMA reads the same buffer: neither writes it
 
     def finish(self) -> None:
         for stream in self.streams:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import attrs
 
-from weightcache.core.digests import SCHEME, DigestStore, ProgressLike, checkpoint_digests
+from weightcache.core.digests import SCHEME, DigestStore, FileKey, ProgressLike, checkpoint_digests
 from weightcache.core.dtypes import item_size
 from weightcache.core.errors import CheckpointNotFound, InvalidCheckpoint
 
@@ -54,6 +54,8 @@ class Header:
     raw: bytes = attrs.field(repr=False)
     tensors: tuple[TensorInfo, ...]
     metadata: dict = attrs.field(factory=dict, hash=False)
+    key: FileKey | None = attrs.field(default=None, eq=False)
+    """The version of the file the header was read from."""
 
 
 def read_header(file: str | os.PathLike) -> Header:
@@ -65,7 +67,8 @@ def read_header(file: str | os.PathLike) -> Header:
     """
     file = Path(file)
     with open(file, "rb") as fh:
-        length = os.fstat(fh.fileno()).st_size
+        key = FileKey.of_fd(fh.fileno())
+        length = key.st_size
         prefix = fh.read(8)
         if len(prefix) != 8:
             raise InvalidCheckpoint(file, f"{length} bytes long, too short for a safetensors file")
@@ -84,7 +87,7 @@ def read_header(file: str | os.PathLike) -> Header:
     data_start = 8 + size
     metadata = header.pop("__metadata__", None) or {}
     tensors = [_tensor_info(file, name, info, data_start) for name, info in header.items()]
-    return Header(file=file, raw=prefix + raw, tensors=tuple(sorted(tensors, key=lambda t: t.start)), metadata=metadata)
+    return Header(file=file, raw=prefix + raw, tensors=tuple(sorted(tensors, key=lambda t: t.start)), metadata=metadata, key=key)
 
 
 def _tensor_info(file: Path, name: str, info, data_start: int) -> TensorInfo:
@@ -156,14 +159,15 @@ def check_checkpoint(path: str | os.PathLike) -> list[Header]:
     """
     headers = [read_header(file) for file in checkpoint_files(path)]
     for header in headers:
-        _check_length(header)
+        check_length(header)
     return headers
 
 
-def _check_length(header: Header) -> None:
+def check_length(header: Header) -> None:
     """InvalidCheckpoint unless the file ends where its last tensor's data ends (a cut-off download or copy does not)."""
     expected = max((t.start + t.nbytes for t in header.tensors), default=len(header.raw))
-    missing = expected - header.file.stat().st_size
+    size = header.key.st_size if header.key is not None else header.file.stat().st_size
+    missing = expected - size
     if missing:
         problem = (
             f"{missing:,} bytes shorter than its header says (cut off?)"
@@ -181,10 +185,15 @@ def checkpoint_identity(path: str | os.PathLike, store: DigestStore | None = Non
     user's ``DigestStore``) while a file is unchanged, else the file is hashed once
     (see ``weightcache.core.digests``; ``progress`` counts the bytes hashed).
     """
-    path = Path(path)
     files = checkpoint_files(path)
+    return identity_of(path, files, checkpoint_digests(files, store, progress))
+
+
+def identity_of(path: str | os.PathLike, files: "list[Path]", digests: "list[str]") -> str:
+    """The checkpoint identity of ``path`` from its weight ``files`` and their content digests, in the same order."""
+    path = Path(path)
     digest = hashlib.sha256(SCHEME.encode())
-    for file, content in zip(files, checkpoint_digests(files, store, progress), strict=True):
+    for file, content in zip(files, digests, strict=True):
         relative = file.name if path.is_file() else str(file.relative_to(path))
         for part in (relative.encode(), content.encode()):
             digest.update(struct.pack("<Q", len(part)) + part)
