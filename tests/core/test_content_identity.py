@@ -289,3 +289,53 @@ def test_a_file_changed_while_it_is_loaded_is_never_published_under_the_old_iden
         publish(prepared, socket_dir)
     with Connection(socket_dir) as conn:
         assert conn.status()["entries"] == [], "a partial or stale entry was published"
+
+
+# ------------------------------------------------------------------ identity and bytes come from one read
+
+
+def test_a_file_swapped_after_its_identity_was_known_is_published_under_the_new_bytes_identity(server, tmp_path):
+    """The remembered identity is taken, then the file is replaced: the publish names what it read, not what it remembered.
+
+    An engine holding the first version in another directory must never attach the second version's bytes.
+    """
+    path = save_random_model("llama", tmp_path / "model", seed=1)
+    kept = Path(shutil.copytree(path, tmp_path / "kept"))  # another engine's copy of the first version
+    other = save_random_model("llama", tmp_path / "other", seed=2)
+    _same_headers(path, other)
+    _settle(path)
+    _settle(kept)
+    prepared = prepare(LoadRequest(model=str(path)))
+    remembered = prepared.fingerprint  # the identity, known before a weight is loaded
+    assert remembered.checkpoint == checkpoint_identity(kept)
+    os.replace(other / "model.safetensors", path / "model.safetensors")  # swapped before the load reads it
+    published = publish(prepared, server.socket_dir)
+    assert published.fingerprint.checkpoint == checkpoint_identity(path, DigestStore(None)) != remembered.checkpoint
+    _assert_engine_gets_the_files_weights(kept, server.socket_dir, published.digest)
+
+
+def test_a_remembered_digest_gone_stale_through_a_shared_mapping_is_replaced_by_the_bytes_read(server, tmp_path, caplog):
+    """A writer through a shared mapping can keep size, mtime and ctime: the publish checks the bytes it read."""
+    import mmap
+
+    path = save_random_model("llama", tmp_path / "model", seed=1)
+    kept = Path(shutil.copytree(path, tmp_path / "kept"))
+    file = path / "model.safetensors"
+    _settle(path)
+    _settle(kept)
+    store = DigestStore.open()
+    old_digest = checkpoint_digests([file], store)[0]
+    with open(file, "r+b") as fh, mmap.mmap(fh.fileno(), 0) as mapping:  # another process writes through a mapping
+        position = len(mapping) // 2 // 4 * 4
+        mapping[position] ^= 1
+        mapping.flush()
+    _settle(path)
+    store.put(FileKey.of(file), old_digest)  # where the filesystem kept the times, the store still says the old content
+    prepared = prepare(LoadRequest(model=str(path)))
+    assert prepared.remembered().checkpoint == checkpoint_identity(kept), "the case needs a stale remembered digest"
+    with caplog.at_level(logging.WARNING, logger="weightcache.core"):
+        published = publish(prepared, server.socket_dir)
+    assert published.fingerprint.checkpoint == checkpoint_identity(path, DigestStore(None)) != checkpoint_identity(kept)
+    assert store.get(FileKey.of(file)) == file_digest(file), "the store still holds the stale digest"
+    assert any("stale" in record.getMessage() for record in caplog.records), [r.getMessage() for r in caplog.records]
+    _assert_engine_gets_the_files_weights(kept, server.socket_dir, published.digest)

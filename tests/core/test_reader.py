@@ -1,0 +1,147 @@
+"""The one-pass reader: each weight byte is read once, and the digests name exactly the bytes placed in the arenas.
+
+The checkpoints are written by transformers' ``save_pretrained``; the size one is
+161 MiB in bf16, so its file spans three of the digest scheme's 64 MiB pieces and
+tensors straddle piece boundaries.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import assert_tensors_equal
+from tests.models import save_random_model
+from weightcache.core.client import Connection
+from weightcache.core.digests import DigestStore, file_digest
+from weightcache.core.errors import CheckpointChanged
+from weightcache.core.export import ArenaBuilder
+from weightcache.core.loader import prepare, publish
+from weightcache.core.reader import read_checkpoint
+from weightcache.core.request import LoadRequest
+from weightcache.core.safetensors_io import checkpoint_files, checkpoint_identity
+
+
+@pytest.fixture(scope="module")
+def large_checkpoint(tmp_path_factory) -> Path:
+    """A 161 MiB bf16 Llama saved by transformers (one file, three digest pieces)."""
+    return save_random_model("llama-gpu", tmp_path_factory.mktemp("llama-161mib"), dtype="bfloat16")
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read through read(2)-like calls so far (``rchar`` of /proc/self/io)."""
+    with open("/proc/self/io") as fh:
+        return int(next(line for line in fh if line.startswith("rchar:")).split()[1])
+
+
+def test_the_reader_places_the_files_tensors_and_digests_every_byte(large_checkpoint):
+    import safetensors.torch
+    import torch
+
+    files = checkpoint_files(large_checkpoint)
+    assert sum(f.stat().st_size for f in files) > 2 * (64 << 20), "the case needs several digest pieces"
+    with ArenaBuilder("cpu") as builder:
+        placed = read_checkpoint(large_checkpoint, builder, threads=4)
+        expected = {name: t for file in files for name, t in safetensors.torch.load_file(file).items()}
+        assert sorted(placed) == sorted(expected)
+        for name, (info, slot) in placed.items():
+            tensor = builder.view(slot).view(getattr(torch, info.dtype)).view(info.shape)
+            assert_tensors_equal(name, tensor, expected[name])
+        assert {Path(p): d.digest for p, d in builder.read_digests.items()} == {f: file_digest(f) for f in files}
+
+
+def test_a_first_sight_publish_reads_each_weight_byte_once(large_checkpoint, server, tmp_path, monkeypatch):
+    monkeypatch.setenv("WEIGHTCACHE_CACHE_DIR", str(tmp_path / "empty-store"))  # first sight
+    weights = sum(f.stat().st_size for f in checkpoint_files(large_checkpoint))
+    prepared = prepare(LoadRequest(model=str(large_checkpoint), dtype="bfloat16"))
+    assert prepared.remembered() is None, "the case needs a checkpoint seen for the first time"
+    before = _bytes_read()
+    published = publish(prepared, server.socket_dir)
+    read = _bytes_read() - before
+    assert weights <= read < 1.25 * weights, f"{read:,} bytes read for {weights:,} bytes of weights: not one pass"
+    assert published.created
+    assert published.fingerprint.checkpoint == checkpoint_identity(large_checkpoint, DigestStore(None)), (
+        "the one-pass identity differs from hashing the files"
+    )
+    assert prepared.remembered() == published.fingerprint
+    assert DigestStore.open(tmp_path / "empty-store").directory is not None
+
+
+def _racing_adapter(before_load):
+    """The hf adapter, with ``before_load(request)`` run when its load starts (another writer at work)."""
+    from weightcache.adapters.hf import plugin as hf
+    from weightcache.core.hookspecs import hookimpl
+
+    racing = types.ModuleType("racing")
+    for name in ("weightcache_describe", "weightcache_rebind", "weightcache_options"):
+        setattr(racing, name, getattr(hf, name))
+
+    @hookimpl
+    def weightcache_load(request, builder):
+        before_load(request)
+        return hf.weightcache_load(request=request, builder=builder)
+
+    racing.weightcache_load = weightcache_load
+    return racing
+
+
+def test_a_file_cut_off_as_its_load_starts_is_refused_in_one_line(socket_dir, server, model_dir, tmp_path):
+    from weightcache.core.errors import InvalidCheckpoint
+    from weightcache.core.plugins import Plugins
+
+    path = Path(shutil.copytree(model_dir("llama"), tmp_path / "cut"))
+    weights = next(path.glob("*.safetensors"))
+
+    def truncate(_request):
+        os.truncate(weights, weights.stat().st_size // 2)
+
+    racing = _racing_adapter(truncate)
+    prepared = prepare(LoadRequest(model=str(path), adapter="racing"), Plugins.from_modules({"racing": racing}))
+    with pytest.raises((CheckpointChanged, InvalidCheckpoint), match=r"nothing was published|shorter than its header says"):
+        publish(prepared, socket_dir)
+    with Connection(socket_dir) as conn:
+        assert conn.status()["entries"] == []
+
+
+def test_a_file_cut_off_while_the_reader_reads_it_is_checkpoint_changed(large_checkpoint, tmp_path):
+    """Truncated after its first piece arrived (the progress callback runs between pieces): CheckpointChanged, not EOFError."""
+    path = Path(shutil.copytree(large_checkpoint, tmp_path / "copy"))
+    [weights] = checkpoint_files(path)
+
+    class TruncateAfterFirstPiece:
+        def update(self, nbytes: int) -> None:
+            if weights.stat().st_size > 64 << 20:
+                os.truncate(weights, 64 << 20)
+
+        def close(self) -> None:
+            pass
+
+    with ArenaBuilder("cpu", progress=TruncateAfterFirstPiece()) as builder:
+        with pytest.raises(CheckpointChanged, match=r"changed while .* was being loaded; nothing was published"):
+            read_checkpoint(path, builder, threads=1)
+        assert builder.read_digests == {}
+
+
+def test_a_header_rewritten_after_it_was_planned_is_checkpoint_changed(socket_dir, server, tmp_path):
+    """A header rewritten in place (same file, same size) while the load runs: nothing is published."""
+    from weightcache.core.plugins import Plugins
+
+    path = save_random_model("llama", tmp_path / "model", seed=1)
+    weights = path / "model.safetensors"
+    original = weights.read_bytes()
+
+    def swap_header(_request):
+        header = int.from_bytes(original[:8], "little") + 8
+        with open(weights, "r+b") as fh:  # the same file, the same size; only its header bytes change
+            fh.write(original[:header].replace(b'"F32"', b'"I32"', 1))
+
+    racing = _racing_adapter(swap_header)
+    prepared = prepare(LoadRequest(model=str(path), adapter="racing"), Plugins.from_modules({"racing": racing}))
+    with pytest.raises(CheckpointChanged):
+        publish(prepared, socket_dir)
+    with Connection(socket_dir) as conn:
+        assert conn.status()["entries"] == []
