@@ -18,6 +18,7 @@ import concurrent.futures
 import hashlib
 import os
 import threading
+import types
 from pathlib import Path
 
 import attrs
@@ -28,7 +29,9 @@ from weightcache.core.export import ArenaBuilder, Slot
 from weightcache.core.fileio import read_fully
 from weightcache.core.safetensors_io import Header, TensorInfo, check_length, checkpoint_files, read_header
 
-DEFAULT_THREADS = min(8, (os.cpu_count() or 2) * 2)
+DEFAULT_THREADS = min(16, (os.cpu_count() or 2) * 2)
+CHUNK_BYTES = 16 << 20
+"""One read: a piece is read, placed and hashed in chunks, so each thread's two staging buffers stay small."""
 
 
 @attrs.frozen
@@ -123,19 +126,35 @@ class _Changed(Exception):
 
 
 def _read_piece(reader: "_HostReader | _GpuReader", piece: Piece, fd: int, header: Header) -> bytes:
-    """Read ``piece`` into a staging buffer, check the header bytes it holds, place its tensor bytes; its sha256."""
+    """Read ``piece`` in chunks through a staging buffer: check the header bytes, place the tensor bytes, hash; its sha256.
+
+    Every chunk is hashed from the buffer its tensor bytes were placed from, after they were placed.
+    """
+    digest = hashlib.sha256()
+    raw = header.raw
     try:
-        return reader.read(piece, fd, header.raw)
+        for start in range(0, piece.nbytes, CHUNK_BYTES):
+            stop = min(start + CHUNK_BYTES, piece.nbytes)
+            staging = reader.staging(stop - start)
+            read_fully(fd, staging, piece.start + start, "checkpoint file")
+            at = piece.start + start
+            if at < len(raw) and bytes(staging[: min(len(raw), piece.start + stop) - at]) != raw[at : piece.start + stop]:
+                raise _Changed
+            reader.place(staging, [_within(copy, start, stop) for copy in piece.copies if _overlaps(copy, start, stop)])
+            digest.update(staging)
     except (EOFError, _Changed):
         raise CheckpointChanged(str(header.file.parent), str(header.file)) from None  # cut off or rewritten meanwhile
+    return digest.digest()
 
 
-def _check_header(staging, piece: Piece, raw: bytes) -> None:
-    """_Changed unless the header bytes inside ``piece`` are the ones the plan was made from."""
-    if piece.start < len(raw):
-        stop = min(len(raw), piece.start + piece.nbytes)
-        if bytes(staging[: stop - piece.start]) != raw[piece.start : stop]:
-            raise _Changed
+def _overlaps(copy: Copy, start: int, stop: int) -> bool:
+    return copy.source < stop and start < copy.source + copy.nbytes
+
+
+def _within(copy: Copy, start: int, stop: int) -> Copy:
+    """The part of ``copy`` that lies in the piece's bytes ``start``..``stop``, its source relative to ``start``."""
+    low, high = max(start, copy.source), min(stop, copy.source + copy.nbytes)
+    return Copy(copy.slot, copy.offset + low - copy.source, low - start, high - low)
 
 
 def _check_unchanged(checkpoint: str | os.PathLike, file: Path, fd: int, key: FileKey) -> None:
@@ -158,24 +177,23 @@ class _HostReader:
         self.local = threading.local()
         self.numpy = numpy
 
-    def read(self, piece: Piece, fd: int, raw: bytes) -> bytes:
-        staging = getattr(self.local, "staging", None)
-        if staging is None:
-            staging = self.local.staging = self.numpy.empty(PIECE_BYTES, dtype=self.numpy.uint8)
-        staging = staging[: piece.nbytes]
-        read_fully(fd, staging, piece.start, "checkpoint file")
-        _check_header(staging, piece, raw)
-        for copy in piece.copies:
+    def staging(self, nbytes: int):
+        buffer = getattr(self.local, "buffer", None)
+        if buffer is None:
+            buffer = self.local.buffer = self.numpy.empty(CHUNK_BYTES, dtype=self.numpy.uint8)
+        return buffer[:nbytes]
+
+    def place(self, staging, copies: list[Copy]) -> None:
+        for copy in copies:
             target = self.builder.view(copy.slot)[copy.offset : copy.offset + copy.nbytes].numpy()
             target[:] = staging[copy.source : copy.source + copy.nbytes]
-        return hashlib.sha256(staging).digest()
 
     def finish(self) -> None:
         pass
 
 
 class _GpuReader:
-    """Each thread reads into its own two pinned buffers, copies to the GPU on its own stream and hashes meanwhile."""
+    """Each thread turns between its own two pinned buffers: one is read and hashed while the other's DMA runs."""
 
     def __init__(self, builder: ArenaBuilder):
         import torch
@@ -187,36 +205,39 @@ class _GpuReader:
         self.lock = threading.Lock()
         self.torch = torch
 
-    def _state(self) -> list:
+    def _state(self):
         state = getattr(self.local, "state", None)
         if state is None:
             torch = self.torch
-            buffers = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            stream = torch.cuda.Stream(device=self.device)
-            state = self.local.state = [buffers, stream, [None, None], 0]
+            state = self.local.state = types.SimpleNamespace(
+                buffers=[torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)],
+                stream=torch.cuda.Stream(device=self.device),
+                events=[None, None],
+                turn=0,
+            )
             with self.lock:
-                self.streams.append(stream)
+                self.streams.append(state.stream)
         return state
 
-    def read(self, piece: Piece, fd: int, raw: bytes) -> bytes:
+    def staging(self, nbytes: int):
+        state = self._state()
+        state.turn = 1 - state.turn
+        if state.events[state.turn] is not None:
+            state.events[state.turn].synchronize()  # the copies out of this buffer have finished
+        return state.buffers[state.turn][:nbytes].numpy()
+
+    def place(self, staging, copies: list[Copy]) -> None:
         torch = self.torch
-        buffers, stream, events, turn = state = self._state()
-        if events[turn] is not None:
-            events[turn].synchronize()  # the copies out of this buffer have finished
-        staging = buffers[turn][: piece.nbytes]
-        host = staging.numpy()
-        read_fully(fd, host, piece.start, "checkpoint file")
-        _check_header(host, piece, raw)
+        state = self._state()
+        source = state.buffers[state.turn]
         # A worker thread's current device is cuda:0: without the guard, a copy to another GPU makes a context there.
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            for copy in piece.copies:
+        with torch.cuda.device(self.device), torch.cuda.stream(state.stream):
+            for copy in copies:
                 target = self.builder.view(copy.slot)[copy.offset : copy.offset + copy.nbytes]
-                target.copy_(staging[copy.source : copy.source + copy.nbytes], non_blocking=True)
+                target.copy_(source[copy.source : copy.source + copy.nbytes], non_blocking=True)
             event = torch.cuda.Event()
-            event.record(stream)
-        events[turn] = event
-        state[3] = 1 - turn
-        return hashlib.sha256(host).digest()  # while the DMA reads the same buffer: neither writes it
+            event.record(state.stream)
+        state.events[state.turn] = event  # hashing reads the buffer while the DMA does: neither writes it
 
     def finish(self) -> None:
         for stream in self.streams:

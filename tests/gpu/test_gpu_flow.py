@@ -244,3 +244,23 @@ if sys.argv[3] == "write" and not any(writable):
         assert good.ask("hash") == before
     finally:
         good.close()
+
+
+def test_a_first_sight_publish_on_the_gpu_digests_exactly_the_bytes_it_placed(gpu_model, tmp_path):
+    """One pass to cuda:0: the arenas hold the files' tensors and the identity equals hashing the files on their own."""
+    import safetensors.torch
+
+    from tests.helpers import assert_tensors_equal
+    from weightcache.core.digests import file_digest
+    from weightcache.core.export import ArenaBuilder
+    from weightcache.core.reader import read_checkpoint
+    from weightcache.core.safetensors_io import checkpoint_files
+
+    files = checkpoint_files(gpu_model)
+    with ArenaBuilder(DEVICE) as builder:
+        placed = read_checkpoint(gpu_model, builder)
+        expected = {name: t for file in files for name, t in safetensors.torch.load_file(file, device=DEVICE).items()}
+        for name, (info, slot) in placed.items():
+            tensor = builder.view(slot).view(getattr(torch, info.dtype)).view(info.shape)
+            assert_tensors_equal(name, tensor, expected[name])
+        assert {str(f): file_digest(f) for f in files} == {p: d.digest for p, d in builder.read_digests.items()}
