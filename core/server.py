@@ -38,6 +38,7 @@ from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir, p
 from weightcache.core.protocol import (
     FRAME_DEADLINE_S,
     MAX_FRAME_BYTES,
+    MAX_SOURCES,
     FrameReader,
     InFlight,
     close_fds,
@@ -401,7 +402,7 @@ class Server:
     def _locate(self, message, fds, connection_id, pid):
         """Where else the node holds this fingerprint's content (the loader copies from there; the server copies nothing)."""
         fingerprint = Fingerprint.from_json(message["fingerprint"])
-        return ok_reply(sources=self.registry.locate(fingerprint)[:_MAX_SOURCES]), []
+        return ok_reply(sources=self.registry.locate(fingerprint)[:MAX_SOURCES]), []
 
     def _detach(self, message, fds, connection_id, pid):
         self.registry.detach(str(message["digest"]), connection_id)
@@ -493,7 +494,6 @@ _HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _OPS_WITH_FDS = frozenset({"publish", "put_artifact"})
 _DIGEST_CHARS = frozenset("0123456789abcdef")
 _REPLY_ENVELOPE_BYTES = 4096  # a reply's fields besides its rows (status) or its manifest (attach)
-_MAX_SOURCES = 16  # copies of one content a locate reply names (a node has at most a few GPUs and one host tier)
 CUDA_GRANULE = 2 << 20
 """Allocation granularity the server assumes for CUDA arenas (the driver's recommended VMM granularity on current GPUs)."""
 CUDA_SLACK = 2 << 20
