@@ -72,7 +72,7 @@ class Source:
             raise ValueError(f"a row's fingerprint is malformed: {str(exc).removeprefix('malformed fingerprint: ')}") from None
         if fingerprint.content_digest != wanted.content_digest:
             fields = ", ".join(name for name in fingerprint.mismatched_fields(wanted) if name != "gpu_uuid")
-            raise ValueError(f"a row names another content (its {fields} differ)")
+            raise ValueError(f"a row names another content (it differs in {fields})")
         if fingerprint.digest == wanted.digest:
             raise ValueError("a row names the requested fingerprint itself")
         tier, nbytes = row["tier"], row["bytes"]
@@ -105,7 +105,7 @@ def sources(fingerprint: Fingerprint, socket_dir: str | os.PathLike | None = Non
     except ServerUnavailable:
         return []
     except (ProtocolError, ServerError) as exc:
-        log.warning("weightcache: ignoring the server's locate reply for %s: %s", fingerprint.short, _shown(str(exc), 300))
+        log.warning("weightcache: ignoring the server's locate reply for %s: %s", fingerprint.short, _cut(str(exc)))
         return []
     found: list[Source] = []
     problems = [f"it names {len(rows)} rows; at most {MAX_SOURCES} are read"] if len(rows) > MAX_SOURCES else []
@@ -127,15 +127,18 @@ def sources(fingerprint: Fingerprint, socket_dir: str | os.PathLike | None = Non
             len(rows) - len(found),
             len(rows),
             fingerprint.short,
-            _shown(problems[0], 300),
+            _cut(problems[0]),
             more,
         )
     return found
 
 
-def _shown(value: object, limit: int = 40) -> str:
-    """``value`` (``repr``, or a string as it is) for a log line, cut short: a lying server chooses its length."""
-    text = value if isinstance(value, str) and limit > 40 else repr(value)
+def _shown(value: object) -> str:
+    """``repr(value)`` for a log line, cut short: a lying server chooses its length."""
+    return _cut(repr(value), 40)
+
+
+def _cut(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

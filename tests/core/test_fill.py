@@ -129,6 +129,17 @@ def test_one_hostile_row_is_dropped_with_one_line_and_the_honest_rows_kept(liar,
     ), lines
 
 
+def test_the_line_for_another_content_names_the_fields_that_differ(liar, caplog):
+    liar.lie({"ok": True, "sources": [HOSTILE_ROWS["another dtype"]]})
+    assert liar.sources(caplog) == (
+        [],
+        [
+            f"weightcache: ignoring 1 of the 1 sources the server named for {WANTED.short}: a row names another content "
+            "(it differs in dtype); run the same weightcache version on both sides"
+        ],
+    )
+
+
 def test_a_reply_of_every_lie_at_once_costs_one_line(liar, caplog):
     rows = [*GOOD_ROWS, *HOSTILE_ROWS.values()]
     liar.lie({"ok": True, "sources": rows})
