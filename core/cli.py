@@ -20,6 +20,7 @@ import typing
 from collections.abc import Sequence
 
 from weightcache.core import __version__
+from weightcache.core.bounds import BUDGET, CONNECTIONS, IDLE_SECONDS, SECONDS, Bound
 from weightcache.core.errors import WeightCacheError
 from weightcache.core.progress import is_terminal
 
@@ -56,7 +57,24 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{text!r} is no room at all; give a size above 0 (or leave the option out for no limit)"
         )
+    if not BUDGET.contains(nbytes):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is more than any machine holds; give a size up to {BUDGET.shown(BUDGET.most)}"
+        )
     return nbytes
+
+
+def _within(bound: Bound, zero: str | None = None) -> typing.Callable[[str], float | int]:
+    """An argparse ``type=`` for a number in ``bound`` (``zero``: what 0 stands for, where the flag accepts it)."""
+
+    def parse(text: str) -> float | int:
+        try:
+            return bound.parse(text, zero)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = bound.unit
+    return parse
 
 
 def _count(least: int):
@@ -122,21 +140,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-file", help="with --detach: where the server logs (default: nowhere)")
     serve.add_argument(
         "--idle-timeout",
-        type=float,
+        type=_within(IDLE_SECONDS, zero="never"),
         metavar="SECONDS",
-        help="close a connection with nothing attached after this long without a request (default: 120; 0: never)",
+        help="close a connection with nothing attached after this long without a request "
+        f"(default: 120; 0: never; {IDLE_SECONDS.shown(IDLE_SECONDS.least)} to {IDLE_SECONDS.shown(IDLE_SECONDS.most)})",
     )
     serve.add_argument(
         "--max-connections",
-        type=_count(1),
+        type=_within(CONNECTIONS),
         metavar="N",
-        help="connections served at once; a newcomer beyond it displaces the longest-idle one (default: 1024)",
+        help="connections served at once; a newcomer beyond it displaces the longest-idle one "
+        f"(default: 1024; at most {CONNECTIONS.shown(CONNECTIONS.most)})",
     )
     serve.add_argument(
         "--frame-deadline",
-        type=float,
+        type=_within(SECONDS),
         metavar="SECONDS",
-        help="a request must arrive whole within this time of its first byte (default: 10)",
+        help="a request must arrive whole within this time of its first byte "
+        f"(default: 10; {SECONDS.shown(SECONDS.least)} to {SECONDS.shown(SECONDS.most)})",
     )
 
     load = _command(commands, "load", "load a checkpoint into arenas and publish it to the server (once per model and rank)")

@@ -86,17 +86,23 @@ class Connection:
         if frame is None:
             raise ServerUnavailable(str(self.path), "the server closed the connection")
         reply, reply_fds = frame
-        if reply.get("ok"):
+        if reply.get("ok") is True:
             return reply, reply_fds
         close_fds(reply_fds)
-        error = reply.get("error") or {}
-        code = error.get("code", "unknown")
+        error = reply.get("error")
+        code, message = (error.get("code"), error.get("message", "")) if isinstance(error, dict) else (None, None)
+        if not isinstance(code, str) or not isinstance(message, str):
+            raise ProtocolError(
+                "the server's reply is neither ok nor an error with a code and a message; "
+                "run the same weightcache version on both sides"
+            )
         if code == "access_denied":
-            raise AccessDenied(error.get("message", "access denied"))
-        if code == "not_found" and "fields" in error:
-            cls = FingerprintMismatch if error.get("fields") else EntryNotFound
-            raise cls(error.get("digest", ""), tuple(error.get("fields", ())), error.get("closest"))
-        raise ServerError(code, error.get("message", ""))
+            raise AccessDenied(message or "access denied")
+        fields, digest, closest = error.get("fields"), error.get("digest", ""), error.get("closest")
+        if code == "not_found" and isinstance(fields, list) and all(isinstance(f, str) for f in fields):
+            cls = FingerprintMismatch if fields else EntryNotFound
+            raise cls(str(digest), tuple(fields), closest if isinstance(closest, str) else None)
+        raise ServerError(code, message)
 
     def _read_refusal(self):
         try:

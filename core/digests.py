@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
+import secrets
 import stat
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Iterable
@@ -38,6 +39,8 @@ SCHEME = "wc-sha256-tree-64MiB"
 PIECE_BYTES = 64 << 20
 READ_BYTES = 8 << 20  # one pread; each worker holds one such buffer
 ENV_CACHE_DIR = "WEIGHTCACHE_CACHE_DIR"
+MAX_ENTRY_BYTES = 4096
+"""Largest store entry read; ``put`` writes about 250 bytes, so a larger file is not one of ours."""
 RACY_WINDOW_NS = 100_000_000
 """A file changed less than this before hashing began is hashed but not remembered.
 
@@ -164,15 +167,26 @@ def file_digest(path: str | os.PathLike) -> str:
     return _hash_files([Path(path)], [FileKey.of(path)])[0]
 
 
-@attrs.frozen
+@attrs.define
 class DigestStore:
     """Remembered digests, one small file per ``FileKey`` in a private directory.
 
-    ``directory`` is None when no trusted directory is available: then every
-    digest is computed and nothing is remembered.
+    Build it with ``open``: the directory is opened once (``O_DIRECTORY | O_NOFOLLOW``)
+    and checked on that descriptor, and every entry is read, written and renamed
+    relative to it, never through a path. So a directory swapped for a symlink
+    after the check, or an entry that is a symlink, a FIFO, someone else's file or
+    larger than ``MAX_ENTRY_BYTES``, redirects nothing: such an entry is a miss.
+    ``DigestStore(None)`` has no trusted directory: every digest is computed and
+    nothing is remembered.
     """
 
     directory: Path | None
+    """Where the store was opened (for messages; accesses go through ``fd``)."""
+    fd: int | None = attrs.field(default=None, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.directory is None) != (self.fd is None):
+            raise ValueError("build a DigestStore with DigestStore.open(directory), or DigestStore(None) for none")
 
     @classmethod
     def open(cls, directory: str | os.PathLike | None = None) -> DigestStore:
@@ -182,54 +196,83 @@ class DigestStore:
         group- or world-writable) is not used: one warning says why and how to fix it.
         """
         path = Path(directory) if directory is not None else default_directory()
-        problem = _untrusted(path)
-        if problem:
+        try:
+            fd = _open_private(path)
+        except _Untrusted as exc:
             log.warning(
                 "weightcache: not remembering checkpoint digests in %s: %s; every start hashes the checkpoint "
                 "(set %s to a directory of your own with mode 0700)",
                 path,
-                problem,
+                exc,
                 ENV_CACHE_DIR,
             )
             return cls(None)
-        return cls(path)
+        return cls(path, fd)
+
+    def close(self) -> None:
+        """Close the directory; the store then remembers nothing (``default_store()``'s stays open for the process)."""
+        if self.fd is not None:
+            fd, self.fd, self.directory = self.fd, None, None
+            os.close(fd)
+
+    def __enter__(self) -> DigestStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get(self, key: FileKey) -> str | None:
-        """The digest remembered for ``key``, or None (also for an unreadable or corrupt entry)."""
-        if self.directory is None:
+        """The digest remembered for ``key``, or None (also for an entry that is not a small file of ours, or corrupt)."""
+        if self.fd is None:
             return None
+        name = key.entry_name
         try:
-            fd = os.open(self.directory / key.entry_name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
+            # O_NONBLOCK: opening a FIFO put in an entry's place must not wait for a writer.
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=self.fd)
+        except FileNotFoundError:
             return None
+        except OSError as exc:  # ELOOP: a symlink
+            return self._ignore(
+                name, "it cannot be opened without following a link" if exc.errno == errno.ELOOP else exc.strerror
+            )
         try:
-            entry = json.loads(os.read(fd, 4096))
-        except ValueError:
-            return None
+            problem = _entry_problem(os.fstat(fd))
+            data = b"" if problem else os.read(fd, MAX_ENTRY_BYTES + 1)
         finally:
             os.close(fd)
+        if problem:
+            return self._ignore(name, problem)
+        try:
+            entry = json.loads(data)
+        except ValueError:
+            return self._ignore(name, "it is not JSON")
         if not isinstance(entry, dict) or entry.get("key") != key.as_list() or not _valid_digest(entry.get("digest")):
-            return None
+            return self._ignore(name, "it is not the entry of this file version")
         return entry["digest"]
 
+    def _ignore(self, name: str, why: str) -> None:
+        log.debug("ignoring digest store entry %s in %s: %s", name, self.directory, why)
+        return None
+
     def put(self, key: FileKey, digest: str) -> None:
-        """Remember ``digest`` for ``key`` (atomically: a temporary file renamed into place)."""
-        if self.directory is None:
+        """Remember ``digest`` for ``key`` (atomically: a temporary file renamed into place, both relative to the store)."""
+        if self.fd is None:
             return
         data = json.dumps({"scheme": SCHEME, "key": key.as_list(), "digest": digest}).encode()
+        temporary = f".tmp-{secrets.token_hex(8)}"
         try:
-            fd, temporary = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
         except OSError as exc:
             log.debug("could not remember a digest in %s: %s", self.directory, exc)
             return
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
-            os.replace(temporary, self.directory / key.entry_name)
+            os.replace(temporary, key.entry_name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except OSError as exc:
             log.debug("could not remember a digest in %s: %s", self.directory, exc)
             with contextlib.suppress(OSError):
-                os.unlink(temporary)
+                os.unlink(temporary, dir_fd=self.fd)
 
 
 def default_directory() -> Path:
@@ -316,19 +359,49 @@ def _valid_digest(value) -> bool:
 _DIGEST = re.compile(re.escape(SCHEME) + ":[0-9a-f]{64}")
 
 
-def _untrusted(path: Path) -> str | None:
-    """Why ``path`` (created 0700 when missing) must not hold digests, or None when it may."""
+class _Untrusted(Exception):
+    """Why a directory must not hold digests (the message says how to fix it)."""
+
+
+def _open_private(path: Path) -> int:
+    """An ``O_DIRECTORY | O_NOFOLLOW`` fd of ``path`` (created 0700 when missing), checked on that fd; else _Untrusted.
+
+    The checks read ``fstat`` of the descriptor, not the path: what was checked is what every later access uses.
+    """
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        info = os.lstat(path)
     except OSError as exc:
-        return f"it cannot be created ({exc.strerror})"
-    if stat.S_ISLNK(info.st_mode):
-        return "it is a symlink"
+        raise _Untrusted(f"it cannot be created ({exc.strerror})") from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise _Untrusted("it is a symlink" if path.is_symlink() else "it is not a directory") from None
+        raise _Untrusted(f"it cannot be opened ({exc.strerror})") from None
+    problem = _untrusted(os.fstat(fd), path)
+    if problem:
+        os.close(fd)
+        raise _Untrusted(problem)
+    return fd
+
+
+def _untrusted(info: os.stat_result, path: Path) -> str | None:
+    """Why the directory ``info`` describes (``fstat`` of an open fd) must not hold digests, or None when it may."""
     if not stat.S_ISDIR(info.st_mode):
         return "it is not a directory"
     if info.st_uid != os.geteuid():
         return f"it belongs to uid {info.st_uid}, not to you (uid {os.geteuid()})"
     if info.st_mode & 0o022:
         return f"the group or others can write it (mode {stat.S_IMODE(info.st_mode):04o}; run `chmod 700 {path}`)"
+    return None
+
+
+def _entry_problem(info: os.stat_result) -> str | None:
+    """Why an open store entry is not one ``put`` wrote (a regular file of ours, small), or None."""
+    if not stat.S_ISREG(info.st_mode):
+        return "it is not a regular file"
+    if info.st_uid != os.geteuid():
+        return f"it belongs to uid {info.st_uid}, not to you (uid {os.geteuid()})"
+    if info.st_size > MAX_ENTRY_BYTES:
+        return f"it holds {info.st_size} bytes; an entry holds at most {MAX_ENTRY_BYTES}"
     return None

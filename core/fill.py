@@ -23,12 +23,18 @@ import attrs
 
 from weightcache.core.attach import Attachment
 from weightcache.core.client import Connection
-from weightcache.core.errors import ServerUnavailable, WeightCacheError
+from weightcache.core.errors import ProtocolError, ServerError, ServerUnavailable, WeightCacheError
 from weightcache.core.export import ArenaBuilder
 from weightcache.core.fingerprint import HOST_TIER, Fingerprint
 from weightcache.core.manifest import Manifest
+from weightcache.core.protocol import MAX_SOURCES
 
 log = logging.getLogger(__name__)
+
+MAX_SOURCE_BYTES = 1 << 50
+"""Most bytes a believed source may hold (1 PiB: more than any node's memory)."""
+MAX_TIER_CHARS = 256
+_ROW_KEYS = ("fingerprint", "tier", "bytes")
 
 
 @attrs.frozen
@@ -45,8 +51,36 @@ class Source:
         return "the host tier" if self.tier == HOST_TIER else f"peer GPU {self.tier[:12]}"
 
     @classmethod
-    def from_row(cls, row: dict) -> "Source":
-        return cls(Fingerprint.from_json(row["fingerprint"]), str(row["tier"]), int(row["bytes"]))
+    def from_row(cls, row: object, wanted: Fingerprint) -> "Source":
+        """The source one row of a ``locate`` reply for ``wanted`` names; ValueError saying what is wrong with it.
+
+        A row is believed only when it is another entry of ``wanted``'s very content
+        (same ``content_digest``, another fingerprint), its tier a string and its
+        bytes a count from 1 to ``MAX_SOURCE_BYTES``: a server that names anything
+        else is broken or lying, and copying from it would publish other bytes.
+        """
+        if not isinstance(row, dict):
+            raise ValueError(f"a row is a JSON {_json_kind(row)}, not an object")
+        missing = [name for name in _ROW_KEYS if name not in row]
+        if missing:
+            raise ValueError(f"a row lacks {', '.join(missing)}")
+        if not isinstance(row["fingerprint"], dict):
+            raise ValueError(f"a row's fingerprint is a JSON {_json_kind(row['fingerprint'])}, not an object")
+        try:
+            fingerprint = Fingerprint.from_json(row["fingerprint"])
+        except ValueError as exc:
+            raise ValueError(f"a row's fingerprint is malformed: {str(exc).removeprefix('malformed fingerprint: ')}") from None
+        if fingerprint.content_digest != wanted.content_digest:
+            fields = ", ".join(name for name in fingerprint.mismatched_fields(wanted) if name != "gpu_uuid")
+            raise ValueError(f"a row names another content (it differs in {fields})")
+        if fingerprint.digest == wanted.digest:
+            raise ValueError("a row names the requested fingerprint itself")
+        tier, nbytes = row["tier"], row["bytes"]
+        if not isinstance(tier, str) or not 0 < len(tier) <= MAX_TIER_CHARS:
+            raise ValueError(f"a row's tier is {_shown(tier)}, not a name of 1 to {MAX_TIER_CHARS} characters")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 < nbytes <= MAX_SOURCE_BYTES:
+            raise ValueError(f"a row's bytes are {_shown(nbytes)}, not a count from 1 to {MAX_SOURCE_BYTES}")
+        return cls(fingerprint, tier, nbytes)
 
 
 @attrs.frozen
@@ -61,20 +95,57 @@ class Copied:
 def sources(fingerprint: Fingerprint, socket_dir: str | os.PathLike | None = None) -> list[Source]:
     """The node's other copies of ``fingerprint``'s content, fastest first (peer GPUs, then the host tier).
 
-    Empty when no server answers: then there is nothing to copy from.
+    Empty when no server answers: then there is nothing to copy from. Only rows of
+    the same content are kept (``Source.from_row``); a reply with anything else in
+    it costs one warning line, however many rows are wrong, and the rest is used.
     """
     try:
         with Connection(socket_dir) as connection:
             rows = connection.locate(fingerprint)
     except ServerUnavailable:
         return []
-    found = []
-    for row in rows:
+    except (ProtocolError, ServerError) as exc:
+        log.warning("weightcache: ignoring the server's locate reply for %s: %s", fingerprint.short, _cut(str(exc)))
+        return []
+    found: list[Source] = []
+    problems = [f"it names {len(rows)} rows; at most {MAX_SOURCES} are read"] if len(rows) > MAX_SOURCES else []
+    for row in rows[:MAX_SOURCES]:
         try:
-            found.append(Source.from_row(row))
-        except (KeyError, TypeError, ValueError) as exc:
-            log.warning("ignoring a malformed source the server named: %s", exc)
+            source = Source.from_row(row, fingerprint)
+        except ValueError as exc:
+            problems.append(str(exc))
+            continue
+        if source.fingerprint in (known.fingerprint for known in found):
+            problems.append(f"a row names {source.fingerprint.short} twice")
+            continue
+        found.append(source)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        log.warning(
+            "weightcache: ignoring %d of the %d sources the server named for %s: %s%s; run the same weightcache "
+            "version on both sides",
+            len(rows) - len(found),
+            len(rows),
+            fingerprint.short,
+            _cut(problems[0]),
+            more,
+        )
     return found
+
+
+def _shown(value: object) -> str:
+    """``repr(value)`` for a log line, cut short: a lying server chooses its length."""
+    return _cut(repr(value), 40)
+
+
+def _cut(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _json_kind(value: object) -> str:
+    """What JSON calls the kind of ``value``: object, array, string, number, boolean or null."""
+    kinds = ((bool, "boolean"), (dict, "object"), (list, "array"), (str, "string"), ((int, float), "number"))
+    return next((kind for types, kind in kinds if isinstance(value, types)), "null")
 
 
 def copy_from_node(

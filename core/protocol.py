@@ -33,6 +33,8 @@ MAX_FRAME_BYTES = 64 << 20
 MAX_FDS = 4096
 FDS_PER_MESSAGE = 250
 FRAME_DEADLINE_S = 10.0
+MAX_SOURCES = 16
+"""Most rows of a ``locate`` reply (a node has a few GPUs and one host tier): the server names no more, a client reads no more."""
 _CMSG_SPACE = socket.CMSG_SPACE(FDS_PER_MESSAGE * 4)
 
 

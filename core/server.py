@@ -30,7 +30,7 @@ from pathlib import Path
 
 import attrs
 
-from weightcache.core import PROTOCOL_VERSION, __version__
+from weightcache.core import PROTOCOL_VERSION, __version__, bounds
 from weightcache.core.connections import ConnectionState, ConnectionTable
 from weightcache.core.errors import AccessDenied, IdleTimeout, ProtocolError
 from weightcache.core.fingerprint import Fingerprint
@@ -38,6 +38,7 @@ from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir, p
 from weightcache.core.protocol import (
     FRAME_DEADLINE_S,
     MAX_FRAME_BYTES,
+    MAX_SOURCES,
     FrameReader,
     InFlight,
     close_fds,
@@ -76,21 +77,24 @@ class ServerConfig:
     :param inflight_wait_s: how long a frame waits for ``max_inflight_bytes`` to make room before it is refused with ``busy``.
     :param max_artifact_bytes: largest artifact (a compile cache blob) kept beside an entry.
     :param max_artifacts_per_entry: most artifacts kept beside one entry (a put under a known key replaces).
+
+    Every number is checked against its range in ``weightcache.core.bounds`` (the one the CLI parses with):
+    a NaN, infinite, negative, zero or absurd value is a ValueError here, before anything is bound.
     """
 
     socket_dir: Path = attrs.field(converter=Path)
-    byte_budget: int | None = None
-    host_budget: int | None = None
-    gpu_budget: int | None = None
-    max_frame_bytes: int = MAX_FRAME_BYTES
-    frame_deadline_s: float = FRAME_DEADLINE_S
-    max_connections: int = 1024
-    idle_timeout_s: float | None = 120.0
-    max_inflight_fds: int | None = None
-    max_inflight_bytes: int = 256 << 20
-    inflight_wait_s: float = 1.0
-    max_artifact_bytes: int = 1 << 30
-    max_artifacts_per_entry: int = 16
+    byte_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
+    host_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
+    gpu_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
+    max_frame_bytes: int = attrs.field(default=MAX_FRAME_BYTES, validator=bounds.FRAME_BYTES.validator)
+    frame_deadline_s: float = attrs.field(default=FRAME_DEADLINE_S, validator=bounds.SECONDS.validator)
+    max_connections: int = attrs.field(default=1024, validator=bounds.CONNECTIONS.validator)
+    idle_timeout_s: float | None = attrs.field(default=120.0, validator=bounds.IDLE_SECONDS.validator)
+    max_inflight_fds: int | None = attrs.field(default=None, validator=bounds.IN_FLIGHT_FDS.validator)
+    max_inflight_bytes: int = attrs.field(default=256 << 20, validator=bounds.BYTES.validator)
+    inflight_wait_s: float = attrs.field(default=1.0, validator=bounds.SECONDS.validator)
+    max_artifact_bytes: int = attrs.field(default=1 << 30, validator=bounds.BYTES.validator)
+    max_artifacts_per_entry: int = attrs.field(default=16, validator=bounds.ARTIFACTS.validator)
 
 
 class ServerAlreadyRunning(AccessDenied):
@@ -401,7 +405,7 @@ class Server:
     def _locate(self, message, fds, connection_id, pid):
         """Where else the node holds this fingerprint's content (the loader copies from there; the server copies nothing)."""
         fingerprint = Fingerprint.from_json(message["fingerprint"])
-        return ok_reply(sources=self.registry.locate(fingerprint)[:_MAX_SOURCES]), []
+        return ok_reply(sources=self.registry.locate(fingerprint)[:MAX_SOURCES]), []
 
     def _detach(self, message, fds, connection_id, pid):
         self.registry.detach(str(message["digest"]), connection_id)
@@ -493,7 +497,6 @@ _HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _OPS_WITH_FDS = frozenset({"publish", "put_artifact"})
 _DIGEST_CHARS = frozenset("0123456789abcdef")
 _REPLY_ENVELOPE_BYTES = 4096  # a reply's fields besides its rows (status) or its manifest (attach)
-_MAX_SOURCES = 16  # copies of one content a locate reply names (a node has at most a few GPUs and one host tier)
 CUDA_GRANULE = 2 << 20
 """Allocation granularity the server assumes for CUDA arenas (the driver's recommended VMM granularity on current GPUs)."""
 CUDA_SLACK = 2 << 20

@@ -26,6 +26,7 @@ import pytest
 from tests.core.support import make_fingerprint, publish_host_entry
 from tests.helpers import ServerProcess
 from weightcache.core import __version__
+from weightcache.core.cli import SIZE_EXAMPLE
 from weightcache.core.errors import FingerprintMismatch, UnsupportedQuantization
 from weightcache.core.progress import format_bytes, format_speedup
 from weightcache.core.quantization.allowlist import PER_TENSOR_FP8
@@ -412,6 +413,40 @@ def test_a_byte_budget_that_is_no_size_is_refused(value, problem, no_server):
     assert run.code == 2 and run.stderr == [
         f"weightcache: error: argument --byte-budget: {problem} (see `weightcache serve --help`)"
     ]
+
+
+SECONDS_RANGE = "a number of seconds from 0.01 to 86400 (1 day)"
+NUMERIC_SERVE_OPTIONS = [
+    *(("--frame-deadline", value, f"{value!r} is not {SECONDS_RANGE}") for value in ("nan", "0", "-5", "inf", "1e400", "86401")),
+    *(("--idle-timeout", value, f"{value!r} is not {SECONDS_RANGE}, or 0 for never") for value in ("-1", "nan", "inf", "1e9")),
+    *(
+        ("--max-connections", value, f"{value!r} is not a whole number of connections from 1 to 1048576")
+        for value in ("0", "-3", "nan", "1.5", "99999999")
+    ),
+    *(
+        (flag, value, f"{value!r} is not a size; write {SIZE_EXAMPLE}")
+        for flag in ("--byte-budget", "--host-budget", "--gpu-budget")
+        for value in ("-5", "nan", "inf")
+    ),
+    ("--gpu-budget", "2000000T", "'2000000T' is more than any machine holds; give a size up to 1 EiB"),
+]
+
+
+@pytest.mark.parametrize(("flag", "value", "problem"), NUMERIC_SERVE_OPTIONS, ids=lambda p: str(p)[:20])
+def test_a_numeric_serve_option_out_of_range_is_refused_before_the_socket_is_bound(flag, value, problem, no_server):
+    run = cli("serve", "--socket-dir", str(no_server), flag, value, timeout=30)
+    assert run.code == 2 and run.stderr == [f"weightcache: error: argument {flag}: {problem} (see `weightcache serve --help`)"]
+    assert list(no_server.iterdir()) == [], "the server bound its socket before refusing"
+
+
+def test_numeric_serve_options_at_their_bounds_are_accepted():
+    from weightcache.core.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--frame-deadline", "0.01", "--idle-timeout", "86400", "--max-connections", "1048576", "--byte-budget", "1"]
+    )
+    assert (args.frame_deadline, args.idle_timeout, args.max_connections, args.byte_budget) == (0.01, 86400.0, 1 << 20, 1)
+    assert build_parser().parse_args(["serve", "--idle-timeout", "0"]).idle_timeout == 0  # never
 
 
 def test_sizes_read_and_show_in_fitting_units():
