@@ -29,7 +29,9 @@ resident):
   --device D`` (``python -m weightcache.core.cli``), from exec to exit, timed by this process, under a
   pseudo-terminal so that the CLI prints its notes; the arrival time of each note splits the wall
   clock into phases: start + checks (exec -> ``hashing ...`` or ``loading ...``), hashing, read +
-  publish (-> ``published ...``), exit.
+  publish (-> ``published ...``), exit. Its clock includes the imports, so after a whole-cache drop a
+  throwaway process imports the same libraries first (untimed; the checkpoint stays cold): a node that
+  loads a new model has used its Python environment before.
 
 Every method's bytes are checked, outside the timed region, against safetensors' own load of the same
 files, tensor by tensor on the device (``torch.equal`` on the bytes; dtype and shape too where the
@@ -728,8 +730,12 @@ def _self() -> list[str]:
     return [sys.executable, str(Path(__file__).resolve())]
 
 
-def drop_page_cache(paths: list[Path]) -> dict:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches``, else fadvise(DONTNEED) per file; then what ``mincore`` finds resident."""
+def drop_page_cache(paths: list[Path], rewarm: list[str] | None = None, env: dict | None = None) -> dict:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``, else fadvise(DONTNEED) per file; then what ``mincore`` finds resident.
+
+    ``rewarm``: a command run after a whole-cache drop (it imports the libraries again, not the checkpoint),
+    for rows whose clock includes the imports: a node loading a new model has used its Python libraries before.
+    """
     os.sync()
     how = "drop_caches"
     try:
@@ -738,11 +744,16 @@ def drop_page_cache(paths: list[Path]) -> dict:
     except OSError as exc:
         how = f"fadvise (drop_caches refused: {exc.strerror or exc})"
         restart.drop_from_page_cache(paths)
+    rewarmed = None
+    if rewarm and how == "drop_caches":
+        start = time.monotonic()
+        subprocess.run(rewarm, env=env, check=True, capture_output=True, timeout=300)
+        rewarmed = round(time.monotonic() - start, 2)
     try:
         resident = restart.resident_fraction(paths)
     except OSError:
         resident = None
-    return {"how": how, "resident": resident}
+    return {"how": how, "resident": resident, "libraries_rewarmed_s": rewarmed}
 
 
 def cache_cell(cache: dict | None) -> str:
@@ -903,12 +914,15 @@ class Parent:
 
                 server = ServerProcess.start()
             extra = ["--socket-dir", str(server.socket_dir)] if server else []
-            cache = drop_page_cache(self.cache_paths)
+            rewarm = self.rewarm_command() if method.kind == "cli" else None
+            cache = drop_page_cache(self.cache_paths, rewarm, self.env)
             if method.kind == "cli":
                 record = self.cli_row(env, server.socket_dir)
             else:
                 record = self.spawn(["--role", "child", "--method", method.name, *extra], env=env)
             record["cache"] = cache
+            if cache["libraries_rewarmed_s"] is not None:
+                record.setdefault("notes", []).append("Python libraries re-read after the drop, untimed (checkpoint cold)")
         except Exception as exc:  # one broken row must not lose the others
             record = {"status": "error", "error": f"{type(exc).__name__}: {exc}", "stderr": _tail(traceback.format_exc())}
         finally:
@@ -935,6 +949,14 @@ class Parent:
             "stderr": check.get("stderr"),
         }
         return record
+
+    def rewarm_command(self) -> list[str]:
+        """Import what ``weightcache load`` imports (torch, transformers, safetensors, weightcache and its adapters)."""
+        code = "import torch, transformers, safetensors, weightcache.core.cli, weightcache.core.loader\n"
+        code += "from weightcache.core.plugins import installed_plugins; installed_plugins()\n"
+        if self.args.device.startswith("cuda"):
+            code += f"torch.empty(1, device={self.args.device!r})\n"
+        return [sys.executable, "-c", code]
 
     def sllm_reason(self) -> str:
         facts = self.facts
