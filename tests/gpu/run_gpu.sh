@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run the GPU tests and the GPU benchmarks in one go; logs go to OUTDIR.
-#   tests/gpu/run_gpu.sh OUTDIR [all|tests|kit|bench|node]   (default: all but node; one 10-minute device call fits one part)
+#   tests/gpu/run_gpu.sh OUTDIR [all|tests|kit|bench|node|cold|cold-8b]   (default: all but node and cold; one 10-minute
+#   device call fits one part)
 #   tests: the GPU tests (tests/gpu, or those WC_GPU_TESTS names); kit: the conformance kit on cuda:0 for four architectures;
-#   bench: the GPU benchmarks; node: benchmarks/node.py (two GPUs).
+#   bench: the GPU benchmarks; node: benchmarks/node.py (two GPUs); cold / cold-8b: benchmarks/cold.py against the peer
+#   loaders on a 16.06 GB Llama / restart.py's 8 B Qwen3 written to the root disk (carry .whl: the peers' wheels).
 #   tests/gpu/run_gpu.sh OUTDIR run CMD [ARG...]   runs one command with weightcache on the path (for a diagnosis).
 # Needs: a CUDA GPU, torch, transformers, safetensors, pluggy, attrs, pytest, cuda-bindings.
 # weightcache itself is put on the path from this checkout (no install, no network).
@@ -72,6 +74,23 @@ fi
 if [ "$PART" = node ]; then
   # Two GPUs: peer, host-tier and NCCL fills of GPU1, the model-swap scenario, and the 8 B checkpoint from disk.
   python3 benchmarks/node.py --with-8b --json "$OUT/node.json" 2>&1 | tee "$OUT/node.log" || status=1
+fi
+if [ "$PART" = cold ] || [ "$PART" = cold-8b ]; then
+  # The peers (fastsafetensors, runai-model-streamer, tensorizer and its needs, instanttensor) travel as wheels in .whl.
+  if [ ! -d /tmp/site ] && ls "$ROOT"/.whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$ROOT"/.whl/*.whl || status=1
+  fi
+  [ -d /tmp/site ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  # On the root disk, not /tmp or /dev/shm memory: the page cache must matter. Only one checkpoint at a time (64 GiB disk).
+  if [ "$PART" = cold ]; then
+    rm -rf /root/cold-8b /root/cold-8b.tensorizer
+    python3 benchmarks/cold.py --make-checkpoint /root/cold-ckpt --gib 16 --device cuda:0 ${WC_COLD_ARGS:-} \
+      --json "$OUT/cold.json" 2>&1 | tee "$OUT/cold.log" || status=1
+  else
+    rm -rf /root/cold-ckpt /root/cold-ckpt.tensorizer
+    python3 benchmarks/cold.py --make-checkpoint /root/cold-8b --size 8b --device cuda:0 ${WC_COLD_ARGS:-} \
+      --json "$OUT/cold-8b.json" 2>&1 | tee "$OUT/cold-8b.log" || status=1
+  fi
 fi
 rm -rf "$SHIM"
 exit $status

@@ -1,0 +1,66 @@
+"""benchmarks/cold.py: the checkpoint it writes, the CLI phases it reads, and a verification that bites."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def cold(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # cold.py imports its neighbour restart.py
+    return importlib.import_module("cold")
+
+
+def test_gib_16_is_llama_3_8b_as_the_issue_measured_it(cold):
+    tensors = cold.llama_tensors(cold.llama_shape(16))
+    nbytes = 2 * sum(math.prod(shape) for _, shape in tensors)
+    assert (len(tensors), nbytes) == (291, 16_060_522_496), "Llama-3-8B in bf16: 291 tensors, 16.06 GB"
+    shards = cold.shard_of(tensors)
+    assert shards == sorted(shards) and set(shards) == {0, 1, 2, 3}, "4 shards, in state_dict order"
+
+
+def test_other_sizes_keep_291_tensors_and_scale_the_bytes(cold):
+    for gib in (0.05, 1, 4):
+        tensors = cold.llama_tensors(cold.llama_shape(gib))
+        nbytes = 2 * sum(math.prod(shape) for _, shape in tensors)
+        assert len(tensors) == 291
+        assert 0.5 < nbytes / (gib / 16 * 16.06e9) < 2, f"--gib {gib} wrote {nbytes / 1e9:.3f} GB"
+
+
+def test_the_cli_wall_clock_is_split_at_its_notes(cold):
+    lines = [
+        (1.0, "checking /m ..."),
+        (5.2, "hashing 4 weight files seen for the first time (15.0 GiB) ..."),
+        (15.3, "loading m (LlamaForCausalLM, hf) (15.0 GiB or more) into cuda:0 arenas ..."),
+        (23.7, "published 0123456789ab  m (LlamaForCausalLM, hf): 291 tensors, 15.0 GiB in 8 arenas, 18.42 s"),
+    ]
+    phases = cold.cli_phases(lines, wall=25.3)
+    assert phases["start_and_checks_s"] == 5.2 and phases["cli_reported_s"] == 18.42
+    assert phases["hashing_s"] == pytest.approx(10.1) and phases["read_and_publish_s"] == pytest.approx(8.4)
+    assert phases["exit_s"] == pytest.approx(1.6)
+    remembered = cold.cli_phases([lines[0], (5.0, lines[2][1]), (13.0, lines[3][1])], wall=14.0)
+    assert remembered["hashing_s"] is None and remembered["start_and_checks_s"] == 5.0
+
+
+def test_a_flipped_byte_reads_NO_and_fails_the_run(tmp_path):
+    """Two rows on a tiny checkpoint on the CPU: plain reads verify, one byte changed after the clock does not."""
+    out = tmp_path / "cold.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "cold.py"), "--make-checkpoint", str(tmp_path / "ck"), "--gib", "0.002"]
+    command += ["--device", "cpu", "--methods", "raw-buffered,control-flip,serverless-llm-store", "--json", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, f"a mismatch must fail the run:\n{proc.stdout}\n{proc.stderr}"
+    methods = json.loads(out.read_text())["methods"]
+    assert methods["raw-buffered"]["verified"] is True, proc.stdout
+    assert methods["control-flip"]["verified"] is False
+    assert methods["control-flip"]["runs"][0]["verify"]["differ"], "the changed tensor is named"
+    assert methods["serverless-llm-store"]["status"] == "not run" and "cp310" in methods["serverless-llm-store"]["reason"]
+    assert "| NO (1 differ) |" in proc.stdout and "BYTES DIFFER: control" in proc.stdout
