@@ -160,6 +160,7 @@ class ArenaBuilder:
         """Close every arena and forget every plan: the builder is empty again (a failed copy starts over)."""
         self.close()
         self._sizes, self._arenas, self._fill, self._last_is_whole = [], [], 0, False
+        self.read_digests = {}
 
     def locate(self, tensor: "torch.Tensor") -> Slot | None:
         """The slot of a tensor that already lives in one of these arenas, else None."""

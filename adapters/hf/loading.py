@@ -76,18 +76,30 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
     """The model with its weights read from the files straight into ``builder``'s arenas, or None.
 
     None means the checkpoint needs transformers' own loading (renamed keys,
-    fused experts, a dtype cast): then nothing was read.
+    fused experts, a dtype cast): then ``builder`` is empty again. The meta
+    skeleton is built (transformers imports the model's module, seconds on a
+    cold interpreter) while the files are read; a checkpoint that stores no
+    floating tensor in the model's dtype is turned away before any weight is read.
     """
+    import concurrent.futures
+
     import torch
 
     from weightcache.core.reader import read_checkpoint
     from weightcache.core.safetensors_io import checkpoint_tensors
 
     dtype = load_dtype(request, config)
-    model = skeleton(request, drop_quantization=False, dtype=dtype)
-    model.tie_weights()  # on meta: shows which names tying would overwrite
-    wanted = {name: t for name, t in model.state_dict(keep_vars=True).items()}
-    stored = {info.name: info for info in checkpoint_tensors(request.model)}
+    wanted_dtype = str(dtype).removeprefix("torch.")
+    floating = [info.dtype for info in checkpoint_tensors(request.model) if _is_floating(info.dtype)]
+    if floating and wanted_dtype not in floating:  # a cast: a model kept partly in float32 still gets read
+        log.debug("checkpoint stores %s, not %s; loading through transformers", floating[0], wanted_dtype)
+        return None
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightcache-skeleton") as pool:
+        building = pool.submit(_tied_skeleton, request, dtype)
+        placed = read_checkpoint(request.model, builder)
+        model = building.result()
+    wanted = dict(model.state_dict(keep_vars=True))
+    stored = {name: info for name, (info, _slot) in placed.items()}
     ties = {name for name, p in model.named_parameters(remove_duplicate=False)} - {name for name, _ in model.named_parameters()}
     fits = set(stored) <= set(wanted) and all(
         tuple(wanted[n].shape) == info.shape and str(wanted[n].dtype).removeprefix("torch.") == info.dtype
@@ -97,8 +109,8 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
     if not fits or missing or ties & set(stored):
         # A tied weight stored on its own is transformers' call: it unties the two when their values differ.
         log.debug("checkpoint does not match the model one to one; loading through transformers")
+        builder.reset()
         return None
-    placed = read_checkpoint(request.model, builder)
     for name, (info, slot) in placed.items():
         owner_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_name)
@@ -112,6 +124,17 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
     check_no_meta(model)
     log.info("read %d tensors straight into arenas", len(placed))
     return model.eval()
+
+
+def _tied_skeleton(request: "LoadRequest", dtype: "torch.dtype") -> "torch.nn.Module":
+    """The meta skeleton, tied on meta: that shows which names tying would overwrite."""
+    model = skeleton(request, drop_quantization=False, dtype=dtype)
+    model.tie_weights()
+    return model
+
+
+def _is_floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
 
 
 def load_prequantized_fp8(request: "LoadRequest", config: dict) -> "torch.nn.Module":
