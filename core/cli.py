@@ -169,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the model on --device (default), on the host tier only (GPU-made weights in host memory, "
         "from which a GPU fills again in about a second), or both; host and both need a CUDA --device",
     )
+    load.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        help="on first sight of the weight files, do not read them into the page cache while Python imports "
+        "(by default at most half the available memory is read ahead)",
+    )
 
     status = _command(commands, "status", "list the server's entries: model, rank, device, size, attached engines")
     _add_socket_dir(status)
@@ -388,12 +395,9 @@ def _serve(args) -> int:
 
 def _load(args) -> int:
     """Check everything that can be checked before reading a weight, then load and publish (see docs/operations.md)."""
-    from weightcache.core import loader, preflight
-    from weightcache.core.client import Connection
-    from weightcache.core.fingerprint import HOST_TIER
-    from weightcache.core.identity import Environment
+    from weightcache.core import loader
     from weightcache.core.plugins import installed_plugins
-    from weightcache.core.progress import byte_progress, format_bytes, note
+    from weightcache.core.progress import note
     from weightcache.core.quantization.allowlist import check_quantization
     from weightcache.core.safetensors_io import check_checkpoint
 
@@ -404,6 +408,31 @@ def _load(args) -> int:
     adapter.check_options(request)
     check_quantization(request.quantization, adapter.quantization_allowlist(request))
     headers = check_checkpoint(request.model)  # files, headers, lengths: no weight byte read
+    with _read_ahead(headers, args.prefetch):  # first sight: the disk starts while torch and the adapter import
+        return _load_checked(args, request, adapter, headers)
+
+
+def _read_ahead(headers, wanted: bool):
+    """A ``Prefetch`` of the weight files when none of their digests is known yet (first sight), else nothing."""
+    import contextlib
+
+    from weightcache.core.digests import FileKey, remembered_digests
+    from weightcache.core.prefetch import Prefetch
+
+    files = [header.file for header in headers]
+    if not wanted or all(remembered_digests(FileKey.of(file) for file in files)):
+        return contextlib.nullcontext()
+    return Prefetch(files)
+
+
+def _load_checked(args, request, adapter, headers) -> int:
+    """``_load`` once the options and the checkpoint's headers are checked."""
+    from weightcache.core import loader, preflight
+    from weightcache.core.client import Connection
+    from weightcache.core.fingerprint import HOST_TIER
+    from weightcache.core.identity import Environment
+    from weightcache.core.progress import byte_progress, format_bytes, note
+
     with Connection(args.socket_dir) as connection:
         connection.hello()  # no server: say so now, not after the load
     preflight.check_device(request.device)

@@ -74,15 +74,17 @@ class ByteProgress:
     def update(self, nbytes: int) -> None:
         if self._bar is None:
             self._bar = self._open()
+        if self._bar.total is not None and self._bar.n + nbytes / MIB > self._bar.total:
+            self._bar.total = self._bar.n + nbytes / MIB  # an estimate fell short: the bar ends at 100 %, never past it
         self._bar.update(nbytes / MIB)
 
     def _open(self):
         from tqdm import tqdm
 
         if self.total:
-            shape = "{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} MiB [{elapsed}<{remaining}, {rate_fmt}]"
+            shape = "{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} MiB [{elapsed}<{remaining}, {rate_noinv_fmt}]"
         else:
-            shape = "{desc}: {n:.1f} MiB [{elapsed}, {rate_fmt}]"
+            shape = "{desc}: {n:.1f} MiB [{elapsed}, {rate_noinv_fmt}]"
         return tqdm(
             desc=self.description,
             total=self.total / MIB if self.total else None,

@@ -525,3 +525,18 @@ def test_commands_quote_the_socket_dir_as_given(tmp_path):
     spaced.mkdir(mode=0o700)
     run = cli("status", "--socket-dir", str(spaced))
     assert run.first.endswith(f"start one with `weightcache serve --socket-dir {shlex.quote(str(spaced))}`")
+
+
+def test_load_publishes_the_same_entry_with_and_without_reading_ahead(model_dir, tmp_path):
+    path = model_dir("llama")
+    digests = []
+    for number, flags in enumerate(([], ["--no-prefetch"])):
+        server = ServerProcess.start()
+        try:
+            env = {"WEIGHTCACHE_CACHE_DIR": str(tmp_path / f"digests-{number}")}  # first sight each time
+            run = cli("load", "--model", str(path), "--socket-dir", str(server.socket_dir), *flags, env=env)
+            assert run.code == 0 and run.stdout.startswith("published "), run
+            digests.append(run.stdout.split()[1])
+        finally:
+            server.close()
+    assert digests[0] == digests[1]
