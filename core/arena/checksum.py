@@ -116,17 +116,19 @@ def _sums(data: "torch.Tensor", columns: bool) -> "tuple[torch.Tensor, torch.Ten
 
     whole = data.numel() // 8 * 8
     words = _as_words(data[:whole])
-    tail = data[whole:]
-    if tail.numel():
-        padded = torch.zeros(8, dtype=torch.uint8, device=data.device)
-        padded[: tail.numel()] = tail
-        words = torch.cat([words, padded.view(torch.int64)]) if whole else padded.view(torch.int64)
     weighted = torch.zeros((), dtype=torch.int64, device=data.device)
     plain = torch.zeros((), dtype=torch.int64, device=data.device)
     for start in range(0, words.numel(), CHUNK_WORDS):
         chunk_weighted, chunk_plain = _chunk_sums(words[start : start + CHUNK_WORDS], columns)
         weighted += chunk_weighted + chunk_plain * (2 * start)  # wraps mod 2**64
         plain += chunk_plain
+    tail = data[whole:]
+    if tail.numel():  # the last word, zero-padded
+        padded = torch.zeros(8, dtype=torch.uint8, device=data.device)
+        padded[: tail.numel()] = tail
+        last = padded.view(torch.int64)[0]
+        weighted += last * (2 * words.numel() + 1)
+        plain += last
     return weighted, plain
 
 
