@@ -6,7 +6,8 @@ It joins the gloo group from the torchrun-style environment and sends the entry
 SIGKILLs itself once the header and ``N`` arena broadcasts have gone out (the
 broadcasts are counted by wrapping ``torch.distributed.broadcast``, not our code).
 With ``LIE`` (one of ``LIES``) it is a peer that lies to the receiver: the sending
-side of the seeding is changed here, the receiving side under test is not.
+side of the seeding is changed here, the receiving side under test is not. With
+``WC_SEED_DEVICE=cuda:N`` in its environment it sends a GPU entry over NCCL.
 """
 
 from __future__ import annotations
@@ -92,7 +93,14 @@ def main() -> int:
             LIES[sys.argv[3]]()
         else:
             die_after(int(sys.argv[3]))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    device = os.environ.get("WC_SEED_DEVICE")  # a GPU entry: NCCL from that GPU (tests/gpu/test_seeding_gpu.py)
+    if device:
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=60), device_id=torch.device(device))
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
         report = send_entry(fingerprint, socket_dir)
     finally:
