@@ -23,7 +23,10 @@ from pathlib import Path
 
 def publish_entry(socket_dir: Path, nbytes: int, tensors: int):
     """A sealed host arena of ``nbytes`` in ``tensors`` float32 tensors, published; returns its fingerprint."""
+    import attrs
+
     from weightcache.core.arena import backend
+    from weightcache.core.arena.checksum import checksum
     from weightcache.core.client import Connection
     from weightcache.core.fingerprint import Fingerprint, sha256_json
     from weightcache.core.manifest import Manifest, TensorRecord
@@ -51,7 +54,8 @@ def publish_entry(socket_dir: Path, nbytes: int, tensors: int):
             )
             for i in range(tensors)
         ]
-        manifest = Manifest(tensors=records, arenas=[arena.spec])
+        spec = attrs.evolve(arena.spec, checksum=checksum(arena.bytes_view()))  # every published arena carries one
+        manifest = Manifest(tensors=records, arenas=[spec])
         fingerprint = Fingerprint(
             checkpoint=sha256_json({"benchmark": "attach_load", "bytes": nbytes, "tensors": tensors}),
             architecture="AttachLoadBenchmark",

@@ -11,7 +11,12 @@ this process, which has a CUDA context on both GPUs already (an engine has one t
 - host tier -> GPU1: the same from the host-tier copy (sealed memfds, read through page-locked bounce buffers);
 - NCCL seeding GPU0 -> GPU1 across two servers (``weightcache.core.seeding``, two processes, one per "node");
 - disk -> GPU1 (``--with-8b``): ``weightcache load``'s path on the 8 B checkpoint, cold and warm page cache;
-- model swap: three 16 GiB models on the host tier, a GPU budget for one: time to switch GPU1 between them.
+- model swap: three 16 GiB models on the host tier, a GPU budget for one: time to switch GPU1 between them;
+- checksum 16 GiB on a GPU and on the CPU: what verification adds (``weightcache.core.arena.checksum``).
+
+Every fill is verified (the copy's checksum on GPU1 against the source's, before publishing;
+its ``verify_s`` is in the JSON): verification is always on. ``--checksum-only`` runs just
+the checksum rows (one GPU is enough).
 
 Needs two CUDA GPUs with peer access; weightcache importable (or this checkout on PYTHONPATH, as tests/gpu/run_gpu.sh does).
 """
@@ -251,8 +256,31 @@ def model_rows(args, work: Path, env: dict) -> dict:
     return rows
 
 
+def checksum_rows(args) -> dict:
+    """Checksum ``args.gib`` GiB on cuda:0 (the verification a fill, seeding or a scrub adds there) and in host memory."""
+    import torch
+
+    from weightcache.core.arena.checksum import checksum
+
+    nbytes = int(args.gib * GIB)
+    rows: dict = {}
+    places = [("GPU0", "cuda:0")] if torch.cuda.is_available() else []
+    for where, device in [*places, ("the CPU (host tier)", "cpu")]:
+        data = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        data.view(torch.int64).random_()
+        checksum(data)  # warm-up
+        runs = []
+        for _ in range(args.runs if device != "cpu" else 1):
+            start = time.perf_counter()
+            checksum(data)
+            runs.append({"ready_s": time.perf_counter() - start, "bytes": nbytes})
+        rows[f"checksum {args.gib:g} GiB on {where}"] = runs
+        del data
+    return rows
+
+
 def table(rows: dict, peer_gbps: float | None) -> str:
-    lines = [f"{'ready on GPU1 (median)':58} {'s':>8} {'GB/s':>8} {'runs':>5}"]
+    lines = [f"{'ready on GPU1, verified (median)':58} {'s':>8} {'GB/s':>8} {'runs':>5}"]
     for name, value in rows.items():
         runs = value if isinstance(value, list) else [value]
         seconds = median(runs, "ready_s")
@@ -273,10 +301,17 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-checkpoint", help="where the 8 B checkpoint is kept or reused")
     parser.add_argument("--no-swap", action="store_true", help="skip the model-swap scenario")
     parser.add_argument("--no-nccl", action="store_true", help="skip NCCL seeding")
+    parser.add_argument("--checksum-only", action="store_true", help="only the checksum rows (one GPU, or the CPU alone)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     import torch
 
+    if args.checksum_only:
+        rows = checksum_rows(args)
+        print(table(rows, None))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"gib": args.gib, "rows": rows}, indent=2, default=str))
+        return 0
     if torch.cuda.device_count() < 2:
         raise SystemExit(f"needs two CUDA GPUs, this process sees {torch.cuda.device_count()}")
     work = Path(tempfile.mkdtemp(prefix="wc-node-"))
@@ -286,6 +321,7 @@ def main(argv=None) -> int:
     for index in (0, 1):
         torch.empty(1, device=f"cuda:{index}")  # both CUDA contexts, as an engine of the node has its own
     rows = synthetic_rows(args, work, env)
+    rows.update(checksum_rows(args))
     if not args.no_swap:
         rows.update(swap_rows(args, work))
     if args.with_8b:

@@ -12,6 +12,7 @@ import time
 import typing
 
 from weightcache.core.arena import backend
+from weightcache.core.arena.checksum import check_mapped
 from weightcache.core.client import Connection
 from weightcache.core.errors import (
     AccessDenied,
@@ -97,16 +98,28 @@ class Attachment:
         EntryNotFound or EntryUnusable. Whatever fails, every fd received and
         the connection are closed.
         """
+        return cls._open(lambda connection: connection.attach(fingerprint), fingerprint, socket_dir, timeout, map_on)
+
+    @classmethod
+    def by_digest(cls, digest: str, socket_dir: str | os.PathLike | None = None, timeout: float = 30.0) -> "Attachment":
+        """Map the entry whose full digest is ``digest`` (as ``status`` lists it), whatever its fingerprint: a scrub's attach."""
+        return cls._open(lambda connection: connection.attach_digest(digest), None, socket_dir, timeout, None)
+
+    @classmethod
+    def _open(cls, ask, fingerprint: Fingerprint | None, socket_dir, timeout: float, map_on: int | None) -> "Attachment":
+        """Attach with ``ask(connection)`` and map the reply; ``fingerprint`` None: the one the reply carries."""
         start = time.perf_counter()
         connection = Connection(socket_dir, timeout=timeout)
         try:
-            reply = connection.attach(fingerprint)
+            reply = ask(connection)
         except BaseException:
             connection.close()
             raise
         requested = time.perf_counter()
         try:
             manifest = Manifest.from_json(reply.manifest)
+            if fingerprint is None:
+                fingerprint = Fingerprint.from_json(reply.fingerprint or {})
         except BaseException as exc:
             close_fds(reply.fds)
             connection.close()
@@ -123,9 +136,16 @@ class Attachment:
         """After a server restart: publish this entry again from the fds held here and attach to it anew.
 
         Returns whether this engine's publish created the entry (False: another engine was first).
+        The mapped arenas are checksummed first (each where it lives) and must match the
+        manifest's checksums: ChecksumMismatch, and nothing published, if they do not.
         """
-        connection = Connection(self.socket_dir)
+        connection = Connection(self.socket_dir)  # first: while no server answers, nothing is checksummed
         try:
+            check_mapped(
+                self.arenas,
+                "this engine's mapping",
+                "The mapped bytes changed since they were published: restart this engine from disk (`weightcache load`)",
+            )
             created = bool(
                 connection.publish(self.fingerprint, self.manifest.to_json(), self.fds, label=self.label).get("created")
             )

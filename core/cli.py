@@ -100,7 +100,7 @@ def _device(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _add_socket_dir(parser: argparse.ArgumentParser) -> None:
+def add_socket_dir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--socket-dir",
         metavar="DIR",
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = _command(commands, "serve", "run the server: it holds the arenas' fds and answers engines (never touches CUDA)")
-    _add_socket_dir(serve)
+    add_socket_dir(serve)
     serve.add_argument(
         "--byte-budget",
         type=size,
@@ -178,11 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     status = _command(commands, "status", "list the server's entries: model, rank, device, size, attached engines")
-    _add_socket_dir(status)
+    add_socket_dir(status)
     status.add_argument("--json", action="store_true", help="print the server's reply as JSON (fields: docs/operations.md)")
 
     evict = _command(commands, "evict", "drop an entry (memory is freed once no engine maps it)")
-    _add_socket_dir(evict)
+    add_socket_dir(evict)
     evict.add_argument("digest", help="the entry's digest or a prefix of it (>= 4 characters), as `weightcache status` shows it")
     evict.add_argument("--force", action="store_true", help="evict even while engines are attached (their mappings stay valid)")
 
@@ -207,7 +207,7 @@ def add_request_options(
     model_help: str = "checkpoint directory (config.json and *.safetensors)",
 ) -> None:
     """The options that name one model rank as ``weightcache load`` takes them (``load_request`` reads them back)."""
-    _add_socket_dir(parser)
+    add_socket_dir(parser)
     parser.add_argument(
         "--adapter", default="hf", help="adapter that reads the checkpoint (default: hf, Hugging Face transformers)"
     )

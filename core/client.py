@@ -42,6 +42,8 @@ class AttachReply:
     manifest: dict
     fds: tuple[int, ...]
     label: str
+    fingerprint: dict | None = None
+    """The entry's fingerprint (JSON), sent when it was attached by digest."""
 
 
 class Connection:
@@ -119,10 +121,21 @@ class Connection:
 
     def attach(self, fingerprint: Fingerprint) -> AttachReply:
         """Mark the entry attached by this connection and receive its fds."""
-        reply, fds = self.request({"op": "attach", "fingerprint": fingerprint.to_json()})
+        return self._attach({"op": "attach", "fingerprint": fingerprint.to_json()})
+
+    def attach_digest(self, digest: str) -> AttachReply:
+        """Attach the entry whose full digest is ``digest`` (from ``status``); the reply carries its fingerprint."""
+        return self._attach({"op": "attach", "digest": digest})
+
+    def _attach(self, message: dict) -> AttachReply:
+        reply, fds = self.request(message)
         try:
             return AttachReply(
-                digest=str(reply["digest"]), manifest=reply["manifest"], fds=tuple(fds), label=str(reply.get("label", ""))
+                digest=str(reply["digest"]),
+                manifest=reply["manifest"],
+                fds=tuple(fds),
+                label=str(reply.get("label", "")),
+                fingerprint=reply.get("fingerprint"),
             )
         except KeyError as exc:
             close_fds(fds)

@@ -346,3 +346,38 @@ class SeedFailed(WeightCacheError):
             f"seeding from rank {src} failed: {reason}; nothing was published. "
             "Check the other ranks' output, then run `weightcache seed` again on every rank"
         )
+
+
+class ChecksumMismatch(WeightCacheError):
+    """Bytes that moved do not match the checksum their source declared (``arena``: its index); nothing was published.
+
+    ``source`` names where the bytes came from (``peer GPU GPU-8f3e2a1b``, ``the host tier``,
+    ``rank 0``, ``this engine's mapping``); ``expected`` is the declared checksum (None: none
+    was declared), ``actual`` the checksum of the bytes that arrived.
+    """
+
+    def __init__(self, arena: int, source: str, expected: str | None, actual: str, fix: str = ""):
+        self.arena = arena
+        self.source = source
+        self.expected = expected
+        self.actual = actual
+        declared = f"{source} declared {expected}" if expected else f"{source} declared no checksum"
+        super().__init__(
+            f"arena {arena} from {source} does not hold the bytes it declared (their checksum is {actual}, {declared}); "
+            f"nothing was published. {fix or 'Its copy is corrupt: evict it (`weightcache verify --drop`) and load the model from disk'}"
+        )
+
+
+class NoMemory(WeightCacheError):
+    """A device cannot hold what a peer offers (checked before the first byte moves)."""
+
+    def __init__(self, device: str, needed: int, free: int):
+        from weightcache.core.progress import format_bytes
+
+        self.device = device
+        self.needed = needed
+        self.free = free
+        super().__init__(
+            f"the entry needs {format_bytes(needed)} on {device}, which has {format_bytes(free)} free; nothing was allocated. "
+            "Free memory there (evict entries, stop an engine) or receive on another device"
+        )

@@ -11,6 +11,7 @@ import typing
 import attrs
 
 from weightcache.core.arena import ArenaSpec, backend_for_device, round_up
+from weightcache.core.arena.checksum import check_copy, checksum
 from weightcache.core.device import Device
 from weightcache.core.digests import FileDigest
 from weightcache.core.errors import ArenaError
@@ -144,10 +145,23 @@ class ArenaBuilder:
         return [arena.spec for arena in self.arenas]
 
     def seal(self) -> None:
-        """Make every arena final; views handed out before must be dropped by now."""
+        """Make every arena final and checksum its bytes (into ``arena.spec``); views handed out before must be dropped by now.
+
+        Idempotent: an arena sealed and checksummed once is left as it is. The checksum
+        runs where the arena lives (on its GPU for a CUDA arena).
+        """
         for arena in self.arenas:
-            self.backend.seal(arena)
+            if arena.spec.checksum is None:
+                self.backend.seal(arena)
+                arena.spec = attrs.evolve(arena.spec, checksum=checksum(arena.bytes_view()))
         self._sealed = True
+
+    def check_copy(self, declared: "typing.Sequence[ArenaSpec]", source: str) -> list[ArenaSpec]:
+        """Seal, then the arenas' specs if their bytes are what ``source`` ``declared`` (ChecksumMismatch otherwise)."""
+        self.seal()
+        specs = self.specs()
+        check_copy(declared, specs, source)
+        return specs
 
     def close(self) -> None:
         """Release this process's handles (the server keeps its own fds)."""
@@ -159,7 +173,7 @@ class ArenaBuilder:
     def reset(self) -> None:
         """Close every arena and forget every plan: the builder is empty again (a failed copy starts over)."""
         self.close()
-        self._sizes, self._arenas, self._fill, self._last_is_whole = [], [], 0, False
+        self._sizes, self._arenas, self._fill, self._last_is_whole, self._sealed = [], [], 0, False, False
         self.read_digests = {}
 
     def locate(self, tensor: "torch.Tensor") -> Slot | None:

@@ -4,9 +4,11 @@ The CUDA-free server says where a content lives (``locate``: entries whose
 fingerprint differs only in ``gpu_uuid``); the copy runs here, in the loader's
 CUDA process. The new arenas get the same sizes and the manifest the same
 offsets, so the entry is the source's bytes, byte for byte, published under this
-GPU's own fingerprint. A source that fails (no peer access, evicted meanwhile, a
-copy that breaks) costs one log line and the next source is tried; nothing is
-published until every byte has arrived.
+GPU's own fingerprint. The copy is checksummed on this GPU and compared with the
+checksums the source declared. A source that fails (no peer access, evicted
+meanwhile, a copy that breaks, bytes that do not match: ChecksumMismatch) costs
+one log line and the next source is tried; nothing is published until every byte
+has arrived and matched.
 
 The host tier (``keep_on_host``) holds a GPU-made entry in sealed host memfds, so
 a GPU can be filled again after its entry was evicted (model swapping).
@@ -207,7 +209,10 @@ def _copy(source: Source, builder: ArenaBuilder, socket_dir, index: int) -> Copi
             torch.cuda.synchronize(index)
         timings["copy_s"] = time.perf_counter() - start
         del targets
-        manifest = attrs.evolve(attachment.manifest, arenas=builder.specs())
+        start = time.perf_counter()
+        specs = builder.check_copy(attachment.manifest.arenas, source.name)  # on this GPU; a mismatch tries the next source
+        timings["verify_s"] = time.perf_counter() - start
+        manifest = attrs.evolve(attachment.manifest, arenas=specs)
     finally:
         attachment.close()
     log.info("weightcache: filled cuda:%d from %s (%d bytes)", index, source.name, sum(s.size for s in manifest.arenas))
@@ -221,9 +226,11 @@ def keep_on_host(
     socket_dir: str | os.PathLike | None = None,
     label: str = "",
 ) -> dict:
-    """Publish a host-tier copy of ``arenas`` (GPU arenas holding ``manifest``'s bytes: a builder's or an attachment's).
+    """Publish a host-tier copy of ``arenas`` (sealed GPU arenas holding ``manifest``'s bytes: a builder's or an attachment's).
 
     The copy's fingerprint is ``fingerprint.on_device(HOST_TIER)``; returns the server's reply.
+    ``manifest.arenas`` carry the GPU arenas' checksums: the host copy is published only if
+    its bytes, checksummed on the CPU, match them (ChecksumMismatch otherwise).
     """
     from weightcache.core.arena.transfer import Pair, device_to_host
     from weightcache.core.loader import publish_arenas
@@ -233,13 +240,15 @@ def keep_on_host(
         pairs = [Pair(host.arena(slot).fileno(), arena.bytes_view()) for slot, arena in zip(slots, arenas, strict=True)]
         transfer = device_to_host(pairs)
         del pairs
-        host_manifest = attrs.evolve(manifest, arenas=host.specs())
-        reply = publish_arenas(host, fingerprint.on_device(HOST_TIER), host_manifest, socket_dir, label)
+        start = time.perf_counter()
+        reply = publish_arenas(host, fingerprint.on_device(HOST_TIER), manifest, socket_dir, label, copied_from="the GPU entry")
+        verify_s = time.perf_counter() - start  # the host copy's checksum, on the CPU, compared with the GPU's; and the publish
     log.info(
-        "weightcache: kept %s on the host tier (%d bytes in %.2f s)",
+        "weightcache: kept %s on the host tier (%d bytes in %.2f s, checked and published in %.2f s)",
         reply.get("digest", "")[:12],
         transfer.nbytes,
         transfer.copy_s,
+        verify_s,
     )
     return reply
 

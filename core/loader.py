@@ -220,6 +220,8 @@ def publish(
         builder.progress.close()
         host_digest, host_created = host_held, False
         if tier != "device" and not host_held:
+            _seal(builder)  # the GPU arenas' checksums: the host copy is checked against them
+            manifest = attrs.evolve(manifest, arenas=builder.specs())
             start = time.perf_counter()
             kept = fill.keep_on_host(fingerprint, manifest, builder.arenas, socket_dir, label)
             host_digest, host_created = kept["digest"], bool(kept["created"])
@@ -345,14 +347,24 @@ def publish_arenas(
     manifest: Manifest,
     socket_dir: str | os.PathLike | None = None,
     label: str = "",
+    copied_from: str | None = None,
 ) -> dict:
-    """Seal ``builder``'s arenas and publish them with ``manifest`` in one frame; returns the server's reply.
+    """Seal ``builder``'s arenas, checksum them, and publish them with ``manifest`` in one frame; returns the server's reply.
 
     The one publish sequence: the loader above, the Python API and the engine adapters all end here.
     An empty ``label`` becomes the fingerprint's architecture and adapter, so every entry has one.
+    ``manifest.arenas`` are replaced by the sealed arenas' specs, each with the checksum of its
+    bytes. With ``copied_from`` (the bytes came from there: a peer node, a GPU entry), each
+    declared arena of ``manifest`` must carry the same size and checksum as the bytes that
+    arrived, else ChecksumMismatch and nothing is published.
     """
     label = label or f"{fingerprint.architecture} ({fingerprint.adapter})"
     _seal(builder)
+    if copied_from is not None:
+        specs = builder.check_copy(manifest.arenas, copied_from)
+    else:
+        specs = builder.specs()
+    manifest = attrs.evolve(manifest, arenas=specs)
     fds = [arena.export_fd() for arena in builder.arenas]
     try:
         with Connection(socket_dir) as connection:

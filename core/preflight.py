@@ -10,7 +10,7 @@ import typing
 
 from weightcache.core.device import Device
 from weightcache.core.dtypes import item_size
-from weightcache.core.errors import DeviceNotFound, DeviceUnavailable, NoRoom
+from weightcache.core.errors import DeviceNotFound, DeviceUnavailable, NoMemory, NoRoom
 from weightcache.core.request import ModelDescription
 
 if typing.TYPE_CHECKING:
@@ -71,3 +71,24 @@ def check_room(status: dict, needed: int, tier: str = "host") -> None:
     for budget, held, which, flag in checks:
         if budget and needed > budget - held:
             raise NoRoom(needed, budget, held, which, flag)
+
+
+def free_bytes(device: Device) -> int:
+    """Bytes ``device`` can still hold: a GPU's free memory (asked on that GPU), or the host's available memory."""
+    if device.is_cuda:
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(device.torch())
+        return int(free)
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable line; this check needs Linux 3.14 or later")
+
+
+def check_memory(device: Device, needed: int) -> None:
+    """Raise NoMemory unless ``device`` has ``needed`` bytes free now (checked before allocating a peer's arenas)."""
+    free = free_bytes(device)
+    if needed > free:
+        raise NoMemory(str(device), needed, free)

@@ -226,20 +226,20 @@ class Registry:
                     total -= held(entry, tier)
         return list(victims.values())
 
-    def _attach_locked(self, fingerprint: Fingerprint, connection: int, pid: int) -> Entry | None:
-        entry = self._entries.get(fingerprint.digest)
+    def _attach_locked(self, digest: str, connection: int, pid: int) -> Entry | None:
+        entry = self._entries.get(digest)
         if entry is not None:
             entry.sessions[connection] = pid
             entry.last_used = time.monotonic()
         return entry
 
-    def checkout(self, fingerprint: Fingerprint, connection: int, pid: int) -> tuple[Entry, list[int]] | None:
-        """Like ``attach``, plus duplicates of the entry's fds made under the lock (the caller closes them).
+    def checkout(self, digest: str, connection: int, pid: int) -> tuple[Entry, list[int]] | None:
+        """Attach entry ``digest`` to ``connection``, and duplicates of its fds made under the lock (the caller closes them).
 
         The duplicates stay valid even if the entry is evicted before the reply is sent.
         """
         with self._lock:
-            entry = self._attach_locked(fingerprint, connection, pid)
+            entry = self._attach_locked(digest, connection, pid)
             if entry is None:
                 return None
             fds: list[int] = []

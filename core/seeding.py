@@ -15,14 +15,17 @@ Every rank takes part in each step, in this order:
    (its length first; no pickle, which ``broadcast_object_list`` would unpickle);
 2. verdict: each rank says whether it can take the entry (one flag per rank, summed):
    a receiver whose torch, CUDA or GPU kind differs (``check_environment``), whose
-   server does not answer or whose arenas cannot be made refuses, and every rank
-   stops before a byte of weights moves;
+   server does not answer, whose server's budget or device's free memory cannot hold
+   the declared arenas, that is sent arenas larger than their tensors need
+   (``check_sizes``) or whose arenas cannot be made refuses, and every rank stops
+   before a byte of weights moves;
 3. the arenas, whole, in broadcasts of at most ``CHUNK_BYTES``;
 4. a completion marker (a magic number and the byte count).
 
-A receiver publishes only after step 4; any failure before (a sender that dies or
-stalls: every collective waits at most the timeout) closes its arenas, so nothing
-partial is ever published.
+A receiver publishes only after step 4, and only if every arena's bytes match the
+checksum the sender's manifest declares for it (ChecksumMismatch names the arena);
+any failure before (a sender that dies or stalls: every collective waits at most the
+timeout) closes its arenas, so nothing partial or unchecked is ever published.
 """
 
 from __future__ import annotations
@@ -38,13 +41,17 @@ import typing
 
 import attrs
 
+from weightcache.core import preflight
+from weightcache.core.arena.base import plausible_size
 from weightcache.core.device import Device
-from weightcache.core.errors import SeedFailed, SeedRefused
-from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.errors import InvalidManifest, SeedFailed, SeedRefused
+from weightcache.core.fingerprint import HOST_TIER, Fingerprint
 from weightcache.core.protocol import MAX_FRAME_BYTES
 
 if typing.TYPE_CHECKING:
     import torch
+
+    from weightcache.core.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +174,9 @@ def receive_entry(
     ``group`` as for :func:`send_entry` (NCCL: ``torch.cuda.set_device(device)`` first).
     Nothing is published unless every arena and the completion marker arrived.
 
-    :raises SeedRefused: this node cannot use the entry (``check_environment``).
+    :raises SeedRefused: this node cannot use the entry (``check_environment``, ``check_sizes``).
+    :raises NoRoom, NoMemory: the server's budget or the device cannot hold it (before anything is allocated).
+    :raises ChecksumMismatch: an arena's bytes are not those the sender declared.
     :raises SeedFailed: the sender could not send, another rank refused, or the transfer broke off.
     """
     import torch
@@ -200,8 +209,8 @@ def receive_entry(
             raise SeedFailed(src, f"the completion marker says {marker.tolist()}, expected {[_DONE, link.expected]}")
         if device.is_cuda:
             torch.cuda.synchronize(device.torch())
-        manifest = attrs.evolve(manifest, arenas=builder.specs())
-        reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
+        # The sender's manifest declares each arena's checksum: what arrived must match it, else nothing is published.
+        reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label, copied_from=f"rank {src}")
     seconds = time.perf_counter() - start
     return SeedReport("receiver", reply["digest"], link.moved, seconds, created=bool(reply["created"]))
 
@@ -216,10 +225,35 @@ def _accept(header: dict, device: Device, socket_dir, src: int):
             src, f"the sender speaks seed format {header.get('format')!r}, this node {SEED_FORMAT}; run one weightcache version"
         )
     fingerprint = check_environment(Fingerprint.from_json(header["fingerprint"]), device)
-    manifest = Manifest.from_json(header["manifest"])
+    try:
+        manifest = Manifest.from_json(header["manifest"])  # refuses tensors outside their arenas
+    except InvalidManifest as exc:
+        raise SeedRefused(fingerprint.digest, f"the sender's manifest is not usable ({exc})") from None
+    check_sizes(manifest, fingerprint.digest)
+    needed = manifest.nbytes
     with Connection(socket_dir) as connection:
-        connection.hello()  # no server here: refuse now, not after the transfer
+        status = connection.status()  # no server here: refuse now, not after the transfer
+    preflight.check_room(status, needed, tier=HOST_TIER if not device.is_cuda else fingerprint.gpu_uuid)
+    preflight.check_memory(device, needed)
     return fingerprint, manifest, str(header.get("label") or "")
+
+
+def check_sizes(manifest: "Manifest", digest: str) -> None:
+    """Refuse (SeedRefused) arenas a sender declares larger than their tensors need, or without a checksum.
+
+    Each arena may exceed the end of its last tensor by an allocation granule only
+    (``plausible_size``, the rule the server applies to a CUDA arena), so a declared
+    size is backed by tensors before anything is allocated for it.
+    """
+    for index, (spec, extent) in enumerate(zip(manifest.arenas, manifest.arena_extents(), strict=True)):
+        if spec.size > plausible_size(extent):
+            raise SeedRefused(
+                digest,
+                f"the sender declares arena {index} of {spec.size} bytes, but its tensors reach only {extent} "
+                f"(at most {plausible_size(extent)} are plausible)",
+            )
+        if spec.checksum is None:
+            raise SeedRefused(digest, f"the sender declares no checksum for arena {index}; its bytes could not be checked")
 
 
 def _agree(link: "_Link", refusal: BaseException | None) -> None:

@@ -388,8 +388,16 @@ class Server:
         return ok_reply(digest=entry.digest, created=created), []
 
     def _attach(self, message, fds, connection_id, pid):
+        if "fingerprint" not in message:  # by full digest: a scrub (`weightcache verify`) that knows entries from status
+            digest = _full_digest(message["digest"])
+            found = self.registry.checkout(digest, connection_id, pid)
+            if found is None:
+                return error_reply("not_found", f"no entry {digest[:12]}; `weightcache status` lists them"), []
+            entry, fds = found
+            reply = ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label)
+            return {**reply, "fingerprint": entry.fingerprint.to_json()}, fds
         fingerprint = Fingerprint.from_json(message["fingerprint"])
-        found = self.registry.checkout(fingerprint, connection_id, pid)
+        found = self.registry.checkout(fingerprint.digest, connection_id, pid)
         if found is None:
             closest, fields = self.registry.closest(fingerprint)
             return error_reply(
@@ -497,10 +505,6 @@ _HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _OPS_WITH_FDS = frozenset({"publish", "put_artifact"})
 _DIGEST_CHARS = frozenset("0123456789abcdef")
 _REPLY_ENVELOPE_BYTES = 4096  # a reply's fields besides its rows (status) or its manifest (attach)
-CUDA_GRANULE = 2 << 20
-"""Allocation granularity the server assumes for CUDA arenas (the driver's recommended VMM granularity on current GPUs)."""
-CUDA_SLACK = 2 << 20
-"""Bytes a CUDA arena may declare beyond its tensors' extent rounded up to CUDA_GRANULE (covers granularities up to 4 MiB)."""
 
 
 def _raise_fd_limit() -> int:
@@ -525,15 +529,22 @@ def _check_arena_fd(fd: int, spec, extent: int, index: int) -> int:
     as large as its spec says (up to one page more): the seals make the bytes
     immutable for every engine, and its real size is what it counts.  A CUDA
     arena's fd cannot be sized without CUDA, so its declared size counts and
-    must be plausible: at most its tensors' extent rounded up to CUDA_GRANULE,
-    plus CUDA_SLACK (the manifest already checked it is at least that extent).
+    must be plausible (``plausible_size``: its tensors' extent rounded up to 2 MiB, plus
+    2 MiB; the manifest already checked it is at least that extent).  Every arena carries
+    a checksum of its bytes, which the server keeps and hands out but never computes:
+    whatever moves the bytes checks them (docs/architecture.md, "Checksums").
     """
     if spec.backend not in ("host", "cuda"):
         raise ValueError(f"unknown arena backend {spec.backend!r:.40}; expected 'host' or 'cuda'")
-    from weightcache.core.arena.base import round_up
+    if spec.checksum is None:
+        raise ValueError(
+            f"arena {index} carries no checksum of its bytes; publish through weightcache's own publish "
+            "(loader.publish_arenas computes it) with the server's weightcache version"
+        )
+    from weightcache.core.arena.base import plausible_size
 
     if spec.backend == "cuda":
-        bound = round_up(extent, CUDA_GRANULE) + CUDA_SLACK
+        bound = plausible_size(extent)
         if spec.size > bound:
             raise ValueError(
                 f"cuda arena {index} declares {spec.size} bytes but its tensors reach only {extent}; "
@@ -568,11 +579,16 @@ def _sealed_memfd_size(fd: int, what: str) -> int:
     return os.fstat(fd).st_size  # again: the size may have changed until the seals were added
 
 
-def _artifact_address(message: dict) -> tuple[str, str]:
-    """The entry digest and the artifact key of a put_artifact or get_artifact request (ValueError if malformed)."""
-    digest, key = message["digest"], message["key"]
+def _full_digest(digest) -> str:
+    """``digest`` if it is an entry's full digest (64 lower-case hex characters); ValueError otherwise."""
     if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _DIGEST_CHARS:
         raise ValueError(f"digest must be an entry's full digest (64 lower-case hex characters), not {digest!r:.80}")
+    return digest
+
+
+def _artifact_address(message: dict) -> tuple[str, str]:
+    """The entry digest and the artifact key of a put_artifact or get_artifact request (ValueError if malformed)."""
+    digest, key = _full_digest(message["digest"]), message["key"]
     if not isinstance(key, str) or not 0 < len(key) <= MAX_ARTIFACT_KEY_CHARS or not key.isprintable():
         raise ValueError(f"key must be a printable string of 1 to {MAX_ARTIFACT_KEY_CHARS} characters, not {key!r:.80}")
     return digest, key

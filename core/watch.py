@@ -6,7 +6,7 @@ import logging
 import socket
 import threading
 
-from weightcache.core.errors import AccessDenied, ServerError, ServerUnavailable
+from weightcache.core.errors import AccessDenied, ChecksumMismatch, ServerError, ServerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Republisher(threading.Thread):
                     created = self.attachment.reattach()
                 except (ServerUnavailable, ConnectionError, OSError):
                     continue
-                except (ServerError, AccessDenied) as exc:
+                except (ServerError, AccessDenied, ChecksumMismatch) as exc:
                     log.error("weightcache: could not publish %s again: %s", self.attachment.digest[:12], exc)
                     return
                 log.info(

@@ -13,8 +13,15 @@ import typing
 
 import attrs
 
+from weightcache.core.arena.checksum import SCHEME, is_checksum
+
 if typing.TYPE_CHECKING:
     import torch
+
+
+def _check_checksum(_spec, _attribute, value) -> None:
+    if value is not None and not is_checksum(value):
+        raise ValueError(f"checksum {value!r:.80} is not a {SCHEME} checksum ({SCHEME}: and 32 lower-case hex digits)")
 
 
 @attrs.frozen
@@ -24,14 +31,20 @@ class ArenaSpec:
     :param backend: backend name (``host`` or ``cuda``).
     :param size: bytes mapped (a multiple of the backend's granularity).
     :param device: ``cpu`` or the GPU UUID (``GPU-...``) the memory lives on.
+    :param checksum: the checksum of the arena's ``size`` bytes (``weightcache.core.arena.checksum``),
+        set when the arena is sealed; None before. Every published entry carries one per arena.
     """
 
     backend: str
     size: int = attrs.field(validator=attrs.validators.gt(0))
     device: str = "cpu"
+    checksum: str | None = attrs.field(default=None, validator=_check_checksum)
 
     def to_json(self) -> dict:
-        return attrs.asdict(self)
+        data = attrs.asdict(self)
+        if self.checksum is None:
+            del data["checksum"]  # an arena not sealed yet; the server refuses to publish it
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "ArenaSpec":
@@ -40,7 +53,7 @@ class ArenaSpec:
             raise ValueError("backend and device must be strings")
         if isinstance(size, bool) or not isinstance(size, int):
             raise ValueError(f"size must be an integer, not {type(size).__name__}")
-        return cls(backend=backend, size=size, device=device)
+        return cls(backend=backend, size=size, device=device, checksum=data.get("checksum"))
 
 
 class Arena(abc.ABC):
@@ -91,6 +104,18 @@ class ArenaBackend(abc.ABC):
     @abc.abstractmethod
     def map(self, fd: int, spec: ArenaSpec) -> Arena:
         """Map an arena received as ``fd`` (the fd is duplicated; the caller keeps its own)."""
+
+
+PLAUSIBLE_GRANULE = 2 << 20
+"""Allocation granularity assumed where the real one cannot be asked (the server has no CUDA; a seeding receiver
+checks a peer's sizes): the driver's recommended VMM granularity on current GPUs, a multiple of any page size."""
+PLAUSIBLE_SLACK = 2 << 20
+"""Bytes an arena may declare beyond its tensors' extent rounded up to PLAUSIBLE_GRANULE (covers granularities up to 4 MiB)."""
+
+
+def plausible_size(extent: int) -> int:
+    """The most bytes an arena whose tensors reach ``extent`` bytes may declare: arenas are sized for what they hold."""
+    return round_up(extent, PLAUSIBLE_GRANULE) + PLAUSIBLE_SLACK
 
 
 def round_up(value: int, multiple: int) -> int:

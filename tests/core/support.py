@@ -12,12 +12,15 @@ import attrs
 
 from weightcache.core import PROTOCOL_VERSION
 from weightcache.core.arena import ArenaSpec, backend
+from weightcache.core.arena.checksum import checksum as arena_checksum
 from weightcache.core.client import Connection
 from weightcache.core.fingerprint import Fingerprint, sha256_json
 from weightcache.core.manifest import Manifest, TensorRecord
 from weightcache.core.paths import SOCKET_NAME
 from weightcache.core.protocol import HEADER, MAGIC, FrameReader, close_fds
 
+SOME_CHECKSUM = "wsum64v1:" + "0" * 32
+"""A well-formed checksum for manifests the server checks without reading their bytes (it never computes one)."""
 ERROR_CODES = {"protocol_error", "bad_request", "not_found", "attached", "ambiguous", "over_budget", "busy", "access_denied"}
 ALL_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
@@ -52,15 +55,18 @@ def make_fingerprint(**overrides) -> Fingerprint:
     return Fingerprint(**{**fields, **overrides})
 
 
-def sealed_memfd(data: bytes) -> tuple[int, ArenaSpec]:
-    """A sealed host arena holding ``data``: ``(an exported fd the caller closes, its ArenaSpec)``."""
+def sealed_memfd(data: bytes, checksum: str | None = None) -> tuple[int, ArenaSpec]:
+    """A sealed host arena holding ``data``: ``(an exported fd the caller closes, its ArenaSpec)``.
+
+    The spec carries the checksum of the arena's bytes, or ``checksum`` when given (a lie, for the tests that check it is caught).
+    """
     host = backend("host")
     arena = host.create(len(data))
     try:
         fd = arena.export_fd()
         os.pwrite(fd, data, 0)
         host.seal(arena)
-        return fd, arena.spec
+        return fd, attrs.evolve(arena.spec, checksum=checksum or arena_checksum(arena.bytes_view()))
     finally:
         arena.close()
 
@@ -110,12 +116,19 @@ def host_manifest(spec: ArenaSpec, nbytes: int) -> Manifest:
 
 
 def publish_host_entry(
-    socket_dir, fingerprint: Fingerprint | None = None, nbytes: int = 16384, label: str = "wire-test"
+    socket_dir,
+    fingerprint: Fingerprint | None = None,
+    nbytes: int = 16384,
+    label: str = "wire-test",
+    checksum: str | None = None,
 ) -> HostEntry:
-    """Build a sealed memfd arena, publish it with ``Connection.publish`` and close this side's fd."""
+    """Build a sealed memfd arena, publish it with ``Connection.publish`` and close this side's fd.
+
+    ``checksum``: declare this one instead of the bytes' own (the server keeps what it is told).
+    """
     fingerprint = fingerprint or make_fingerprint()
     data = pattern(nbytes)
-    fd, spec = sealed_memfd(data)
+    fd, spec = sealed_memfd(data, checksum)
     try:
         manifest = host_manifest(spec, nbytes)
         with Connection(socket_dir, timeout=10) as conn:

@@ -9,12 +9,12 @@ import os
 
 import pytest
 
-from tests.core.support import host_manifest, make_fingerprint, publish_host_entry, sparse_memfd
+from tests.core.support import SOME_CHECKSUM, host_manifest, make_fingerprint, publish_host_entry, sparse_memfd
 from tests.helpers import ServerProcess
 from weightcache.core.arena import ArenaSpec
+from weightcache.core.arena.base import PLAUSIBLE_GRANULE, PLAUSIBLE_SLACK
 from weightcache.core.client import Connection
 from weightcache.core.errors import ServerError
-from weightcache.core.server import CUDA_GRANULE, CUDA_SLACK
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -86,7 +86,7 @@ def test_a_memfd_larger_than_its_declared_size_is_refused(budget_server):
     socket_dir = server.socket_dir
     fd = sparse_memfd(256 * MIB)  # no page touched: costs nothing
     try:
-        manifest = host_manifest(ArenaSpec(backend="host", size=4 * KIB), 4 * KIB)
+        manifest = host_manifest(ArenaSpec(backend="host", size=4 * KIB, checksum=SOME_CHECKSUM), 4 * KIB)
         with Connection(socket_dir) as conn, pytest.raises(ServerError) as refused:
             conn.publish(make_fingerprint(architecture="Hidden"), manifest.to_json(), [fd])
     finally:
@@ -101,7 +101,7 @@ def test_a_host_arena_counts_its_memfds_real_size(budget_server):
     socket_dir = server.socket_dir
     fd = sparse_memfd(8 * KIB)  # one page more than declared: plausible, and counted in full
     try:
-        manifest = host_manifest(ArenaSpec(backend="host", size=4 * KIB), 4 * KIB)
+        manifest = host_manifest(ArenaSpec(backend="host", size=4 * KIB, checksum=SOME_CHECKSUM), 4 * KIB)
         with Connection(socket_dir) as conn:
             digest = conn.publish(make_fingerprint(architecture="Padded"), manifest.to_json(), [fd])["digest"]
     finally:
@@ -112,7 +112,9 @@ def test_a_host_arena_counts_its_memfds_real_size(budget_server):
 
 def _cuda_manifest(declared: int, extent: int) -> dict:
     """The JSON of one CUDA arena declaring ``declared`` bytes whose only tensor reaches ``extent`` bytes."""
-    spec = ArenaSpec(backend="cuda", size=max(declared, extent), device="GPU-00000000-0000-0000-0000-000000000000")
+    spec = ArenaSpec(
+        backend="cuda", size=max(declared, extent), device="GPU-00000000-0000-0000-0000-000000000000", checksum=SOME_CHECKSUM
+    )
     manifest = host_manifest(spec, extent).to_json()
     manifest["arenas"][0]["size"] = declared
     return manifest
@@ -122,8 +124,8 @@ def _cuda_manifest(declared: int, extent: int) -> dict:
     ("declared", "accepted"),
     [
         (2 * MIB, True),  # the extent rounded up to the granularity: what the loader allocates
-        (CUDA_GRANULE + CUDA_SLACK, True),  # a granularity of up to 4 MiB
-        (CUDA_GRANULE + CUDA_SLACK + 4 * KIB, False),
+        (PLAUSIBLE_GRANULE + PLAUSIBLE_SLACK, True),  # a granularity of up to 4 MiB
+        (PLAUSIBLE_GRANULE + PLAUSIBLE_SLACK + 4 * KIB, False),
         (1024 * MIB, False),  # a small model that claims a whole GiB
     ],
 )

@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 
 from tests.core.support import (
@@ -38,7 +39,6 @@ from tests.core.support import (
 )
 from tests.helpers import ServerProcess, wait_until
 from weightcache.core import PROTOCOL_VERSION
-from weightcache.core.arena import ArenaSpec
 from weightcache.core.attach import Attachment
 from weightcache.core.client import Connection, wait_for_server
 from weightcache.core.errors import EntryNotFound, EntryUnusable, ServerError, ServerUnavailable
@@ -490,7 +490,7 @@ def _unusable(kind: str, data_size: int = 4096) -> tuple[int, dict]:
     """A sealed memfd and a manifest the server accepts but no client can use."""
     fd, spec = sealed_memfd(pattern(data_size))
     if kind == "cuda-arena-on-a-host-memfd":
-        spec = ArenaSpec(backend="cuda", size=spec.size, device="GPU-00000000-0000-0000-0000-000000000000")
+        spec = attrs.evolve(spec, backend="cuda", device="GPU-00000000-0000-0000-0000-000000000000")
         return fd, host_manifest(spec, data_size).to_json()
     manifest = host_manifest(spec, data_size).to_json()
     manifest["tensors"][0]["shape"] = [-5]  # a negative shape: no view can be made of it

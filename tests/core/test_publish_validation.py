@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from tests.core.support import (
     ALL_SEALS,
+    SOME_CHECKSUM,
     frame,
     make_fingerprint,
     pattern,
@@ -57,7 +58,9 @@ def base_manifest() -> dict:
         )
         for name, offset in (("a", 0), ("b", 64))
     ]
-    return Manifest(tensors=records, arenas=[ArenaSpec(backend="host", size=ARENA_BYTES)], aliases={"tied": "b"}).to_json()
+    return Manifest(
+        tensors=records, arenas=[ArenaSpec(backend="host", size=ARENA_BYTES, checksum=SOME_CHECKSUM)], aliases={"tied": "b"}
+    ).to_json()
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +244,7 @@ def fuzzed_manifests(draw) -> dict:
             record[field] = draw(perturbed(record[field]))
     return {
         "tensors": tensors,
-        "arenas": [{"backend": "host", "size": s, "device": "cpu"} for s in sizes],
+        "arenas": [{"backend": "host", "size": s, "device": "cpu", "checksum": SOME_CHECKSUM} for s in sizes],
         "aliases": aliases,
         "extra": {},
     }

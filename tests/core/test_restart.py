@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.core.support import publish_host_entry
 from tests.core.test_standby import StandbyProcess
 from tests.helpers import Engine, ServerProcess, wait_until
+from weightcache.core.arena.checksum import SCHEME
+from weightcache.core.attach import Attachment
 from weightcache.core.client import Connection
 from weightcache.core.digests import RACY_WINDOW_NS
-from weightcache.core.errors import ServerError
+from weightcache.core.errors import ChecksumMismatch, ServerError
 from weightcache.core.loader import prepare, publish
 from weightcache.core.request import LoadRequest
 
@@ -106,3 +109,21 @@ def test_least_recently_used_unattached_entries_make_room_within_the_byte_budget
         holder.close()
     finally:
         server.stop()
+
+
+def test_a_mapping_whose_bytes_do_not_match_their_checksum_is_not_published_again(socket_dir):
+    """Re-adoption checks what it re-publishes: bytes that differ from the published checksum stay out of the new server."""
+    first = ServerProcess.start(socket_dir)
+    try:
+        liar = publish_host_entry(socket_dir, checksum=f"{SCHEME}:{'c3' * 16}")  # its bytes are not what it declares
+        attachment = Attachment.open(liar.fingerprint, socket_dir)
+    finally:
+        first.kill()
+    second = ServerProcess.start(socket_dir)
+    try:
+        with pytest.raises(ChecksumMismatch, match="arena 0 from this engine's mapping does not hold the bytes it declared"):
+            attachment.reattach()
+        assert _entries(socket_dir) == []
+    finally:
+        attachment.close()
+        second.stop()

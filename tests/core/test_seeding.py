@@ -171,3 +171,66 @@ def test_a_rendezvous_nobody_else_joins_fails_within_the_timeout(nodes):
     assert receiver.returncode == 1, receiver.stderr[-3000:]
     message = receiver.stderr.strip().splitlines()[-1]
     assert "the rendezvous of 2 ranks at 127.0.0.1:" in message and "did not complete within 2 s" in message, message
+
+
+def _refused_before_any_weight_moved(sender, receiver, b) -> str:
+    """The receiver's one-line refusal, after checking the sender heard it before sending a weight byte."""
+    assert receiver.returncode == 1, receiver.stderr[-3000:]
+    message = receiver.stderr.strip().splitlines()[-1]
+    assert message.startswith("weightcache: error: "), receiver.stderr[-3000:]
+    assert sender.returncode == 1, sender.stderr[-3000:]
+    assert "rank 1 refused the entry" in sender.stderr and "no weights were sent" in sender.stderr, sender.stderr[-3000:]
+    assert entries(b.socket_dir) == []
+    return message
+
+
+def test_a_sender_that_sends_other_bytes_than_its_checksums_say_publishes_nothing(nodes, model_dir):
+    a, b = nodes
+    published = publish(prepare(LoadRequest(model=str(model_dir("llama")))), a.socket_dir)
+    sender, receiver = run_ranks(sender_script(a.socket_dir, published.fingerprint, "bytes"), seed_command(b.socket_dir))
+    assert sender.returncode == 0, sender.stderr[-3000:]  # it sent everything: only the receiver can tell
+    assert receiver.returncode == 1, receiver.stderr[-3000:]
+    message = receiver.stderr.strip().splitlines()[-1]
+    assert "arena 0 from rank 0 does not hold the bytes it declared" in message, message
+    assert "nothing was published" in message
+    assert entries(b.socket_dir) == []
+
+
+def test_a_sender_declaring_an_arena_far_larger_than_its_tensors_is_refused_before_allocation(nodes, model_dir):
+    a, b = nodes
+    published = publish(prepare(LoadRequest(model=str(model_dir("llama")))), a.socket_dir)
+    sender, receiver = run_ranks(sender_script(a.socket_dir, published.fingerprint, "inflated"), seed_command(b.socket_dir))
+    message = _refused_before_any_weight_moved(sender, receiver, b)
+    assert f"declares arena 0 of {1 << 40} bytes, but its tensors reach only" in message, message
+
+
+def test_a_sender_declaring_more_than_this_host_can_hold_is_refused_before_allocation(nodes, model_dir):
+    a, b = nodes
+    published = publish(prepare(LoadRequest(model=str(model_dir("llama")))), a.socket_dir)
+    sender, receiver = run_ranks(sender_script(a.socket_dir, published.fingerprint, "ghost"), seed_command(b.socket_dir))
+    message = _refused_before_any_weight_moved(sender, receiver, b)
+    assert "the entry needs 1.0 TiB on cpu, which has" in message and "nothing was allocated" in message, message
+
+
+def test_a_sender_declaring_an_arena_smaller_than_its_tensors_is_refused(nodes, model_dir):
+    a, b = nodes
+    published = publish(prepare(LoadRequest(model=str(model_dir("llama")))), a.socket_dir)
+    sender, receiver = run_ranks(sender_script(a.socket_dir, published.fingerprint, "shrunk"), seed_command(b.socket_dir))
+    message = _refused_before_any_weight_moved(sender, receiver, b)
+    assert "the sender's manifest is not usable" in message and "ends past arena 0" in message, message
+
+
+def test_an_entry_beyond_the_receiving_servers_budget_is_refused_before_any_weight_moves(model_dir):
+    from weightcache.core.server_process import ServerProcess
+
+    a = ServerProcess.start()
+    b = ServerProcess.start(None, "--byte-budget", "64K")
+    try:
+        published = publish(prepare(LoadRequest(model=str(model_dir("llama")))), a.socket_dir)
+        assert published.manifest.nbytes > 64 << 10
+        sender, receiver = run_ranks(sender_script(a.socket_dir, published.fingerprint), seed_command(b.socket_dir))
+        message = _refused_before_any_weight_moved(sender, receiver, b)
+        assert "the server can make room for only 64.0 KiB" in message and "--byte-budget" in message, message
+    finally:
+        for server in (a, b):
+            server.close()

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.core.support import (
+    SOME_CHECKSUM,
     frame,
     host_manifest,
     inode,
@@ -160,8 +161,8 @@ def _make_case(name: str, published, tmp_path: Path):
     unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(unsealed, 4096)
     small_fd, _ = sealed_memfd(b"x")
-    big_manifest = host_manifest(ArenaSpec(backend="host", size=1 << 20), 4096)
-    odd_manifest = host_manifest(ArenaSpec(backend="tape", size=4096), 4096)
+    big_manifest = host_manifest(ArenaSpec(backend="host", size=1 << 20, checksum=SOME_CHECKSUM), 4096)
+    odd_manifest = host_manifest(ArenaSpec(backend="tape", size=4096, checksum=SOME_CHECKSUM), 4096)
     owned = [fd, read_end, write_end, regular, unsealed, small_fd]
 
     def request(message: dict, fds=(), stays_open=True, code="bad_request"):

@@ -152,7 +152,7 @@ def test_an_attached_gpu_entry_is_never_evicted_for_another_and_the_refusal_name
     registry = Registry(Budgets(per_gpu=100))
     busy = _entry("busy", GPU_A, 80)
     registry.publish(busy)
-    registry.checkout(busy.fingerprint, connection=1, pid=os.getpid())
+    registry.checkout(busy.digest, connection=1, pid=os.getpid())
     with pytest.raises(OverBudget, match=f"GPU {GPU_A}.* budget of 100 bytes"):
         registry.publish(_entry("newcomer", GPU_A, 50))
     assert [row["label"] for row in registry.status()[0]] == ["busy"]

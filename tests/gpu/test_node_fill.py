@@ -6,6 +6,7 @@ Every fill is compared bit for bit with the same GPU's disk load.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -228,3 +229,102 @@ def test_two_engines_on_two_gpus_each_attach_their_own_gpus_entry(server, gpu_mo
     finally:
         for engine in (*engines, disk):
             engine.close()
+
+
+def publish_corrupt_copy(fingerprint, socket_dir, tier: str) -> None:
+    """Replace the entry ``fingerprint`` names with a copy on ``tier`` (``host``, or ``cuda:N``) whose bytes differ in one
+    byte but that declares the original's checksums: a corrupted copy as a fill meets it. The original is evicted."""
+    import attrs
+
+    from weightcache.core.arena.transfer import Pair, device_to_host
+    from weightcache.core.attach import Attachment
+    from weightcache.core.client import Connection
+    from weightcache.core.export import ArenaBuilder
+    from weightcache.core.fingerprint import HOST_TIER
+    from weightcache.core.protocol import close_fds
+
+    original = Attachment.open(fingerprint, socket_dir)
+    try:
+        declared = list(original.manifest.arenas)
+        with ArenaBuilder("cpu" if tier == "host" else tier) as copy:
+            slots = [copy.add_arena(spec.size) for spec in declared]
+            if tier == "host":
+                device_to_host(
+                    [Pair(copy.arena(s).fileno(), a.bytes_view()) for s, a in zip(slots, original.arenas, strict=True)]
+                )
+                fd = copy.arena(slots[0]).fileno()
+                os.pwrite(fd, bytes([os.pread(fd, 1, 4096)[0] ^ 0xFF]), 4096)  # one byte of arena 0, before sealing
+            else:
+                for slot, arena in zip(slots, original.arenas, strict=True):
+                    copy.view(slot).copy_(arena.bytes_view())
+                copy.view(slots[0])[4096] ^= 0xFF
+                torch.cuda.synchronize(tier)
+            copy.seal()
+            lying = [attrs.evolve(spec, checksum=want.checksum) for spec, want in zip(copy.specs(), declared, strict=True)]
+            manifest = attrs.evolve(original.manifest, arenas=lying).to_json()
+            fds = [arena.export_fd() for arena in copy.arenas]
+            try:
+                with Connection(socket_dir) as connection:
+                    if tier != "host":
+                        original.connection.detach(original.digest)
+                        connection.evict(original.digest)
+                    where = fingerprint.on_device(HOST_TIER) if tier == "host" else fingerprint
+                    connection.publish(where, manifest, fds, label="corrupt copy")
+            finally:
+                close_fds(fds)
+    finally:
+        original.close()
+
+
+def test_a_corrupted_host_tier_copy_is_refused_on_the_gpu_and_the_disk_is_used(server, gpu_model, caplog):
+    from weightcache.core import fill
+    from weightcache.core.client import Connection
+    from weightcache.core.export import ArenaBuilder
+    from weightcache.core.loader import prepare
+    from weightcache.core.request import LoadRequest
+
+    load(gpu_model, server.socket_dir, "cuda:0")
+    fingerprint = prepare(LoadRequest(model=str(gpu_model), device="cuda:0")).fingerprint
+    publish_corrupt_copy(fingerprint, server.socket_dir, "host")
+    with Connection(server.socket_dir) as connection:
+        connection.evict(fingerprint.digest)  # only the corrupt host copy is left
+    [host] = fill.sources(fingerprint, server.socket_dir)
+    with ArenaBuilder("cuda:0") as builder:
+        assert fill.copy_from_node(fingerprint, builder, server.socket_dir, [host]) is None
+    assert "arena 0 from the host tier does not hold the bytes it declared" in caplog.text, caplog.text
+    line = load(gpu_model, server.socket_dir, "cuda:0")
+    assert "copied from" not in line, line  # read from the disk
+    assert_attaches_like_a_disk_load(gpu_model, server.socket_dir, "cuda:0")
+
+
+@two_gpus
+def test_a_corrupted_peer_gpu_entry_is_refused_on_the_gpu_and_the_next_source_is_used(server, gpu_model, caplog):
+    from weightcache.core import fill
+    from weightcache.core.export import ArenaBuilder
+    from weightcache.core.loader import prepare
+    from weightcache.core.request import LoadRequest
+
+    load(gpu_model, server.socket_dir, "cuda:0", tier="both")
+    source = prepare(LoadRequest(model=str(gpu_model), device="cuda:0")).fingerprint
+    publish_corrupt_copy(source, server.socket_dir, "cuda:0")  # GPU0's entry now lies; the host copy is sound
+    wanted = prepare(LoadRequest(model=str(gpu_model), device="cuda:1")).fingerprint
+    found = fill.sources(wanted, server.socket_dir)
+    assert [s.tier == "host" for s in found] == [False, True]
+    with ArenaBuilder("cuda:1") as builder:
+        copied = fill.copy_from_node(wanted, builder, server.socket_dir, found)
+        assert copied is not None and copied.source.tier == "host"
+    assert "arena 0 from peer GPU" in caplog.text and "does not hold the bytes it declared" in caplog.text, caplog.text
+
+
+def test_weightcache_verify_checks_a_gpu_entry_on_its_gpu_and_finds_a_corrupt_one(server, gpu_model):
+    from weightcache.core.loader import prepare
+    from weightcache.core.request import LoadRequest
+
+    load(gpu_model, server.socket_dir, "cuda:0")
+    good = run_cli("verify", "--socket-dir", str(server.socket_dir))
+    assert good.stdout.splitlines()[-1] == "1 entries checked, 0 corrupt", good.stdout
+    fingerprint = prepare(LoadRequest(model=str(gpu_model), device="cuda:0")).fingerprint
+    publish_corrupt_copy(fingerprint, server.socket_dir, "cuda:0")
+    bad = run_cli("verify", "--drop", "--socket-dir", str(server.socket_dir), check=False)
+    assert bad.returncode == 2 and "CORRUPT arena 0 (dropped)" in bad.stdout, bad.stdout + bad.stderr
+    assert status(server.socket_dir) == []

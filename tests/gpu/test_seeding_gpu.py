@@ -6,11 +6,14 @@ Run with ``-s`` to see the GB/s each rank reports, e.g.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from tests.core.test_seeding import run_ranks, seed_command
+from tests.core.test_seeding import run_ranks, seed_command, sender_script
 from tests.helpers import run_python
 from weightcache.core.client import Connection
+from weightcache.core.fingerprint import Fingerprint
 
 torch = pytest.importorskip("torch")
 
@@ -99,3 +102,51 @@ print("ok")
         entry["digest"],
     )
     assert checked.stdout.strip().endswith("ok"), checked.stdout
+
+
+def publish_on_cuda0(path, socket_dir) -> Fingerprint:
+    """``weightcache load``'s publish of ``path`` on cuda:0, in a process of its own; its fingerprint."""
+    printed = run_python(
+        "import sys, json; from weightcache.core.loader import prepare, publish; from weightcache.core.request import LoadRequest;"
+        "print(json.dumps(publish(prepare(LoadRequest(model=sys.argv[1], device='cuda:0')), sys.argv[2]).fingerprint.to_json()))",
+        str(path),
+        str(socket_dir),
+    ).stdout.strip()
+    return Fingerprint.from_json(json.loads(printed.splitlines()[-1]))
+
+
+def test_nccl_bytes_that_differ_from_the_senders_checksums_are_refused_on_the_receiving_gpu(nodes, model_dir):
+    """A sender that flips a byte of every arena it broadcasts: the receiver checksums on cuda:1 and publishes nothing."""
+    a, b = nodes
+    path = model_dir("llama")
+    fingerprint = publish_on_cuda0(path, a.socket_dir)
+    sender, receiver = run_ranks(
+        sender_script(a.socket_dir, fingerprint, "bytes"),
+        seed_command(b.socket_dir, "--device", "cuda:1", timeout_s=120),
+        wait_s=TIMEOUT_S,
+        env={"NCCL_NVLS_ENABLE": "0", "WC_SEED_DEVICE": "cuda:0"},
+    )
+    assert sender.returncode == 0, sender.stderr[-5000:]
+    assert receiver.returncode == 1, receiver.stderr[-5000:]
+    message = receiver.stderr.strip().splitlines()[-1]
+    assert "arena 0 from rank 0 does not hold the bytes it declared" in message and "nothing was published" in message, message
+    with Connection(b.socket_dir) as connection:
+        assert connection.status()["entries"] == []
+
+
+def test_nccl_a_sender_declaring_more_than_the_receiving_gpu_has_free_is_refused_before_allocation(nodes, model_dir):
+    a, b = nodes
+    path = model_dir("llama")
+    fingerprint = publish_on_cuda0(path, a.socket_dir)
+    sender, receiver = run_ranks(
+        sender_script(a.socket_dir, fingerprint, "ghost"),  # a 1 TiB arena that a 1 TiB tensor fills
+        seed_command(b.socket_dir, "--device", "cuda:1", timeout_s=120),
+        wait_s=TIMEOUT_S,
+        env={"NCCL_NVLS_ENABLE": "0", "WC_SEED_DEVICE": "cuda:0"},
+    )
+    assert receiver.returncode == 1, receiver.stderr[-5000:]
+    message = receiver.stderr.strip().splitlines()[-1]
+    assert "the entry needs 1.0 TiB on cuda:1" in message and "nothing was allocated" in message, message
+    assert sender.returncode == 1 and "no weights were sent" in sender.stderr, sender.stderr[-5000:]
+    with Connection(b.socket_dir) as connection:
+        assert connection.status()["entries"] == []
