@@ -7,10 +7,15 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from weightcache.core.server_process import ServerProcess
 
 __all__ = ["ServerProcess"]  # one server-process helper for the kit, the demo and the project's tests
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "tinylm-adapter"
+"""The adapter guide's example package, an outside adapter (``weightcache-example``)."""
+EXAMPLE_SRC = EXAMPLE / "src"
 
 
 class Engine:
