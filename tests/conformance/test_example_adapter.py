@@ -15,35 +15,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import EXAMPLE
+from tests.helpers import EXAMPLE_SRC as SRC
 from weightcache.conformance import ConformanceFixtures, ConformanceTests
-
-EXAMPLE = Path(__file__).parents[2] / "examples" / "tinylm-adapter"
-SRC = EXAMPLE / "src"
-
-
-@pytest.fixture(scope="module")
-def example_package():
-    """The example package, importable for this module only."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(SRC))
-        import weightcache_example
-        import weightcache_example.plugin
-
-        try:
-            yield weightcache_example
-        finally:
-            for name in [n for n in sys.modules if n.partition(".")[0] == "weightcache_example"]:
-                del sys.modules[name]
-
-
-@pytest.fixture(scope="module")
-def example_checkpoint(example_package, tmp_path_factory):
-    """A random-weight TinyLM checkpoint."""
-    return example_package.save_checkpoint(tmp_path_factory.mktemp("tinylm"))
 
 
 @pytest.fixture(scope="session")
