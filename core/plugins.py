@@ -60,9 +60,7 @@ def check_adapter_module(module: object, name: str) -> None:
         if not attr.startswith(HOOK_PREFIX) or not callable(value):
             continue
         if attr in hookspecs.RETIRED_HOOKS:
-            problems.append(
-                f"{attr} was retired: rename it to {hookspecs.RETIRED_HOOKS[attr]} (docs/adapter-guide.md, Migration)"
-            )
+            problems.append(f"{attr} was retired: rename it to {hookspecs.RETIRED_HOOKS[attr]}")
         elif attr not in SPEC_NAMES:
             close = difflib.get_close_matches(attr, SPEC_NAMES, n=1)
             problems.append(f"{attr} is not a weightcache hook" + (f" (did you mean {close[0]}?)" if close else ""))
