@@ -143,7 +143,7 @@ def refused_quantization_skips(load_request: "LoadRequest") -> Iterator[None]:
         pytest.skip(f"the adapter refuses {load_request.quantization} for this model: {exc.reason}")
 
 
-def stop_session(pytest_request, failure: PrecheckFailed) -> typing.NoReturn:
+def stop_session(pytest_request: "pytest.FixtureRequest", failure: PrecheckFailed) -> typing.NoReturn:
     """Raise ``failure`` in this check and stop the session after it: no further check could pass."""
     pytest_request.session.shouldstop = str(failure)
     raise failure
