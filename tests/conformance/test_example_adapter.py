@@ -226,8 +226,8 @@ class Broken:
 
     @staticmethod
     @hookimpl
-    def weightcache_rebind(request, tensors, manifest):
-        model = plugin.weightcache_rebind(request=request, tensors=tensors, manifest=manifest)
+    def weightcache_rebind(request, tensors, manifest, description):
+        model = plugin.weightcache_rebind(request=request, tensors=tensors, manifest=manifest, description=description)
         bias = model.fc1.bias.detach().clone()
         bias[3] = torch.nextafter(bias[3], torch.tensor(float("inf")))
         model.fc1.bias = torch.nn.Parameter(bias, requires_grad=False)
