@@ -31,6 +31,19 @@ class Example:
     weightcache_checkpoint_conventions = staticmethod(plugin.weightcache_checkpoint_conventions)
 
 
+class RebindNudgesOneUlp(Example):
+    """Rebind nudges fc1.bias[3] by one ulp (a subtle loader bug)."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_rebind(request, tensors, manifest, description):
+        model = plugin.weightcache_rebind(request=request, tensors=tensors, manifest=manifest, description=description)
+        bias = model.fc1.bias.detach().clone()
+        bias[3] = torch.nextafter(bias[3], torch.tensor(float("inf")))
+        model.fc1.bias = torch.nn.Parameter(bias, requires_grad=False)
+        return model
+
+
 class ScaleLeftOutOfExtra(Example):
     """An option that changes the published tensors (a scale folded into fc1.weight), left out of the fingerprint."""
 

@@ -13,14 +13,11 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLE_SRC
-
-HERE = Path(__file__).parent
+from tests.helpers import EXAMPLE_SRC, PLANTED_DIR, kit_subclass_module
 
 ENTRY_POINTS = {
     "planted-scale-left-out": "ScaleLeftOutOfExtra",
@@ -45,7 +42,7 @@ def planted_env(tmp_path_factory) -> dict:
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: weightcache-planted\nVersion: 0\n")
     lines = [f"{name} = planted_adapters:{attr}" for name, attr in ENTRY_POINTS.items()]
     (info / "entry_points.txt").write_text("[weightcache.adapters]\n" + "\n".join(lines) + "\n")
-    return {"PYTHONPATH": os.pathsep.join([str(site), str(HERE), str(EXAMPLE_SRC)])}
+    return {"PYTHONPATH": os.pathsep.join([str(site), str(PLANTED_DIR), str(EXAMPLE_SRC)])}
 
 
 @pytest.fixture(scope="module")
@@ -184,40 +181,10 @@ def test_a_contract_mistake_stops_the_cli_and_the_pytest_form_in_one_line(
     assert " passed" not in proc.stdout and " error" not in proc.stdout, proc.stdout
 
 
-SUBCLASS_TEST = """
-import pytest
-
-from weightcache.conformance import ConformanceFixtures, ConformanceTests
-from weightcache.core.plugins import Plugins
-import planted_adapters
-
-
-class TestPlanted(ConformanceFixtures, ConformanceTests):
-    @pytest.fixture(scope="class")
-    @classmethod
-    def adapter_name(cls):
-        return "planted"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def model_path(cls):
-        return {checkpoint!r}
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def plugins(cls):
-        return Plugins.from_modules({{"planted": planted_adapters.{adapter}}})
-
-
-class TestAgain(TestPlanted):
-    pass
-"""
-
-
 @pytest.mark.parametrize("adapter", ["OptionsAsList", "RetiredHookName"])
 def test_a_subclass_of_the_kit_stops_at_its_first_check_in_one_line(planted_env, checkpoint, tmp_path, adapter):
     """In a suite of one's own, the pre-check errors once and stops the session (not one error per check and class)."""
-    (tmp_path / "test_planted.py").write_text(textwrap.dedent(SUBCLASS_TEST.format(checkpoint=checkpoint, adapter=adapter)))
+    (tmp_path / "test_planted.py").write_text(kit_subclass_module(adapter, checkpoint, classes=2))
     proc = _run(
         [sys.executable, "-m", "pytest", "test_planted.py", "-q", "-p", "no:cacheprovider", "--tb=line"], planted_env, tmp_path
     )
