@@ -94,6 +94,32 @@ def pytest_addoption(parser) -> None:
 
 
 def pytest_configure(config) -> None:
-    """With ``--weightcache-model`` and no test paths given, run the built-in suite alone."""
+    """With ``--weightcache-model`` and no test paths given, run the built-in suite alone, after the pre-check.
+
+    A failed pre-check (unknown adapter or option, a bad option value, describe failing on the
+    checkpoint) is a usage error: one line, no check run.
+    """
     if config.getoption("weightcache_model", None) and config.args_source != config.ArgsSource.ARGS:
+        import pytest
+
+        from weightcache.conformance.precheck import PrecheckFailed, precheck, request_from_options
+
+        try:
+            precheck(
+                request_from_options(
+                    *(config.getoption(f"weightcache_{name}") for name in ("adapter", "model", "quant", "device", "dtype")),
+                    config.getoption("weightcache_option") or [],
+                )
+            )
+        except PrecheckFailed as exc:
+            raise pytest.UsageError(str(exc)) from None
         config.args = [str(SUITE)]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The kit's verdict when its forward checks did not run: never a plain pass."""
+    from weightcache.conformance.verdict import PASSED_WITHOUT_FORWARD, forward_skip, skip_reason, verdict
+
+    no_forward = forward_skip(skip_reason(report) for report in terminalreporter.stats.get("skipped", []))
+    if verdict(int(exitstatus), no_forward) == PASSED_WITHOUT_FORWARD:
+        terminalreporter.write_line(f"weightcache conformance: {PASSED_WITHOUT_FORWARD} ({no_forward})", yellow=True, bold=True)

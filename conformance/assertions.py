@@ -172,3 +172,47 @@ def flatten_outputs(output: typing.Any, prefix: str = "output") -> dict[str, "to
         for index, value in enumerate(output):
             leaves.update(flatten_outputs(value, f"{prefix}[{index}]"))
     return leaves
+
+
+def failures(title: str, problems: list[str], limit: int = 40) -> str:
+    """``title`` and its problems, one per line (the first ``limit``, then how many more)."""
+    shown = problems[:limit] + ([f"... and {len(problems) - limit} more"] if len(problems) > limit else [])
+    return f"{title} ({len(problems)}):\n  " + "\n  ".join(shown)
+
+
+def assert_same_model(
+    model: "torch.nn.Module",
+    reference: "torch.nn.Module",
+    run_model: "typing.Callable[[torch.nn.Module, typing.Any], typing.Any]",
+    example_inputs: typing.Any,
+    context: str,
+    label: str = "mapped",
+) -> None:
+    """Every tensor of ``model`` equals ``reference``'s (a disk load); and its outputs too where a forward can run here."""
+    from weightcache.core.request import ForwardUnavailable
+
+    disk = model_tensors(reference)
+    mine = model_tensors(model)
+    problems = [
+        f"{name} ({facts.dtype} on {facts.device}): " + "; ".join(facts.differences(disk[name]))
+        for name, facts in mine.items()
+        if name in disk and facts.differences(disk[name])
+    ]
+    problems += [f"{name} is missing" for name in sorted(set(disk) - set(mine))]
+    assert not problems, failures(f"{context}: tensors differ from the disk load", problems)
+    if not isinstance(example_inputs, ForwardUnavailable):
+        expected = flatten_outputs(run_model(reference, example_inputs))
+        assert_same_outputs(flatten_outputs(run_model(model, example_inputs)), expected, context, label)
+
+
+def assert_same_outputs(
+    actual: "dict[str, torch.Tensor]", expected: "dict[str, torch.Tensor]", context: str, label: str = "mapped"
+) -> None:
+    """The same output tensors by path, each bit-identical to the disk load's."""
+    if set(actual) != set(expected):
+        raise AssertionError(
+            f"{context}: output tensors differ in names: missing {sorted(set(expected) - set(actual))}, "
+            f"extra {sorted(set(actual) - set(expected))}"
+        )
+    for name in expected:
+        assert_tensors_identical(name, actual[name], expected[name], context=context, label=label)

@@ -3,8 +3,12 @@
 - :class:`ParityTests`: the mapped model equals the disk load tensor by tensor
   and output by output, nothing stays on meta, tied weights stay tied, the
   mapped tensors live in the arenas (zero-copy).
+- :class:`ModeTests`: each mode's own path (off, daemon's first start, client)
+  loads, and puts every tensor on the requested device.
 - :class:`FingerprintTests`: every fingerprint field changed alone gives an
   explicit mismatch naming that field, and (non-strict) a logged fallback to disk.
+- :class:`FlipTests`: every adapter option and the request's dtype, quantization
+  and device flipped on a published entry: a miss, or exactly the client's own disk load.
 - :class:`QuantizationTests`: refused methods fail before any weight is read.
 - :class:`CrashTests`: a SIGKILLed server leaves an attached model's outputs unchanged.
 - :class:`ConformanceTests`: all of them.
@@ -20,18 +24,23 @@ import attrs
 import pytest
 
 from weightcache.conformance.assertions import (
-    assert_tensors_identical,
+    assert_same_model,
+    assert_same_outputs,
     difference_message,
+    failures,
     flatten_outputs,
     model_tensors,
     tied_groups,
 )
-from weightcache.conformance.fixtures import FP8_BLOCK, fresh, load, refused_quantization_skips
+from weightcache.conformance.fixtures import FP8_BLOCK, adapter_facade, fresh, load, refused_quantization_skips
+from weightcache.conformance.flips import REQUEST_FIELDS, field_flips, judge, option_flips
 from weightcache.core.errors import FingerprintMismatch, UnsupportedQuantization
 from weightcache.core.fingerprint import FIELDS, Fingerprint
 from weightcache.core.server_process import ServerProcess
 
 if typing.TYPE_CHECKING:
+    import torch
+
     from weightcache.core.request import LoadRequest, ModelDescription
 
 REFUSED_METHODS = ("fp8", "fp8-tensor", "marlin", "awq", "gptq", "bitsandbytes", "conformance-unknown-method")
@@ -83,39 +92,6 @@ def _skip_if_allowlisted(method: str, allowlist) -> None:
         )
 
 
-def _failures(title: str, problems: list[str], limit: int = 40) -> str:
-    shown = problems[:limit] + ([f"... and {len(problems) - limit} more"] if len(problems) > limit else [])
-    return f"{title} ({len(problems)}):\n  " + "\n  ".join(shown)
-
-
-def _compare_with_disk(model, disk_model, run_model, example_inputs, context: str, label: str = "mapped") -> None:
-    """Every tensor of ``model`` equals the disk load's; and its outputs too where the model can run a forward here."""
-    from weightcache.core.request import ForwardUnavailable
-
-    disk = model_tensors(disk_model.model)
-    problems = [
-        f"{name} ({facts.dtype} on {facts.device}): " + "; ".join(facts.differences(disk[name]))
-        for name, facts in model_tensors(model).items()
-        if name in disk and facts.differences(disk[name])
-    ]
-    missing = sorted(set(disk) - set(model_tensors(model)))
-    problems += [f"{name} is missing" for name in missing]
-    assert not problems, _failures(f"{context}: tensors differ from the disk load", problems)
-    if not isinstance(example_inputs, ForwardUnavailable):
-        expected = flatten_outputs(run_model(disk_model.model, example_inputs))
-        _compare_outputs(flatten_outputs(run_model(model, example_inputs)), expected, context, label)
-
-
-def _compare_outputs(actual: dict, expected: dict, context: str, label: str = "mapped") -> None:
-    if set(actual) != set(expected):
-        raise AssertionError(
-            f"{context}: output tensors differ in names: missing {sorted(set(expected) - set(actual))}, "
-            f"extra {sorted(set(actual) - set(expected))}"
-        )
-    for name in expected:
-        assert_tensors_identical(name, actual[name], expected[name], context=context, label=label)
-
-
 class ParityTests:
     """The mapped model is the disk load, bit for bit."""
 
@@ -136,7 +112,7 @@ class ParityTests:
         try:
             assert (loaded.source, loaded.mode) == ("cache", "daemon"), f"mode 'daemon' gave {loaded.source!r} / {loaded.mode!r}"
             assert loaded.attachment.digest == published.digest, "mode 'daemon' attached another entry than the one published"
-            _compare_with_disk(loaded.model, disk_model, run_model, example_inputs, "daemon mode")
+            assert_same_model(loaded.model, disk_model.model, run_model, example_inputs, "daemon mode")
         finally:
             loaded.close()
 
@@ -159,7 +135,7 @@ class ParityTests:
             if notes:
                 facts = mapped[name]
                 problems.append(f"{name} ({facts.dtype} on {facts.device}): " + "; ".join(notes))
-        assert not problems, _failures("tensors of the mapped model differ from the disk load", problems)
+        assert not problems, failures("tensors of the mapped model differ from the disk load", problems)
 
     def test_no_tensor_left_on_meta(self, mapped_model, device):
         import torch
@@ -170,7 +146,7 @@ class ParityTests:
             for facts in model_tensors(mapped_model.model).values()
             if facts.device == "meta" or (facts.kind != "attribute" and torch.device(facts.device).type != wanted)
         ]
-        assert not problems, _failures(f"tensors of the mapped model not on {device}", problems)
+        assert not problems, failures(f"tensors of the mapped model not on {device}", problems)
 
     def test_tied_weights_stay_tied(self, disk_model, mapped_model, expected_tied):
         disk, mapped = tied_groups(disk_model.model), tied_groups(mapped_model.model)
@@ -202,7 +178,7 @@ class ParityTests:
                 problems.append(f"{name} is in the manifest but not in the model")
             elif facts.tensor.numel() and not any(lo <= facts.tensor.data_ptr() < hi for lo, hi in ranges):
                 problems.append(f"{name} ({facts.dtype} on {facts.device}) does not lie in any mapped arena (a copy?)")
-        assert not problems, _failures("mapped tensors that are not views of the arenas", problems)
+        assert not problems, failures("mapped tensors that are not views of the arenas", problems)
 
     def test_fp8_block_weights_are_quantized(self, quantization, mapped_model):
         """With fp8-block, some weights are float8_e4m3fn, each with a float32 ``weight_scale_inv``."""
@@ -216,7 +192,7 @@ class ParityTests:
             scale = tensors.get(name + "_scale_inv")
             if scale is None or scale.dtype != "float32":
                 problems.append(f"{name} has no float32 {name}_scale_inv beside it")
-        assert not problems, _failures("FP8 weights without block scales", problems)
+        assert not problems, failures("FP8 weights without block scales", problems)
 
     def test_disk_forward_is_deterministic(self, disk_model, run_model, example_inputs, disk_outputs):
         """Control: two forwards of the disk load agree, else bit-identity cannot be judged."""
@@ -227,7 +203,7 @@ class ParityTests:
 
     def test_forward_outputs_bit_identical(self, mapped_model, run_model, example_inputs, disk_outputs):
         outputs = flatten_outputs(run_model(mapped_model.model, example_inputs))
-        _compare_outputs(outputs, disk_outputs, "mapped model")
+        assert_same_outputs(outputs, disk_outputs, "mapped model")
 
 
 class FingerprintTests:
@@ -267,8 +243,8 @@ class FingerprintTests:
             )
             logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and expected in r.getMessage()]
             assert logged, f"no warning logged naming {expected!r}; logged: {[r.getMessage() for r in caplog.records]}"
-            _compare_with_disk(
-                loaded.model, disk_model, run_model, example_inputs, f"fallback ({field} changed)", label="fallback"
+            assert_same_model(
+                loaded.model, disk_model.model, run_model, example_inputs, f"fallback ({field} changed)", label="fallback"
             )
         finally:
             loaded.close()
@@ -302,20 +278,29 @@ class FingerprintTests:
 class QuantizationTests:
     """Methods outside the allowlist fail with UnsupportedQuantization before any weight is read."""
 
-    def test_weightless_copy_cannot_load(self, load_request, plugins, weightless_checkpoint):
-        """Control: the copy without weight bytes really makes any weight read fail."""
-        from weightcache.core.errors import AdapterNotFound, InvalidAdapter, UnknownOption
+    def test_weightless_copy_cannot_load(self, load_request, plugins, weightless_checkpoint, disk_model):
+        """Control: on the copy without weight bytes, describe succeeds and the weight read fails.
 
-        request = attrs.evolve(load_request, model=str(weightless_checkpoint))
+        The copy differs from the real checkpoint (which loads: ``disk_model``) in its weight
+        bytes alone, so a load that fails after describe succeeded failed reading weights.
+        """
+        from weightcache.core.loader import load_from_disk, prepare
+
+        request = fresh(attrs.evolve(load_request, model=str(weightless_checkpoint)))
         try:
-            loaded = load(request, "off", plugins)
+            prepared = prepare(request, plugins)
         except UnsupportedQuantization as exc:
             pytest.fail(f"a plain load was refused as {exc.method!r}: {exc}")
-        except (AdapterNotFound, InvalidAdapter, UnknownOption):
-            raise  # a failure for the wrong reason proves nothing about weight reads
+        except Exception as exc:
+            pytest.fail(
+                f"weightcache_describe failed on the weightless copy, whose configs and safetensors headers are intact "
+                f"({type(exc).__name__}: {exc}); describe may read configs and headers, never weight bytes"
+            )
+        try:
+            model = load_from_disk(prepared)
         except Exception:
-            return
-        loaded.close()
+            return  # describe passed, the real checkpoint loads: the weight read failed, as it must
+        del model
         pytest.fail(
             f"the adapter loaded {weightless_checkpoint}, whose weight bytes are cut off; does it read weights elsewhere?"
         )
@@ -369,7 +354,7 @@ class CrashTests:
                 assert loaded.source == "cache", f"attach failed: {loaded.fallback_reason}"
                 server.kill()
                 assert server.proc.returncode is not None, "the server survived SIGKILL"
-                _compare_with_disk(loaded.model, disk_model, run_model, example_inputs, "after the server was SIGKILLed")
+                assert_same_model(loaded.model, disk_model.model, run_model, example_inputs, "after the server was SIGKILLed")
             finally:
                 loaded.close()
             fallback = load(load_request, "client", plugins, server.socket_dir, strict=False)
@@ -377,8 +362,8 @@ class CrashTests:
                 assert fallback.source == "disk" and fallback.fallback_reason, (
                     "with the server dead, mode 'client' must fall back to disk"
                 )
-                _compare_with_disk(
-                    fallback.model, disk_model, run_model, example_inputs, "fallback with the server dead", label="fallback"
+                assert_same_model(
+                    fallback.model, disk_model.model, run_model, example_inputs, "fallback with the server dead", label="fallback"
                 )
             finally:
                 fallback.close()
@@ -386,5 +371,91 @@ class CrashTests:
             server.close()
 
 
-class ConformanceTests(ParityTests, FingerprintTests, QuantizationTests, CrashTests):
+class ModeTests:
+    """Each mode runs its own path to the requested device; a mistake on one path fails that mode's check by name."""
+
+    @pytest.mark.parametrize("mode", ["off", "daemon", "client"])
+    def test_mode_loads_on_the_requested_device(self, mode, request, load_request, plugins, weightcache_server):
+        """off: load + post_process; daemon: a first start on an empty server (load, publish, attach); client: attach + rebind."""
+        import torch
+
+        if mode == "client":
+            request.getfixturevalue("published")  # only this mode needs the kit's entry: the others run their own paths
+        server = ServerProcess.start() if mode == "daemon" else weightcache_server
+        try:
+            with refused_quantization_skips(load_request):
+                try:
+                    loaded = load(load_request, mode, plugins, server.socket_dir, strict=True)
+                except UnsupportedQuantization:
+                    raise
+                except Exception as exc:
+                    pytest.fail(f"mode {mode!r} failed in the adapter's hooks: {type(exc).__name__}: {exc}{_device_hint(exc)}")
+            try:
+                wanted = load_request.device.torch()
+                misplaced = [
+                    f"{facts.name} ({facts.dtype}) is on {facts.device}"
+                    for facts in model_tensors(loaded.model).values()
+                    if facts.kind != "attribute" and _misplaced(torch.device(facts.device), wanted)
+                ]
+                assert not misplaced, failures(f"mode {mode!r}: tensors not on the requested {wanted}", misplaced)
+            finally:
+                loaded.close()
+        finally:
+            if server is not weightcache_server:
+                server.close()
+
+
+def _misplaced(actual: "torch.device", wanted: "torch.device") -> bool:
+    """Whether ``actual`` differs from ``wanted`` (in type, or in index when both name one)."""
+    if actual.type != wanted.type:
+        return True
+    return wanted.index is not None and actual.index is not None and actual.index != wanted.index
+
+
+def _device_hint(exc: BaseException) -> str:
+    if "Device" in str(exc):
+        return (
+            "; request.device is weightcache's Device, which torch does not take: "
+            "pass request.device.torch() to .to(), torch.device(...) and factories"
+        )
+    return ""
+
+
+class FlipTests:
+    """Each request field and adapter option flipped on the published entry: a miss, or exactly the client's own disk load."""
+
+    @pytest.mark.parametrize("field", REQUEST_FIELDS)
+    def test_request_field_flip_is_a_miss_or_the_same_model(
+        self, field, load_request, plugins, weightcache_server, published, supports_fp8, run_model, example_inputs
+    ):
+        from weightcache.core.loader import prepare
+
+        description = prepare(fresh(load_request), plugins).description
+        flips = field_flips(field, load_request, description, supports_fp8)
+        if not flips:
+            pytest.skip(f"no other {field} to ask for here")
+        problems = [
+            problem
+            for flip in flips
+            if (problem := judge(flip, published, plugins, weightcache_server.socket_dir, run_model, example_inputs))
+        ]
+        assert not problems, failures(f"request field {field!r} flipped on a published entry", problems)
+
+    def test_option_flips_are_a_miss_or_the_same_model(
+        self, load_request, plugins, weightcache_server, published, run_model, example_inputs
+    ):
+        """Every declared option, each to its other values (``AdapterOption.alternatives``, the other boolean or choices)."""
+        options = adapter_facade(plugins, load_request.adapter).options()
+        if not options:
+            pytest.skip("the adapter declares no option (weightcache_options)")
+        flips, problems = option_flips(load_request, options)
+        problems += [
+            problem
+            for flip in flips
+            if (problem := judge(flip, published, plugins, weightcache_server.socket_dir, run_model, example_inputs))
+        ]
+        assert not problems, failures("adapter options flipped on a published entry", problems)
+
+
+class ConformanceTests(ParityTests, ModeTests, FingerprintTests, FlipTests, QuantizationTests, CrashTests):
     """Every check of the kit."""

@@ -2,7 +2,10 @@
 
 It runs pytest in this process on ``weightcache/conformance/suite.py`` with the
 kit's plugin and a collector plugin that records each check's outcome; the
-exit status is pytest's (0 only when every check passed or was skipped).
+exit status is pytest's (0 only when every check passed or was skipped), and
+the verdict says ``PASSED without forward checks`` when the outputs were never
+compared (``weightcache.conformance.verdict``). The pre-check runs first and
+stops the command with one line when no check could pass.
 Importing this module stays light: the weightcache CLI imports it to build its parser.
 """
 
@@ -15,6 +18,8 @@ import tempfile
 import time
 import typing
 from pathlib import Path
+
+from weightcache.conformance.verdict import FAILED, PASSED_WITHOUT_FORWARD, forward_skip, skip_reason, verdict
 
 if typing.TYPE_CHECKING:
     import argparse
@@ -82,7 +87,7 @@ class ResultCollector:
             entry["message"] = _message(report)
         elif report.skipped and entry["outcome"] == "passed":
             entry["outcome"] = "skipped"
-            entry["message"] = _skip_reason(report)
+            entry["message"] = skip_reason(report)
 
     def pytest_collectreport(self, report) -> None:
         if report.failed:
@@ -94,13 +99,6 @@ def _message(report) -> str:
     if crash is not None and crash.message:
         return crash.message
     return str(report.longrepr).strip().splitlines()[-1] if report.longrepr else ""
-
-
-def _skip_reason(report) -> str:
-    longrepr = report.longrepr
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:
-        return str(longrepr[2]).removeprefix("Skipped: ")
-    return str(longrepr or "")
 
 
 def pytest_arguments(args: "argparse.Namespace", workdir: Path) -> list[str]:
@@ -144,24 +142,10 @@ def pytest_arguments(args: "argparse.Namespace", workdir: Path) -> list[str]:
 
 
 def check_arguments(args: "argparse.Namespace") -> None:
-    """Stop before running any check when the adapter, the model or an option cannot work (one line, not 84 errors)."""
-    from weightcache.core.cli import parse_options
-    from weightcache.core.errors import WeightCacheError
-    from weightcache.core.plugins import installed_plugins
-    from weightcache.core.request import LoadRequest
+    """The pre-check: stop before any check runs when the adapter, the model or an option cannot work (one line, not 86 errors)."""
+    from weightcache.conformance.precheck import precheck, request_from_options
 
-    if not Path(args.model).exists():
-        raise WeightCacheError(f"--model {args.model}: no such file or directory")
-    adapter = installed_plugins().adapter(args.adapter)
-    adapter.check_options(
-        LoadRequest(
-            model=str(args.model),
-            adapter=args.adapter,
-            dtype=args.dtype,
-            device=args.device or "cpu",
-            options=parse_options(args.option),
-        )
-    )
+    precheck(request_from_options(args.adapter, args.model, args.quant, args.device, args.dtype, args.option))
 
 
 def run(args: "argparse.Namespace") -> int:
@@ -193,12 +177,15 @@ def run(args: "argparse.Namespace") -> int:
 
 def _summary(args, results: list[dict], collection_errors: list[str], exit_code: int, seconds: float) -> dict:
     counts = {outcome: sum(r["outcome"] == outcome for r in results) for outcome in ("passed", "failed", "error", "skipped")}
+    no_forward = forward_skip(r["message"] for r in results if r["outcome"] == "skipped")
     return {
         "adapter": args.adapter,
         "model": str(args.model),
         "quantization": args.quant or "none",
         "device": args.device or "cpu",
         "passed": exit_code == 0,
+        "verdict": verdict(exit_code, no_forward),
+        "forward_checks": no_forward is None,
         "exit_code": exit_code,
         "counts": counts,
         "seconds": round(seconds, 3),
@@ -252,9 +239,13 @@ def print_table(summary: dict, stream: typing.TextIO | None = None) -> None:
             count = f"{len(results)} checks" if len(results) > 1 else "1 check"
             print(f"  {count} ({names}) {message}", file=stream)
     counts = summary["counts"]
-    verdict = "PASSED" if summary["passed"] else f"FAILED (pytest exit status {summary['exit_code']})"
+    said = summary.get("verdict") or verdict(summary["exit_code"], None)
+    if said == FAILED:
+        said = f"{FAILED} (pytest exit status {summary['exit_code']})"
+    elif said == PASSED_WITHOUT_FORWARD:
+        said += " (tensors compared, outputs not: see 'skipped' above)"
     print(
-        f"\n{verdict}: {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
+        f"\n{said}: {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
         f"{counts['skipped']} skipped in {summary['seconds']:.1f} s",
         file=stream,
     )

@@ -12,7 +12,12 @@ Subclass :class:`ConformanceFixtures` together with the test classes of
   ``example_inputs``, ``run_model``.
 
 Each has a command-line form too (``--weightcache-*``, see ``weightcache.conformance.OPTIONS``),
-so ``weightcache conformance`` accepts everything a subclass can set.
+so ``weightcache conformance`` accepts everything a subclass can set; ``expected_tied`` and
+``declare_quantization`` default to what the adapter's ``weightcache_checkpoint_conventions``
+says, so an adapter that implements it needs neither flag.
+
+Before any check, ``_weightcache_precheck`` runs the pre-check (``weightcache.conformance.precheck``)
+on the real checkpoint; if it fails, the first check errors with its one line and the session stops.
 
 Every class shares one server, one publish, one disk load and one mapped
 model across its checks (class-scoped fixtures).
@@ -32,6 +37,8 @@ import attrs
 import pytest
 
 from weightcache.conformance.assertions import flatten_outputs
+from weightcache.conformance.precheck import PrecheckFailed, precheck
+from weightcache.conformance.verdict import NO_FORWARD
 from weightcache.conformance.weightless import copy_without_weights
 from weightcache.core.example_inputs import run_with_inputs
 
@@ -40,7 +47,7 @@ if typing.TYPE_CHECKING:
 
     from weightcache.core.modes import LoadedModel
     from weightcache.core.plugins import Adapter, Plugins
-    from weightcache.core.request import ExampleInputs, LoadRequest
+    from weightcache.core.request import CheckpointConventions, ExampleInputs, LoadRequest
 
 FP8_BLOCK = "fp8-block"
 
@@ -89,8 +96,11 @@ def inputs_from_spec(spec: str, model: "torch.nn.Module") -> "ExampleInputs":
     return getattr(importlib.import_module(module), name)(model)
 
 
-def declaration_from_spec(spec: str | None) -> Callable[[Path, str], None] | None:
-    """``declare_quantization`` from its command-line form: ``hf-config`` (default), ``none`` or ``MODULE:FUNCTION``."""
+def declaration_from_spec(spec: "str | Callable[[Path, str], None] | None") -> Callable[[Path, str], None] | None:
+    """``declare_quantization`` from its command-line or ``CheckpointConventions`` form: ``hf-config`` (default),
+    ``none``, ``MODULE:FUNCTION`` or the function itself."""
+    if callable(spec):
+        return spec
     if spec in (None, "", "hf-config"):
         return declare_hf_quantization
     if spec == "none":
@@ -131,6 +141,12 @@ def refused_quantization_skips(load_request: "LoadRequest") -> Iterator[None]:
         if load_request.quantization in (None, "none"):
             raise
         pytest.skip(f"the adapter refuses {load_request.quantization} for this model: {exc.reason}")
+
+
+def stop_session(pytest_request: "pytest.FixtureRequest", failure: PrecheckFailed) -> typing.NoReturn:
+    """Raise ``failure`` in this check and stop the session after it: no further check could pass."""
+    pytest_request.session.shouldstop = str(failure)
+    raise failure
 
 
 class ConformanceFixtures:
@@ -194,26 +210,28 @@ class ConformanceFixtures:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def expected_tied(cls, request) -> tuple[tuple[str, ...], ...]:
+    def expected_tied(cls, request, conventions) -> tuple[tuple[str, ...], ...]:
         """Groups of names that must share memory in both models (e.g. ``(("lm_head.weight", "embed.weight"),)``).
 
-        Command line: ``--weightcache-tied lm_head.weight,embed.weight`` (repeatable).
+        Command line: ``--weightcache-tied lm_head.weight,embed.weight`` (repeatable); default: the
+        adapter's ``weightcache_checkpoint_conventions``.
         """
-        return tuple(
-            tuple(name.strip() for name in group.split(",") if name.strip())
-            for group in _option(request, "weightcache_tied") or []
-        )
+        groups = _option(request, "weightcache_tied")
+        if not groups:
+            return conventions.tied
+        return tuple(tuple(name.strip() for name in group.split(",") if name.strip()) for group in groups)
 
     @pytest.fixture(scope="class")
     @classmethod
-    def declare_quantization(cls, request):
+    def declare_quantization(cls, request, conventions):
         """``f(checkpoint_dir, method)`` making a checkpoint copy declare ``method``, or None if the adapter has no such notion.
 
-        The default writes transformers' ``quantization_config`` into ``config.json`` (what the hf,
-        vllm and sglang adapters read). Command line: ``--weightcache-declare-quantization
-        hf-config|none|MODULE:FUNCTION``.
+        Command line: ``--weightcache-declare-quantization hf-config|none|MODULE:FUNCTION``; default:
+        the adapter's ``weightcache_checkpoint_conventions`` (whose own default writes transformers'
+        ``quantization_config`` into ``config.json``, what the hf, vllm and sglang adapters read).
         """
-        return declaration_from_spec(_option(request, "weightcache_declare_quantization"))
+        spec = _option(request, "weightcache_declare_quantization")
+        return declaration_from_spec(spec or conventions.quantization_declaration)
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -236,40 +254,54 @@ class ConformanceFixtures:
 
     # ------------------------------------------------------------- built by the kit
 
-    @pytest.fixture(scope="class", autouse=True)
+    @pytest.fixture(scope="class")
     @classmethod
-    def _weightcache_adapter_exists(cls, adapter_name, plugins):
-        """Every check errors at once, with one message, for an adapter that is not there (none can pass)."""
-        adapter_facade(plugins, adapter_name)
+    def load_request(cls, request, adapter_name, model_path, quantization, device, dtype, load_options) -> "LoadRequest":
+        """The engine's request the kit loads in every mode."""
+        from weightcache.core.request import LoadRequest
+
+        try:
+            return LoadRequest(
+                model=str(model_path),
+                adapter=adapter_name,
+                dtype=dtype,
+                device=device,
+                quantization=quantization,
+                options=dict(load_options),
+            )
+        except ValueError as exc:
+            failure = PrecheckFailed(str(exc))
+        stop_session(request, failure)
 
     @pytest.fixture(scope="class", autouse=True)
     @classmethod
-    def _weightcache_capabilities(cls, quantization, supports_fp8):
-        if quantization == FP8_BLOCK and not supports_fp8:
+    def _weightcache_precheck(cls, request, load_request, supports_fp8):
+        """The pre-check on the real checkpoint; if it fails no check can pass: the first errors, the session stops (one line)."""
+        from weightcache.core.errors import WeightCacheError
+
+        failure = None
+        try:
+            precheck(load_request, request.getfixturevalue("plugins"))  # an adapter refused at registration fails here too
+        except PrecheckFailed as exc:
+            failure = exc
+        except WeightCacheError as exc:
+            failure = PrecheckFailed(str(exc))
+        if failure is not None:
+            stop_session(request, failure)
+        if load_request.quantization == FP8_BLOCK and not supports_fp8:
             pytest.skip("the adapter does not support fp8-block (supports_fp8 is False)")
 
     @pytest.fixture(scope="class")
     @classmethod
-    def load_request(cls, adapter_name, model_path, quantization, device, dtype, load_options) -> "LoadRequest":
-        """The engine's request the kit loads in every mode."""
-        from weightcache.core.request import LoadRequest
-
-        return LoadRequest(
-            model=str(model_path),
-            adapter=adapter_name,
-            dtype=dtype,
-            device=device,
-            quantization=quantization,
-            options=dict(load_options),
-        )
+    def conventions(cls, load_request, plugins) -> "CheckpointConventions":
+        """The adapter's ``weightcache_checkpoint_conventions`` for the checkpoint (how it declares quantization, what it ties)."""
+        return adapter_facade(plugins, load_request.adapter).checkpoint_conventions(load_request)
 
     @pytest.fixture(scope="class")
     @classmethod
     def adapter_allowlist(cls, load_request, plugins) -> tuple[str, ...]:
         """Methods the adapter validated beyond the core's (``weightcache_quantization_allowlist``)."""
-        from weightcache.core.plugins import installed_plugins
-
-        return (plugins or installed_plugins()).adapter(load_request.adapter).quantization_allowlist(load_request)
+        return adapter_facade(plugins, load_request.adapter).quantization_allowlist(load_request)
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -320,7 +352,7 @@ class ConformanceFixtures:
         from weightcache.core.request import ForwardUnavailable
 
         if isinstance(example_inputs, ForwardUnavailable):
-            pytest.skip(f"no forward pass for this model here: {example_inputs.reason}")
+            pytest.skip(f"{NO_FORWARD}: {example_inputs.reason}")
         outputs = flatten_outputs(run_model(disk_model.model, example_inputs))
         if not outputs:
             raise AssertionError("the model's output holds no tensor; override run_model to return tensors")

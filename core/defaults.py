@@ -11,7 +11,7 @@ if typing.TYPE_CHECKING:
 
     from weightcache.core.export import ArenaBuilder
     from weightcache.core.manifest import Manifest
-    from weightcache.core.request import ExampleInputs, LoadRequest, ModelDescription
+    from weightcache.core.request import CheckpointConventions, ExampleInputs, LoadRequest, ModelDescription
 
 
 @hookimpl(trylast=True)
@@ -48,3 +48,11 @@ def weightcache_example_inputs(request: "LoadRequest", model: "torch.nn.Module")
     from weightcache.core.example_inputs import inputs_from_signature
 
     return inputs_from_signature(model)
+
+
+@hookimpl(trylast=True)
+def weightcache_checkpoint_conventions(request: "LoadRequest") -> "CheckpointConventions":
+    """transformers' ``quantization_config`` in config.json; no tied group required."""
+    from weightcache.core.request import CheckpointConventions
+
+    return CheckpointConventions()

@@ -185,13 +185,15 @@ class AdapterNotFound(WeightCacheError):
 
 
 class InvalidAdapter(WeightCacheError):
-    """An adapter module breaks the hook contract; ``problems`` lists each defect."""
+    """An adapter module breaks the hook contract; ``problems`` lists each defect, ``hook`` names the hook if one is at fault."""
 
-    def __init__(self, name: str, problems: "typing.Sequence[str]"):
+    def __init__(self, name: str, problems: "typing.Sequence[str]", hook: str | None = None):
         self.name = name
         self.problems = tuple(problems)
+        self.hook = hook
+        where = f"{hook} of adapter {name!r}" if hook else f"adapter {name!r}"
         super().__init__(
-            f"adapter {name!r} does not fit the weightcache hook contract: {'; '.join(self.problems)} (see docs/adapter-guide.md)"
+            f"{where} does not fit the weightcache hook contract: {'; '.join(self.problems)} (see docs/adapter-guide.md)"
         )
 
 
@@ -204,6 +206,20 @@ class UnknownOption(WeightCacheError):
         self.known = dict(known)
         offered = ", ".join(f"{k} ({v})" for k, v in sorted(self.known.items())) or "none"
         super().__init__(f"adapter {adapter!r} takes no option {', '.join(map(repr, self.unknown))}; its options: {offered}")
+
+
+class InvalidOption(WeightCacheError, ValueError):
+    """A load gave an adapter option a value its declaration (``weightcache_options``) does not allow."""
+
+    def __init__(self, adapter: str, option: str, value: typing.Any, problem: str, help_text: str = ""):
+        self.adapter = adapter
+        self.option = option
+        self.value = value
+        self.problem = problem
+        about = f" ({help_text})" if help_text else ""
+        super().__init__(
+            f"adapter {adapter!r} option {option!r} = {value!r:.80}: {problem}{about}; pass a value of that kind or leave the option out"
+        )
 
 
 class RebindError(WeightCacheError):

@@ -11,6 +11,10 @@ The core's mode runner (``core/modes.py``) owns the flow; adapters fill in steps
 
     describe -> allowlist check -> fingerprint -> [attach -> rebind]            (client)
                                               -> load -> post_process -> export (publish)
+
+Return values are checked where they come back (``Adapter``): a wrong type is an
+``InvalidAdapter`` naming the adapter and the hook. A retired hook name
+(``RETIRED_HOOKS``) is refused at registration with the name of its successor.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ if typing.TYPE_CHECKING:
 
     from weightcache.core.export import ArenaBuilder
     from weightcache.core.manifest import Manifest
-    from weightcache.core.request import ExampleInputs, LoadRequest, ModelDescription
+    from weightcache.core.options import AdapterOption
+    from weightcache.core.request import CheckpointConventions, ExampleInputs, LoadRequest, ModelDescription
 
 PROJECT = "weightcache"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -32,16 +37,24 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 REQUIRED_HOOKS = ("weightcache_describe", "weightcache_load", "weightcache_rebind")
 
+RETIRED_HOOKS: "typing.Final[dict[str, str]]" = {
+    "weightcache_quantize": "weightcache_post_process (same arguments: request, model, description)",
+}
+"""Hook names an adapter may still carry from an older weightcache, and what replaced each (docs/adapter-guide.md, Migration)."""
+
 
 @hookspec(firstresult=True)
-def weightcache_options() -> "typing.Mapping[str, str]":
-    """The adapter options this adapter reads from ``LoadRequest.options``, each with a one-line help.
+def weightcache_options() -> "typing.Mapping[str, AdapterOption | str]":
+    """The options this adapter reads from ``LoadRequest.options``, each typed (``AdapterOption``) or as a help text.
 
     ``load_model(**options)``, ``weightcache load --option KEY=VALUE`` and the
-    conformance kit refuse any other name before anything is loaded. Default: none.
+    conformance kit refuse any other name, and a value its declaration does not
+    allow, before anything is loaded. The kit flips every typed option to its
+    other values: each must change the fingerprint (``ModelDescription.extra``)
+    or leave the published tensors alone (rebind re-applies it). Default: none.
     Stops at first non-None result.
 
-    :returns: option name -> help text.
+    :returns: option name -> AdapterOption (or a one-line help, untyped).
     """
 
 
@@ -49,10 +62,12 @@ def weightcache_options() -> "typing.Mapping[str, str]":
 def weightcache_describe(request: "LoadRequest") -> "ModelDescription":
     """Describe the model from its configs alone, before any weight is read.
 
-    The result feeds the fingerprint (architecture, config, resolved dtype,
-    quantization method and its config, engine and adapter versions, ``extra``)
-    and the allowlist check. Raise UnsupportedQuantization for a method the
-    adapter cannot load. Stops at first non-None result.
+    It may read configs and safetensors headers, never weight bytes (the kit
+    runs it on a copy whose weight bytes are cut off). The result feeds the
+    fingerprint (architecture, config, resolved dtype, quantization method and
+    its config, engine and adapter versions, ``extra``) and the allowlist
+    check, and reaches post_process and rebind. Raise UnsupportedQuantization
+    for a method the adapter cannot load. Stops at first non-None result.
 
     :param request: the engine's load request.
     :returns: a ModelDescription.
@@ -132,16 +147,21 @@ def weightcache_manifest_extra(request: "LoadRequest", model: "torch.nn.Module")
 
 
 @hookspec(firstresult=True)
-def weightcache_rebind(request: "LoadRequest", tensors: "dict[str, torch.Tensor]", manifest: "Manifest") -> "torch.nn.Module":
+def weightcache_rebind(
+    request: "LoadRequest", tensors: "dict[str, torch.Tensor]", manifest: "Manifest", description: "ModelDescription"
+) -> "torch.nn.Module":
     """Build the model without memory (meta device) and point every tensor it computes with at ``tensors``.
 
     Tensors created by post-processing (``weight_scale_inv``) must be
     registered; afterwards no tensor may remain on meta and tied weights must
-    be one tensor. Stops at first non-None result.
+    be one tensor. Re-apply here every runtime-only option (one that is not in
+    the fingerprint). Put tensors on ``request.device.torch()`` (a torch.device;
+    ``request.device`` itself is weightcache's ``Device``). Stops at first non-None result.
 
     :param request: the engine's load request.
     :param tensors: mapped tensors by name (aliases included), zero-copy.
     :param manifest: the entry's manifest (its ``extra`` holds adapter state).
+    :param description: what ``weightcache_describe`` said for this request (quantization, its config, dtype).
     :returns: the ready model, in eval mode.
     """
 
@@ -161,6 +181,20 @@ def weightcache_example_inputs(request: "LoadRequest", model: "torch.nn.Module")
     :param request: the engine's load request.
     :param model: the loaded model.
     :returns: the inputs, or ForwardUnavailable.
+    """
+
+
+@hookspec(firstresult=True)
+def weightcache_checkpoint_conventions(request: "LoadRequest") -> "CheckpointConventions":
+    """How this adapter's checkpoints declare a quantization method and which tensors they tie, for the conformance kit.
+
+    ``weightcache conformance --adapter NAME --model PATH`` then needs no
+    ``--declare-quantization`` or ``--tied`` flag. Default: ``CheckpointConventions()``
+    (transformers' ``quantization_config`` in config.json, no tied group required).
+    Stops at first non-None result.
+
+    :param request: the kit's load request (``request.model`` is the checkpoint).
+    :returns: a CheckpointConventions.
     """
 
 

@@ -220,7 +220,7 @@ def attach(prepared: Prepared, cache: CacheOptions, timings: dict | None = None)
     timings["attach_s"] = time.perf_counter() - start
     try:
         start = time.perf_counter()
-        model = prepared.adapter.rebind(prepared.request, attachment.tensors, attachment.manifest)
+        model = prepared.adapter.rebind(prepared.request, attachment.tensors, attachment.manifest, prepared.description)
         timings["rebind_s"] = time.perf_counter() - start
         setattr(model, ATTACHMENT_ATTR, attachment)
     except BaseException:

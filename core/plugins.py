@@ -21,14 +21,16 @@ import attrs
 import pluggy
 
 from weightcache.core import hookspecs
-from weightcache.core.errors import AdapterNotFound, InvalidAdapter, UnknownOption
+from weightcache.core.errors import AdapterNotFound, InvalidAdapter, InvalidOption, UnknownOption
+from weightcache.core.manifest import Manifest
+from weightcache.core.options import AdapterOption, declared_options
+from weightcache.core.request import CheckpointConventions, ModelDescription
 
 if typing.TYPE_CHECKING:
     import torch
 
     from weightcache.core.export import ArenaBuilder
-    from weightcache.core.manifest import Manifest
-    from weightcache.core.request import ExampleInputs, LoadRequest, ModelDescription
+    from weightcache.core.request import ExampleInputs, LoadRequest
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,8 @@ def check_adapter_module(module: object, name: str) -> None:
     """Raise InvalidAdapter unless ``module`` is a well-formed adapter.
 
     Every ``weightcache_*`` attribute must be a hook spec's name and carry the
-    ``hookimpl`` marker; the required hooks (``hookspecs.REQUIRED_HOOKS``) must be there.
+    ``hookimpl`` marker; the required hooks (``hookspecs.REQUIRED_HOOKS``) must be there;
+    a retired name (``hookspecs.RETIRED_HOOKS``) is refused with its successor's.
     """
     marker = f"{hookspecs.PROJECT}_impl"
     problems = []
@@ -56,7 +59,9 @@ def check_adapter_module(module: object, name: str) -> None:
         value = getattr(module, attr, None)
         if not attr.startswith(HOOK_PREFIX) or not callable(value):
             continue
-        if attr not in SPEC_NAMES:
+        if attr in hookspecs.RETIRED_HOOKS:
+            problems.append(f"{attr} was retired: rename it to {hookspecs.RETIRED_HOOKS[attr]}")
+        elif attr not in SPEC_NAMES:
             close = difflib.get_close_matches(attr, SPEC_NAMES, n=1)
             problems.append(f"{attr} is not a weightcache hook" + (f" (did you mean {close[0]}?)" if close else ""))
         elif not hasattr(value, marker):
@@ -152,8 +157,16 @@ def installed_plugins() -> Plugins:
     return _INSTALLED[0]
 
 
+def _kind(value: object) -> str:
+    return type(value).__name__ if value is not None else "None"
+
+
 class Adapter:
-    """One adapter's hooks (with the core defaults behind them), called by keyword."""
+    """One adapter's hooks (with the core defaults behind them), called by keyword.
+
+    Every result is checked where it comes back: a wrong type is an InvalidAdapter
+    naming the adapter and the hook, never an error deep inside the core.
+    """
 
     def __init__(self, pm: pluggy.PluginManager, name: str):
         self.name = name
@@ -164,48 +177,102 @@ class Adapter:
     def _hook(self, hook: str):
         return self._pm.subset_hook_caller(hook, remove_plugins=self._others)
 
-    def options(self) -> dict[str, str]:
-        """The options this adapter reads, with their help."""
-        return dict(self._hook("weightcache_options")() or {})
+    def contract_error(self, hook: str, problem: str) -> InvalidAdapter:
+        """The error for ``hook`` breaking its contract (``problem`` says how and what to return instead)."""
+        return InvalidAdapter(self.name, [problem], hook=hook)
+
+    def options(self) -> dict[str, AdapterOption]:
+        """The options this adapter reads, typed (a help text alone becomes an untyped AdapterOption)."""
+        try:
+            return declared_options(self._hook("weightcache_options")() or {})
+        except TypeError as exc:
+            raise self.contract_error("weightcache_options", str(exc)) from None
 
     def check_options(self, request: "LoadRequest") -> None:
-        """Raise UnknownOption for an option the adapter does not declare."""
+        """Raise UnknownOption for an option the adapter does not declare, InvalidOption for a value it does not allow."""
         known = self.options()
         unknown = sorted(name for name, _ in request.options if name not in known)
         if unknown:
-            raise UnknownOption(self.name, unknown, known)
+            raise UnknownOption(self.name, unknown, {name: option.help for name, option in known.items()})
+        for name, value in request.options:
+            problem = known[name].problem(value)
+            if problem:
+                raise InvalidOption(self.name, name, value, problem, known[name].help)
 
-    def describe(self, request: "LoadRequest") -> "ModelDescription":
-        return self._required("weightcache_describe", request=request)
+    def describe(self, request: "LoadRequest") -> ModelDescription:
+        description = self._required("weightcache_describe", request=request)
+        if not isinstance(description, ModelDescription):
+            raise self.contract_error(
+                "weightcache_describe",
+                f"it returned a {_kind(description)}; return a weightcache.core.request.ModelDescription",
+            )
+        if description.dtype is None:
+            raise self.contract_error(
+                "weightcache_describe",
+                "its ModelDescription has no dtype; set dtype= to the dtype unquantized weights will have "
+                "(the request's, else the checkpoint's own)",
+            )
+        return description
 
     def quantization_allowlist(self, request: "LoadRequest") -> tuple[str, ...]:
-        return tuple(self._hook("weightcache_quantization_allowlist")(request=request) or ())
+        methods = self._hook("weightcache_quantization_allowlist")(request=request) or ()
+        if isinstance(methods, (str, bytes)) or not isinstance(methods, typing.Iterable):
+            raise self.contract_error(
+                "weightcache_quantization_allowlist", f"it returned a {_kind(methods)}; return a tuple of method names"
+            )
+        methods = tuple(methods)
+        if not all(isinstance(method, str) for method in methods):
+            raise self.contract_error(
+                "weightcache_quantization_allowlist", f"it returned {methods!r:.200}; every method name is a str"
+            )
+        return methods
 
     def load(self, request: "LoadRequest", builder: "ArenaBuilder | None") -> "torch.nn.Module":
-        return self._required("weightcache_load", request=request, builder=builder)
+        return self._module("weightcache_load", request=request, builder=builder)
 
-    def post_process(
-        self, request: "LoadRequest", model: "torch.nn.Module", description: "ModelDescription"
-    ) -> "torch.nn.Module":
-        return self._required("weightcache_post_process", request=request, model=model, description=description)
+    def post_process(self, request: "LoadRequest", model: "torch.nn.Module", description: ModelDescription) -> "torch.nn.Module":
+        return self._module("weightcache_post_process", request=request, model=model, description=description)
 
-    def export(self, request: "LoadRequest", model: "torch.nn.Module", builder: "ArenaBuilder") -> "Manifest":
-        return self._required("weightcache_export", request=request, model=model, builder=builder)
+    def export(self, request: "LoadRequest", model: "torch.nn.Module", builder: "ArenaBuilder") -> Manifest:
+        return self._typed("weightcache_export", Manifest, request=request, model=model, builder=builder)
 
     def manifest_extra(self, request: "LoadRequest", model: "torch.nn.Module") -> dict:
-        return dict(self._hook("weightcache_manifest_extra")(request=request, model=model) or {})
+        extra = self._hook("weightcache_manifest_extra")(request=request, model=model) or {}
+        if not isinstance(extra, typing.Mapping):
+            raise self.contract_error("weightcache_manifest_extra", f"it returned a {_kind(extra)}; return a JSON-able dict")
+        return dict(extra)
 
-    def rebind(self, request: "LoadRequest", tensors: "dict[str, torch.Tensor]", manifest: "Manifest") -> "torch.nn.Module":
-        return self._required("weightcache_rebind", request=request, tensors=tensors, manifest=manifest)
+    def rebind(
+        self,
+        request: "LoadRequest",
+        tensors: "dict[str, torch.Tensor]",
+        manifest: Manifest,
+        description: ModelDescription,
+    ) -> "torch.nn.Module":
+        return self._module("weightcache_rebind", request=request, tensors=tensors, manifest=manifest, description=description)
 
     def example_inputs(self, request: "LoadRequest", model: "torch.nn.Module") -> "ExampleInputs":
         return self._required("weightcache_example_inputs", request=request, model=model)
 
+    def checkpoint_conventions(self, request: "LoadRequest") -> CheckpointConventions:
+        return self._typed("weightcache_checkpoint_conventions", CheckpointConventions, request=request)
+
     def warm_up(self, request: "LoadRequest") -> None:
         self._hook("weightcache_warm_up")(request=request)
 
-    def _required(self, hook: str, **kwargs):
+    def _required(self, hook: str, **kwargs) -> typing.Any:
         result = self._hook(hook)(**kwargs)
         if result is None:
-            raise InvalidAdapter(self.name, [f"{hook} returned None; it must return a value for this request"])
+            raise self.contract_error(hook, "it returned None; it must return a value for this request")
         return result
+
+    def _typed(self, hook: str, kind: type, **kwargs) -> typing.Any:
+        result = self._required(hook, **kwargs)
+        if not isinstance(result, kind):
+            raise self.contract_error(hook, f"it returned a {_kind(result)}; return a {kind.__module__}.{kind.__name__}")
+        return result
+
+    def _module(self, hook: str, **kwargs) -> "torch.nn.Module":
+        import torch
+
+        return self._typed(hook, torch.nn.Module, **kwargs)

@@ -66,15 +66,19 @@ class ModelDescription:
     :param config: the model's configuration (hashed into the fingerprint).
     :param dtype: the dtype unquantized weights will have, resolved (the request's, else the
         checkpoint's own): one set of bytes is one entry whichever way it was asked for.
+        Required: the core refuses a description without it, naming the adapter.
     :param quantization: canonical method name (``none``, ``fp8-block``, or what
         the checkpoint declares, e.g. ``awq``) — checked against the allowlist.
     :param quantization_config: the method's configuration, JSON-able.
-    :param extra: further fingerprint fields (kernel backends, engine flags).
+    :param extra: further fingerprint fields: every option or engine setting that changes the
+        published tensors (a scale folded into the weights, a repacking) belongs here. A runtime-only
+        setting (a kernel backend that reads the same tensors) may stay out if rebind re-applies it
+        from the request; the conformance kit flips each option to tell the two apart.
     """
 
     architecture: str
     config: dict
-    dtype: str = attrs.field(converter=dtype_name)
+    dtype: str | None = attrs.field(default=None, converter=attrs.converters.optional(dtype_name))
     quantization: str = "none"
     quantization_config: dict = attrs.field(factory=dict)
     adapter_version: str = "0"
@@ -91,6 +95,27 @@ class ForwardUnavailable:
     """
 
     reason: str
+
+
+def _groups(value) -> tuple:
+    return tuple(tuple(str(name) for name in group) for group in value or ())
+
+
+@attrs.frozen
+class CheckpointConventions:
+    """What the conformance kit needs to know of an adapter's checkpoints (``weightcache_checkpoint_conventions``).
+
+    :param quantization_declaration: how a checkpoint declares a quantization method, so that
+        the kit can make a weightless copy declare each refused one: ``hf-config`` (transformers'
+        ``quantization_config`` in ``config.json``, the default), ``none`` (the adapter has no
+        such notion), ``MODULE:FUNCTION`` or a callable ``f(checkpoint_dir, method)`` that
+        writes the declaration into the copy.
+    :param tied: groups of tensor names that must share memory in every load (e.g.
+        ``(("lm_head.weight", "embed.weight"),)``).
+    """
+
+    quantization_declaration: typing.Any = "hf-config"
+    tied: tuple = attrs.field(default=(), converter=_groups)
 
 
 ExampleInputs = typing.Union[dict, tuple, typing.Any, ForwardUnavailable]  # noqa: UP007  (X | typing.Any fails on Python 3.10)

@@ -7,10 +7,51 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from weightcache.core.server_process import ServerProcess
 
 __all__ = ["ServerProcess"]  # one server-process helper for the kit, the demo and the project's tests
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "tinylm-adapter"
+"""The adapter guide's example package, an outside adapter (``weightcache-example``)."""
+EXAMPLE_SRC = EXAMPLE / "src"
+PLANTED_DIR = Path(__file__).parent / "conformance"
+"""Where ``planted_adapters.py`` lies: the example adapter with one planted bug per class."""
+
+KIT_SUBCLASS = """
+import pytest
+
+import planted_adapters
+from weightcache.conformance import ConformanceFixtures, ConformanceTests
+from weightcache.core.plugins import Plugins
+
+
+class {test_class}(ConformanceFixtures, ConformanceTests):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def adapter_name(cls):
+        return "planted"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_path(cls):
+        return {checkpoint!r}
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def plugins(cls):
+        return Plugins.from_modules({{"planted": planted_adapters.{adapter}}})
+"""
+
+
+def kit_subclass_module(adapter: str, checkpoint: str, test_class: str = "TestPlanted", classes: int = 1) -> str:
+    """A test module subclassing the conformance kit, as an author's suite does, for ``planted_adapters.<adapter>``.
+
+    Run it with ``PLANTED_DIR`` and ``EXAMPLE_SRC`` on PYTHONPATH; ``classes`` > 1 adds subclasses that run the kit again.
+    """
+    source = KIT_SUBCLASS.format(test_class=test_class, checkpoint=str(checkpoint), adapter=adapter)
+    return source + "".join(f"\n\nclass {test_class}{n}({test_class}):\n    pass\n" for n in range(2, classes + 1))
 
 
 class Engine:

@@ -12,14 +12,23 @@ from weightcache.adapters.hf import config as hf_config
 from weightcache.core import __version__
 from weightcache.core.errors import UnsupportedQuantization
 from weightcache.core.hookspecs import hookimpl
+from weightcache.core.options import AdapterOption
 from weightcache.core.request import ModelDescription
 
 log = logging.getLogger(__name__)
 
 OPTIONS = {
-    "model_class": "the transformers class to build (default: the checkpoint's architectures[0]), e.g. AutoModel",
-    "block_size": "fp8-block tile as [rows, cols] (default: [128, 128])",
-    "exclude": "fp8-block: module name patterns to leave unquantized (default: lm_head and embeddings)",
+    "model_class": AdapterOption(
+        "the transformers class to build (default: the checkpoint's architectures[0]), e.g. AutoModel",
+        type=str,
+        alternatives=("AutoModel",),
+    ),
+    "block_size": AdapterOption(
+        "fp8-block tile as [rows, cols] (default: [128, 128])", type=list, default=[128, 128], alternatives=([64, 64],)
+    ),
+    "exclude": AdapterOption(
+        "fp8-block: module name patterns to leave unquantized (default: lm_head and embeddings)", type=list, alternatives=([],)
+    ),
 }
 
 

@@ -6,7 +6,8 @@ Three ways, as its author would use them:
 - installed: ``pip install`` the package (into a private ``--target`` directory, so the
   shared environment stays untouched) and run ``weightcache conformance`` and
   ``pytest -p weightcache.conformance`` in fresh processes that find it through its entry point;
-- broken: a copy whose rebind changes one weight by one ulp; the kit must fail and say where.
+- broken: a copy whose rebind changes one weight by one ulp (``planted_adapters.RebindNudgesOneUlp``); the kit must
+  fail and say where.
 """
 
 from __future__ import annotations
@@ -15,35 +16,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import EXAMPLE, PLANTED_DIR, kit_subclass_module
+from tests.helpers import EXAMPLE_SRC as SRC
 from weightcache.conformance import ConformanceFixtures, ConformanceTests
-
-EXAMPLE = Path(__file__).parents[2] / "examples" / "tinylm-adapter"
-SRC = EXAMPLE / "src"
-
-
-@pytest.fixture(scope="module")
-def example_package():
-    """The example package, importable for this module only."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(SRC))
-        import weightcache_example
-        import weightcache_example.plugin
-
-        try:
-            yield weightcache_example
-        finally:
-            for name in [n for n in sys.modules if n.partition(".")[0] == "weightcache_example"]:
-                del sys.modules[name]
-
-
-@pytest.fixture(scope="module")
-def example_checkpoint(example_package, tmp_path_factory):
-    """A random-weight TinyLM checkpoint."""
-    return example_package.save_checkpoint(tmp_path_factory.mktemp("tinylm"))
 
 
 @pytest.fixture(scope="session")
@@ -231,60 +209,9 @@ def test_cli_fails_with_nonzero_exit_and_json(installed_example, example_checkpo
 # ------------------------------------------------------------------ broken: the kit must catch it
 
 
-BROKEN_TEST = '''
-import pytest
-import torch
-
-from weightcache.conformance import ConformanceFixtures, ConformanceTests
-from weightcache.core.hookspecs import hookimpl
-from weightcache_example import example_inputs, plugin
-
-
-class Broken:
-    """The example adapter, except that rebind nudges fc1.bias[3] by one ulp (a subtle loader bug)."""
-
-    weightcache_describe = staticmethod(plugin.weightcache_describe)
-    weightcache_load = staticmethod(plugin.weightcache_load)
-    weightcache_post_process = staticmethod(plugin.weightcache_post_process)
-
-    @staticmethod
-    @hookimpl
-    def weightcache_rebind(request, tensors, manifest):
-        model = plugin.weightcache_rebind(request=request, tensors=tensors, manifest=manifest)
-        bias = model.fc1.bias.detach().clone()
-        bias[3] = torch.nextafter(bias[3], torch.tensor(float("inf")))
-        model.fc1.bias = torch.nn.Parameter(bias, requires_grad=False)
-        return model
-
-
-class TestBroken(ConformanceFixtures, ConformanceTests):
-    @pytest.fixture(scope="class")
-    @classmethod
-    def adapter_name(cls):
-        return "example"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def model_path(cls):
-        return {checkpoint!r}
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def plugins(cls):
-        from weightcache.core.plugins import Plugins
-
-        return Plugins.from_modules({{"example": Broken}})
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def example_inputs(cls, disk_model):
-        return example_inputs(disk_model.model)
-'''
-
-
 def test_kit_catches_a_broken_rebind(example_checkpoint, tmp_path):
     """A one-ulp change in one mapped tensor fails parity, forward and crash checks, naming tensor, dtype, device, difference."""
-    (tmp_path / "test_broken.py").write_text(BROKEN_TEST.format(checkpoint=str(example_checkpoint)))
+    (tmp_path / "test_broken.py").write_text(kit_subclass_module("RebindNudgesOneUlp", example_checkpoint, "TestBroken"))
     proc = _run(
         [
             sys.executable,
@@ -300,7 +227,7 @@ def test_kit_catches_a_broken_rebind(example_checkpoint, tmp_path):
             "-k",
             "parity or bit_identical or sigkill or zero_copy or same_tensor_names",
         ],
-        env={"PYTHONPATH": str(SRC)},
+        env={"PYTHONPATH": os.pathsep.join([str(SRC), str(PLANTED_DIR)])},
         cwd=tmp_path,
         check=False,
     )

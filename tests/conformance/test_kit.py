@@ -263,7 +263,9 @@ def test_cli_stops_at_once_on_an_unknown_adapter(tmp_path):
         timeout=120,
     )
     assert proc.returncode != 0
-    assert proc.stderr.startswith("weightcache: error: no weightcache adapter named 'nosuch'"), proc.stderr
+    assert proc.stderr.startswith(
+        "weightcache: error: weightcache conformance pre-check failed: no weightcache adapter named 'nosuch'"
+    ), proc.stderr
     assert "passed" not in proc.stdout and "CHECK" not in proc.stdout, proc.stdout
 
 

@@ -24,7 +24,7 @@ def hf():
 
 def test_hook_weightcache_options(hf):
     assert {"model_class", "block_size", "exclude"} <= set(hf.options())
-    assert all(isinstance(text, str) and text for text in hf.options().values())
+    assert all(option.help and option.typed for option in hf.options().values())
 
 
 def test_hook_weightcache_describe(hf, model_dir):
@@ -88,10 +88,18 @@ def test_hook_weightcache_rebind(hf, model_dir):
         manifest = attrs.evolve(hf.export(request, model, builder), extra=extra)  # as the loader does
         builder.seal()
         tensors = manifest.views(builder.arenas)
-        rebound = hf.rebind(request, tensors, manifest)
+        rebound = hf.rebind(request, tensors, manifest, prepare(request).description)
         assert rebound.lm_head.weight.data_ptr() == tensors["lm_head.weight"].data_ptr()
         assert not any(p.device.type == "meta" for p in rebound.parameters())
         del rebound, tensors
+
+
+def test_hook_weightcache_checkpoint_conventions(hf, model_dir):
+    """hf checkpoints declare quantization in config.json (the core default); the kit reads it instead of a flag."""
+    from weightcache.core.request import CheckpointConventions
+
+    conventions = hf.checkpoint_conventions(LoadRequest(model=str(model_dir("llama"))))
+    assert conventions == CheckpointConventions(quantization_declaration="hf-config", tied=())
 
 
 @pytest.mark.parametrize(

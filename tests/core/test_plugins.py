@@ -155,3 +155,47 @@ def test_a_broken_installed_adapter_is_reported_by_name_and_the_others_keep_work
     assert "weightcache_lod is not a weightcache hook (did you mean weightcache_load?)" in out
     assert "refused no weightcache adapter named 'broken': it is installed but broken" in out
     assert "refused no weightcache adapter named 'misspelt': it is installed but broken" in out
+
+
+def test_a_retired_hook_name_is_refused_with_its_successor():
+    @hookimpl
+    def weightcache_quantize(request, model, description):
+        return model
+
+    with pytest.raises(InvalidAdapter, match="weightcache_quantize was retired: rename it to weightcache_post_process"):
+        Plugins.from_modules({"old": _adapter_module(weightcache_quantize=weightcache_quantize)})
+
+
+def test_hook_results_are_checked_at_the_boundary_naming_adapter_and_hook(tmp_path):
+    from weightcache.core.request import ModelDescription
+
+    @hookimpl
+    def weightcache_options():
+        return ["scale"]
+
+    @hookimpl
+    def weightcache_describe(request):
+        return ModelDescription(architecture="X", config={})
+
+    adapter = Plugins.from_modules(
+        {"odd": _adapter_module(weightcache_options=weightcache_options, weightcache_describe=weightcache_describe)}
+    ).adapter("odd")
+    with pytest.raises(InvalidAdapter, match=r"^weightcache_options of adapter 'odd' does not fit .*returned a list") as info:
+        adapter.options()
+    assert info.value.hook == "weightcache_options"
+    with pytest.raises(InvalidAdapter, match=r"^weightcache_describe of adapter 'odd' .*has no dtype; set dtype="):
+        adapter.describe(LoadRequest(model=str(tmp_path)))
+
+
+def test_an_option_value_its_declaration_does_not_allow_is_refused(tmp_path):
+    from weightcache.core.errors import InvalidOption
+    from weightcache.core.options import AdapterOption
+
+    @hookimpl
+    def weightcache_options():
+        return {"scale": AdapterOption("a scale", type=float)}
+
+    adapter = Plugins.from_modules({"typed": _adapter_module(weightcache_options=weightcache_options)}).adapter("typed")
+    adapter.check_options(LoadRequest(model=str(tmp_path), options={"scale": 2}))
+    with pytest.raises(InvalidOption, match=r"adapter 'typed' option 'scale' = 'big': expected a float, got str"):
+        adapter.check_options(LoadRequest(model=str(tmp_path), options={"scale": "big"}))

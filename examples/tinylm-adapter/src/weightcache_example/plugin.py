@@ -5,7 +5,8 @@
 - ``weightcache_load``: build the model and read its weights from disk.
 - ``weightcache_post_process``: block-wise FP8 with the core's helpers (optional).
 - ``weightcache_example_inputs``: inputs for the conformance kit's forward checks.
-- ``weightcache_rebind``: build the model on meta and point it at the mapped tensors.
+- ``weightcache_checkpoint_conventions``: what the kit must know of TinyLM checkpoints (the tied head).
+- ``weightcache_rebind``: build the model on meta, as describe decided, and point it at the mapped tensors.
 
 The core's defaults place every parameter and buffer into arenas
 (``weightcache_export``); tied weights are stored once and restored as aliases.
@@ -19,7 +20,7 @@ import torch
 from weightcache.core.hookspecs import hookimpl
 from weightcache.core.quantization.fp8_block import Fp8BlockConfig, convert_model_to_fp8_skeleton, quantize_model
 from weightcache.core.rebind import rebind_module
-from weightcache.core.request import ModelDescription
+from weightcache.core.request import CheckpointConventions, ModelDescription
 from weightcache_example import TinyLM, __version__, example_inputs, read_config
 
 FP8_BLOCK = "fp8-block"
@@ -75,9 +76,15 @@ def weightcache_example_inputs(request, model):
 
 
 @hookimpl
-def weightcache_rebind(request, tensors, manifest):
+def weightcache_checkpoint_conventions(request):
+    # config.json's quantization_config declares a method (as describe reads it); the head is tied to the embedding.
+    return CheckpointConventions(quantization_declaration="hf-config", tied=[("head.weight", "embed.weight")])
+
+
+@hookimpl
+def weightcache_rebind(request, tensors, manifest, description):
     with torch.device("meta"):
         model = TinyLM.from_config(read_config(request.model))
-    if request.quantization == FP8_BLOCK:
-        convert_model_to_fp8_skeleton(model, FP8_CONFIG)
+    if description.quantization == FP8_BLOCK:  # what describe decided, not worked out again
+        convert_model_to_fp8_skeleton(model, Fp8BlockConfig.from_json(description.quantization_config))
     return rebind_module(model, tensors, manifest, device=request.device.torch())

@@ -1,0 +1,134 @@
+"""Adapters with one planted bug each, built on the adapter guide's example (TinyLM, examples/tinylm-adapter).
+
+``test_planted_bugs.py`` installs them through a ``weightcache.adapters`` entry point each
+(its ``ENTRY_POINTS``) and runs the kit on them as their author would; each must fail by
+the check meant to catch its bug. ``ScaleInExtra`` is the control: the same option,
+done right, passes.
+"""
+
+from __future__ import annotations
+
+import attrs
+import safetensors
+import torch
+from weightcache_example import plugin, read_config
+
+from weightcache.core.hookspecs import hookimpl
+from weightcache.core.options import AdapterOption
+from weightcache.core.request import ModelDescription
+
+SCALE = AdapterOption("multiply fc1.weight by this while loading (default: 1.0)", type=float, default=1.0, alternatives=(2.0,))
+
+
+class Example:
+    """The example adapter, hook for hook: what every planted bug changes one thing of."""
+
+    weightcache_describe = staticmethod(plugin.weightcache_describe)
+    weightcache_load = staticmethod(plugin.weightcache_load)
+    weightcache_post_process = staticmethod(plugin.weightcache_post_process)
+    weightcache_rebind = staticmethod(plugin.weightcache_rebind)
+    weightcache_example_inputs = staticmethod(plugin.weightcache_example_inputs)
+    weightcache_checkpoint_conventions = staticmethod(plugin.weightcache_checkpoint_conventions)
+
+
+class RebindNudgesOneUlp(Example):
+    """Rebind nudges fc1.bias[3] by one ulp (a subtle loader bug)."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_rebind(request, tensors, manifest, description):
+        model = plugin.weightcache_rebind(request=request, tensors=tensors, manifest=manifest, description=description)
+        bias = model.fc1.bias.detach().clone()
+        bias[3] = torch.nextafter(bias[3], torch.tensor(float("inf")))
+        model.fc1.bias = torch.nn.Parameter(bias, requires_grad=False)
+        return model
+
+
+class ScaleLeftOutOfExtra(Example):
+    """An option that changes the published tensors (a scale folded into fc1.weight), left out of the fingerprint."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_options():
+        return {"scale": SCALE}
+
+    @staticmethod
+    @hookimpl
+    def weightcache_post_process(request, model, description):
+        with torch.no_grad():
+            model.fc1.weight.mul_(float(request.option("scale", 1.0)))
+        return model
+
+
+class ScaleInExtra(ScaleLeftOutOfExtra):
+    """The control: the same option, in ``ModelDescription.extra``: another value is another entry."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_describe(request):
+        description = plugin.weightcache_describe(request=request)
+        return attrs.evolve(description, extra={"scale": float(request.option("scale", 1.0))})
+
+
+class DescribeReadsWeights(Example):
+    """Describe reads a weight's bytes (a checksum of fc1.bias): it fails on the weightless copy, before any load."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_describe(request):
+        with safetensors.safe_open(f"{request.model}/model.safetensors", "pt") as checkpoint:
+            checksum = float(checkpoint.get_tensor("fc1.bias").sum())
+        return attrs.evolve(plugin.weightcache_describe(request=request), extra={"bias_sum": checksum})
+
+
+class DescribeFails(Example):
+    """Describe expects a transformers config (``architectures``), which a TinyLM checkpoint lacks."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_describe(request):
+        config = read_config(request.model)
+        return ModelDescription(architecture=config["architectures"][0], config=config, dtype="float32")
+
+
+class OptionsAsList(Example):
+    """``weightcache_options`` returns a list of names instead of {name: AdapterOption}."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_options():
+        return ["scale"]
+
+
+class DescriptionWithoutDtype(Example):
+    """Describe leaves out ``ModelDescription.dtype``."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_describe(request):
+        return ModelDescription(architecture="TinyLM", config=read_config(request.model))
+
+
+class RetiredHookName(Example):
+    """Ported from an old guide: post-processing still under its retired name ``weightcache_quantize``."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_quantize(request, model, description):
+        return model
+
+
+class TorchGetsWeightcacheDevice(Example):
+    """Load hands ``request.device`` (weightcache's Device) to torch instead of ``request.device.torch()``."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_load(request, builder):
+        model = plugin.weightcache_load(request=request, builder=builder)
+        return model.to(request.device)
+
+
+class ForwardLess(Example):
+    """No ``weightcache_example_inputs``: the core default cannot build inputs for TinyLM, so no forward check runs."""
+
+    weightcache_example_inputs = None
