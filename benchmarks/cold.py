@@ -12,7 +12,7 @@ stops after the device is synchronised) with the page cache dropped first (``syn
 the files, and the table's ``cache`` column says so and gives the share ``mincore`` still finds
 resident):
 
-- ``raw-direct`` / ``raw-buffered``: the disk's limit: 8 threads ``preadv`` 64 MiB pieces (O_DIRECT
+- ``raw-direct`` / ``raw-buffered``: the disk's limit: 16 threads ``preadv`` 64 MiB pieces (O_DIRECT
   into page-aligned buffers, or through the page cache) into pinned buffers, then to the device;
 - ``safetensors-safe-open`` / ``safetensors-load-file``: ``safe_open(device=...)`` tensor by tensor,
   ``load_file(device=...)`` file by file;
@@ -95,7 +95,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MARKER = "weightcache-cold-benchmark.json"
 PIECE_BYTES = 64 << 20
 ALIGN = 4096
-DEFAULT_THREADS = 8
+DEFAULT_THREADS = 16
 SHARDS = 4
 # Llama-3-8B's shape: 8.03 B parameters, 291 tensors, 16.06 GB in bf16 (``--gib 16``).
 LLAMA_8B = dict(
@@ -199,7 +199,7 @@ class Context:
 
 
 def run_raw(ctx: Context, clock: Clock, direct: bool) -> dict:
-    """8 threads read 64 MiB pieces (O_DIRECT or buffered) into per-thread pinned buffers and copy them to the device."""
+    """``--threads`` threads read 64 MiB pieces (O_DIRECT or buffered) into per-thread pinned buffers and copy them to the device."""
     import torch
 
     threads = ctx.args.threads
@@ -1183,7 +1183,12 @@ def main(argv=None) -> int:
         "--methods", default="all", help=f"'all' or a comma-separated subset of: {', '.join(METHODS)}; 'none': only make"
     )
     parser.add_argument("--runs", type=int, default=1, help="runs of each method (fresh processes); the table shows medians")
-    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="threads of the raw readers (default 8)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        help="threads of the raw readers (default 16, as weightcache's reader on a 16-core machine)",
+    )
     parser.add_argument("--row-timeout", type=float, default=300.0, help="seconds one row may take (default 300)")
     parser.add_argument(
         "--no-bracket", action="store_true", help="do not repeat raw-direct (when it comes first) at the end of the run"
