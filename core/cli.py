@@ -10,11 +10,13 @@ when it is a terminal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import re
 import sys
+import threading
 import traceback
 import typing
 from collections.abc import Sequence
@@ -23,6 +25,8 @@ from weightcache.core import __version__
 from weightcache.core.bounds import BUDGET, CONNECTIONS, IDLE_SECONDS, SECONDS, Bound
 from weightcache.core.errors import WeightCacheError
 from weightcache.core.progress import is_terminal
+
+log = logging.getLogger(__name__)
 
 if typing.TYPE_CHECKING:
     from weightcache.core.request import LoadRequest
@@ -408,14 +412,35 @@ def _load(args) -> int:
     adapter.check_options(request)
     check_quantization(request.quantization, adapter.quantization_allowlist(request))
     headers = check_checkpoint(request.model)  # files, headers, lengths: no weight byte read
-    with _read_ahead(headers, args.prefetch):  # first sight: the disk starts while torch and the adapter import
+    # First sight: the disk starts now; the adapter imports its framework meanwhile, while this thread checks the
+    # server and makes the CUDA context (both wait outside the interpreter lock, imports inside it).
+    with _read_ahead(headers, args.prefetch), _warming_up(adapter, request):
         return _load_checked(args, request, adapter, headers)
+
+
+@contextlib.contextmanager
+def _warming_up(adapter, request):
+    """The adapter's ``warm_up`` (its framework's and the model's imports) in a thread of its own, joined at the end.
+
+    A failure here is left for the load itself to report, where it happens again with its context.
+    """
+
+    def warm_up() -> None:
+        try:
+            adapter.warm_up(request)
+        except Exception as exc:  # the load raises it again, with its context
+            log.debug("warming up the %s adapter failed: %s", request.adapter, exc)
+
+    thread = threading.Thread(target=warm_up, name="weightcache-warm-up", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
 
 
 def _read_ahead(headers, wanted: bool):
     """A ``Prefetch`` of the weight files when none of their digests is known yet (first sight), else nothing."""
-    import contextlib
-
     from weightcache.core.digests import FileKey, remembered_digests
     from weightcache.core.prefetch import Prefetch
 

@@ -85,7 +85,10 @@ class Prepared:
         size, mtime or ctime): the disk's content wins, and nothing is published under it.
         """
         checkpoint = identity_of(self.request.model, files, digests)
-        fingerprint = identity.fingerprint_for(self.request, self.description, checkpoint)
+        if self._fingerprint is None:
+            fingerprint = identity.fingerprint_for(self.request, self.description, checkpoint)
+        else:
+            fingerprint = attrs.evolve(self._fingerprint, checkpoint=checkpoint)  # only the content is re-derived
         if self._fingerprint is not None and self._fingerprint.checkpoint != checkpoint:
             log.warning(
                 "weightcache: the bytes read from %s are not the content remembered for it; "

@@ -19,7 +19,11 @@ import hashlib
 import os
 import threading
 import types
+import typing
 from pathlib import Path
+
+if typing.TYPE_CHECKING:
+    import numpy
 
 import attrs
 
@@ -177,13 +181,13 @@ class _HostReader:
         self.local = threading.local()
         self.numpy = numpy
 
-    def staging(self, nbytes: int):
+    def staging(self, nbytes: int) -> "numpy.ndarray":
         buffer = getattr(self.local, "buffer", None)
         if buffer is None:
             buffer = self.local.buffer = self.numpy.empty(CHUNK_BYTES, dtype=self.numpy.uint8)
         return buffer[:nbytes]
 
-    def place(self, staging, copies: list[Copy]) -> None:
+    def place(self, staging: "numpy.ndarray", copies: list[Copy]) -> None:
         for copy in copies:
             target = self.builder.view(copy.slot)[copy.offset : copy.offset + copy.nbytes].numpy()
             target[:] = staging[copy.source : copy.source + copy.nbytes]
@@ -219,14 +223,14 @@ class _GpuReader:
                 self.streams.append(state.stream)
         return state
 
-    def staging(self, nbytes: int):
+    def staging(self, nbytes: int) -> "numpy.ndarray":
         state = self._state()
         state.turn = 1 - state.turn
         if state.events[state.turn] is not None:
             state.events[state.turn].synchronize()  # the copies out of this buffer have finished
         return state.buffers[state.turn][:nbytes].numpy()
 
-    def place(self, staging, copies: list[Copy]) -> None:
+    def place(self, staging: "numpy.ndarray", copies: list[Copy]) -> None:
         torch = self.torch
         state = self._state()
         source = state.buffers[state.turn]

@@ -15,6 +15,10 @@
   ``vllm._C`` is missing, a plain copy stands in: the repacked tensor is then
   the loaded one, and the adapter's path (post-processing replaces the expert
   parameters, the cache holds the result) is the one the real op takes.
+- AMX tiles reported absent (unless the FP8 shim below is on): on a Sapphire
+  Rapids CPU vLLM packs unquantized bf16 weights with compiled ``_C`` ops and
+  empties the parameters; the tests take the path of a CPU without AMX on
+  every machine (with AMX, weightcache refuses those layers: docs/engines.md).
 
 - vLLM's CPU block-FP8 linear kernel, only with ``$WEIGHTCACHE_SHIM_CPU_FP8=1``
   (``CPU_FP8_ENV``; the FP8 tests set it for their own processes): vLLM builds
@@ -72,6 +76,8 @@ def install() -> None:
             library.define("convert_weight_packed(Tensor weight) -> Tensor")
             library.impl("convert_weight_packed", _convert_weight_packed_copy, "CPU")
             torch.cpu._is_amx_tile_supported = _amx_for_fp8_tests
+        else:
+            torch.cpu._is_amx_tile_supported = _no_amx
     torch.accelerator.empty_cache = _no_accelerator_cache
 
 
@@ -94,6 +100,12 @@ def _convert_weight_packed_copy(weight):
 def _amx_for_fp8_tests() -> bool:
     """``torch.cpu._is_amx_tile_supported`` under ``$WEIGHTCACHE_SHIM_CPU_FP8``: vLLM's CPU FP8 kernel is chosen."""
     return True
+
+
+def _no_amx() -> bool:
+    """``torch.cpu._is_amx_tile_supported`` elsewhere: on a CPU with AMX tiles, vLLM packs bf16 weights into kernel
+    state with compiled ops this CUDA wheel lacks; the tests run the path of a CPU without them, on every machine."""
+    return False
 
 
 def _prepack_moe_weight_copy(weight, output, isa) -> None:
