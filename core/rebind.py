@@ -7,6 +7,7 @@ import typing
 from collections.abc import Iterator
 
 from weightcache.core.errors import RebindError
+from weightcache.core.tensor_table import KINDS
 
 if typing.TYPE_CHECKING:
     import torch
@@ -37,14 +38,42 @@ def meta_parameters() -> Iterator[None]:
         torch.nn.Module.register_parameter = original
 
 
-def _owner(model: "torch.nn.Module", name: str) -> tuple["torch.nn.Module", str]:
-    path, _, leaf = name.rpartition(".")
-    try:
-        return (model.get_submodule(path) if path else model), leaf
-    except AttributeError:
-        raise RebindError(
-            f"the model has no module {path!r} for mapped tensor {name!r}; was it built from the same config?"
-        ) from None
+class _Owners:
+    """The module that owns each dotted name of ``model``, looked up once per module (``get_submodule`` walks the
+    whole path for every tensor)."""
+
+    def __init__(self, model: "torch.nn.Module"):
+        self._found: dict[str, torch.nn.Module] = {"": model}
+
+    def split(self, name: str) -> "tuple[torch.nn.Module, str]":
+        path, _, leaf = name.rpartition(".")
+        owner = self._found.get(path)
+        return (owner if owner is not None else self._module(path, name)), leaf
+
+    def _module(self, path: str, name: str) -> "torch.nn.Module":
+        import torch
+
+        parent_path, _, child = path.rpartition(".")
+        parent = self._found.get(parent_path)
+        if parent is None:
+            parent = self._module(parent_path, name)
+        module = parent._modules.get(child)
+        if module is None:
+            module = getattr(parent, child, None)
+        if not isinstance(module, torch.nn.Module):
+            raise RebindError(f"the model has no module {path!r} for mapped tensor {name!r}; was it built from the same config?")
+        self._found[path] = module
+        return module
+
+
+def _current(owner: "torch.nn.Module", leaf: str):
+    """What ``owner`` holds under ``leaf`` now: a parameter, a buffer or a plain attribute (None if nothing)."""
+    found = owner._parameters.get(leaf)
+    if found is None:
+        found = owner._buffers.get(leaf)
+    if found is None:
+        found = vars(owner).get(leaf)
+    return found
 
 
 def rebind_module(
@@ -63,39 +92,46 @@ def rebind_module(
     moved to ``device``. Raises RebindError naming what does not fit.
     With ``check=False`` tensors may stay on meta: for an engine that runs its
     own post-processing on the rebound model first, then calls ``check_no_meta``.
+
+    It reads the manifest's table column by column (no record objects), and
+    finds each owner module once.
     """
     import torch
 
+    table = manifest.table
+    owners = _Owners(model)
     params: dict[str, torch.nn.Parameter] = {}
-    for record in manifest.tensors:
-        owner, leaf = _owner(model, record.name)
-        tensor = tensors[record.name]
-        current = getattr(owner, leaf, None)
-        if isinstance(current, torch.Tensor) and tuple(current.shape) != tuple(tensor.shape):
+    attribute_sets = table.attribute_sets
+    Parameter, Tensor = torch.nn.Parameter, torch.Tensor
+    for name, kind, persistent, attributes in zip(table.names, table.kind, table.persistent, table.attributes, strict=True):
+        owner, leaf = owners.split(name)
+        tensor = tensors[name]
+        current = _current(owner, leaf)
+        if isinstance(current, Tensor) and current.shape != tensor.shape:
             raise RebindError(
-                f"mapped tensor {record.name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(current.shape)}; "
+                f"mapped tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(current.shape)}; "
                 "the cached entry was made from a different model configuration"
             )
-        if record.kind == "parameter":
-            param = torch.nn.Parameter(tensor, requires_grad=False)
-            params[record.name] = param
-            owner._buffers.pop(leaf, None)
-            owner._parameters[leaf] = param
-            bound = param
-        elif record.kind == "buffer":
+        if kind == _PARAMETER:
+            bound = params[name] = Parameter(tensor, requires_grad=False)
+            if owner._buffers:
+                owner._buffers.pop(leaf, None)
+            owner._parameters[leaf] = bound
+        elif kind == _BUFFER:
             owner._parameters.pop(leaf, None)
-            owner.register_buffer(leaf, tensor, persistent=record.persistent)
+            owner.register_buffer(leaf, tensor, persistent=bool(persistent))
             bound = tensor
         else:
             set_tensor_attribute(owner, leaf, tensor)
             bound = tensor
-        for name, value in record.attributes.items():
-            setattr(bound, name, value)
-    kinds = {record.name: record.kind for record in manifest.tensors}
+        if attributes:
+            for attribute, value in attribute_sets[attributes - 1].items():
+                setattr(bound, attribute, value)
+    kinds = dict(zip(table.names, table.kind, strict=True)) if manifest.aliases else {}
     for alias, target in manifest.aliases.items():
-        owner, leaf = _owner(model, alias)
+        owner, leaf = owners.split(alias)
         registered = leaf in owner._parameters or leaf in owner._buffers
-        if not registered and (kinds[target] == "attribute" or leaf in vars(owner)):
+        if not registered and (kinds[target] == _ATTRIBUTE or leaf in vars(owner)):
             set_tensor_attribute(owner, leaf, params.get(target, tensors[target]))
         elif target in params:
             owner._parameters[leaf] = params[target]
@@ -109,6 +145,9 @@ def rebind_module(
     return model
 
 
+_PARAMETER, _BUFFER, _ATTRIBUTE = (KINDS.index(kind) for kind in ("parameter", "buffer", "attribute"))
+
+
 def set_tensor_attribute(owner: "torch.nn.Module", leaf: str, tensor: "torch.Tensor") -> None:
     """Make ``tensor`` the plain attribute ``leaf`` of ``owner`` (neither parameter nor buffer)."""
     owner._parameters.pop(leaf, None)
@@ -117,7 +156,7 @@ def set_tensor_attribute(owner: "torch.nn.Module", leaf: str, tensor: "torch.Ten
 
 
 def _move_unmapped_buffers(model, manifest, device) -> None:
-    mapped = {record.name for record in manifest.tensors} | set(manifest.aliases)
+    mapped = {*manifest.names, *manifest.aliases}
     for owner_name, owner in model.named_modules():
         for leaf, buffer in list(owner._buffers.items()):
             name = f"{owner_name}.{leaf}" if owner_name else leaf

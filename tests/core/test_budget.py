@@ -88,7 +88,7 @@ def test_a_memfd_larger_than_its_declared_size_is_refused(budget_server):
     try:
         manifest = host_manifest(ArenaSpec(backend="host", size=4 * KIB, checksum=SOME_CHECKSUM), 4 * KIB)
         with Connection(socket_dir) as conn, pytest.raises(ServerError) as refused:
-            conn.publish(make_fingerprint(architecture="Hidden"), manifest.to_json(), [fd])
+            conn.publish(make_fingerprint(architecture="Hidden"), manifest, [fd])
     finally:
         os.close(fd)
     assert refused.value.code == "bad_request", refused.value
@@ -103,7 +103,7 @@ def test_a_host_arena_counts_its_memfds_real_size(budget_server):
     try:
         manifest = host_manifest(ArenaSpec(backend="host", size=4 * KIB, checksum=SOME_CHECKSUM), 4 * KIB)
         with Connection(socket_dir) as conn:
-            digest = conn.publish(make_fingerprint(architecture="Padded"), manifest.to_json(), [fd])["digest"]
+            digest = conn.publish(make_fingerprint(architecture="Padded"), manifest, [fd])["digest"]
     finally:
         os.close(fd)
     assert entries(socket_dir)[digest]["bytes"] == 8 * KIB

@@ -30,9 +30,10 @@ from tests.core.test_exhaustion import configured_server
 from tests.helpers import run_python
 from weightcache.core.attach import Attachment
 from weightcache.core.client import Connection
-from weightcache.core.compile_cache import publish_artifacts, read_memfd, restore_artifacts, sealed_memfd
+from weightcache.core.compile_cache import publish_artifacts, restore_artifacts
 from weightcache.core.errors import CompileArtifactsUnavailable, ServerError
 from weightcache.core.loader import prepare, publish
+from weightcache.core.memfd import read_memfd, sealed_memfd
 from weightcache.core.modes import LoadedModel
 from weightcache.core.request import LoadRequest
 

@@ -421,7 +421,7 @@ def _publish_arenas(socket_dir: Path, count: int, tp_rank: int) -> None:
         )
         manifest = Manifest(tensors=[record], arenas=specs)
         with Connection(socket_dir, timeout=10) as conn:
-            conn.publish(make_fingerprint(tp_rank=tp_rank, tp_size=8), manifest.to_json(), fds)
+            conn.publish(make_fingerprint(tp_rank=tp_rank, tp_size=8), manifest, fds)
     finally:
         close_fds(fds)
 
