@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import typing
 from collections.abc import Iterator
 
@@ -139,10 +140,37 @@ def rebind_module(
             owner._buffers[leaf] = tensors[target]
     if device is not None:
         _move_unmapped_buffers(model, manifest, device)
+    modules = _modules(model)
     if check:
-        check_no_meta(model)
-    model.eval()
+        check_no_meta(model, modules)
+    evaluation_mode(model, modules)
     return model
+
+
+def _modules(model: "torch.nn.Module") -> "list[torch.nn.Module]":
+    """Every module of ``model`` once (what ``model.modules()`` yields, without building a name for each)."""
+    found, seen, stack = [], set(), [model]
+    while stack:
+        module = stack.pop()
+        if id(module) not in seen:
+            seen.add(id(module))
+            found.append(module)
+            stack.extend(child for child in module._modules.values() if child is not None)
+    return found
+
+
+def evaluation_mode(model: "torch.nn.Module", modules: "list[torch.nn.Module] | None" = None) -> None:
+    """``model.eval()`` in one pass: ``training`` is set straight in each module's ``__dict__`` (``Module.__setattr__``
+    costs microseconds, and a MoE model has tens of thousands of modules); a module whose class overrides ``train``
+    gets its own ``train(False)``."""
+    import torch
+
+    default = torch.nn.Module.train
+    for module in _modules(model) if modules is None else modules:
+        if type(module).train is default:
+            module.__dict__["training"] = False
+        else:
+            module.train(False)
 
 
 _PARAMETER, _BUFFER, _ATTRIBUTE = (KINDS.index(kind) for kind in ("parameter", "buffer", "attribute"))
@@ -164,12 +192,27 @@ def _move_unmapped_buffers(model, manifest, device) -> None:
                 owner._buffers[leaf] = buffer.to(device)
 
 
-def check_no_meta(model: "torch.nn.Module") -> None:
-    """Raise RebindError if any parameter, buffer or tensor attribute is still on the meta device."""
+def check_no_meta(model: "torch.nn.Module", modules: "list[torch.nn.Module] | None" = None) -> None:
+    """Raise RebindError if any parameter, buffer or tensor attribute is still on the meta device.
+
+    One pass over the modules (``modules``: all of them, when the caller has the list); names are made only for the message.
+    """
+    import torch
+
+    Tensor = torch.Tensor
+    internals = frozenset(vars(torch.nn.Module()))  # a module's own bookkeeping: never a tensor attribute
+    for module in _modules(model) if modules is None else modules:
+        for tensor in itertools.chain(
+            module._parameters.values(), module._buffers.values(), map(vars(module).get, vars(module).keys() - internals)
+        ):
+            if isinstance(tensor, Tensor) and tensor.is_meta:
+                _raise_left_on_meta(model)
+
+
+def _raise_left_on_meta(model: "torch.nn.Module") -> typing.NoReturn:
     from weightcache.core.export import tensor_attributes
 
     named = [*model.named_parameters(), *model.named_buffers(), *((name, t) for name, _, _, t in tensor_attributes(model))]
     left = list(dict.fromkeys(name for name, t in named if t.device.type == "meta"))
-    if left:
-        shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
-        raise RebindError(f"{len(left)} tensors stayed on the meta device after rebind: {shown}; the cached entry lacks them")
+    shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+    raise RebindError(f"{len(left)} tensors stayed on the meta device after rebind: {shown}; the cached entry lacks them")
