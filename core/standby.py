@@ -311,7 +311,7 @@ class _Triggers:
         except ProcessLookupError:
             raise StandbyError(f"there is no process {pid} to watch; give the primary engine's pid to --watch-pid") from None
         except (AttributeError, OSError) as exc:  # no pidfd here (old kernel, sandbox or Python): check every POLL_INTERVAL_S
-            self.watched_by = f"polling /proc/{pid}/stat every {POLL_INTERVAL_S * 1000:g} ms (exit begun or zombie; {exc})"
+            self.watched_by = f"polling /proc/PID/stat every {POLL_INTERVAL_S * 1000:g} ms (exit begun or zombie; {exc})"
             log.info("watching pid %d by %s", pid, self.watched_by)
             if not _alive(pid):
                 raise StandbyError(f"there is no process {pid} to watch; give the primary engine's pid to --watch-pid") from None
