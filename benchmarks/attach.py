@@ -118,6 +118,7 @@ ENGINE = r"""
 import json, statistics, sys, time, torch
 from weightcache.core import api
 from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.gc_pause import gc_paused
 fp = Fingerprint.from_json(json.loads(sys.argv[1])); socket_dir = sys.argv[2]; device = sys.argv[3]; repeat = int(sys.argv[4])
 if device.startswith("cuda"):
     torch.zeros(1, device=device); torch.cuda.synchronize()
@@ -134,8 +135,9 @@ for _ in range(repeat):
     start = time.perf_counter()
     attachment = api.attach(fp, socket_dir)
     tensors = {name.replace(".", "_"): t for name, t in attachment.tensors.items()}
-    for name, tensor in tensors.items():
-        model._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
+    with gc_paused():  # as rebind_module makes its Parameters
+        for name, tensor in tensors.items():
+            model._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
     assert not any(p.is_meta for p in model.parameters())
     times.append(time.perf_counter() - start)
     phases.append(attachment.timings)

@@ -15,6 +15,7 @@ import attrs
 from weightcache.core.arena.base import ArenaSpec
 from weightcache.core.dtypes import ITEM_SIZES
 from weightcache.core.errors import InvalidManifest
+from weightcache.core.gc_pause import gc_paused
 from weightcache.core.tensor_table import KINDS, MAX_ATTRIBUTE_BYTES, MAX_INDEX, TensorTable, numel
 from weightcache.core.views import table_views
 
@@ -365,7 +366,8 @@ class Manifest:
         """Tensors viewing the mapped ``arenas`` (no copy), aliases included."""
         if len(arenas) != len(self.arenas):
             raise ValueError(f"manifest has {len(self.arenas)} arenas, {len(arenas)} were mapped")
-        tensors = table_views(self.table, [arena.bytes_view() for arena in arenas])
+        with gc_paused():
+            tensors = table_views(self.table, [arena.bytes_view() for arena in arenas])
         for alias, target in self.aliases.items():
             tensors[alias] = tensors[target]
         return tensors

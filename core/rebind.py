@@ -8,6 +8,7 @@ import typing
 from collections.abc import Iterator
 
 from weightcache.core.errors import RebindError
+from weightcache.core.gc_pause import gc_paused
 from weightcache.core.tensor_table import KINDS
 
 if typing.TYPE_CHECKING:
@@ -104,30 +105,31 @@ def rebind_module(
     params: dict[str, torch.nn.Parameter] = {}
     attribute_sets = table.attribute_sets
     Parameter, Tensor = torch.nn.Parameter, torch.Tensor
-    for name, kind, persistent, attributes in zip(table.names, table.kind, table.persistent, table.attributes, strict=True):
-        owner, leaf = owners.split(name)
-        tensor = tensors[name]
-        current = _current(owner, leaf)
-        if isinstance(current, Tensor) and current.shape != tensor.shape:
-            raise RebindError(
-                f"mapped tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(current.shape)}; "
-                "the cached entry was made from a different model configuration"
-            )
-        if kind == _PARAMETER:
-            bound = params[name] = Parameter(tensor, requires_grad=False)
-            if owner._buffers:
-                owner._buffers.pop(leaf, None)
-            owner._parameters[leaf] = bound
-        elif kind == _BUFFER:
-            owner._parameters.pop(leaf, None)
-            owner.register_buffer(leaf, tensor, persistent=bool(persistent))
-            bound = tensor
-        else:
-            set_tensor_attribute(owner, leaf, tensor)
-            bound = tensor
-        if attributes:
-            for attribute, value in attribute_sets[attributes - 1].items():
-                setattr(bound, attribute, value)
+    with gc_paused():  # tens of thousands of Parameters: no full collections in between
+        for name, kind, persistent, attributes in zip(table.names, table.kind, table.persistent, table.attributes, strict=True):
+            owner, leaf = owners.split(name)
+            tensor = tensors[name]
+            current = _current(owner, leaf)
+            if isinstance(current, Tensor) and current.shape != tensor.shape:
+                raise RebindError(
+                    f"mapped tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(current.shape)}; "
+                    "the cached entry was made from a different model configuration"
+                )
+            if kind == _PARAMETER:
+                bound = params[name] = Parameter(tensor, requires_grad=False)
+                if owner._buffers:
+                    owner._buffers.pop(leaf, None)
+                owner._parameters[leaf] = bound
+            elif kind == _BUFFER:
+                owner._parameters.pop(leaf, None)
+                owner.register_buffer(leaf, tensor, persistent=bool(persistent))
+                bound = tensor
+            else:
+                set_tensor_attribute(owner, leaf, tensor)
+                bound = tensor
+            if attributes:
+                for attribute, value in attribute_sets[attributes - 1].items():
+                    setattr(bound, attribute, value)
     kinds = dict(zip(table.names, table.kind, strict=True)) if manifest.aliases else {}
     for alias, target in manifest.aliases.items():
         owner, leaf = owners.split(alias)
