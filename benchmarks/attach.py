@@ -2,6 +2,7 @@
 
     python benchmarks/attach.py                       # host arenas, 2 GiB / 1,000 tensors
     python benchmarks/attach.py --device cuda --gib 16 --extra-gib 64
+    python benchmarks/attach.py --device cuda --gib 16 --tensors 50000 --no-disk   # attach only, published from memory
 
 Rows: safetensors ``load_file`` (cold when root can drop the page cache, and
 warm), weightcache's own load (disk -> arenas -> published), the raw disk
@@ -9,7 +10,9 @@ bandwidth with direct-I/O reads, and attach-to-ready-model in a fresh engine
 process (median of several attaches; the meta skeleton is built before the
 clock, as an engine builds its model either way). ``--extra-gib`` publishes
 that many GiB of random tensors straight from memory (no checkpoint on disk)
-and times attach again, to show attach stays flat as size grows.
+and times attach again, to show attach stays flat as size grows. ``--no-disk`` skips the checkpoint and the disk
+rows: the entry is published from memory, and the per-tensor cost of every phase is printed (publish's manifest
+build, the publish request with the server's check, and the engine's request, manifest, map, views and ready model).
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ ENGINE = r"""
 import json, statistics, sys, time, torch
 from weightcache.core import api
 from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.gc_pause import gc_paused
 fp = Fingerprint.from_json(json.loads(sys.argv[1])); socket_dir = sys.argv[2]; device = sys.argv[3]; repeat = int(sys.argv[4])
 if device.startswith("cuda"):
     torch.zeros(1, device=device); torch.cuda.synchronize()
@@ -131,8 +135,9 @@ for _ in range(repeat):
     start = time.perf_counter()
     attachment = api.attach(fp, socket_dir)
     tensors = {name.replace(".", "_"): t for name, t in attachment.tensors.items()}
-    for name, tensor in tensors.items():
-        model._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
+    with gc_paused():  # as rebind_module makes its Parameters
+        for name, tensor in tensors.items():
+            model._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
     assert not any(p.is_meta for p in model.parameters())
     times.append(time.perf_counter() - start)
     phases.append(attachment.timings)
@@ -160,8 +165,10 @@ def time_attach(fingerprint, socket_dir, device: str, repeat: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def publish_random(gib: float, tensors: int, device: str, socket_dir, anchor: Path):
-    """Publish ``gib`` of random bf16 tensors generated on ``device`` (nothing on disk)."""
+def publish_random(gib: float, tensors: int, device: str, socket_dir, anchor: Path, timings: dict | None = None):
+    """Publish ``gib`` of random bf16 tensors generated on ``device`` (nothing on disk); ``timings`` gets the manifest
+    build's and the publish request's milliseconds."""
+    timings = {} if timings is None else timings
     import torch
 
     from weightcache.core import api
@@ -183,6 +190,7 @@ def publish_random(gib: float, tensors: int, device: str, socket_dir, anchor: Pa
             builder.view(slot).view(torch.bfloat16).normal_()
         from weightcache.core.manifest import Manifest, TensorRecord
 
+        start = time.perf_counter()
         records = [
             TensorRecord(
                 name=item.name,
@@ -197,7 +205,10 @@ def publish_random(gib: float, tensors: int, device: str, socket_dir, anchor: Pa
             )
             for item, slot in zip(items, slots, strict=True)
         ]
-        publish_arenas(builder, fp, Manifest(tensors=records, arenas=builder.specs()), socket_dir, f"random {gib} GiB")
+        manifest = Manifest(tensors=records, arenas=builder.specs())
+        built = time.perf_counter()
+        publish_arenas(builder, fp, manifest, socket_dir, f"random {gib} GiB")
+        timings.update(publisher_manifest_ms=(built - start) * 1000, publish_request_ms=(time.perf_counter() - built) * 1000)
     finally:
         builder.close()
     return fp
@@ -213,6 +224,7 @@ def main(argv=None) -> int:
         "--extra-gib", type=float, nargs="*", default=[], help="also time attach at these sizes (published from memory)"
     )
     parser.add_argument("--dir", help="where to write the checkpoint (default: a temp dir on disk)")
+    parser.add_argument("--no-disk", action="store_true", help="no checkpoint: publish from memory and time attach only")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
 
@@ -235,6 +247,19 @@ def main(argv=None) -> int:
         if args.device.startswith("cuda"):
             torch.zeros(1, device=args.device)
             results["gpu"] = torch.cuda.get_device_name()
+        if args.no_disk:
+            (work / "config.json").write_text("{}")
+            from safetensors.torch import save_file
+
+            save_file({"anchor": torch.zeros(1)}, work / "model.safetensors")  # the fingerprints' checkpoint identity
+            publish_timings: dict = {}
+            fp = publish_random(args.gib, args.tensors, args.device, socket_dir, work, publish_timings)
+            results["attach"] = time_attach(fp, socket_dir, args.device, args.repeat)
+            results["attach"]["phases_ms"] = {**publish_timings, **results["attach"]["phases_ms"]}
+            print_phases(results)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=2))
+            return 0
         print(f"writing a {args.gib:g} GiB checkpoint of {args.tensors} bf16 tensors to {work} ...", flush=True)
         paths = make_checkpoint(work, args.gib, args.tensors, device=args.device)
         nbytes = sum(p.stat().st_size for p in paths)
@@ -274,6 +299,17 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
+
+
+def print_phases(r: dict) -> None:
+    """Attach -> ready model and each phase, in ms and in µs per tensor (the next bottleneck shows as the largest)."""
+    attach, n = r["attach"], r["attach"]["tensors"]
+    print(
+        f"\n{r['gib']:g} GiB, {n:,} tensors on {r['device']}" + (f" ({r['gpu']})" if "gpu" in r else "") + f", torch {r['torch']}"
+    )
+    print(f"attach -> ready model: median {attach['median_s'] * 1000:,.1f} ms ({attach['median_s'] * 1e6 / n:.2f} µs a tensor)")
+    for phase, ms in attach["phases_ms"].items():
+        print(f"  {phase.removesuffix('_s').removesuffix('_ms'):<10} {ms:>10,.1f} ms  {ms * 1000 / n:>7.2f} µs a tensor")
 
 
 def print_table(r: dict, nbytes: int) -> None:
@@ -340,7 +376,10 @@ def print_table(r: dict, nbytes: int) -> None:
         )
         if i == 0:
             print("  ".join("-" * w for w in widths))
-    phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in r["attach"]["phases_ms"].items())
+    n = r["attach"]["tensors"]
+    phases = ", ".join(
+        f"{k.removesuffix('_s')} {v:.1f} ({v * 1000 / n:.2f} µs/tensor)" for k, v in r["attach"]["phases_ms"].items()
+    )
     print(f"attach phases (median ms): {phases}")
 
 

@@ -80,7 +80,7 @@ def publish_entry(socket_dir: Path, nbytes: int, tensors: int):
             gpu_uuid="",
         )
         with Connection(socket_dir) as conn:
-            conn.publish(fingerprint, manifest.to_json(), [fd], label=f"attach_load ({tensors} tensors)")
+            conn.publish(fingerprint, manifest, [fd], label=f"attach_load ({tensors} tensors)")
         return fingerprint
     finally:
         os.close(fd)

@@ -1,6 +1,6 @@
 """Hot-standby takeover time: SIGKILL the primary engine, time until the standby's first output.
 
-    python benchmarks/standby.py [--device cuda:0] [--runs 5]
+    python benchmarks/standby.py [--device cuda:0] [--runs 5] [--no-pidfd]
 
 Runs examples/hot_standby.py several times on a random-weight Llama and prints the figures.
 """
@@ -22,6 +22,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--no-pidfd", action="store_true", help="make the standby poll /proc even where pidfds work")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from tests.models import save_random_model
@@ -30,7 +31,8 @@ def main(argv=None) -> int:
     results = []
     for _ in range(args.runs):
         out = subprocess.run(
-            [sys.executable, str(ROOT / "examples" / "hot_standby.py"), "--model", str(model), "--device", args.device, "--json"],
+            [sys.executable, str(ROOT / "examples" / "hot_standby.py"), "--model", str(model), "--device", args.device, "--json"]
+            + (["--no-pidfd"] if args.no_pidfd else []),
             capture_output=True,
             text=True,
             timeout=600,
@@ -44,6 +46,7 @@ def main(argv=None) -> int:
     print(f"kill -> standby holds the role   : median {statistics.median(takeover):.1f} ms, max {max(takeover):.1f} ms")
     print(f"kill -> standby's first output   : median {statistics.median(first):.1f} ms, max {max(first):.1f} ms")
     print(f"outputs identical to the primary : {all(r['outputs_identical'] for r in results)}")
+    print(f"primary watched by               : {', '.join(sorted({r['watched_by'] for r in results}))}")
     return 0
 
 

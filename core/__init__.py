@@ -4,4 +4,4 @@ Importing this package loads nothing heavy; torch is imported by the modules tha
 """
 
 __version__ = "0.1.0"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2

@@ -23,9 +23,10 @@ from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder, export_mo
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.identity import fingerprint_for
 from weightcache.core.loader import publish_arenas
-from weightcache.core.manifest import Manifest, TensorRecord, _contiguous_stride
+from weightcache.core.manifest import Manifest, TensorRecord
 from weightcache.core.reader import read_checkpoint
 from weightcache.core.request import LoadRequest, ModelDescription
+from weightcache.core.tensor_table import contiguous_stride
 
 if typing.TYPE_CHECKING:
     import torch
@@ -153,7 +154,7 @@ def publish_checkpoint(
                 kind="parameter",
                 dtype=info.dtype,
                 shape=info.shape,
-                stride=_contiguous_stride(info.shape),
+                stride=contiguous_stride(info.shape),
                 storage_offset=0,
                 arena=slot.arena,
                 offset=slot.offset,

@@ -23,13 +23,13 @@ from weightcache.core.errors import (
     ServerUnavailable,
 )
 from weightcache.core.fingerprint import Fingerprint
-from weightcache.core.manifest import Manifest
 from weightcache.core.protocol import close_fds
 
 if typing.TYPE_CHECKING:
     import torch
 
     from weightcache.core.arena.base import Arena
+    from weightcache.core.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class Attachment:
         connection: Connection,
         fingerprint: Fingerprint,
         digest: str,
-        manifest: Manifest,
+        manifest: "Manifest",
         fds,
         label: str,
         map_on: int | None = None,
@@ -117,7 +117,7 @@ class Attachment:
             raise
         requested = time.perf_counter()
         try:
-            manifest = Manifest.from_json(reply.manifest)
+            manifest = reply.manifest()
             if fingerprint is None:
                 fingerprint = Fingerprint.from_json(reply.fingerprint or {})
         except BaseException as exc:
@@ -146,9 +146,7 @@ class Attachment:
                 "this engine's mapping",
                 "The mapped bytes changed since they were published: restart this engine from disk (`weightcache load`)",
             )
-            created = bool(
-                connection.publish(self.fingerprint, self.manifest.to_json(), self.fds, label=self.label).get("created")
-            )
+            created = bool(connection.publish(self.fingerprint, self.manifest, self.fds, label=self.label).get("created"))
             reply = connection.attach(self.fingerprint)
             close_fds(reply.fds)  # this engine keeps the fds it already holds
         except BaseException:

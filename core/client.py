@@ -25,6 +25,8 @@ from weightcache.core.errors import (
     ServerUnavailable,
 )
 from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.manifest import Manifest
+from weightcache.core.memfd import read_memfd, sealed_memfd, sealed_size
 from weightcache.core.paths import check_client_dir, check_server_peer, socket_path
 from weightcache.core.protocol import FrameReader, close_fds, send_frame
 
@@ -36,14 +38,20 @@ _CONNECT_BACKOFF_S = (0.002, 0.1)  # while the server's listen queue is full
 
 @attrs.frozen
 class AttachReply:
-    """What the server hands an engine: the entry's digest, manifest and fds (owned by the caller)."""
+    """What the server hands an engine: the entry's digest, its manifest's JSON part and tensor table, and the arena fds
+    (owned by the caller); ``manifest()`` puts the manifest together."""
 
     digest: str
-    manifest: dict
+    wire: dict
+    table: bytes = attrs.field(repr=False)
     fds: tuple[int, ...]
     label: str
     fingerprint: dict | None = None
     """The entry's fingerprint (JSON), sent when it was attached by digest."""
+
+    def manifest(self) -> Manifest:
+        """The entry's manifest, as the server checked it (InvalidManifest if the reply is malformed)."""
+        return Manifest.from_wire(self.wire, self.table, trusted=True)
 
 
 class Connection:
@@ -115,12 +123,19 @@ class Connection:
     def hello(self) -> dict:
         return self.request({"op": "hello"})[0]
 
-    def publish(self, fingerprint: Fingerprint, manifest: dict, fds: Iterable[int], label: str = "") -> dict:
-        """Publish an entry; the server duplicates ``fds``, the caller still owns its own."""
-        return self.request({"op": "publish", "fingerprint": fingerprint.to_json(), "manifest": manifest, "label": label}, fds)[0]
+    def publish(self, fingerprint: Fingerprint, manifest: Manifest, fds: Iterable[int], label: str = "") -> dict:
+        """Publish an entry: the manifest's JSON part in the frame, its tensor table in a sealed memfd after the arena
+        ``fds``. The server duplicates the fds; the caller still owns its own."""
+        wire, table = manifest.to_wire()
+        table_fd = sealed_memfd(table, "weightcache-tensor-table")
+        try:
+            message = {"op": "publish", "fingerprint": fingerprint.to_json(), "manifest": wire, "label": label}
+            return self.request(message, [*fds, table_fd])[0]
+        finally:
+            os.close(table_fd)
 
     def attach(self, fingerprint: Fingerprint) -> AttachReply:
-        """Mark the entry attached by this connection and receive its fds."""
+        """Mark the entry attached by this connection and receive its arena fds and its tensor table."""
         return self._attach({"op": "attach", "fingerprint": fingerprint.to_json()})
 
     def attach_digest(self, digest: str) -> AttachReply:
@@ -130,18 +145,25 @@ class Connection:
     def _attach(self, message: dict) -> AttachReply:
         reply, fds = self.request(message)
         try:
+            if not fds:
+                raise KeyError("tensor table fd")
+            table = read_memfd(fds[-1], sealed_size(fds[-1], "the tensor table"))
             return AttachReply(
                 digest=str(reply["digest"]),
-                manifest=reply["manifest"],
-                fds=tuple(fds),
+                wire=reply["manifest"],
+                table=table,
+                fds=tuple(fds[:-1]),
                 label=str(reply.get("label", "")),
                 fingerprint=reply.get("fingerprint"),
             )
-        except KeyError as exc:
-            close_fds(fds)
+        except (KeyError, ValueError) as exc:
+            close_fds(fds[:-1])  # the table's fd is closed below
             raise ProtocolError(
-                f"the server's attach reply lacks {exc}; run the same weightcache version on both sides"
+                f"the server's attach reply lacks or garbles {exc}; run the same weightcache version on both sides"
             ) from None
+        finally:
+            if fds:
+                close_fds(fds[-1:])
 
     def detach(self, digest: str) -> None:
         self.request({"op": "detach", "digest": digest})

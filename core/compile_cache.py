@@ -17,10 +17,8 @@ and compiles as usual. A missing server or entry is never an error unless
 
 from __future__ import annotations
 
-import fcntl
 import importlib.metadata
 import logging
-import mmap
 import os
 import time
 import typing
@@ -30,6 +28,7 @@ import attrs
 from weightcache.core.client import Connection
 from weightcache.core.device import Device
 from weightcache.core.errors import AccessDenied, CompileArtifactsUnavailable, ServerError, ServerUnavailable
+from weightcache.core.memfd import read_memfd, sealed_memfd
 
 if typing.TYPE_CHECKING:
     from weightcache.core.modes import LoadedModel
@@ -37,7 +36,6 @@ if typing.TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_NAME = "torch.compile"
-_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 _UNAVAILABLE = (ServerUnavailable, AccessDenied, ServerError)
 
 
@@ -143,28 +141,6 @@ def restore_artifacts(
     info = ArtifactInfo(digest, key, size, time.perf_counter() - start)
     log.info("restored %d bytes of compile artifacts from %s in %.3f s", size, digest[:12], info.seconds)
     return info
-
-
-def sealed_memfd(data: bytes, name: str = "weightcache-artifact") -> int:
-    """A memfd holding ``data``, sealed against writes, shrinking and growing; the caller closes it."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def read_memfd(fd: int, size: int) -> bytes:
-    """The first ``size`` bytes of the memfd ``fd`` (mapped read-only, copied once)."""
-    if size == 0:
-        return b""
-    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mapped:
-        return bytes(mapped)
 
 
 def _entry(loaded: "LoadedModel", socket_dir, strict: bool) -> tuple[str | None, typing.Any]:

@@ -371,7 +371,7 @@ def publish_arenas(
     fds = [arena.export_fd() for arena in builder.arenas]
     try:
         with Connection(socket_dir) as connection:
-            return connection.publish(fingerprint, manifest.to_json(), fds, label=label)
+            return connection.publish(fingerprint, manifest, fds, label=label)
     finally:
         close_fds(fds)
 

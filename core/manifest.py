@@ -1,26 +1,30 @@
-"""The manifest: where every tensor of a published model lies in its arenas."""
+"""The manifest: where every tensor of a published model lies in its arenas.
+
+Its tensor records live in a :class:`~weightcache.core.tensor_table.TensorTable`
+(compact columns, checked in one pass); :class:`TensorRecord` is one record as
+an object, for the publishers that build them and the JSON form (docs, seeding).
+"""
 
 from __future__ import annotations
 
+import collections.abc
 import typing
 
 import attrs
 
 from weightcache.core.arena.base import ArenaSpec
-from weightcache.core.dtypes import ITEM_SIZES, to_dtype
+from weightcache.core.dtypes import ITEM_SIZES
 from weightcache.core.errors import InvalidManifest
+from weightcache.core.gc_pause import gc_paused
+from weightcache.core.tensor_table import KINDS, MAX_ATTRIBUTE_BYTES, MAX_INDEX, TensorTable, numel
+from weightcache.core.views import table_views
 
 if typing.TYPE_CHECKING:
     import torch
 
     from weightcache.core.arena.base import Arena
 
-KINDS = ("parameter", "buffer", "attribute")
-"""``attribute``: a plain tensor attribute of a module (``module.W_UV = tensor``), neither parameter nor buffer."""
-MAX_INDEX = 2**63 - 1
-"""Largest size, stride or offset: torch keeps them as int64."""
-MAX_ATTRIBUTE_BYTES = 4096
-"""Largest JSON text of one record's ``attributes`` (flags such as ``format_ue8m0``, not data)."""
+__all__ = ["KINDS", "MAX_ATTRIBUTE_BYTES", "MAX_INDEX", "Manifest", "Records", "TensorRecord"]
 
 _INDEX_FIELDS = ("storage_offset", "arena", "offset", "nbytes")
 
@@ -123,7 +127,7 @@ class TensorRecord:
             return "offset", f"{self.offset} is not a multiple of {self.dtype}'s item size ({itemsize} bytes)"
         if self.nbytes % itemsize:
             return "nbytes", f"{self.nbytes} is not a multiple of {self.dtype}'s item size ({itemsize} bytes)"
-        if _numel(self.shape) > MAX_INDEX:
+        if numel(self.shape) > MAX_INDEX:
             return "shape", f"{list(self.shape)} holds more than 2**63-1 elements"
         extent = self.extent_bytes
         if extent > self.nbytes:
@@ -166,6 +170,88 @@ _RECORD_FIELDS = frozenset(field.name for field in attrs.fields(TensorRecord))
 _REQUIRED_RECORD_FIELDS = frozenset(field.name for field in attrs.fields(TensorRecord) if field.default is attrs.NOTHING)
 
 
+class Records(collections.abc.Sequence):
+    """A manifest's tensor records: its table, plus the record objects it was built from (else made on demand).
+
+    ``trusted``: the table was checked already (by the server, before any
+    client saw it), so a manifest made from it checks nothing again.
+    """
+
+    def __init__(self, table: TensorTable, records: "tuple[TensorRecord, ...] | None" = None, trusted: bool = False):
+        self.table = table
+        self._records = records
+        self.trusted = trusted
+
+    @classmethod
+    def from_records(cls, records: "typing.Iterable[TensorRecord]") -> "Records":
+        records = tuple(records)
+        for record in records:
+            if not isinstance(record, TensorRecord):
+                raise InvalidManifest("", "tensors", f"every record must be a TensorRecord, not {type(record).__name__}")
+        table = TensorTable.encode(
+            names=[r.name for r in records],
+            kinds=[r.kind for r in records],
+            dtypes=[r.dtype for r in records],
+            shapes=[r.shape for r in records],
+            strides=[r.stride for r in records],
+            storage_offsets=[r.storage_offset for r in records],
+            arenas=[r.arena for r in records],
+            offsets=[r.offset for r in records],
+            nbytes=[r.nbytes for r in records],
+            persistent=[r.persistent for r in records],
+            attributes=[r.attributes for r in records],
+        )
+        return cls(table, records)
+
+    def __len__(self) -> int:
+        return self.table.count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        if self._records is None:
+            self._records = tuple(self._materialize())
+        return self._records[index]
+
+    def __iter__(self):
+        return iter(self[:] if self._records is None else self._records)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Records) and other.table.data == self.table.data:
+            return True
+        return isinstance(other, collections.abc.Sequence) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<Records of {len(self)} tensors>"
+
+    def _materialize(self) -> "typing.Iterator[TensorRecord]":
+        table = self.table
+        starts = table.starts()
+        sets = table.attribute_sets
+        for index, name in enumerate(table.names):
+            begin, end = starts[index], starts[index + 1]
+            attribute = table.attributes[index]
+            yield TensorRecord(
+                name=name,
+                kind=KINDS[table.kind[index]],
+                dtype=table.dtypes[table.dtype[index]],
+                shape=tuple(table.shape[begin:end]),
+                stride=tuple(table.stride[begin:end]),
+                storage_offset=table.storage_offset[index],
+                arena=table.arena[index],
+                offset=table.offset[index],
+                nbytes=table.nbytes[index],
+                persistent=bool(table.persistent[index]),
+                attributes=dict(sets[attribute - 1]) if attribute else {},
+            )
+
+
+def _as_records(value) -> Records:
+    return value if isinstance(value, Records) else Records.from_records(value)
+
+
 @attrs.frozen
 class Manifest:
     """Every tensor of one published model rank, its arenas, tied-weight aliases and adapter state.
@@ -173,35 +259,24 @@ class Manifest:
     Constructing one checks everything a client needs to view it (docs/protocol.md, "Manifest"):
     a manifest that no client could view raises :class:`InvalidManifest`.
 
+    :param tensors: the records (TensorRecord objects, or a table's :class:`Records`).
     :param aliases: alias name -> name of the tensor it shares (tied weights).
     :param extra: small JSON-able state an adapter needs to rebuild the model
         (model class, flags set by post-processing).
     """
 
-    tensors: tuple[TensorRecord, ...] = attrs.field(converter=tuple)
+    tensors: Records = attrs.field(converter=_as_records)
     arenas: tuple[ArenaSpec, ...] = attrs.field(converter=tuple)
     aliases: dict = attrs.field(factory=dict, hash=False)
     extra: dict = attrs.field(factory=dict, hash=False)
 
     def __attrs_post_init__(self) -> None:
-        names: set[str] = set()
-        for record in self.tensors:
-            if record.name in names:
-                raise InvalidManifest(record.name, "name", "names a second tensor")
-            names.add(record.name)
-            if record.arena >= len(self.arenas):
-                raise InvalidManifest(
-                    record.name, "arena", f"{record.arena} is not below the manifest's {len(self.arenas)} arenas"
-                )
-            size = self.arenas[record.arena].size
-            if record.offset + record.nbytes > size:
-                raise InvalidManifest(
-                    record.name,
-                    "offset",
-                    f"its region [{record.offset}, {record.offset + record.nbytes}) ends past arena {record.arena} ({size} bytes)",
-                )
+        if self.tensors.trusted:
+            return
+        self.table.check([spec.size for spec in self.arenas])
         if not isinstance(self.aliases, dict):
             raise InvalidManifest("", "aliases", f"must be an object, not {type(self.aliases).__name__}")
+        names = set(self.table.names) if self.aliases else set()
         for alias, target in self.aliases.items():
             if not isinstance(alias, str) or not isinstance(target, str):
                 raise InvalidManifest("", "aliases", f"alias {alias!r:.80} -> {target!r:.80}: both must be strings")
@@ -213,18 +288,26 @@ class Manifest:
             raise InvalidManifest("", "extra", f"must be an object, not {type(self.extra).__name__}")
 
     @property
+    def table(self) -> TensorTable:
+        """The tensor records as columns (what travels on the wire)."""
+        return self.tensors.table
+
+    @property
+    def names(self) -> list[str]:
+        """The tensors' names, in record order (no record objects made)."""
+        return self.table.names
+
+    @property
     def nbytes(self) -> int:
         """Bytes of all arenas together, as their specs declare them."""
         return sum(spec.size for spec in self.arenas)
 
     def arena_extents(self) -> tuple[int, ...]:
         """Per arena, the end of the last tensor region in it (0 for an arena no tensor uses)."""
-        extents = [0] * len(self.arenas)
-        for record in self.tensors:
-            extents[record.arena] = max(extents[record.arena], record.offset + record.nbytes)
-        return tuple(extents)
+        return self.table.extents(len(self.arenas))
 
     def to_json(self) -> dict:
+        """The whole manifest as JSON, a record per tensor (docs, seeding; the wire carries :meth:`to_wire`)."""
         return {
             "tensors": [record.to_json() for record in self.tensors],
             "arenas": [spec.to_json() for spec in self.arenas],
@@ -234,21 +317,47 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: dict) -> "Manifest":
-        """Parse and check a manifest from the wire; InvalidManifest (a ValueError) names the first fault."""
+        """Parse and check a manifest's JSON form; InvalidManifest (a ValueError) names the first fault."""
         if not isinstance(data, dict):
             raise InvalidManifest("", "manifest", f"must be an object, not {type(data).__name__}")
-        for field in ("tensors", "arenas"):
-            if not isinstance(data.get(field), list):
-                raise InvalidManifest("", field, f"must be a list, not {type(data.get(field)).__name__}")
-        arenas = []
-        for index, spec in enumerate(data["arenas"]):
-            try:
-                arenas.append(ArenaSpec.from_json(spec))
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise InvalidManifest("", f"arenas[{index}]", f"malformed arena spec ({exc!s:.200})") from None
+        if not isinstance(data.get("tensors"), list):
+            raise InvalidManifest("", "tensors", f"must be a list, not {type(data.get('tensors')).__name__}")
         return cls(
             tensors=[TensorRecord.from_json(t) for t in data["tensors"]],
-            arenas=arenas,
+            arenas=_arenas(data),
+            aliases=data.get("aliases", {}),
+            extra=data.get("extra", {}),
+        )
+
+    def to_wire(self) -> tuple[dict, bytes]:
+        """What a publish carries: the small JSON part (arenas, aliases, extra, the table's size) and the table's bytes."""
+        table = self.table
+        return {
+            "tensors": {"records": table.count, "bytes": len(table.data)},
+            "arenas": [spec.to_json() for spec in self.arenas],
+            "aliases": dict(self.aliases),
+            "extra": dict(self.extra),
+        }, table.data
+
+    @classmethod
+    def from_wire(cls, data: dict, table: bytes, trusted: bool = False) -> "Manifest":
+        """The manifest of a publish or an attach reply: its JSON part and its table's bytes.
+
+        The server checks every record (``trusted=False``); an engine takes
+        what its server checked (``trusted=True``: structure only, no record
+        checked again; torch still refuses any view outside its arena).
+        """
+        if not isinstance(data, dict):
+            raise InvalidManifest("", "manifest", f"must be an object, not {type(data).__name__}")
+        summary = data.get("tensors")
+        if not isinstance(summary, dict) or summary.get("bytes") != len(table):
+            raise InvalidManifest("", "tensors", f"must say the table's size ({len(table)} bytes), not {summary!r:.120}")
+        parsed = TensorTable(table)
+        if summary.get("records") != parsed.count:
+            raise InvalidManifest("", "tensors", f"says {summary.get('records')!r:.40} records, the table holds {parsed.count}")
+        return cls(
+            tensors=Records(parsed, trusted=trusted),
+            arenas=_arenas(data),
             aliases=data.get("aliases", {}),
             extra=data.get("extra", {}),
         )
@@ -257,53 +366,20 @@ class Manifest:
         """Tensors viewing the mapped ``arenas`` (no copy), aliases included."""
         if len(arenas) != len(self.arenas):
             raise ValueError(f"manifest has {len(self.arenas)} arenas, {len(arenas)} were mapped")
-        bytes_views = [arena.bytes_view() for arena in arenas]
-        typed: dict = {}  # (arena, dtype) -> the whole arena viewed as dtype: one as_strided per tensor after that
-        tensors = {}
-        for record in self.tensors:
-            key = (record.arena, record.dtype)
-            base = typed.get(key)
-            if base is None:
-                base = typed[key] = _typed_base(bytes_views[record.arena], record.dtype)
-            tensors[record.name] = view_of(bytes_views[record.arena], record, base)
+        with gc_paused():
+            tensors = table_views(self.table, [arena.bytes_view() for arena in arenas])
         for alias, target in self.aliases.items():
             tensors[alias] = tensors[target]
         return tensors
 
 
-def _typed_base(arena_bytes, dtype_name: str):
-    dtype = to_dtype(dtype_name)
-    itemsize = dtype.itemsize
-    return arena_bytes.view(dtype) if arena_bytes.numel() % itemsize == 0 else None
-
-
-def view_of(arena_bytes: "torch.Tensor", record: TensorRecord, typed_base: "torch.Tensor | None" = None) -> "torch.Tensor":
-    """The tensor ``record`` describes, viewing ``arena_bytes`` without a copy.
-
-    ``typed_base`` (the whole arena viewed as the record's dtype) saves two
-    tensor operations per record when the offset is a multiple of the item size.
-    """
-    dtype = to_dtype(record.dtype)
-    if typed_base is not None and record.nbytes and record.offset % dtype.itemsize == 0:
-        return typed_base.as_strided(record.shape, record.stride, record.offset // dtype.itemsize + record.storage_offset)
-    typed = arena_bytes[record.offset : record.offset + record.nbytes].view(dtype)
-    if record.nbytes == 0:
-        return typed.reshape(record.shape)
-    if record.storage_offset == 0 and typed.numel() == _numel(record.shape) and record.stride == _contiguous_stride(record.shape):
-        return typed.view(record.shape)
-    return typed.as_strided(record.shape, record.stride, typed.storage_offset() + record.storage_offset)
-
-
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+def _arenas(data: dict) -> list[ArenaSpec]:
+    if not isinstance(data.get("arenas"), list):
+        raise InvalidManifest("", "arenas", f"must be a list, not {type(data.get('arenas')).__name__}")
+    arenas = []
+    for index, spec in enumerate(data["arenas"]):
+        try:
+            arenas.append(ArenaSpec.from_json(spec))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise InvalidManifest("", f"arenas[{index}]", f"malformed arena spec ({exc!s:.200})") from None
+    return arenas

@@ -46,8 +46,13 @@ class Artifact:
 
 @attrs.define
 class Entry:
-    """One published model rank: the server's own fds to its arenas and its manifest, and its artifacts.
+    """One published model rank: the server's own fds to its arenas and to its tensor table, its manifest, and its artifacts.
 
+    ``manifest`` is the small JSON part of the manifest (arenas, aliases, extra,
+    the table's size); the tensor records are in the sealed memfd ``table_fd``,
+    checked once at publish and handed unchanged to every engine that attaches,
+    so an entry costs the server O(1) heap whatever its tensor count (the
+    table's pages are the memfd's, not the server's heap).
     ``nbytes`` is what the arenas count against the byte budget: the real size
     of each host memfd, the declared size of each CUDA arena. ``held_bytes``
     adds the artifacts' sizes.
@@ -59,6 +64,9 @@ class Entry:
     nbytes: int
     label: str = attrs.field(validator=_check_label)
     published_by: int
+    table_fd: int = -1
+    tensors: int = 0
+    table_bytes: int = 0
     created: float = attrs.field(factory=time.time)
     last_used: float = attrs.field(factory=time.monotonic)
     sessions: dict = attrs.field(factory=dict)  # connection id -> client pid
@@ -88,8 +96,11 @@ class Entry:
         return held
 
     def close_fds(self) -> None:
-        """Close the server's fds to the arenas and the artifacts."""
+        """Close the server's fds to the arenas, the tensor table and the artifacts."""
         close_fds(self.fds)
+        if self.table_fd >= 0:
+            close_fds([self.table_fd])
+            self.table_fd = -1
         close_fds([artifact.fd for artifact in self.artifacts.values()])
 
     def status(self) -> dict:
@@ -105,7 +116,7 @@ class Entry:
             "quantization": _shown(fp.quantization),
             "dtype": _shown(fp.dtype),
             "bytes": self.nbytes,
-            "tensors": len(self.manifest.get("tensors", ())),
+            "tensors": self.tensors,
             "arenas": len(self.fds),
             "artifacts": len(self.artifacts),
             "artifact_bytes": self.held_bytes - self.nbytes,
@@ -179,7 +190,7 @@ class Registry:
         """
         with self._lock:
             if entry.digest in self._entries:
-                close_fds(entry.fds)
+                entry.close_fds()
                 return False
             for victim in self._victims(entry.held_in()):
                 self._drop(victim.digest, reason="least recently used, to stay within the byte budget")
@@ -234,7 +245,8 @@ class Registry:
         return entry
 
     def checkout(self, digest: str, connection: int, pid: int) -> tuple[Entry, list[int]] | None:
-        """Attach entry ``digest`` to ``connection``, and duplicates of its fds made under the lock (the caller closes them).
+        """Attach entry ``digest`` to ``connection``, and duplicates of its arena fds and then its table fd, made under the
+        lock (the caller closes them).
 
         The duplicates stay valid even if the entry is evicted before the reply is sent.
         """
@@ -246,6 +258,8 @@ class Registry:
             try:
                 for fd in entry.fds:
                     fds.append(os.dup(fd))
+                if entry.table_fd >= 0:
+                    fds.append(os.dup(entry.table_fd))
             except BaseException:
                 close_fds(fds)
                 entry.sessions.pop(connection, None)

@@ -34,6 +34,8 @@ from weightcache.core import PROTOCOL_VERSION, __version__, bounds
 from weightcache.core.connections import ConnectionState, ConnectionTable
 from weightcache.core.errors import AccessDenied, IdleTimeout, ProtocolError
 from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.manifest import Manifest
+from weightcache.core.memfd import read_memfd, sealed_size
 from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir, peer_credentials
 from weightcache.core.protocol import (
     FRAME_DEADLINE_S,
@@ -42,11 +44,13 @@ from weightcache.core.protocol import (
     FrameReader,
     InFlight,
     close_fds,
+    encode,
     error_reply,
     ok_reply,
     send_frame,
 )
 from weightcache.core.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, Entry, OverBudget, Registry, TooManyArtifacts, tier_of
+from weightcache.core.tensor_table import MAX_TABLE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -347,17 +351,22 @@ class Server:
         return ok_reply(version=__version__, protocol=PROTOCOL_VERSION, pid=os.getpid(), uid=os.geteuid()), []
 
     def _publish(self, message, fds, connection_id, pid):
-        from weightcache.core.manifest import Manifest  # attrs only; no torch at import
-        from weightcache.core.protocol import encode
-
         try:
             fingerprint = Fingerprint.from_json(message["fingerprint"])
-            manifest = Manifest.from_json(message["manifest"])
-            if len(fds) != len(manifest.arenas):
-                raise ValueError(f"manifest lists {len(manifest.arenas)} arenas but {len(fds)} fds came")
+            if not fds:
+                raise ValueError("a publish carries one fd per arena and then the tensor table's sealed memfd; none came")
+            *arena_fds, table_fd = fds
+            table_bytes = sealed_size(table_fd, "the tensor table")
+            if table_bytes > MAX_TABLE_BYTES:
+                raise ValueError(
+                    f"the tensor table is {table_bytes} bytes, more than the {MAX_TABLE_BYTES} a server reads; split the model"
+                )
+            manifest = Manifest.from_wire(message["manifest"], read_memfd(table_fd, table_bytes))
+            if len(arena_fds) != len(manifest.arenas):
+                raise ValueError(f"manifest lists {len(manifest.arenas)} arenas but {len(arena_fds)} arena fds came")
             counted = [
                 _check_arena_fd(fd, spec, extent, index)
-                for index, (fd, spec, extent) in enumerate(zip(fds, manifest.arenas, manifest.arena_extents(), strict=True))
+                for index, (fd, spec, extent) in enumerate(zip(arena_fds, manifest.arenas, manifest.arena_extents(), strict=True))
             ]
             tier_bytes: dict[str, int] = {}
             for spec, nbytes in zip(manifest.arenas, counted, strict=True):
@@ -366,12 +375,16 @@ class Server:
             entry = Entry(
                 fingerprint=fingerprint,
                 manifest=message["manifest"],
-                fds=fds,
+                fds=arena_fds,
                 nbytes=sum(counted),
                 label=message.get("label", ""),
                 published_by=pid,
                 tier_bytes=tier_bytes,
+                table_fd=table_fd,
+                tensors=len(manifest.tensors),
+                table_bytes=table_bytes,
             )
+            del manifest  # the records were checked; the table's bytes stay in its memfd only
             reply_bytes = len(encode(entry.manifest)) + _REPLY_ENVELOPE_BYTES  # escaped, it may outgrow the frame it came in
             if reply_bytes > self.config.max_frame_bytes:
                 raise ValueError(
@@ -451,7 +464,7 @@ class Server:
             digest, key = _artifact_address(message)
             if len(fds) != 1:
                 raise ValueError(f"put_artifact carries exactly one fd (a sealed memfd holding the artifact), not {len(fds)}")
-            nbytes = _sealed_memfd_size(fds[0], "the artifact")
+            nbytes = sealed_size(fds[0], "the artifact")
             if nbytes == 0:
                 raise ValueError("the artifact memfd is empty")
         except (KeyError, TypeError, ValueError, OSError) as exc:
@@ -501,7 +514,6 @@ class Server:
             self._lock_fd = -1
 
 
-_HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _OPS_WITH_FDS = frozenset({"publish", "put_artifact"})
 _DIGEST_CHARS = frozenset("0123456789abcdef")
 _REPLY_ENVELOPE_BYTES = 4096  # a reply's fields besides its rows (status) or its manifest (attach)
@@ -552,7 +564,7 @@ def _check_arena_fd(fd: int, spec, extent: int, index: int) -> int:
                 "export into arenas sized for the tensors they hold"
             )
         return spec.size
-    size = _sealed_memfd_size(fd, f"host arena {index}")
+    size = sealed_size(fd, f"host arena {index}")
     if size < spec.size:
         raise ValueError(f"host arena {index} fd is {size} bytes, manifest says {spec.size}")
     if size > spec.size + resource.getpagesize():
@@ -560,23 +572,6 @@ def _check_arena_fd(fd: int, spec, extent: int, index: int) -> int:
             f"host arena {index} memfd is {size} bytes but its manifest declares {spec.size}; declare the memfd's real size"
         )
     return size
-
-
-def _sealed_memfd_size(fd: int, what: str) -> int:
-    """The size of ``fd``, a memfd sealed against writes, shrinking and growing (ValueError naming ``what`` otherwise).
-
-    The seals make the bytes immutable for every process that maps them, and fix the size counted.
-    """
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"{what} fd is not a memfd (file type {stat.S_IFMT(info.st_mode):#o})")
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        raise ValueError(f"{what} fd is not a memfd (it cannot be sealed)") from None
-    if seals & _HOST_SEALS != _HOST_SEALS:
-        raise ValueError(f"{what} memfd is not sealed against writes, shrinking and growing; seal it before publishing")
-    return os.fstat(fd).st_size  # again: the size may have changed until the seals were added
 
 
 def _full_digest(digest) -> str:

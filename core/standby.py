@@ -11,7 +11,8 @@ attach says why and exits with status 1) and one warm-up forward. Then it
 waits, and takes over on the first of:
 
 - the watched primary (``--watch-pid``) exits, however it exits (a pidfd where
-  the kernel has one, else a check every 10 ms);
+  the kernel has one, else ``/proc/PID/stat`` read every millisecond, which
+  also sees an exit that has begun: ``PF_EXITING``; ``--no-pidfd`` forces that);
 - SIGUSR1;
 - a line ``takeover`` on its standard input.
 
@@ -54,8 +55,11 @@ if typing.TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TAKEOVER_REQUEST = "takeover"
-POLL_INTERVAL_S = 0.01
-"""How often a primary is checked where the kernel has no pidfd."""
+POLL_INTERVAL_S = 0.001
+"""How often a primary is checked where the kernel has no pidfd (one ``/proc`` read, ~20 µs: ~2 % of one core)."""
+PF_EXITING = 0x4
+"""``/proc/PID/stat`` flag of a task whose exit has begun (``linux/sched.h``): set the moment a SIGKILL is acted on,
+long before a primary holding GPU memory has torn its mappings down and become a zombie."""
 
 
 @attrs.frozen
@@ -113,10 +117,12 @@ class Standby:
         requests: typing.IO | None = None,
         timeout_s: float = 30.0,
         plugins: "Plugins | None" = None,
+        use_pidfd: bool = True,
     ):
         self.request = request
         self.socket_dir = socket_dir
         self.watch_pid = watch_pid
+        self.use_pidfd = use_pidfd
         self.then = then
         self.requests = requests
         self.timeout_s = timeout_s
@@ -140,7 +146,8 @@ class Standby:
         from weightcache.core.warm import start_cuda_early
 
         began = time.perf_counter()
-        self._triggers = _Triggers(self.watch_pid, self.requests)  # before anything slow: a primary that dies meanwhile counts
+        # Before anything slow: a primary that dies meanwhile counts.
+        self._triggers = _Triggers(self.watch_pid, self.requests, use_pidfd=self.use_pidfd)
         cuda = start_cuda_early(self.request.device)
         adapter = (self.plugins or installed_plugins()).adapter(self.request.adapter)
         adapter.warm_up(self.request)
@@ -177,6 +184,7 @@ class Standby:
             "device": str(self.request.device),
             "digest": attachment.digest,
             "mapped_bytes": attachment.manifest.nbytes,
+            "watched_by": self._triggers.watched_by,
             "parameters_outside_arenas": parameters_outside(self.loaded.model, attachment.arenas),
             "private_growth_bytes": rss_anon_bytes() - private_before,
             "timings": {**self.timings, "ready_s": time.perf_counter() - began, **self.loaded.timings},
@@ -277,6 +285,7 @@ class _Triggers:
 
     def __init__(self, watch_pid: int | None, requests: typing.IO | None, use_pidfd: bool = True):
         self._use_pidfd = use_pidfd
+        self.watched_by = "nothing (no --watch-pid)"
         self._poll = select.poll()
         self._pidfd = -1
         self._watch_pid = watch_pid
@@ -301,11 +310,13 @@ class _Triggers:
             self._pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
             raise StandbyError(f"there is no process {pid} to watch; give the primary engine's pid to --watch-pid") from None
-        except (AttributeError, OSError) as exc:  # no pidfd here (old kernel or Python): check every POLL_INTERVAL_S
-            log.info("watching pid %d by polling (%s)", pid, exc)
+        except (AttributeError, OSError) as exc:  # no pidfd here (old kernel, sandbox or Python): check every POLL_INTERVAL_S
+            self.watched_by = f"polling /proc/PID/stat every {POLL_INTERVAL_S * 1000:g} ms (exit begun or zombie; {exc})"
+            log.info("watching pid %d by %s", pid, self.watched_by)
             if not _alive(pid):
                 raise StandbyError(f"there is no process {pid} to watch; give the primary engine's pid to --watch-pid") from None
             return
+        self.watched_by = "pidfd"
         self._poll.register(self._pidfd, select.POLLIN)
 
     def _catch_sigusr1(self) -> None:
@@ -375,11 +386,13 @@ class _Triggers:
 
 
 def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has exited)."""
+    """Whether ``pid`` runs: not gone, not a zombie, and not exiting (``PF_EXITING``: its exit has begun; a primary
+    killed while it maps GPU memory spends ~100 ms tearing its mappings down before it turns zombie)."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return fields[0] not in (b"Z", b"X", b"x") and not int(fields[6]) & PF_EXITING
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
         return False
 
 
@@ -414,6 +427,9 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     parser.add_argument("--dtype", help="dtype of unquantized weights, as the entry was published (default: the checkpoint's)")
     parser.add_argument("--watch-pid", type=int, metavar="PID", help="take over when this process (the primary) exits")
     parser.add_argument(
+        "--no-pidfd", action="store_true", help="watch the primary by polling /proc every millisecond even where pidfds work"
+    )
+    parser.add_argument(
         "--then", metavar="MODULE:FUNCTION", help="call FUNCTION(loaded) on take-over instead of generating one token"
     )
     parser.add_argument(
@@ -434,6 +450,7 @@ def run(args: argparse.Namespace) -> int:
         then=then,
         requests=sys.stdin,
         timeout_s=args.timeout,
+        use_pidfd=not args.no_pidfd,
     )
     try:
         print(json.dumps(standby.start()), flush=True)

@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--no-pidfd", action="store_true", help="make the standby poll /proc even where pidfds work")
     args = parser.parse_args(argv)
 
     from weightcache.core.loader import prepare, publish
@@ -79,13 +80,14 @@ def main(argv=None) -> int:
                 str(server.socket_dir),
                 "--watch-pid",
                 str(primary.pid),
+                *(["--no-pidfd"] if args.no_pidfd else []),
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             text=True,
         )
         processes.append(standby)
-        _line(standby)  # ready: attached, warmed up, waiting
+        ready = _line(standby)  # attached, warmed up, waiting
         killed_at = time.monotonic()
         os.kill(primary.pid, signal.SIGKILL)
         took = _line(standby)
@@ -93,6 +95,7 @@ def main(argv=None) -> int:
             "takeover_ms": (took["trigger_at"] - killed_at) * 1000,
             "first_output_ms": (took["first_token_at"] - killed_at) * 1000,
             "outputs_identical": took["token"] == primary_state["token"],
+            "watched_by": ready["watched_by"],
             "device": args.device,
         }
     finally:
@@ -107,7 +110,8 @@ def main(argv=None) -> int:
     else:
         print(
             f"primary SIGKILLed; the standby took over in {result['takeover_ms']:.1f} ms and produced its first token "
-            f"{result['first_output_ms']:.1f} ms after the kill; same token as the primary: {result['outputs_identical']}"
+            f"{result['first_output_ms']:.1f} ms after the kill; same token as the primary: {result['outputs_identical']}; "
+            f"primary watched by {result['watched_by']}"
         )
     return 0 if result["outputs_identical"] else 1
 

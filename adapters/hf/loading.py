@@ -211,9 +211,9 @@ def build_skeleton(request: "LoadRequest", manifest: "Manifest") -> "torch.nn.Mo
     extra = manifest.extra
     model = skeleton(request, drop_quantization=True, dtype=to_dtype(extra["dtype"]), class_name=extra.get("model_class"))
     block_size = tuple(extra.get("fp8_block_size") or (128, 128))
-    for record in manifest.tensors:
-        if record.name.endswith(".weight_scale_inv"):
-            name = record.name.removesuffix(".weight_scale_inv")
+    for name in manifest.names:
+        if name.endswith(".weight_scale_inv"):
+            name = name.removesuffix(".weight_scale_inv")
             module = model.get_submodule(name)
             if not isinstance(module, Fp8BlockLinear):
                 model.set_submodule(name, Fp8BlockLinear.like(module, block_size, device="meta"))

@@ -16,8 +16,10 @@ from weightcache.core.arena.checksum import checksum as arena_checksum
 from weightcache.core.client import Connection
 from weightcache.core.fingerprint import Fingerprint, sha256_json
 from weightcache.core.manifest import Manifest, TensorRecord
+from weightcache.core.memfd import sealed_memfd as blob_memfd
 from weightcache.core.paths import SOCKET_NAME
 from weightcache.core.protocol import HEADER, MAGIC, FrameReader, close_fds
+from weightcache.core.tensor_table import TensorTable
 
 SOME_CHECKSUM = "wsum64v1:" + "0" * 32
 """A well-formed checksum for manifests the server checks without reading their bytes (it never computes one)."""
@@ -69,6 +71,65 @@ def sealed_memfd(data: bytes, checksum: str | None = None) -> tuple[int, ArenaSp
         return fd, attrs.evolve(arena.spec, checksum=checksum or arena_checksum(arena.bytes_view()))
     finally:
         arena.close()
+
+
+def raw_wire(manifest: dict) -> tuple[dict, bytes]:
+    """The wire form of a manifest's JSON form with every record stored as given, unchecked: what a broken or hostile
+    publisher sends. TypeError or OverflowError for a value the binary table cannot hold (a float shape, a string offset)."""
+    records = manifest["tensors"]
+    if not isinstance(records, list):
+        table = TensorTable.encode([], [], [], [], [], [], [], [], [], [], []).data
+        return {**manifest, "tensors": records}, table
+    table = TensorTable.encode(
+        names=[r["name"] for r in records],
+        kinds=[r["kind"] for r in records],
+        dtypes=[r["dtype"] for r in records],
+        shapes=[r["shape"] for r in records],
+        strides=[r["stride"] for r in records],
+        storage_offsets=[r["storage_offset"] for r in records],
+        arenas=[r["arena"] for r in records],
+        offsets=[r["offset"] for r in records],
+        nbytes=[r["nbytes"] for r in records],
+        persistent=[r.get("persistent", True) for r in records],
+        attributes=[r.get("attributes", {}) for r in records],
+    ).data
+    return {**manifest, "tensors": {"records": len(records), "bytes": len(table)}}, table
+
+
+def publish_raw(conn: Connection, fingerprint: Fingerprint, wire: dict, table: bytes, fds, label: str = "raw") -> dict:
+    """Publish ``wire`` and ``table`` (a tensor table's bytes, valid or not) over ``fds`` without any check on this side."""
+    table_fd = blob_memfd(table)
+    try:
+        message = {"op": "publish", "fingerprint": fingerprint.to_json(), "manifest": wire, "label": label}
+        return conn.request(message, [*fds, table_fd])[0]
+    finally:
+        os.close(table_fd)
+
+
+def assert_views_stay_in_their_regions(manifest: Manifest, fds) -> None:
+    """Map host arena ``fds`` and check every view of ``manifest`` lies inside its record's region and can be read."""
+    import torch
+
+    host = backend("host")
+    arenas = [host.map(fd, spec) for fd, spec in zip(fds, manifest.arenas, strict=True)]
+    try:
+        views = manifest.views(arenas)
+        for record in manifest.tensors:
+            tensor = views[record.name]
+            assert tensor.dtype == getattr(torch, record.dtype) and tuple(tensor.shape) == record.shape, record
+            if tensor.numel() == 0:
+                continue
+            assert tuple(tensor.stride()) == record.stride, record
+            start = tensor.data_ptr() - arenas[record.arena].address
+            reach = (sum((n - 1) * s for n, s in zip(record.shape, record.stride, strict=True)) + 1) * tensor.element_size()
+            assert record.offset <= start and start + reach <= record.offset + record.nbytes, f"{record} views outside its region"
+            tensor.clone()  # every element can be read
+        for alias, target in manifest.aliases.items():
+            assert views[alias] is views[target]
+        del views, tensor
+    finally:
+        for arena in arenas:
+            arena.close()
 
 
 def sparse_memfd(size: int, seals: int = ALL_SEALS) -> int:
@@ -132,7 +193,7 @@ def publish_host_entry(
     try:
         manifest = host_manifest(spec, nbytes)
         with Connection(socket_dir, timeout=10) as conn:
-            reply = conn.publish(fingerprint, manifest.to_json(), [fd], label=label)
+            reply = conn.publish(fingerprint, manifest, [fd], label=label)
     finally:
         os.close(fd)
     return HostEntry(fingerprint, manifest, reply["digest"], data)

@@ -9,7 +9,15 @@ import os
 
 import pytest
 
-from tests.core.support import SOME_CHECKSUM, host_manifest, make_fingerprint, publish_host_entry, sparse_memfd
+from tests.core.support import (
+    SOME_CHECKSUM,
+    host_manifest,
+    make_fingerprint,
+    publish_host_entry,
+    publish_raw,
+    raw_wire,
+    sparse_memfd,
+)
 from tests.helpers import ServerProcess
 from weightcache.core.arena import ArenaSpec
 from weightcache.core.arena.base import PLAUSIBLE_GRANULE, PLAUSIBLE_SLACK
@@ -88,7 +96,7 @@ def test_a_memfd_larger_than_its_declared_size_is_refused(budget_server):
     try:
         manifest = host_manifest(ArenaSpec(backend="host", size=4 * KIB, checksum=SOME_CHECKSUM), 4 * KIB)
         with Connection(socket_dir) as conn, pytest.raises(ServerError) as refused:
-            conn.publish(make_fingerprint(architecture="Hidden"), manifest.to_json(), [fd])
+            conn.publish(make_fingerprint(architecture="Hidden"), manifest, [fd])
     finally:
         os.close(fd)
     assert refused.value.code == "bad_request", refused.value
@@ -103,21 +111,21 @@ def test_a_host_arena_counts_its_memfds_real_size(budget_server):
     try:
         manifest = host_manifest(ArenaSpec(backend="host", size=4 * KIB, checksum=SOME_CHECKSUM), 4 * KIB)
         with Connection(socket_dir) as conn:
-            digest = conn.publish(make_fingerprint(architecture="Padded"), manifest.to_json(), [fd])["digest"]
+            digest = conn.publish(make_fingerprint(architecture="Padded"), manifest, [fd])["digest"]
     finally:
         os.close(fd)
     assert entries(socket_dir)[digest]["bytes"] == 8 * KIB
     assert held_bytes(socket_dir) == 8 * KIB
 
 
-def _cuda_manifest(declared: int, extent: int) -> dict:
-    """The JSON of one CUDA arena declaring ``declared`` bytes whose only tensor reaches ``extent`` bytes."""
+def _cuda_manifest(declared: int, extent: int) -> tuple[dict, bytes]:
+    """The wire form of one CUDA arena declaring ``declared`` bytes whose only tensor reaches ``extent`` bytes."""
     spec = ArenaSpec(
         backend="cuda", size=max(declared, extent), device="GPU-00000000-0000-0000-0000-000000000000", checksum=SOME_CHECKSUM
     )
     manifest = host_manifest(spec, extent).to_json()
     manifest["arenas"][0]["size"] = declared
-    return manifest
+    return raw_wire(manifest)
 
 
 @pytest.mark.parametrize(
@@ -136,10 +144,12 @@ def test_a_cuda_arena_must_declare_a_size_plausible_for_its_tensors(budget_serve
     try:
         with Connection(server.socket_dir) as conn:
             if accepted:
-                digest = conn.publish(make_fingerprint(architecture="Cuda"), _cuda_manifest(declared, 4 * KIB), [fd])["digest"]
+                digest = publish_raw(conn, make_fingerprint(architecture="Cuda"), *_cuda_manifest(declared, 4 * KIB), [fd])[
+                    "digest"
+                ]
             else:
                 with pytest.raises(ServerError) as refused:
-                    conn.publish(make_fingerprint(architecture="Cuda"), _cuda_manifest(declared, 4 * KIB), [fd])
+                    publish_raw(conn, make_fingerprint(architecture="Cuda"), *_cuda_manifest(declared, 4 * KIB), [fd])
     finally:
         os.close(fd)
     if accepted:
@@ -155,7 +165,7 @@ def test_a_cuda_arena_smaller_than_its_tensors_is_refused(budget_server):
     fd = sparse_memfd(4 * KIB)
     try:
         with Connection(server.socket_dir) as conn, pytest.raises(ServerError) as refused:
-            conn.publish(make_fingerprint(architecture="Cuda"), _cuda_manifest(2 * MIB, 4 * MIB), [fd])
+            publish_raw(conn, make_fingerprint(architecture="Cuda"), *_cuda_manifest(2 * MIB, 4 * MIB), [fd])
     finally:
         os.close(fd)
     assert refused.value.code == "bad_request" and "ends past arena 0" in str(refused.value), refused.value

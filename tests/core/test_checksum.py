@@ -94,8 +94,8 @@ def test_only_well_formed_checksums_of_this_scheme_are_accepted():
 def test_a_publish_without_checksums_is_refused_saying_what_to_do(server):
     fd, spec = sealed_memfd(pattern(4096))
     try:
-        manifest = host_manifest(attrs.evolve(spec, checksum=None), 4096).to_json()
-        assert "checksum" not in manifest["arenas"][0]
+        manifest = host_manifest(attrs.evolve(spec, checksum=None), 4096)
+        assert "checksum" not in manifest.to_wire()[0]["arenas"][0]
         with Connection(server.socket_dir) as connection:
             with pytest.raises(ServerError, match="arena 0 carries no checksum of its bytes") as refused:
                 connection.publish(make_fingerprint(), manifest, [fd])

@@ -30,9 +30,10 @@ from tests.core.test_exhaustion import configured_server
 from tests.helpers import run_python
 from weightcache.core.attach import Attachment
 from weightcache.core.client import Connection
-from weightcache.core.compile_cache import publish_artifacts, read_memfd, restore_artifacts, sealed_memfd
+from weightcache.core.compile_cache import publish_artifacts, restore_artifacts
 from weightcache.core.errors import CompileArtifactsUnavailable, ServerError
 from weightcache.core.loader import prepare, publish
+from weightcache.core.memfd import read_memfd, sealed_memfd
 from weightcache.core.modes import LoadedModel
 from weightcache.core.request import LoadRequest
 
@@ -77,7 +78,9 @@ def test_an_artifact_is_kept_beside_its_entry_handed_out_sealed_and_dropped_with
         finally:
             os.close(replacement)
         assert size == len(second) and _row(server.socket_dir)["artifacts"] == 1
-        assert settle_fd_count(server.pid, baseline + 2) == baseline + 2, "the server holds the arena and the one artifact"
+        assert settle_fd_count(server.pid, baseline + 3) == baseline + 3, (
+            "the server holds the arena, the tensor table and the one artifact"
+        )
     finally:
         os.close(sent)
     with Connection(server.socket_dir, timeout=10) as conn:

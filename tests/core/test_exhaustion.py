@@ -31,7 +31,9 @@ from tests.core.support import (
     make_fingerprint,
     pattern,
     publish_host_entry,
+    publish_raw,
     raw_connect,
+    raw_wire,
     read_replies,
     resting_fd_count,
     sealed_memfd,
@@ -354,13 +356,13 @@ def test_fds_held_by_unfinished_frames_are_capped_server_wide(socket_dir):
             replies = read_replies(second)
             assert [r["error"]["code"] for r in replies] == ["busy"], replies
             assert "unfinished frames already hold 250 fds" in replies[0]["error"]["message"]
-            publish_host_entry(socket_dir)  # a one-fd publish still fits beside the first frame
+            publish_host_entry(socket_dir)  # a two-fd publish (an arena and its table) still fits beside the first frame
             assert hangs_up_within(first, 10) < 5, "the unfinished frame is dropped at its deadline"
         finally:
             first.close()
             second.close()
             os.close(memfd)
-        assert settle_fd_count(server.pid, baseline + 1) == baseline + 1  # plus the published arena
+        assert settle_fd_count(server.pid, baseline + 2) == baseline + 2  # plus the published arena and its table
 
 
 def test_payload_bytes_in_flight_wait_briefly_then_get_busy(socket_dir):
@@ -421,7 +423,7 @@ def _publish_arenas(socket_dir: Path, count: int, tp_rank: int) -> None:
         )
         manifest = Manifest(tensors=[record], arenas=specs)
         with Connection(socket_dir, timeout=10) as conn:
-            conn.publish(make_fingerprint(tp_rank=tp_rank, tp_size=8), manifest.to_json(), fds)
+            conn.publish(make_fingerprint(tp_rank=tp_rank, tp_size=8), manifest, fds)
     finally:
         close_fds(fds)
 
@@ -487,7 +489,7 @@ def test_a_full_listen_queue_is_retried_until_the_timeout(tmp_path):
 
 
 def _unusable(kind: str, data_size: int = 4096) -> tuple[int, dict]:
-    """A sealed memfd and a manifest the server accepts but no client can use."""
+    """A sealed memfd and a manifest (JSON form) the server accepts but no client can use."""
     fd, spec = sealed_memfd(pattern(data_size))
     if kind == "cuda-arena-on-a-host-memfd":
         spec = attrs.evolve(spec, backend="cuda", device="GPU-00000000-0000-0000-0000-000000000000")
@@ -502,7 +504,7 @@ def _publish_unusable(socket_dir, fingerprint, kind: str) -> None:
     try:
         with Connection(socket_dir, timeout=10) as conn:
             try:
-                conn.publish(fingerprint, manifest, [fd])
+                publish_raw(conn, fingerprint, *raw_wire(manifest), [fd])
             except ServerError as exc:
                 if exc.code == "bad_request":
                     pytest.skip(f"the server refuses this manifest at publish ({exc}): no client can receive it")

@@ -26,9 +26,12 @@ from hypothesis import strategies as st
 
 from tests.core.support import (
     ERROR_CODES,
+    assert_views_stay_in_their_regions,
     frame,
+    make_fingerprint,
     pattern,
     publish_host_entry,
+    publish_raw,
     raw_connect,
     read_replies,
     resting_fd_count,
@@ -40,6 +43,8 @@ from tests.core.support import (
 from tests.helpers import ServerProcess, wait_until
 from weightcache.core import PROTOCOL_VERSION
 from weightcache.core.client import Connection, wait_for_server
+from weightcache.core.errors import ServerError
+from weightcache.core.memfd import sealed_memfd as blob_memfd
 from weightcache.core.protocol import (
     MAGIC,
     MAX_FDS,
@@ -58,6 +63,7 @@ EXAMPLES = {
     "no_fds_where_expected": 500,
     "oversized_or_wrong_version": 1000,
     "near_valid_publish": 600,
+    "fuzzed_tables": 800,
 }
 OPS = ("hello", "publish", "attach", "detach", "status", "evict")
 
@@ -86,6 +92,7 @@ def fuzzed():
     try:
         entry = publish_host_entry(socket_dir, nbytes=4096)
         fds["sealed_memfd"], _ = sealed_memfd(pattern(4096))
+        fds["table_memfd"] = blob_memfd(entry.manifest.to_wire()[1])
         fds["small_memfd"], _ = sealed_memfd(b"x")
         fds["unsealed_memfd"] = os.memfd_create("unsealed", os.MFD_CLOEXEC)
         os.ftruncate(fds["unsealed_memfd"], 4096)
@@ -148,7 +155,7 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=12,
 )
-FD_KINDS = ("sealed_memfd", "small_memfd", "unsealed_memfd", "pipe_read", "pipe_write", "socket", "dev_null")
+FD_KINDS = ("sealed_memfd", "table_memfd", "small_memfd", "unsealed_memfd", "pipe_read", "pipe_write", "socket", "dev_null")
 fd_kinds = st.lists(st.sampled_from(FD_KINDS), max_size=4)
 
 
@@ -171,7 +178,7 @@ def manifests(draw, base: dict):
     if choice == 1:
         manifest["arenas"][0] = draw(mutated(manifest["arenas"][0]))
     elif choice == 2:
-        manifest["tensors"][0] = draw(mutated(manifest["tensors"][0]))
+        manifest["tensors"] = draw(mutated(manifest["tensors"]))
     elif choice == 3:
         manifest = draw(mutated(manifest))
     elif choice == 4:
@@ -189,7 +196,7 @@ def requests(draw, state: Fuzzed) -> dict:
     if "fingerprint" in fields:
         message["fingerprint"] = draw(mutated(fingerprint))
     if "manifest" in fields:
-        message["manifest"] = draw(manifests(state.entry.manifest.to_json()))
+        message["manifest"] = draw(manifests(state.entry.manifest.to_wire()[0]))
     if "label" in fields:
         message["label"] = draw(json_values)
     if "digest" in fields:
@@ -243,7 +250,7 @@ def test_random_requests(fuzzed, data):
     """Well-framed JSON with random ops and fields, near-valid fingerprints and manifests, any fds."""
     fuzzed.count("random_requests")
     messages = data.draw(st.lists(requests(fuzzed), min_size=1, max_size=3))
-    frame_fds = st.one_of(st.just([]), st.just(["sealed_memfd"]), fd_kinds)
+    frame_fds = st.one_of(st.just([]), st.just(["sealed_memfd", "table_memfd"]), fd_kinds)
     kinds = data.draw(st.lists(frame_fds, min_size=len(messages), max_size=len(messages)))
     sent = b"".join(frame(json.dumps(m).encode(), nfds=len(k)) for m, k in zip(messages, kinds, strict=True))
     sock = raw_connect(fuzzed.server.socket_dir, timeout=10)
@@ -275,9 +282,9 @@ def test_near_valid_publish(fuzzed, data):
     }
     fitting = typed[type(base[field])]
     fingerprint = {**base, field: data.draw(st.integers(0, 3).flatmap(lambda i: fitting if i else json_values))}
-    base_manifest = fuzzed.entry.manifest.to_json()
+    base_manifest = fuzzed.entry.manifest.to_wire()[0]
     manifest = data.draw(st.one_of(st.just(base_manifest), manifests(base_manifest)))
-    kinds = data.draw(st.one_of(st.just(["sealed_memfd"]), fd_kinds))
+    kinds = data.draw(st.one_of(st.just(["sealed_memfd", "table_memfd"]), fd_kinds))
     message = {"op": "publish", "fingerprint": fingerprint, "manifest": manifest, "label": data.draw(st.text(max_size=12))}
     fds = [fuzzed.fds[kind] for kind in kinds]
     [reply] = exchange(fuzzed, frame(json.dumps(message).encode(), nfds=len(fds)), fds)
@@ -319,11 +326,49 @@ def test_fds_where_none_expected(fuzzed, op, kinds, repeat):
 def test_no_fds_where_expected(fuzzed, data, label):
     """A publish without its arenas' fds is refused and publishes nothing."""
     fuzzed.count("no_fds_where_expected")
-    manifest = data.draw(manifests(fuzzed.entry.manifest.to_json()))
+    manifest = data.draw(manifests(fuzzed.entry.manifest.to_wire()[0]))
     fingerprint = {**fuzzed.entry.fingerprint.to_json(), "tp_rank": 0}
     message = {"op": "publish", "fingerprint": fingerprint, "manifest": manifest, "label": label}
     replies = exchange(fuzzed, frame(json.dumps(message).encode()))
     assert len(replies) == 1 and replies[0]["error"]["code"] == "bad_request", replies
+
+
+@st.composite
+def mangled_tables(draw, table: bytes) -> bytes:
+    """``table`` with a few bytes overwritten (header counts, columns, names, meta), cut short or grown."""
+    data = bytearray(table)
+    for _ in range(draw(st.integers(1, 4))):
+        where = draw(st.integers(0, len(data) - 1) | st.integers(0, 23))  # the header half the time
+        data[where : where + 1] = bytes([draw(st.integers(0, 255))])
+    change = draw(st.integers(0, 5))
+    if change == 1:
+        data = data[: draw(st.integers(0, len(data)))]
+    elif change == 2:
+        data += draw(st.binary(max_size=64))
+    return bytes(data)
+
+
+@settings(max_examples=EXAMPLES["fuzzed_tables"], **FUZZ)
+@given(data=st.data())
+def test_fuzzed_tables(fuzzed, data):
+    """A publish whose tensor table is mangled: refused, or accepted only if every view it describes stays in its region."""
+    fuzzed.count("fuzzed_tables")
+    wire, table = fuzzed.entry.manifest.to_wire()
+    mangled = data.draw(mangled_tables(table))
+    wire = {**wire, "tensors": {"records": data.draw(st.sampled_from([1, 0, 2])), "bytes": len(mangled)}}
+    fingerprint = make_fingerprint(architecture="MangledTable", tp_rank=0)
+    with Connection(fuzzed.server.socket_dir) as conn:
+        try:
+            publish_raw(conn, fingerprint, wire, mangled, [fuzzed.fds["sealed_memfd"]])
+        except ServerError as exc:
+            assert exc.code == "bad_request", exc
+            return
+        reply = conn.attach(fingerprint)
+        try:
+            assert_views_stay_in_their_regions(reply.manifest(), reply.fds)
+        finally:
+            close_fds(reply.fds)
+            conn.evict(reply.digest, force=True)
 
 
 @settings(max_examples=EXAMPLES["oversized_or_wrong_version"], **FUZZ)

@@ -92,8 +92,8 @@ def test_publish_and_attach_a_host_entry(server):
     manifest = host_manifest(spec, len(data))
     try:
         with Connection(server.socket_dir) as conn:
-            first = conn.publish(fingerprint, manifest.to_json(), [fd], label="wire-test")
-            again = conn.publish(fingerprint, manifest.to_json(), [fd], label="wire-test")
+            first = conn.publish(fingerprint, manifest, [fd], label="wire-test")
+            again = conn.publish(fingerprint, manifest, [fd], label="wire-test")
         assert first["created"] is True and first["digest"] == fingerprint.digest
         assert again["created"] is False, "publishing the same fingerprint twice keeps the first entry"
         [entry] = status(server.socket_dir)["entries"]
@@ -106,7 +106,7 @@ def test_publish_and_attach_a_host_entry(server):
             reply = holder.attach(fingerprint)
             try:
                 assert reply.digest == fingerprint.digest and reply.label == "wire-test"
-                assert reply.manifest == manifest.to_json()
+                assert reply.manifest() == manifest
                 assert len(reply.fds) == 1 and inode(reply.fds[0]) == inode(fd), "the engine must get the published memfd itself"
                 assert read_arena(reply.fds[0], spec.size)[: len(data)] == data
                 seals = fcntl.fcntl(reply.fds[0], fcntl.F_GET_SEALS)

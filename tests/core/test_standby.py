@@ -226,6 +226,26 @@ def test_a_primarys_exit_is_seen_by_pidfd_or_by_polling(pidfd):
         _Triggers(primary.pid, None, use_pidfd=pidfd)
 
 
+def test_without_a_pidfd_a_killed_primary_is_seen_within_a_few_milliseconds():
+    """The fallback where the kernel has no pidfd (sandboxes): /proc read every millisecond, and an exit that has
+    begun (PF_EXITING) counts, so a primary that takes long to tear its memory down is seen at once."""
+    seen = []
+    for _ in range(5):
+        primary = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        triggers = _Triggers(primary.pid, None, use_pidfd=False)
+        try:
+            assert triggers.watched_by.startswith("polling /proc/PID/stat every 1 ms"), triggers.watched_by
+            assert triggers.wait(timeout=0.05) is None
+            killed = time.monotonic()
+            primary.kill()
+            trigger = triggers.wait(timeout=10)
+            seen.append(trigger.at - killed)
+        finally:
+            triggers.close()
+            primary.wait()
+    assert sorted(seen)[2] < 0.010, f"kill -> seen: {[round(s * 1000, 1) for s in seen]} ms"
+
+
 def test_early_cuda_set_up_does_nothing_on_the_cpu_and_hands_its_error_to_the_waiter():
     import torch
 
