@@ -64,3 +64,25 @@ def test_a_flipped_byte_reads_NO_and_fails_the_run(tmp_path):
     assert methods["control-flip"]["runs"][0]["verify"]["differ"], "the changed tensor is named"
     assert methods["serverless-llm-store"]["status"] == "not run" and "cp310" in methods["serverless-llm-store"]["reason"]
     assert "| NO (1 differ) |" in proc.stdout and "BYTES DIFFER: control" in proc.stdout
+
+
+def test_rows_rotate_between_runs_and_the_bracketing_row_stays_last(cold):
+    names = ["raw-direct", "fastsafetensors", "wc-reader", "raw-direct"]
+    assert [n for _, n in cold.rotated(names, 0)] == names
+    assert cold.rotated(names, 1) == [(1, "fastsafetensors"), (2, "wc-reader"), (0, "raw-direct"), (3, "raw-direct")]
+    assert [n for _, n in cold.rotated(["a", "b"], 3)] == ["b", "a"]
+
+
+def test_priming_reads_every_file_once(cold, tmp_path):
+    files = []
+    for number, size in enumerate((5, cold.PIECE_BYTES + 3)):
+        files.append(tmp_path / f"f{number}")
+        files[-1].write_bytes(b"x" * size)
+    before = _bytes_read()
+    assert cold.prime_disk(files) >= 0
+    assert _bytes_read() - before >= sum(f.stat().st_size for f in files)
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as fh:
+        return int(next(line for line in fh if line.startswith("rchar:")).split()[1])
