@@ -80,7 +80,7 @@ def run_demo(model: str | None = None, device: str = "cpu", keep_server: bool = 
 def demo_table(published: dict, disk: dict, attached: dict, same: bool) -> list[str]:
     """The demo's timing table: one row per step, what each row's clock covers in its note."""
     if published["first_sight"]:
-        digest_note = "first sight: hashed in the read's own pass (inside load + publish); this row combines them"
+        digest_note = "first sight: digested from the bytes read (weightcache's reader) or in a pass of its own (this row)"
     else:
         digest_note = "remembered (one stat per weight file) and checked against the bytes read"
     rows = [

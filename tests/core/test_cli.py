@@ -488,7 +488,7 @@ def test_the_demo_table_says_slower_when_attach_is_slower():
     lines = demo_table(published, {"load_s": 0.04}, {"load_s": 0.05, "output_sha256": "ab" * 32}, True)
     assert "engine B, mode client: 1.2x slower than engine A's disk load" in lines[5]
     assert "loader: read 200.0 ms, copy into new shared memory 1,000.0 ms, publish 100.0 ms" in lines[3]
-    assert "first sight: hashed in the read's own pass" in lines[2] and "100.0 ms" in lines[2]
+    assert "first sight: digested from the bytes read" in lines[2] and "100.0 ms" in lines[2]
     assert format_speedup(1.0, 0.1) == "10.0x faster" and format_speedup(0.8, 1.0) == "1.2x slower"
 
 
