@@ -31,11 +31,11 @@ from pathlib import Path
 import attrs
 
 from weightcache.core import PROTOCOL_VERSION, __version__, bounds
+from weightcache.core.admission import REPLY_ENVELOPE_BYTES, admit_publish
 from weightcache.core.connections import ConnectionState, ConnectionTable
 from weightcache.core.errors import AccessDenied, IdleTimeout, ProtocolError
 from weightcache.core.fingerprint import Fingerprint
-from weightcache.core.manifest import Manifest
-from weightcache.core.memfd import read_memfd, sealed_size
+from weightcache.core.memfd import sealed_size
 from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir, peer_credentials
 from weightcache.core.protocol import (
     FRAME_DEADLINE_S,
@@ -44,13 +44,11 @@ from weightcache.core.protocol import (
     FrameReader,
     InFlight,
     close_fds,
-    encode,
     error_reply,
     ok_reply,
     send_frame,
 )
-from weightcache.core.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, Entry, OverBudget, Registry, TooManyArtifacts, tier_of
-from weightcache.core.tensor_table import MAX_TABLE_BYTES
+from weightcache.core.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, OverBudget, Registry, TooManyArtifacts
 
 log = logging.getLogger(__name__)
 
@@ -352,44 +350,7 @@ class Server:
 
     def _publish(self, message, fds, connection_id, pid):
         try:
-            fingerprint = Fingerprint.from_json(message["fingerprint"])
-            if not fds:
-                raise ValueError("a publish carries one fd per arena and then the tensor table's sealed memfd; none came")
-            *arena_fds, table_fd = fds
-            table_bytes = sealed_size(table_fd, "the tensor table")
-            if table_bytes > MAX_TABLE_BYTES:
-                raise ValueError(
-                    f"the tensor table is {table_bytes} bytes, more than the {MAX_TABLE_BYTES} a server reads; split the model"
-                )
-            manifest = Manifest.from_wire(message["manifest"], read_memfd(table_fd, table_bytes))
-            if len(arena_fds) != len(manifest.arenas):
-                raise ValueError(f"manifest lists {len(manifest.arenas)} arenas but {len(arena_fds)} arena fds came")
-            counted = [
-                _check_arena_fd(fd, spec, extent, index)
-                for index, (fd, spec, extent) in enumerate(zip(arena_fds, manifest.arenas, manifest.arena_extents(), strict=True))
-            ]
-            tier_bytes: dict[str, int] = {}
-            for spec, nbytes in zip(manifest.arenas, counted, strict=True):
-                tier = tier_of(spec.backend, spec.device)
-                tier_bytes[tier] = tier_bytes.get(tier, 0) + nbytes
-            entry = Entry(
-                fingerprint=fingerprint,
-                manifest=message["manifest"],
-                fds=arena_fds,
-                nbytes=sum(counted),
-                label=message.get("label", ""),
-                published_by=pid,
-                tier_bytes=tier_bytes,
-                table_fd=table_fd,
-                tensors=len(manifest.tensors),
-                table_bytes=table_bytes,
-            )
-            del manifest  # the records were checked; the table's bytes stay in its memfd only
-            reply_bytes = len(encode(entry.manifest)) + _REPLY_ENVELOPE_BYTES  # escaped, it may outgrow the frame it came in
-            if reply_bytes > self.config.max_frame_bytes:
-                raise ValueError(
-                    f"the manifest would need a {reply_bytes}-byte attach reply, past the frame limit; split the model"
-                )
+            entry = admit_publish(message, fds, pid, self.config.max_frame_bytes)
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError, OSError) as exc:
             close_fds(fds)
             return error_reply("bad_request", f"malformed publish request: {exc!s:.600}"), []
@@ -434,7 +395,7 @@ class Server:
 
     def _status(self, message, fds, connection_id, pid):
         # Rows are bounded (labels and shown texts are short); this bounds their count too, so the reply fits a frame.
-        entries, omitted = self.registry.status(max_bytes=self.config.max_frame_bytes - _REPLY_ENVELOPE_BYTES)
+        entries, omitted = self.registry.status(max_bytes=self.config.max_frame_bytes - REPLY_ENVELOPE_BYTES)
         return ok_reply(
             entries=entries,
             omitted=omitted,
@@ -516,7 +477,6 @@ class Server:
 
 _OPS_WITH_FDS = frozenset({"publish", "put_artifact"})
 _DIGEST_CHARS = frozenset("0123456789abcdef")
-_REPLY_ENVELOPE_BYTES = 4096  # a reply's fields besides its rows (status) or its manifest (attach)
 
 
 def _raise_fd_limit() -> int:
@@ -532,46 +492,6 @@ def _raise_fd_limit() -> int:
         log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
         return soft
     return target
-
-
-def _check_arena_fd(fd: int, spec, extent: int, index: int) -> int:
-    """Check arena ``index``'s fd against its spec and its tensors' ``extent``; the bytes it counts against the budget.
-
-    A host arena must be a memfd sealed against writes, shrinking and growing,
-    as large as its spec says (up to one page more): the seals make the bytes
-    immutable for every engine, and its real size is what it counts.  A CUDA
-    arena's fd cannot be sized without CUDA, so its declared size counts and
-    must be plausible (``plausible_size``: its tensors' extent rounded up to 2 MiB, plus
-    2 MiB; the manifest already checked it is at least that extent).  Every arena carries
-    a checksum of its bytes, which the server keeps and hands out but never computes:
-    whatever moves the bytes checks them (docs/architecture.md, "Checksums").
-    """
-    if spec.backend not in ("host", "cuda"):
-        raise ValueError(f"unknown arena backend {spec.backend!r:.40}; expected 'host' or 'cuda'")
-    if spec.checksum is None:
-        raise ValueError(
-            f"arena {index} carries no checksum of its bytes; publish through weightcache's own publish "
-            "(loader.publish_arenas computes it) with the server's weightcache version"
-        )
-    from weightcache.core.arena.base import plausible_size
-
-    if spec.backend == "cuda":
-        bound = plausible_size(extent)
-        if spec.size > bound:
-            raise ValueError(
-                f"cuda arena {index} declares {spec.size} bytes but its tensors reach only {extent}; "
-                f"an arena may exceed its tensors by its allocation granularity only (at most {bound} bytes here); "
-                "export into arenas sized for the tensors they hold"
-            )
-        return spec.size
-    size = sealed_size(fd, f"host arena {index}")
-    if size < spec.size:
-        raise ValueError(f"host arena {index} fd is {size} bytes, manifest says {spec.size}")
-    if size > spec.size + resource.getpagesize():
-        raise ValueError(
-            f"host arena {index} memfd is {size} bytes but its manifest declares {spec.size}; declare the memfd's real size"
-        )
-    return size
 
 
 def _full_digest(digest) -> str:
