@@ -143,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-file", help="with --detach: where the server logs (default: nowhere)")
     serve.add_argument(
+        "--take-over",
+        action="store_true",
+        help="restart or upgrade: take every entry, the socket and the lock from the server running on this directory, "
+        "which exits once this one serves (without one running: start as usual)",
+    )
+    serve.add_argument(
         "--idle-timeout",
         type=_within(IDLE_SECONDS, zero="never"),
         metavar="SECONDS",
@@ -392,8 +398,8 @@ def _serve(args) -> int:
     if args.detach:
         from weightcache.core.server_process import serve_detached
 
-        return serve_detached(config, args.log_file)
-    serve(config)
+        return serve_detached(config, args.log_file, args.take_over)
+    serve(config, args.take_over)
     return 0
 
 

@@ -397,3 +397,7 @@ class NoMemory(WeightCacheError):
             f"the entry needs {format_bytes(needed)} on {device}, which has {format_bytes(free)} free; nothing was allocated. "
             "Free memory there (evict entries, stop an engine) or receive on another device"
         )
+
+
+class HandoverFailed(WeightCacheError):
+    """A successor could not take a running server's entries over; the running server keeps serving every entry."""

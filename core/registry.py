@@ -182,17 +182,23 @@ class Registry:
     def byte_budget(self) -> int | None:
         return self.budgets.total
 
-    def publish(self, entry: Entry) -> bool:
+    def publish(self, entry: Entry, evict: bool = True) -> bool:
         """Add ``entry``; False (and its fds closed) if one with that digest exists already.
 
         Raises OverBudget, having evicted nothing, when the entry does not fit
-        even after evicting every unattached entry.
+        even after evicting every unattached entry (with ``evict`` False: without evicting any).
         """
         with self._lock:
             if entry.digest in self._entries:
                 entry.close_fds()
                 return False
-            for victim in self._victims(entry.held_in()):
+            victims = self._victims(entry.held_in())
+            if victims and not evict:
+                raise OverBudget(
+                    f"entry {entry.digest[:12]} ({entry.nbytes} bytes) does not fit the budgets beside the "
+                    f"{len(self._entries)} entries held; give this server budgets at least the running server's"
+                )
+            for victim in victims:
                 self._drop(victim.digest, reason="least recently used, to stay within the byte budget")
             self._entries[entry.digest] = entry
         log.info("published %s (%s, %d bytes, %d arenas)", entry.digest[:12], entry.label, entry.nbytes, len(entry.fds))
@@ -380,6 +386,11 @@ class Registry:
             if used > max_bytes:
                 return rows[:count], len(rows) - count
         return rows, 0
+
+    def snapshot(self) -> list[Entry]:
+        """The entries, oldest first (a handover sends them; the caller keeps the registry from changing meanwhile)."""
+        with self._lock:
+            return list(self._entries.values())
 
     def held_bytes(self) -> int:
         with self._lock:

@@ -35,6 +35,8 @@ from weightcache.core.admission import REPLY_ENVELOPE_BYTES, admit_publish
 from weightcache.core.connections import ConnectionState, ConnectionTable
 from weightcache.core.errors import AccessDenied, IdleTimeout, ProtocolError
 from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.handover import Handed, Limits, send_entries
+from weightcache.core.handover import take_over as take_over_from
 from weightcache.core.memfd import sealed_size
 from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir, peer_credentials
 from weightcache.core.protocol import (
@@ -116,6 +118,10 @@ class Server:
         self._table = ConnectionTable(config.max_connections)
         # Both limits are fitted to the open-file limit in start() (_size_limits).
         self._in_flight = InFlight(config.max_inflight_fds or 1024, config.max_inflight_bytes, config.inflight_wait_s)
+        self._frozen = threading.Event()  # handing over: entries must not change
+        self._accepting = threading.Event()  # cleared while the listener is being handed over
+        self._accepting.set()
+        self._handed_over = False
         self._failed_accepts = 0  # in a row: they set the back-off
         self._last_failed_accept = float("-inf")
 
@@ -123,10 +129,17 @@ class Server:
     def socket_path(self) -> Path:
         return self.config.socket_dir / SOCKET_NAME
 
-    def start(self) -> None:
-        """Take the directory's lock, clear a dead server's socket, bind and listen."""
+    def start(self, handed: Handed | None = None) -> None:
+        """Take the directory's lock, clear a dead server's socket, bind and listen; or use the ones a predecessor ``handed``."""
         socket_dir = ensure_private_dir(self.config.socket_dir)
         self._size_limits(_raise_fd_limit())
+        if handed is not None and handed.complete:
+            self._lock_fd, self._listener = handed.lock_fd, socket.socket(fileno=handed.listener_fd)
+            os.ftruncate(self._lock_fd, 0)
+            os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+            self._listener.settimeout(0.2)
+            log.info("weightcache server %s (protocol %d) took over %s", __version__, PROTOCOL_VERSION, self.socket_path)
+            return
         self._lock_fd = os.open(socket_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -177,6 +190,8 @@ class Server:
             self.start()
         try:
             while not self._stopping.is_set():
+                if not self._accepting.wait(0.2):
+                    continue  # the listener is being handed over: newcomers wait in its queue
                 try:
                     conn, _ = self._listener.accept()
                 except (TimeoutError, InterruptedError):
@@ -271,6 +286,10 @@ class Server:
                 if frame is None:
                     return
                 message, fds = frame
+                if message.get("op") == "handover":
+                    close_fds(fds)
+                    self._hand_over(conn, pid)
+                    return
                 reply, reply_fds = self._dispatch(message, fds, state.id, pid)
                 state.note_reply(message, reply)
                 try:
@@ -285,6 +304,26 @@ class Server:
             self._table.remove(state)
             conn.close()
             state.closed.set()
+
+    def _hand_over(self, conn: socket.socket, pid: int) -> None:
+        """Send every entry, the listener and the lock to the successor pid ``pid``; stop once it confirmed
+        (docs/decisions.md, 36). Until then entries stay unchanged here and this server keeps every one."""
+        if self._frozen.is_set() or self._listener is None:
+            self._try_send(conn, error_reply("busy", "another successor is taking over already; wait for it"))
+            return
+        self._frozen.set()
+        log.info("handing every entry over to pid %d", pid)
+        conn.settimeout(self.config.frame_deadline_s)
+        done = False
+        try:
+            done = send_entries(conn, self.registry, self._listener.fileno(), self._lock_fd, self._accepting.clear)
+        finally:
+            if not done:
+                self._accepting.set()
+                self._frozen.clear()
+        if done:
+            self._handed_over = True
+            self.stop()
 
     def _try_send(self, conn: socket.socket, reply: dict, fds=()) -> bool:
         try:
@@ -312,6 +351,9 @@ class Server:
         if handler is None:
             close_fds(fds)
             return error_reply("bad_request", f"unknown op {op!r:.80}; expected one of {', '.join(handlers)}"), []
+        if self._frozen.is_set() and op in _OPS_THAT_CHANGE_ENTRIES:
+            close_fds(fds)
+            return error_reply("busy", "the server is handing its entries to a successor; try again in a second"), []
         if op not in _OPS_WITH_FDS and fds:
             close_fds(fds)
             return error_reply("bad_request", f"op {op!r} takes no fds; {len(fds)} were closed"), []
@@ -464,10 +506,11 @@ class Server:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-            try:
-                os.unlink(self.socket_path)
-            except FileNotFoundError:
-                pass
+            if not self._handed_over:  # else the path is the successor's now
+                try:
+                    os.unlink(self.socket_path)
+                except FileNotFoundError:
+                    pass
         self._table.close_all()
         self.registry.close()
         if self._lock_fd >= 0:
@@ -476,6 +519,7 @@ class Server:
 
 
 _OPS_WITH_FDS = frozenset({"publish", "put_artifact"})
+_OPS_THAT_CHANGE_ENTRIES = frozenset({"publish", "evict", "put_artifact"})
 _DIGEST_CHARS = frozenset("0123456789abcdef")
 
 
@@ -509,9 +553,21 @@ def _artifact_address(message: dict) -> tuple[str, str]:
     return digest, key
 
 
-def serve(config: ServerConfig) -> None:
-    """Run a server in this process until SIGTERM or SIGINT."""
+def start_server(config: ServerConfig, take_over: bool = False) -> Server:
+    """A started server in this process, stopped by SIGTERM or SIGINT; with ``take_over``, holding every entry of the
+    server running on the same directory, which exits once this one accepts (HandoverFailed: it serves on)."""
     server = Server(config)
     server.install_signal_handlers()
-    server.start()
-    server.serve_forever()
+    handed = None
+    if take_over:
+        limits = Limits(config.max_frame_bytes, config.max_artifact_bytes, config.max_artifacts_per_entry)
+        handed = take_over_from(config.socket_dir, server.registry, limits)
+    server.start(handed)
+    if handed is not None:
+        handed.confirm()
+    return server
+
+
+def serve(config: ServerConfig, take_over: bool = False) -> None:
+    """Run a server in this process until SIGTERM or SIGINT (``take_over``: see ``start_server``)."""
+    start_server(config, take_over).serve_forever()

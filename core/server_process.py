@@ -126,14 +126,14 @@ def spawn_detached(socket_dir: str | os.PathLike | None = None, log_file: str | 
     log.info("weightcache: started a server on %s (%s)", socket_dir, launcher.stdout.strip() or "detached")
 
 
-def serve_detached(config: "ServerConfig", log_file: str | os.PathLike | None = None) -> int:
+def serve_detached(config: "ServerConfig", log_file: str | os.PathLike | None = None, take_over: bool = False) -> int:
     """``weightcache serve --detach``: fork twice, serve in the grandchild, return 0 once it listens (1 if it could not).
 
     The grandchild runs in a session of its own with stdio on ``log_file``
     (default /dev/null); its readiness, or why it could not start, comes back
     through a pipe and is printed here.
     """
-    from weightcache.core.server import Server
+    from weightcache.core.server import start_server
 
     read_end, write_end = os.pipe()
     child = os.fork()
@@ -158,10 +158,8 @@ def serve_detached(config: "ServerConfig", log_file: str | os.PathLike | None = 
     os.dup2(target, 2)
     os.close(null)
     os.close(target)
-    server = Server(config)
-    server.install_signal_handlers()
     try:
-        server.start()
+        server = start_server(config, take_over)
     except Exception as exc:
         os.write(write_end, f"{exc}".encode())
         os._exit(1)
