@@ -58,6 +58,7 @@ LISTEN_BACKLOG = max(socket.SOMAXCONN, 4096)  # the kernel caps it at net.core.s
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _SHED_WHEN_OUT_OF_FDS = 4  # idle connections closed per failed accept(): room for the newcomer and its replies
 _ACCEPT_BACKOFF_S = (0.01, 0.5)
+_DEAD_PREDECESSOR_WAIT_S = 5.0  # how long a successor waits for the lock of a predecessor that died during the handover
 _FAILURE_BURST_GAP_S = 10.0  # failed accepts closer together than this are one burst (one log line)
 
 
@@ -141,7 +142,11 @@ class Server:
             log.info("weightcache server %s (protocol %d) took over %s", __version__, PROTOCOL_VERSION, self.socket_path)
             return
         self._lock_fd = os.open(socket_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # A predecessor that died during a handover may still be tearing down (its lock goes last): wait a little.
+        deadline = time.monotonic() + (_DEAD_PREDECESSOR_WAIT_S if handed is not None else 0)
         try:
+            while not _try_lock(self._lock_fd) and time.monotonic() < deadline:
+                time.sleep(0.02)
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             other = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip() or "?"
@@ -521,6 +526,14 @@ class Server:
 _OPS_WITH_FDS = frozenset({"publish", "put_artifact"})
 _OPS_THAT_CHANGE_ENTRIES = frozenset({"publish", "evict", "put_artifact"})
 _DIGEST_CHARS = frozenset("0123456789abcdef")
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def _raise_fd_limit() -> int:
