@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import resource
 
-from weightcache.core.arena.base import plausible_size
+from weightcache.core.arena.base import ArenaSpec, plausible_size
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.manifest import Manifest
 from weightcache.core.memfd import read_memfd, sealed_size
@@ -65,7 +65,7 @@ def admit_publish(message: dict, fds: list[int], pid: int, max_frame_bytes: int)
     return entry
 
 
-def check_arena_fd(fd: int, spec, extent: int, index: int) -> int:
+def check_arena_fd(fd: int, spec: ArenaSpec, extent: int, index: int) -> int:
     """Check arena ``index``'s fd against its spec and its tensors' ``extent``; the bytes it counts against the budget.
 
     A host arena must be a memfd sealed against writes, shrinking and growing,

@@ -28,6 +28,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -89,7 +90,9 @@ class Handed:
             self._sock = None
 
 
-def send_entries(sock: socket.socket, registry: Registry, listener_fd: int, lock_fd: int, pause_accepting) -> bool:
+def send_entries(
+    sock: socket.socket, registry: Registry, listener_fd: int, lock_fd: int, pause_accepting: Callable[[], None]
+) -> bool:
     """The predecessor's side: send every entry of ``registry`` on ``sock``, then the listener and the lock.
 
     The caller has frozen the registry (no publish, evict or artifact put runs meanwhile).
