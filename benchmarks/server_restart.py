@@ -1,0 +1,226 @@
+"""What a server restart keeps: entries kept, time until every entry is attachable again, bytes to read from disk again.
+
+    python benchmarks/server_restart.py                      # 100 host entries of 4 MiB on the CPU
+    python benchmarks/server_restart.py --entries 100 --mib 64 --successor-python /other/checkout/.venv/bin/python
+
+Publishes N synthetic entries on the host tier (random bf16 tensors straight from memory), keeps
+``--attached`` of them attached by this process (an engine that maps them, with ``watch()``, so it
+re-publishes after a crash), then restarts the server each way, in this order:
+
+- ``planned restart``: ``weightcache serve --take-over`` from this checkout (docs/decisions.md, 36);
+- ``upgrade``: the same from ``--successor-python`` (another checkout's interpreter; without it, this
+  checkout again, and the row says so);
+- ``SIGKILL, no fd store``: the server is SIGKILLed and a fresh ``weightcache serve`` started; what comes
+  back is what the attached engine re-publishes.
+
+"Attachable" is timed from the request (the successor's spawn, or the kill) until ``status`` lists every
+entry that comes back, polled every 5 ms. "Disk bytes" is what a reload of the lost entries would read
+(nothing moves through the disk in the restart itself: fds pass over the socket). The systemd fd-store
+path is not measured here (not implemented in this checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MIB = 1 << 20
+
+
+def fingerprint(n: int):
+    from weightcache.core import PROTOCOL_VERSION
+    from weightcache.core.fingerprint import Fingerprint, sha256_json
+
+    return Fingerprint(
+        checkpoint=sha256_json({"bench": n}),
+        architecture="ServerRestartBench",
+        config=sha256_json({"n": n}),
+        tp_size=1,
+        tp_rank=0,
+        pp_size=1,
+        pp_rank=0,
+        dp_size=1,
+        ep_size=1,
+        ep_rank=0,
+        dtype="bfloat16",
+        quantization="none",
+        quantization_config=sha256_json({}),
+        adapter="bench",
+        adapter_version="1",
+        engine="none",
+        engine_version="0",
+        torch_version="any",
+        cuda_version="none",
+        compute_capability="none",
+        gpu_uuid="",
+        protocol_version=PROTOCOL_VERSION,
+        extra={},
+    )
+
+
+def status(socket_dir: Path) -> dict | None:
+    from weightcache.core.client import Connection
+    from weightcache.core.errors import ServerUnavailable
+
+    try:
+        with Connection(socket_dir, timeout=10) as conn:
+            return conn.status()
+    except (ServerUnavailable, OSError):
+        return None
+
+
+def wait_for(socket_dir: Path, pid: int, digests: set[str], settle_s: float, timeout: float = 60.0) -> tuple[float, set[str]]:
+    """Seconds until server ``pid`` lists every digest of ``digests`` (or, after ``settle_s`` without change, what it lists)."""
+    start = time.monotonic()
+    seen: set[str] = set()
+    changed = start
+    while time.monotonic() - start < timeout:
+        reply = status(socket_dir)
+        if reply is not None and reply["pid"] == pid:
+            now = {row["digest"] for row in reply["entries"]} & digests
+            if now != seen:
+                seen, changed = now, time.monotonic()
+            if seen == digests:
+                return changed - start, seen
+            if seen and time.monotonic() - changed > settle_s:
+                return changed - start, seen
+        time.sleep(0.005)
+    return float("nan"), seen
+
+
+def successor(python: str, socket_dir: Path, log: Path, *args: str) -> subprocess.Popen:
+    command = [python, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir), *args]
+    with open(log, "ab") as out:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--entries", type=int, default=100)
+    parser.add_argument("--mib", type=float, default=4.0, help="MiB per entry")
+    parser.add_argument("--attached", type=int, default=10, help="entries this process keeps attached (an engine)")
+    parser.add_argument("--successor-python", default=None, help="interpreter of another checkout, for the upgrade row")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from weightcache.core.api import attach, publish_state
+    from weightcache.core.server_process import ServerProcess
+
+    server = ServerProcess.start(None)
+    socket_dir, log = server.socket_dir, server.socket_dir / "successors.log"
+    procs: list[subprocess.Popen] = []
+    rows = []
+    attachments = []
+    try:
+        digests: set[str] = set()
+        elements = int(args.mib * MIB) // 2
+        start = time.monotonic()
+        for n in range(args.entries):
+            state = {"w": torch.randn(elements, dtype=torch.bfloat16)}
+            digests.add(publish_state(state, fingerprint(n), socket_dir=socket_dir, label=f"bench{n}").digest)
+        publish_s = time.monotonic() - start
+        for n in range(args.attached):
+            attachment = attach(fingerprint(n), socket_dir)
+            attachment.watch(poll_s=0.05)
+            attachments.append(attachment)
+        entry_bytes = int(args.mib * MIB)
+        ways = [
+            ("planned restart", sys.executable, "this checkout"),
+            (
+                "upgrade",
+                args.successor_python or sys.executable,
+                args.successor_python or "this checkout again (no --successor-python)",
+            ),
+        ]
+        current = server.proc
+        for name, python, note in ways:
+            proc = successor(python, socket_dir, log, "--take-over")
+            procs.append(proc)
+            took, kept = wait_for(socket_dir, proc.pid, digests, settle_s=2.0)
+            current.wait(timeout=30)
+            rows.append(
+                dict(
+                    way=name,
+                    note=note,
+                    kept=len(kept),
+                    of=len(digests),
+                    attachable_s=took,
+                    disk_bytes=(len(digests) - len(kept)) * entry_bytes,
+                )
+            )
+            current = proc
+        os.kill(current.pid, signal.SIGKILL)
+        current.wait(timeout=30)
+        proc = successor(sys.executable, socket_dir, log)
+        procs.append(proc)
+        took, kept = wait_for(socket_dir, proc.pid, digests, settle_s=2.0)
+        rows.append(
+            dict(
+                way="SIGKILL, no fd store",
+                note=f"{args.attached} attached by an engine",
+                kept=len(kept),
+                of=len(digests),
+                attachable_s=took,
+                disk_bytes=(len(digests) - len(kept)) * entry_bytes,
+            )
+        )
+        rows.append(
+            dict(
+                way="SIGKILL, with fd store",
+                note="not implemented in this checkout",
+                kept=None,
+                of=len(digests),
+                attachable_s=None,
+                disk_bytes=None,
+            )
+        )
+    finally:
+        for attachment in attachments:
+            attachment.close()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        server.close()
+
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "entries": args.entries,
+        "mib_per_entry": args.mib,
+        "attached": args.attached,
+        "publish_s": publish_s,
+        "rows": rows,
+    }
+    print(table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"{result['entries']} host entries of {result['mib_per_entry']:g} MiB, {result['attached']} attached; {result['date']}",
+        "| way | entries kept | attachable again after | bytes to read from disk again | note |",
+        "|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        kept = "—" if row["kept"] is None else f"{row['kept']} / {row['of']}"
+        took = "—" if row["attachable_s"] is None else f"{1000 * row['attachable_s']:.0f} ms"
+        disk = "—" if row["disk_bytes"] is None else f"{row['disk_bytes'] / MIB:.0f} MiB"
+        lines.append(f"| {row['way']} | {kept} | {took} | {disk} | {row['note']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
