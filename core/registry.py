@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+import typing
 
 import attrs
 
@@ -175,6 +176,10 @@ class Registry:
     """
 
     budgets: Budgets = attrs.field(factory=Budgets)
+    on_publish: typing.Callable[[Entry], None] | None = None
+    """Called with each entry added (the systemd fd store keeps its fds)."""
+    on_evict: typing.Callable[[Entry], None] | None = None
+    """Called with each entry evicted (not with those a stopping server closes)."""
     _entries: dict = attrs.field(factory=dict)
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
@@ -201,6 +206,8 @@ class Registry:
             for victim in victims:
                 self._drop(victim.digest, reason="least recently used, to stay within the byte budget")
             self._entries[entry.digest] = entry
+            if self.on_publish is not None:
+                self.on_publish(entry)
         log.info("published %s (%s, %d bytes, %d arenas)", entry.digest[:12], entry.label, entry.nbytes, len(entry.fds))
         return True
 
@@ -369,8 +376,10 @@ class Registry:
             self._drop(entry.digest, reason="evicted on request")
             return [entry.digest]
 
-    def _drop(self, digest: str, reason: str) -> None:
+    def _drop(self, digest: str, reason: str, evicted: bool = True) -> None:
         entry = self._entries.pop(digest)
+        if evicted and self.on_evict is not None:
+            self.on_evict(entry)
         entry.close_fds()
         log.info("dropped %s (%s): %s", digest[:12], entry.label, reason)
 
@@ -410,4 +419,4 @@ class Registry:
         """Close every fd (the server is stopping)."""
         with self._lock:
             for digest in list(self._entries):
-                self._drop(digest, reason="server stopping")
+                self._drop(digest, reason="server stopping", evicted=False)

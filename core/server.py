@@ -34,6 +34,7 @@ from weightcache.core import PROTOCOL_VERSION, __version__, bounds
 from weightcache.core.admission import REPLY_ENVELOPE_BYTES, admit_publish
 from weightcache.core.connections import ConnectionState, ConnectionTable
 from weightcache.core.errors import AccessDenied, IdleTimeout, ProtocolError
+from weightcache.core.fdstore import FdStore, adopt, passed_fds
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.handover import Handed, Limits, send_entries
 from weightcache.core.handover import take_over as take_over_from
@@ -571,6 +572,12 @@ def start_server(config: ServerConfig, take_over: bool = False) -> Server:
     server running on the same directory, which exits once this one accepts (HandoverFailed: it serves on)."""
     server = Server(config)
     server.install_signal_handlers()
+    store = FdStore.from_environ()
+    adopt(server.registry, passed_fds(), config.max_frame_bytes)
+    if store is not None:
+        server.registry.on_publish, server.registry.on_evict = store.keep, store.forget
+        for entry in server.registry.snapshot():
+            store.keep(entry)
     handed = None
     if take_over:
         limits = Limits(config.max_frame_bytes, config.max_artifact_bytes, config.max_artifacts_per_entry)
@@ -578,6 +585,8 @@ def start_server(config: ServerConfig, take_over: bool = False) -> Server:
     server.start(handed)
     if handed is not None:
         handed.confirm()
+    if store is not None:
+        store.ready()
     return server
 
 
