@@ -15,8 +15,11 @@ re-publishes after a crash), then restarts the server each way, in this order:
 
 "Attachable" is timed from the request (the successor's spawn, or the kill) until ``status`` lists every
 entry that comes back, polled every 5 ms. "Disk bytes" is what a reload of the lost entries would read
-(nothing moves through the disk in the restart itself: fds pass over the socket). The systemd fd-store
-path is not measured here (not implemented in this checkout).
+(nothing moves through the disk in the restart itself: fds pass over the socket).
+
+- ``SIGKILL, with fd store``: a server started with ``$NOTIFY_SOCKET`` pointing at a stand-in for systemd
+  (``tests/fdstore_standin.py``, sd_notify's datagram protocol) keeps every entry's fds there; it is
+  SIGKILLed and a new one started with the stored fds (``$LISTEN_FDS``), as systemd restarts a unit.
 """
 
 from __future__ import annotations
@@ -102,6 +105,64 @@ def successor(python: str, socket_dir: Path, log: Path, *args: str) -> subproces
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
 
 
+def fd_store_row(args, socket_dir: Path, current: subprocess.Popen, digests: set[str], entry_bytes: int, log: Path) -> dict:
+    """SIGKILL under (a stand-in for) systemd: a server that kept every entry in the fd store, then one started with them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.fdstore_standin import StandInManager
+    from weightcache.core.server_process import serve_command
+
+    manager = StandInManager(str(socket_dir) + ".notify")
+    procs = []
+    try:
+        current.terminate()  # the previous server: its entries come back from the engine and the take-over below
+        current.wait(timeout=30)
+        env = {**os.environ, "NOTIFY_SOCKET": manager.sock.getsockname()}
+        with open(log, "ab") as out:
+            kept_by_store = subprocess.Popen(serve_command(socket_dir), env=env, stdout=out, stderr=out)
+        procs.append(kept_by_store)
+        wait_for(socket_dir, kept_by_store.pid, set(), settle_s=0.0)
+        held = {row["digest"] for row in (status(socket_dir) or {"entries": []})["entries"]}
+        republish(args, socket_dir, digests - held)
+        wait_until_stored = time.monotonic() + 30
+        while manager.digests() != digests and time.monotonic() < wait_until_stored:
+            time.sleep(0.01)
+        stored = len(manager.digests() & digests)
+        os.kill(kept_by_store.pid, signal.SIGKILL)
+        kept_by_store.wait(timeout=30)
+        restarted = manager.start_server(socket_dir, log)
+        procs.append(restarted)
+        took, kept = wait_for(socket_dir, restarted.pid, digests, settle_s=2.0)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        manager.close()
+    note = f"a stand-in for systemd held {stored} entries; {args.attached} attached by an engine"
+    return dict(
+        way="SIGKILL, with fd store",
+        note=note,
+        kept=len(kept),
+        of=len(digests),
+        attachable_s=took,
+        disk_bytes=(len(digests) - len(kept)) * entry_bytes,
+    )
+
+
+def republish(args, socket_dir: Path, missing: set[str]) -> None:
+    """Publish again the entries a crash lost (what the next engines would read from disk)."""
+    import torch
+
+    from weightcache.core.api import publish_state
+
+    elements = int(args.mib * MIB) // 2
+    for n in range(args.entries):
+        if fingerprint(n).digest in missing:
+            publish_state(
+                {"w": torch.randn(elements, dtype=torch.bfloat16)}, fingerprint(n), socket_dir=socket_dir, label=f"bench{n}"
+            )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--entries", type=int, default=100)
@@ -174,16 +235,7 @@ def main(argv=None) -> int:
                 disk_bytes=(len(digests) - len(kept)) * entry_bytes,
             )
         )
-        rows.append(
-            dict(
-                way="SIGKILL, with fd store",
-                note="not implemented in this checkout",
-                kept=None,
-                of=len(digests),
-                attachable_s=None,
-                disk_bytes=None,
-            )
-        )
+        rows.append(fd_store_row(args, socket_dir, proc, digests, entry_bytes, log))
     finally:
         for attachment in attachments:
             attachment.close()
