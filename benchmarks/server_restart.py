@@ -39,34 +39,9 @@ MIB = 1 << 20
 
 
 def fingerprint(n: int):
-    from weightcache.core import PROTOCOL_VERSION
-    from weightcache.core.fingerprint import Fingerprint, sha256_json
+    from tests.core.support import make_fingerprint
 
-    return Fingerprint(
-        checkpoint=sha256_json({"bench": n}),
-        architecture="ServerRestartBench",
-        config=sha256_json({"n": n}),
-        tp_size=1,
-        tp_rank=0,
-        pp_size=1,
-        pp_rank=0,
-        dp_size=1,
-        ep_size=1,
-        ep_rank=0,
-        dtype="bfloat16",
-        quantization="none",
-        quantization_config=sha256_json({}),
-        adapter="bench",
-        adapter_version="1",
-        engine="none",
-        engine_version="0",
-        torch_version="any",
-        cuda_version="none",
-        compute_capability="none",
-        gpu_uuid="",
-        protocol_version=PROTOCOL_VERSION,
-        extra={},
-    )
+    return make_fingerprint(architecture=f"ServerRestartBench{n}", dtype="bfloat16")
 
 
 def status(socket_dir: Path) -> dict | None:
@@ -107,7 +82,6 @@ def successor(python: str, socket_dir: Path, log: Path, *args: str) -> subproces
 
 def fd_store_row(args, socket_dir: Path, current: subprocess.Popen, digests: set[str], entry_bytes: int, log: Path) -> dict:
     """SIGKILL under (a stand-in for) systemd: a server that kept every entry in the fd store, then one started with them."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests.fdstore_standin import StandInManager
     from weightcache.core.server_process import serve_command
 
@@ -164,6 +138,7 @@ def republish(args, socket_dir: Path, missing: set[str]) -> None:
 
 
 def main(argv=None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' helpers: fingerprints, the fd-store stand-in
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--entries", type=int, default=100)
     parser.add_argument("--mib", type=float, default=4.0, help="MiB per entry")

@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 
+import pytest
+
 from tests.core.support import make_fingerprint, publish_host_entry
 from tests.fdstore_standin import StandInManager
 from tests.helpers import wait_until
@@ -35,61 +37,62 @@ def _plain_server(socket_dir, manager: StandInManager, log) -> subprocess.Popen:
         return subprocess.Popen(serve_command(socket_dir), env=env, stdout=out, stderr=out)
 
 
-def test_a_sigkilled_server_under_systemd_gets_every_entry_back_from_the_fd_store(socket_dir, tmp_path):
+@pytest.fixture
+def managed(tmp_path):
+    """A stand-in for systemd, the servers' log, and a list of the servers started (killed afterwards)."""
     manager = StandInManager(str(tmp_path / "notify"))
-    log = tmp_path / "server.log"
-    first = second = None
+    procs: list[subprocess.Popen] = []
     try:
-        first = _plain_server(socket_dir, manager, log)
-        assert wait_until(lambda: _serving(socket_dir, first.pid), timeout=20), log.read_text()
-        assert wait_until(lambda: {"READY": "1"} in manager.messages, timeout=10), "no READY=1"
-        entries = [publish_host_entry(socket_dir, make_fingerprint(architecture=f"Kept{n}"), label=f"k{n}") for n in range(5)]
-        published = {entry.digest for entry in entries}
-        assert wait_until(lambda: manager.digests() == published, timeout=10), manager.messages[-5:]
-        with Connection(socket_dir, timeout=10) as conn:
-            conn.evict(entries[0].digest)
-        assert wait_until(lambda: manager.digests() == published - {entries[0].digest}, timeout=10), "FDSTOREREMOVE missing"
-
-        first.send_signal(signal.SIGKILL)  # nothing is kept by any engine: only the store holds the fds
-        first.wait(timeout=10)
-        second = manager.start_server(socket_dir, log)
-        assert wait_until(lambda: _serving(socket_dir, second.pid), timeout=20), log.read_text()[-3000:]
-        assert _digests(socket_dir) == published - {entries[0].digest}
-        attachment = Attachment.open(entries[1].fingerprint, socket_dir)
-        try:
-            assert attachment.reattach() is False  # its bytes check against their checksum, and the entry is there
-        finally:
-            attachment.close()
-        assert "Traceback" not in log.read_text()
+        yield manager, tmp_path / "server.log", procs
     finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
+        for proc in procs:
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
         manager.close()
 
 
-def test_fds_systemd_passed_that_do_not_make_an_entry_are_closed_and_the_rest_served(socket_dir, tmp_path):
-    manager = StandInManager(str(tmp_path / "notify"))
-    log = tmp_path / "server.log"
-    first = second = None
+def test_a_sigkilled_server_under_systemd_gets_every_entry_back_from_the_fd_store(socket_dir, managed):
+    manager, log, procs = managed
+    first = _plain_server(socket_dir, manager, log)
+    procs.append(first)
+    assert wait_until(lambda: _serving(socket_dir, first.pid), timeout=20), log.read_text()
+    assert wait_until(lambda: {"READY": "1"} in manager.messages, timeout=10), "no READY=1"
+    entries = [publish_host_entry(socket_dir, make_fingerprint(architecture=f"Kept{n}"), label=f"k{n}") for n in range(5)]
+    published = {entry.digest for entry in entries}
+    assert wait_until(lambda: manager.digests() == published, timeout=10), manager.messages[-5:]
+    with Connection(socket_dir, timeout=10) as conn:
+        conn.evict(entries[0].digest)
+    assert wait_until(lambda: manager.digests() == published - {entries[0].digest}, timeout=10), "FDSTOREREMOVE missing"
+
+    first.send_signal(signal.SIGKILL)  # nothing is kept by any engine: only the store holds the fds
+    first.wait(timeout=10)
+    second = manager.start_server(socket_dir, log)
+    procs.append(second)
+    assert wait_until(lambda: _serving(socket_dir, second.pid), timeout=20), log.read_text()[-3000:]
+    assert _digests(socket_dir) == published - {entries[0].digest}
+    attachment = Attachment.open(entries[1].fingerprint, socket_dir)
     try:
-        first = _plain_server(socket_dir, manager, log)
-        assert wait_until(lambda: _serving(socket_dir, first.pid), timeout=20)
-        good = publish_host_entry(socket_dir, make_fingerprint(architecture="Good"))
-        bad = publish_host_entry(socket_dir, make_fingerprint(architecture="Bad"))
-        assert wait_until(lambda: manager.digests() == {good.digest, bad.digest}, timeout=10)
-        first.kill()
-        first.wait(timeout=10)
-        with manager.lock:  # the bad entry loses its table: incomplete
-            close_fds([manager.store.pop(f"wc.{bad.digest}.1")])
-        second = manager.start_server(socket_dir, log)
-        assert wait_until(lambda: _serving(socket_dir, second.pid), timeout=20), log.read_text()[-3000:]
-        assert _digests(socket_dir) == {good.digest}
-        assert "not re-serving entry" in log.read_text()
+        assert attachment.reattach() is False  # its bytes check against their checksum, and the entry is there
     finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-        manager.close()
+        attachment.close()
+    assert "Traceback" not in log.read_text()
+
+
+def test_fds_systemd_passed_that_do_not_make_an_entry_are_closed_and_the_rest_served(socket_dir, managed):
+    manager, log, procs = managed
+    first = _plain_server(socket_dir, manager, log)
+    procs.append(first)
+    assert wait_until(lambda: _serving(socket_dir, first.pid), timeout=20)
+    good = publish_host_entry(socket_dir, make_fingerprint(architecture="Good"))
+    bad = publish_host_entry(socket_dir, make_fingerprint(architecture="Bad"))
+    assert wait_until(lambda: manager.digests() == {good.digest, bad.digest}, timeout=10)
+    first.kill()
+    first.wait(timeout=10)
+    with manager.lock:  # the bad entry loses its table: incomplete
+        close_fds([manager.store.pop(f"wc.{bad.digest}.1")])
+    second = manager.start_server(socket_dir, log)
+    procs.append(second)
+    assert wait_until(lambda: _serving(socket_dir, second.pid), timeout=20), log.read_text()[-3000:]
+    assert _digests(socket_dir) == {good.digest}
+    assert "not re-serving entry" in log.read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -50,6 +51,18 @@ def _successor_with(socket_dir, *args: str, env: dict | None = None) -> subproce
             env={**os.environ, **(env or {})},
             start_new_session=True,
         )
+
+
+def _predecessor(socket_dir, pause_s: float = 0.0) -> subprocess.Popen:
+    """A server that pauses ``pause_s`` after each entry it hands over (so that a test can interrupt it)."""
+    return subprocess.Popen(
+        serve_command(socket_dir),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, PAUSE_ENV: str(pause_s)},
+        start_new_session=True,
+    )
 
 
 def _served_by(socket_dir, pid: int) -> bool:
@@ -133,21 +146,25 @@ def test_take_over_without_a_running_server_starts_as_usual(socket_dir):
         successor.wait(timeout=30)
 
 
-@pytest.mark.parametrize("after_s", [0.05, 0.5, 1.0])
-def test_a_successor_killed_during_the_handover_leaves_every_entry_with_the_predecessor(socket_dir, after_s):
-    proc = subprocess.Popen(
-        serve_command(socket_dir),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, PAUSE_ENV: "0.1"},
-        start_new_session=True,
-    )
+@contextlib.contextmanager
+def _handing_over(socket_dir):
+    """A predecessor holding 10 entries that pauses 0.1 s after each it hands over, and a successor taking them over."""
+    proc = _predecessor(socket_dir, pause_s=0.1)
     successor = None
     try:
         assert wait_until(lambda: _served_by(socket_dir, proc.pid), timeout=20)
         published = _publish(socket_dir, 10)
         successor = _successor(socket_dir)
+        yield proc, successor, published
+    finally:
+        if successor is not None:
+            _stop(successor)
+        _stop(proc)
+
+
+@pytest.mark.parametrize("after_s", [0.05, 0.5, 1.0])
+def test_a_successor_killed_during_the_handover_leaves_every_entry_with_the_predecessor(socket_dir, after_s):
+    with _handing_over(socket_dir) as (proc, successor, published):
         time.sleep(after_s)
         os.kill(successor.pid, signal.SIGKILL)
         successor.wait(timeout=10)
@@ -155,27 +172,11 @@ def test_a_successor_killed_during_the_handover_leaves_every_entry_with_the_pred
         assert _digests(socket_dir) == published
         assert proc.poll() is None
         assert wait_until(lambda: _publishes(socket_dir), timeout=10), "the predecessor never took publishes again"
-    finally:
-        if successor is not None:
-            _stop(successor)
-        _stop(proc)
 
 
 @pytest.mark.parametrize("after_s", [0.05, 0.25, 0.55])
 def test_a_predecessor_killed_during_the_handover_leaves_the_successor_serving_what_it_received(socket_dir, after_s):
-    proc = subprocess.Popen(
-        serve_command(socket_dir),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, PAUSE_ENV: "0.1"},
-        start_new_session=True,
-    )
-    successor = None
-    try:
-        assert wait_until(lambda: _served_by(socket_dir, proc.pid), timeout=20)
-        published = _publish(socket_dir, 10)
-        successor = _successor(socket_dir)
+    with _handing_over(socket_dir) as (proc, successor, published):
         started = Path(str(socket_dir) + ".successor.log")
         assert wait_until(lambda: "taking over" in started.read_text(), timeout=20), "the handover never began"
         time.sleep(after_s)
@@ -184,20 +185,10 @@ def test_a_predecessor_killed_during_the_handover_leaves_the_successor_serving_w
         assert wait_until(lambda: _served_by(socket_dir, successor.pid), timeout=20), "the successor did not serve"
         kept = _digests(socket_dir)
         assert kept and kept <= published, "the successor must serve what it received, never nothing"
-    finally:
-        if successor is not None:
-            _stop(successor)
-        _stop(proc)
 
 
 def test_a_predecessor_killed_after_the_last_entry_leaves_the_successor_with_every_entry(socket_dir):
-    proc = subprocess.Popen(
-        serve_command(socket_dir),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = _predecessor(socket_dir)
     successor = None
     try:
         assert wait_until(lambda: _served_by(socket_dir, proc.pid), timeout=20)
