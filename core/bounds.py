@@ -11,6 +11,7 @@ not (NaN, infinity) is refused, and so is a bool where a number is expected.
 from __future__ import annotations
 
 import math
+import re
 import typing
 
 import attrs
@@ -103,3 +104,24 @@ FRAME_BYTES: typing.Final = Bound(4096, 1 << 30, "bytes", integer=True)
 CONNECTIONS: typing.Final = Bound(1, 1 << 20, "connections", integer=True)
 IN_FLIGHT_FDS: typing.Final = Bound(1, 1 << 20, "fds", integer=True, none="a quarter of the open-file limit")
 ARTIFACTS: typing.Final = Bound(1, 4096, "artifacts", integer=True)
+
+
+SIZE_UNITS: typing.Final = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+SIZE_EXAMPLE: typing.Final = "bytes, or a number with K, M, G or T (powers of 1024), e.g. 512M, 64G, 1.5T"
+
+
+def parse_size(text: str | int) -> int:
+    """A byte count from ``64G``, ``512MiB``, ``1.5t``, ``1048576`` (or an int); more than 0. ValueError says what to write."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        text = str(text)
+    if not isinstance(text, str):
+        raise ValueError(f"{text!r} is not a size; write {SIZE_EXAMPLE}")
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if match is None:
+        raise ValueError(f"{text!r} is not a size; write {SIZE_EXAMPLE}")
+    nbytes = int(float(match.group(1)) * SIZE_UNITS[match.group(2)])
+    if nbytes <= 0:
+        raise ValueError(f"{text!r} is no room at all; give a size above 0 (or leave the option out for no limit)")
+    if not BUDGET.contains(nbytes):
+        raise ValueError(f"{text!r} is more than any machine holds; give a size up to {BUDGET.shown(BUDGET.most)}")
+    return nbytes

@@ -22,7 +22,7 @@ import typing
 from collections.abc import Sequence
 
 from weightcache.core import __version__
-from weightcache.core.bounds import BUDGET, CONNECTIONS, IDLE_SECONDS, SECONDS, Bound
+from weightcache.core.bounds import CONNECTIONS, IDLE_SECONDS, SECONDS, SIZE_EXAMPLE, Bound, parse_size
 from weightcache.core.errors import WeightCacheError
 from weightcache.core.progress import is_terminal
 
@@ -32,8 +32,6 @@ if typing.TYPE_CHECKING:
     from weightcache.core.request import LoadRequest
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-SIZE_EXAMPLE = "bytes, or a number with K, M, G or T (powers of 1024), e.g. 512M, 64G, 1.5T"
 
 OPTIONAL_PACKAGES = {
     "transformers": "weightcache[hf]",
@@ -52,20 +50,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def size(text: str) -> int:
-    """A byte count from ``64G``, ``512MiB``, ``1.5t`` or ``1048576``; more than 0."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write {SIZE_EXAMPLE}")
-    nbytes = int(float(match.group(1)) * SIZE_UNITS[match.group(2)])
-    if nbytes <= 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is no room at all; give a size above 0 (or leave the option out for no limit)"
-        )
-    if not BUDGET.contains(nbytes):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is more than any machine holds; give a size up to {BUDGET.shown(BUDGET.most)}"
-        )
-    return nbytes
+    """A byte count from ``64G``, ``512MiB``, ``1.5t`` or ``1048576``; more than 0 (``bounds.parse_size``)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _within(bound: Bound, zero: str | None = None) -> typing.Callable[[str], float | int]:

@@ -26,7 +26,7 @@ import pytest
 from tests.core.support import make_fingerprint, publish_host_entry
 from tests.helpers import ServerProcess
 from weightcache.core import __version__
-from weightcache.core.cli import SIZE_EXAMPLE
+from weightcache.core.bounds import SIZE_EXAMPLE
 from weightcache.core.errors import FingerprintMismatch, UnsupportedQuantization
 from weightcache.core.progress import format_bytes, format_speedup
 from weightcache.core.quantization.allowlist import PER_TENSOR_FP8
