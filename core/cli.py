@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import pathlib
 import re
 import sys
 import threading
@@ -131,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--detach", action="store_true", help="run in the background, detached from this terminal and process tree"
     )
     serve.add_argument("--log-file", help="with --detach: where the server logs (default: nowhere)")
+    serve.add_argument(
+        "--config",
+        type=pathlib.Path,
+        metavar="FILE.toml",
+        help="settings and models to keep warm (docs/operations.md); flags override it; SIGHUP re-reads it",
+    )
     serve.add_argument(
         "--take-over",
         action="store_true",
@@ -368,27 +375,28 @@ def _configure_logging(args) -> None:
 
 def _serve(args) -> int:
     from weightcache.core.paths import default_socket_dir
+    from weightcache.core.serve_config import ServeSource
     from weightcache.core.server import ServerConfig, serve
 
-    limits = {}  # only what was given: ServerConfig holds the defaults
-    if args.max_connections is not None:
-        limits["max_connections"] = args.max_connections
-    if args.frame_deadline is not None:
-        limits["frame_deadline_s"] = args.frame_deadline
+    flags = {  # only what was given: the config file, then ServerConfig, hold the defaults
+        "socket_dir": args.socket_dir,
+        "byte_budget": args.byte_budget,
+        "host_budget": args.host_budget,
+        "gpu_budget": args.gpu_budget,
+        "max_connections": args.max_connections,
+        "frame_deadline_s": args.frame_deadline,
+    }
+    flags = {key: value for key, value in flags.items() if value is not None}
     if args.idle_timeout is not None:
-        limits["idle_timeout_s"] = args.idle_timeout or None  # 0: never
-    config = ServerConfig(
-        socket_dir=args.socket_dir or default_socket_dir(),
-        byte_budget=args.byte_budget,
-        host_budget=args.host_budget,
-        gpu_budget=args.gpu_budget,
-        **limits,
-    )
+        flags["idle_timeout_s"] = args.idle_timeout or None  # 0: never
+    source = ServeSource(args.config, flags)
+    settings, _ = source.read()
+    config = ServerConfig(**{"socket_dir": default_socket_dir(), **settings})
     if args.detach:
         from weightcache.core.server_process import serve_detached
 
-        return serve_detached(config, args.log_file, args.take_over)
-    serve(config, args.take_over)
+        return serve_detached(config, args.log_file, args.take_over, source)
+    serve(config, args.take_over, source)
     return 0
 
 

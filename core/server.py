@@ -52,6 +52,8 @@ from weightcache.core.protocol import (
     send_frame,
 )
 from weightcache.core.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, OverBudget, Registry, TooManyArtifacts
+from weightcache.core.rewarm import Warmer
+from weightcache.core.serve_config import ConfigError, ServeSource
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,7 @@ class Server:
         self._accepting = threading.Event()  # cleared while the listener is being handed over
         self._accepting.set()
         self._handed_over = False
+        self.warmer: Warmer | None = None
         self._failed_accepts = 0  # in a row: they set the back-off
         self._last_failed_accept = float("-inf")
 
@@ -232,6 +235,29 @@ class Server:
     def stop(self) -> None:
         """Ask ``serve_forever`` to return (safe from a signal handler or another thread)."""
         self._stopping.set()
+
+    def keep_warm(self, source: ServeSource) -> None:
+        """Load ``source``'s warm list in the background; SIGHUP re-reads the file (budgets and list), evicting nothing."""
+        _, items = source.read()
+        self.warmer = Warmer(self.config.socket_dir, items)
+        self.warmer.start()
+
+        def reload() -> None:
+            try:
+                settings, items = source.read()
+            except ConfigError as exc:
+                log.warning("SIGHUP: kept the settings in force: %s", exc)
+                return
+            self.change_budgets(**{key: settings.get(key) for key in ("byte_budget", "host_budget", "gpu_budget")})
+            self.warmer.replace(items)
+            log.info("SIGHUP: re-read %s: budgets %s, %d models to keep warm", source.path, self.registry.budgets, len(items))
+
+        signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=reload, daemon=True).start())
+
+    def change_budgets(self, byte_budget: int | None, host_budget: int | None, gpu_budget: int | None) -> None:
+        """New budgets, in force from the next publish: nothing is evicted now, an attached entry never."""
+        self.config = attrs.evolve(self.config, byte_budget=byte_budget, host_budget=host_budget, gpu_budget=gpu_budget)
+        self.registry.budgets = Budgets(total=byte_budget, host=host_budget, per_gpu=gpu_budget)
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop the server cleanly."""
@@ -453,6 +479,7 @@ class Server:
             budgets=self.registry.budgets.to_json(),
             pid=os.getpid(),
             version=__version__,
+            warm=self.warmer.progress() if self.warmer is not None else [],
         ), []
 
     def _evict(self, message, fds, connection_id, pid):
@@ -509,6 +536,8 @@ class Server:
 
     def _shutdown(self) -> None:
         log.info("server stopping")
+        if self.warmer is not None:
+            self.warmer.stop()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -567,9 +596,12 @@ def _artifact_address(message: dict) -> tuple[str, str]:
     return digest, key
 
 
-def start_server(config: ServerConfig, take_over: bool = False) -> Server:
+def start_server(config: ServerConfig, take_over: bool = False, source: ServeSource | None = None) -> Server:
     """A started server in this process, stopped by SIGTERM or SIGINT; with ``take_over``, holding every entry of the
-    server running on the same directory, which exits once this one accepts (HandoverFailed: it serves on)."""
+    server running on the same directory, which exits once this one accepts (HandoverFailed: it serves on).
+
+    ``source``: the config file it came from; its warm list is loaded in the background and SIGHUP re-reads it.
+    """
     server = Server(config)
     server.install_signal_handlers()
     store = FdStore.from_environ()
@@ -587,9 +619,11 @@ def start_server(config: ServerConfig, take_over: bool = False) -> Server:
         handed.confirm()
     if store is not None:
         store.ready()
+    if source is not None:
+        server.keep_warm(source)
     return server
 
 
-def serve(config: ServerConfig, take_over: bool = False) -> None:
-    """Run a server in this process until SIGTERM or SIGINT (``take_over``: see ``start_server``)."""
-    start_server(config, take_over).serve_forever()
+def serve(config: ServerConfig, take_over: bool = False, source: ServeSource | None = None) -> None:
+    """Run a server in this process until SIGTERM or SIGINT (``take_over``, ``source``: see ``start_server``)."""
+    start_server(config, take_over, source).serve_forever()

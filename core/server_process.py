@@ -26,6 +26,7 @@ from weightcache.core.errors import ServerUnavailable
 from weightcache.core.paths import default_socket_dir
 
 if typing.TYPE_CHECKING:
+    from weightcache.core.serve_config import ServeSource
     from weightcache.core.server import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,12 @@ def spawn_detached(socket_dir: str | os.PathLike | None = None, log_file: str | 
     log.info("weightcache: started a server on %s (%s)", socket_dir, launcher.stdout.strip() or "detached")
 
 
-def serve_detached(config: "ServerConfig", log_file: str | os.PathLike | None = None, take_over: bool = False) -> int:
+def serve_detached(
+    config: "ServerConfig",
+    log_file: str | os.PathLike | None = None,
+    take_over: bool = False,
+    source: "ServeSource | None" = None,
+) -> int:
     """``weightcache serve --detach``: fork twice, serve in the grandchild, return 0 once it listens (1 if it could not).
 
     The grandchild runs in a session of its own with stdio on ``log_file``
@@ -159,7 +165,7 @@ def serve_detached(config: "ServerConfig", log_file: str | os.PathLike | None = 
     os.close(null)
     os.close(target)
     try:
-        server = start_server(config, take_over)
+        server = start_server(config, take_over, source)
     except Exception as exc:
         os.write(write_end, f"{exc}".encode())
         os._exit(1)
