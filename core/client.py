@@ -68,16 +68,43 @@ class Connection:
             check_client_dir(self.path.parent)
         except FileNotFoundError:
             raise ServerUnavailable(str(self.path), "no socket") from None
-        self._sock = _connect(self.path, timeout)
+        self._open()
+
+    def _open(self) -> None:
+        self._sock = _connect(self.path, self.timeout)
         try:
             check_server_peer(self._sock, self.path)
         except BaseException:
             self._sock.close()
             raise
-        self._reader = FrameReader(self._sock, deadline_s=timeout)
+        self._reader = FrameReader(self._sock, deadline_s=self.timeout)
 
     def request(self, message: dict, fds: Iterable[int] = ()) -> tuple[dict, list[int]]:
-        """Send one request, return the reply and the fds that came with it."""
+        """Send one request, return the reply and the fds that came with it.
+
+        A refusal that asks to retry (``retry_after_s``: the server is handing over to a successor) is retried
+        until the connection's timeout, on a new connection once the old server has gone (its successor answers
+        there); the fds stay the caller's throughout.
+        """
+        fds = list(fds)
+        deadline = time.monotonic() + self.timeout
+        asked_to_retry = False
+        while True:
+            try:
+                return self._request_once(message, fds)
+            except ServerError as exc:
+                wait = exc.retry_after_s
+                if wait is None or time.monotonic() + wait > deadline:
+                    raise
+                asked_to_retry = True
+                time.sleep(wait)
+            except ServerUnavailable:
+                if not asked_to_retry or time.monotonic() > deadline:
+                    raise
+                self._sock.close()
+                self._open()  # the server that asked us to retry handed over and exited
+
+    def _request_once(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         try:
             send_frame(self._sock, message, fds)
         except (BrokenPipeError, ConnectionResetError) as exc:
@@ -112,7 +139,8 @@ class Connection:
         if code == "not_found" and isinstance(fields, list) and all(isinstance(f, str) for f in fields):
             cls = FingerprintMismatch if fields else EntryNotFound
             raise cls(str(digest), tuple(fields), closest if isinstance(closest, str) else None)
-        raise ServerError(code, message)
+        retry = error.get("retry_after_s")
+        raise ServerError(code, message, retry if isinstance(retry, (int, float)) and 0 < retry <= 1 else None)
 
     def _read_refusal(self):
         try:

@@ -61,10 +61,14 @@ class AccessDenied(WeightCacheError):
 
 
 class ServerError(WeightCacheError):
-    """The server answered a request with an error."""
+    """The server answered a request with an error.
 
-    def __init__(self, code: str, message: str):
+    ``retry_after_s``: set when the server asked for the same request again after that long (a handover in progress).
+    """
+
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None):
         self.code = code
+        self.retry_after_s = retry_after_s
         super().__init__(f"server refused the request ({code}): {message}")
 
 

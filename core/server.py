@@ -385,7 +385,9 @@ class Server:
             return error_reply("bad_request", f"unknown op {op!r:.80}; expected one of {', '.join(handlers)}"), []
         if self._frozen.is_set() and op in _OPS_THAT_CHANGE_ENTRIES:
             close_fds(fds)
-            return error_reply("busy", "the server is handing its entries to a successor; try again in a second"), []
+            return error_reply(
+                "busy", "the server is handing its entries to a successor; try again in a second", retry_after_s=0.05
+            ), []
         if op not in _OPS_WITH_FDS and fds:
             close_fds(fds)
             return error_reply("bad_request", f"op {op!r} takes no fds; {len(fds)} were closed"), []

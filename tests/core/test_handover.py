@@ -171,7 +171,7 @@ def test_a_successor_killed_during_the_handover_leaves_every_entry_with_the_pred
         assert wait_until(lambda: _served_by(socket_dir, proc.pid), timeout=20), "the predecessor stopped serving"
         assert _digests(socket_dir) == published
         assert proc.poll() is None
-        assert wait_until(lambda: _publishes(socket_dir), timeout=10), "the predecessor never took publishes again"
+        publish_host_entry(socket_dir, make_fingerprint(architecture="After"))  # waits out the handover's refusals
 
 
 @pytest.mark.parametrize("after_s", [0.05, 0.25, 0.55])
@@ -217,3 +217,13 @@ def test_a_successor_that_cannot_hold_every_entry_refuses_and_the_predecessor_ke
         assert wait_until(lambda: _publishes(socket_dir), timeout=10)
     finally:
         first.close()
+
+
+def test_a_publish_during_a_handover_waits_and_lands_on_the_successor(socket_dir):
+    with _handing_over(socket_dir) as (proc, successor, published):
+        started = Path(str(socket_dir) + ".successor.log")
+        assert wait_until(lambda: "taking over" in started.read_text(), timeout=20), "the handover never began"
+        late = publish_host_entry(socket_dir, make_fingerprint(architecture="Late"))  # refused with busy, retried
+        assert wait_until(lambda: _served_by(socket_dir, successor.pid), timeout=20)
+        assert _digests(socket_dir) == published | {late.digest}
+        assert proc.wait(timeout=10) == 0
