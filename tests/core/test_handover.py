@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.core.support import make_fingerprint, publish_host_entry
+from tests.core.support import make_fingerprint, publish_host_entry, resting_fd_count, settle_fd_count
 from tests.helpers import ServerProcess, wait_until
 from weightcache.core.attach import Attachment
 from weightcache.core.client import Connection
@@ -208,11 +208,13 @@ def test_a_successor_that_cannot_hold_every_entry_refuses_and_the_predecessor_ke
     first = ServerProcess.start(socket_dir)
     try:
         published = _publish(socket_dir, 4)
+        before = resting_fd_count(first.pid)
         successor = _successor_with(socket_dir, "--host-budget", "20000")  # room for one 16 KiB entry of four
         assert successor.wait(timeout=30) == 1, "a successor that could not take every entry must exit with an error"
         log = Path(str(socket_dir) + ".successor.log").read_text()
         assert "keeps serving every entry" in log and "Traceback" not in log, log[-2000:]
         assert _served_by(socket_dir, first.pid)
+        assert settle_fd_count(first.pid, before) == before, "the failed handover leaked fds in the predecessor"
         assert _digests(socket_dir) == published
         assert wait_until(lambda: _publishes(socket_dir), timeout=10)
     finally:
