@@ -1,15 +1,16 @@
 """What a server restart keeps: entries kept, time until every entry is attachable again, bytes to read from disk again.
 
     python benchmarks/server_restart.py                      # 100 host entries of 4 MiB on the CPU
-    python benchmarks/server_restart.py --entries 100 --mib 64 --successor-python /other/checkout/.venv/bin/python
+    python benchmarks/server_restart.py --entries 100 --mib 64 --successor-checkout /other/checkout
 
 Publishes N synthetic entries on the host tier (random bf16 tensors straight from memory), keeps
 ``--attached`` of them attached by this process (an engine that maps them, with ``watch()``, so it
 re-publishes after a crash), then restarts the server each way, in this order:
 
 - ``planned restart``: ``weightcache serve --take-over`` from this checkout (docs/decisions.md, 36);
-- ``upgrade``: the same from ``--successor-python`` (another checkout's interpreter; without it, this
-  checkout again, and the row says so);
+- ``upgrade``: the same from ``--successor-checkout DIR`` (another checkout, put ahead of the installed
+  one on PYTHONPATH; the row names the directory its ``weightcache.core`` was imported from; without it,
+  this checkout again, and the row says so);
 - ``SIGKILL, no fd store``: the server is SIGKILLed and a fresh ``weightcache serve`` started; what comes
   back is what the attached engine re-publishes.
 
@@ -74,10 +75,23 @@ def wait_for(socket_dir: Path, pid: int, digests: set[str], settle_s: float, tim
     return float("nan"), seen
 
 
-def successor(python: str, socket_dir: Path, log: Path, *args: str) -> subprocess.Popen:
+def successor(python: str, socket_dir: Path, log: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     command = [python, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir), *args]
     with open(log, "ab") as out:
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, env=env)
+
+
+def checkout_env(checkout: Path, work: Path) -> tuple[dict, str]:
+    """An environment whose ``weightcache`` is ``checkout`` (a shim on PYTHONPATH, ahead of the installed one), and the
+    directory its ``weightcache.core`` is imported from there (checked, not assumed)."""
+    package = work / "weightcache"
+    package.mkdir(parents=True)
+    for part in ("core", "adapters", "conformance"):
+        (package / part).symlink_to(checkout.resolve() / part)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(work), os.environ.get("PYTHONPATH")]))}
+    probe = "import weightcache.core, os; print(os.path.realpath(os.path.dirname(weightcache.core.__file__)))"
+    where = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    return env, where
 
 
 def fd_store_row(args, socket_dir: Path, current: subprocess.Popen, digests: set[str], entry_bytes: int, log: Path) -> dict:
@@ -143,7 +157,9 @@ def main(argv=None) -> int:
     parser.add_argument("--entries", type=int, default=100)
     parser.add_argument("--mib", type=float, default=4.0, help="MiB per entry")
     parser.add_argument("--attached", type=int, default=10, help="entries this process keeps attached (an engine)")
-    parser.add_argument("--successor-python", default=None, help="interpreter of another checkout, for the upgrade row")
+    parser.add_argument(
+        "--successor-checkout", type=Path, default=None, help="another checkout of weightcache, for the upgrade row"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -170,17 +186,14 @@ def main(argv=None) -> int:
             attachment.watch(poll_s=0.05)
             attachments.append(attachment)
         entry_bytes = int(args.mib * MIB)
-        ways = [
-            ("planned restart", sys.executable, "this checkout"),
-            (
-                "upgrade",
-                args.successor_python or sys.executable,
-                args.successor_python or "this checkout again (no --successor-python)",
-            ),
-        ]
+        upgrade_env, upgrade_note = None, "this checkout again (no --successor-checkout)"
+        if args.successor_checkout:
+            upgrade_env, where = checkout_env(args.successor_checkout, socket_dir / "shim")
+            upgrade_note = f"weightcache.core from {where}"
+        ways = [("planned restart", None, "this checkout"), ("upgrade", upgrade_env, upgrade_note)]
         current = server.proc
-        for name, python, note in ways:
-            proc = successor(python, socket_dir, log, "--take-over")
+        for name, env, note in ways:
+            proc = successor(sys.executable, socket_dir, log, "--take-over", env=env)
             procs.append(proc)
             took, kept = wait_for(socket_dir, proc.pid, digests, settle_s=2.0)
             current.wait(timeout=30)
