@@ -1,5 +1,6 @@
-"""Keeping a config file's models warm: ``weightcache load`` for each, in order, in the background.
+"""Work the server hands to CLI children in the background: the warm list, and a scrub of re-adopted entries.
 
+Keeping a config file's models warm: ``weightcache load`` for each, in order, in the background.
 The server never imports torch: it runs one ``weightcache load`` child at a time (which
 publishes to it like any loader, within its budgets, and says "already cached" without
 reading the disk when the entry is held) and reports each item's state in ``status``.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 import threading
 
 from weightcache.core.serve_config import WarmItem
@@ -98,3 +100,27 @@ class Warmer:
         lines = [line for line in (out + err).splitlines() if line.strip()]
         last = lines[-1] if lines else f"exit status {child.returncode}"
         return ("done" if child.returncode == 0 else "failed"), last[:_DETAIL_CHARS]
+
+
+def scrub_in_background(socket_dir: str | os.PathLike) -> threading.Thread:
+    """Run ``weightcache verify --drop`` once (entries came back from systemd's fd store: their checksums are checked
+    where they live and a corrupt one is evicted unless attached); its summary is logged."""
+
+    def run() -> None:
+        command = [sys.executable, "-m", "weightcache.core.cli", "verify", "--socket-dir", str(socket_dir), "--drop"]
+        try:
+            done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, start_new_session=True)
+        except OSError as exc:
+            log.warning("could not run weightcache verify on the entries from systemd's fd store: %s", exc)
+            return
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        log.log(
+            logging.INFO if done.returncode == 0 else logging.WARNING,
+            "weightcache verify on the entries from systemd's fd store: exit %d; %s",
+            done.returncode,
+            "; ".join(lines[-5:])[: _DETAIL_CHARS * 2],
+        )
+
+    thread = threading.Thread(target=run, name="weightcache-scrub", daemon=True)
+    thread.start()
+    return thread

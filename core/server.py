@@ -52,7 +52,7 @@ from weightcache.core.protocol import (
     send_frame,
 )
 from weightcache.core.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, OverBudget, Registry, TooManyArtifacts
-from weightcache.core.rewarm import Warmer
+from weightcache.core.rewarm import Warmer, scrub_in_background
 from weightcache.core.serve_config import ConfigError, ServeSource
 
 log = logging.getLogger(__name__)
@@ -607,7 +607,7 @@ def start_server(config: ServerConfig, take_over: bool = False, source: ServeSou
     server = Server(config)
     server.install_signal_handlers()
     store = FdStore.from_environ()
-    adopt(server.registry, passed_fds(), config.max_frame_bytes)
+    adopted = adopt(server.registry, passed_fds(), config.max_frame_bytes)
     if store is not None:
         server.registry.on_publish, server.registry.on_evict = store.keep, store.forget
         for entry in server.registry.snapshot():
@@ -621,6 +621,8 @@ def start_server(config: ServerConfig, take_over: bool = False, source: ServeSou
         handed.confirm()
     if store is not None:
         store.ready()
+    if adopted:
+        scrub_in_background(config.socket_dir)
     if source is not None:
         server.keep_warm(source)
     return server

@@ -11,6 +11,7 @@ import pytest
 from tests.core.support import make_fingerprint, publish_host_entry
 from tests.fdstore_standin import StandInManager
 from tests.helpers import wait_until
+from weightcache.core.arena.checksum import SCHEME
 from weightcache.core.attach import Attachment
 from weightcache.core.client import Connection
 from weightcache.core.errors import ServerUnavailable
@@ -96,3 +97,20 @@ def test_fds_systemd_passed_that_do_not_make_an_entry_are_closed_and_the_rest_se
     assert wait_until(lambda: _serving(socket_dir, second.pid), timeout=20), log.read_text()[-3000:]
     assert _digests(socket_dir) == {good.digest}
     assert "not re-serving entry" in log.read_text()
+
+
+def test_entries_back_from_the_fd_store_are_scrubbed_and_a_lying_one_is_dropped(socket_dir, managed):
+    manager, log, procs = managed
+    first = _plain_server(socket_dir, manager, log)
+    procs.append(first)
+    assert wait_until(lambda: _serving(socket_dir, first.pid), timeout=20)
+    good = publish_host_entry(socket_dir, make_fingerprint(architecture="Honest"))
+    liar = publish_host_entry(socket_dir, make_fingerprint(architecture="Liar"), checksum=f"{SCHEME}:{'c3' * 16}")
+    assert wait_until(lambda: manager.digests() == {good.digest, liar.digest}, timeout=10)
+    first.kill()
+    first.wait(timeout=10)
+    second = manager.start_server(socket_dir, log)
+    procs.append(second)
+    assert wait_until(lambda: _serving(socket_dir, second.pid), timeout=20), log.read_text()[-3000:]
+    assert wait_until(lambda: _digests(socket_dir) == {good.digest}, timeout=120), "the scrub did not drop the lying entry"
+    assert wait_until(lambda: "weightcache verify on the entries from systemd's fd store: exit 2" in log.read_text(), timeout=30)
