@@ -32,10 +32,18 @@ def _serving(socket_dir, pid: int) -> bool:
         return False
 
 
-def _plain_server(socket_dir, manager: StandInManager, log) -> subprocess.Popen:
-    env = {**os.environ, "NOTIFY_SOCKET": manager.sock.getsockname()}
-    with open(log, "ab") as out:
-        return subprocess.Popen(serve_command(socket_dir), env=env, stdout=out, stderr=out)
+def _started(socket_dir, managed, from_store: bool = False) -> subprocess.Popen:
+    """A server under the stand-in (``from_store``: started with the stored fds, as systemd restarts a unit), serving."""
+    manager, log, procs = managed
+    if from_store:
+        proc = manager.start_server(socket_dir, log)
+    else:
+        with open(log, "ab") as out:
+            env = {**os.environ, "NOTIFY_SOCKET": manager.sock.getsockname()}
+            proc = subprocess.Popen(serve_command(socket_dir), env=env, stdout=out, stderr=out)
+    procs.append(proc)
+    assert wait_until(lambda: _serving(socket_dir, proc.pid), timeout=20), log.read_text()[-3000:]
+    return proc
 
 
 @pytest.fixture
@@ -54,10 +62,8 @@ def managed(tmp_path):
 
 
 def test_a_sigkilled_server_under_systemd_gets_every_entry_back_from_the_fd_store(socket_dir, managed):
-    manager, log, procs = managed
-    first = _plain_server(socket_dir, manager, log)
-    procs.append(first)
-    assert wait_until(lambda: _serving(socket_dir, first.pid), timeout=20), log.read_text()
+    manager, log, _ = managed
+    first = _started(socket_dir, managed)
     assert wait_until(lambda: {"READY": "1"} in manager.messages, timeout=10), "no READY=1"
     entries = [publish_host_entry(socket_dir, make_fingerprint(architecture=f"Kept{n}"), label=f"k{n}") for n in range(5)]
     published = {entry.digest for entry in entries}
@@ -68,9 +74,7 @@ def test_a_sigkilled_server_under_systemd_gets_every_entry_back_from_the_fd_stor
 
     first.send_signal(signal.SIGKILL)  # nothing is kept by any engine: only the store holds the fds
     first.wait(timeout=10)
-    second = manager.start_server(socket_dir, log)
-    procs.append(second)
-    assert wait_until(lambda: _serving(socket_dir, second.pid), timeout=20), log.read_text()[-3000:]
+    _started(socket_dir, managed, from_store=True)
     assert _digests(socket_dir) == published - {entries[0].digest}
     attachment = Attachment.open(entries[1].fingerprint, socket_dir)
     try:
@@ -81,10 +85,8 @@ def test_a_sigkilled_server_under_systemd_gets_every_entry_back_from_the_fd_stor
 
 
 def test_fds_systemd_passed_that_do_not_make_an_entry_are_closed_and_the_rest_served(socket_dir, managed):
-    manager, log, procs = managed
-    first = _plain_server(socket_dir, manager, log)
-    procs.append(first)
-    assert wait_until(lambda: _serving(socket_dir, first.pid), timeout=20)
+    manager, log, _ = managed
+    first = _started(socket_dir, managed)
     good = publish_host_entry(socket_dir, make_fingerprint(architecture="Good"))
     bad = publish_host_entry(socket_dir, make_fingerprint(architecture="Bad"))
     assert wait_until(lambda: manager.digests() == {good.digest, bad.digest}, timeout=10)
@@ -92,25 +94,19 @@ def test_fds_systemd_passed_that_do_not_make_an_entry_are_closed_and_the_rest_se
     first.wait(timeout=10)
     with manager.lock:  # the bad entry loses its table: incomplete
         close_fds([manager.store.pop(f"wc.{bad.digest}.1")])
-    second = manager.start_server(socket_dir, log)
-    procs.append(second)
-    assert wait_until(lambda: _serving(socket_dir, second.pid), timeout=20), log.read_text()[-3000:]
+    _started(socket_dir, managed, from_store=True)
     assert _digests(socket_dir) == {good.digest}
     assert "not re-serving entry" in log.read_text()
 
 
 def test_entries_back_from_the_fd_store_are_scrubbed_and_a_lying_one_is_dropped(socket_dir, managed):
-    manager, log, procs = managed
-    first = _plain_server(socket_dir, manager, log)
-    procs.append(first)
-    assert wait_until(lambda: _serving(socket_dir, first.pid), timeout=20)
+    manager, log, _ = managed
+    first = _started(socket_dir, managed)
     good = publish_host_entry(socket_dir, make_fingerprint(architecture="Honest"))
     liar = publish_host_entry(socket_dir, make_fingerprint(architecture="Liar"), checksum=f"{SCHEME}:{'c3' * 16}")
     assert wait_until(lambda: manager.digests() == {good.digest, liar.digest}, timeout=10)
     first.kill()
     first.wait(timeout=10)
-    second = manager.start_server(socket_dir, log)
-    procs.append(second)
-    assert wait_until(lambda: _serving(socket_dir, second.pid), timeout=20), log.read_text()[-3000:]
+    _started(socket_dir, managed, from_store=True)
     assert wait_until(lambda: _digests(socket_dir) == {good.digest}, timeout=120), "the scrub did not drop the lying entry"
     assert wait_until(lambda: "weightcache verify on the entries from systemd's fd store: exit 2" in log.read_text(), timeout=30)
