@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.core.support import make_fingerprint, publish_host_entry, resting_fd_count, settle_fd_count
-from tests.helpers import ServerProcess, wait_until
+from tests.helpers import ServerProcess, run_cli, wait_until
 from weightcache.core.attach import Attachment
 from weightcache.core.client import Connection
 from weightcache.core.errors import ServerError, ServerUnavailable
@@ -229,3 +229,18 @@ def test_a_publish_during_a_handover_waits_and_lands_on_the_successor(socket_dir
         assert wait_until(lambda: _served_by(socket_dir, successor.pid), timeout=20)
         assert _digests(socket_dir) == published | {late.digest}
         assert proc.wait(timeout=10) == 0
+
+
+def test_the_documented_upgrade_command_detaches_and_takes_every_entry(socket_dir):
+    first = ServerProcess.start(socket_dir)
+    try:
+        published = _publish(socket_dir, 3)
+        done = run_cli("serve", "--socket-dir", str(socket_dir), "--take-over", "--detach")
+        assert "serving" in done.stdout, done.stdout + done.stderr
+        assert first.proc.wait(timeout=10) == 0
+        status = _status(socket_dir)
+        assert {row["digest"] for row in status["entries"]} == published
+        os.kill(status["pid"], signal.SIGTERM)
+        assert wait_until(lambda: not (socket_dir / "weightcache.sock").exists(), timeout=10)
+    finally:
+        first.close()
