@@ -68,6 +68,7 @@ class Connection:
             check_client_dir(self.path.parent)
         except FileNotFoundError:
             raise ServerUnavailable(str(self.path), "no socket") from None
+        self._answered = False  # no reply yet on this connection
         self._open()
 
     def _open(self) -> None:
@@ -84,25 +85,36 @@ class Connection:
 
         A refusal that asks to retry (``retry_after_s``: the server is handing over to a successor) is retried
         until the connection's timeout, on a new connection once the old server has gone (its successor answers
-        there); the fds stay the caller's throughout.
+        there). A connection that never got a reply and is closed unanswered (accepted by a server that handed
+        over and exited) is opened again once. The fds stay the caller's throughout.
         """
         fds = list(fds)
         deadline = time.monotonic() + self.timeout
         asked_to_retry = False
+        reopened = False
         while True:
             try:
-                return self._request_once(message, fds)
+                reply = self._request_once(message, fds)
+                self._answered = True
+                return reply
             except ServerError as exc:
+                self._answered = True
                 wait = exc.retry_after_s
                 if wait is None or time.monotonic() + wait > deadline:
                     raise
                 asked_to_retry = True
                 time.sleep(wait)
             except ServerUnavailable:
-                if not asked_to_retry or time.monotonic() > deadline:
+                # Never for a connection that was answered before: it may hold attach sessions a new one would not.
+                fresh = not self._answered and not reopened
+                if not (asked_to_retry or fresh) or time.monotonic() > deadline:
                     raise
                 self._sock.close()
-                self._open()  # the server that asked us to retry handed over and exited
+                try:
+                    self._open()  # the server that accepted us handed over and exited: its successor answers
+                except (ServerUnavailable, AccessDenied, OSError):
+                    raise ServerUnavailable(str(self.path), "the server closed the connection") from None
+                reopened = True
 
     def _request_once(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         try:
