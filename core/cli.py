@@ -316,6 +316,32 @@ def user_error(exc: BaseException) -> str | None:
     return re.sub(r"\s*\n\s*", " ", text.strip()) or type(exc).__name__
 
 
+FAST_EXIT_COMMANDS = frozenset({"load"})
+"""Subcommands after which the console script skips the interpreter's teardown (``entry``)."""
+
+
+def entry() -> typing.NoReturn:
+    """The ``weightcache`` console script: ``main``, then exit.
+
+    After ``load`` (a process that imported torch and transformers only to publish) the
+    interpreter's teardown of those modules is skipped: it took 1.1–1.3 s on the CPU VM and
+    1.3–2.0 s on the H200 after every byte was published. Output and logs are flushed first;
+    weightcache registers no exit handler, and the server already holds every fd it needs.
+    """
+    code = main()
+    if _subcommand(sys.argv[1:]) in FAST_EXIT_COMMANDS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
+
+
+def _subcommand(argv: Sequence[str]) -> str | None:
+    """The first word of ``argv`` that is not an option (the subcommand), or None."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args)
@@ -633,4 +659,4 @@ def _demo(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

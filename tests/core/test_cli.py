@@ -540,3 +540,17 @@ def test_load_publishes_the_same_entry_with_and_without_reading_ahead(model_dir,
         finally:
             server.close()
     assert digests[0] == digests[1]
+
+
+def test_the_console_script_skips_teardown_only_after_load_and_keeps_the_exit_status(model_dir, tmp_path):
+    from weightcache.core.cli import FAST_EXIT_COMMANDS, _subcommand
+
+    assert _subcommand(["-v", "load", "--model", "x"]) == "load" and _subcommand(["--version"]) is None
+    assert FAST_EXIT_COMMANDS == {"load"}
+    refused = subprocess.run(
+        [sys.executable, "-m", "weightcache.core.cli", "load", "--model", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 1 and refused.stderr.startswith("weightcache: error: "), refused
