@@ -17,6 +17,7 @@ from weightcache.core.client import Connection
 from weightcache.core.errors import (
     AccessDenied,
     ArenaError,
+    CheckpointNotFound,
     EntryNotFound,
     EntryUnusable,
     ServerError,
@@ -194,11 +195,11 @@ def fallback_reason(exc: BaseException) -> str | None:
     """Why a ``client`` may load from disk instead of raising ``exc`` (one line), or None when it must raise.
 
     A missing or refusing server, an untrusted one (AccessDenied), a busy one,
-    no matching entry, or an entry this process cannot use: each only costs
-    the disk load. Anything else (a rebind that does not fit, a bug) raises.
+    no matching entry, an entry this process cannot use, or a checkpoint the cache cannot
+    serve (a hub id not in the local cache, ``.bin`` weights only): each only costs the disk load. Anything else (a rebind that does not fit, a bug) raises.
     """
     if isinstance(exc, ServerError) and exc.code != "busy":
         return None
-    if not isinstance(exc, (ServerUnavailable, AccessDenied, ServerError, EntryNotFound, EntryUnusable)):
+    if not isinstance(exc, (ServerUnavailable, AccessDenied, ServerError, EntryNotFound, EntryUnusable, CheckpointNotFound)):
         return None
     return str(exc)  # a mismatch's message names its fields (EntryNotFound)

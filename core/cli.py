@@ -216,6 +216,12 @@ def add_request_options(
         "--adapter", default="hf", help="adapter that reads the checkpoint (default: hf, Hugging Face transformers)"
     )
     parser.add_argument("--model", required=model_required, metavar="DIR", help=model_help)
+    parser.add_argument(
+        "--revision",
+        metavar="REV",
+        help="with a hub id as --model (org/name): the branch, tag or commit, resolved offline from the local hub cache "
+        "as transformers does (default: main)",
+    )
     parser.add_argument("--dtype", choices=DTYPES, help="dtype of unquantized weights (default: auto, the checkpoint's own)")
     parser.add_argument(
         "--device",
@@ -406,7 +412,9 @@ def _load(args) -> int:
     from weightcache.core.safetensors_io import check_checkpoint
 
     note(f"checking {args.model} ...")
-    request = load_request(args)  # device, dtype, ranks, options
+    request = load_request(
+        args
+    )  # a hub id becomes its snapshot directory in the local hub cache  # device, dtype, ranks, options
     loader.check_tier(args.tier, request.device)
     adapter = installed_plugins().adapter(request.adapter)
     adapter.check_options(request)
@@ -518,6 +526,7 @@ def _tiers(tier: str, gpu_uuid: str) -> dict[str, str]:
 
 
 def load_request(args: argparse.Namespace) -> "LoadRequest":
+    from weightcache.core import hub
     from weightcache.core.fingerprint import ParallelSpec
     from weightcache.core.request import LoadRequest
 
@@ -528,8 +537,9 @@ def load_request(args: argparse.Namespace) -> "LoadRequest":
     options = parse_options(args.option)
     if args.model_class:
         options["model_class"] = args.model_class
+    where = hub.require_cached(hub.resolve(args.model, args.revision))  # the CLI has no engine load to fall back to
     return LoadRequest(
-        model=args.model,
+        model=where.path,  # the snapshot directory: the revision is resolved
         adapter=args.adapter,
         dtype=args.dtype,
         device=args.device,

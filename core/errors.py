@@ -279,6 +279,21 @@ class CheckpointNotFound(WeightCacheError, FileNotFoundError):
         )
 
 
+class ModelNotCached(CheckpointNotFound):
+    """A hub id (``org/name``) that the local hub cache does not hold (at that revision)."""
+
+    def __init__(self, repo_id: str, revision: str | None, cache_dir: str):
+        self.path = repo_id
+        self.revision = revision
+        at = f" at revision {revision}" if revision else ""
+        self.problem = f"not in the local hub cache{at} ({cache_dir})"
+        WeightCacheError.__init__(
+            self,
+            f"{repo_id}{at} is not in the local hub cache ({cache_dir}); download it first (`hf download {repo_id}`), "
+            "point HF_HUB_CACHE or HF_HOME at the cache that holds it, or pass the checkpoint directory",
+        )
+
+
 class InvalidCheckpoint(WeightCacheError, ValueError):
     """A checkpoint file weightcache cannot read: a damaged header, a length other than its header says, a dtype it does not handle."""
 

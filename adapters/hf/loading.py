@@ -57,7 +57,7 @@ def load(request: "LoadRequest", builder: "ArenaBuilder | None" = None) -> "torc
     model's (names, shapes, dtypes), the bytes are read straight into the
     arenas; otherwise transformers loads the model and export copies it.
     """
-    config = hf_config.read_config(request.model)
+    config = hf_config.read_config(request.model, request.revision)
     if hf_config.checkpoint_quantization(config) == hf_config.FP8_BLOCK:
         return load_prequantized_fp8(request, config)
     if builder is not None and request.quantization in (None, "none"):
@@ -65,7 +65,7 @@ def load(request: "LoadRequest", builder: "ArenaBuilder | None" = None) -> "torc
         if model is not None:
             return model
     cls = model_class(request, config)
-    kwargs = {"dtype": load_dtype(request, config)}
+    kwargs = {"dtype": load_dtype(request, config), "revision": request.revision}
     if request.is_cuda:
         kwargs["device_map"] = request.device.torch()
     model = cls.from_pretrained(request.model, **kwargs)

@@ -50,7 +50,7 @@ def weightcache_describe(request):
     from weightcache.adapters.hf.loading import load_dtype
 
     transformers = _transformers()
-    config = hf_config.read_config(request.model)
+    config = hf_config.read_config(request.model, request.revision)
     requested = request.quantization
     method = hf_config.checkpoint_quantization(config) if requested in (None, "none") else requested
     quant_config = {}
