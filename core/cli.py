@@ -32,8 +32,10 @@ if typing.TYPE_CHECKING:
     from weightcache.core.request import LoadRequest
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-SIZE_EXAMPLE = "bytes, or a number with K, M, G or T (powers of 1024), e.g. 512M, 64G, 1.5T"
+SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+SIZE_EXAMPLE = (
+    "bytes, or a number with K, M, G or T: 64G, 64Gi and 64GiB are powers of 1024, 64GB of 1000; e.g. 512M, 1.5TiB, 80GB"
+)
 
 OPTIONAL_PACKAGES = {
     "transformers": "weightcache[hf]",
@@ -52,11 +54,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def size(text: str) -> int:
-    """A byte count from ``64G``, ``512MiB``, ``1.5t`` or ``1048576``; more than 0."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    """A byte count, more than 0: ``64G``, ``64Gi`` and ``64GiB`` are 64 × 2^30, ``64GB`` 64 × 10^9 (as ``df -H`` and
+    disk vendors count), ``1048576`` bytes; K, M, G, T alike, in either case."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)(b?)|b?)\s*", text.lower())
     if match is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; write {SIZE_EXAMPLE}")
-    nbytes = int(float(match.group(1)) * SIZE_UNITS[match.group(2)])
+    number, letter, binary, byte = match.groups()
+    base = 1000 if letter and byte and not binary else 1024
+    nbytes = int(float(number) * base ** SIZE_POWERS[letter or ""])
     if nbytes <= 0:
         raise argparse.ArgumentTypeError(
             f"{text!r} is no room at all; give a size above 0 (or leave the option out for no limit)"

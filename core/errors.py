@@ -161,7 +161,7 @@ class UnsupportedQuantization(WeightCacheError):
 
 
 class AdapterNotFound(WeightCacheError):
-    """No usable adapter has the requested name; the message says what is installed, broken or blocked."""
+    """No usable adapter has the requested name; the message says what is installed, broken, blocked or lacks its engine."""
 
     def __init__(
         self,
@@ -169,19 +169,22 @@ class AdapterNotFound(WeightCacheError):
         installed: "typing.Sequence[str]" = (),
         broken: "typing.Mapping[str, str] | None" = None,
         blocked: bool = False,
+        missing: "typing.Sequence[str]" = (),
     ):
         self.name = name
         self.installed = tuple(installed)
         self.broken = dict(broken or {})
-        if name in self.broken:
+        self.missing = tuple(missing)
+        if self.missing:
+            detail = f"it needs {' and '.join(self.missing)}, which is not installed here; `pip install {' '.join(self.missing)}`"
+        elif name in self.broken:
             detail = f"it is installed but broken ({self.broken[name]}); fix or reinstall its package"
         elif blocked:
             detail = "it is blocked by $WEIGHTCACHE_BLOCK_ADAPTERS; remove it from that list to use it"
         else:
             detail = "install the package that provides it (it registers in the 'weightcache.adapters' entry points)"
-        super().__init__(
-            f"no weightcache adapter named {name!r}: {detail}. Usable adapters: {', '.join(self.installed) or 'none'}"
-        )
+        opening = f"the {name!r} adapter is not usable" if self.missing else f"no weightcache adapter named {name!r}"
+        super().__init__(f"{opening}: {detail}. Usable adapters: {', '.join(self.installed) or 'none'}")
 
 
 class InvalidAdapter(WeightCacheError):

@@ -27,6 +27,21 @@ def model_class(request: "LoadRequest", config: dict) -> type:
     cls = getattr(transformers, name, None)
     if cls is None or not hasattr(cls, "from_pretrained"):
         raise ValueError(f"transformers has no model class {name!r}; pass model_class='AutoModel' (or another class)")
+    model_type = config.get("model_type")
+    if name.startswith("Auto") and hasattr(cls, "_model_mapping"):  # an Auto class: the concrete class it picks
+        try:
+            cls = cls._model_mapping[type(transformers.AutoConfig.for_model(**config))]
+        except (KeyError, ValueError, TypeError):
+            raise ValueError(
+                f"{name} has no model class for this checkpoint's {model_type!r} config; pass the architecture's class "
+                f"(e.g. {hf_config.architecture(config)}) or leave model_class out"
+            ) from None
+    built_from = getattr(getattr(cls, "config_class", None), "model_type", None)
+    if built_from and model_type and built_from != model_type:
+        raise ValueError(
+            f"model class {name} is built from {built_from!r} configs, but this checkpoint is a {model_type!r} model "
+            f"({hf_config.architecture(config)}); pass a class of its architecture, or leave model_class out"
+        )
     return cls
 
 
