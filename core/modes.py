@@ -24,8 +24,16 @@ import typing
 import attrs
 
 from weightcache.core.attach import Attachment, fallback_reason
-from weightcache.core.client import server_is_running
-from weightcache.core.errors import CheckpointNotFound, EntryNotFound, WeightCacheError
+from weightcache.core.client import Connection, server_is_running
+from weightcache.core.errors import (
+    AccessDenied,
+    CheckpointNotFound,
+    EntryNotFound,
+    EntryUnusable,
+    ServerError,
+    ServerUnavailable,
+    WeightCacheError,
+)
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.loader import Prepared, load_from_disk, prepare, publish
 from weightcache.core.request import LoadRequest
@@ -197,10 +205,29 @@ def _or_disk(work: typing.Callable[[], LoadedModel], prepared: Prepared, cache: 
         if cache.strict or reason is None:
             raise
         log.warning("weightcache: loading %s from disk: %s", prepared.request.model, reason)
+        _report_fallback(exc, cache)
         identified = not isinstance(exc, CheckpointNotFound)  # else the checkpoint has no content identity
         loaded = _from_disk(prepared, cache.mode, timings, identified=identified)
         loaded.fallback_reason = reason
         return loaded
+
+
+def _report_fallback(exc: WeightCacheError, cache: CacheOptions) -> None:
+    """Tell the server (when one answers) why this load came from disk, for its ``fallbacks`` metric; best effort."""
+    if isinstance(exc, (ServerUnavailable, AccessDenied)):
+        return  # nobody to tell, or a server this process does not trust
+    kinds = (
+        (CheckpointNotFound, "not_cacheable"),
+        (EntryNotFound, "not_found"),
+        (EntryUnusable, "unusable"),
+        (ServerError, "busy"),
+    )
+    kind = next((kind for cls, kind in kinds if isinstance(exc, cls)), "other")
+    try:
+        with Connection(cache.socket_dir, timeout=min(cache.timeout_s, 2.0)) as connection:
+            connection.report_fallback(kind)
+    except WeightCacheError as failure:  # an older server, a busy one: the disk load goes on regardless
+        log.debug("weightcache: could not report the fallback to the server: %s", failure)
 
 
 def _fill_from_node(prepared: Prepared, cache: CacheOptions, timings: dict) -> bool:
