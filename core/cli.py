@@ -24,6 +24,10 @@ from collections.abc import Sequence
 from weightcache.core import __version__
 from weightcache.core.bounds import BUDGET, CONNECTIONS, IDLE_SECONDS, PORT, SECONDS, Bound
 from weightcache.core.errors import WeightCacheError
+from weightcache.core.logformat import FORMATS, LEVELS
+from weightcache.core.logformat import configure as configure_logging
+from weightcache.core.probe import add_parser as probe_options
+from weightcache.core.probe import run as run_probe
 from weightcache.core.progress import is_terminal
 
 log = logging.getLogger(__name__)
@@ -32,6 +36,8 @@ if typing.TYPE_CHECKING:
     from weightcache.core.request import LoadRequest
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+DETACHED_LOG = "server.log"
+"""Where ``serve --detach`` logs unless ``--log-file`` says otherwise: this file in the socket directory."""
 SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 SIZE_EXAMPLE = (
     "bytes, or a number with K, M, G or T: 64G, 64Gi and 64GiB are powers of 1024, 64GB of 1000; e.g. 512M, 1.5TiB, 80GB"
@@ -127,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="weightcache", description="Keep model weights resident outside the engine; attach them zero-copy.")
     parser.add_argument("--version", action="version", version=f"weightcache {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages; show the traceback of an error")
+    parser.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        help="log messages of this level and above (default: info for serve, warning for the other commands)",
+    )
+    parser.add_argument("--log-format", choices=FORMATS, default="text", help="text (default) or json: one JSON object per line")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = _command(commands, "serve", "run the server: it holds the arenas' fds and answers engines (never touches CUDA)")
@@ -147,7 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--detach", action="store_true", help="run in the background, detached from this terminal and process tree"
     )
-    serve.add_argument("--log-file", help="with --detach: where the server logs (default: nowhere)")
+    serve.add_argument(
+        "--log-file",
+        metavar="FILE",
+        help="with --detach: where the server logs (default: server.log in the socket directory; the path is printed)",
+    )
     serve.add_argument(
         "--idle-timeout",
         type=_within(IDLE_SECONDS, zero="never"),
@@ -200,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="on first sight of the weight files, do not read them into the page cache while Python imports "
         "(by default at most half the available memory is read ahead)",
     )
+
+    probe = _command(commands, "probe", "check that the server answers; exit 0 ready, 3 no server, 4 not ready, 5 unhealthy")
+    add_socket_dir(probe)
+    probe_options(probe)
 
     status = _command(commands, "status", "list the server's entries: model, rank, device, size, attached engines")
     add_socket_dir(status)
@@ -380,7 +400,7 @@ def reporting_errors(work: typing.Callable[[], int], verbose: bool = False) -> i
 
 
 def _run(args) -> int:
-    commands = {"serve": _serve, "load": _load, "status": _status, "evict": _evict, "demo": _demo}
+    commands = {"serve": _serve, "load": _load, "status": _status, "evict": _evict, "demo": _demo, "probe": run_probe}
     if args.command in commands:
         return commands[args.command](args)
     return plugin_commands()[args.command].run(args)
@@ -388,13 +408,9 @@ def _run(args) -> int:
 
 def _configure_logging(args) -> None:
     """The server logs what it does (with times); the other commands print their result and log only warnings."""
-    if args.command == "serve":
-        level, shape = logging.INFO, "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    else:
-        level, shape = logging.WARNING, "%(levelname)s: %(message)s"
-    if args.verbose:
-        level, shape = logging.DEBUG, "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=level, format=shape, stream=sys.stderr)
+    serving = args.command == "serve"
+    level = "debug" if args.verbose else args.log_level or ("info" if serving else "warning")
+    configure_logging(level, args.log_format, brief=not (serving or args.verbose))
 
 
 def _serve(args) -> int:
@@ -420,7 +436,7 @@ def _serve(args) -> int:
     if args.detach:
         from weightcache.core.server_process import serve_detached
 
-        return serve_detached(config, args.log_file)
+        return serve_detached(config, args.log_file or config.socket_dir / DETACHED_LOG)
     serve(config)
     return 0
 
