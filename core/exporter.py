@@ -21,62 +21,44 @@ PREFIX = "weightcache"
 def _metric_families(snapshot: dict) -> "Iterator":
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-    def gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
-        return GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)
+    def family(kind: type, name: str, text: str, value: typing.Any, label: str | None = None) -> typing.Any:
+        """One metric: ``value`` a number, or with ``label`` a mapping from label values to numbers."""
+        if label is None:
+            return kind(f"{PREFIX}_{name}", text, value=value)
+        labelled = kind(f"{PREFIX}_{name}", text, labels=[label])
+        for key, number in sorted(value.items()):
+            labelled.add_metric([str(key)], number)
+        return labelled
 
-    def counter(name: str, text: str, value: float) -> CounterMetricFamily:
-        return CounterMetricFamily(f"{PREFIX}_{name}", text, value=value)
-
-    def labelled(family: typing.Any, label: str, values: dict) -> typing.Any:
-        for key, value in sorted(values.items()):
-            family.add_metric([str(key)], value)
-        return family
-
-    yield gauge("uptime_seconds", "Seconds since the server started.", snapshot["uptime_s"])
-    yield gauge("entries", "Entries held.", snapshot["entries"])
-    yield labelled(
-        GaugeMetricFamily(
-            f"{PREFIX}_entries_by_device", "Entries held per device (cpu, host tier, GPU UUID).", labels=["device"]
+    tiers, budgets = snapshot["tiers"], snapshot["budgets"]
+    gauges = [
+        ("uptime_seconds", "Seconds since the server started.", snapshot["uptime_s"], None),
+        ("entries", "Entries held.", snapshot["entries"], None),
+        ("entries_by_device", "Entries held per device (cpu, host tier, GPU UUID).", snapshot["entries_by_device"], "device"),
+        ("held_bytes", "Bytes held per tier (host, or a GPU's UUID).", {t: held["held"] for t, held in tiers.items()}, "tier"),
+        (
+            "budget_bytes",
+            "Byte budget per tier (tiers without a budget are left out).",
+            {t: held["budget"] for t, held in tiers.items() if held.get("budget")},
+            "tier",
         ),
-        "device",
-        snapshot["entries_by_device"],
-    )
-    tiers = snapshot["tiers"]
-    yield labelled(
-        GaugeMetricFamily(f"{PREFIX}_held_bytes", "Bytes held per tier (host, or a GPU's UUID).", labels=["tier"]),
-        "tier",
-        {tier: held["held"] for tier, held in tiers.items()},
-    )
-    yield labelled(
-        GaugeMetricFamily(
-            f"{PREFIX}_budget_bytes", "Byte budget per tier (tiers without a budget are left out).", labels=["tier"]
-        ),
-        "tier",
-        {tier: held["budget"] for tier, held in tiers.items() if held.get("budget")},
-    )
-    budgets = snapshot["budgets"]
+        ("connections_open", "Connections open now.", snapshot["connections_open"], None),
+    ]
     if budgets.get("total"):
-        yield gauge("total_budget_bytes", "The server's byte budget over all tiers (--byte-budget).", budgets["total"])
-    yield counter("hits", "Attach requests answered with an entry.", snapshot["hits"])
-    yield counter("misses", "Attach requests for a fingerprint the server does not hold.", snapshot["misses"])
-    yield counter("publishes", "Entries published.", snapshot["publishes"])
-    yield labelled(
-        CounterMetricFamily(
-            f"{PREFIX}_fallbacks", "Disk loads engines reported instead of an attach, by reason.", labels=["reason"]
-        ),
-        "reason",
-        snapshot["fallbacks"],
-    )
-    yield labelled(
-        CounterMetricFamily(f"{PREFIX}_evictions", "Entries dropped, by reason (budget, request, stopping).", labels=["reason"]),
-        "reason",
-        snapshot["evictions"],
-    )
-    yield labelled(
-        CounterMetricFamily(f"{PREFIX}_refusals", "Requests and connections refused, by error code.", labels=["code"]),
-        "code",
-        snapshot["refusals"],
-    )
+        gauges.append(("total_budget_bytes", "The server's byte budget over all tiers (--byte-budget).", budgets["total"], None))
+    counters = [
+        ("hits", "Attach requests answered with an entry.", snapshot["hits"], None),
+        ("misses", "Attach requests for a fingerprint the server does not hold.", snapshot["misses"], None),
+        ("publishes", "Entries published.", snapshot["publishes"], None),
+        ("fallbacks", "Disk loads engines reported instead of an attach, by reason.", snapshot["fallbacks"], "reason"),
+        ("evictions", "Entries dropped, by reason (budget, request, stopping).", snapshot["evictions"], "reason"),
+        ("refusals", "Requests and connections refused, by error code.", snapshot["refusals"], "code"),
+        ("connections", "Connections accepted since the start.", snapshot["connections_total"], None),
+    ]
+    for row in gauges:
+        yield family(GaugeMetricFamily, *row)
+    for row in counters:
+        yield family(CounterMetricFamily, *row)
     histogram = snapshot["attach_seconds"]
     buckets = [(f"{bound:g}", count) for bound, count in histogram["buckets"]] + [("+Inf", histogram["count"])]
     yield HistogramMetricFamily(
@@ -85,8 +67,6 @@ def _metric_families(snapshot: dict) -> "Iterator":
         buckets=buckets,
         sum_value=histogram["sum"],
     )
-    yield gauge("connections_open", "Connections open now.", snapshot["connections_open"])
-    yield counter("connections", "Connections accepted since the start.", snapshot["connections_total"])
 
 
 class _Collector:
@@ -97,15 +77,6 @@ class _Collector:
 
     def collect(self) -> "Iterator":
         return _metric_families(self._snapshot())
-
-
-def render(snapshot: dict) -> bytes:
-    """``snapshot`` in Prometheus' text exposition format."""
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(lambda: snapshot))
-    return generate_latest(registry)
 
 
 class Exporter:
