@@ -122,9 +122,12 @@ class Metrics:
             self.fallbacks[kind] += 1
         return kind
 
-    def evicted(self, reason: str) -> None:
+    def evicted(self, digest: str, reason: str, pid: int | None = None) -> None:
+        """Entry ``digest`` was dropped for ``reason`` (EVICTION_REASONS), during a request of ``pid`` (None: none)."""
         with self._lock:
             self.evictions[reason if reason in EVICTION_REASONS else "request"] += 1
+        if pid is not None:
+            log.info("evicted %s (%s) during a request of pid %d", digest[:12], reason, pid)
 
     def snapshot(self, tiers: dict, budgets: dict, entries: int, open_connections: int) -> dict:
         """The counters as JSON, with the registry's gauges (``tiers``: bytes held and budget per tier) passed in."""

@@ -118,9 +118,10 @@ class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.metrics = Metrics()
+        self._requester = threading.local()  # the pid whose request runs on this thread (logged with evictions)
         self.registry = Registry(
             Budgets(total=config.byte_budget, host=config.host_budget, per_gpu=config.gpu_budget),
-            on_drop=lambda _digest, why: self.metrics.evicted(why),
+            on_drop=lambda digest, why: self.metrics.evicted(digest, why, getattr(self._requester, "pid", None)),
         )
         self._listener: socket.socket | None = None
         self._lock_fd = -1
@@ -263,7 +264,7 @@ class Server:
         conn = state.sock
         try:
             pid, uid, _ = peer_credentials(conn)
-            state.pid = pid
+            state.pid = self._requester.pid = pid
             if uid != os.geteuid():
                 log.warning("refused pid %d of uid %d: the server runs as uid %d", pid, uid, os.geteuid())
                 self._refuse(

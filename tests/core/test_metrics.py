@@ -119,13 +119,16 @@ def test_refusals_are_counted_by_code(metered):
     assert samples['weightcache_refusals_total{code="not_found"}'] == 1
 
 
-def test_the_log_names_the_pid_of_each_attach_and_refusal(metered):
+def test_the_log_names_the_pid_of_each_attach_refusal_and_eviction(metered):
     server, _ = metered
     entry = publish_host_entry(server.socket_dir)
     Attachment.open(entry.fingerprint, server.socket_dir).close()
     with Connection(server.socket_dir) as connection, pytest.raises(Exception, match="no entry matches"):
         connection.evict("abcdef12")
-    assert wait_until(lambda: "refused evict" in server.log())
+    with Connection(server.socket_dir) as connection:
+        connection.evict(entry.digest)
+    assert wait_until(lambda: "refused evict" in server.log() and "evicted " in server.log())
+    assert re.search(rf"INFO .*evicted {entry.digest[:12]} \(request\) during a request of pid {os.getpid()}", server.log())
     assert re.search(rf"INFO .*attached {entry.digest[:12]} for pid {os.getpid()} in [0-9.]+ ms", server.log()), server.log()
     assert re.search(rf"INFO .*refused evict from pid {os.getpid()}: not_found", server.log()), server.log()
 
