@@ -116,6 +116,20 @@ def _device(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def add_log_options(parser: argparse.ArgumentParser, default_format: str) -> None:
+    """``--log-level`` and ``--log-format``: before the command (every command; ``default_format`` ``text``) or
+    after ``serve`` (``argparse.SUPPRESS``: given there, they replace the ones before)."""
+    parser.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        default=None if default_format == "text" else argparse.SUPPRESS,
+        help="log messages of this level and above (default: info for serve, warning for the other commands)",
+    )
+    parser.add_argument(
+        "--log-format", choices=FORMATS, default=default_format, help="text (default) or json: one JSON object per line"
+    )
+
+
 def add_socket_dir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--socket-dir",
@@ -133,16 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="weightcache", description="Keep model weights resident outside the engine; attach them zero-copy.")
     parser.add_argument("--version", action="version", version=f"weightcache {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages; show the traceback of an error")
-    parser.add_argument(
-        "--log-level",
-        choices=LEVELS,
-        help="log messages of this level and above (default: info for serve, warning for the other commands)",
-    )
-    parser.add_argument("--log-format", choices=FORMATS, default="text", help="text (default) or json: one JSON object per line")
+    add_log_options(parser, default_format="text")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = _command(commands, "serve", "run the server: it holds the arenas' fds and answers engines (never touches CUDA)")
     add_socket_dir(serve)
+    add_log_options(serve, default_format=argparse.SUPPRESS)  # also after `serve`, as operators write it
     serve.add_argument(
         "--byte-budget",
         type=size,

@@ -49,3 +49,13 @@ def test_log_level_warning_keeps_info_out(socket_dir, tmp_path):
     finally:
         os.kill(pid, signal.SIGTERM)
         wait_until(lambda: not (socket_dir / "weightcache.sock").exists())
+
+
+def test_log_options_go_before_the_command_or_after_serve():
+    from weightcache.core.cli import build_parser
+
+    parser = build_parser()
+    assert (parser.parse_args(["serve"]).log_level, parser.parse_args(["serve"]).log_format) == (None, "text")
+    after = parser.parse_args(["serve", "--log-level", "debug", "--log-format", "json"])
+    before = parser.parse_args(["--log-level", "debug", "--log-format", "json", "serve"])
+    assert (after.log_level, after.log_format) == (before.log_level, before.log_format) == ("debug", "json")
