@@ -20,6 +20,7 @@ from weightcache.core.errors import (
     CheckpointNotFound,
     EntryNotFound,
     EntryUnusable,
+    InvalidCheckpoint,
     ServerError,
     ServerUnavailable,
 )
@@ -196,10 +197,13 @@ def fallback_reason(exc: BaseException) -> str | None:
 
     A missing or refusing server, an untrusted one (AccessDenied), a busy one,
     no matching entry, an entry this process cannot use, or a checkpoint the cache cannot
-    serve (a hub id not in the local cache, ``.bin`` weights only): each only costs the disk load. Anything else (a rebind that does not fit, a bug) raises.
+    serve (a hub id not in the local cache, ``.bin`` weights only, a file weightcache cannot read — the engine's
+    own load then raises what it raises without weightcache): each only costs the disk load. Anything else (a rebind that does not fit, a bug) raises.
     """
     if isinstance(exc, ServerError) and exc.code != "busy":
         return None
-    if not isinstance(exc, (ServerUnavailable, AccessDenied, ServerError, EntryNotFound, EntryUnusable, CheckpointNotFound)):
+    if not isinstance(
+        exc, (ServerUnavailable, AccessDenied, ServerError, EntryNotFound, EntryUnusable, CheckpointNotFound, InvalidCheckpoint)
+    ):
         return None
     return str(exc)  # a mismatch's message names its fields (EntryNotFound)

@@ -30,6 +30,7 @@ from weightcache.core.errors import (
     CheckpointNotFound,
     EntryNotFound,
     EntryUnusable,
+    InvalidCheckpoint,
     ServerError,
     ServerUnavailable,
     WeightCacheError,
@@ -218,6 +219,7 @@ def _report_fallback(exc: WeightCacheError, cache: CacheOptions) -> None:
         return  # nobody to tell, or a server this process does not trust
     kinds = (
         (CheckpointNotFound, "not_cacheable"),
+        (InvalidCheckpoint, "not_cacheable"),
         (EntryNotFound, "not_found"),
         (EntryUnusable, "unusable"),
         (ServerError, "busy"),

@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from tests.core.test_cli import cli
-from tests.helpers import run_python
+from tests.helpers import run_python, wait_until
+from weightcache.core.client import Connection
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
@@ -146,3 +148,25 @@ def test_a_bin_only_checkpoint_falls_back_to_the_engines_load_with_one_line(mode
     assert proc.stdout.split() == ["disk", "True", "LlamaForCausalLM"], proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1 and "holds no *.safetensors file" in warnings[0], proc.stderr
+
+
+def test_a_checkpoint_weightcache_cannot_read_falls_back_in_daemon_mode(tmp_path, model_dir, socket_dir):
+    """A tensor of a dtype weightcache does not handle (U32) beside the weights: transformers loads it, weightcache not."""
+    target = tmp_path / "u32"
+    shutil.copytree(model_dir("llama"), target)
+    run_python(
+        "import sys, torch, safetensors.torch\n"
+        "tensors = safetensors.torch.load_file(sys.argv[1])\n"
+        "tensors['extra_counter'] = torch.zeros(4, dtype=torch.uint32)\n"
+        "safetensors.torch.save_file(tensors, sys.argv[1], metadata={'format': 'pt'})",
+        str(target / "model.safetensors"),
+    )
+    proc = run_python(_CLIENT, str(target), "daemon", str(socket_dir))
+    assert proc.stdout.split() == ["disk", "True", "LlamaForCausalLM"], proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "which weightcache does not handle" in warnings[0], proc.stderr
+    with Connection(socket_dir) as connection:  # the server daemon mode started counted the engine's report
+        status = connection.status()
+    assert status["metrics"]["fallbacks"]["not_cacheable"] == 1 and status["entries"] == []
+    os.kill(status["pid"], signal.SIGTERM)  # daemon mode left its server running
+    assert wait_until(lambda: not (socket_dir / "weightcache.sock").exists())
