@@ -111,6 +111,10 @@ def _configs():
             patch_size=8,
             architectures=["ViTModel"],
         ),
+        # A state-space model: no attention, selective-scan mixers.
+        "mamba": lambda: transformers.MambaConfig(
+            vocab_size=512, hidden_size=64, state_size=8, num_hidden_layers=2, architectures=["MambaForCausalLM"]
+        ),
         # Encoder-decoders: their forward needs decoder inputs as well.
         "t5": lambda: transformers.T5Config(
             vocab_size=512,
