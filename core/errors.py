@@ -292,7 +292,7 @@ class ModelNotCached(CheckpointNotFound):
         self.problem = f"not in the local hub cache{at} ({cache_dir})"
         WeightCacheError.__init__(
             self,
-            f"{repo_id}{at} is not in the local hub cache ({cache_dir}); download it first (`hf download {repo_id}`), "
+            f"{repo_id}{at} is no directory here and not in the local hub cache ({cache_dir}); download it first (`hf download {repo_id}`), "
             "point HF_HUB_CACHE or HF_HOME at the cache that holds it, or pass the checkpoint directory",
         )
 

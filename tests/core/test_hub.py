@@ -98,7 +98,7 @@ def test_load_takes_a_hub_id_and_labels_the_entry_with_its_snapshot(hub_cache, s
 def test_load_of_a_hub_id_the_cache_lacks_is_one_line(hub_cache, socket_dir):
     run = cli("load", "--model", "org/absent", "--socket-dir", str(socket_dir), env=hub_env(hub_cache))
     assert run.code == 1 and run.stderr == [
-        f"weightcache: error: org/absent is not in the local hub cache ({hub_cache}); download it first "
+        f"weightcache: error: org/absent is no directory here and not in the local hub cache ({hub_cache}); download it first "
         "(`hf download org/absent`), point HF_HUB_CACHE or HF_HOME at the cache that holds it, or pass the checkpoint directory"
     ], run
 
