@@ -621,6 +621,7 @@ def status_table(status: dict) -> list[str]:
         f"{format_bytes(status['held_bytes'])} held{budget}"
     ]
     lines += _tier_lines(status)
+    lines += _counter_lines(status)
     if not entries:
         return lines
     rows = [("ID", "MODEL", "RANK", "DEVICE", "DTYPE", "SIZE", "TENSORS", "ATTACHED PIDS")]
@@ -656,6 +657,34 @@ def _tier_lines(status: dict) -> list[str]:
         budget = f" of {format_bytes(held['budget'])}" if held.get("budget") else ""
         lines.append(f"  {'host memory' if tier == 'host' else 'GPU ' + tier[:12]}: {format_bytes(held['held'])} held{budget}")
     return lines
+
+
+def _counter_lines(status: dict) -> list[str]:
+    """What the server counted since it started (``metrics``; absent from an older server's reply)."""
+    metrics = status.get("metrics")
+    if not isinstance(metrics, dict):
+        return []
+
+    def count(value: int, noun: str, plural: str | None = None) -> str:
+        return f"{value} {noun if value == 1 else plural or noun + 's'}"
+
+    return [
+        f"  since its start {_duration(metrics.get('uptime_s', 0))} ago: {count(metrics.get('hits', 0), 'attach', 'attaches')}, "
+        f"{count(metrics.get('misses', 0), 'miss', 'misses')}, {count(sum(metrics.get('fallbacks', {}).values()), 'fallback')} "
+        f"reported, {count(sum(metrics.get('evictions', {}).values()), 'eviction')}, "
+        f"{count(sum(metrics.get('refusals', {}).values()), 'refusal')}"
+    ]
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``12 min``, ``5.2 h``, ``3.1 d``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
 
 
 def _rank(text: str) -> str:
