@@ -23,18 +23,9 @@ import typing
 
 import attrs
 
-from weightcache.core.attach import Attachment, fallback_reason
+from weightcache.core.attach import Attachment, fallback_kind, fallback_reason
 from weightcache.core.client import Connection, server_is_running
-from weightcache.core.errors import (
-    AccessDenied,
-    CheckpointNotFound,
-    EntryNotFound,
-    EntryUnusable,
-    InvalidCheckpoint,
-    ServerError,
-    ServerUnavailable,
-    WeightCacheError,
-)
+from weightcache.core.errors import CheckpointNotFound, EntryNotFound, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.loader import Prepared, load_from_disk, prepare, publish
 from weightcache.core.request import LoadRequest
@@ -215,16 +206,9 @@ def _or_disk(work: typing.Callable[[], LoadedModel], prepared: Prepared, cache: 
 
 def _report_fallback(exc: WeightCacheError, cache: CacheOptions) -> None:
     """Tell the server (when one answers) why this load came from disk, for its ``fallbacks`` metric; best effort."""
-    if isinstance(exc, (ServerUnavailable, AccessDenied)):
+    kind = fallback_kind(exc)
+    if kind in (None, "no_server", "access_denied"):
         return  # nobody to tell, or a server this process does not trust
-    kinds = (
-        (CheckpointNotFound, "not_cacheable"),
-        (InvalidCheckpoint, "not_cacheable"),
-        (EntryNotFound, "not_found"),
-        (EntryUnusable, "unusable"),
-        (ServerError, "busy"),
-    )
-    kind = next((kind for cls, kind in kinds if isinstance(exc, cls)), "other")
     try:
         with Connection(cache.socket_dir, timeout=min(cache.timeout_s, 2.0)) as connection:
             connection.report_fallback(kind)
