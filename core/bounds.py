@@ -103,3 +103,5 @@ FRAME_BYTES: typing.Final = Bound(4096, 1 << 30, "bytes", integer=True)
 CONNECTIONS: typing.Final = Bound(1, 1 << 20, "connections", integer=True)
 IN_FLIGHT_FDS: typing.Final = Bound(1, 1 << 20, "fds", integer=True, none="a quarter of the open-file limit")
 ARTIFACTS: typing.Final = Bound(1, 4096, "artifacts", integer=True)
+PORT: typing.Final = Bound(0, 65535, "port", integer=True, none="off")
+"""A TCP port (0: any free one)."""

@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+import typing
 
 import attrs
 
@@ -172,9 +173,12 @@ class Registry:
 
     :param budgets: most bytes held at once, in all and per tier; the least
         recently used entries that no engine has attached are evicted to make room.
+    :param on_drop: told ``(digest, why)`` for each entry dropped, ``why`` one of ``budget``, ``request``, ``stopping``
+        (the server's metrics count them).
     """
 
     budgets: Budgets = attrs.field(factory=Budgets)
+    on_drop: typing.Callable[[str, str], None] | None = None
     _entries: dict = attrs.field(factory=dict)
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
@@ -193,7 +197,7 @@ class Registry:
                 entry.close_fds()
                 return False
             for victim in self._victims(entry.held_in()):
-                self._drop(victim.digest, reason="least recently used, to stay within the byte budget")
+                self._drop(victim.digest, reason="least recently used, to stay within the byte budget", why="budget")
             self._entries[entry.digest] = entry
         log.info("published %s (%s, %d bytes, %d arenas)", entry.digest[:12], entry.label, entry.nbytes, len(entry.fds))
         return True
@@ -285,7 +289,9 @@ class Registry:
                 )
             growth = nbytes - (old.nbytes if old is not None else 0)
             for victim in self._victims({HOST_TIER: max(growth, 0)}, keep=digest):
-                self._drop(victim.digest, reason="least recently used, to make room for an artifact within the byte budget")
+                self._drop(
+                    victim.digest, reason="least recently used, to make room for an artifact within the byte budget", why="budget"
+                )
             entry.artifacts[key] = Artifact(fd, nbytes)
             entry.last_used = time.monotonic()
         if old is not None:
@@ -360,13 +366,15 @@ class Registry:
                     f"entry {entry.digest[:12]} is attached by pids {pids}; detach those engines "
                     "or evict with --force (their mappings stay valid; memory is freed once they exit)"
                 )
-            self._drop(entry.digest, reason="evicted on request")
+            self._drop(entry.digest, reason="evicted on request", why="request")
             return [entry.digest]
 
-    def _drop(self, digest: str, reason: str) -> None:
+    def _drop(self, digest: str, reason: str, why: str) -> None:
         entry = self._entries.pop(digest)
         entry.close_fds()
         log.info("dropped %s (%s): %s", digest[:12], entry.label, reason)
+        if self.on_drop is not None:
+            self.on_drop(digest, why)
 
     def status(self, max_bytes: int | None = None) -> tuple[list[dict], int]:
         """A row per entry, oldest first, and how many rows were left out to keep the rows' JSON within ``max_bytes``."""
@@ -380,6 +388,9 @@ class Registry:
             if used > max_bytes:
                 return rows[:count], len(rows) - count
         return rows, 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def held_bytes(self) -> int:
         with self._lock:
@@ -399,4 +410,4 @@ class Registry:
         """Close every fd (the server is stopping)."""
         with self._lock:
             for digest in list(self._entries):
-                self._drop(digest, reason="server stopping")
+                self._drop(digest, reason="server stopping", why="stopping")
