@@ -7,7 +7,7 @@ Publishes N synthetic entries on the host tier (random bf16 tensors straight fro
 ``--attached`` of them attached by this process (an engine that maps them, with ``watch()``, so it
 re-publishes after a crash), then restarts the server each way, in this order:
 
-- ``planned restart``: ``weightcache serve --take-over`` from this checkout (docs/decisions.md, 36);
+- ``planned restart``: ``weightcache serve --take-over`` from this checkout (docs/decisions.md, 37);
 - ``upgrade``: the same from ``--successor-checkout DIR`` (another checkout, put ahead of the installed
   one on PYTHONPATH; the row names the directory its ``weightcache.core`` was imported from; without it,
   this checkout again, and the row says so);

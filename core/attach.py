@@ -17,8 +17,10 @@ from weightcache.core.client import Connection
 from weightcache.core.errors import (
     AccessDenied,
     ArenaError,
+    CheckpointNotFound,
     EntryNotFound,
     EntryUnusable,
+    InvalidCheckpoint,
     ServerError,
     ServerUnavailable,
 )
@@ -190,15 +192,31 @@ def _map(fd: int, spec, map_on: int | None) -> "Arena":
     return backend(spec.backend).map(fd, spec)
 
 
-def fallback_reason(exc: BaseException) -> str | None:
-    """Why a ``client`` may load from disk instead of raising ``exc`` (one line), or None when it must raise.
+_FALLBACKS = (
+    (ServerUnavailable, "no_server"),
+    (AccessDenied, "access_denied"),
+    (ServerError, "busy"),  # only ``busy``: another server error is a bug to show
+    (EntryNotFound, "not_found"),  # a fingerprint mismatch too: its message names the fields
+    (EntryUnusable, "unusable"),
+    (CheckpointNotFound, "not_cacheable"),  # a hub id not in the local cache, ``.bin`` weights only
+    (InvalidCheckpoint, "not_cacheable"),  # a file weightcache cannot read (the engine's own load decides)
+)
 
-    A missing or refusing server, an untrusted one (AccessDenied), a busy one,
-    no matching entry, or an entry this process cannot use: each only costs
-    the disk load. Anything else (a rebind that does not fit, a bug) raises.
+
+def fallback_kind(exc: BaseException) -> str | None:
+    """Which reason a ``client`` has to load from disk instead of raising ``exc``, or None when it must raise.
+
+    A missing or refusing server, an untrusted one (AccessDenied), a busy one, no matching
+    entry, an entry this process cannot use, or a checkpoint the cache cannot serve: each only
+    costs the disk load, whose own errors are the engine's as without weightcache. Anything
+    else (a rebind that does not fit, a bug) raises. The kinds are the server's fallback
+    metric's reasons (``weightcache.core.metrics.FALLBACK_KINDS``) where a server is told.
     """
     if isinstance(exc, ServerError) and exc.code != "busy":
         return None
-    if not isinstance(exc, (ServerUnavailable, AccessDenied, ServerError, EntryNotFound, EntryUnusable)):
-        return None
-    return str(exc)  # a mismatch's message names its fields (EntryNotFound)
+    return next((kind for cls, kind in _FALLBACKS if isinstance(exc, cls)), None)
+
+
+def fallback_reason(exc: BaseException) -> str | None:
+    """Why a ``client`` may load from disk instead of raising ``exc`` (one line; see ``fallback_kind``), or None."""
+    return str(exc) if fallback_kind(exc) is not None else None

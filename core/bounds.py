@@ -104,22 +104,29 @@ FRAME_BYTES: typing.Final = Bound(4096, 1 << 30, "bytes", integer=True)
 CONNECTIONS: typing.Final = Bound(1, 1 << 20, "connections", integer=True)
 IN_FLIGHT_FDS: typing.Final = Bound(1, 1 << 20, "fds", integer=True, none="a quarter of the open-file limit")
 ARTIFACTS: typing.Final = Bound(1, 4096, "artifacts", integer=True)
+PORT: typing.Final = Bound(0, 65535, "port", integer=True, none="off")
+"""A TCP port (0: any free one)."""
 
 
-SIZE_UNITS: typing.Final = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-SIZE_EXAMPLE: typing.Final = "bytes, or a number with K, M, G or T (powers of 1024), e.g. 512M, 64G, 1.5T"
+SIZE_POWERS: typing.Final = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+SIZE_EXAMPLE: typing.Final = (
+    "bytes, or a number with K, M, G or T: 64G, 64Gi and 64GiB are powers of 1024, 64GB of 1000; e.g. 512M, 1.5TiB, 80GB"
+)
 
 
 def parse_size(text: str | int) -> int:
-    """A byte count from ``64G``, ``512MiB``, ``1.5t``, ``1048576`` (or an int); more than 0. ValueError says what to write."""
+    """A byte count (or an int), more than 0: ``64G``, ``64Gi`` and ``64GiB`` are 64 × 2^30, ``64GB`` 64 × 10^9 (as
+    ``df -H`` and disk vendors count), ``1048576`` bytes; K, M, G, T alike, in either case. ValueError says what to write."""
     if isinstance(text, int) and not isinstance(text, bool):
         text = str(text)
     if not isinstance(text, str):
         raise ValueError(f"{text!r} is not a size; write {SIZE_EXAMPLE}")
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)(b?)|b?)\s*", text.lower())
     if match is None:
         raise ValueError(f"{text!r} is not a size; write {SIZE_EXAMPLE}")
-    nbytes = int(float(match.group(1)) * SIZE_UNITS[match.group(2)])
+    number, letter, binary, byte = match.groups()
+    base = 1000 if letter and byte and not binary else 1024
+    nbytes = int(float(number) * base ** SIZE_POWERS[letter or ""])
     if nbytes <= 0:
         raise ValueError(f"{text!r} is no room at all; give a size above 0 (or leave the option out for no limit)")
     if not BUDGET.contains(nbytes):

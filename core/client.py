@@ -246,6 +246,10 @@ class Connection:
             )
         return fds[0], reply["bytes"]
 
+    def report_fallback(self, kind: str) -> None:
+        """Tell the server this process loaded from disk instead of attaching (``kind``: metrics.FALLBACK_KINDS)."""
+        self.request({"op": "report", "fallback": kind})
+
     def close(self) -> None:
         self._sock.close()
 

@@ -76,6 +76,11 @@ class ConnectionTable:
             self._open[state.id] = state
             return True
 
+    def open_count(self) -> int:
+        """Connections served now."""
+        with self._lock:
+            return len(self._open)
+
     def remove(self, state: ConnectionState) -> None:
         """Forget ``state`` (its thread does this before closing the socket, so the table never holds a closed one)."""
         with self._lock:

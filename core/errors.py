@@ -165,7 +165,7 @@ class UnsupportedQuantization(WeightCacheError):
 
 
 class AdapterNotFound(WeightCacheError):
-    """No usable adapter has the requested name; the message says what is installed, broken or blocked."""
+    """No usable adapter has the requested name; the message says what is installed, broken, blocked or lacks its engine."""
 
     def __init__(
         self,
@@ -173,19 +173,22 @@ class AdapterNotFound(WeightCacheError):
         installed: "typing.Sequence[str]" = (),
         broken: "typing.Mapping[str, str] | None" = None,
         blocked: bool = False,
+        missing: "typing.Sequence[str]" = (),
     ):
         self.name = name
         self.installed = tuple(installed)
         self.broken = dict(broken or {})
-        if name in self.broken:
+        self.missing = tuple(missing)
+        if self.missing:
+            detail = f"it needs {' and '.join(self.missing)}, which is not installed here; `pip install {' '.join(self.missing)}`"
+        elif name in self.broken:
             detail = f"it is installed but broken ({self.broken[name]}); fix or reinstall its package"
         elif blocked:
             detail = "it is blocked by $WEIGHTCACHE_BLOCK_ADAPTERS; remove it from that list to use it"
         else:
             detail = "install the package that provides it (it registers in the 'weightcache.adapters' entry points)"
-        super().__init__(
-            f"no weightcache adapter named {name!r}: {detail}. Usable adapters: {', '.join(self.installed) or 'none'}"
-        )
+        opening = f"the {name!r} adapter is not usable" if self.missing else f"no weightcache adapter named {name!r}"
+        super().__init__(f"{opening}: {detail}. Usable adapters: {', '.join(self.installed) or 'none'}")
 
 
 class InvalidAdapter(WeightCacheError):
@@ -280,6 +283,21 @@ class CheckpointNotFound(WeightCacheError, FileNotFoundError):
         self.problem = problem
         super().__init__(
             f"{self.path}: {problem}; pass a checkpoint directory that holds *.safetensors files (save_pretrained writes them)"
+        )
+
+
+class ModelNotCached(CheckpointNotFound):
+    """A hub id (``org/name``) that the local hub cache does not hold (at that revision)."""
+
+    def __init__(self, repo_id: str, revision: str | None, cache_dir: str):
+        self.path = repo_id
+        self.revision = revision
+        at = f" at revision {revision}" if revision else ""
+        self.problem = f"not in the local hub cache{at} ({cache_dir})"
+        WeightCacheError.__init__(
+            self,
+            f"{repo_id}{at} is no directory here and not in the local hub cache ({cache_dir}); download it first (`hf download {repo_id}`), "
+            "point HF_HUB_CACHE or HF_HOME at the cache that holds it, or pass the checkpoint directory",
         )
 
 

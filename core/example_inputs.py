@@ -5,6 +5,9 @@ and compares every output bit for bit. Inputs are fixed (a seeded generator),
 so two processes build the same ones. Covered: token ids (decoder-only and
 encoders), decoder ids (encoder-decoder such as T5 and BART), token types,
 attention masks, pixel values (vision), audio features and raw audio values.
+Non-token inputs (pixels, audio) take the dtype of the model's weights (a bf16
+Whisper gets bf16 features, as its processor would give them); ``run_with_inputs``
+moves every input to the model's device.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def inputs_from_signature(model: "torch.nn.Module") -> "dict | ForwardUnavailabl
             inputs["decoder_input_ids"] = _token_ids(vocab, DECODER_TOKENS, salt=3)
     elif "input_values" in parameters:
         inputs["input_values"] = torch.randn(BATCH, 16000, generator=generator)
+    if inputs:
+        dtype = weights_dtype(model)
+        inputs = {name: value.to(dtype) if value.is_floating_point() else value for name, value in inputs.items()}
     if not inputs:
         wanted = ", ".join(name for name in parameters if name not in ("kwargs", "args")) or "nothing"
         return ForwardUnavailable(
@@ -66,6 +72,18 @@ def inputs_from_signature(model: "torch.nn.Module") -> "dict | ForwardUnavailabl
             "weightcache_example_inputs hook in its adapter, or give the kit inputs (--inputs MODULE:FUNCTION)"
         )
     return inputs
+
+
+def weights_dtype(model: "torch.nn.Module") -> "torch.dtype":
+    """The dtype most of ``model``'s floating-point weights have among float16, bfloat16, float32 and float64 (an FP8
+    model's unquantized layers decide), float32 when it has none."""
+    import torch
+
+    counts: dict = {}
+    for parameter in model.parameters():
+        if parameter.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            counts[parameter.dtype] = counts.get(parameter.dtype, 0) + parameter.numel()
+    return max(counts, key=counts.__getitem__) if counts else torch.float32
 
 
 def _token_ids(vocab: int, length: int, salt: int = 0) -> "torch.Tensor":

@@ -10,7 +10,7 @@ name keeps the order whatever order systemd hands them back in. An eviction send
 restart of the unit.
 
 On start, ``adopt`` takes the fds systemd passes (``$LISTEN_FDS`` from fd 3, ``$LISTEN_FDNAMES``),
-puts each entry back together and admits it with the publish check (docs/decisions.md, 37).
+puts each entry back together and admits it with the publish check (docs/decisions.md, 38).
 """
 
 from __future__ import annotations
@@ -89,12 +89,6 @@ class FdStore:
                 self.notify(f"FDSTOREREMOVE=1\nFDNAME={_name(entry.digest, index)}")
         except OSError as exc:
             log.warning("could not remove %s from systemd's fd store: %s", entry.digest[:12], exc)
-
-    def ready(self) -> None:
-        try:
-            self.notify("READY=1")
-        except OSError as exc:
-            log.warning("could not tell systemd the server is ready: %s", exc)
 
     def close(self) -> None:
         self._sock.close()

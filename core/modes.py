@@ -23,9 +23,9 @@ import typing
 
 import attrs
 
-from weightcache.core.attach import Attachment, fallback_reason
-from weightcache.core.client import server_is_running
-from weightcache.core.errors import EntryNotFound, WeightCacheError
+from weightcache.core.attach import Attachment, fallback_kind, fallback_reason
+from weightcache.core.client import Connection, server_is_running
+from weightcache.core.errors import CheckpointNotFound, EntryNotFound, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.loader import Prepared, load_from_disk, prepare, publish
 from weightcache.core.request import LoadRequest
@@ -131,6 +131,7 @@ def load_model(
     device: str = "cpu",
     quantization: str | None = None,
     parallel: ParallelSpec | None = None,
+    revision: str | None = None,
     socket_dir: str | os.PathLike | None = None,
     strict: bool = False,
     republish: bool = True,
@@ -139,7 +140,8 @@ def load_model(
     progress: "ProgressLike | None" = None,
     **options: typing.Any,
 ) -> LoadedModel:
-    """Load ``model`` for one engine rank in ``mode`` (see the module docstring).
+    """Load ``model`` (a checkpoint directory or a hub id, ``revision`` its hub revision) for one engine rank in
+    ``mode`` (see the module docstring).
 
     ``options`` are the adapter's own (``model_class`` for hf); an option the
     adapter does not declare is refused before anything is read.
@@ -152,6 +154,7 @@ def load_model(
         quantization=quantization,
         parallel=parallel or ParallelSpec(),
         options=options,
+        revision=revision,
     )
     cache = CacheOptions(mode=mode, socket_dir=socket_dir, strict=strict, republish=republish, timeout_s=timeout_s)
     return run(request, cache, plugins=plugins, progress=progress)
@@ -167,9 +170,9 @@ def run(
     if cache.mode == "off":
         return _from_disk(prepared, "off", timings)
     if cache.mode == "daemon":
-        loaded = _daemon(prepared, cache, progress, timings)
+        loaded = _or_disk(lambda: _daemon(prepared, cache, progress, timings), prepared, cache, timings)
     else:
-        loaded = _client(prepared, cache, timings)
+        loaded = _or_disk(lambda: _client(prepared, cache, timings), prepared, cache, timings)
     if cache.republish and loaded.attachment is not None:
         loaded.attachment.watch()
     return loaded
@@ -177,20 +180,40 @@ def run(
 
 def _client(prepared: Prepared, cache: CacheOptions, timings: dict) -> LoadedModel:
     try:
-        try:
-            return attach(prepared, cache, timings)
-        except EntryNotFound:
-            if not _fill_from_node(prepared, cache, timings):
-                raise
-            return attach(prepared, cache, timings)
+        return attach(prepared, cache, timings)
+    except EntryNotFound:
+        if not _fill_from_node(prepared, cache, timings):
+            raise
+        return attach(prepared, cache, timings)
+
+
+def _or_disk(work: typing.Callable[[], LoadedModel], prepared: Prepared, cache: CacheOptions, timings: dict) -> LoadedModel:
+    """``work`` (a ``client`` or ``daemon`` load), or the adapter's own disk load with one warning when the cache
+    cannot serve the request (``fallback_reason``); ``strict`` raises instead."""
+    try:
+        return work()
     except WeightCacheError as exc:
         reason = fallback_reason(exc)  # None: not a reason to load from disk (a rebind that does not fit, a bug)
         if cache.strict or reason is None:
             raise
         log.warning("weightcache: loading %s from disk: %s", prepared.request.model, reason)
-        loaded = _from_disk(prepared, "client", timings)
+        _report_fallback(exc, cache)
+        identified = not isinstance(exc, CheckpointNotFound)  # else the checkpoint has no content identity
+        loaded = _from_disk(prepared, cache.mode, timings, identified=identified)
         loaded.fallback_reason = reason
         return loaded
+
+
+def _report_fallback(exc: WeightCacheError, cache: CacheOptions) -> None:
+    """Tell the server (when one answers) why this load came from disk, for its ``fallbacks`` metric; best effort."""
+    kind = fallback_kind(exc)
+    if kind in (None, "no_server", "access_denied"):
+        return  # nobody to tell, or a server this process does not trust
+    try:
+        with Connection(cache.socket_dir, timeout=min(cache.timeout_s, 2.0)) as connection:
+            connection.report_fallback(kind)
+    except WeightCacheError as failure:  # an older server, a busy one: the disk load goes on regardless
+        log.debug("weightcache: could not report the fallback to the server: %s", failure)
 
 
 def _fill_from_node(prepared: Prepared, cache: CacheOptions, timings: dict) -> bool:
@@ -229,11 +252,11 @@ def attach(prepared: Prepared, cache: CacheOptions, timings: dict | None = None)
     return LoadedModel(model, "cache", cache.mode, fingerprint, attachment, timings=timings)
 
 
-def _from_disk(prepared: Prepared, mode: str, timings: dict) -> LoadedModel:
+def _from_disk(prepared: Prepared, mode: str, timings: dict, identified: bool = True) -> LoadedModel:
     start = time.perf_counter()
     model = load_from_disk(prepared, timings=timings)
     timings["disk_load_s"] = time.perf_counter() - start
-    fingerprint = prepared.fingerprint if mode != "off" else None
+    fingerprint = prepared.fingerprint if mode != "off" and identified else None
     return LoadedModel(model, "disk", mode, fingerprint, timings=timings)
 
 

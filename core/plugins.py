@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata
+import importlib.util
 import logging
 import os
 import typing
@@ -137,14 +138,30 @@ class Plugins:
             raise InvalidAdapter(name, [str(exc)]) from None
 
     def names(self) -> list[str]:
-        """The usable adapters' names."""
-        return sorted(name for name, plugin in self.pm.list_name_plugin() if plugin is not None and name != CORE_PLUGIN)
+        """The usable adapters' names: registered, and the engine each needs is installed."""
+        return sorted(
+            name
+            for name, plugin in self.pm.list_name_plugin()
+            if plugin is not None and name != CORE_PLUGIN and not missing_engines(plugin)
+        )
 
     def adapter(self, name: str) -> "Adapter":
-        """The facade of adapter ``name``; AdapterNotFound says what is installed, broken or blocked."""
-        if name == CORE_PLUGIN or self.pm.get_plugin(name) is None:
-            raise AdapterNotFound(name, self.names(), self.broken, name in blocked_adapters())
+        """The facade of adapter ``name``; AdapterNotFound says what is installed, broken, blocked or lacks its engine."""
+        plugin = self.pm.get_plugin(name) if name != CORE_PLUGIN else None
+        missing = missing_engines(plugin) if plugin is not None else []
+        if plugin is None or missing:
+            raise AdapterNotFound(name, self.names(), self.broken, name in blocked_adapters(), missing)
         return Adapter(self.pm, name)
+
+
+ENGINE_PACKAGES_ATTR = "ENGINE_PACKAGES"
+"""An adapter module's optional tuple of the import names of the engine it drives (``("vllm",)``): without them
+installed the adapter is not usable, and asking for it says what to install."""
+
+
+def missing_engines(module: object) -> list[str]:
+    """The engine packages ``module`` declares (``ENGINE_PACKAGES``) that are not installed."""
+    return [package for package in getattr(module, ENGINE_PACKAGES_ATTR, ()) if importlib.util.find_spec(package) is None]
 
 
 _INSTALLED: list[Plugins] = []

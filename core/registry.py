@@ -173,9 +173,12 @@ class Registry:
 
     :param budgets: most bytes held at once, in all and per tier; the least
         recently used entries that no engine has attached are evicted to make room.
+    :param on_drop: told ``(digest, why)`` for each entry dropped, ``why`` one of ``budget``, ``request``, ``stopping``
+        (the server's metrics count them).
     """
 
     budgets: Budgets = attrs.field(factory=Budgets)
+    on_drop: typing.Callable[[str, str], None] | None = None
     on_publish: typing.Callable[[Entry], None] | None = None
     """Called with each entry added (the systemd fd store keeps its fds)."""
     on_evict: typing.Callable[[Entry], None] | None = None
@@ -204,7 +207,7 @@ class Registry:
                     f"{len(self._entries)} entries held; give this server budgets at least the running server's"
                 )
             for victim in victims:
-                self._drop(victim.digest, reason="least recently used, to stay within the byte budget")
+                self._drop(victim.digest, reason="least recently used, to stay within the byte budget", why="budget")
             self._entries[entry.digest] = entry
             if self.on_publish is not None:
                 self.on_publish(entry)
@@ -298,7 +301,9 @@ class Registry:
                 )
             growth = nbytes - (old.nbytes if old is not None else 0)
             for victim in self._victims({HOST_TIER: max(growth, 0)}, keep=digest):
-                self._drop(victim.digest, reason="least recently used, to make room for an artifact within the byte budget")
+                self._drop(
+                    victim.digest, reason="least recently used, to make room for an artifact within the byte budget", why="budget"
+                )
             entry.artifacts[key] = Artifact(fd, nbytes)
             entry.last_used = time.monotonic()
         if old is not None:
@@ -373,15 +378,17 @@ class Registry:
                     f"entry {entry.digest[:12]} is attached by pids {pids}; detach those engines "
                     "or evict with --force (their mappings stay valid; memory is freed once they exit)"
                 )
-            self._drop(entry.digest, reason="evicted on request")
+            self._drop(entry.digest, reason="evicted on request", why="request")
             return [entry.digest]
 
-    def _drop(self, digest: str, reason: str, evicted: bool = True) -> None:
+    def _drop(self, digest: str, reason: str, why: str) -> None:
         entry = self._entries.pop(digest)
-        if evicted and self.on_evict is not None:
+        if why != "stopping" and self.on_evict is not None:
             self.on_evict(entry)
         entry.close_fds()
         log.info("dropped %s (%s): %s", digest[:12], entry.label, reason)
+        if self.on_drop is not None:
+            self.on_drop(digest, why)
 
     def status(self, max_bytes: int | None = None) -> tuple[list[dict], int]:
         """A row per entry, oldest first, and how many rows were left out to keep the rows' JSON within ``max_bytes``."""
@@ -401,6 +408,9 @@ class Registry:
         with self._lock:
             return list(self._entries.values())
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def held_bytes(self) -> int:
         with self._lock:
             return sum(e.held_bytes for e in self._entries.values())
@@ -419,4 +429,4 @@ class Registry:
         """Close every fd (the server is stopping)."""
         with self._lock:
             for digest in list(self._entries):
-                self._drop(digest, reason="server stopping", evicted=False)
+                self._drop(digest, reason="server stopping", why="stopping")

@@ -27,7 +27,9 @@ def _optional_method(value):
 class LoadRequest:
     """One engine rank's request for a model, parsed and checked where it enters weightcache.
 
-    :param model: checkpoint directory (or a name the adapter resolves).
+    :param model: checkpoint directory, or a hub id (``org/name``) that ``prepare`` resolves from the local
+        hub cache (``weightcache.core.hub``); one the cache does not hold stays as given, for the engine's own load.
+    :param revision: the hub revision (branch, tag or commit) of a hub id; None: ``main``.
     :param adapter: adapter name, as registered in the ``weightcache.adapters`` entry points.
     :param dtype: dtype of unquantized weights (None: as the checkpoint stores them; the
         adapter resolves it in ``weightcache_describe``, so both spellings make one entry).
@@ -48,6 +50,7 @@ class LoadRequest:
     quantization: str | None = attrs.field(default=None, converter=_optional_method)
     parallel: ParallelSpec = attrs.field(factory=ParallelSpec)
     options: tuple = attrs.field(factory=tuple, converter=_frozen_options)
+    revision: str | None = attrs.field(default=None, converter=attrs.converters.optional(str))
     state: dict = attrs.field(factory=dict, eq=False, repr=False)
 
     def option(self, name: str, default: typing.Any = None) -> typing.Any:

@@ -1,6 +1,6 @@
 """Seeding a new node from a peer node: an entry's arenas broadcast through ``torch.distributed``, published whole or not at all.
 
-    weightcache seed --socket-dir S [--device D] [--src-rank N] [--timeout-s T] [--model DIR and the load options]
+    weightcache seed --socket-dir S [--device D] [--src-rank N] [--timeout T] [--model DIR and the load options]
 
 Run it on every rank (one process per node, e.g. under ``torchrun``); the rendezvous
 is torchrun's environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``).
@@ -43,6 +43,7 @@ import attrs
 
 from weightcache.core import preflight
 from weightcache.core.arena.base import plausible_size
+from weightcache.core.cli_options import add_timeout, help_text
 from weightcache.core.device import Device
 from weightcache.core.errors import InvalidManifest, SeedFailed, SeedRefused
 from weightcache.core.fingerprint import HOST_TIER, Fingerprint
@@ -369,7 +370,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     parser = subparsers.add_parser(
         "seed",
         help="copy an entry from a peer node's server into this node's through torch.distributed (run on every rank)",
-        description=__doc__,
+        description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from weightcache.core.cli import add_request_options
@@ -382,12 +383,10 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     parser.add_argument(
         "--src-rank", type=int, default=0, metavar="RANK", help="the rank that holds the entry and sends it (default: 0)"
     )
-    parser.add_argument(
-        "--timeout-s",
-        type=float,
-        default=DEFAULT_TIMEOUT_S,
-        metavar="SECONDS",
-        help=f"longest wait for the rendezvous and for each broadcast; a sender that dies fails every receiver (default: {DEFAULT_TIMEOUT_S:g})",
+    add_timeout(
+        parser,
+        DEFAULT_TIMEOUT_S,
+        "longest wait for the rendezvous and for each broadcast; a sender that dies fails every receiver",
     )
     return parser
 
@@ -419,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
         # the watchdog taking the process down; broadcasts never use NVLink multicast, so NCCL sets none up.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    timeout = datetime.timedelta(seconds=args.timeout_s)
+    timeout = datetime.timedelta(seconds=args.timeout)
     note(f"rank {rank}: waiting for {world_size} ranks at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} ...")
     try:
         if device.is_cuda:
@@ -430,13 +429,13 @@ def run(args: argparse.Namespace) -> int:
         raise SeedFailed(
             args.src_rank,
             f"the rendezvous of {world_size} ranks at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} did not "
-            f"complete within {args.timeout_s:g} s ({_first_line(exc)})",
+            f"complete within {args.timeout:g} s ({_first_line(exc)})",
         ) from None
     try:
         if sender:
-            report = send_entry(fingerprint, args.socket_dir, src=args.src_rank, timeout_s=args.timeout_s)
+            report = send_entry(fingerprint, args.socket_dir, src=args.src_rank, timeout_s=args.timeout)
         else:
-            report = receive_entry(args.socket_dir, device, src=args.src_rank, timeout_s=args.timeout_s)
+            report = receive_entry(args.socket_dir, device, src=args.src_rank, timeout_s=args.timeout)
     finally:
         dist.destroy_process_group()
     print(report.summary(rank), flush=True)

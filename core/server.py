@@ -30,15 +30,17 @@ from pathlib import Path
 
 import attrs
 
-from weightcache.core import PROTOCOL_VERSION, __version__, bounds
+from weightcache.core import PROTOCOL_VERSION, __version__, bounds, readiness
 from weightcache.core.admission import REPLY_ENVELOPE_BYTES, admit_publish
 from weightcache.core.connections import ConnectionState, ConnectionTable
 from weightcache.core.errors import AccessDenied, IdleTimeout, ProtocolError
+from weightcache.core.exporter import Exporter
 from weightcache.core.fdstore import FdStore, adopt, passed_fds
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.handover import Handed, Limits, send_entries
 from weightcache.core.handover import take_over as take_over_from
 from weightcache.core.memfd import sealed_size
+from weightcache.core.metrics import Metrics
 from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir, peer_credentials
 from weightcache.core.protocol import (
     FRAME_DEADLINE_S,
@@ -85,6 +87,9 @@ class ServerConfig:
     :param inflight_wait_s: how long a frame waits for ``max_inflight_bytes`` to make room before it is refused with ``busy``.
     :param max_artifact_bytes: largest artifact (a compile cache blob) kept beside an entry.
     :param max_artifacts_per_entry: most artifacts kept beside one entry (a put under a known key replaces).
+    :param metrics_port: serve Prometheus metrics over HTTP on this port (None: not at all; needs the ``metrics``
+        extra, prometheus-client; 0: any free port, logged).
+    :param metrics_host: the address the metrics endpoint binds (loopback by default: metrics name the models held).
 
     Every number is checked against its range in ``weightcache.core.bounds`` (the one the CLI parses with):
     a NaN, infinite, negative, zero or absurd value is a ValueError here, before anything is bound.
@@ -103,6 +108,8 @@ class ServerConfig:
     inflight_wait_s: float = attrs.field(default=1.0, validator=bounds.SECONDS.validator)
     max_artifact_bytes: int = attrs.field(default=1 << 30, validator=bounds.BYTES.validator)
     max_artifacts_per_entry: int = attrs.field(default=16, validator=bounds.ARTIFACTS.validator)
+    metrics_port: int | None = attrs.field(default=None, validator=bounds.PORT.validator)
+    metrics_host: str = "127.0.0.1"
 
 
 class ServerAlreadyRunning(AccessDenied):
@@ -114,7 +121,12 @@ class Server:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.registry = Registry(Budgets(total=config.byte_budget, host=config.host_budget, per_gpu=config.gpu_budget))
+        self.metrics = Metrics()
+        self._requester = threading.local()  # the pid whose request runs on this thread (logged with evictions)
+        self.registry = Registry(
+            Budgets(total=config.byte_budget, host=config.host_budget, per_gpu=config.gpu_budget),
+            on_drop=lambda digest, why: self.metrics.evicted(digest, why, getattr(self._requester, "pid", None)),
+        )
         self._listener: socket.socket | None = None
         self._lock_fd = -1
         self._stopping = threading.Event()
@@ -129,6 +141,7 @@ class Server:
         self.warmer: Warmer | None = None
         self._failed_accepts = 0  # in a row: they set the back-off
         self._last_failed_accept = float("-inf")
+        self._exporter: Exporter | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -144,10 +157,17 @@ class Server:
             os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
             self._listener.settimeout(0.2)
             log.info("weightcache server %s (protocol %d) took over %s", __version__, PROTOCOL_VERSION, self.socket_path)
-            return
+        else:
+            self._bind(socket_dir, waiting=handed is not None)
+        if self.config.metrics_port is not None:
+            self._exporter = Exporter(self.metrics_snapshot, self.config.metrics_port, self.config.metrics_host)
+        readiness.ready(self.socket_path)
+
+    def _bind(self, socket_dir: Path, waiting: bool) -> None:
+        """Take the lock (``waiting``: a moment for a predecessor that died during a handover), bind and listen."""
         self._lock_fd = os.open(socket_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         # A predecessor that died during a handover may still be tearing down (its lock goes last): wait a little.
-        deadline = time.monotonic() + (_DEAD_PREDECESSOR_WAIT_S if handed is not None else 0)
+        deadline = time.monotonic() + (_DEAD_PREDECESSOR_WAIT_S if waiting else 0)
         try:
             while not _try_lock(self._lock_fd) and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -266,6 +286,7 @@ class Server:
 
     def _spawn(self, conn: socket.socket) -> None:
         state = ConnectionState(next(self._ids), conn)
+        self.metrics.connected()
         if not self._table.admit(state):
             log.warning("refusing a connection: %d connections open and none idle", self._table.limit)
             self._refuse(conn, "busy", "too many connections, none of them idle; try again shortly")
@@ -281,6 +302,7 @@ class Server:
 
     def _refuse(self, conn: socket.socket, code: str, message: str) -> None:
         """Tell the peer why it is refused (the caller closes the connection)."""
+        self.metrics.refused(code)
         try:
             conn.settimeout(1.0)
             send_frame(conn, error_reply(code, message))
@@ -291,7 +313,7 @@ class Server:
         conn = state.sock
         try:
             pid, uid, _ = peer_credentials(conn)
-            state.pid = pid
+            state.pid = self._requester.pid = pid
             if uid != os.geteuid():
                 log.warning("refused pid %d of uid %d: the server runs as uid %d", pid, uid, os.geteuid())
                 self._refuse(
@@ -322,7 +344,9 @@ class Server:
                     close_fds(fds)
                     self._hand_over(conn, pid)
                     return
+                started = time.perf_counter()
                 reply, reply_fds = self._dispatch(message, fds, state.id, pid)
+                self.metrics.answered(str(message.get("op")), reply, time.perf_counter() - started, pid)
                 state.note_reply(message, reply)
                 try:
                     if not self._try_send(conn, reply, reply_fds):
@@ -339,7 +363,7 @@ class Server:
 
     def _hand_over(self, conn: socket.socket, pid: int) -> None:
         """Send every entry, the listener and the lock to the successor pid ``pid``; stop once it confirmed
-        (docs/decisions.md, 36). Until then entries stay unchanged here and this server keeps every one."""
+        (docs/decisions.md, 37). Until then entries stay unchanged here and this server keeps every one."""
         if self._frozen.is_set() or self._listener is None:
             self._try_send(conn, error_reply("busy", "another successor is taking over already; wait for it"))
             return
@@ -378,6 +402,7 @@ class Server:
             "put_artifact": self._put_artifact,
             "get_artifact": self._get_artifact,
             "locate": self._locate,
+            "report": self._report,
         }
         handler = handlers.get(op) if isinstance(op, str) else None
         if handler is None:
@@ -482,7 +507,25 @@ class Server:
             pid=os.getpid(),
             version=__version__,
             warm=self.warmer.progress() if self.warmer is not None else [],
+            metrics=self.metrics_snapshot(entries),
         ), []
+
+    def metrics_snapshot(self, rows: list[dict] | None = None) -> dict:
+        """The metrics' JSON (``Metrics.snapshot``) with the registry's gauges; also what the exporter renders."""
+        rows = self.registry.status()[0] if rows is None else rows
+        snapshot = self.metrics.snapshot(
+            self.registry.tiers(), self.registry.budgets.to_json(), len(self.registry), self._table.open_count()
+        )
+        by_device: dict[str, int] = {}
+        for row in rows:
+            by_device[row["device"]] = by_device.get(row["device"], 0) + 1
+        return {**snapshot, "entries_by_device": by_device}
+
+    def _report(self, message, fds, connection_id, pid):
+        """A client's report that it loaded from disk (``kind``: one of metrics.FALLBACK_KINDS); counted, never refused."""
+        kind = self.metrics.fell_back(str(message.get("fallback", "other"))[:40])
+        log.info("pid %d loaded from disk instead of attaching (%s)", pid, kind)
+        return ok_reply(counted=kind), []
 
     def _evict(self, message, fds, connection_id, pid):
         from weightcache.core.errors import AmbiguousDigest
@@ -540,6 +583,10 @@ class Server:
         log.info("server stopping")
         if self.warmer is not None:
             self.warmer.stop()
+        readiness.notify("STOPPING=1")
+        if self._exporter is not None:
+            self._exporter.close()
+            self._exporter = None
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -619,8 +666,6 @@ def start_server(config: ServerConfig, take_over: bool = False, source: ServeSou
     server.start(handed)
     if handed is not None:
         handed.confirm()
-    if store is not None:
-        store.ready()
     if adopted:
         scrub_in_background(config.socket_dir)
     if source is not None:

@@ -136,7 +136,7 @@ def serve_detached(
     """``weightcache serve --detach``: fork twice, serve in the grandchild, return 0 once it listens (1 if it could not).
 
     The grandchild runs in a session of its own with stdio on ``log_file``
-    (default /dev/null); its readiness, or why it could not start, comes back
+    (None: /dev/null; the CLI's default is server.log in the socket directory); its readiness, or why it could not start, comes back
     through a pipe and is printed here.
     """
     from weightcache.core.server import start_server
@@ -149,7 +149,8 @@ def serve_detached(
         with os.fdopen(read_end) as pipe:
             message = pipe.read().strip()
         if message.startswith("ok "):
-            print(f"weightcache server pid {message[3:]} serving {config.socket_dir}")
+            where = f"; logs: {log_file}" if log_file else ""
+            print(f"weightcache server pid {message[3:]} serving {config.socket_dir}{where}")
             return 0
         print(f"weightcache: error: {message or 'the detached server exited before it listened'}", file=sys.stderr)
         return 1

@@ -40,6 +40,7 @@ from collections.abc import Iterable
 
 import attrs
 
+from weightcache.core.cli_options import add_timeout, help_text
 from weightcache.core.errors import StandbyError, WeightCacheError
 from weightcache.core.example_inputs import run_with_inputs, to_device
 from weightcache.core.progress import format_bytes
@@ -417,7 +418,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     parser = subparsers.add_parser(
         "standby",
         help="a warm spare: attach, warm up, wait; take over when the primary dies",
-        description=__doc__,
+        description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", required=True, help="checkpoint directory (published to the server already)")
@@ -432,9 +433,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     parser.add_argument(
         "--then", metavar="MODULE:FUNCTION", help="call FUNCTION(loaded) on take-over instead of generating one token"
     )
-    parser.add_argument(
-        "--timeout", type=float, default=30.0, help="deadline of each request to the server, in seconds (default: 30)"
-    )
+    add_timeout(parser, 30.0, "deadline of each request to the server")
     return parser
 
 

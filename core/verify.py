@@ -28,6 +28,7 @@ import attrs
 
 from weightcache.core.arena.checksum import mismatched
 from weightcache.core.attach import Attachment
+from weightcache.core.cli_options import help_text
 from weightcache.core.client import Connection
 from weightcache.core.errors import AmbiguousDigest, ServerError, WeightCacheError
 from weightcache.core.progress import ByteProgress, NoProgress, byte_progress, format_bytes
@@ -153,7 +154,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     parser = subparsers.add_parser(
         "verify",
         help="check every held entry's bytes against their checksums (a scrub); --drop evicts corrupt ones",
-        description=__doc__,
+        description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from weightcache.core.cli import add_socket_dir

@@ -83,6 +83,38 @@ def _configs():
             num_key_value_heads=4,
             architectures=["LlamaForCausalLM"],
         ),
+        # Other modalities: speech (features in, tokens out) and vision (pixels in).
+        "whisper": lambda: transformers.WhisperConfig(
+            vocab_size=512,
+            num_mel_bins=16,
+            d_model=64,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=128,
+            decoder_ffn_dim=128,
+            max_source_positions=32,
+            max_target_positions=32,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+            architectures=["WhisperForConditionalGeneration"],
+        ),
+        "vit": lambda: transformers.ViTConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            image_size=32,
+            patch_size=8,
+            architectures=["ViTModel"],
+        ),
+        # A state-space model: no attention, selective-scan mixers.
+        "mamba": lambda: transformers.MambaConfig(
+            vocab_size=512, hidden_size=64, state_size=8, num_hidden_layers=2, architectures=["MambaForCausalLM"]
+        ),
         # Encoder-decoders: their forward needs decoder inputs as well.
         "t5": lambda: transformers.T5Config(
             vocab_size=512,

@@ -7,6 +7,7 @@ import typing
 from pathlib import Path
 
 from weightcache.core.errors import UnsupportedQuantization
+from weightcache.core.hub import looks_like_hub_id
 
 if typing.TYPE_CHECKING:
     from weightcache.core.quantization.fp8_block import Fp8BlockConfig
@@ -14,9 +15,19 @@ if typing.TYPE_CHECKING:
 FP8_BLOCK = "fp8-block"
 
 
-def read_config(model: str) -> dict:
-    """The checkpoint's config.json as a dict."""
+def read_config(model: str, revision: str | None = None) -> dict:
+    """The checkpoint's config.json as a dict; for a hub id the local cache does not hold, transformers fetches it
+    (and raises what it raises without weightcache, e.g. offline)."""
+    if Path(model).is_file():
+        raise ValueError(
+            f"{model} is a file; the hf adapter takes the checkpoint directory that holds config.json and the weights "
+            f"(here: {Path(model).parent})"
+        )
     path = Path(model) / "config.json"
+    if not Path(model).exists() and looks_like_hub_id(model):
+        from transformers.utils import cached_file
+
+        path = Path(cached_file(model, "config.json", revision=revision))
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:

@@ -27,6 +27,21 @@ def model_class(request: "LoadRequest", config: dict) -> type:
     cls = getattr(transformers, name, None)
     if cls is None or not hasattr(cls, "from_pretrained"):
         raise ValueError(f"transformers has no model class {name!r}; pass model_class='AutoModel' (or another class)")
+    model_type = config.get("model_type")
+    if name.startswith("Auto") and hasattr(cls, "_model_mapping"):  # an Auto class: the concrete class it picks
+        try:
+            cls = cls._model_mapping[type(transformers.AutoConfig.for_model(**config))]
+        except (KeyError, ValueError, TypeError):
+            raise ValueError(
+                f"{name} has no model class for this checkpoint's {model_type!r} config; pass the architecture's class "
+                f"(e.g. {hf_config.architecture(config)}) or leave model_class out"
+            ) from None
+    built_from = getattr(getattr(cls, "config_class", None), "model_type", None)
+    if built_from and model_type and built_from != model_type:
+        raise ValueError(
+            f"model class {name} is built from {built_from!r} configs, but this checkpoint is a {model_type!r} model "
+            f"({hf_config.architecture(config)}); pass a class of its architecture, or leave model_class out"
+        )
     return cls
 
 
@@ -57,7 +72,7 @@ def load(request: "LoadRequest", builder: "ArenaBuilder | None" = None) -> "torc
     model's (names, shapes, dtypes), the bytes are read straight into the
     arenas; otherwise transformers loads the model and export copies it.
     """
-    config = hf_config.read_config(request.model)
+    config = hf_config.read_config(request.model, request.revision)
     if hf_config.checkpoint_quantization(config) == hf_config.FP8_BLOCK:
         return load_prequantized_fp8(request, config)
     if builder is not None and request.quantization in (None, "none"):
@@ -65,7 +80,7 @@ def load(request: "LoadRequest", builder: "ArenaBuilder | None" = None) -> "torc
         if model is not None:
             return model
     cls = model_class(request, config)
-    kwargs = {"dtype": load_dtype(request, config)}
+    kwargs = {"dtype": load_dtype(request, config), "revision": request.revision}
     if request.is_cuda:
         kwargs["device_map"] = request.device.torch()
     model = cls.from_pretrained(request.model, **kwargs)

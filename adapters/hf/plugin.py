@@ -47,10 +47,12 @@ def weightcache_options():
 
 @hookimpl
 def weightcache_describe(request):
-    from weightcache.adapters.hf.loading import load_dtype
+    from weightcache.adapters.hf.loading import load_dtype, model_class
 
     transformers = _transformers()
-    config = hf_config.read_config(request.model)
+    config = hf_config.read_config(request.model, request.revision)
+    if request.option("model_class"):
+        model_class(request, config)  # a class of another architecture is refused here, before any weight is read
     requested = request.quantization
     method = hf_config.checkpoint_quantization(config) if requested in (None, "none") else requested
     quant_config = {}

@@ -23,6 +23,9 @@ from weightcache.adapters.sglang import identity, loading, runtime
 from weightcache.core.hookspecs import hookimpl
 from weightcache.core.request import ForwardUnavailable
 
+ENGINE_PACKAGES = ("sglang",)
+"""Without sglang installed this adapter is not usable (``weightcache.core.plugins.missing_engines``)."""
+
 NO_FORWARD = (
     "SGLang's model forward takes a ForwardBatch built by its scheduler and runs through an attention backend "
     "that its ModelRunner sets up; a model loaded alone cannot be called with token ids (the tensor checks still run)"

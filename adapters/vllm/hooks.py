@@ -18,6 +18,9 @@ from weightcache.adapters.vllm.engine import engine_objects
 from weightcache.core.hookspecs import hookimpl
 from weightcache.core.request import ForwardUnavailable
 
+ENGINE_PACKAGES = ("vllm",)
+"""Without vllm installed this adapter is not usable (``weightcache.core.plugins.missing_engines``)."""
+
 WARM_UP_MODULES = (
     "vllm.model_executor.model_loader.default_loader",
     "vllm.model_executor.model_loader.utils",

@@ -7,6 +7,7 @@ a check that must happen before any weight is read must not even import torch.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -27,6 +28,7 @@ from tests.core.support import make_fingerprint, publish_host_entry
 from tests.helpers import ServerProcess
 from weightcache.core import __version__
 from weightcache.core.bounds import SIZE_EXAMPLE
+from weightcache.core.client import Connection
 from weightcache.core.errors import FingerprintMismatch, UnsupportedQuantization
 from weightcache.core.progress import format_bytes, format_speedup
 from weightcache.core.quantization.allowlist import PER_TENSOR_FP8
@@ -340,8 +342,10 @@ def test_status_is_a_readable_table(server):
     entry = publish_host_entry(server.socket_dir, nbytes=1 << 20, label="tiny-llama (LlamaForCausalLM, hf)")
     run = cli("status", "--socket-dir", str(server.socket_dir))
     assert run.code == 0 and run.stderr == []
-    assert run.stdout.splitlines() == [
+    lines = [re.sub(r"\d+ s ago", "N s ago", line) for line in run.stdout.splitlines()]
+    assert lines == [
         f"server pid {server.pid} (weightcache {__version__}): 1 entry, 1.0 MiB held (no budget)",
+        "  since its start N s ago: 0 attaches, 0 misses, 0 fallbacks reported, 0 evictions, 0 refusals",
         "ID            MODEL                              RANK   DEVICE      DTYPE    SIZE     TENSORS  ATTACHED PIDS",
         f"{entry.digest[:12]}  tiny-llama (LlamaForCausalLM, hf)  tp1/2  cpu (host)  float32  1.0 MiB  1        -",
     ]
@@ -404,7 +408,7 @@ def test_every_command_has_a_description_and_every_option_help():
 @pytest.mark.parametrize(
     ("value", "problem"),
     [
-        ("lots", "'lots' is not a size; write bytes, or a number with K, M, G or T (powers of 1024), e.g. 512M, 64G, 1.5T"),
+        ("lots", f"'lots' is not a size; write {SIZE_EXAMPLE}"),
         ("0", "'0' is no room at all; give a size above 0 (or leave the option out for no limit)"),
     ],
 )
@@ -453,6 +457,18 @@ def test_sizes_read_and_show_in_fitting_units():
     from weightcache.core.cli import size
 
     assert [size(text) for text in ("1M", "1MiB", "64g", "1.5T", "4096")] == [1 << 20, 1 << 20, 64 << 30, 3 << 39, 4096]
+    assert [size(text) for text in ("10GiB", "10Gi", "10gi", "10G")] == [10 << 30] * 4
+    assert [size(text) for text in ("10GB", "10gb", "1.5TB", "512MB", "2kB")] == [
+        10 * 10**9,
+        10 * 10**9,
+        15 * 10**11,
+        512 * 10**6,
+        2000,
+    ]
+    assert [size(text) for text in ("4096B", "4096b")] == [4096, 4096]
+    for wrong in ("10Gx", "10iB", "10GBi", "G"):
+        with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
+            size(wrong)
     assert [format_bytes(n) for n in (0, 512, 1 << 20, int(86.7 * 2**20), 1023.99 * 1024, 3 << 40)] == [
         "0 B",
         "512 B",
@@ -540,3 +556,104 @@ def test_load_publishes_the_same_entry_with_and_without_reading_ahead(model_dir,
         finally:
             server.close()
     assert digests[0] == digests[1]
+
+
+def test_the_console_script_skips_teardown_only_after_load_and_keeps_the_exit_status(model_dir, tmp_path):
+    from weightcache.core.cli import FAST_EXIT_COMMANDS, _subcommand
+
+    assert _subcommand(["-v", "load", "--model", "x"]) == "load" and _subcommand(["--version"]) is None
+    assert FAST_EXIT_COMMANDS == {"load"}
+    refused = subprocess.run(
+        [sys.executable, "-m", "weightcache.core.cli", "load", "--model", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 1 and refused.stderr.startswith("weightcache: error: "), refused
+
+
+# --- the 2026-12-01 trial's leftovers: each ends in one line ------------------------------------------
+
+_TRUNCATING = """
+import os, sys
+from weightcache.core import reader
+original = reader.read_fully
+def read_fully(fd, into, offset, what="the file"):
+    os.truncate(os.readlink(f"/proc/self/fd/{fd}"), offset + 16)  # another process cuts the file off meanwhile
+    reader.read_fully = original
+    return original(fd, into, offset, what)
+reader.read_fully = read_fully
+from weightcache.core.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_file_cut_off_while_it_is_read_is_one_line(model_dir, tmp_path, server):
+    checkpoint = tmp_path / "copy"
+    checkpoint.mkdir()
+    for file in model_dir("llama").iterdir():
+        (checkpoint / file.name).write_bytes(file.read_bytes())
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRUNCATING, "load", "--model", str(checkpoint), "--socket-dir", str(server.socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    file = checkpoint / "model.safetensors"
+    assert proc.returncode == 1 and proc.stderr.splitlines()[0] == (
+        f"weightcache: error: {file} changed while {checkpoint} was being loaded; nothing was published. "
+        "Load it again once the checkpoint is written completely"
+    ), proc.stderr
+    with Connection(server.socket_dir) as connection:
+        assert connection.status()["entries"] == [], "nothing is published from a file cut off while read"
+
+
+def test_a_model_class_of_another_architecture_is_one_line(model_dir, server):
+    run = cli(
+        "load", "--model", str(model_dir("llama")), "--model-class", "GPT2LMHeadModel", "--socket-dir", str(server.socket_dir)
+    )
+    assert run.code == 1 and run.stderr == [
+        "weightcache: error: model class GPT2LMHeadModel is built from 'gpt2' configs, but this checkpoint is a 'llama' "
+        "model (LlamaForCausalLM); pass a class of its architecture, or leave model_class out"
+    ], run
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_an_adapter_whose_engine_is_not_installed_is_one_line_and_not_called_usable(checkpoint, no_server):
+    run = cli("load", "--model", str(checkpoint), "--adapter", "vllm", "--socket-dir", str(no_server))
+    assert run.code == 1 and run.first.startswith(
+        "weightcache: error: the 'vllm' adapter is not usable: it needs vllm, which is not installed here; `pip install vllm`. "
+        "Usable adapters: hf"
+    ), run
+    other = cli("load", "--model", str(checkpoint), "--adapter", "nope", "--socket-dir", str(no_server))
+    usable = other.first.rpartition("Usable adapters: ")[2].split(", ")
+    assert "vllm" not in usable and ("sglang" in usable) == (importlib.util.find_spec("sglang") is not None), other
+
+
+def test_a_weight_file_given_as_the_model_is_one_line(model_dir, server):
+    file = model_dir("llama") / "model.safetensors"
+    run = cli("load", "--model", str(file), "--socket-dir", str(server.socket_dir))
+    assert run.code == 1 and run.stderr == [
+        f"weightcache: error: {file} is a file; the hf adapter takes the checkpoint directory that holds config.json "
+        f"and the weights (here: {file.parent})"
+    ], run
+
+
+@pytest.mark.parametrize("command", ["seed", "standby", "verify"])
+def test_help_shows_no_docstring_markup(command):
+    run = cli(command, "--help")
+    assert run.code == 0 and run.stdout
+    for markup in ("``", ":param", ":class:", ":func:"):
+        assert markup not in run.stdout, f"`weightcache {command} --help` prints {markup!r}"
+
+
+def test_every_command_spells_its_deadline_timeout_and_still_takes_timeout_s():
+    from weightcache.core.cli import build_parser
+
+    for command in ("seed", "standby"):
+        shown = cli(command, "--help").stdout
+        assert "--timeout SECONDS" in shown and "--timeout-s" not in shown, shown
+    parser = build_parser()
+    assert parser.parse_args(["standby", "--model", "m", "--timeout-s", "5"]).timeout == 5.0
+    assert parser.parse_args(["standby", "--model", "m", "--timeout", "7"]).timeout == 7.0
+    assert parser.parse_args(["seed", "--timeout-s", "9"]).timeout == 9.0

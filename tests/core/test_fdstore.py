@@ -64,7 +64,7 @@ def managed(tmp_path):
 def test_a_sigkilled_server_under_systemd_gets_every_entry_back_from_the_fd_store(socket_dir, managed):
     manager, log, _ = managed
     first = _started(socket_dir, managed)
-    assert wait_until(lambda: {"READY": "1"} in manager.messages, timeout=10), "no READY=1"
+    assert wait_until(lambda: any(m.get("READY") == "1" for m in manager.messages), timeout=10), "no READY=1"
     entries = [publish_host_entry(socket_dir, make_fingerprint(architecture=f"Kept{n}"), label=f"k{n}") for n in range(5)]
     published = {entry.digest for entry in entries}
     assert wait_until(lambda: manager.digests() == published, timeout=10), manager.messages[-5:]

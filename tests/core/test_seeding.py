@@ -46,7 +46,7 @@ def seed_command(socket_dir, *args: str, timeout_s: int = TIMEOUT_S) -> list[str
         "seed",
         "--socket-dir",
         str(socket_dir),
-        "--timeout-s",
+        "--timeout",
         str(timeout_s),
         *args,
     ]
@@ -167,7 +167,7 @@ def test_a_sender_without_the_entry_stops_the_receivers_at_once(nodes, model_dir
 
 def test_a_rendezvous_nobody_else_joins_fails_within_the_timeout(nodes):
     _, b = nodes
-    (receiver,) = run_ranks([*seed_command(b.socket_dir), "--src-rank", "1", "--timeout-s", "2"])  # rank 1 never comes
+    (receiver,) = run_ranks([*seed_command(b.socket_dir), "--src-rank", "1", "--timeout", "2"])  # rank 1 never comes
     assert receiver.returncode == 1, receiver.stderr[-3000:]
     message = receiver.stderr.strip().splitlines()[-1]
     assert "the rendezvous of 2 ranks at 127.0.0.1:" in message and "did not complete within 2 s" in message, message

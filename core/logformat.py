@@ -1,0 +1,43 @@
+"""How the command line logs: ``--log-level`` and ``--log-format text|json`` (one JSON object per line, for collectors)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import typing
+
+LEVELS = ("debug", "info", "warning", "error")
+FORMATS = ("text", "json")
+_TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``pid``, ``message`` and, for
+    an exception, ``exception`` (its formatted traceback)."""
+
+    converter = time.gmtime
+
+    def format(self, record: logging.LogRecord) -> str:
+        shown: dict[str, typing.Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "pid": record.process,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            shown["exception"] = self.formatException(record.exc_info)
+        return json.dumps(shown, ensure_ascii=False)
+
+
+def configure(level: str, form: str = "text", brief: bool = False) -> None:
+    """Log to stderr at ``level`` (one of LEVELS) in ``form`` (one of FORMATS); ``brief``: ``LEVEL: message`` only
+    (the one-shot commands, whose results go to stdout)."""
+    handler = logging.StreamHandler(sys.stderr)
+    if form == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s" if brief else _TEXT))
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])

@@ -1,0 +1,61 @@
+"""Log levels, the JSON log format, and ``serve --detach`` logging to a file it names."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+from tests.core.support import publish_host_entry
+from tests.helpers import run_cli, wait_until
+from weightcache.core.attach import Attachment
+
+
+def _detach(socket_dir, *options: str) -> tuple[int, str]:
+    proc = run_cli(*options, "serve", "--detach", "--socket-dir", str(socket_dir))
+    match = re.fullmatch(r"weightcache server pid (\d+) serving (\S+); logs: (\S+)\n", proc.stdout)
+    assert match and match.group(2) == str(socket_dir), proc.stdout
+    return int(match.group(1)), match.group(3)
+
+
+def test_a_detached_server_logs_json_lines_to_the_file_it_names(socket_dir):
+    pid, log_path = _detach(socket_dir, "--log-format", "json")
+    try:
+        assert log_path == str(socket_dir / "server.log")
+        entry = publish_host_entry(socket_dir)
+        Attachment.open(entry.fingerprint, socket_dir).close()
+        log = Path(log_path)
+        assert wait_until(lambda: "attached" in log.read_text())
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        assert {"time", "level", "logger", "pid", "message"} <= set(records[0]), records[0]
+        attached = [r for r in records if r["message"].startswith(f"attached {entry.digest[:12]} for pid {os.getpid()}")]
+        assert attached and attached[0]["level"] == "info" and attached[0]["pid"] == pid, records
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not (socket_dir / "weightcache.sock").exists())
+
+
+def test_log_level_warning_keeps_info_out(socket_dir, tmp_path):
+    log_file = tmp_path / "server.log"
+    proc = run_cli("--log-level", "warning", "serve", "--detach", "--socket-dir", str(socket_dir), "--log-file", str(log_file))
+    pid = int(proc.stdout.split()[3])
+    try:
+        assert proc.stdout.rstrip().endswith(f"logs: {log_file}")
+        publish_host_entry(socket_dir)
+        run_cli("status", "--socket-dir", str(socket_dir))
+        assert "INFO" not in log_file.read_text()
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not (socket_dir / "weightcache.sock").exists())
+
+
+def test_log_options_go_before_the_command_or_after_serve():
+    from weightcache.core.cli import build_parser
+
+    parser = build_parser()
+    assert (parser.parse_args(["serve"]).log_level, parser.parse_args(["serve"]).log_format) == (None, "text")
+    after = parser.parse_args(["serve", "--log-level", "debug", "--log-format", "json"])
+    before = parser.parse_args(["--log-level", "debug", "--log-format", "json", "serve"])
+    assert (after.log_level, after.log_format) == (before.log_level, before.log_format) == ("debug", "json")

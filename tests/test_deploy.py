@@ -1,0 +1,122 @@
+"""deploy/: the systemd unit, the container recipes and the Kubernetes manifests, checked as far as this machine allows.
+
+The unit goes through ``systemd-analyze verify`` (where installed) and a parser; every weightcache command
+line in these files is parsed by weightcache's own argument parser, so a renamed or dropped option fails
+here. The images are not built (no container engine runs on the CI machines).
+"""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from weightcache.core.cli import build_parser
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+UNIT = DEPLOY / "systemd" / "weightcache.service"
+SOCKET_DIR = "/run/weightcache"
+
+
+def parses(argv: list[str]) -> None:
+    """``weightcache ARGV`` parses (argparse exits 2 on an unknown option or a bad value)."""
+    assert argv[0].endswith("weightcache"), argv
+    build_parser().parse_args(argv[1:])
+
+
+def unit() -> configparser.ConfigParser:
+    parser = configparser.ConfigParser(strict=True, interpolation=None, comment_prefixes=("#", ";"))
+    parser.optionxform = str  # systemd keys are case-sensitive
+    parser.read_string(UNIT.read_text())
+    return parser
+
+
+def test_the_unit_is_a_notify_service_that_serves_the_runtime_directory():
+    service = unit()["Service"]
+    assert service["Type"] == "notify" and service["NotifyAccess"] == "main"
+    assert service["RuntimeDirectory"] == "weightcache" and service["RuntimeDirectoryMode"] == "0700"
+    argv = shlex.split(service["ExecStart"])
+    parses(argv)
+    assert argv[argv.index("--socket-dir") + 1] == SOCKET_DIR
+    assert "--detach" not in argv, "under systemd the server stays in the foreground"
+    assert int(service["LimitNOFILE"]) >= 65536
+    assert unit()["Install"]["WantedBy"] == "multi-user.target"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verifies_the_unit(tmp_path):
+    # verify checks that ExecStart's program exists: point it at this environment's weightcache.
+    program = shutil.which("weightcache", path=os.path.dirname(sys.executable)) or shutil.which("weightcache")
+    assert program, "weightcache is not installed in this environment"
+    text = UNIT.read_text().replace("/opt/weightcache/bin/weightcache", program)
+    text = re.sub(r"^(User|Group)=.*$", "", text, flags=re.MULTILINE)  # no such user on a test machine
+    copy = tmp_path / "weightcache.service"
+    copy.write_text(text)
+    proc = subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "weightcache.service" not in proc.stderr, proc.stderr  # no warning about our unit
+
+
+def _dockerfile_commands(path: Path) -> dict[str, list[str]]:
+    """The JSON-form CMD and HEALTHCHECK of a Dockerfile, and its FROM image."""
+    found: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("FROM "):
+            found["FROM"] = line.split()[1:]
+        elif line.startswith("CMD "):
+            found["CMD"] = json.loads(line.removeprefix("CMD "))
+        elif line.startswith("HEALTHCHECK "):
+            found["HEALTHCHECK"] = json.loads(line[line.index("CMD ") + 4 :])
+    return found
+
+
+@pytest.mark.parametrize(("name", "base"), [("Dockerfile.cpu", "python:"), ("Dockerfile.cuda", "nvidia/cuda:")])
+def test_the_container_recipes_serve_and_probe_with_options_that_exist(name, base):
+    found = _dockerfile_commands(DEPLOY / "container" / name)
+    assert found["FROM"][0].startswith(base)
+    parses(found["CMD"])
+    assert "serve" in found["CMD"] and "--detach" not in found["CMD"], "the container's main process is the server"
+    assert found["HEALTHCHECK"][:2] == ["weightcache", "probe"]
+    parses(found["HEALTHCHECK"])
+
+
+def _documents(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def test_the_daemonset_probes_the_server_and_shares_its_socket_directory_with_engines():
+    [daemonset] = _documents(DEPLOY / "kubernetes" / "daemonset.yaml")
+    assert daemonset["kind"] == "DaemonSet" and daemonset["apiVersion"] == "apps/v1"
+    pod = daemonset["spec"]["template"]["spec"]
+    [server] = pod["containers"]
+    parses(server["command"])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = server[probe]["exec"]["command"]
+        assert command[:2] == ["weightcache", "probe"], probe
+        parses(command)
+        timeout = float(command[command.index("--timeout") + 1])
+        assert server[probe].get("timeoutSeconds", 1) > timeout or probe == "startupProbe", (
+            f"{probe} times out before the probe does"
+        )
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    mounted = {mount["mountPath"]: mount["name"] for mount in server["volumeMounts"]}
+    assert volumes[mounted[SOCKET_DIR]]["hostPath"]["path"] == SOCKET_DIR
+
+    [engine] = _documents(DEPLOY / "kubernetes" / "engine-pod.yaml")
+    engine_spec = engine["spec"]
+    engine_volumes = {volume["name"]: volume for volume in engine_spec["volumes"]}
+    [container] = engine_spec["containers"]
+    engine_mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    assert engine_volumes[engine_mounts[SOCKET_DIR]]["hostPath"]["path"] == SOCKET_DIR, "the engine sees the same directory"
+    assert engine_spec["securityContext"]["runAsUser"] == pod["securityContext"]["runAsUser"], "one uid (SO_PEERCRED)"
+    assert engine_spec.get("hostIPC") == pod.get("hostIPC") is True
+    assert {"name": "WEIGHTCACHE_SOCKET_DIR", "value": SOCKET_DIR} in container["env"]
