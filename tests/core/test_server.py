@@ -535,7 +535,8 @@ def test_evict_refuses_an_attached_entry_until_it_is_detached(server):
         assert table.returncode == 0, table.stderr
         lines = table.stdout.splitlines()
         assert f"server pid {server.pid}" in lines[0] and "1 entry," in lines[0]
-        header, row = lines[1].split(), lines[2]
+        assert lines[1].startswith("  since its start "), "the second line says what the server counted"
+        header, row = lines[2].split(), lines[3]
         assert header[0] == "ID" and "ATTACHED" in header
         assert row.startswith(prefix) and "evict-me" in row and row.rstrip().endswith(str(os.getpid())), table.stdout
 
