@@ -24,8 +24,8 @@ CHUNK_BYTES = 16 << 20
 THREADS = 8
 
 
-def available_memory() -> int:
-    """What /proc/meminfo calls MemAvailable, in bytes (0 where it cannot be read)."""
+def available_memory() -> int | None:
+    """What /proc/meminfo calls MemAvailable, in bytes; None where it cannot be read (not Linux 3.14 or later)."""
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
@@ -33,7 +33,7 @@ def available_memory() -> int:
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return 0
+    return None
 
 
 class Prefetch:
@@ -45,7 +45,7 @@ class Prefetch:
 
     def __init__(self, files: Sequence[str | os.PathLike], limit: int | None = None, threads: int = THREADS):
         self.files = [Path(file) for file in files]
-        self.limit = available_memory() // 2 if limit is None else limit
+        self.limit = (available_memory() or 0) // 2 if limit is None else limit
         self.done = 0
         self._stopped = threading.Event()
         self._lock = threading.Lock()

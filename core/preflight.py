@@ -11,6 +11,7 @@ import typing
 from weightcache.core.device import Device
 from weightcache.core.dtypes import item_size
 from weightcache.core.errors import DeviceNotFound, DeviceUnavailable, NoMemory, NoRoom
+from weightcache.core.prefetch import available_memory
 from weightcache.core.request import ModelDescription
 
 if typing.TYPE_CHECKING:
@@ -80,11 +81,10 @@ def free_bytes(device: Device) -> int:
 
         free, _total = torch.cuda.mem_get_info(device.torch())
         return int(free)
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemAvailable line; this check needs Linux 3.14 or later")
+    available = available_memory()
+    if available is None:
+        raise OSError("/proc/meminfo has no MemAvailable line; this check needs Linux 3.14 or later")
+    return available
 
 
 def check_memory(device: Device, needed: int) -> None:
