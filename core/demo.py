@@ -82,7 +82,7 @@ def demo_table(published: dict, disk: dict, attached: dict, same: bool) -> list[
     if published["first_sight"]:
         digest_note = "first sight: digested from the bytes read (weightcache's reader) or in a pass of its own (this row)"
     else:
-        digest_note = "remembered (one stat per weight file) and checked against the bytes read"
+        digest_note = "remembered (one stat per weight file); checked against the bytes where weightcache's reader read them"
     rows = [
         ("step", "time", "what the clock covers"),
         ("content digest", _ms(published["timings"].get("identify_s", 0.0)), digest_note),
