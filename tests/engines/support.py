@@ -177,7 +177,9 @@ def run_engine(engine: str, model: Path, steps: list[dict], timeout: float = 300
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        # One intra-op thread: how torch splits an elementwise op over threads decides which elements take its
+        # vectorised path, and the engines' rotary caches then differ by one bf16 ulp between two loads.
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})},
     )
     results = [json.loads(line[len(RESULT) :]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or len(results) != len(steps):
