@@ -152,10 +152,13 @@ def publish_case(specs, device: str, max_bytes: int, socket_dir, anchor: Path, l
                 bytes_.random_(0, 256) if bytes_.is_cuda else bytes_.copy_(torch.randint(0, 256, bytes_.shape, dtype=torch.uint8))
         else:
             pool = []
+        # Every slot is planned before the first arena exists: an arena, once created, never grows, so planning and
+        # creating in turn would give each tensor an arena of its own on a GPU (its granularity is 2 MiB).
+        slots = [] if pooled else [builder.plan(nbytes) for nbytes in sizes]
         state, cursor, which = {}, 0, 0
-        for (name, shape, dtype), nbytes in zip(specs, sizes, strict=True):
+        for index, ((name, shape, dtype), nbytes) in enumerate(zip(specs, sizes, strict=True)):
             if not pooled:
-                region = builder.view(builder.plan(nbytes))
+                region = builder.view(slots[index])
                 region.random_(0, 256) if region.is_cuda else region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8))
                 state[name] = region[: _numel(shape) * ITEM_SIZES[dtype]].view(getattr(torch, dtype)).view(shape)
                 continue

@@ -261,7 +261,7 @@ def publish_corrupt_copy(fingerprint, socket_dir, tier: str) -> None:
                 torch.cuda.synchronize(tier)
             copy.seal()
             lying = [attrs.evolve(spec, checksum=want.checksum) for spec, want in zip(copy.specs(), declared, strict=True)]
-            manifest = attrs.evolve(original.manifest, arenas=lying).to_json()
+            manifest = attrs.evolve(original.manifest, arenas=lying)
             fds = [arena.export_fd() for arena in copy.arenas]
             try:
                 with Connection(socket_dir) as connection:
