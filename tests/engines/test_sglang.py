@@ -537,3 +537,52 @@ def test_the_server_a_daemon_engine_started_survives_sglangs_shutdown_of_that_en
         assert client["source"] == "cache" and client["digest"] in digests, client
         assert client["digest"] == engine_runs["daemon"][family]["digest"]
     assert all("sglang" in entry["label"] for entry in engine_runs["status"]["entries"])
+
+
+# Drift: SGLang's own load_model against the steps the adapter replays ------------------------------------------------
+
+REPLAY_STRUCTURE = {
+    "engine_only": {
+        "sglang.srt.model_loader.loader:DefaultModelLoader.load_model": 1,
+        "sglang.srt.model_loader.loader:DefaultModelLoader.load_weights_and_postprocess": 1,
+    },
+    "replay_only": {
+        "sglang.srt.model_loader.loader:DefaultModelLoader.initialize_model_for_startup": 1,
+        "sglang.srt.model_loader.utils:set_default_torch_dtype": 4,  # two more `with` blocks: entered, left
+    },
+}
+"""How the adapter's replay (``loading.load`` + ``loading.post_process``) differs from ``DefaultModelLoader.load_model``
+by construction: it builds through the public ``initialize_model_for_startup``, enters ``set_default_torch_dtype``
+once per step, and calls ``load_weights_only`` and ``postprocess_weights`` itself (load_model composes them in
+``load_weights_and_postprocess``). Anything else is a step SGLang added or dropped."""
+
+
+def test_the_adapters_replay_makes_every_call_sglangs_own_load_model_makes(tiny_llama):
+    """SGLang's ``DefaultModelLoader.load_model`` run itself, traced call by call, against mode ``off``'s replay."""
+    from tests.engines.calltrace import calls, difference
+    from weightcache.adapters.sglang import loading
+    from weightcache.adapters.sglang.runtime import start_load
+
+    def configs():
+        return start_load(LoadRequest(model=str(tiny_llama), adapter="sglang", dtype="bfloat16", device="cpu"))
+
+    engine_configs = configs()
+    loader = loading.default_loader(engine_configs)
+    # once untraced: SGLang initialises some kernels' state on first use
+    loader.load_model(model_config=engine_configs.model_config, device_config=engine_configs.device_config)
+    with loading.own_rope_cache():  # as in a fresh scheduler: no rotary module cached yet (the replay isolates its own)
+        engine = calls(
+            "sglang",
+            lambda: loader.load_model(model_config=engine_configs.model_config, device_config=engine_configs.device_config),
+        )
+    replay_configs = configs()
+    replay = calls(
+        "sglang",
+        lambda: loading.post_process(replay_configs, loading.load(replay_configs)),
+        skip={"get_model_loader"},  # the adapter asks SGLang which loader --load-format auto picks
+    )
+    assert len(engine) > 100, engine  # the trace saw SGLang's code
+    assert difference(engine, replay) == REPLAY_STRUCTURE, (
+        "SGLang's DefaultModelLoader.load_model and the adapter's replay of it (adapters/sglang/loading.py) no longer "
+        "make the same calls: update the replay for the steps named here"
+    )
