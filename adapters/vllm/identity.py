@@ -61,27 +61,57 @@ def checkpoint_dir(model_config: ModelConfig, load_config: LoadConfig) -> str:
 
 
 def vllm_key_fields(objects: EngineObjects) -> dict:
-    """The fields of vLLM's own WeightCacheKey not covered by the core fingerprint, as JSON values."""
+    """The fields of vLLM's own WeightCacheKey not covered by the core fingerprint, as JSON values.
+
+    vLLM 0.32's key lacks the kv-cache dtype, expert placement and kernel
+    backends, which choose the post-processed layout too: ``layout_fields``
+    adds them under the names vLLM 0.33's key gives them, so one checkpoint
+    and configuration has the same fingerprint facts on either version.
+    """
+    import inspect
+
     from vllm.model_executor.model_loader.weight_cache.protocol import WeightCacheKey
 
     vllm_config, ranks = objects.vllm_config, objects.ranks
-    parallel_config = vllm_config.parallel_config
-    key = WeightCacheKey.from_model_config(
-        objects.model_config,
-        ranks.tp_size,
-        ranks.tp_rank,
+    layout = layout_fields(vllm_config)
+    arguments = dict(
         cache_config=vllm_config.cache_config,
         pp_size=ranks.pp_size,
         pp_rank=ranks.pp_rank,
         is_draft=objects.draft,
         dp_size=ranks.dp_size,
         dp_rank=ranks.dp_rank,
-        enable_expert_parallel=parallel_config.enable_expert_parallel,
-        expert_placement_strategy=parallel_config.expert_placement_strategy,
+        enable_expert_parallel=layout["enable_expert_parallel"],
+        expert_placement_strategy=layout["expert_placement_strategy"],
         kernel_config=vllm_config.kernel_config,
     )
+    accepted = inspect.signature(WeightCacheKey.from_model_config).parameters
+    key = WeightCacheKey.from_model_config(
+        objects.model_config,
+        ranks.tp_size,
+        ranks.tp_rank,
+        **{name: value for name, value in arguments.items() if name in accepted},
+    )
     fields = {name: value for name, value in dataclasses.asdict(key).items() if name not in COVERED_BY_CORE}
-    return json.loads(json.dumps(fields))  # tuples become lists, as they come back from the wire
+    return json.loads(json.dumps({**layout, **fields}))  # tuples become lists, as they come back from the wire
+
+
+def layout_fields(vllm_config: VllmConfig) -> dict:
+    """The configuration that picks the post-processed layout, named as in vLLM 0.33's WeightCacheKey.
+
+    vLLM's ``rope_parameters_hash`` (0.33) is not restated: the core's
+    fingerprint holds the full HF config, RoPE parameters included.
+    """
+    cache, parallel, kernel = vllm_config.cache_config, vllm_config.parallel_config, vllm_config.kernel_config
+    return {
+        "kv_cache_dtype": cache.cache_dtype,
+        "kv_cache_dtype_skip_layers": sorted(set(getattr(cache, "kv_cache_dtype_skip_layers", None) or ())),
+        "enable_expert_parallel": parallel.enable_expert_parallel,
+        "expert_placement_strategy": parallel.expert_placement_strategy,
+        "moe_backend": kernel.moe_backend,
+        "linear_backend": kernel.linear_backend,
+        "linear_backend_per_quant": sorted((kernel.linear_backend_per_quant or {}).items()),
+    }
 
 
 def describe(request: "LoadRequest") -> ModelDescription:
