@@ -582,7 +582,8 @@ def test_the_adapters_replay_makes_every_call_sglangs_own_load_model_makes(tiny_
         skip={"get_model_loader"},  # the adapter asks SGLang which loader --load-format auto picks
     )
     assert len(engine) > 100, engine  # the trace saw SGLang's code
-    assert difference(engine, replay) == REPLAY_STRUCTURE, (
+    found = difference(engine, replay)
+    assert found == REPLAY_STRUCTURE, (
         "SGLang's DefaultModelLoader.load_model and the adapter's replay of it (adapters/sglang/loading.py) no longer "
-        "make the same calls: update the replay for the steps named here"
+        "make the same calls: update the replay for the steps named here:\n" + json.dumps(found, indent=1)
     )

@@ -465,3 +465,70 @@ def test_the_adapter_names_no_private_vllm_name_outside_internals():
     assert not any(found.values()), (
         f"private vLLM names outside adapters/vllm/internals.py: { {k: v for k, v in found.items() if v} }"
     )
+
+
+# Drift: vLLM's own load_model against the steps the adapter replays --------------------------------------------------
+
+BASE = "vllm.model_executor.model_loader.base_loader"
+REPLAY_STRUCTURE = {
+    "engine_only": {
+        f"{BASE}:BaseModelLoader.load_model": 1,
+        # its "Initializing model took" log line
+        "vllm.logger:_VllmLogger.info_once": 1,
+        "vllm.logger:_print_info_once": 1,
+        "vllm.logger:_should_log_with_scope": 1,
+        "vllm.distributed.parallel_state:is_local_first_rank": 1,
+        # the peak-GPU-memory log line, on CUDA/XPU only
+        "vllm.platforms.interface:Platform.is_cuda_alike": 1,
+        "vllm.platforms.interface:Platform.is_xpu": 1,
+        # the online-quantization timing log; weightcache refuses online quantization before loading
+        f"{BASE}:log_online_quantization_time": 1,
+        f"{BASE}:_get_online_quantization_config": 1,
+        f"{BASE}:_has_online_quant": 1,
+    },
+    "replay_only": {
+        # the replay makes vLLM's DefaultModelLoader for format auto itself (loading.plain_loader)
+        "vllm.config.load:LoadConfig._lowercase_load_format": 1,
+        "vllm.config.load:LoadConfig._validate_ignore_patterns": 1,
+        f"{BASE}:BaseModelLoader.__init__": 1,
+        "vllm.model_executor.model_loader.default_loader:DefaultModelLoader.__init__": 1,
+        # vLLM's per-layer gate for pre-processed weights, as its weight-cache daemon runs it
+        "vllm.model_executor.model_loader.weight_cache.protocol:check_ipc_quant_support": 1,
+        # each step enters the engine's config and default dtype itself (entered, left)
+        "vllm.config.vllm:set_current_vllm_config": 4,
+        "vllm.utils.torch_utils:set_default_torch_dtype": 2,
+    },
+}
+"""How the adapter's replay (``loading.load`` + ``loading.post_process``) differs from vLLM 0.33's
+``DefaultModelLoader.load_model`` by construction: log lines it does not write, the loader it builds, the gate it
+adds, the contexts each step enters. Anything else is a step vLLM added or dropped."""
+
+
+def test_the_adapters_replay_makes_every_call_vllms_own_load_model_makes(tiny_llama):
+    """vLLM's ``DefaultModelLoader.load_model`` run itself, traced call by call, against mode ``off``'s replay."""
+    from tests.engines.calltrace import calls, difference
+    from weightcache.adapters.engine_support import isolated
+    from weightcache.adapters.vllm import loading
+    from weightcache.adapters.vllm.engine import engine_objects
+
+    def objects():  # a fresh VllmConfig each time: vLLM registers every attention layer in its config once
+        return engine_objects(LoadRequest(model=str(tiny_llama), adapter="vllm", dtype="bfloat16", device="cpu"))
+
+    def engine_load(target):
+        loader = loading.plain_loader(target.vllm_config.load_config)
+        return lambda: loader.load_model(vllm_config=target.vllm_config, model_config=target.model_config)
+
+    first = objects()
+    with first.current(), isolated(loading.rope_table()):
+        engine_load(first)()  # once untraced: vLLM initialises some state on first use
+    target = objects()
+    with target.current(), isolated(loading.rope_table()):  # as the replay: no rotary module cached yet
+        engine = calls("vllm", engine_load(target))
+    again = objects()
+    replay = calls("vllm", lambda: loading.post_process(again, loading.load(again)))
+    assert len(engine) > 100, engine  # the trace saw vLLM's code
+    found = difference(engine, replay)
+    assert found == REPLAY_STRUCTURE, (
+        "vLLM's DefaultModelLoader.load_model and the adapter's replay of it (adapters/vllm/loading.py) no longer "
+        "make the same calls: update the replay for the steps named here:\n" + json.dumps(found, indent=1)
+    )
