@@ -114,6 +114,48 @@ def isolated(table: dict) -> Iterator[None]:
         table.update(saved)
 
 
+@attrs.frozen
+class HeldReferences:
+    """Parameters and buffers a module also keeps in a helper object, to point at the bound tensors after a rebind.
+
+    Engines hand a parameter to a plain object beside the module: SGLang's MoE
+    ``TopKConfig`` and vLLM's CPU MoE router keep the gate's
+    ``e_score_correction_bias`` (DeepSeek-V3). A rebind replaces the
+    Parameter in the module; the helper would go on reading the meta tensor
+    the model was built with. Found one level deep: a dataclass's fields or a
+    plain object's attributes, in any module's attributes.
+    """
+
+    held: tuple[tuple[object, str, str], ...]  # (helper, attribute, tensor name)
+
+    @classmethod
+    def of(cls, model: "torch.nn.Module") -> "HeldReferences":
+        """The references in ``model`` as built (before the rebind)."""
+        import torch
+
+        named = {id(tensor): name for name, tensor in _named_tensors(model).items()}
+        held = []
+        for module in model.modules():
+            for helper in vars(module).values():
+                if isinstance(helper, (torch.nn.Module, torch.Tensor, type)) or not hasattr(helper, "__dict__"):
+                    continue
+                for attribute, value in list(vars(helper).items()):
+                    name = named.get(id(value))
+                    if name is not None:
+                        held.append((helper, attribute, name))
+        return cls(tuple(held))
+
+    def point_at_bound(self, model: "torch.nn.Module") -> None:
+        """Point each reference at the tensor ``model`` now holds under that name."""
+        bound = _named_tensors(model)
+        for helper, attribute, name in self.held:
+            object.__setattr__(helper, attribute, bound[name])  # the helper may be a frozen dataclass
+
+
+def _named_tensors(model: "torch.nn.Module") -> "dict[str, torch.Tensor]":
+    return dict((*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)))
+
+
 def check_publishable(model: "torch.nn.Module") -> None:
     """Refuse a model whose post-processing emptied parameters (their weight now lives in a kernel handle held in Python).
 

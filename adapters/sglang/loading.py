@@ -10,8 +10,8 @@
 - ``rebuild``: as SGLang's ``IpcModelLoader`` rebuilds a cached model: the model
   on the meta device, every tensor pointed at the mapped ones, no
   post-processing (the publisher ran it), stale views rebuilt, and the
-  references modules keep in config dataclasses (MoE ``TopKConfig``'s
-  correction bias) pointed at the bound tensors.
+  references modules keep in helper objects (MoE ``TopKConfig``'s
+  correction bias) pointed at the bound tensors (``HeldReferences``).
 
 Each model built here gets rotary-embedding modules of its own (see ``own_rope_cache``).
 """
@@ -22,7 +22,7 @@ import contextlib
 import copy
 import typing
 
-from weightcache.adapters.engine_support import isolated
+from weightcache.adapters.engine_support import HeldReferences, isolated
 from weightcache.adapters.sglang import internals
 
 if typing.TYPE_CHECKING:
@@ -100,42 +100,11 @@ def rebuild(
     on_meta.device = torch.device("meta")
     with own_rope_cache():
         model = loader.initialize_model_for_startup(model_config=configs.model_config, device_config=on_meta)
-    held = held_in_configs(model)
+    held = HeldReferences.of(model)
     rebind_module(model, tensors, manifest, device=device)
     internals.REBUILD_STALE_VIEWS.lookup()(model)
-    point_configs_at_bound(model, held)
+    held.point_at_bound(model)
     return model.eval()
-
-
-def held_in_configs(model: "torch.nn.Module") -> "list[tuple[object, str, str]]":
-    """``(config, field, tensor name)`` for each parameter or buffer a module also keeps in a dataclass attribute.
-
-    SGLang's MoE ``TopK`` keeps the gate's ``e_score_correction_bias`` in its
-    ``TopKConfig`` (DeepSeek-V3); a rebind replaces the Parameter, and the
-    config would go on pointing at the meta one the model was built with.
-    """
-    import dataclasses
-
-    named = {
-        id(tensor): name
-        for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
-    }
-    held = []
-    for module in model.modules():
-        for value in vars(module).values():
-            if dataclasses.is_dataclass(value) and not isinstance(value, type):
-                for field in dataclasses.fields(value):
-                    name = named.get(id(getattr(value, field.name, None)))
-                    if name is not None:
-                        held.append((value, field.name, name))
-    return held
-
-
-def point_configs_at_bound(model: "torch.nn.Module", held: "list[tuple[object, str, str]]") -> None:
-    """Point each ``held_in_configs`` reference at the tensor the rebind bound under that name."""
-    bound = dict((*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)))
-    for config, field, name in held:
-        object.__setattr__(config, field, bound[name])  # TopKConfig may be frozen
 
 
 def _target_device(device_config) -> "torch.device":

@@ -22,7 +22,7 @@ import gc
 import logging
 import typing
 
-from weightcache.adapters.engine_support import isolated, no_writes_into
+from weightcache.adapters.engine_support import HeldReferences, isolated, no_writes_into
 
 if typing.TYPE_CHECKING:
     import torch
@@ -106,6 +106,7 @@ def rebind(objects: "EngineObjects", tensors: "dict[str, torch.Tensor]", manifes
         with torch.device("meta"):
             model = initialize_model(vllm_config=objects.vllm_config, model_config=model_config, prefix=objects.prefix)
         check_pre_processed_support(model, model_config)
+        held = HeldReferences.of(model)
         rebind_module(model, tensors, skeleton_part(model, manifest), device=device, check=False)
         privatize_scalar_buffers(model)
         for name, value in manifest.extra.get(MODEL_ATTRS_KEY, {}).items():
@@ -115,6 +116,7 @@ def rebind(objects: "EngineObjects", tensors: "dict[str, torch.Tensor]", manifes
         # Now every tensor the cache holds, including those post-processing just made or stamped in private memory.
         rebind_module(model, tensors, manifest, device=device, check=False)
         drop_consumed(model)
+        held.point_at_bound(model)
     check_no_meta(model)
     return model.eval()
 
