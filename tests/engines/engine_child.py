@@ -78,13 +78,28 @@ def describe(model, out) -> dict:
         "parameters": sorted(params),
         "buffers": sorted(buffers),
         "attributes": sorted(attributes),
-        "meta": sorted(name for name, t in every.items() if t.device.type == "meta"),
+        "meta": sorted(name for name, t in every.items() if t.device.type == "meta") + held_on_meta(model),
         "unmapped_parameters": sorted(name for name, t in params.items() if not mapped(t)),
         "unmapped_buffers": sorted(name for name, t in buffers.items() if not mapped(t)),
         "unmapped_attributes": sorted(name for name, t in attributes.items() if not mapped(t)),
         "entry_bytes": attachment.manifest.nbytes if attachment is not None else 0,
         "digest": attachment.digest if attachment is not None else None,
     }
+
+
+def held_on_meta(model) -> list[str]:
+    """Tensors on meta that modules keep in helper objects (SGLang's TopKConfig, vLLM's MoE router): ``module.helper.attr``."""
+    import torch
+
+    found = []
+    for module_name, module in model.named_modules():
+        for helper_name, helper in vars(module).items():
+            if isinstance(helper, (torch.nn.Module, torch.Tensor, type)) or not hasattr(helper, "__dict__"):
+                continue
+            for attribute, value in vars(helper).items():
+                if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                    found.append(f"{module_name}.{helper_name}.{attribute}")
+    return found
 
 
 def python_attributes(model) -> dict:

