@@ -137,7 +137,7 @@ def publish_case(specs, device: str, max_bytes: int, socket_dir, anchor: Path, l
     from weightcache.core import api
     from weightcache.core.dtypes import ITEM_SIZES
     from weightcache.core.export import ALIGNMENT, ArenaBuilder, export_state
-    from weightcache.core.loader import publish_arenas
+    from weightcache.core.publish import publish_arenas
 
     sizes = [max(1, _numel(shape) * ITEM_SIZES[dtype]) for _, shape, dtype in specs]
     total = sum(-(-s // ALIGNMENT) * ALIGNMENT for s in sizes)

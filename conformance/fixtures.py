@@ -190,7 +190,7 @@ class ConformanceFixtures:
     @classmethod
     def load_options(cls, request) -> dict:
         """Adapter options passed to ``load_model`` (e.g. ``{"model_class": "AutoModel"}`` for hf); ``--weightcache-option KEY=VALUE``."""
-        from weightcache.core.cli import parse_options
+        from weightcache.core.options import parse_options
 
         return parse_options(_option(request, "weightcache_option") or [])
 

@@ -22,8 +22,8 @@ from weightcache.core.digests import ProgressLike
 from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder, export_module, export_state
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.identity import fingerprint_for
-from weightcache.core.loader import publish_arenas
 from weightcache.core.manifest import Manifest, TensorRecord
+from weightcache.core.publish import publish_arenas
 from weightcache.core.reader import read_checkpoint
 from weightcache.core.request import LoadRequest, ModelDescription
 from weightcache.core.tensor_table import contiguous_stride

@@ -27,8 +27,9 @@ from weightcache.core.errors import (
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.manifest import Manifest
 from weightcache.core.memfd import read_memfd, sealed_memfd, sealed_size
-from weightcache.core.paths import check_client_dir, check_server_peer, socket_path
+from weightcache.core.paths import check_client_dir, check_server_peer
 from weightcache.core.protocol import FrameReader, close_fds, send_frame
+from weightcache.core.socket_dir import socket_path
 
 log = logging.getLogger(__name__)
 

@@ -128,7 +128,7 @@ def _worker(argv=None) -> int:
     import argparse
     import logging
 
-    from weightcache.core.cli import reporting_errors
+    from weightcache.core.reporting import reporting_errors
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import typing
 
+from weightcache.core.socket_dir import SOCKET_NAME, default_socket_dir
+
 
 class WeightCacheError(Exception):
     """Base class of every error weightcache raises on purpose."""
@@ -46,8 +48,6 @@ def serve_command(socket_path: "str | os.PathLike") -> str:
     """``weightcache serve`` with the ``--socket-dir`` that serves ``socket_path`` (a socket or its directory)."""
     import shlex
     from pathlib import Path
-
-    from weightcache.core.paths import SOCKET_NAME, default_socket_dir
 
     path = Path(socket_path)
     directory = path.parent if path.name == SOCKET_NAME else path

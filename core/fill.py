@@ -164,7 +164,7 @@ def copy_from_node(
     if not builder.device.is_cuda:
         return None
     from weightcache.core.arena.cuda import can_access_peer
-    from weightcache.core.arena.devices import cuda_index, gpu_uuid, visible_gpu_uuids
+    from weightcache.core.device import cuda_index, gpu_uuid, visible_gpu_uuids
 
     index = cuda_index(builder.device)
     own_uuid = gpu_uuid(index)
@@ -233,7 +233,7 @@ def keep_on_host(
     its bytes, checksummed on the CPU, match them (ChecksumMismatch otherwise).
     """
     from weightcache.core.arena.transfer import Pair, device_to_host
-    from weightcache.core.loader import publish_arenas
+    from weightcache.core.publish import publish_arenas
 
     with ArenaBuilder("cpu") as host:
         slots = [host.add_arena(arena.spec.size) for arena in arenas]

@@ -37,9 +37,10 @@ from weightcache.core import __version__
 from weightcache.core.admission import admit_publish
 from weightcache.core.errors import HandoverFailed, ProtocolError
 from weightcache.core.memfd import sealed_size
-from weightcache.core.paths import SOCKET_NAME, check_server_peer
+from weightcache.core.paths import check_server_peer
 from weightcache.core.protocol import FrameReader, close_fds, ok_reply, send_frame
 from weightcache.core.registry import OverBudget, Registry, TooManyArtifacts
+from weightcache.core.socket_dir import SOCKET_NAME
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ def _environment(device: Device) -> Environment:
     torch_version = torch.__version__.split("+")[0]
     if not device.is_cuda:
         return Environment(torch_version, "", "", "")
-    from weightcache.core.arena.devices import gpu_uuid
+    from weightcache.core.device import gpu_uuid
 
     index = device.torch_index()
     major, minor = torch.cuda.get_device_capability(index)

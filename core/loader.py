@@ -12,8 +12,7 @@ from pathlib import Path
 
 import attrs
 
-from weightcache.core import hub, identity
-from weightcache.core.client import Connection
+from weightcache.core import fill, hub, identity
 from weightcache.core.digests import (
     FileDigest,
     FileKey,
@@ -28,7 +27,7 @@ from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
 from weightcache.core.fingerprint import HOST_TIER, Fingerprint
 from weightcache.core.manifest import Manifest
 from weightcache.core.plugins import Adapter, Plugins, installed_plugins
-from weightcache.core.protocol import close_fds
+from weightcache.core.publish import publish_arenas, seal
 from weightcache.core.quantization.allowlist import check_quantization
 from weightcache.core.request import LoadRequest, ModelDescription
 from weightcache.core.safetensors_io import checkpoint_files, checkpoint_identity, identity_of
@@ -207,8 +206,6 @@ def publish(
     (``TIERS``): ``host`` publishes a host-tier copy of the GPU-made weights
     instead of the GPU entry, ``both`` publishes the two.
     """
-    from weightcache.core import fill
-
     request = prepared.request
     check_tier(tier, request.device)
     timings: dict[str, float] = {}
@@ -234,7 +231,7 @@ def publish(
         builder.progress.close()
         host_digest, host_created = host_held, False
         if tier != "device" and not host_held:
-            _seal(builder)  # the GPU arenas' checksums: the host copy is checked against them
+            seal(builder)  # the GPU arenas' checksums: the host copy is checked against them
             manifest = attrs.evolve(manifest, arenas=builder.specs())
             start = time.perf_counter()
             kept = fill.keep_on_host(fingerprint, manifest, builder.arenas, socket_dir, label)
@@ -264,8 +261,6 @@ def _host_copy_of_what_is_held(
     fingerprint: Fingerprint, host_held: str | None, tier: str, socket_dir, label: str, timings: dict
 ) -> Published | None:
     """``tier`` host or both when the node already holds what is asked: the host copy, or this GPU's entry to copy."""
-    from weightcache.core import fill
-
     host = fingerprint.on_device(HOST_TIER)
     if host_held and tier == "host":
         log.info("the host tier already holds %s (%s)", host_held[:12], label)
@@ -353,44 +348,3 @@ def check_unchanged(model: str, versions: "list[tuple[str, FileKey]]") -> None:
             now = None
         if now != key:
             raise CheckpointChanged(model, file)
-
-
-def publish_arenas(
-    builder: ArenaBuilder,
-    fingerprint: Fingerprint,
-    manifest: Manifest,
-    socket_dir: str | os.PathLike | None = None,
-    label: str = "",
-    copied_from: str | None = None,
-) -> dict:
-    """Seal ``builder``'s arenas, checksum them, and publish them with ``manifest`` in one frame; returns the server's reply.
-
-    The one publish sequence: the loader above, the Python API and the engine adapters all end here.
-    An empty ``label`` becomes the fingerprint's architecture and adapter, so every entry has one.
-    ``manifest.arenas`` are replaced by the sealed arenas' specs, each with the checksum of its
-    bytes. With ``copied_from`` (the bytes came from there: a peer node, a GPU entry), each
-    declared arena of ``manifest`` must carry the same size and checksum as the bytes that
-    arrived, else ChecksumMismatch and nothing is published.
-    """
-    label = label or f"{fingerprint.architecture} ({fingerprint.adapter})"
-    _seal(builder)
-    if copied_from is not None:
-        specs = builder.check_copy(manifest.arenas, copied_from)
-    else:
-        specs = builder.specs()
-    manifest = attrs.evolve(manifest, arenas=specs)
-    fds = [arena.export_fd() for arena in builder.arenas]
-    try:
-        with Connection(socket_dir) as connection:
-            return connection.publish(fingerprint, manifest, fds, label=label)
-    finally:
-        close_fds(fds)
-
-
-def _seal(builder: ArenaBuilder) -> None:
-    """Seal the arenas; a reference cycle may still hold a view, so collect once and retry."""
-    try:
-        builder.seal()
-    except OSError:
-        gc.collect()
-        builder.seal()

@@ -9,6 +9,7 @@ or a client asking for the other value gets exactly its own disk load.
 
 from __future__ import annotations
 
+import json
 import typing
 
 import attrs
@@ -96,4 +97,18 @@ def declared_options(declared: "typing.Mapping[str, AdapterOption | str]") -> di
             options[name] = AdapterOption.of(value)
         except TypeError as exc:
             raise TypeError(f"option {name!r}: {exc}") from None
+    return options
+
+
+def parse_options(pairs: list[str]) -> dict:
+    """``KEY=VALUE`` strings as a dict; a VALUE that is JSON is decoded, else kept as a string."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option {pair!r} is not KEY=VALUE; write it like --option model_class=AutoModel")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
     return options

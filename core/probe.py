@@ -28,7 +28,8 @@ import attrs
 
 from weightcache.core.client import Connection
 from weightcache.core.errors import AccessDenied, ProtocolError, ServerError, ServerUnavailable
-from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, default_socket_dir
+from weightcache.core.paths import LOCK_NAME
+from weightcache.core.socket_dir import SOCKET_NAME, default_socket_dir
 
 
 class Health(enum.IntEnum):

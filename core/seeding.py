@@ -183,7 +183,7 @@ def receive_entry(
     import torch
 
     from weightcache.core.export import ArenaBuilder
-    from weightcache.core.loader import publish_arenas
+    from weightcache.core.publish import publish_arenas
 
     device = Device.parse(device)
     link = _Link(group, src, timeout_s)
@@ -373,7 +373,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
         description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from weightcache.core.cli import add_request_options
+    from weightcache.core.cli_options import add_request_options
 
     add_request_options(  # the sender names its entry the way it was loaded
         parser,
@@ -395,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from weightcache.core.cli import load_request
+    from weightcache.core.cli_options import load_request
     from weightcache.core.loader import prepare
     from weightcache.core.progress import note
 

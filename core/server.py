@@ -41,7 +41,7 @@ from weightcache.core.handover import Handed, Limits, send_entries
 from weightcache.core.handover import take_over as take_over_from
 from weightcache.core.memfd import sealed_size
 from weightcache.core.metrics import Metrics
-from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir, peer_credentials
+from weightcache.core.paths import LOCK_NAME, ensure_private_dir, peer_credentials
 from weightcache.core.protocol import (
     FRAME_DEADLINE_S,
     MAX_FRAME_BYTES,
@@ -56,6 +56,7 @@ from weightcache.core.protocol import (
 from weightcache.core.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, OverBudget, Registry, TooManyArtifacts
 from weightcache.core.rewarm import Warmer, scrub_in_background
 from weightcache.core.serve_config import ConfigError, ServeSource
+from weightcache.core.socket_dir import SOCKET_NAME
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from weightcache.core.client import server_is_running, wait_for_server
 from weightcache.core.errors import ServerUnavailable
-from weightcache.core.paths import default_socket_dir
+from weightcache.core.socket_dir import default_socket_dir
 
 if typing.TYPE_CHECKING:
     from weightcache.core.serve_config import ServeSource

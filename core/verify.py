@@ -157,7 +157,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
         description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from weightcache.core.cli import add_socket_dir
+    from weightcache.core.cli_options import add_socket_dir
 
     add_socket_dir(parser)
     parser.add_argument("id", nargs="?", default="", metavar="ID", help="check only the entry whose digest starts with ID")
