@@ -20,7 +20,6 @@ import contextlib
 import importlib
 import json
 import logging
-import os
 import typing
 from collections.abc import Callable, Iterator
 
@@ -28,6 +27,7 @@ import attrs
 
 from weightcache.core.errors import AccessDenied, RebindError, ServerUnavailable
 from weightcache.core.modes import ATTACHMENT_ATTR
+from weightcache.core.socket_dir import SocketDirLike
 
 if typing.TYPE_CHECKING:
     import torch
@@ -218,7 +218,7 @@ def lazy_class(namespace: dict, name: str, build: Callable[[], type]) -> type:
     return cls
 
 
-def entry_bytes(fingerprint: "Fingerprint", socket_dir: str | os.PathLike | None = None, timeout_s: float = 5.0) -> int:
+def entry_bytes(fingerprint: "Fingerprint", socket_dir: SocketDirLike = None, timeout_s: float = 5.0) -> int:
     """Bytes the server holds for ``fingerprint`` (0 when it holds no such entry or does not answer).
 
     An engine's memory profiler must not count these as its own allocation.

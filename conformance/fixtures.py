@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-import os
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,6 +40,7 @@ from weightcache.conformance.precheck import PrecheckFailed, precheck
 from weightcache.conformance.verdict import NO_FORWARD
 from weightcache.conformance.weightless import copy_without_weights
 from weightcache.core.example_inputs import run_with_inputs
+from weightcache.core.socket_dir import SocketDirLike
 
 if typing.TYPE_CHECKING:
     import torch
@@ -74,7 +74,7 @@ def load(
     request: "LoadRequest",
     mode: str,
     plugins: "Plugins | None" = None,
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDirLike = None,
     strict: bool = False,
 ) -> "LoadedModel":
     """``request`` through the core's mode runner in ``mode`` (what every engine integration calls)."""

@@ -262,7 +262,6 @@ def _configure_logging(args) -> None:
 def _serve(args) -> int:
     from weightcache.core.serve_config import ServeSource
     from weightcache.core.server import ServerConfig, serve
-    from weightcache.core.socket_dir import default_socket_dir
 
     flags = {  # only what was given: the config file, then ServerConfig, hold the defaults
         "socket_dir": args.socket_dir,
@@ -279,11 +278,11 @@ def _serve(args) -> int:
         flags["idle_timeout_s"] = args.idle_timeout or None  # 0: never
     source = ServeSource(args.config, flags)
     settings, _ = source.read()
-    config = ServerConfig(**{"socket_dir": default_socket_dir(), **settings})
+    config = ServerConfig(**{"socket_dir": None, **settings})  # None: SocketDir's default
     if args.detach:
         from weightcache.core.server_process import serve_detached
 
-        return serve_detached(config, args.log_file or config.socket_dir / DETACHED_LOG, args.take_over, source)
+        return serve_detached(config, args.log_file or config.socket_dir.path / DETACHED_LOG, args.take_over, source)
     serve(config, args.take_over, source)
     return 0
 

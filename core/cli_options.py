@@ -12,6 +12,7 @@ import typing
 
 from weightcache.core.bounds import Bound, parse_size
 from weightcache.core.options import parse_options
+from weightcache.core.socket_dir import SocketDir
 
 if typing.TYPE_CHECKING:
     from weightcache.core.device import Device
@@ -87,6 +88,7 @@ def parse_device(text: str) -> "Device":
 def add_socket_dir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--socket-dir",
+        type=SocketDir.parse,
         metavar="DIR",
         help="the server's private directory (default: $WEIGHTCACHE_SOCKET_DIR, "
         "$XDG_RUNTIME_DIR/weightcache or /tmp/weightcache-UID)",

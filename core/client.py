@@ -29,7 +29,7 @@ from weightcache.core.manifest import Manifest
 from weightcache.core.memfd import read_memfd, sealed_memfd, sealed_size
 from weightcache.core.paths import check_client_dir, check_server_peer
 from weightcache.core.protocol import FrameReader, close_fds, send_frame
-from weightcache.core.socket_dir import socket_path
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ class Connection:
     it maps the entry: the server counts it as attached until it closes.
     """
 
-    def __init__(self, socket_dir: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT_S):
-        self.path = socket_path(socket_dir)
+    def __init__(self, socket_dir: SocketDirLike = None, timeout: float = DEFAULT_TIMEOUT_S):
+        self.path = SocketDir.parse(socket_dir).socket
         self.timeout = timeout
         try:
             check_client_dir(self.path.parent)
@@ -294,8 +294,9 @@ def _connect(path: Path, timeout: float) -> socket.socket:
             raise ServerUnavailable(str(path), str(exc)) from None
 
 
-def wait_for_server(socket_dir: str | os.PathLike | None = None, timeout: float = 10.0) -> None:
+def wait_for_server(socket_dir: SocketDirLike = None, timeout: float = 10.0) -> None:
     """Block until a server answers ``hello`` on ``socket_dir``; ServerUnavailable after ``timeout``."""
+    socket_dir = SocketDir.parse(socket_dir)
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
@@ -306,10 +307,10 @@ def wait_for_server(socket_dir: str | os.PathLike | None = None, timeout: float 
         except ServerUnavailable as exc:
             last = exc
             time.sleep(0.05)
-    raise ServerUnavailable(str(socket_path(socket_dir)), f"not ready after {timeout:.0f} s ({last.reason if last else '?'})")
+    raise ServerUnavailable(str(socket_dir.socket), f"not ready after {timeout:.0f} s ({last.reason if last else '?'})")
 
 
-def server_is_running(socket_dir: str | os.PathLike | None = None) -> bool:
+def server_is_running(socket_dir: SocketDirLike = None) -> bool:
     """Whether a server answers on ``socket_dir``."""
     try:
         with Connection(socket_dir, timeout=2.0) as conn:

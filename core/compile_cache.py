@@ -29,6 +29,7 @@ from weightcache.core.client import Connection
 from weightcache.core.device import Device
 from weightcache.core.errors import AccessDenied, CompileArtifactsUnavailable, ServerError, ServerUnavailable
 from weightcache.core.memfd import read_memfd, sealed_memfd
+from weightcache.core.socket_dir import SocketDirLike
 
 if typing.TYPE_CHECKING:
     from weightcache.core.modes import LoadedModel
@@ -69,7 +70,7 @@ def publish_artifacts(
     loaded: "LoadedModel",
     *,
     name: str = DEFAULT_NAME,
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDirLike = None,
     timeout_s: float = 30.0,
     strict: bool = False,
 ) -> ArtifactInfo | None:
@@ -107,7 +108,7 @@ def restore_artifacts(
     loaded: "LoadedModel",
     *,
     name: str = DEFAULT_NAME,
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDirLike = None,
     timeout_s: float = 30.0,
     strict: bool = False,
 ) -> ArtifactInfo | None:
@@ -143,7 +144,7 @@ def restore_artifacts(
     return info
 
 
-def _entry(loaded: "LoadedModel", socket_dir, strict: bool) -> tuple[str | None, typing.Any]:
+def _entry(loaded: "LoadedModel", socket_dir: SocketDirLike, strict: bool) -> tuple[str | None, SocketDirLike]:
     """The digest of ``loaded``'s entry and the socket directory to ask, or (None, None) when it has no entry."""
     if loaded.attachment is None:
         _unavailable(

@@ -29,7 +29,6 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import attrs
 
@@ -40,7 +39,7 @@ from weightcache.core.memfd import sealed_size
 from weightcache.core.paths import check_server_peer
 from weightcache.core.protocol import FrameReader, close_fds, ok_reply, send_frame
 from weightcache.core.registry import OverBudget, Registry, TooManyArtifacts
-from weightcache.core.socket_dir import SOCKET_NAME
+from weightcache.core.socket_dir import SocketDir
 
 log = logging.getLogger(__name__)
 
@@ -138,14 +137,14 @@ def send_entries(
     return True
 
 
-def take_over(socket_dir: Path, registry: Registry, limits: Limits) -> Handed | None:
+def take_over(socket_dir: SocketDir, registry: Registry, limits: Limits) -> Handed | None:
     """The successor's side: take every entry from the server running on ``socket_dir`` into ``registry``.
 
     None when no server runs there (start as usual). Raises HandoverFailed, having
     closed every fd it received, when the running server refuses or an entry
     fails its check: the running server then keeps serving every entry.
     """
-    path = socket_dir / SOCKET_NAME
+    path = socket_dir.socket
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(CONFIRM_DEADLINE_S)
     try:

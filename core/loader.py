@@ -31,6 +31,7 @@ from weightcache.core.publish import publish_arenas, seal
 from weightcache.core.quantization.allowlist import check_quantization
 from weightcache.core.request import LoadRequest, ModelDescription
 from weightcache.core.safetensors_io import checkpoint_files, checkpoint_identity, identity_of
+from weightcache.core.socket_dir import SocketDir
 
 if typing.TYPE_CHECKING:
     import torch
@@ -191,7 +192,7 @@ def load_from_disk(prepared: Prepared, builder: ArenaBuilder | None = None, timi
 
 def publish(
     prepared: Prepared,
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDir | None = None,
     progress: ProgressLike | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     label: str | None = None,
@@ -258,7 +259,7 @@ def check_tier(tier: str, device: "Device") -> None:
 
 
 def _host_copy_of_what_is_held(
-    fingerprint: Fingerprint, host_held: str | None, tier: str, socket_dir, label: str, timings: dict
+    fingerprint: Fingerprint, host_held: str | None, tier: str, socket_dir: SocketDir | None, label: str, timings: dict
 ) -> Published | None:
     """``tier`` host or both when the node already holds what is asked: the host copy, or this GPU's entry to copy."""
     host = fingerprint.on_device(HOST_TIER)

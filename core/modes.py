@@ -17,7 +17,6 @@ else calls ``load_model``.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import typing
 
@@ -29,6 +28,7 @@ from weightcache.core.errors import CheckpointNotFound, EntryNotFound, WeightCac
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.loader import Prepared, load_from_disk, prepare, publish
 from weightcache.core.request import LoadRequest
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
 
 if typing.TYPE_CHECKING:
     from weightcache.core.digests import ProgressLike
@@ -61,14 +61,14 @@ class CacheOptions:
     """How a load uses the cache; the same keys for ``load_model`` and an engine's ``--model-loader-extra-config``.
 
     :param mode: ``off`` (default), ``daemon`` or ``client``.
-    :param socket_dir: the server's socket directory (default: weightcache's own default).
+    :param socket_dir: the server's socket directory (a path; default: ``SocketDir.default()``).
     :param strict: raise instead of falling back to a disk load when the cache cannot be used.
     :param republish: publish the entry again from this process if the server restarts.
     :param timeout_s: deadline of each request to the server.
     """
 
     mode: str = attrs.field(default="off", validator=_mode)
-    socket_dir: str | None = attrs.field(default=None, converter=attrs.converters.optional(str))
+    socket_dir: SocketDir = attrs.field(default=None, converter=SocketDir.parse)
     strict: bool = attrs.field(default=False, validator=_boolean)
     republish: bool = attrs.field(default=True, validator=_boolean)
     timeout_s: float = attrs.field(default=30.0, converter=float, validator=_positive)
@@ -132,7 +132,7 @@ def load_model(
     quantization: str | None = None,
     parallel: ParallelSpec | None = None,
     revision: str | None = None,
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDirLike = None,
     strict: bool = False,
     republish: bool = True,
     timeout_s: float = 30.0,

@@ -19,7 +19,6 @@ from pathlib import Path
 from weightcache.core.errors import AccessDenied
 from weightcache.core.socket_dir import ENV_SOCKET_DIR
 
-LOCK_NAME = "server.lock"
 ROOT_UID = 0
 
 _ELSEWHERE = f"choose another socket directory with --socket-dir or {ENV_SOCKET_DIR}"

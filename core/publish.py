@@ -6,7 +6,6 @@ The loader, the node's fills and seeding, the Python API and the engine adapters
 from __future__ import annotations
 
 import gc
-import os
 
 import attrs
 
@@ -15,13 +14,14 @@ from weightcache.core.export import ArenaBuilder
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.manifest import Manifest
 from weightcache.core.protocol import close_fds
+from weightcache.core.socket_dir import SocketDirLike
 
 
 def publish_arenas(
     builder: ArenaBuilder,
     fingerprint: Fingerprint,
     manifest: Manifest,
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDirLike = None,
     label: str = "",
     copied_from: str | None = None,
 ) -> dict:

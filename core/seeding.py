@@ -48,6 +48,7 @@ from weightcache.core.device import Device
 from weightcache.core.errors import InvalidManifest, SeedFailed, SeedRefused
 from weightcache.core.fingerprint import HOST_TIER, Fingerprint
 from weightcache.core.protocol import MAX_FRAME_BYTES
+from weightcache.core.socket_dir import SocketDir
 
 if typing.TYPE_CHECKING:
     import torch
@@ -119,7 +120,7 @@ def check_environment(fingerprint: Fingerprint, device: "Device | str") -> Finge
 
 def send_entry(
     fingerprint: Fingerprint,
-    socket_dir: "str | os.PathLike | None",
+    socket_dir: SocketDir | None,
     *,
     src: int = 0,
     group: "torch.distributed.ProcessGroup | None" = None,
@@ -163,7 +164,7 @@ def send_entry(
 
 
 def receive_entry(
-    socket_dir: "str | os.PathLike | None",
+    socket_dir: SocketDir | None,
     device: "Device | str",
     *,
     src: int = 0,
@@ -216,7 +217,7 @@ def receive_entry(
     return SeedReport("receiver", reply["digest"], link.moved, seconds, created=bool(reply["created"]))
 
 
-def _accept(header: dict, device: Device, socket_dir, src: int):
+def _accept(header: dict, device: Device, socket_dir: SocketDir | None, src: int):
     """The fingerprint (for this node), manifest and label of a header this node can use; raises why it cannot."""
     from weightcache.core.client import Connection
     from weightcache.core.manifest import Manifest

@@ -33,6 +33,7 @@ import attrs
 
 from weightcache.core import bounds
 from weightcache.core.errors import WeightCacheError
+from weightcache.core.socket_dir import SocketDir
 
 
 class ConfigError(WeightCacheError):
@@ -55,7 +56,7 @@ class WarmItem:
     quant: str | None = None
     adapter: str = "hf"
 
-    def command(self, socket_dir: str | os.PathLike) -> list[str]:
+    def command(self, socket_dir: SocketDir) -> list[str]:
         """The ``weightcache load`` command line that publishes this item to the server on ``socket_dir``."""
         args = [sys.executable, "-m", "weightcache.core.cli", "load", "--socket-dir", str(socket_dir)]
         args += ["--model", self.model, "--device", self.device, "--tier", self.tier, "--adapter", self.adapter]

@@ -41,7 +41,7 @@ from weightcache.core.handover import Handed, Limits, send_entries
 from weightcache.core.handover import take_over as take_over_from
 from weightcache.core.memfd import sealed_size
 from weightcache.core.metrics import Metrics
-from weightcache.core.paths import LOCK_NAME, ensure_private_dir, peer_credentials
+from weightcache.core.paths import ensure_private_dir, peer_credentials
 from weightcache.core.protocol import (
     FRAME_DEADLINE_S,
     MAX_FRAME_BYTES,
@@ -56,7 +56,7 @@ from weightcache.core.protocol import (
 from weightcache.core.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, OverBudget, Registry, TooManyArtifacts
 from weightcache.core.rewarm import Warmer, scrub_in_background
 from weightcache.core.serve_config import ConfigError, ServeSource
-from weightcache.core.socket_dir import SOCKET_NAME
+from weightcache.core.socket_dir import SocketDir
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class ServerConfig:
     a NaN, infinite, negative, zero or absurd value is a ValueError here, before anything is bound.
     """
 
-    socket_dir: Path = attrs.field(converter=Path)
+    socket_dir: SocketDir = attrs.field(converter=SocketDir.parse)
     byte_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
     host_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
     gpu_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
@@ -146,11 +146,11 @@ class Server:
 
     @property
     def socket_path(self) -> Path:
-        return self.config.socket_dir / SOCKET_NAME
+        return self.config.socket_dir.socket
 
     def start(self, handed: Handed | None = None) -> None:
         """Take the directory's lock, clear a dead server's socket, bind and listen; or use the ones a predecessor ``handed``."""
-        socket_dir = ensure_private_dir(self.config.socket_dir)
+        ensure_private_dir(self.config.socket_dir.path)
         self._size_limits(_raise_fd_limit())
         if handed is not None and handed.complete:
             self._lock_fd, self._listener = handed.lock_fd, socket.socket(fileno=handed.listener_fd)
@@ -159,14 +159,14 @@ class Server:
             self._listener.settimeout(0.2)
             log.info("weightcache server %s (protocol %d) took over %s", __version__, PROTOCOL_VERSION, self.socket_path)
         else:
-            self._bind(socket_dir, waiting=handed is not None)
+            self._bind(self.config.socket_dir, waiting=handed is not None)
         if self.config.metrics_port is not None:
             self._exporter = Exporter(self.metrics_snapshot, self.config.metrics_port, self.config.metrics_host)
         readiness.ready(self.socket_path)
 
-    def _bind(self, socket_dir: Path, waiting: bool) -> None:
+    def _bind(self, socket_dir: SocketDir, waiting: bool) -> None:
         """Take the lock (``waiting``: a moment for a predecessor that died during a handover), bind and listen."""
-        self._lock_fd = os.open(socket_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._lock_fd = os.open(socket_dir.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         # A predecessor that died during a handover may still be tearing down (its lock goes last): wait a little.
         deadline = time.monotonic() + (_DEAD_PREDECESSOR_WAIT_S if waiting else 0)
         try:

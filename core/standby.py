@@ -45,6 +45,7 @@ from weightcache.core.errors import StandbyError, WeightCacheError
 from weightcache.core.example_inputs import run_with_inputs, to_device
 from weightcache.core.progress import format_bytes
 from weightcache.core.request import ExampleInputs, ForwardUnavailable, LoadRequest
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
 
 if typing.TYPE_CHECKING:
     import torch
@@ -112,7 +113,7 @@ class Standby:
         self,
         request: LoadRequest,
         *,
-        socket_dir=None,
+        socket_dir: SocketDirLike = None,
         watch_pid: int | None = None,
         then: "typing.Callable[[LoadedModel], typing.Any] | None" = None,
         requests: typing.IO | None = None,
@@ -121,7 +122,7 @@ class Standby:
         use_pidfd: bool = True,
     ):
         self.request = request
-        self.socket_dir = socket_dir
+        self.socket_dir = SocketDir.parse(socket_dir)
         self.watch_pid = watch_pid
         self.use_pidfd = use_pidfd
         self.then = then

@@ -60,6 +60,7 @@ from weightcache.core.errors import UnsupportedQuantization  # noqa: E402
 from weightcache.core.loader import prepare  # noqa: E402
 from weightcache.core.request import LoadRequest  # noqa: E402
 from weightcache.core.safetensors_io import checkpoint_identity  # noqa: E402
+from weightcache.core.socket_dir import SocketDir  # noqa: E402
 
 GPTQ_MARLIN = {"quant_method": "gptq_marlin", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 MLA_ATTRIBUTES = ("model.layers.0.self_attn.w_kc", "model.layers.0.self_attn.w_vc")
@@ -188,7 +189,7 @@ def test_the_plugin_route_accepts_the_name_on_the_cli_and_in_load_config(plugins
     load_config = LoadConfig(load_format=args.load_format, model_loader_extra_config=args.model_loader_extra_config)
     assert load_config.load_format is loader_class()
     loader = get_model_loader(load_config)
-    assert type(loader) is loader_class() and loader.options.socket_dir == "/x"
+    assert type(loader) is loader_class() and loader.options.socket_dir == SocketDir("/x")
 
 
 def test_other_load_formats_are_untouched(plugins_loaded):
