@@ -51,7 +51,7 @@ if typing.TYPE_CHECKING:
 
 FP8_BLOCK = "fp8-block"
 
-HF_DECLARATIONS = {
+HF_DECLARATIONS: dict[str, dict[str, typing.Any]] = {
     "fp8": {"quant_method": "fp8", "activation_scheme": "static"},
     "marlin": {"quant_method": "marlin", "bits": 4, "group_size": 128},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},

@@ -33,6 +33,7 @@ if typing.TYPE_CHECKING:
 
     from weightcache.core.arena.base import Arena
     from weightcache.core.manifest import Manifest
+    from weightcache.core.watch import Republisher
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Attachment:
         self.label = label
         self.fds = list(fds)
         self.socket_dir: SocketDir | None = None
-        self.watcher = None
+        self.watcher: Republisher | None = None
         self.arenas: list[Arena] = []
         self.timings: dict[str, float] = {}
         self.tensors: dict[str, torch.Tensor] = {}

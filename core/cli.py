@@ -378,7 +378,7 @@ def _load_checked(args, request, adapter, headers) -> int:
     source = "" if published.source == "disk" else f", copied from {published.source}"
     host = f"; kept on the host tier as {published.host_digest[:12]}" if published.host_digest and args.tier == "both" else ""
     if not published.created:
-        if host and published.source == "this GPU's entry":
+        if host and published.host_digest and published.source == "this GPU's entry":
             print(f"kept {published.host_digest[:12]}  {prepared.label} on the host tier, copied from this GPU's entry")
         else:
             why = "another loader published it meanwhile" if fingerprint is not None else "it held these bytes already"

@@ -128,7 +128,7 @@ class Connection:
         else:
             frame = None
         try:
-            frame = frame or self._reader.read(idle_timeout=self.timeout)
+            frame = frame or self._reader.read(idle_timeout=self.timeout)  # None: the server closed
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise ServerUnavailable(str(self.path), f"connection lost: {exc}") from None
         except TimeoutError:
@@ -140,20 +140,20 @@ class Connection:
             return reply, reply_fds
         close_fds(reply_fds)
         error = reply.get("error")
-        code, message = (error.get("code"), error.get("message", "")) if isinstance(error, dict) else (None, None)
-        if not isinstance(code, str) or not isinstance(message, str):
+        if not isinstance(error, dict) or not isinstance(error.get("code"), str) or not isinstance(error.get("message", ""), str):
             raise ProtocolError(
                 "the server's reply is neither ok nor an error with a code and a message; "
                 "run the same weightcache version on both sides"
             )
+        code, text = error["code"], error.get("message", "")
         if code == "access_denied":
-            raise AccessDenied(message or "access denied")
+            raise AccessDenied(text or "access denied")
         fields, digest, closest = error.get("fields"), error.get("digest", ""), error.get("closest")
         if code == "not_found" and isinstance(fields, list) and all(isinstance(f, str) for f in fields):
             cls = FingerprintMismatch if fields else EntryNotFound
             raise cls(str(digest), tuple(fields), closest if isinstance(closest, str) else None)
         retry = error.get("retry_after_s")
-        raise ServerError(code, message, retry if isinstance(retry, (int, float)) and 0 < retry <= 1 else None)
+        raise ServerError(code, text, retry if isinstance(retry, (int, float)) and 0 < retry <= 1 else None)
 
     def _read_refusal(self):
         try:
@@ -298,7 +298,7 @@ def wait_for_server(socket_dir: SocketDirLike = None, timeout: float = 10.0) -> 
     """Block until a server answers ``hello`` on ``socket_dir``; ServerUnavailable after ``timeout``."""
     socket_dir = SocketDir.parse(socket_dir)
     deadline = time.monotonic() + timeout
-    last: Exception | None = None
+    last: ServerUnavailable | None = None
     while time.monotonic() < deadline:
         try:
             with Connection(socket_dir, timeout=2.0) as conn:

@@ -88,7 +88,8 @@ def publish_artifacts(
         return None
     saved = torch.compiler.save_cache_artifacts()
     if saved is None or not saved[0]:
-        return _unavailable("nothing was compiled in this process yet; publish after the first compiled forward", strict)
+        _unavailable("nothing was compiled in this process yet; publish after the first compiled forward", strict)
+        return None
     blob = saved[0]
     key = artifact_key(_device(loaded), name)
     fd = sealed_memfd(blob)
@@ -96,7 +97,8 @@ def publish_artifacts(
         with Connection(socket_dir, timeout=timeout_s) as connection:
             connection.put_artifact(digest, key, fd)
     except _UNAVAILABLE as exc:
-        return _unavailable(f"the server did not keep the compile artifacts: {exc}", strict)
+        _unavailable(f"the server did not keep the compile artifacts: {exc}", strict)
+        return None
     finally:
         os.close(fd)
     info = ArtifactInfo(digest, key, len(blob), time.perf_counter() - start)
@@ -129,7 +131,8 @@ def restore_artifacts(
         with Connection(socket_dir, timeout=timeout_s) as connection:
             found = connection.get_artifact(digest, key)
     except _UNAVAILABLE as exc:
-        return _unavailable(f"could not ask the server for compile artifacts: {exc}", strict)
+        _unavailable(f"could not ask the server for compile artifacts: {exc}", strict)
+        return None
     if found is None:
         log.info("no compile artifacts beside %s for %s; torch.compile starts cold", digest[:12], key)
         return None
@@ -164,7 +167,6 @@ def _unavailable(reason: str, strict: bool) -> None:
     if strict:
         raise CompileArtifactsUnavailable(reason)
     log.warning("weightcache: compile artifacts: %s", reason)
-    return None
 
 
 def _triton_version() -> str:

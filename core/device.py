@@ -80,6 +80,11 @@ class Device:
         return "cuda" if self.index is None else f"cuda:{self.index}"
 
 
+def to_device(value: "str | Device | object") -> "Device":
+    """``Device.parse`` as an attrs converter (mypy's attrs plugin reads converters that are plain functions)."""
+    return Device.parse(value)
+
+
 def canonical_uuid(text: str) -> str | None:
     """``GPU-``/``MIG-`` and the lower-case UUID for a prefixed UUID, else None."""
     match = _PREFIXED_UUID.match(text.strip())

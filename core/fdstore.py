@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import typing
 
 from weightcache.core.admission import admit_publish
 from weightcache.core.memfd import read_memfd, sealed_memfd, sealed_size
@@ -50,7 +51,7 @@ class FdStore:
         address = os.environ.get("NOTIFY_SOCKET")
         return cls(address) if address else None
 
-    def notify(self, text: str, fds: list[int] = ()) -> None:
+    def notify(self, text: str, fds: typing.Sequence[int] = ()) -> None:
         """Send one sd_notify datagram (OSError if the service manager is gone)."""
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         self._sock.sendmsg([text.encode()], ancillary, 0, self.address)

@@ -174,7 +174,7 @@ def _receive(sock: socket.socket, registry: Registry, limits: Limits) -> Handed:
     hello, fds = first
     close_fds(fds)
     if hello.get("ok") is not True:
-        error = hello.get("error") if isinstance(hello.get("error"), dict) else {}
+        error = hello["error"] if isinstance(hello.get("error"), dict) else {}
         raise HandoverFailed(
             f"the running server refused the handover: {error.get('message', hello)!s:.300}; it keeps serving every entry"
         )

@@ -51,7 +51,7 @@ def fingerprint_for(request: LoadRequest, description: ModelDescription, checkpo
         checkpoint=checkpoint if checkpoint is not None else checkpoint_identity(request.model),
         architecture=description.architecture,
         config=sha256_json(description.config),
-        dtype=description.dtype,
+        dtype=description.resolved_dtype(),
         quantization=description.quantization,
         quantization_config=canonical_json(description.quantization_config),
         adapter=request.adapter,

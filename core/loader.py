@@ -31,7 +31,7 @@ from weightcache.core.publish import publish_arenas, seal
 from weightcache.core.quantization.allowlist import check_quantization
 from weightcache.core.request import LoadRequest, ModelDescription
 from weightcache.core.safetensors_io import checkpoint_files, checkpoint_identity, identity_of
-from weightcache.core.socket_dir import SocketDir
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
 
 if typing.TYPE_CHECKING:
     import torch
@@ -192,37 +192,60 @@ def load_from_disk(prepared: Prepared, builder: ArenaBuilder | None = None, timi
 
 def publish(
     prepared: Prepared,
-    socket_dir: SocketDir | None = None,
+    socket_dir: SocketDirLike = None,
     progress: ProgressLike | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     label: str | None = None,
     tier: str = "device",
-    disk: bool = True,
-) -> Published | None:
+) -> Published:
     """Load ``prepared`` into arenas and publish it in one frame (atomic: a crash before leaves nothing).
 
     On a GPU the bytes come from the fastest copy the node holds (a peer GPU's
-    entry, the host tier: ``weightcache.core.fill``), else from the disk; with
-    ``disk=False`` None is returned instead of reading the disk. ``tier``
+    entry, the host tier: ``weightcache.core.fill``), else from the disk. ``tier``
     (``TIERS``): ``host`` publishes a host-tier copy of the GPU-made weights
     instead of the GPU entry, ``both`` publishes the two.
     """
+    published = _publish(prepared, SocketDir.parse(socket_dir), progress, chunk_bytes, label, tier, disk=True)
+    if published is None:  # _publish returns None only where it may not read the disk
+        raise RuntimeError("publish read neither the node's copies nor the disk")
+    return published
+
+
+def publish_from_node(prepared: Prepared, socket_dir: SocketDirLike = None) -> Published | None:
+    """Publish ``prepared`` from a copy the node already holds (a peer GPU's entry, the host tier); None if it holds none.
+
+    Never reads the disk: a client fills its GPU this way before it falls back.
+    """
+    return _publish(prepared, SocketDir.parse(socket_dir), None, DEFAULT_CHUNK_BYTES, None, "device", disk=False)
+
+
+def _publish(
+    prepared: Prepared,
+    socket_dir: SocketDir,
+    progress: ProgressLike | None,
+    chunk_bytes: int,
+    label: str | None,
+    tier: str,
+    disk: bool,
+) -> Published | None:
+    """The one publish sequence behind ``publish`` and ``publish_from_node`` (``disk``: whether it may read the disk)."""
     request = prepared.request
     check_tier(tier, request.device)
     timings: dict[str, float] = {}
     label = label or prepared.label
-    fingerprint = prepared.remembered()  # None on first sight: the load derives it from the bytes it reads
-    on_node = fill.sources(fingerprint, socket_dir) if fingerprint is not None and request.device.is_cuda else []
+    remembered = prepared.remembered()  # None on first sight: the load derives it from the bytes it reads
+    on_node = fill.sources(remembered, socket_dir) if remembered is not None and request.device.is_cuda else []
     host_held = next((s.fingerprint.digest for s in on_node if s.tier == HOST_TIER), None)
-    if tier != "device" and fingerprint is not None:
-        done = _host_copy_of_what_is_held(fingerprint, host_held, tier, socket_dir, label, timings)
+    if tier != "device" and remembered is not None:
+        done = _host_copy_of_what_is_held(remembered, host_held, tier, socket_dir, label, timings)
         if done is not None:
             return done
     with ArenaBuilder(request.device, chunk_bytes=chunk_bytes, progress=progress) as builder:
         start = time.perf_counter()
-        copied = fill.copy_from_node(fingerprint, builder, socket_dir, on_node) if fingerprint and on_node else None
-        if copied is not None:
-            manifest, source = copied.manifest, copied.source.name
+        copied = fill.copy_from_node(remembered, builder, socket_dir, on_node) if remembered and on_node else None
+        fingerprint: Fingerprint
+        if copied is not None and remembered is not None:
+            manifest, source, fingerprint = copied.manifest, copied.source.name, remembered
             timings["fill_s"] = time.perf_counter() - start  # copied.timings has its steps
         elif not disk:
             return None
@@ -239,6 +262,8 @@ def publish(
             host_digest, host_created = kept["digest"], bool(kept["created"])
             timings["host_copy_s"] = time.perf_counter() - start
         if tier == "host":
+            if host_digest is None:
+                raise RuntimeError("the host tier's copy was neither found nor kept")
             digest, created, published_as = host_digest, host_created, fingerprint.on_device(HOST_TIER)
         else:
             start = time.perf_counter()

@@ -26,9 +26,9 @@ from weightcache.core.attach import Attachment, fallback_kind, fallback_reason
 from weightcache.core.client import Connection, server_is_running
 from weightcache.core.errors import CheckpointNotFound, EntryNotFound, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
-from weightcache.core.loader import Prepared, load_from_disk, prepare, publish
+from weightcache.core.loader import Prepared, load_from_disk, prepare, publish, publish_from_node
 from weightcache.core.request import LoadRequest
-from weightcache.core.socket_dir import SocketDir, SocketDirLike
+from weightcache.core.socket_dir import SocketDir, SocketDirLike, to_socket_dir
 
 if typing.TYPE_CHECKING:
     from weightcache.core.digests import ProgressLike
@@ -68,7 +68,7 @@ class CacheOptions:
     """
 
     mode: str = attrs.field(default="off", validator=_mode)
-    socket_dir: SocketDir = attrs.field(default=None, converter=SocketDir.parse)
+    socket_dir: SocketDir = attrs.field(default=None, converter=to_socket_dir)
     strict: bool = attrs.field(default=False, validator=_boolean)
     republish: bool = attrs.field(default=True, validator=_boolean)
     timeout_s: float = attrs.field(default=30.0, converter=float, validator=_positive)
@@ -225,7 +225,7 @@ def _fill_from_node(prepared: Prepared, cache: CacheOptions, timings: dict) -> b
     if not prepared.request.device.is_cuda:
         return False
     try:
-        published = publish(prepared, cache.socket_dir, disk=False)
+        published = publish_from_node(prepared, cache.socket_dir)
     except WeightCacheError as exc:
         log.warning("weightcache: could not fill %s from the node's copies: %s", prepared.request.device, exc)
         return False

@@ -18,6 +18,10 @@ TYPES: typing.Final = (bool, int, float, str, list, dict)
 """The types an option may declare: what a JSON value (``--option KEY=VALUE``) decodes to."""
 
 
+def _values(value: typing.Iterable) -> tuple:
+    return tuple(value)
+
+
 def _option_type(_instance, _attribute, value) -> None:
     if value is not None and value not in TYPES:
         raise ValueError(f"an option's type must be one of {', '.join(t.__name__ for t in TYPES)} (JSON values), not {value!r}")
@@ -37,9 +41,9 @@ class AdapterOption:
 
     help: str
     type: type | None = attrs.field(default=None, validator=_option_type)
-    choices: tuple = attrs.field(default=(), converter=tuple)
+    choices: tuple = attrs.field(default=(), converter=_values)
     default: typing.Any = None
-    alternatives: tuple = attrs.field(default=(), converter=tuple)
+    alternatives: tuple = attrs.field(default=(), converter=_values)
 
     @classmethod
     def of(cls, declared: "AdapterOption | str") -> "AdapterOption":

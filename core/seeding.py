@@ -433,7 +433,7 @@ def run(args: argparse.Namespace) -> int:
             f"complete within {args.timeout:g} s ({_first_line(exc)})",
         ) from None
     try:
-        if sender:
+        if fingerprint is not None:  # the sender's, named above
             report = send_entry(fingerprint, args.socket_dir, src=args.src_rank, timeout_s=args.timeout)
         else:
             report = receive_entry(args.socket_dir, device, src=args.src_rank, timeout_s=args.timeout)

@@ -56,7 +56,7 @@ from weightcache.core.protocol import (
 from weightcache.core.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, OverBudget, Registry, TooManyArtifacts
 from weightcache.core.rewarm import Warmer, scrub_in_background
 from weightcache.core.serve_config import ConfigError, ServeSource
-from weightcache.core.socket_dir import SocketDir
+from weightcache.core.socket_dir import SocketDir, to_socket_dir
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class ServerConfig:
     a NaN, infinite, negative, zero or absurd value is a ValueError here, before anything is bound.
     """
 
-    socket_dir: SocketDir = attrs.field(converter=SocketDir.parse)
+    socket_dir: SocketDir = attrs.field(converter=to_socket_dir)
     byte_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
     host_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
     gpu_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
@@ -222,8 +222,11 @@ class Server:
             while not self._stopping.is_set():
                 if not self._accepting.wait(0.2):
                     continue  # the listener is being handed over: newcomers wait in its queue
+                listener = self._listener
+                if listener is None:  # closed by stop()
+                    break
                 try:
-                    conn, _ = self._listener.accept()
+                    conn, _ = listener.accept()
                 except (TimeoutError, InterruptedError):
                     continue
                 except OSError as exc:
@@ -260,8 +263,8 @@ class Server:
     def keep_warm(self, source: ServeSource) -> None:
         """Load ``source``'s warm list in the background; SIGHUP re-reads the file (budgets and list), evicting nothing."""
         _, items = source.read()
-        self.warmer = Warmer(self.config.socket_dir, items)
-        self.warmer.start()
+        warmer = self.warmer = Warmer(self.config.socket_dir, items)
+        warmer.start()
 
         def reload() -> None:
             try:
@@ -270,7 +273,7 @@ class Server:
                 log.warning("SIGHUP: kept the settings in force: %s", exc)
                 return
             self.change_budgets(**{key: settings.get(key) for key in ("byte_budget", "host_budget", "gpu_budget")})
-            self.warmer.replace(items)
+            warmer.replace(items)
             log.info("SIGHUP: re-read %s: budgets %s, %d models to keep warm", source.path, self.registry.budgets, len(items))
 
         signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=reload, daemon=True).start())

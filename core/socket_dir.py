@@ -70,5 +70,10 @@ class SocketDir:
         return str(self.path)
 
 
+def to_socket_dir(value: SocketDirLike) -> SocketDir:
+    """``SocketDir.parse`` as an attrs converter (mypy's attrs plugin reads converters that are plain functions)."""
+    return SocketDir.parse(value)
+
+
 SocketDirLike: typing.TypeAlias = "SocketDir | str | os.PathLike[str] | None"
 """What a public function accepts for a socket directory; it calls ``SocketDir.parse`` once, where it enters."""

@@ -52,8 +52,8 @@ def table_views(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tensor
     strides = torch.zeros((count, width), dtype=torch.long)
     if table.dims:
         owner = torch.repeat_interleave(torch.arange(count), ndim)
-        starts = torch.cumsum(ndim, 0) - ndim
-        position = torch.arange(table.dims) - starts[owner]
+        first_dim = torch.cumsum(ndim, 0) - ndim
+        position = torch.arange(table.dims) - first_dim[owner]
         shapes[owner, position] = column("shape", torch.int64)
         strides[owner, position] = column("stride", torch.int64)
     patterns: dict[str, int] = {}

@@ -27,7 +27,12 @@ def read_config(model: str, revision: str | None = None) -> dict:
     if not Path(model).exists() and looks_like_hub_id(model):
         from transformers.utils import cached_file
 
-        path = Path(cached_file(model, "config.json", revision=revision))
+        found = cached_file(model, "config.json", revision=revision)
+        if found is None:
+            raise FileNotFoundError(
+                f"{model} has no config.json in the local hub cache; download it, or pass a checkpoint directory"
+            )
+        path = Path(found)
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
@@ -76,7 +81,7 @@ def fp8_config(config: dict, requested: str | None, options: dict) -> "Fp8BlockC
         return None
     if requested != FP8_BLOCK:
         raise UnsupportedQuantization(requested, "only block-wise FP8 is validated")
-    kwargs = {}
+    kwargs: dict[str, typing.Any] = {}
     if options.get("block_size"):
         kwargs["block_size"] = tuple(options["block_size"])
     if options.get("exclude") is not None:

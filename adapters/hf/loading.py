@@ -11,6 +11,7 @@ from weightcache.core.rebind import check_no_meta, meta_parameters
 
 if typing.TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
     from weightcache.core.export import ArenaBuilder
     from weightcache.core.manifest import Manifest
@@ -19,7 +20,19 @@ if typing.TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def model_class(request: "LoadRequest", config: dict) -> type:
+PREQUANTIZED_ATTR = "_weightcache_prequantized"
+"""Set on a model loaded from a block-FP8 checkpoint as it is stored (post-processing must not quantize it again)."""
+
+
+class ModelClass(typing.Protocol):
+    """What the adapter uses of a transformers model class (``AutoModel`` or a concrete one)."""
+
+    def from_pretrained(self, model: str, **kwargs: typing.Any) -> "PreTrainedModel": ...
+
+    def _from_config(self, config: typing.Any, **kwargs: typing.Any) -> "PreTrainedModel": ...
+
+
+def model_class(request: "LoadRequest", config: dict) -> ModelClass:
     """The transformers class to build: ``options['model_class']`` or the checkpoint's architecture."""
     import transformers
 
@@ -80,7 +93,7 @@ def load(request: "LoadRequest", builder: "ArenaBuilder | None" = None) -> "torc
         if model is not None:
             return model
     cls = model_class(request, config)
-    kwargs = {"dtype": load_dtype(request, config), "revision": request.revision}
+    kwargs: dict[str, typing.Any] = {"dtype": load_dtype(request, config), "revision": request.revision}
     if request.is_cuda:
         kwargs["device_map"] = request.device.torch()
     model = cls.from_pretrained(request.model, **kwargs)
@@ -141,7 +154,7 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
     return model.eval()
 
 
-def _tied_skeleton(request: "LoadRequest", dtype: "torch.dtype") -> "torch.nn.Module":
+def _tied_skeleton(request: "LoadRequest", dtype: "torch.dtype") -> "PreTrainedModel":
     """The meta skeleton, tied on meta: that shows which names tying would overwrite."""
     model = skeleton(request, drop_quantization=False, dtype=dtype)
     model.tie_weights()
@@ -160,6 +173,8 @@ def load_prequantized_fp8(request: "LoadRequest", config: dict) -> "torch.nn.Mod
     from weightcache.core.safetensors_io import checkpoint_files
 
     fp8 = hf_config.fp8_config(config, None, dict(request.options))
+    if fp8 is None:
+        raise ValueError(f"{request.model} declares no block-wise FP8 quantization to load as it is stored")
     model = skeleton(request, drop_quantization=True, dtype=load_dtype(request, config))
     device = request.device.torch()
     tensors = {}
@@ -174,7 +189,7 @@ def load_prequantized_fp8(request: "LoadRequest", config: dict) -> "torch.nn.Mod
     model.tie_weights()
     _buffers_to(model, device)
     check_no_meta(model)
-    model._weightcache_prequantized = True
+    setattr(model, PREQUANTIZED_ATTR, True)
     log.info("loaded %d pre-quantized block-FP8 layers without re-quantizing", len(converted))
     return model.eval()
 
@@ -188,7 +203,7 @@ def _buffers_to(model, device) -> None:
 
 def skeleton(
     request: "LoadRequest", drop_quantization: bool, dtype: "torch.dtype", class_name: str | None = None
-) -> "torch.nn.Module":
+) -> "PreTrainedModel":
     """The model built from its config with parameters on meta and real buffers.
 
     Weight initialisation is skipped (every parameter is replaced before use):
@@ -221,6 +236,9 @@ def build_skeleton(request: "LoadRequest", manifest: "Manifest") -> "torch.nn.Mo
 
     Modules whose ``weight_scale_inv`` the manifest holds become FP8 layers.
     """
+    import torch
+
+    from weightcache.core.errors import RebindError
     from weightcache.core.quantization.fp8_block import Fp8BlockLinear
 
     extra = manifest.extra
@@ -230,6 +248,9 @@ def build_skeleton(request: "LoadRequest", manifest: "Manifest") -> "torch.nn.Mo
         if name.endswith(".weight_scale_inv"):
             name = name.removesuffix(".weight_scale_inv")
             module = model.get_submodule(name)
-            if not isinstance(module, Fp8BlockLinear):
-                model.set_submodule(name, Fp8BlockLinear.like(module, block_size, device="meta"))
+            if isinstance(module, Fp8BlockLinear):
+                continue
+            if not isinstance(module, torch.nn.Linear):
+                raise RebindError(f"{name} has a weight_scale_inv but is a {type(module).__name__}, not a Linear layer")
+            model.set_submodule(name, Fp8BlockLinear.like(module, block_size, device="meta"))
     return model

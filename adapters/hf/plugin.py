@@ -7,6 +7,7 @@ transformers is imported inside the hooks, so weightcache imports without it.
 from __future__ import annotations
 
 import logging
+import typing
 
 from weightcache.adapters.hf import config as hf_config
 from weightcache.core import __version__
@@ -87,7 +88,9 @@ def weightcache_load(request, builder):
 
 @hookimpl
 def weightcache_post_process(request, model, description):
-    if description.quantization != hf_config.FP8_BLOCK or getattr(model, "_weightcache_prequantized", False):
+    from weightcache.adapters.hf.loading import PREQUANTIZED_ATTR
+
+    if description.quantization != hf_config.FP8_BLOCK or getattr(model, PREQUANTIZED_ATTR, False):
         return model
     from weightcache.core.quantization.fp8_block import Fp8BlockConfig, quantize_model
 
@@ -106,7 +109,7 @@ def weightcache_post_process(request, model, description):
 def weightcache_manifest_extra(request, model):
     from weightcache.core.quantization.fp8_block import Fp8BlockLinear
 
-    extra = {"model_class": type(model).__name__, "dtype": str(_param_dtype(model)).removeprefix("torch.")}
+    extra: dict[str, typing.Any] = {"model_class": type(model).__name__, "dtype": str(_param_dtype(model)).removeprefix("torch.")}
     fp8 = next((m for m in model.modules() if isinstance(m, Fp8BlockLinear)), None)
     if fp8 is not None:
         extra["fp8_block_size"] = list(fp8.block_size)
