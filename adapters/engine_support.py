@@ -20,6 +20,7 @@ import contextlib
 import importlib
 import json
 import logging
+import os
 import typing
 from collections.abc import Callable, Iterator
 
@@ -95,6 +96,17 @@ def engine_description(
         engine_version=engine_version,
         extra=extra,
     )
+
+
+def checkpoint_dir(model: str, revision: str | None, load_config: typing.Any, download: Callable[..., str]) -> str:
+    """The local directory of the checkpoint's safetensors files: ``model`` itself, else what ``download`` fetched.
+
+    ``download`` is the engine's own ``download_weights_from_hf`` (vLLM's and SGLang's take the same arguments);
+    ``load_config`` is the engine's LoadConfig (its download directory and ignore patterns).
+    """
+    if os.path.isdir(model):
+        return model
+    return download(model, load_config.download_dir, ["*.safetensors"], revision, ignore_patterns=load_config.ignore_patterns)
 
 
 @contextlib.contextmanager

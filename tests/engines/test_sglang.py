@@ -51,9 +51,9 @@ from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
 from sglang.srt.model_loader.loader import BaseModelLoader, get_model_loader  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
-from weightcache.adapters.sglang import identity, internals, plugin  # noqa: E402
+from weightcache.adapters.sglang import engine, identity, internals, plugin  # noqa: E402
+from weightcache.adapters.sglang.engine import STATE_KEY, EngineObjects  # noqa: E402
 from weightcache.adapters.sglang.loader import loader_class  # noqa: E402
-from weightcache.adapters.sglang.runtime import STATE_KEY, EngineConfigs  # noqa: E402
 from weightcache.conformance import ConformanceFixtures, ConformanceTests, ParityTests  # noqa: E402
 from weightcache.core.client import server_is_running  # noqa: E402
 from weightcache.core.errors import UnsupportedQuantization  # noqa: E402
@@ -288,8 +288,8 @@ def test_docs_list_every_private_name_with_the_version():
 
 def fingerprint(path, args, ranks=None, dtype="bfloat16"):
     """The fingerprint the core computes for SGLang's objects (as WeightcacheLoader hands them over)."""
-    ranks = ranks or identity.Ranks()
-    configs = EngineConfigs(model_config(path, dtype), LoadConfig(load_format="auto"), DeviceConfig("cpu", 0), args, ranks)
+    ranks = ranks or engine.Ranks()
+    configs = EngineObjects(model_config(path, dtype), LoadConfig(load_format="auto"), DeviceConfig("cpu", 0), args, ranks)
     return prepare(
         LoadRequest(model=str(path), adapter="sglang", parallel=ranks.parallel, state={STATE_KEY: configs})
     ).fingerprint
@@ -314,19 +314,17 @@ def test_fingerprint_is_built_from_model_config_and_server_args(tiny_llama):
 
 def test_fingerprint_names_the_field_that_differs(tiny_llama, tmp_path):
     args = server_args(tiny_llama)
-    base = fingerprint(tiny_llama, args, identity.Ranks(tp_size=2, tp_rank=0))
-    assert base.mismatched_fields(fingerprint(tiny_llama, args, identity.Ranks(tp_size=2, tp_rank=1))) == ("tp_rank",)
-    assert base.mismatched_fields(fingerprint(tiny_llama, args, identity.Ranks(tp_size=2, moe_dp_size=2))) == (
-        "extra.moe_dp_size",
-    )
-    assert "dtype" in base.mismatched_fields(fingerprint(tiny_llama, args, identity.Ranks(tp_size=2), dtype="float16"))
+    base = fingerprint(tiny_llama, args, engine.Ranks(tp_size=2, tp_rank=0))
+    assert base.mismatched_fields(fingerprint(tiny_llama, args, engine.Ranks(tp_size=2, tp_rank=1))) == ("tp_rank",)
+    assert base.mismatched_fields(fingerprint(tiny_llama, args, engine.Ranks(tp_size=2, moe_dp_size=2))) == ("extra.moe_dp_size",)
+    assert "dtype" in base.mismatched_fields(fingerprint(tiny_llama, args, engine.Ranks(tp_size=2), dtype="float16"))
     fp8_kv = server_args(tiny_llama, kv_cache_dtype="fp8_e4m3")
-    assert base.mismatched_fields(fingerprint(tiny_llama, fp8_kv, identity.Ranks(tp_size=2))) == (
+    assert base.mismatched_fields(fingerprint(tiny_llama, fp8_kv, engine.Ranks(tp_size=2))) == (
         "extra.server_args.kv_cache_dtype",
     )
 
     block = with_quantization(tiny_llama, tmp_path / "fp8-block", FP8_BLOCK, weights=True)
-    quantized = fingerprint(block, args, identity.Ranks(tp_size=2))
+    quantized = fingerprint(block, args, engine.Ranks(tp_size=2))
     fields = base.mismatched_fields(quantized)
     assert {"quantization", "quantization_config", "extra.quant_method", "extra.quant_config_hash"} <= set(fields)
     assert "checkpoint" not in fields and quantized.quantization == "fp8-block"
@@ -337,7 +335,7 @@ def test_ranks_come_from_sglangs_parallel_context():
 
     parallel = get_parallel()
     with parallel.override(tp_size=1, tp_rank=0, pp_size=1, pp_rank=0):
-        ranks = identity.Ranks.current()
+        ranks = engine.Ranks.current()
     assert (ranks.tp_size, ranks.tp_rank, ranks.pp_size, ranks.moe_ep_size) == (1, 0, 1, 1)
 
 
