@@ -98,9 +98,15 @@ class Systemd:
 
 
 @pytest.fixture
-def systemd(tmp_path):
+def units(tmp_path) -> Path:
+    """The directory systemd reads units from (a test may add ``environment``, read when the unit starts)."""
     units = tmp_path / "units"
     units.mkdir()
+    return units
+
+
+@pytest.fixture
+def systemd(units):
     for name in [*STUB_TARGETS, "wc"]:
         (units / f"{name}.target").write_text(f"[Unit]\nDescription=stub {name}\nDefaultDependencies=no\n")
     lines = []
@@ -109,9 +115,10 @@ def systemd(tmp_path):
             continue
         if line.startswith("ExecStart="):
             line = f"ExecStart={sys.executable} -m weightcache.core.cli serve --socket-dir /run/weightcache"
+            lines.append("EnvironmentFile=-/run/wc-units/environment")  # a test's handover hooks
         lines.append(line)
     (units / "weightcache.service").write_text("\n".join(lines) + "\n")
-    manager = Systemd(units, tmp_path / "systemd.log")
+    manager = Systemd(units, units.parent / "systemd.log")
     try:
         yield manager
     finally:
@@ -181,3 +188,20 @@ def test_a_successor_started_from_a_shell_becomes_the_main_process_of_a_unit_run
     state = _settled(systemd, str(taken["pid"]))
     time.sleep(2)  # RestartSec=1: a restart loop would show by now
     assert systemd.show("NRestarts", "ActiveState") == {"NRestarts": "0", "ActiveState": "active"}, state
+
+
+@pytest.mark.parametrize("step", ["packing", "sent"])
+def test_an_old_server_killed_during_an_in_place_restart_leaves_every_entry_in_the_restarted_unit(systemd, units, step):
+    """Killed before its one handover message or right after it, before ``MAINPID=``: systemd sees its main process
+    die, stops the rest of the unit (the successor) and restarts it; the fd store gives every entry back."""
+    from weightcache.core.handover import DIE_AT_ENV
+
+    (units / "environment").write_text(f"{DIE_AT_ENV}={step}\n")  # the successor's steps have other names
+    systemd.run("systemctl", "start", "weightcache.service")
+    first = systemd.client(publish=5)
+    systemd.run("systemctl", "kill", "-s", "USR2", "--kill-whom=main", "weightcache.service")
+    assert wait_until(lambda: systemd.show("NRestarts")["NRestarts"] == "1", 30), "systemd did not restart the unit"
+    after = _served_by_another(systemd, first["pid"])  # the restarted server: the successor was stopped with the unit
+    state = _settled(systemd, str(after["pid"]))
+    assert after["entries"] == first["entries"], state
+    assert state["NRestarts"] == "1" and state["NFileDescriptorStore"] == "15", state
