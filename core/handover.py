@@ -14,8 +14,9 @@ The running server (the predecessor) refuses publish, evict and put_artifact
    its listening socket, its lock file and every parcel's read end: at most
    ``FDS_PER_MESSAGE`` fds, so one sendmsg;
 3. waits for the answer: a confirmation (the successor holds every entry and
-   accepts on the listener: the predecessor exits without unlinking the path), or
-   a refusal (it resumes serving and says ``resumed``).
+   accepts on the listener: the predecessor tells the service manager
+   ``MAINPID=<successor>``, sends a farewell frame and exits without unlinking
+   the path), or a refusal (it resumes serving and says ``resumed``).
 
 That one sendmsg is the handover. Before it the predecessor alone holds the
 entries; from it on the successor holds them all too (fds in flight belong to
@@ -67,6 +68,8 @@ STEPS = frozenset({"packing", "sent", "refused", "confirmed", "received", "admit
 """Predecessor: after its first entry is packed, after the handover frame left, after a refusal arrived, after the
 confirmation arrived. Successor: after the handover frame arrived, after its first entry was admitted, before it confirms."""
 
+FAREWELL_WAIT_S = 2.0
+"""How long a successor that confirmed waits for its predecessor's farewell (sent after ``MAINPID=``)."""
 MAX_PARCELS = FDS_PER_MESSAGE - 2
 """Parcels one handover frame carries beside the listener and the lock (one sendmsg)."""
 _PARCEL_OVERHEAD = 1024  # bytes of kernel bookkeeping counted per sendmsg into a parcel, beyond its data
@@ -235,14 +238,21 @@ class Handed:
         return self.listener_fd >= 0
 
     def confirm(self) -> None:
-        """Tell the predecessor every entry is held here and the listener accepts: it may exit now."""
+        """Tell the predecessor every entry is held here and the listener accepts: it may exit now.
+
+        Then wait (at most ``FAREWELL_WAIT_S``) for its last frame, sent once it told the service manager
+        ``MAINPID=<this process>``: what this process tells the service manager afterwards (``FDSTORE=1`` for a
+        new entry) is then heard from the unit's main process, not refused.
+        """
         if self._sock is None:
             return
         try:
             _step("confirming")
             send_frame(self._sock, ok_reply(held=self.entries, artifacts=self.artifacts, pid=os.getpid()))
-        except OSError as exc:  # it died after it handed over: nothing is lost
-            log.warning("could not confirm the handover to pid %d: %s", self.predecessor_pid, exc)
+            farewell = FrameReader(self._sock, deadline_s=FAREWELL_WAIT_S).read(idle_timeout=FAREWELL_WAIT_S)
+            close_fds(farewell[1] if farewell else [])
+        except (OSError, ProtocolError) as exc:  # it died after it handed over, or is slow to exit: nothing is lost
+            log.info("no farewell from pid %d after the handover: %s", self.predecessor_pid, exc or type(exc).__name__)
         finally:
             self._sock.close()
             self._sock = None

@@ -393,6 +393,7 @@ class Server:
         if done:
             self._handed_over = True
             readiness.notify(f"MAINPID={pid}")  # under systemd the successor is the unit's main process from now on
+            self._try_send(conn, ok_reply(farewell=True))  # after MAINPID=: the successor's notifications come later
             self.stop()
 
     def _try_send(self, conn: socket.socket, reply: dict, fds=()) -> bool:
