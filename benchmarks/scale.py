@@ -223,10 +223,16 @@ def publish_case(specs, device: str, max_bytes: int, socket_dir, anchor: Path, l
             if nbytes > pool[which].numel():  # larger than a pool arena: its rows overlap (real shape, fewer bytes)
                 state[name] = _squeezed(pool[which].view(getattr(torch, dtype)), shape)
                 continue
+            padded = -(-nbytes // ALIGNMENT) * ALIGNMENT
             if cursor + nbytes > pool[which].numel():
+                # The arena's last tensor ends at its end (the server refuses an arena its tensors do not reach), then
+                # the next arena; after a full cycle the records overlap what the first cycle placed.
+                end = pool[which].numel()
+                region = pool[which][end - padded : end - padded + nbytes]
                 which, cursor = (which + 1) % len(pool), 0
-            region = pool[which][cursor : cursor + nbytes]
-            cursor += -(-nbytes // ALIGNMENT) * ALIGNMENT
+            else:
+                region = pool[which][cursor : cursor + nbytes]
+                cursor += padded
             state[name] = region[: _numel(shape) * ITEM_SIZES[dtype]].view(getattr(torch, dtype)).view(shape)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
