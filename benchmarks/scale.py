@@ -348,6 +348,21 @@ def measure(model: str, rank: bool, args, socket_dir, anchor: Path) -> dict:
     return {"case": label, **published, **figures, "one_copy": one_copy, "same_bytes": same_bytes}
 
 
+def wait_for_free_memory(device: str, timeout: float = 30.0) -> None:
+    """Wait until the evicted case's GPU memory is back (the server and the engines release it as they close)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    deadline, last = time.monotonic() + timeout, -1
+    while time.monotonic() < deadline:
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        if free == last:
+            return
+        last = free
+        time.sleep(0.5)
+
+
 def print_table(results: list[dict], device: str) -> None:
     phases = ["request_s", "manifest_s", "map_s", "views_s", "rebind_s", "total_s"]
     head = ["case", "tensors", "GiB", "manifest build", "publish (server check)"] + [p.removesuffix("_s") for p in phases]
@@ -411,6 +426,10 @@ def main(argv=None) -> int:
         for model in args.models:
             for case in args.cases:
                 results.append(measure(model, case == "rank", args, socket_dir, anchor))
+                print_table(results[-1:], args.device)  # each case as it ends: a run cut short keeps what it measured
+                if args.json:
+                    Path(args.json).write_text(json.dumps(results, indent=2))
+                wait_for_free_memory(args.device)
     finally:
         server.terminate()
         server.wait(timeout=60)
