@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--take-over",
         action="store_true",
         help="restart or upgrade: take every entry, the socket and the lock from the server running on this directory, "
-        "which exits once this one serves (without one running: start as usual)",
+        "which exits once this one serves (without one running: start as usual); under systemd send the running server "
+        "SIGUSR2 instead: it starts its own successor inside the unit",
     )
     serve.add_argument(
         "--idle-timeout",

@@ -105,6 +105,7 @@ def rebind_module(
     params: dict[str, torch.nn.Parameter] = {}
     attribute_sets = table.attribute_sets
     Parameter, Tensor = torch.nn.Parameter, torch.Tensor
+    make_subclass = Tensor._make_subclass  # what Parameter() calls for a plain tensor, without its Python frame
     with gc_paused():  # tens of thousands of Parameters: no full collections in between
         for name, kind, persistent, attributes in zip(table.names, table.kind, table.persistent, table.attributes, strict=True):
             owner, leaf = owners.split(name)
@@ -117,7 +118,10 @@ def rebind_module(
                     "the cached entry was made from a different model configuration"
                 )
             if kind == _PARAMETER:
-                bound = params[name] = Parameter(tensor, requires_grad=False)
+                if type(tensor) is Tensor:
+                    bound = params[name] = make_subclass(Parameter, tensor, False)
+                else:
+                    bound = params[name] = Parameter(tensor, requires_grad=False)
                 if owner._buffers:
                     owner._buffers.pop(leaf, None)
                 owner._parameters[leaf] = bound

@@ -24,6 +24,7 @@ import resource
 import signal
 import socket
 import stat
+import sys
 import threading
 import time
 from pathlib import Path
@@ -53,6 +54,7 @@ from weightcache.core.protocol import (
     ok_reply,
     send_frame,
 )
+from weightcache.core.reexec import spawn_successor
 from weightcache.core.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, OverBudget, Registry, TooManyArtifacts
 from weightcache.core.rewarm import Warmer, scrub_in_background
 from weightcache.core.serve_config import ConfigError, ServeSource
@@ -284,9 +286,20 @@ class Server:
         self.registry.budgets = Budgets(total=byte_budget, host=host_budget, per_gpu=gpu_budget)
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT stop the server cleanly."""
+        """SIGTERM and SIGINT stop the server cleanly; SIGUSR2 restarts it in place (``core/reexec.py``)."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: self.stop())
+        signal.signal(signal.SIGUSR2, lambda *_: threading.Thread(target=self._restart_in_place, daemon=True).start())
+
+    def _restart_in_place(self) -> None:
+        """Start this server's successor (``serve --take-over`` with this command line); it takes every entry over."""
+        if self._frozen.is_set():
+            log.warning("SIGUSR2 ignored: a successor is taking over already")
+            return
+        try:
+            spawn_successor(sys.argv[1:])
+        except (OSError, ValueError) as exc:
+            log.warning("SIGUSR2: could not start a successor (%s); serving on", exc)
 
     def _spawn(self, conn: socket.socket) -> None:
         state = ConnectionState(next(self._ids), conn)
@@ -383,6 +396,8 @@ class Server:
                 self._frozen.clear()
         if done:
             self._handed_over = True
+            readiness.notify(f"MAINPID={pid}")  # under systemd the successor is the unit's main process from now on
+            self._try_send(conn, ok_reply(farewell=True))  # after MAINPID=: the successor's notifications come later
             self.stop()
 
     def _try_send(self, conn: socket.socket, reply: dict, fds=()) -> bool:
@@ -587,7 +602,8 @@ class Server:
         log.info("server stopping")
         if self.warmer is not None:
             self.warmer.stop()
-        readiness.notify("STOPPING=1")
+        if not self._handed_over:  # else the unit goes on, with the successor as its main process
+            readiness.notify("STOPPING=1")
         if self._exporter is not None:
             self._exporter.close()
             self._exporter = None
