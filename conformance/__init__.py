@@ -29,23 +29,32 @@ See docs/adapter-guide.md.
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 __all__ = [
     "REFUSED_METHODS",
+    "AdapterTests",
+    "ArchitectureTests",
     "ConformanceFixtures",
     "ConformanceTests",
     "CrashTests",
     "FingerprintTests",
+    "FlipTests",
+    "ModeTests",
     "ParityTests",
     "QuantizationTests",
 ]
 
 _LAZY = {
+    "AdapterTests": "weightcache.conformance.checks",
+    "ArchitectureTests": "weightcache.conformance.checks",
     "ConformanceFixtures": "weightcache.conformance.fixtures",
     "ConformanceTests": "weightcache.conformance.checks",
     "CrashTests": "weightcache.conformance.checks",
     "FingerprintTests": "weightcache.conformance.checks",
+    "FlipTests": "weightcache.conformance.checks",
+    "ModeTests": "weightcache.conformance.checks",
     "ParityTests": "weightcache.conformance.checks",
     "QuantizationTests": "weightcache.conformance.checks",
     "REFUSED_METHODS": "weightcache.conformance.checks",
@@ -54,7 +63,7 @@ _LAZY = {
 SUITE = Path(__file__).with_name("suite.py")
 """The module that runs the kit on the model named by the command-line options."""
 
-OPTIONS = (
+OPTIONS: tuple[tuple[str, str, dict[str, typing.Any]], ...] = (
     ("--weightcache-adapter", "adapter name, as registered in the 'weightcache.adapters' entry points", {}),
     ("--weightcache-model", "checkpoint the kit loads", {}),
     ("--weightcache-quant", "quantization method to check (fp8-block); default: none", {}),
@@ -107,7 +116,11 @@ def pytest_configure(config) -> None:
         try:
             precheck(
                 request_from_options(
-                    *(config.getoption(f"weightcache_{name}") for name in ("adapter", "model", "quant", "device", "dtype")),
+                    config.getoption("weightcache_adapter"),
+                    config.getoption("weightcache_model"),
+                    config.getoption("weightcache_quant"),
+                    config.getoption("weightcache_device"),
+                    config.getoption("weightcache_dtype"),
                     config.getoption("weightcache_option") or [],
                 )
             )

@@ -12,6 +12,14 @@
 - :class:`QuantizationTests`: refused methods fail before any weight is read.
 - :class:`CrashTests`: a SIGKILLed server leaves an attached model's outputs unchanged.
 - :class:`ConformanceTests`: all of them.
+
+Grouped by what their outcome depends on, for a suite that runs the kit on many models of one adapter:
+
+- :class:`ArchitectureTests` (parity, modes, flips, crash): the model's architecture decides the outcome
+  (its layers, tied weights, post-processing): run them on every architecture the adapter supports.
+- :class:`AdapterTests` (fingerprint, quantization refusals): the core's and the adapter's identity rules,
+  which no architecture changes (each check perturbs the fingerprint or the declared method, not the
+  model): run them once per adapter (and quantization), on any one model.
 """
 
 from __future__ import annotations
@@ -60,7 +68,8 @@ def changed_fingerprint(fingerprint: Fingerprint, field: str) -> tuple[Fingerpri
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"the kit does not know how to change fingerprint field {field!r} of type {type(value).__name__}")
     changed = value + 1 if isinstance(value, int) else (f"{value}+conformance" if value else "conformance")
-    return attrs.evolve(fingerprint, **{field: changed}), field
+    changes: dict[str, typing.Any] = {field: changed}  # one field, named at run time
+    return attrs.evolve(fingerprint, **changes), field
 
 
 def mismatch_name(field: str) -> str:
@@ -111,7 +120,9 @@ class ParityTests:
         loaded = load(load_request, "daemon", plugins, weightcache_server.socket_dir, strict=True)
         try:
             assert (loaded.source, loaded.mode) == ("cache", "daemon"), f"mode 'daemon' gave {loaded.source!r} / {loaded.mode!r}"
-            assert loaded.attachment.digest == published.digest, "mode 'daemon' attached another entry than the one published"
+            assert loaded.attachment is not None and loaded.attachment.digest == published.digest, (
+                "mode 'daemon' attached another entry than the one published"
+            )
             assert_same_model(loaded.model, disk_model.model, run_model, example_inputs, "daemon mode")
         finally:
             loaded.close()
@@ -457,5 +468,13 @@ class FlipTests:
         assert not problems, failures("adapter options flipped on a published entry", problems)
 
 
-class ConformanceTests(ParityTests, ModeTests, FingerprintTests, FlipTests, QuantizationTests, CrashTests):
+class ArchitectureTests(ParityTests, ModeTests, FlipTests, CrashTests):
+    """The checks whose outcome depends on the model's architecture: run them on every architecture."""
+
+
+class AdapterTests(FingerprintTests, QuantizationTests):
+    """The checks no architecture changes (fingerprint fields, quantization refusals): once per adapter suffices."""
+
+
+class ConformanceTests(ArchitectureTests, AdapterTests):
     """Every check of the kit."""

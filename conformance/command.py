@@ -235,9 +235,9 @@ def print_table(summary: dict, stream: typing.TextIO | None = None) -> None:
         for result in failures:
             by_message.setdefault(f"{result['outcome']}: {result['message']}", []).append(result)
         for message, results in by_message.items():
-            names = ", ".join(r["check"] for r in results[:3]) + (f" and {len(results) - 3} more" if len(results) > 3 else "")
+            shown = ", ".join(r["check"] for r in results[:3]) + (f" and {len(results) - 3} more" if len(results) > 3 else "")
             count = f"{len(results)} checks" if len(results) > 1 else "1 check"
-            print(f"  {count} ({names}) {message}", file=stream)
+            print(f"  {count} ({shown}) {message}", file=stream)
     counts = summary["counts"]
     said = summary.get("verdict") or verdict(summary["exit_code"], None)
     if said == FAILED:

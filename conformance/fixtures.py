@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-import os
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,6 +40,7 @@ from weightcache.conformance.precheck import PrecheckFailed, precheck
 from weightcache.conformance.verdict import NO_FORWARD
 from weightcache.conformance.weightless import copy_without_weights
 from weightcache.core.example_inputs import run_with_inputs
+from weightcache.core.socket_dir import SocketDirLike
 
 if typing.TYPE_CHECKING:
     import torch
@@ -51,7 +51,7 @@ if typing.TYPE_CHECKING:
 
 FP8_BLOCK = "fp8-block"
 
-HF_DECLARATIONS = {
+HF_DECLARATIONS: dict[str, dict[str, typing.Any]] = {
     "fp8": {"quant_method": "fp8", "activation_scheme": "static"},
     "marlin": {"quant_method": "marlin", "bits": 4, "group_size": 128},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
@@ -74,7 +74,7 @@ def load(
     request: "LoadRequest",
     mode: str,
     plugins: "Plugins | None" = None,
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDirLike = None,
     strict: bool = False,
 ) -> "LoadedModel":
     """``request`` through the core's mode runner in ``mode`` (what every engine integration calls)."""
@@ -190,7 +190,7 @@ class ConformanceFixtures:
     @classmethod
     def load_options(cls, request) -> dict:
         """Adapter options passed to ``load_model`` (e.g. ``{"model_class": "AutoModel"}`` for hf); ``--weightcache-option KEY=VALUE``."""
-        from weightcache.core.cli import parse_options
+        from weightcache.core.options import parse_options
 
         return parse_options(_option(request, "weightcache_option") or [])
 

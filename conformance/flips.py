@@ -27,6 +27,7 @@ import attrs
 from weightcache.conformance.assertions import assert_same_model
 from weightcache.conformance.fixtures import FP8_BLOCK, fresh, load
 from weightcache.core.errors import WeightCacheError
+from weightcache.core.socket_dir import SocketDirLike
 
 if typing.TYPE_CHECKING:
     from weightcache.core.loader import Published
@@ -89,7 +90,7 @@ def judge(
     flip: Flip,
     published: "Published",
     plugins: "Plugins | None",
-    socket_dir: str,
+    socket_dir: SocketDirLike,
     run_model: "typing.Callable",
     example_inputs: typing.Any,
 ) -> str | None:
@@ -111,7 +112,7 @@ def judge(
 
 
 def _same_fingerprint_problem(
-    flip: Flip, plugins: "Plugins | None", socket_dir: str, run_model: "typing.Callable", example_inputs: typing.Any
+    flip: Flip, plugins: "Plugins | None", socket_dir: SocketDirLike, run_model: "typing.Callable", example_inputs: typing.Any
 ) -> str | None:
     advice = (
         "if it changes the published tensors, put it into ModelDescription.extra (weightcache_describe); "

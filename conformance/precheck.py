@@ -39,7 +39,7 @@ def request_from_options(
     """The kit's request from its command-line values (``weightcache conformance`` and ``--weightcache-*``)."""
     from pathlib import Path
 
-    from weightcache.core.cli import parse_options
+    from weightcache.core.options import parse_options
 
     if not adapter or not model:
         raise PrecheckFailed("name the adapter and the checkpoint (--adapter NAME --model PATH)")

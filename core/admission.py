@@ -82,7 +82,7 @@ def check_arena_fd(fd: int, spec: ArenaSpec, extent: int, index: int) -> int:
     if spec.checksum is None:
         raise ValueError(
             f"arena {index} carries no checksum of its bytes; publish through weightcache's own publish "
-            "(loader.publish_arenas computes it) with the server's weightcache version"
+            "(publish.publish_arenas computes it) with the server's weightcache version"
         )
     if spec.backend == "cuda":
         bound = plausible_size(extent)

@@ -22,10 +22,11 @@ from weightcache.core.digests import ProgressLike
 from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder, export_module, export_state
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.identity import fingerprint_for
-from weightcache.core.loader import publish_arenas
 from weightcache.core.manifest import Manifest, TensorRecord
+from weightcache.core.publish import publish_arenas
 from weightcache.core.reader import read_checkpoint
 from weightcache.core.request import LoadRequest, ModelDescription
+from weightcache.core.socket_dir import SocketDirLike
 from weightcache.core.tensor_table import contiguous_stride
 
 if typing.TYPE_CHECKING:
@@ -96,7 +97,7 @@ def publish_model(
     fingerprint: Fingerprint,
     *,
     device: str = "cpu",
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDirLike = None,
     label: str = "",
     extra: dict | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -117,7 +118,7 @@ def publish_state(
     fingerprint: Fingerprint,
     *,
     device: str = "cpu",
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDirLike = None,
     label: str = "",
     extra: dict | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -137,7 +138,7 @@ def publish_checkpoint(
     fingerprint: Fingerprint,
     *,
     device: str = "cpu",
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDirLike = None,
     label: str = "",
     progress: ProgressLike | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -168,7 +169,7 @@ def publish_checkpoint(
     return PublishedState(reply["digest"], bool(reply["created"]), manifest)
 
 
-def attach(fingerprint: Fingerprint, socket_dir: str | os.PathLike | None = None, timeout: float = 30.0) -> Attachment:
+def attach(fingerprint: Fingerprint, socket_dir: SocketDirLike = None, timeout: float = 30.0) -> Attachment:
     """Map the entry for ``fingerprint``; its ``tensors`` view the shared memory. Close it when done.
 
     Raises ServerUnavailable, FingerprintMismatch (``.fields``) or EntryNotFound.

@@ -26,12 +26,14 @@ from weightcache.core.errors import (
 )
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.protocol import close_fds
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
 
 if typing.TYPE_CHECKING:
     import torch
 
     from weightcache.core.arena.base import Arena
     from weightcache.core.manifest import Manifest
+    from weightcache.core.watch import Republisher
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +64,8 @@ class Attachment:
         self.manifest = manifest
         self.label = label
         self.fds = list(fds)
-        self.socket_dir = None
-        self.watcher = None
+        self.socket_dir: SocketDir | None = None
+        self.watcher: Republisher | None = None
         self.arenas: list[Arena] = []
         self.timings: dict[str, float] = {}
         self.tensors: dict[str, torch.Tensor] = {}
@@ -88,7 +90,7 @@ class Attachment:
     def open(
         cls,
         fingerprint: Fingerprint,
-        socket_dir: str | os.PathLike | None = None,
+        socket_dir: SocketDirLike = None,
         timeout: float = 30.0,
         map_on: int | None = None,
     ) -> "Attachment":
@@ -103,14 +105,17 @@ class Attachment:
         return cls._open(lambda connection: connection.attach(fingerprint), fingerprint, socket_dir, timeout, map_on)
 
     @classmethod
-    def by_digest(cls, digest: str, socket_dir: str | os.PathLike | None = None, timeout: float = 30.0) -> "Attachment":
+    def by_digest(cls, digest: str, socket_dir: SocketDirLike = None, timeout: float = 30.0) -> "Attachment":
         """Map the entry whose full digest is ``digest`` (as ``status`` lists it), whatever its fingerprint: a scrub's attach."""
         return cls._open(lambda connection: connection.attach_digest(digest), None, socket_dir, timeout, None)
 
     @classmethod
-    def _open(cls, ask, fingerprint: Fingerprint | None, socket_dir, timeout: float, map_on: int | None) -> "Attachment":
+    def _open(
+        cls, ask, fingerprint: Fingerprint | None, socket_dir: SocketDirLike, timeout: float, map_on: int | None
+    ) -> "Attachment":
         """Attach with ``ask(connection)`` and map the reply; ``fingerprint`` None: the one the reply carries."""
         start = time.perf_counter()
+        socket_dir = SocketDir.parse(socket_dir)
         connection = Connection(socket_dir, timeout=timeout)
         try:
             reply = ask(connection)

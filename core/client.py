@@ -27,8 +27,9 @@ from weightcache.core.errors import (
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.manifest import Manifest
 from weightcache.core.memfd import read_memfd, sealed_memfd, sealed_size
-from weightcache.core.paths import check_client_dir, check_server_peer, socket_path
+from weightcache.core.paths import check_client_dir, check_server_peer
 from weightcache.core.protocol import FrameReader, close_fds, send_frame
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,8 @@ class Connection:
     it maps the entry: the server counts it as attached until it closes.
     """
 
-    def __init__(self, socket_dir: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT_S):
-        self.path = socket_path(socket_dir)
+    def __init__(self, socket_dir: SocketDirLike = None, timeout: float = DEFAULT_TIMEOUT_S):
+        self.path = SocketDir.parse(socket_dir).socket
         self.timeout = timeout
         try:
             check_client_dir(self.path.parent)
@@ -127,7 +128,7 @@ class Connection:
         else:
             frame = None
         try:
-            frame = frame or self._reader.read(idle_timeout=self.timeout)
+            frame = frame or self._reader.read(idle_timeout=self.timeout)  # None: the server closed
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise ServerUnavailable(str(self.path), f"connection lost: {exc}") from None
         except TimeoutError:
@@ -139,20 +140,20 @@ class Connection:
             return reply, reply_fds
         close_fds(reply_fds)
         error = reply.get("error")
-        code, message = (error.get("code"), error.get("message", "")) if isinstance(error, dict) else (None, None)
-        if not isinstance(code, str) or not isinstance(message, str):
+        if not isinstance(error, dict) or not isinstance(error.get("code"), str) or not isinstance(error.get("message", ""), str):
             raise ProtocolError(
                 "the server's reply is neither ok nor an error with a code and a message; "
                 "run the same weightcache version on both sides"
             )
+        code, text = error["code"], error.get("message", "")
         if code == "access_denied":
-            raise AccessDenied(message or "access denied")
+            raise AccessDenied(text or "access denied")
         fields, digest, closest = error.get("fields"), error.get("digest", ""), error.get("closest")
         if code == "not_found" and isinstance(fields, list) and all(isinstance(f, str) for f in fields):
             cls = FingerprintMismatch if fields else EntryNotFound
             raise cls(str(digest), tuple(fields), closest if isinstance(closest, str) else None)
         retry = error.get("retry_after_s")
-        raise ServerError(code, message, retry if isinstance(retry, (int, float)) and 0 < retry <= 1 else None)
+        raise ServerError(code, text, retry if isinstance(retry, (int, float)) and 0 < retry <= 1 else None)
 
     def _read_refusal(self):
         try:
@@ -293,10 +294,11 @@ def _connect(path: Path, timeout: float) -> socket.socket:
             raise ServerUnavailable(str(path), str(exc)) from None
 
 
-def wait_for_server(socket_dir: str | os.PathLike | None = None, timeout: float = 10.0) -> None:
+def wait_for_server(socket_dir: SocketDirLike = None, timeout: float = 10.0) -> None:
     """Block until a server answers ``hello`` on ``socket_dir``; ServerUnavailable after ``timeout``."""
+    socket_dir = SocketDir.parse(socket_dir)
     deadline = time.monotonic() + timeout
-    last: Exception | None = None
+    last: ServerUnavailable | None = None
     while time.monotonic() < deadline:
         try:
             with Connection(socket_dir, timeout=2.0) as conn:
@@ -305,10 +307,10 @@ def wait_for_server(socket_dir: str | os.PathLike | None = None, timeout: float 
         except ServerUnavailable as exc:
             last = exc
             time.sleep(0.05)
-    raise ServerUnavailable(str(socket_path(socket_dir)), f"not ready after {timeout:.0f} s ({last.reason if last else '?'})")
+    raise ServerUnavailable(str(socket_dir.socket), f"not ready after {timeout:.0f} s ({last.reason if last else '?'})")
 
 
-def server_is_running(socket_dir: str | os.PathLike | None = None) -> bool:
+def server_is_running(socket_dir: SocketDirLike = None) -> bool:
     """Whether a server answers on ``socket_dir``."""
     try:
         with Connection(socket_dir, timeout=2.0) as conn:

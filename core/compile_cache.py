@@ -29,6 +29,7 @@ from weightcache.core.client import Connection
 from weightcache.core.device import Device
 from weightcache.core.errors import AccessDenied, CompileArtifactsUnavailable, ServerError, ServerUnavailable
 from weightcache.core.memfd import read_memfd, sealed_memfd
+from weightcache.core.socket_dir import SocketDirLike
 
 if typing.TYPE_CHECKING:
     from weightcache.core.modes import LoadedModel
@@ -69,7 +70,7 @@ def publish_artifacts(
     loaded: "LoadedModel",
     *,
     name: str = DEFAULT_NAME,
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDirLike = None,
     timeout_s: float = 30.0,
     strict: bool = False,
 ) -> ArtifactInfo | None:
@@ -87,7 +88,8 @@ def publish_artifacts(
         return None
     saved = torch.compiler.save_cache_artifacts()
     if saved is None or not saved[0]:
-        return _unavailable("nothing was compiled in this process yet; publish after the first compiled forward", strict)
+        _unavailable("nothing was compiled in this process yet; publish after the first compiled forward", strict)
+        return None
     blob = saved[0]
     key = artifact_key(_device(loaded), name)
     fd = sealed_memfd(blob)
@@ -95,7 +97,8 @@ def publish_artifacts(
         with Connection(socket_dir, timeout=timeout_s) as connection:
             connection.put_artifact(digest, key, fd)
     except _UNAVAILABLE as exc:
-        return _unavailable(f"the server did not keep the compile artifacts: {exc}", strict)
+        _unavailable(f"the server did not keep the compile artifacts: {exc}", strict)
+        return None
     finally:
         os.close(fd)
     info = ArtifactInfo(digest, key, len(blob), time.perf_counter() - start)
@@ -107,7 +110,7 @@ def restore_artifacts(
     loaded: "LoadedModel",
     *,
     name: str = DEFAULT_NAME,
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDirLike = None,
     timeout_s: float = 30.0,
     strict: bool = False,
 ) -> ArtifactInfo | None:
@@ -128,7 +131,8 @@ def restore_artifacts(
         with Connection(socket_dir, timeout=timeout_s) as connection:
             found = connection.get_artifact(digest, key)
     except _UNAVAILABLE as exc:
-        return _unavailable(f"could not ask the server for compile artifacts: {exc}", strict)
+        _unavailable(f"could not ask the server for compile artifacts: {exc}", strict)
+        return None
     if found is None:
         log.info("no compile artifacts beside %s for %s; torch.compile starts cold", digest[:12], key)
         return None
@@ -143,7 +147,7 @@ def restore_artifacts(
     return info
 
 
-def _entry(loaded: "LoadedModel", socket_dir, strict: bool) -> tuple[str | None, typing.Any]:
+def _entry(loaded: "LoadedModel", socket_dir: SocketDirLike, strict: bool) -> tuple[str | None, SocketDirLike]:
     """The digest of ``loaded``'s entry and the socket directory to ask, or (None, None) when it has no entry."""
     if loaded.attachment is None:
         _unavailable(
@@ -163,7 +167,6 @@ def _unavailable(reason: str, strict: bool) -> None:
     if strict:
         raise CompileArtifactsUnavailable(reason)
     log.warning("weightcache: compile artifacts: %s", reason)
-    return None
 
 
 def _triton_version() -> str:

@@ -128,12 +128,13 @@ def _worker(argv=None) -> int:
     import argparse
     import logging
 
-    from weightcache.core.cli import reporting_errors
+    from weightcache.core.reporting import reporting_errors
+    from weightcache.core.socket_dir import SocketDir
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--socket-dir", required=True)
+    parser.add_argument("--socket-dir", type=SocketDir.parse, required=True)
     parser.add_argument("--mode", choices=["publish", "off", "client"], required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")

@@ -1,10 +1,15 @@
-"""Where weights live: ``cpu`` or one CUDA GPU, parsed once where a device enters weightcache.
+"""Where weights live: ``cpu`` or one CUDA GPU, parsed once where a device enters weightcache, and found in this process.
 
 Accepted spellings: ``cpu``; ``cuda`` (the current GPU), ``cuda:N`` (torch's index
 in this process); ``GPU-<uuid>`` or ``MIG-<uuid>`` (as nvidia-smi prints it: the
 same GPU in every process, whatever ``CUDA_VISIBLE_DEVICES`` says). Anything else
 (``gpu``, ``mps``, ``cpu:0``, ``cuda0``) is refused with the list above, before any
 weight is read. Parsing needs no torch; asking for the GPU's UUID or index does.
+
+A CUDA index depends on ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` of
+the process that uses it; a UUID does not. ``ArenaSpec.device`` holds ``cpu`` or a
+UUID; the functions below turn it into an index of this process and back
+(torch is imported on first use only).
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ import uuid as _uuid
 
 import attrs
 
+from weightcache.core.errors import DeviceNotFound
+
 if typing.TYPE_CHECKING:
+    import torch
     import torch as _torch  # aliased: the method Device.torch would shadow the module's name in the class body
 
 _CUDA = re.compile(r"^cuda(?::(\d+))?$")
@@ -54,8 +62,6 @@ class Device:
 
     def torch_index(self) -> int:
         """This process's torch index of the GPU (the current one for plain ``cuda``); DeviceNotFound if absent."""
-        from weightcache.core.arena.devices import cuda_index
-
         if not self.is_cuda:
             raise ValueError("the CPU has no CUDA index")
         return cuda_index(self.uuid or str(self))
@@ -74,6 +80,11 @@ class Device:
         return "cuda" if self.index is None else f"cuda:{self.index}"
 
 
+def to_device(value: "str | Device | object") -> "Device":
+    """``Device.parse`` as an attrs converter (mypy's attrs plugin reads converters that are plain functions)."""
+    return Device.parse(value)
+
+
 def canonical_uuid(text: str) -> str | None:
     """``GPU-``/``MIG-`` and the lower-case UUID for a prefixed UUID, else None."""
     match = _PREFIXED_UUID.match(text.strip())
@@ -83,3 +94,98 @@ def canonical_uuid(text: str) -> str | None:
         return f"{match.group(1).upper()}-{_uuid.UUID(match.group(2))}"
     except ValueError:
         return None
+
+
+def gpu_uuid(index: int) -> str:
+    """The UUID of the CUDA device with torch index ``index`` in this process.
+
+    Read from torch's device properties; falls back to the driver's
+    ``cuDeviceGetUuid`` where this torch lacks ``uuid``.
+    """
+    import torch
+
+    raw = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    if raw is None:
+        return _format(_driver_uuid(index))
+    if isinstance(raw, str):
+        return _canonical(raw)
+    return _format(bytes(raw.bytes))
+
+
+def visible_gpu_uuids() -> list[str]:
+    """The UUIDs of the GPUs this process sees, in torch index order."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [gpu_uuid(index) for index in range(torch.cuda.device_count())]
+
+
+def device_index_for_uuid(uuid: str) -> int:
+    """The torch index, in this process, of the GPU with ``uuid``.
+
+    :raises DeviceNotFound: no visible GPU has it (the error lists those that are).
+    """
+    wanted = _canonical(uuid)
+    visible = visible_gpu_uuids()
+    try:
+        return visible.index(wanted)
+    except ValueError:
+        raise DeviceNotFound(wanted, visible) from None
+
+
+def cuda_index(device: "Device | str | int | torch.device") -> int:
+    """The torch index of a CUDA device: an index, or anything ``Device.parse`` takes (``cuda``, ``cuda:N``, a UUID)."""
+    if isinstance(device, int):
+        return _checked_index(device)
+    parsed = Device.parse(device)
+    if not parsed.is_cuda:
+        raise ValueError(f"{device!r} is not a CUDA device; use {SPELLINGS}")
+    if parsed.uuid is not None:
+        return device_index_for_uuid(parsed.uuid)
+    if parsed.index is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise DeviceNotFound("cuda", [])
+        return torch.cuda.current_device()
+    return _checked_index(parsed.index)
+
+
+def device_label(device: "Device | str | torch.device") -> str:
+    """``cpu`` for the CPU, else the UUID of the CUDA device (see :func:`cuda_index`)."""
+    parsed = Device.parse(device)
+    if not parsed.is_cuda:
+        return "cpu"
+    return parsed.uuid or gpu_uuid(cuda_index(parsed))
+
+
+def _canonical(text: str) -> str:
+    """``GPU-`` (or ``MIG-``) and the lower-case UUID, from a prefixed or bare UUID; ValueError for anything else."""
+    found = canonical_uuid(text) or canonical_uuid(f"GPU-{text.strip()}")
+    if found is None:
+        raise ValueError(f"{text!r} is not a GPU UUID (expected GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+    return found
+
+
+def _format(raw: bytes) -> str:
+    return f"GPU-{_uuid.UUID(bytes=bytes(raw))}"
+
+
+def _checked_index(index: int) -> int:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not 0 <= index < count:
+        raise DeviceNotFound(f"cuda:{index}", visible_gpu_uuids())
+    return index
+
+
+def _driver_uuid(index: int) -> bytes:
+    from weightcache.core.arena.driver import check, driver
+
+    cu = driver()
+    check(cu.cuInit(0), "cuInit")
+    device = check(cu.cuDeviceGet(index), "cuDeviceGet")
+    get_uuid = getattr(cu, "cuDeviceGetUuid_v2", None) or cu.cuDeviceGetUuid
+    return bytes(check(get_uuid(device), "cuDeviceGetUuid").bytes)

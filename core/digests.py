@@ -232,27 +232,30 @@ class DigestStore:
         except FileNotFoundError:
             return None
         except OSError as exc:  # ELOOP: a symlink
-            return self._ignore(
-                name, "it cannot be opened without following a link" if exc.errno == errno.ELOOP else exc.strerror
+            self._ignore(
+                name, "it cannot be opened without following a link" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
             )
+            return None
         try:
             problem = _entry_problem(os.fstat(fd))
             data = b"" if problem else os.read(fd, MAX_ENTRY_BYTES + 1)
         finally:
             os.close(fd)
         if problem:
-            return self._ignore(name, problem)
+            self._ignore(name, problem)
+            return None
         try:
             entry = json.loads(data)
         except ValueError:
-            return self._ignore(name, "it is not JSON")
+            self._ignore(name, "it is not JSON")
+            return None
         if not isinstance(entry, dict) or entry.get("key") != key.as_list() or not _valid_digest(entry.get("digest")):
-            return self._ignore(name, "it is not the entry of this file version")
+            self._ignore(name, "it is not the entry of this file version")
+            return None
         return entry["digest"]
 
     def _ignore(self, name: str, why: str) -> None:
         log.debug("ignoring digest store entry %s in %s: %s", name, self.directory, why)
-        return None
 
     def put(self, key: FileKey, digest: str) -> None:
         """Remember ``digest`` for ``key`` (atomically: a temporary file renamed into place, both relative to the store)."""

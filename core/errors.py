@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import typing
 
+from weightcache.core.socket_dir import SocketDir
+
 
 class WeightCacheError(Exception):
     """Base class of every error weightcache raises on purpose."""
@@ -44,16 +46,7 @@ class ServerUnavailable(WeightCacheError):
 
 def serve_command(socket_path: "str | os.PathLike") -> str:
     """``weightcache serve`` with the ``--socket-dir`` that serves ``socket_path`` (a socket or its directory)."""
-    import shlex
-    from pathlib import Path
-
-    from weightcache.core.paths import SOCKET_NAME, default_socket_dir
-
-    path = Path(socket_path)
-    directory = path.parent if path.name == SOCKET_NAME else path
-    if directory == default_socket_dir():
-        return "weightcache serve"
-    return f"weightcache serve --socket-dir {shlex.quote(str(directory))}"
+    return SocketDir.of_socket(socket_path).serve_command()
 
 
 class AccessDenied(WeightCacheError):

@@ -51,13 +51,12 @@ def inputs_from_signature(model: "torch.nn.Module") -> "dict | ForwardUnavailabl
             inputs["token_type_ids"] = (torch.arange(TOKENS) >= TOKENS // 2).long().expand(BATCH, TOKENS).contiguous()
         if "decoder_input_ids" in parameters and _is_encoder_decoder(config):
             inputs["decoder_input_ids"] = _token_ids(vocab, DECODER_TOKENS, salt=3)
-    elif "pixel_values" in parameters and _config_int(config, "image_size"):
-        size = _config_int(config, "image_size")
+    elif "pixel_values" in parameters and (size := _config_int(config, "image_size")):
         channels = _config_int(config, "num_channels") or 3
         inputs["pixel_values"] = torch.randn(BATCH, channels, size, size, generator=generator)
-    elif "input_features" in parameters and _config_int(config, "num_mel_bins"):
+    elif "input_features" in parameters and (bins := _config_int(config, "num_mel_bins")):
         frames = 2 * (_config_int(config, "max_source_positions") or 1500)
-        inputs["input_features"] = torch.randn(BATCH, _config_int(config, "num_mel_bins"), frames, generator=generator)
+        inputs["input_features"] = torch.randn(BATCH, bins, frames, generator=generator)
         if "decoder_input_ids" in parameters and vocab:
             inputs["decoder_input_ids"] = _token_ids(vocab, DECODER_TOKENS, salt=3)
     elif "input_values" in parameters:

@@ -139,7 +139,7 @@ class ArenaBuilder:
         missing = [i for i, a in enumerate(self._arenas) if a is None]
         if missing:
             raise RuntimeError(f"arenas {missing} were planned but never filled")
-        return list(self._arenas)
+        return [arena for arena in self._arenas if arena is not None]
 
     def specs(self) -> list[ArenaSpec]:
         return [arena.spec for arena in self.arenas]

@@ -3,7 +3,7 @@
 When ``$NOTIFY_SOCKET`` is set (a unit with ``FileDescriptorStoreMax=`` and ``NotifyAccess=main``),
 the server sends, for each entry it publishes, one ``FDSTORE=1`` datagram per fd (sd_notify's
 protocol: an AF_UNIX datagram of ``KEY=VALUE`` lines, the fd as SCM_RIGHTS), named
-``wc.<digest>.<index>``: index 0 is a sealed memfd holding the entry's metadata (fingerprint,
+``wc.<digest>.<index>``: index 0 is the entry's record (``core/entry_record.py``: fingerprint,
 manifest's JSON part, label, publisher, age), 1 its tensor table, 2 onwards its arenas. One fd per
 name keeps the order whatever order systemd hands them back in. An eviction sends
 ``FDSTOREREMOVE=1`` for each name. A clean stop removes nothing: systemd keeps the store across a
@@ -16,21 +16,20 @@ puts each entry back together and admits it with the publish check (docs/decisio
 from __future__ import annotations
 
 import array
-import json
 import logging
 import os
 import socket
+import typing
 
 from weightcache.core.admission import admit_publish
-from weightcache.core.memfd import read_memfd, sealed_memfd, sealed_size
-from weightcache.core.protocol import close_fds, encode
+from weightcache.core.entry_record import read_record, sealed_record
+from weightcache.core.protocol import close_fds
 from weightcache.core.registry import Entry, OverBudget, Registry
 
 log = logging.getLogger(__name__)
 
 NAME_PREFIX = "wc."
 LISTEN_FDS_START = 3
-MAX_META_BYTES = 64 << 20
 
 
 def _name(digest: str, index: int) -> str:
@@ -50,25 +49,14 @@ class FdStore:
         address = os.environ.get("NOTIFY_SOCKET")
         return cls(address) if address else None
 
-    def notify(self, text: str, fds: list[int] = ()) -> None:
+    def notify(self, text: str, fds: typing.Sequence[int] = ()) -> None:
         """Send one sd_notify datagram (OSError if the service manager is gone)."""
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         self._sock.sendmsg([text.encode()], ancillary, 0, self.address)
 
     def keep(self, entry: Entry) -> None:
         """Store ``entry``'s metadata, table and arena fds; a failure is logged (the entry is served either way)."""
-        meta = sealed_memfd(
-            encode(
-                {
-                    "fingerprint": entry.fingerprint.to_json(),
-                    "manifest": entry.manifest,
-                    "label": entry.label,
-                    "published_by": entry.published_by,
-                    "created": entry.created,
-                }
-            ),
-            "weightcache-entry-meta",
-        )
+        meta = sealed_record(entry)
         try:
             self.notify(f"FDSTOREREMOVE=1\nFDNAME={_name(entry.digest, 0)}")  # a predecessor's metadata of the same entry
             for index, fd in enumerate([meta, entry.table_fd, *entry.fds]):
@@ -131,7 +119,7 @@ def adopt(registry: Registry, fds: dict[str, int], max_frame_bytes: int) -> int:
         try:
             if -1 in ordered or len(ordered) < 3:
                 raise ValueError(f"{len(parts)} fds came under its name, not a complete entry")
-            meta = json.loads(read_memfd(meta_fd, min(sealed_size(meta_fd, "the entry's metadata"), MAX_META_BYTES)))
+            meta = read_record(meta_fd)
             entry = admit_publish(meta, [*ordered[2:], ordered[1]], int(meta["published_by"]), max_frame_bytes)
             if entry.digest != digest:
                 raise ValueError(f"its metadata names entry {entry.digest[:12]}")

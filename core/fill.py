@@ -17,7 +17,6 @@ a GPU can be filled again after its entry was evicted (model swapping).
 from __future__ import annotations
 
 import logging
-import os
 import time
 import typing
 
@@ -30,6 +29,7 @@ from weightcache.core.export import ArenaBuilder
 from weightcache.core.fingerprint import HOST_TIER, Fingerprint
 from weightcache.core.manifest import Manifest
 from weightcache.core.protocol import MAX_SOURCES
+from weightcache.core.socket_dir import SocketDir
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class Copied:
     timings: dict = attrs.field(eq=False)
 
 
-def sources(fingerprint: Fingerprint, socket_dir: str | os.PathLike | None = None) -> list[Source]:
+def sources(fingerprint: Fingerprint, socket_dir: SocketDir | None = None) -> list[Source]:
     """The node's other copies of ``fingerprint``'s content, fastest first (peer GPUs, then the host tier).
 
     Empty when no server answers: then there is nothing to copy from. Only rows of
@@ -153,7 +153,7 @@ def _json_kind(value: object) -> str:
 def copy_from_node(
     fingerprint: Fingerprint,
     builder: ArenaBuilder,
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDir | None = None,
     candidates: typing.Sequence[Source] | None = None,
 ) -> Copied | None:
     """Fill ``builder`` (empty, on a GPU) with ``fingerprint``'s content from the fastest source that works, or None.
@@ -164,7 +164,7 @@ def copy_from_node(
     if not builder.device.is_cuda:
         return None
     from weightcache.core.arena.cuda import can_access_peer
-    from weightcache.core.arena.devices import cuda_index, gpu_uuid, visible_gpu_uuids
+    from weightcache.core.device import cuda_index, gpu_uuid, visible_gpu_uuids
 
     index = cuda_index(builder.device)
     own_uuid = gpu_uuid(index)
@@ -187,7 +187,7 @@ def copy_from_node(
     return None
 
 
-def _copy(source: Source, builder: ArenaBuilder, socket_dir, index: int) -> Copied:
+def _copy(source: Source, builder: ArenaBuilder, socket_dir: SocketDir | None, index: int) -> Copied:
     from weightcache.core.arena.transfer import Pair, host_to_device
 
     timings: dict[str, float] = {}
@@ -223,7 +223,7 @@ def keep_on_host(
     fingerprint: Fingerprint,
     manifest: Manifest,
     arenas: typing.Sequence,
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDir | None = None,
     label: str = "",
 ) -> dict:
     """Publish a host-tier copy of ``arenas`` (sealed GPU arenas holding ``manifest``'s bytes: a builder's or an attachment's).
@@ -233,7 +233,7 @@ def keep_on_host(
     its bytes, checksummed on the CPU, match them (ChecksumMismatch otherwise).
     """
     from weightcache.core.arena.transfer import Pair, device_to_host
-    from weightcache.core.loader import publish_arenas
+    from weightcache.core.publish import publish_arenas
 
     with ArenaBuilder("cpu") as host:
         slots = [host.add_arena(arena.spec.size) for arena in arenas]
@@ -254,7 +254,7 @@ def keep_on_host(
 
 
 def keep_entry_on_host(
-    fingerprint: Fingerprint, socket_dir: str | os.PathLike | None = None, label: str = ""
+    fingerprint: Fingerprint, socket_dir: SocketDir | None = None, label: str = ""
 ) -> tuple[dict, Manifest] | None:
     """Publish a host-tier copy of ``fingerprint``'s own GPU entry, if the server holds it (else None).
 

@@ -35,7 +35,7 @@ def _environment(device: Device) -> Environment:
     torch_version = torch.__version__.split("+")[0]
     if not device.is_cuda:
         return Environment(torch_version, "", "", "")
-    from weightcache.core.arena.devices import gpu_uuid
+    from weightcache.core.device import gpu_uuid
 
     index = device.torch_index()
     major, minor = torch.cuda.get_device_capability(index)
@@ -51,7 +51,7 @@ def fingerprint_for(request: LoadRequest, description: ModelDescription, checkpo
         checkpoint=checkpoint if checkpoint is not None else checkpoint_identity(request.model),
         architecture=description.architecture,
         config=sha256_json(description.config),
-        dtype=description.dtype,
+        dtype=description.resolved_dtype(),
         quantization=description.quantization,
         quantization_config=canonical_json(description.quantization_config),
         adapter=request.adapter,

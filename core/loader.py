@@ -12,8 +12,7 @@ from pathlib import Path
 
 import attrs
 
-from weightcache.core import hub, identity
-from weightcache.core.client import Connection
+from weightcache.core import fill, hub, identity
 from weightcache.core.digests import (
     FileDigest,
     FileKey,
@@ -28,10 +27,11 @@ from weightcache.core.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
 from weightcache.core.fingerprint import HOST_TIER, Fingerprint
 from weightcache.core.manifest import Manifest
 from weightcache.core.plugins import Adapter, Plugins, installed_plugins
-from weightcache.core.protocol import close_fds
+from weightcache.core.publish import publish_arenas, seal
 from weightcache.core.quantization.allowlist import check_quantization
 from weightcache.core.request import LoadRequest, ModelDescription
 from weightcache.core.safetensors_io import checkpoint_files, checkpoint_identity, identity_of
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
 
 if typing.TYPE_CHECKING:
     import torch
@@ -192,39 +192,60 @@ def load_from_disk(prepared: Prepared, builder: ArenaBuilder | None = None, timi
 
 def publish(
     prepared: Prepared,
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDirLike = None,
     progress: ProgressLike | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     label: str | None = None,
     tier: str = "device",
-    disk: bool = True,
-) -> Published | None:
+) -> Published:
     """Load ``prepared`` into arenas and publish it in one frame (atomic: a crash before leaves nothing).
 
     On a GPU the bytes come from the fastest copy the node holds (a peer GPU's
-    entry, the host tier: ``weightcache.core.fill``), else from the disk; with
-    ``disk=False`` None is returned instead of reading the disk. ``tier``
+    entry, the host tier: ``weightcache.core.fill``), else from the disk. ``tier``
     (``TIERS``): ``host`` publishes a host-tier copy of the GPU-made weights
     instead of the GPU entry, ``both`` publishes the two.
     """
-    from weightcache.core import fill
+    published = _publish(prepared, SocketDir.parse(socket_dir), progress, chunk_bytes, label, tier, disk=True)
+    if published is None:  # _publish returns None only where it may not read the disk
+        raise RuntimeError("publish read neither the node's copies nor the disk")
+    return published
 
+
+def publish_from_node(prepared: Prepared, socket_dir: SocketDirLike = None) -> Published | None:
+    """Publish ``prepared`` from a copy the node already holds (a peer GPU's entry, the host tier); None if it holds none.
+
+    Never reads the disk: a client fills its GPU this way before it falls back.
+    """
+    return _publish(prepared, SocketDir.parse(socket_dir), None, DEFAULT_CHUNK_BYTES, None, "device", disk=False)
+
+
+def _publish(
+    prepared: Prepared,
+    socket_dir: SocketDir,
+    progress: ProgressLike | None,
+    chunk_bytes: int,
+    label: str | None,
+    tier: str,
+    disk: bool,
+) -> Published | None:
+    """The one publish sequence behind ``publish`` and ``publish_from_node`` (``disk``: whether it may read the disk)."""
     request = prepared.request
     check_tier(tier, request.device)
     timings: dict[str, float] = {}
     label = label or prepared.label
-    fingerprint = prepared.remembered()  # None on first sight: the load derives it from the bytes it reads
-    on_node = fill.sources(fingerprint, socket_dir) if fingerprint is not None and request.device.is_cuda else []
+    remembered = prepared.remembered()  # None on first sight: the load derives it from the bytes it reads
+    on_node = fill.sources(remembered, socket_dir) if remembered is not None and request.device.is_cuda else []
     host_held = next((s.fingerprint.digest for s in on_node if s.tier == HOST_TIER), None)
-    if tier != "device" and fingerprint is not None:
-        done = _host_copy_of_what_is_held(fingerprint, host_held, tier, socket_dir, label, timings)
+    if tier != "device" and remembered is not None:
+        done = _host_copy_of_what_is_held(remembered, host_held, tier, socket_dir, label, timings)
         if done is not None:
             return done
     with ArenaBuilder(request.device, chunk_bytes=chunk_bytes, progress=progress) as builder:
         start = time.perf_counter()
-        copied = fill.copy_from_node(fingerprint, builder, socket_dir, on_node) if fingerprint and on_node else None
-        if copied is not None:
-            manifest, source = copied.manifest, copied.source.name
+        copied = fill.copy_from_node(remembered, builder, socket_dir, on_node) if remembered and on_node else None
+        fingerprint: Fingerprint
+        if copied is not None and remembered is not None:
+            manifest, source, fingerprint = copied.manifest, copied.source.name, remembered
             timings["fill_s"] = time.perf_counter() - start  # copied.timings has its steps
         elif not disk:
             return None
@@ -234,13 +255,15 @@ def publish(
         builder.progress.close()
         host_digest, host_created = host_held, False
         if tier != "device" and not host_held:
-            _seal(builder)  # the GPU arenas' checksums: the host copy is checked against them
+            seal(builder)  # the GPU arenas' checksums: the host copy is checked against them
             manifest = attrs.evolve(manifest, arenas=builder.specs())
             start = time.perf_counter()
             kept = fill.keep_on_host(fingerprint, manifest, builder.arenas, socket_dir, label)
             host_digest, host_created = kept["digest"], bool(kept["created"])
             timings["host_copy_s"] = time.perf_counter() - start
         if tier == "host":
+            if host_digest is None:
+                raise RuntimeError("the host tier's copy was neither found nor kept")
             digest, created, published_as = host_digest, host_created, fingerprint.on_device(HOST_TIER)
         else:
             start = time.perf_counter()
@@ -261,11 +284,9 @@ def check_tier(tier: str, device: "Device") -> None:
 
 
 def _host_copy_of_what_is_held(
-    fingerprint: Fingerprint, host_held: str | None, tier: str, socket_dir, label: str, timings: dict
+    fingerprint: Fingerprint, host_held: str | None, tier: str, socket_dir: SocketDir | None, label: str, timings: dict
 ) -> Published | None:
     """``tier`` host or both when the node already holds what is asked: the host copy, or this GPU's entry to copy."""
-    from weightcache.core import fill
-
     host = fingerprint.on_device(HOST_TIER)
     if host_held and tier == "host":
         log.info("the host tier already holds %s (%s)", host_held[:12], label)
@@ -353,44 +374,3 @@ def check_unchanged(model: str, versions: "list[tuple[str, FileKey]]") -> None:
             now = None
         if now != key:
             raise CheckpointChanged(model, file)
-
-
-def publish_arenas(
-    builder: ArenaBuilder,
-    fingerprint: Fingerprint,
-    manifest: Manifest,
-    socket_dir: str | os.PathLike | None = None,
-    label: str = "",
-    copied_from: str | None = None,
-) -> dict:
-    """Seal ``builder``'s arenas, checksum them, and publish them with ``manifest`` in one frame; returns the server's reply.
-
-    The one publish sequence: the loader above, the Python API and the engine adapters all end here.
-    An empty ``label`` becomes the fingerprint's architecture and adapter, so every entry has one.
-    ``manifest.arenas`` are replaced by the sealed arenas' specs, each with the checksum of its
-    bytes. With ``copied_from`` (the bytes came from there: a peer node, a GPU entry), each
-    declared arena of ``manifest`` must carry the same size and checksum as the bytes that
-    arrived, else ChecksumMismatch and nothing is published.
-    """
-    label = label or f"{fingerprint.architecture} ({fingerprint.adapter})"
-    _seal(builder)
-    if copied_from is not None:
-        specs = builder.check_copy(manifest.arenas, copied_from)
-    else:
-        specs = builder.specs()
-    manifest = attrs.evolve(manifest, arenas=specs)
-    fds = [arena.export_fd() for arena in builder.arenas]
-    try:
-        with Connection(socket_dir) as connection:
-            return connection.publish(fingerprint, manifest, fds, label=label)
-    finally:
-        close_fds(fds)
-
-
-def _seal(builder: ArenaBuilder) -> None:
-    """Seal the arenas; a reference cycle may still hold a view, so collect once and retry."""
-    try:
-        builder.seal()
-    except OSError:
-        gc.collect()
-        builder.seal()

@@ -17,7 +17,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per record: ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``pid``, ``message`` and, for
     an exception, ``exception`` (its formatted traceback)."""
 
-    converter = time.gmtime
+    converter = staticmethod(time.gmtime)
 
     def format(self, record: logging.LogRecord) -> str:
         shown: dict[str, typing.Any] = {

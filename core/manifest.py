@@ -34,6 +34,10 @@ def _as_tuple(value):
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
+def _specs(value: typing.Iterable[ArenaSpec]) -> tuple[ArenaSpec, ...]:
+    return tuple(value)
+
+
 def _wire_dtype(value):
     """``"torch.bfloat16"`` -> ``"bfloat16"``; anything but a string is kept for the record's check to refuse."""
     return value.removeprefix("torch.") if isinstance(value, str) else value
@@ -266,7 +270,7 @@ class Manifest:
     """
 
     tensors: Records = attrs.field(converter=_as_records)
-    arenas: tuple[ArenaSpec, ...] = attrs.field(converter=tuple)
+    arenas: tuple[ArenaSpec, ...] = attrs.field(converter=_specs)
     aliases: dict = attrs.field(factory=dict, hash=False)
     extra: dict = attrs.field(factory=dict, hash=False)
 

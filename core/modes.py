@@ -17,7 +17,6 @@ else calls ``load_model``.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import typing
 
@@ -27,8 +26,9 @@ from weightcache.core.attach import Attachment, fallback_kind, fallback_reason
 from weightcache.core.client import Connection, server_is_running
 from weightcache.core.errors import CheckpointNotFound, EntryNotFound, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
-from weightcache.core.loader import Prepared, load_from_disk, prepare, publish
+from weightcache.core.loader import Prepared, load_from_disk, prepare, publish, publish_from_node
 from weightcache.core.request import LoadRequest
+from weightcache.core.socket_dir import SocketDir, SocketDirLike, to_socket_dir
 
 if typing.TYPE_CHECKING:
     from weightcache.core.digests import ProgressLike
@@ -61,14 +61,14 @@ class CacheOptions:
     """How a load uses the cache; the same keys for ``load_model`` and an engine's ``--model-loader-extra-config``.
 
     :param mode: ``off`` (default), ``daemon`` or ``client``.
-    :param socket_dir: the server's socket directory (default: weightcache's own default).
+    :param socket_dir: the server's socket directory (a path; default: ``SocketDir.default()``).
     :param strict: raise instead of falling back to a disk load when the cache cannot be used.
     :param republish: publish the entry again from this process if the server restarts.
     :param timeout_s: deadline of each request to the server.
     """
 
     mode: str = attrs.field(default="off", validator=_mode)
-    socket_dir: str | None = attrs.field(default=None, converter=attrs.converters.optional(str))
+    socket_dir: SocketDir = attrs.field(default=None, converter=to_socket_dir)
     strict: bool = attrs.field(default=False, validator=_boolean)
     republish: bool = attrs.field(default=True, validator=_boolean)
     timeout_s: float = attrs.field(default=30.0, converter=float, validator=_positive)
@@ -132,7 +132,7 @@ def load_model(
     quantization: str | None = None,
     parallel: ParallelSpec | None = None,
     revision: str | None = None,
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDirLike = None,
     strict: bool = False,
     republish: bool = True,
     timeout_s: float = 30.0,
@@ -225,7 +225,7 @@ def _fill_from_node(prepared: Prepared, cache: CacheOptions, timings: dict) -> b
     if not prepared.request.device.is_cuda:
         return False
     try:
-        published = publish(prepared, cache.socket_dir, disk=False)
+        published = publish_from_node(prepared, cache.socket_dir)
     except WeightCacheError as exc:
         log.warning("weightcache: could not fill %s from the node's copies: %s", prepared.request.device, exc)
         return False

@@ -9,12 +9,17 @@ or a client asking for the other value gets exactly its own disk load.
 
 from __future__ import annotations
 
+import json
 import typing
 
 import attrs
 
 TYPES: typing.Final = (bool, int, float, str, list, dict)
 """The types an option may declare: what a JSON value (``--option KEY=VALUE``) decodes to."""
+
+
+def _values(value: typing.Iterable) -> tuple:
+    return tuple(value)
 
 
 def _option_type(_instance, _attribute, value) -> None:
@@ -36,9 +41,9 @@ class AdapterOption:
 
     help: str
     type: type | None = attrs.field(default=None, validator=_option_type)
-    choices: tuple = attrs.field(default=(), converter=tuple)
+    choices: tuple = attrs.field(default=(), converter=_values)
     default: typing.Any = None
-    alternatives: tuple = attrs.field(default=(), converter=tuple)
+    alternatives: tuple = attrs.field(default=(), converter=_values)
 
     @classmethod
     def of(cls, declared: "AdapterOption | str") -> "AdapterOption":
@@ -96,4 +101,18 @@ def declared_options(declared: "typing.Mapping[str, AdapterOption | str]") -> di
             options[name] = AdapterOption.of(value)
         except TypeError as exc:
             raise TypeError(f"option {name!r}: {exc}") from None
+    return options
+
+
+def parse_options(pairs: list[str]) -> dict:
+    """``KEY=VALUE`` strings as a dict; a VALUE that is JSON is decoded, else kept as a string."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option {pair!r} is not KEY=VALUE; write it like --option model_class=AutoModel")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
     return options

@@ -17,29 +17,13 @@ import struct
 from pathlib import Path
 
 from weightcache.core.errors import AccessDenied
+from weightcache.core.socket_dir import ENV_SOCKET_DIR
 
-SOCKET_NAME = "weightcache.sock"
-LOCK_NAME = "server.lock"
-ENV_SOCKET_DIR = "WEIGHTCACHE_SOCKET_DIR"
 ROOT_UID = 0
 
 _ELSEWHERE = f"choose another socket directory with --socket-dir or {ENV_SOCKET_DIR}"
 _WHAT_TO_DO = f"remove it, or {_ELSEWHERE}"
 _UCRED = struct.Struct("3i")
-
-
-def default_socket_dir() -> Path:
-    """``$WEIGHTCACHE_SOCKET_DIR``, else ``$XDG_RUNTIME_DIR/weightcache``, else ``/tmp/weightcache-UID``."""
-    if os.environ.get(ENV_SOCKET_DIR):
-        return Path(os.environ[ENV_SOCKET_DIR])
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        return Path(os.environ["XDG_RUNTIME_DIR"]) / "weightcache"
-    return Path(f"/tmp/weightcache-{os.geteuid()}")
-
-
-def socket_path(socket_dir: str | os.PathLike | None = None) -> Path:
-    """The socket inside ``socket_dir`` (default: ``default_socket_dir()``)."""
-    return Path(socket_dir or default_socket_dir()) / SOCKET_NAME
 
 
 def user_label(uid: int) -> str:

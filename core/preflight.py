@@ -45,7 +45,7 @@ def estimated_bytes(headers: "typing.Sequence[Header]", description: ModelDescri
     Floating-point tensors count at the resolved dtype (one byte each when quantized); the
     rest as stored. Buffers the checkpoint lacks and arena padding only add to the real size.
     """
-    per_float = 1 if description.quantization != "none" else item_size(description.dtype)
+    per_float = 1 if description.quantization != "none" else item_size(description.resolved_dtype())
     return sum(
         tensor.nbytes // item_size(tensor.dtype) * per_float if tensor.dtype in _FLOATING else tensor.nbytes
         for header in headers

@@ -22,13 +22,12 @@ import fcntl
 import json
 import os
 import time
-from pathlib import Path
 
 import attrs
 
 from weightcache.core.client import Connection
 from weightcache.core.errors import AccessDenied, ProtocolError, ServerError, ServerUnavailable
-from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, default_socket_dir
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
 
 
 class Health(enum.IntEnum):
@@ -53,10 +52,10 @@ class Verdict:
         return {"health": self.health.name.lower(), "exit_status": int(self.health), "reason": self.reason}
 
 
-def _lock_held(socket_dir: Path) -> bool:
+def _lock_held(socket_dir: SocketDir) -> bool:
     """Whether a server holds the directory's lock (it takes it before it binds its socket)."""
     try:
-        fd = os.open(socket_dir / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(socket_dir.lock, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return False
     try:
@@ -68,13 +67,13 @@ def _lock_held(socket_dir: Path) -> bool:
     return False
 
 
-def probe(socket_dir: str | os.PathLike | None = None, timeout: float = 5.0) -> Verdict:
+def probe(socket_dir: SocketDirLike = None, timeout: float = 5.0) -> Verdict:
     """Ask the server on ``socket_dir`` for ``hello`` and ``status`` within ``timeout`` seconds; never raises for its state."""
-    directory = Path(socket_dir) if socket_dir else default_socket_dir()
-    if not (directory / SOCKET_NAME).exists():
+    directory = SocketDir.parse(socket_dir)
+    if not directory.socket.exists():
         if _lock_held(directory):
-            return Verdict(Health.NOT_READY, f"a server holds {directory / LOCK_NAME} but does not listen yet (starting)")
-        return Verdict(Health.NO_SERVER, str(ServerUnavailable(str(directory / SOCKET_NAME), "no socket")))
+            return Verdict(Health.NOT_READY, f"a server holds {directory.lock} but does not listen yet (starting)")
+        return Verdict(Health.NO_SERVER, str(ServerUnavailable(str(directory.socket), "no socket")))
     started = time.monotonic()
     try:
         with Connection(directory, timeout=timeout) as connection:

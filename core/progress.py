@@ -69,14 +69,15 @@ class ByteProgress:
         self.description = description
         self.total = total
         self.stream = sys.stderr if stream is None else stream
-        self._bar = None
+        self._bar: typing.Any = None  # a tqdm bar once a byte is reported (tqdm ships no type information)
 
     def update(self, nbytes: int) -> None:
         if self._bar is None:
             self._bar = self._open()
-        if self._bar.total is not None and self._bar.n + nbytes / MIB > self._bar.total:
-            self._bar.total = self._bar.n + nbytes / MIB  # an estimate fell short: the bar ends at 100 %, never past it
-        self._bar.update(nbytes / MIB)
+        bar = self._bar
+        if bar.total is not None and bar.n + nbytes / MIB > bar.total:
+            bar.total = bar.n + nbytes / MIB  # an estimate fell short: the bar ends at 100 %, never past it
+        bar.update(nbytes / MIB)
 
     def _open(self):
         from tqdm import tqdm

@@ -159,7 +159,7 @@ class FrameReader:
         self.busy = False
         try:
             first = self._recv(1, fds, idle_timeout, allow_eof=True)
-            if first is None:
+            if not first:  # the peer closed between frames
                 return None
             self.busy = True
             deadline = time.monotonic() + self.deadline_s
@@ -215,7 +215,8 @@ class FrameReader:
             remaining -= len(chunk)
         return b"".join(chunks)
 
-    def _recv(self, size: int, fds: list[int], timeout: float | None, allow_eof: bool) -> bytes | None:
+    def _recv(self, size: int, fds: list[int], timeout: float | None, allow_eof: bool) -> bytes:
+        """At most ``size`` bytes and the fds that came with them; ``b""`` only where ``allow_eof`` (between frames)."""
         self.sock.settimeout(timeout)
         try:
             data, ancdata, flags, _ = self.sock.recvmsg(size, _CMSG_SPACE)
@@ -237,7 +238,7 @@ class FrameReader:
                 self._held_fds += len(received)
         if not data:
             if allow_eof and not fds:
-                return None
+                return b""
             raise ProtocolError("connection closed in the middle of a frame")
         return data
 

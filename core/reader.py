@@ -157,7 +157,7 @@ def _read_piece(reader: "_HostReader | _GpuReader", piece: Piece, fd: int, heade
             if at < len(raw) and bytes(staging[: min(len(raw), piece.start + stop) - at]) != raw[at : piece.start + stop]:
                 raise _Changed
             reader.place(staging, [_within(copy, start, stop) for copy in piece.copies if _overlaps(copy, start, stop)])
-            digest.update(staging)
+            digest.update(staging)  # type: ignore[arg-type]  # numpy's stubs omit __buffer__ before Python 3.12; hashlib reads the array's buffer
     except (EOFError, _Changed):
         raise CheckpointChanged(str(header.file.parent), str(header.file)) from None  # cut off or rewritten meanwhile
     return digest.digest()

@@ -28,10 +28,10 @@ def meta_parameters() -> Iterator[None]:
 
     original = torch.nn.Module.register_parameter
 
-    def register_on_meta(module: "torch.nn.Module", name: str, param: "torch.nn.Parameter | None") -> None:
+    def register_on_meta(self: "torch.nn.Module", name: str, param: "torch.nn.Parameter | None") -> None:
         if param is not None and param.device.type != "meta":
             param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
+        original(self, name, param)
 
     torch.nn.Module.register_parameter = register_on_meta
     try:
@@ -70,7 +70,7 @@ class _Owners:
 
 def _current(owner: "torch.nn.Module", leaf: str):
     """What ``owner`` holds under ``leaf`` now: a parameter, a buffer or a plain attribute (None if nothing)."""
-    found = owner._parameters.get(leaf)
+    found: torch.Tensor | None = owner._parameters.get(leaf)
     if found is None:
         found = owner._buffers.get(leaf)
     if found is None:
@@ -105,10 +105,12 @@ def rebind_module(
     params: dict[str, torch.nn.Parameter] = {}
     attribute_sets = table.attribute_sets
     Parameter, Tensor = torch.nn.Parameter, torch.Tensor
+    make_subclass = Tensor._make_subclass  # what Parameter() calls for a plain tensor, without its Python frame
     with gc_paused():  # tens of thousands of Parameters: no full collections in between
         for name, kind, persistent, attributes in zip(table.names, table.kind, table.persistent, table.attributes, strict=True):
             owner, leaf = owners.split(name)
             tensor = tensors[name]
+            bound: torch.Tensor
             current = _current(owner, leaf)
             if isinstance(current, Tensor) and current.shape != tensor.shape:
                 raise RebindError(
@@ -116,7 +118,10 @@ def rebind_module(
                     "the cached entry was made from a different model configuration"
                 )
             if kind == _PARAMETER:
-                bound = params[name] = Parameter(tensor, requires_grad=False)
+                if type(tensor) is Tensor:
+                    bound = params[name] = make_subclass(Parameter, tensor, False)
+                else:
+                    bound = params[name] = Parameter(tensor, requires_grad=False)
                 if owner._buffers:
                     owner._buffers.pop(leaf, None)
                 owner._parameters[leaf] = bound

@@ -221,8 +221,9 @@ class Registry:
         Decided before anything is evicted: OverBudget, naming the budget, if even all of them would not make room.
         Only entries holding bytes where room is short are evicted.
         """
-        limits = [(None, self.budgets.total)] + [(tier, self.budgets.of(tier)) for tier in needed]
-        limits = [(tier, limit) for tier, limit in limits if limit is not None]
+        candidates: list[tuple[str | None, int | None]] = [(None, self.budgets.total)]
+        candidates += [(tier, self.budgets.of(tier)) for tier in needed]
+        limits = [(tier, limit) for tier, limit in candidates if limit is not None]
         if not limits:
             return []
 
@@ -318,7 +319,7 @@ class Registry:
         with self._lock:
             entry = self._entries.get(digest)
             artifact = entry.artifacts.get(key) if entry is not None else None
-            if artifact is None:
+            if entry is None or artifact is None:
                 return None
             entry.last_used = time.monotonic()
             return os.dup(artifact.fd), artifact.nbytes

@@ -6,7 +6,7 @@ import typing
 
 import attrs
 
-from weightcache.core.device import Device
+from weightcache.core.device import Device, to_device
 from weightcache.core.dtypes import dtype_name
 from weightcache.core.fingerprint import ParallelSpec
 
@@ -46,7 +46,7 @@ class LoadRequest:
     model: str = attrs.field(converter=str)
     adapter: str = "hf"
     dtype: str | None = attrs.field(default=None, converter=_optional_dtype)
-    device: Device = attrs.field(default="cpu", converter=Device.parse)
+    device: Device = attrs.field(default=Device("cpu"), converter=to_device)
     quantization: str | None = attrs.field(default=None, converter=_optional_method)
     parallel: ParallelSpec = attrs.field(factory=ParallelSpec)
     options: tuple = attrs.field(factory=tuple, converter=_frozen_options)
@@ -88,6 +88,12 @@ class ModelDescription:
     engine: str = ""
     engine_version: str = ""
     extra: dict = attrs.field(factory=dict)
+
+    def resolved_dtype(self) -> str:
+        """``dtype``, which the core requires (``Plugins.describe`` refuses a description without one)."""
+        if self.dtype is None:
+            raise ValueError(f"the description of {self.architecture} names no dtype; the adapter's describe must resolve it")
+        return self.dtype
 
 
 @attrs.frozen

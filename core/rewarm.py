@@ -9,12 +9,12 @@ reading the disk when the entry is held) and reports each item's state in ``stat
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import threading
 
 from weightcache.core.serve_config import WarmItem
+from weightcache.core.socket_dir import SocketDir
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ _DETAIL_CHARS = 300
 class Warmer:
     """Loads the warm list in the background; ``replace`` swaps the list (SIGHUP), ``progress`` reports it."""
 
-    def __init__(self, socket_dir: str | os.PathLike, items: tuple[WarmItem, ...] = ()):
+    def __init__(self, socket_dir: SocketDir, items: tuple[WarmItem, ...] = ()):
         self.socket_dir = socket_dir
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -102,7 +102,7 @@ class Warmer:
         return ("done" if child.returncode == 0 else "failed"), last[:_DETAIL_CHARS]
 
 
-def scrub_in_background(socket_dir: str | os.PathLike) -> threading.Thread:
+def scrub_in_background(socket_dir: SocketDir) -> threading.Thread:
     """Run ``weightcache verify --drop`` once (entries came back from systemd's fd store: their checksums are checked
     where they live and a corrupt one is evicted unless attached); its summary is logged."""
 

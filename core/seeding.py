@@ -48,6 +48,7 @@ from weightcache.core.device import Device
 from weightcache.core.errors import InvalidManifest, SeedFailed, SeedRefused
 from weightcache.core.fingerprint import HOST_TIER, Fingerprint
 from weightcache.core.protocol import MAX_FRAME_BYTES
+from weightcache.core.socket_dir import SocketDir
 
 if typing.TYPE_CHECKING:
     import torch
@@ -119,7 +120,7 @@ def check_environment(fingerprint: Fingerprint, device: "Device | str") -> Finge
 
 def send_entry(
     fingerprint: Fingerprint,
-    socket_dir: "str | os.PathLike | None",
+    socket_dir: SocketDir | None,
     *,
     src: int = 0,
     group: "torch.distributed.ProcessGroup | None" = None,
@@ -163,7 +164,7 @@ def send_entry(
 
 
 def receive_entry(
-    socket_dir: "str | os.PathLike | None",
+    socket_dir: SocketDir | None,
     device: "Device | str",
     *,
     src: int = 0,
@@ -183,7 +184,7 @@ def receive_entry(
     import torch
 
     from weightcache.core.export import ArenaBuilder
-    from weightcache.core.loader import publish_arenas
+    from weightcache.core.publish import publish_arenas
 
     device = Device.parse(device)
     link = _Link(group, src, timeout_s)
@@ -216,7 +217,7 @@ def receive_entry(
     return SeedReport("receiver", reply["digest"], link.moved, seconds, created=bool(reply["created"]))
 
 
-def _accept(header: dict, device: Device, socket_dir, src: int):
+def _accept(header: dict, device: Device, socket_dir: SocketDir | None, src: int):
     """The fingerprint (for this node), manifest and label of a header this node can use; raises why it cannot."""
     from weightcache.core.client import Connection
     from weightcache.core.manifest import Manifest
@@ -373,7 +374,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
         description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from weightcache.core.cli import add_request_options
+    from weightcache.core.cli_options import add_request_options
 
     add_request_options(  # the sender names its entry the way it was loaded
         parser,
@@ -395,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from weightcache.core.cli import load_request
+    from weightcache.core.cli_options import load_request
     from weightcache.core.loader import prepare
     from weightcache.core.progress import note
 
@@ -432,7 +433,7 @@ def run(args: argparse.Namespace) -> int:
             f"complete within {args.timeout:g} s ({_first_line(exc)})",
         ) from None
     try:
-        if sender:
+        if fingerprint is not None:  # the sender's, named above
             report = send_entry(fingerprint, args.socket_dir, src=args.src_rank, timeout_s=args.timeout)
         else:
             report = receive_entry(args.socket_dir, device, src=args.src_rank, timeout_s=args.timeout)

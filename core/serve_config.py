@@ -25,14 +25,17 @@ TOML is read with ``tomllib`` (Python 3.11+) or, on 3.10, the ``tomli`` package 
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 import sys
+import types
 from pathlib import Path
 
 import attrs
 
 from weightcache.core import bounds
 from weightcache.core.errors import WeightCacheError
+from weightcache.core.socket_dir import SocketDir
 
 
 class ConfigError(WeightCacheError):
@@ -55,7 +58,7 @@ class WarmItem:
     quant: str | None = None
     adapter: str = "hf"
 
-    def command(self, socket_dir: str | os.PathLike) -> list[str]:
+    def command(self, socket_dir: SocketDir) -> list[str]:
         """The ``weightcache load`` command line that publishes this item to the server on ``socket_dir``."""
         args = [sys.executable, "-m", "weightcache.core.cli", "load", "--socket-dir", str(socket_dir)]
         args += ["--model", self.model, "--device", self.device, "--tier", self.tier, "--adapter", self.adapter]
@@ -107,15 +110,13 @@ class ServeSource:
         return {**(file.settings if file else {}), **self.flags}, (file.warm if file else ())
 
 
-def _toml():
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
+def _toml() -> types.ModuleType:
+    for name in ("tomllib", "tomli"):  # the standard library's from Python 3.11; the tomli package on 3.10
         try:
-            import tomli as tomllib
+            return importlib.import_module(name)
         except ModuleNotFoundError:
-            raise ConfigError("Python 3.10 reads TOML with the tomli package: `pip install tomli`, or use Python 3.11+") from None
-    return tomllib
+            continue
+    raise ConfigError("Python 3.10 reads TOML with the tomli package: `pip install tomli`, or use Python 3.11+")
 
 
 def _known(table, keys: tuple[str, ...], where: str) -> None:

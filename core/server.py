@@ -24,6 +24,7 @@ import resource
 import signal
 import socket
 import stat
+import sys
 import threading
 import time
 from pathlib import Path
@@ -41,7 +42,7 @@ from weightcache.core.handover import Handed, Limits, send_entries
 from weightcache.core.handover import take_over as take_over_from
 from weightcache.core.memfd import sealed_size
 from weightcache.core.metrics import Metrics
-from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir, peer_credentials
+from weightcache.core.paths import ensure_private_dir, peer_credentials
 from weightcache.core.protocol import (
     FRAME_DEADLINE_S,
     MAX_FRAME_BYTES,
@@ -53,9 +54,11 @@ from weightcache.core.protocol import (
     ok_reply,
     send_frame,
 )
+from weightcache.core.reexec import spawn_successor
 from weightcache.core.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, OverBudget, Registry, TooManyArtifacts
 from weightcache.core.rewarm import Warmer, scrub_in_background
 from weightcache.core.serve_config import ConfigError, ServeSource
+from weightcache.core.socket_dir import SocketDir, to_socket_dir
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +98,7 @@ class ServerConfig:
     a NaN, infinite, negative, zero or absurd value is a ValueError here, before anything is bound.
     """
 
-    socket_dir: Path = attrs.field(converter=Path)
+    socket_dir: SocketDir = attrs.field(converter=to_socket_dir)
     byte_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
     host_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
     gpu_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
@@ -145,11 +148,11 @@ class Server:
 
     @property
     def socket_path(self) -> Path:
-        return self.config.socket_dir / SOCKET_NAME
+        return self.config.socket_dir.socket
 
     def start(self, handed: Handed | None = None) -> None:
         """Take the directory's lock, clear a dead server's socket, bind and listen; or use the ones a predecessor ``handed``."""
-        socket_dir = ensure_private_dir(self.config.socket_dir)
+        ensure_private_dir(self.config.socket_dir.path)
         self._size_limits(_raise_fd_limit())
         if handed is not None and handed.complete:
             self._lock_fd, self._listener = handed.lock_fd, socket.socket(fileno=handed.listener_fd)
@@ -158,14 +161,14 @@ class Server:
             self._listener.settimeout(0.2)
             log.info("weightcache server %s (protocol %d) took over %s", __version__, PROTOCOL_VERSION, self.socket_path)
         else:
-            self._bind(socket_dir, waiting=handed is not None)
+            self._bind(self.config.socket_dir, waiting=handed is not None)
         if self.config.metrics_port is not None:
             self._exporter = Exporter(self.metrics_snapshot, self.config.metrics_port, self.config.metrics_host)
         readiness.ready(self.socket_path)
 
-    def _bind(self, socket_dir: Path, waiting: bool) -> None:
+    def _bind(self, socket_dir: SocketDir, waiting: bool) -> None:
         """Take the lock (``waiting``: a moment for a predecessor that died during a handover), bind and listen."""
-        self._lock_fd = os.open(socket_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._lock_fd = os.open(socket_dir.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         # A predecessor that died during a handover may still be tearing down (its lock goes last): wait a little.
         deadline = time.monotonic() + (_DEAD_PREDECESSOR_WAIT_S if waiting else 0)
         try:
@@ -221,8 +224,11 @@ class Server:
             while not self._stopping.is_set():
                 if not self._accepting.wait(0.2):
                     continue  # the listener is being handed over: newcomers wait in its queue
+                listener = self._listener
+                if listener is None:  # closed by stop()
+                    break
                 try:
-                    conn, _ = self._listener.accept()
+                    conn, _ = listener.accept()
                 except (TimeoutError, InterruptedError):
                     continue
                 except OSError as exc:
@@ -259,8 +265,8 @@ class Server:
     def keep_warm(self, source: ServeSource) -> None:
         """Load ``source``'s warm list in the background; SIGHUP re-reads the file (budgets and list), evicting nothing."""
         _, items = source.read()
-        self.warmer = Warmer(self.config.socket_dir, items)
-        self.warmer.start()
+        warmer = self.warmer = Warmer(self.config.socket_dir, items)
+        warmer.start()
 
         def reload() -> None:
             try:
@@ -269,7 +275,7 @@ class Server:
                 log.warning("SIGHUP: kept the settings in force: %s", exc)
                 return
             self.change_budgets(**{key: settings.get(key) for key in ("byte_budget", "host_budget", "gpu_budget")})
-            self.warmer.replace(items)
+            warmer.replace(items)
             log.info("SIGHUP: re-read %s: budgets %s, %d models to keep warm", source.path, self.registry.budgets, len(items))
 
         signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=reload, daemon=True).start())
@@ -280,9 +286,20 @@ class Server:
         self.registry.budgets = Budgets(total=byte_budget, host=host_budget, per_gpu=gpu_budget)
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT stop the server cleanly."""
+        """SIGTERM and SIGINT stop the server cleanly; SIGUSR2 restarts it in place (``core/reexec.py``)."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: self.stop())
+        signal.signal(signal.SIGUSR2, lambda *_: threading.Thread(target=self._restart_in_place, daemon=True).start())
+
+    def _restart_in_place(self) -> None:
+        """Start this server's successor (``serve --take-over`` with this command line); it takes every entry over."""
+        if self._frozen.is_set():
+            log.warning("SIGUSR2 ignored: a successor is taking over already")
+            return
+        try:
+            spawn_successor(sys.argv[1:])
+        except (OSError, ValueError) as exc:
+            log.warning("SIGUSR2: could not start a successor (%s); serving on", exc)
 
     def _spawn(self, conn: socket.socket) -> None:
         state = ConnectionState(next(self._ids), conn)
@@ -379,6 +396,8 @@ class Server:
                 self._frozen.clear()
         if done:
             self._handed_over = True
+            readiness.notify(f"MAINPID={pid}")  # under systemd the successor is the unit's main process from now on
+            self._try_send(conn, ok_reply(farewell=True))  # after MAINPID=: the successor's notifications come later
             self.stop()
 
     def _try_send(self, conn: socket.socket, reply: dict, fds=()) -> bool:
@@ -583,7 +602,8 @@ class Server:
         log.info("server stopping")
         if self.warmer is not None:
             self.warmer.stop()
-        readiness.notify("STOPPING=1")
+        if not self._handed_over:  # else the unit goes on, with the successor as its main process
+            readiness.notify("STOPPING=1")
         if self._exporter is not None:
             self._exporter.close()
             self._exporter = None

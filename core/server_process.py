@@ -23,7 +23,7 @@ from pathlib import Path
 
 from weightcache.core.client import server_is_running, wait_for_server
 from weightcache.core.errors import ServerUnavailable
-from weightcache.core.paths import default_socket_dir
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
 
 if typing.TYPE_CHECKING:
     from weightcache.core.serve_config import ServeSource
@@ -34,9 +34,9 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 30.0
 
 
-def serve_command(socket_dir: str | os.PathLike, *extra_args: str) -> list[str]:
+def serve_command(socket_dir: SocketDirLike, *extra_args: str) -> list[str]:
     """The command line of ``weightcache serve`` on ``socket_dir`` with this interpreter."""
-    return [sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir), *extra_args]
+    return [sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(SocketDir.parse(socket_dir)), *extra_args]
 
 
 class ServerProcess:
@@ -49,7 +49,7 @@ class ServerProcess:
         self.owns_dir = owns_dir
 
     @classmethod
-    def start(cls, socket_dir: str | os.PathLike | None = None, *extra_args: str) -> "ServerProcess":
+    def start(cls, socket_dir: SocketDirLike = None, *extra_args: str) -> "ServerProcess":
         """Start a server on ``socket_dir`` (default: a fresh 0700 directory it owns) and wait until it answers."""
         owns_dir = socket_dir is None
         if owns_dir:
@@ -58,7 +58,7 @@ class ServerProcess:
             socket_dir.chmod(0o700)
             log_path = socket_dir / "server.log"
         else:
-            socket_dir = Path(socket_dir)
+            socket_dir = SocketDir.parse(socket_dir).path
             log_path = Path(str(socket_dir) + ".server.log")
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
@@ -112,13 +112,13 @@ class ServerProcess:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
-def spawn_detached(socket_dir: str | os.PathLike | None = None, log_file: str | os.PathLike | None = None) -> None:
+def spawn_detached(socket_dir: SocketDirLike = None, log_file: str | os.PathLike | None = None) -> None:
     """Start a server on ``socket_dir`` that outlives this process and its process tree, and wait until it answers.
 
     A lost race with another starter is fine: whoever binds first serves, and
     this returns once a server answers.
     """
-    socket_dir = Path(socket_dir) if socket_dir else default_socket_dir()
+    socket_dir = SocketDir.parse(socket_dir)
     args = serve_command(socket_dir, "--detach") + (["--log-file", str(log_file)] if log_file else [])
     launcher = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=START_TIMEOUT_S)
     if launcher.returncode != 0 and not server_is_running(socket_dir):

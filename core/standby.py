@@ -45,6 +45,7 @@ from weightcache.core.errors import StandbyError, WeightCacheError
 from weightcache.core.example_inputs import run_with_inputs, to_device
 from weightcache.core.progress import format_bytes
 from weightcache.core.request import ExampleInputs, ForwardUnavailable, LoadRequest
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
 
 if typing.TYPE_CHECKING:
     import torch
@@ -112,7 +113,7 @@ class Standby:
         self,
         request: LoadRequest,
         *,
-        socket_dir=None,
+        socket_dir: SocketDirLike = None,
         watch_pid: int | None = None,
         then: "typing.Callable[[LoadedModel], typing.Any] | None" = None,
         requests: typing.IO | None = None,
@@ -121,7 +122,7 @@ class Standby:
         use_pidfd: bool = True,
     ):
         self.request = request
-        self.socket_dir = socket_dir
+        self.socket_dir = SocketDir.parse(socket_dir)
         self.watch_pid = watch_pid
         self.use_pidfd = use_pidfd
         self.then = then
@@ -129,7 +130,7 @@ class Standby:
         self.timeout_s = timeout_s
         self.plugins = plugins
         self.loaded: LoadedModel | None = None
-        self.inputs = None
+        self.inputs: typing.Any = None  # the fixed prompt's inputs, once start() built them
         self.timings: dict[str, float] = {}
         self._triggers: _Triggers | None = None
 
@@ -148,7 +149,7 @@ class Standby:
 
         began = time.perf_counter()
         # Before anything slow: a primary that dies meanwhile counts.
-        self._triggers = _Triggers(self.watch_pid, self.requests, use_pidfd=self.use_pidfd)
+        triggers = self._triggers = _Triggers(self.watch_pid, self.requests, use_pidfd=self.use_pidfd)
         cuda = start_cuda_early(self.request.device)
         adapter = (self.plugins or installed_plugins()).adapter(self.request.adapter)
         adapter.warm_up(self.request)
@@ -158,7 +159,7 @@ class Standby:
         start = time.perf_counter()
         cache = CacheOptions(mode="client", socket_dir=self.socket_dir, strict=True, timeout_s=self.timeout_s)
         try:
-            self.loaded = run(self.request, cache, plugins=self.plugins)
+            loaded = self.loaded = run(self.request, cache, plugins=self.plugins)
         except WeightCacheError as exc:
             raise StandbyError(
                 f"the standby for {self.request.model} cannot attach: {exc}. A standby maps the server's entry and holds "
@@ -166,7 +167,7 @@ class Standby:
             ) from None
         self.timings["load_s"] = time.perf_counter() - start  # prepare + attach + rebind (each in the report too)
         start = time.perf_counter()
-        inputs = fixed_prompt(self.request, self.loaded.model, self.plugins)
+        inputs = fixed_prompt(self.request, loaded.model, self.plugins)
         if isinstance(inputs, ForwardUnavailable):
             if self.then is None:
                 raise StandbyError(
@@ -175,9 +176,11 @@ class Standby:
             log.info("no warm-up forward: %s", inputs.reason)
         else:
             self.inputs = inputs
-            first_token(self.loaded.model, self.inputs)
+            first_token(loaded.model, self.inputs)
         self.timings["warm_up_s"] = time.perf_counter() - start
-        attachment = self.loaded.attachment
+        attachment = loaded.attachment
+        if attachment is None:  # strict client mode attaches or raises
+            raise StandbyError(f"the standby for {self.request.model} holds no attached entry")
         report = {
             "event": "ready",
             "pid": os.getpid(),
@@ -185,15 +188,15 @@ class Standby:
             "device": str(self.request.device),
             "digest": attachment.digest,
             "mapped_bytes": attachment.manifest.nbytes,
-            "watched_by": self._triggers.watched_by,
-            "parameters_outside_arenas": parameters_outside(self.loaded.model, attachment.arenas),
+            "watched_by": triggers.watched_by,
+            "parameters_outside_arenas": parameters_outside(loaded.model, attachment.arenas),
             "private_growth_bytes": rss_anon_bytes() - private_before,
-            "timings": {**self.timings, "ready_s": time.perf_counter() - began, **self.loaded.timings},
+            "timings": (timings := {**self.timings, "ready_s": time.perf_counter() - began, **loaded.timings}),
         }
         log.info(
             "standby ready for %s in %.2f s (%s mapped, no copy)",
             self.request.model,
-            report["timings"]["ready_s"],
+            timings["ready_s"],
             format_bytes(attachment.manifest.nbytes),
         )
         return report
@@ -209,6 +212,8 @@ class Standby:
         if self._triggers is not None:
             self._triggers.close()
             self._triggers = None
+        if self.loaded is None:
+            raise StandbyError("start() the standby before it takes over")
         if self.then is not None:
             return TakeOver(trigger, result=self.then(self.loaded))
         token = first_token(self.loaded.model, self.inputs)
@@ -334,7 +339,7 @@ class _Triggers:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             step = POLL_INTERVAL_S if polling else remaining
             if polling and remaining is not None:
-                step = min(step, remaining)
+                step = min(POLL_INTERVAL_S, remaining)
             try:
                 events = self._poll.poll(None if step is None else step * 1000)
             except InterruptedError:
@@ -344,7 +349,7 @@ class _Triggers:
                 trigger = self._read_event(fd, now)
                 if trigger is not None:
                     return trigger
-            if polling and not _alive(self._watch_pid):
+            if polling and self._watch_pid is not None and not _alive(self._watch_pid):
                 return Trigger("primary_exited", time.monotonic(), f"pid {self._watch_pid}")
             if deadline is not None and time.monotonic() >= deadline:
                 return None
@@ -377,7 +382,7 @@ class _Triggers:
         if self._pidfd >= 0:
             os.close(self._pidfd)
             self._pidfd = -1
-        if self._signal_pipe is not None:
+        if self._signal_pipe is not None and self._previous is not None:
             handler, wakeup = self._previous
             signal.set_wakeup_fd(wakeup)
             signal.signal(signal.SIGUSR1, handler)
@@ -454,6 +459,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(json.dumps(standby.start()), flush=True)
         trigger = standby.wait()
+        if trigger is None:  # no deadline: wait returns a trigger
+            raise StandbyError("the standby stopped waiting without a trigger")
         if then is not None:
             print(json.dumps(TakeOver(trigger).to_json()), flush=True)
         took_over = standby.take_over(trigger)

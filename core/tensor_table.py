@@ -47,7 +47,7 @@ MAGIC = b"WCT1"
 HEADER = struct.Struct("<4sIIIII")
 _ALIGN = 8
 # Columns in the order they lie: (name, typecode, per record or per dimension).
-_COLUMNS = (
+_COLUMNS: tuple[tuple[str, typing.Literal["q", "I", "B"], str], ...] = (
     ("storage_offset", "q", "records"),
     ("offset", "q", "records"),
     ("nbytes", "q", "records"),
@@ -83,6 +83,19 @@ class TensorTable:
     per record); :meth:`check` checks every record against the arenas.
     Raises :class:`InvalidManifest` (field ``tensors``) on a malformed blob.
     """
+
+    # The columns (_COLUMNS), each a memoryview of ints over the table's bytes.
+    storage_offset: memoryview
+    offset: memoryview
+    nbytes: memoryview
+    shape: memoryview
+    stride: memoryview
+    arena: memoryview
+    attributes: memoryview
+    kind: memoryview
+    dtype: memoryview
+    ndim: memoryview
+    persistent: memoryview
 
     def __init__(self, data: bytes):
         if sys.byteorder != "little":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import typing
 
 import attrs
@@ -32,6 +31,7 @@ from weightcache.core.cli_options import help_text
 from weightcache.core.client import Connection
 from weightcache.core.errors import AmbiguousDigest, ServerError, WeightCacheError
 from weightcache.core.progress import ByteProgress, NoProgress, byte_progress, format_bytes
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Verdict:
 
 
 def verify_entries(
-    socket_dir: str | os.PathLike | None = None,
+    socket_dir: SocketDirLike = None,
     prefix: str = "",
     drop: bool = False,
     force: bool = False,
@@ -82,6 +82,7 @@ def verify_entries(
 
     ``report`` is called with each verdict as soon as it is known; ``progress`` counts the bytes checked.
     """
+    socket_dir = SocketDir.parse(socket_dir)
     with Connection(socket_dir) as connection:
         rows = connection.status()["entries"]
     rows = [row for row in rows if row["digest"].startswith(prefix)]
@@ -102,7 +103,7 @@ def verify_entries(
     return verdicts
 
 
-def _verify(row: dict, socket_dir, progress) -> Verdict:
+def _verify(row: dict, socket_dir: SocketDir, progress) -> Verdict:
     verdict = Verdict(row["digest"], row.get("label", ""), int(row["bytes"]))
     try:
         attachment = Attachment.by_digest(row["digest"], socket_dir)
@@ -123,7 +124,7 @@ def _verify(row: dict, socket_dir, progress) -> Verdict:
     return attrs.evolve(verdict, corrupt=corrupt)
 
 
-def _drop(verdict: Verdict, socket_dir, force: bool) -> Verdict:
+def _drop(verdict: Verdict, socket_dir: SocketDir, force: bool) -> Verdict:
     with Connection(socket_dir) as connection:
         try:
             connection.evict(verdict.digest, force=force)
@@ -157,7 +158,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
         description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from weightcache.core.cli import add_socket_dir
+    from weightcache.core.cli_options import add_socket_dir
 
     add_socket_dir(parser)
     parser.add_argument("id", nargs="?", default="", metavar="ID", help="check only the entry whose digest starts with ID")

@@ -11,6 +11,7 @@ its arena's storage, so none reaches outside the memory mapped.
 
 from __future__ import annotations
 
+import contextlib
 import typing
 
 from weightcache.core.dtypes import ITEM_SIZES, to_dtype
@@ -26,6 +27,34 @@ _DIGITS = str.maketrans("0123456789", "##########")
 
 def table_views(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tensor]") -> "dict[str, torch.Tensor]":
     """Every record of ``table`` as a tensor viewing ``arena_bytes`` (one uint8 tensor per arena), by name."""
+    with one_thread():
+        return _table_views(table, arena_bytes)
+
+
+@contextlib.contextmanager
+def one_thread() -> "typing.Iterator[None]":
+    """torch's intra-op pool at one thread for the block, restored after.
+
+    The grouping runs a few dozen torch operations on columns of up to a few hundred thousand
+    elements: microseconds each on one thread, but each one a fork-join over the whole pool
+    otherwise. On a loaded host (an engine's node at start-up, other processes busy) that costs
+    more than the work: 1,000 records took 25 ms on two threads and 1.3 ms on one, 20,000 took
+    122 ms and 79 ms (2 shared, busy cores; out of the views of ``benchmarks/attach.py``).
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _table_views(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tensor]") -> "dict[str, torch.Tensor]":
     import torch
 
     count = table.count
@@ -52,8 +81,8 @@ def table_views(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tensor
     strides = torch.zeros((count, width), dtype=torch.long)
     if table.dims:
         owner = torch.repeat_interleave(torch.arange(count), ndim)
-        starts = torch.cumsum(ndim, 0) - ndim
-        position = torch.arange(table.dims) - starts[owner]
+        first_dim = torch.cumsum(ndim, 0) - ndim
+        position = torch.arange(table.dims) - first_dim[owner]
         shapes[owner, position] = column("shape", torch.int64)
         strides[owner, position] = column("stride", torch.int64)
     patterns: dict[str, int] = {}

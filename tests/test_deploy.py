@@ -120,3 +120,12 @@ def test_the_daemonset_probes_the_server_and_shares_its_socket_directory_with_en
     assert engine_spec["securityContext"]["runAsUser"] == pod["securityContext"]["runAsUser"], "one uid (SO_PEERCRED)"
     assert engine_spec.get("hostIPC") == pod.get("hostIPC") is True
     assert {"name": "WEIGHTCACHE_SOCKET_DIR", "value": SOCKET_DIR} in container["env"]
+
+
+def test_the_unit_shown_in_the_operations_guide_is_the_deployed_one():
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    shown = guide.split("The unit (`deploy/systemd/weightcache.service`", 1)[1].split("```ini", 1)[1].split("```", 1)[0]
+    deployed = {line.strip() for line in UNIT.read_text().splitlines()}
+    lines = [line.split("#", 1)[0].strip() for line in shown.splitlines()]
+    missing = [line for line in lines if line and line not in deployed]
+    assert not missing, f"docs/operations.md shows unit lines the deployed unit lacks: {missing}"

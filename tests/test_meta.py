@@ -120,7 +120,7 @@ def test_a_plain_install_puts_everything_under_the_weightcache_namespace(tmp_pat
     for package in ("core", "core/arena", "core/quantization", "adapters/hf", "conformance"):
         assert (target / "weightcache" / package / "__init__.py").exists(), package
     entry_points = next(target.glob("weightcache-*.dist-info")).joinpath("entry_points.txt").read_text()
-    assert "hf = weightcache.adapters.hf.plugin" in entry_points and "weightcache = weightcache.core.cli:entry" in entry_points
+    assert "hf = weightcache.adapters.hf.hooks" in entry_points and "weightcache = weightcache.core.cli:entry" in entry_points
 
 
 def test_the_adapter_guide_shows_the_example_adapter_as_it_is():

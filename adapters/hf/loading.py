@@ -5,54 +5,25 @@ from __future__ import annotations
 import logging
 import typing
 
-from weightcache.adapters.hf import config as hf_config
+from weightcache.adapters.hf import identity
+from weightcache.adapters.hf.identity import load_dtype, model_class
 from weightcache.core.dtypes import to_dtype
+from weightcache.core.errors import UnsupportedQuantization
 from weightcache.core.rebind import check_no_meta, meta_parameters
 
 if typing.TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
     from weightcache.core.export import ArenaBuilder
     from weightcache.core.manifest import Manifest
-    from weightcache.core.request import LoadRequest
+    from weightcache.core.request import LoadRequest, ModelDescription
 
 log = logging.getLogger(__name__)
 
 
-def model_class(request: "LoadRequest", config: dict) -> type:
-    """The transformers class to build: ``options['model_class']`` or the checkpoint's architecture."""
-    import transformers
-
-    name = request.option("model_class") or hf_config.architecture(config)
-    cls = getattr(transformers, name, None)
-    if cls is None or not hasattr(cls, "from_pretrained"):
-        raise ValueError(f"transformers has no model class {name!r}; pass model_class='AutoModel' (or another class)")
-    model_type = config.get("model_type")
-    if name.startswith("Auto") and hasattr(cls, "_model_mapping"):  # an Auto class: the concrete class it picks
-        try:
-            cls = cls._model_mapping[type(transformers.AutoConfig.for_model(**config))]
-        except (KeyError, ValueError, TypeError):
-            raise ValueError(
-                f"{name} has no model class for this checkpoint's {model_type!r} config; pass the architecture's class "
-                f"(e.g. {hf_config.architecture(config)}) or leave model_class out"
-            ) from None
-    built_from = getattr(getattr(cls, "config_class", None), "model_type", None)
-    if built_from and model_type and built_from != model_type:
-        raise ValueError(
-            f"model class {name} is built from {built_from!r} configs, but this checkpoint is a {model_type!r} model "
-            f"({hf_config.architecture(config)}); pass a class of its architecture, or leave model_class out"
-        )
-    return cls
-
-
-def load_dtype(request: "LoadRequest", config: dict) -> "torch.dtype":
-    """The dtype of unquantized weights: the request's, else the checkpoint's, else float32."""
-    import torch
-
-    if request.dtype:
-        return to_dtype(request.dtype)
-    stored = config.get("dtype") or config.get("torch_dtype")
-    return to_dtype(stored) if stored else torch.float32
+PREQUANTIZED_ATTR = "_weightcache_prequantized"
+"""Set on a model loaded from a block-FP8 checkpoint as it is stored (post-processing must not quantize it again)."""
 
 
 def _hf_config(request, drop_quantization: bool):
@@ -72,15 +43,15 @@ def load(request: "LoadRequest", builder: "ArenaBuilder | None" = None) -> "torc
     model's (names, shapes, dtypes), the bytes are read straight into the
     arenas; otherwise transformers loads the model and export copies it.
     """
-    config = hf_config.read_config(request.model, request.revision)
-    if hf_config.checkpoint_quantization(config) == hf_config.FP8_BLOCK:
+    config = identity.read_config(request.model, request.revision)
+    if identity.checkpoint_quantization(config) == identity.FP8_BLOCK:
         return load_prequantized_fp8(request, config)
     if builder is not None and request.quantization in (None, "none"):
         model = load_into_arenas(request, config, builder)
         if model is not None:
             return model
     cls = model_class(request, config)
-    kwargs = {"dtype": load_dtype(request, config), "revision": request.revision}
+    kwargs: dict[str, typing.Any] = {"dtype": load_dtype(request, config), "revision": request.revision}
     if request.is_cuda:
         kwargs["device_map"] = request.device.torch()
     model = cls.from_pretrained(request.model, **kwargs)
@@ -141,7 +112,7 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
     return model.eval()
 
 
-def _tied_skeleton(request: "LoadRequest", dtype: "torch.dtype") -> "torch.nn.Module":
+def _tied_skeleton(request: "LoadRequest", dtype: "torch.dtype") -> "PreTrainedModel":
     """The meta skeleton, tied on meta: that shows which names tying would overwrite."""
     model = skeleton(request, drop_quantization=False, dtype=dtype)
     model.tie_weights()
@@ -159,7 +130,9 @@ def load_prequantized_fp8(request: "LoadRequest", config: dict) -> "torch.nn.Mod
     from weightcache.core.quantization.fp8_block import load_prequantized
     from weightcache.core.safetensors_io import checkpoint_files
 
-    fp8 = hf_config.fp8_config(config, None, dict(request.options))
+    fp8 = identity.fp8_config(config, None, dict(request.options))
+    if fp8 is None:
+        raise ValueError(f"{request.model} declares no block-wise FP8 quantization to load as it is stored")
     model = skeleton(request, drop_quantization=True, dtype=load_dtype(request, config))
     device = request.device.torch()
     tensors = {}
@@ -174,7 +147,7 @@ def load_prequantized_fp8(request: "LoadRequest", config: dict) -> "torch.nn.Mod
     model.tie_weights()
     _buffers_to(model, device)
     check_no_meta(model)
-    model._weightcache_prequantized = True
+    setattr(model, PREQUANTIZED_ATTR, True)
     log.info("loaded %d pre-quantized block-FP8 layers without re-quantizing", len(converted))
     return model.eval()
 
@@ -188,7 +161,7 @@ def _buffers_to(model, device) -> None:
 
 def skeleton(
     request: "LoadRequest", drop_quantization: bool, dtype: "torch.dtype", class_name: str | None = None
-) -> "torch.nn.Module":
+) -> "PreTrainedModel":
     """The model built from its config with parameters on meta and real buffers.
 
     Weight initialisation is skipped (every parameter is replaced before use):
@@ -199,7 +172,7 @@ def skeleton(
     import transformers
 
     config = _hf_config(request, drop_quantization)
-    cls = getattr(transformers, class_name) if class_name else model_class(request, hf_config.read_config(request.model))
+    cls = getattr(transformers, class_name) if class_name else model_class(request, identity.read_config(request.model))
     with meta_parameters(), _no_init_weights():
         model = cls._from_config(config, dtype=dtype)
     return model.eval()
@@ -221,6 +194,9 @@ def build_skeleton(request: "LoadRequest", manifest: "Manifest") -> "torch.nn.Mo
 
     Modules whose ``weight_scale_inv`` the manifest holds become FP8 layers.
     """
+    import torch
+
+    from weightcache.core.errors import RebindError
     from weightcache.core.quantization.fp8_block import Fp8BlockLinear
 
     extra = manifest.extra
@@ -230,6 +206,34 @@ def build_skeleton(request: "LoadRequest", manifest: "Manifest") -> "torch.nn.Mo
         if name.endswith(".weight_scale_inv"):
             name = name.removesuffix(".weight_scale_inv")
             module = model.get_submodule(name)
-            if not isinstance(module, Fp8BlockLinear):
-                model.set_submodule(name, Fp8BlockLinear.like(module, block_size, device="meta"))
+            if isinstance(module, Fp8BlockLinear):
+                continue
+            if not isinstance(module, torch.nn.Linear):
+                raise RebindError(f"{name} has a weight_scale_inv but is a {type(module).__name__}, not a Linear layer")
+            model.set_submodule(name, Fp8BlockLinear.like(module, block_size, device="meta"))
     return model
+
+
+def post_process(request: "LoadRequest", model: "torch.nn.Module", description: "ModelDescription") -> "torch.nn.Module":
+    """Block-FP8 quantization while loading, where the description asks for it and the checkpoint was not stored so."""
+    if description.quantization != identity.FP8_BLOCK or getattr(model, PREQUANTIZED_ATTR, False):
+        return model
+    from weightcache.core.quantization.fp8_block import Fp8BlockConfig, quantize_model
+
+    converted = quantize_model(model, Fp8BlockConfig.from_json(description.quantization_config))
+    if not converted:
+        raise UnsupportedQuantization(
+            identity.FP8_BLOCK,
+            f"no layer of {type(model).__name__} can be quantized: only untied nn.Linear layers outside the excluded "
+            "modules hold block-FP8 weights (GPT-2's Conv1D layers do not)",
+        )
+    log.info("quantized %d linear layers to block-wise FP8", len(converted))
+    return model
+
+
+def rebind(request: "LoadRequest", tensors: "dict[str, torch.Tensor]", manifest: "Manifest") -> "torch.nn.Module":
+    """The meta-device model for ``manifest``, its parameters and buffers pointed at the mapped ``tensors``."""
+    from weightcache.core.rebind import rebind_module
+
+    model = build_skeleton(request, manifest)
+    return rebind_module(model, tensors, manifest, device=request.device.torch())

@@ -13,7 +13,7 @@ Both run the core's mode runner (``weightcache.core.modes``) over the hooks in
 ``hooks`` (registered as ``sglang`` in the ``weightcache.adapters`` entry
 points, so the conformance kit and ``weightcache load --adapter sglang`` drive
 them too). Modules: ``hooks`` (the hook implementations), ``identity`` (what a
-model rank is, before loading), ``runtime`` (SGLang's configuration objects for
+model rank is, before loading), ``engine`` (SGLang's configuration objects for
 one load), ``loading`` (SGLang's load, post-processing and meta rebuild),
 ``loader`` and ``plugin`` (SGLang's plugin points), ``internals`` (the private
 SGLang names used).

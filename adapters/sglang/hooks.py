@@ -3,7 +3,7 @@
 Inside SGLang, ``WeightcacheLoader`` (``--load-format weightcache``) runs these
 through the core's mode runner with SGLang's own configuration objects in
 ``request.state``; elsewhere (the conformance kit, ``weightcache load --adapter
-sglang``) they build those objects for a single-process load (see ``runtime``).
+sglang``) they build those objects for a single-process load (see ``engine``).
 
 - describe: the fingerprint facts from ModelConfig, ServerArgs and the ranks (``identity``);
 - load / post_process: SGLang's ``DefaultModelLoader`` in its two steps (``loading``);
@@ -19,7 +19,7 @@ SGLang is imported inside the hooks only.
 from __future__ import annotations
 
 from weightcache.adapters.engine_support import check_publishable
-from weightcache.adapters.sglang import identity, loading, runtime
+from weightcache.adapters.sglang import engine, identity, loading
 from weightcache.core.hookspecs import hookimpl
 from weightcache.core.request import ForwardUnavailable
 
@@ -35,17 +35,17 @@ NO_FORWARD = (
 @hookimpl
 def weightcache_describe(request):
     identity.check_requested_quantization(request)
-    return identity.describe(request, runtime.start_load(request))
+    return identity.describe(request, engine.start_load(request))
 
 
 @hookimpl
 def weightcache_load(request, builder):
-    return loading.load(runtime.configs_for(request))
+    return loading.load(engine.engine_objects(request))
 
 
 @hookimpl
 def weightcache_post_process(request, model, description):
-    return loading.post_process(runtime.configs_for(request), model)
+    return loading.post_process(engine.engine_objects(request), model)
 
 
 @hookimpl
@@ -56,7 +56,7 @@ def weightcache_export(request, model, builder):
 
 @hookimpl
 def weightcache_rebind(request, tensors, manifest):
-    return loading.rebuild(runtime.configs_for(request), tensors, manifest, request.device.torch())
+    return loading.rebind(engine.engine_objects(request), tensors, manifest, request.device.torch())
 
 
 @hookimpl
@@ -68,4 +68,4 @@ def weightcache_example_inputs(request, model):
 def weightcache_warm_up(request):
     from sglang.srt.model_loader import get_model_architecture
 
-    get_model_architecture(runtime.configs_for(request).model_config)
+    get_model_architecture(engine.engine_objects(request).model_config)

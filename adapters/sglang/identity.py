@@ -12,28 +12,17 @@ kv-cache dtype). SGLang's own key names the model by its path; this one by its c
 
 from __future__ import annotations
 
-import json
-import os
 import typing
-from pathlib import Path
 
-import attrs
-
-from weightcache.adapters import engine_quantization
+from weightcache.adapters import engine_quantization, engine_support
 from weightcache.adapters.engine_support import engine_description
+from weightcache.adapters.sglang.engine import DeviceConfig, EngineObjects, LoadConfig, ModelConfig, Ranks, ServerArgs
 from weightcache.core.errors import UnsupportedQuantization
-from weightcache.core.fingerprint import ParallelSpec
 from weightcache.core.request import ModelDescription
 
 if typing.TYPE_CHECKING:
-    from weightcache.adapters.sglang.runtime import EngineConfigs
     from weightcache.core.request import LoadRequest
 
-# SGLang's configuration objects, as typing.Any: SGLang is imported inside functions only.
-ModelConfig = typing.Any  # sglang.srt.configs.model_config.ModelConfig
-LoadConfig = typing.Any  # sglang.srt.configs.load_config.LoadConfig
-DeviceConfig = typing.Any  # sglang.srt.configs.device_config.DeviceConfig
-ServerArgs = typing.Any  # sglang.srt.server_args.ServerArgs
 
 FP8_BLOCK = engine_quantization.FP8_BLOCK
 
@@ -41,46 +30,7 @@ SERVER_ARGS = ("quantization", "kv_cache_dtype", "attention_backend", "moe_runne
 """ServerArgs fields that choose how post-processing lays out the final weights."""
 
 
-@attrs.frozen
-class Ranks:
-    """This process's place in SGLang's parallel layout (``runtime_context.get_parallel()``)."""
-
-    tp_size: int = 1
-    tp_rank: int = 0
-    pp_size: int = 1
-    pp_rank: int = 0
-    dp_size: int = 1
-    moe_ep_size: int = 1
-    moe_ep_rank: int = 0
-    moe_dp_size: int = 1
-    moe_dp_rank: int = 0
-    attn_dp_size: int = 1
-    attn_cp_size: int = 1
-    enable_dp_lm_head: bool = False
-    moe_dense_tp_size: int | None = None
-
-    @classmethod
-    def current(cls) -> "Ranks":
-        """The ranks SGLang published for this process (the scheduler does so before loading)."""
-        from sglang.srt.runtime_context import get_parallel
-
-        parallel = get_parallel()
-        return cls(**{field.name: getattr(parallel, field.name) for field in attrs.fields(cls)})
-
-    @property
-    def parallel(self) -> ParallelSpec:
-        return ParallelSpec(
-            tp_size=self.tp_size,
-            tp_rank=self.tp_rank,
-            pp_size=self.pp_size,
-            pp_rank=self.pp_rank,
-            dp_size=self.dp_size,
-            ep_size=self.moe_ep_size,
-            ep_rank=self.moe_ep_rank,
-        )
-
-
-def describe(request: "LoadRequest", configs: "EngineConfigs") -> ModelDescription:
+def describe(request: "LoadRequest", configs: "EngineObjects") -> ModelDescription:
     """The model rank ``configs`` describe; UnsupportedQuantization (before any weight is read) unless allowlisted."""
     import sglang
 
@@ -137,42 +87,11 @@ def quantization(model_config: ModelConfig) -> tuple[str, dict]:
     return engine_quantization.checked_method(quant_method_name(model_config), hf_quant)
 
 
-def check_declared_quantization(checkpoint: str) -> None:
-    """Refuse the method a local checkpoint's config.json declares, before SGLang parses it (its own error would differ).
-
-    A hub name or a directory without config.json is left to ``quantization``.
-    """
-    path = Path(checkpoint) / "config.json"
-    if not path.is_file():
-        return
-    declared = json.loads(path.read_text()).get("quantization_config")
-    if isinstance(declared, dict):
-        engine_quantization.checked_method(declared.get("quant_method"), declared)
-
-
 def checkpoint_dir(model_config: ModelConfig, load_config: LoadConfig) -> str:
     """The local directory of the checkpoint's safetensors files (SGLang downloads them first for a hub name)."""
-    if os.path.isdir(model_config.model_path):
-        return model_config.model_path
     from sglang.srt.model_loader.weight_utils import download_weights_from_hf
 
-    return download_weights_from_hf(
-        model_config.model_path,
-        load_config.download_dir,
-        ["*.safetensors"],
-        model_config.revision,
-        ignore_patterns=load_config.ignore_patterns,
-    )
-
-
-def published_server_args() -> ServerArgs | None:
-    """The ServerArgs SGLang published for this process, or None."""
-    from sglang.srt.runtime_context import get_server_args
-
-    try:
-        return get_server_args()
-    except (AttributeError, ValueError, RuntimeError):
-        return None
+    return engine_support.checkpoint_dir(model_config.model_path, model_config.revision, load_config, download_weights_from_hf)
 
 
 def server_args_fields(server_args: ServerArgs | None) -> dict:

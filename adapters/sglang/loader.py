@@ -65,7 +65,7 @@ def _build_class():
         def download_model(self, model_config: ModelConfig) -> None:
             from sglang.srt.model_loader.loader import get_model_loader
 
-            from weightcache.adapters.sglang.runtime import plain_load_config
+            from weightcache.adapters.sglang.engine import plain_load_config
 
             get_model_loader(plain_load_config(self.load_config), model_config).download_model(model_config)
 
@@ -84,11 +84,11 @@ def load_request(load_config: LoadConfig, model_config: ModelConfig, device_conf
     after that refusal.
     """
     from weightcache.adapters.sglang import identity
-    from weightcache.adapters.sglang.runtime import STATE_KEY, EngineConfigs
+    from weightcache.adapters.sglang.engine import STATE_KEY, EngineObjects
     from weightcache.core.request import LoadRequest
 
     identity.quantization(model_config)  # refuse before anything else (describe checks again, in the core's flow)
-    configs = EngineConfigs.of_engine(load_config, model_config, device_config)
+    configs = EngineObjects.of_engine(load_config, model_config, device_config)
     return LoadRequest(
         model=identity.checkpoint_dir(model_config, configs.load_config),
         adapter=ADAPTER,

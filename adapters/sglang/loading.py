@@ -28,7 +28,7 @@ from weightcache.adapters.sglang import internals
 if typing.TYPE_CHECKING:
     import torch
 
-    from weightcache.adapters.sglang.runtime import EngineConfigs
+    from weightcache.adapters.sglang.engine import EngineObjects
     from weightcache.core.manifest import Manifest
 
 ModelLoader = typing.Any  # sglang.srt.model_loader.loader.DefaultModelLoader; SGLang is imported inside functions only
@@ -46,7 +46,7 @@ def own_rope_cache() -> contextlib.AbstractContextManager[None]:
     return isolated(internals.ROPE_CACHE.lookup())
 
 
-def default_loader(configs: "EngineConfigs") -> ModelLoader:
+def default_loader(configs: "EngineObjects") -> ModelLoader:
     """The loader SGLang picks for ``--load-format auto``; RuntimeError unless it is ``DefaultModelLoader``.
 
     For the allowlisted methods (unquantized, block FP8) SGLang always picks
@@ -63,7 +63,7 @@ def default_loader(configs: "EngineConfigs") -> ModelLoader:
     return loader
 
 
-def load(configs: "EngineConfigs") -> "torch.nn.Module":
+def load(configs: "EngineObjects") -> "torch.nn.Module":
     """SGLang's model on its device with the checkpoint read into it, not yet post-processed."""
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
@@ -77,7 +77,7 @@ def load(configs: "EngineConfigs") -> "torch.nn.Module":
     return model
 
 
-def post_process(configs: "EngineConfigs", model: "torch.nn.Module") -> "torch.nn.Module":
+def post_process(configs: "EngineObjects", model: "torch.nn.Module") -> "torch.nn.Module":
     """SGLang's post-processing of a loaded model (quant methods repack, quantize or derive scales), in eval mode."""
     from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.model_loader.utils import set_default_torch_dtype
@@ -87,8 +87,8 @@ def post_process(configs: "EngineConfigs", model: "torch.nn.Module") -> "torch.n
     return model.eval()
 
 
-def rebuild(
-    configs: "EngineConfigs", tensors: "dict[str, torch.Tensor]", manifest: "Manifest", device: "torch.device"
+def rebind(
+    configs: "EngineObjects", tensors: "dict[str, torch.Tensor]", manifest: "Manifest", device: "torch.device"
 ) -> "torch.nn.Module":
     """SGLang's model built on the meta device, every parameter, buffer and tensor attribute pointed at ``tensors``."""
     import torch

@@ -13,7 +13,7 @@ from __future__ import annotations
 import typing
 
 if typing.TYPE_CHECKING:
-    from weightcache.adapters.sglang.identity import LoadConfig
+    from weightcache.adapters.sglang.engine import LoadConfig
 
 LOAD_FORMAT = "weightcache"
 HOOK_TARGET = "sglang.srt.configs.load_config.LoadConfig.__post_init__"

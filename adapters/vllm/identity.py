@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import typing
-from pathlib import Path
 
-from weightcache.adapters import engine_quantization
+from weightcache.adapters import engine_quantization, engine_support
 from weightcache.adapters.engine_support import engine_description
 from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, LoadConfig, ModelConfig, VllmConfig, engine_objects
 from weightcache.core.errors import UnsupportedQuantization
@@ -47,17 +45,9 @@ def is_draft(vllm_config: VllmConfig, model_config: ModelConfig) -> bool:
 
 def checkpoint_dir(model_config: ModelConfig, load_config: LoadConfig) -> str:
     """The local directory of the checkpoint's safetensors files (vLLM downloads them first if the model is a hub name)."""
-    if os.path.isdir(model_config.model):
-        return model_config.model
     from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
 
-    return download_weights_from_hf(
-        model_config.model,
-        load_config.download_dir,
-        ["*.safetensors"],
-        model_config.revision,
-        ignore_patterns=load_config.ignore_patterns,
-    )
+    return engine_support.checkpoint_dir(model_config.model, model_config.revision, load_config, download_weights_from_hf)
 
 
 def vllm_key_fields(objects: EngineObjects) -> dict:
@@ -122,7 +112,7 @@ def describe(request: "LoadRequest") -> ModelDescription:
     if requested is not None:
         check_quantization(requested)  # every method outside the allowlist, by the name asked for
     if STATE_KEY not in request.state:
-        declared_quantization(request.model)  # config.json alone, before vLLM reads the checkpoint
+        engine_quantization.declared_method(request.model)  # config.json alone, before vLLM reads the checkpoint
     objects = engine_objects(request)
     if objects.vllm_config.parallel_config.enable_eplb:
         raise ValueError("weightcache does not support EPLB: it moves experts between ranks at run time; use --load-format auto")
@@ -142,11 +132,3 @@ def describe(request: "LoadRequest") -> ModelDescription:
         quant_config=quant_config,
         extra=vllm_key_fields(objects),
     )
-
-
-def declared_quantization(checkpoint: str) -> tuple[str, dict]:
-    """The method the checkpoint's config.json declares, checked against the allowlist in vLLM's names."""
-    path = Path(checkpoint) / "config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
-    quant = config.get("quantization_config") or {}
-    return engine_quantization.checked_method(quant.get("quant_method") if quant else None, quant)

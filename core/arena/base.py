@@ -69,6 +69,18 @@ class Arena(abc.ABC):
     def export_fd(self) -> int:
         """A new fd for this arena; the caller owns it and must close it."""
 
+    @property
+    @abc.abstractmethod
+    def address(self) -> int:
+        """Where the mapping starts in this process (a host address, or a CUDA device address)."""
+
+    def fileno(self) -> int:
+        """The fd this process holds for the arena's memory, still owned by the arena (a host arena's memfd).
+
+        Only host arenas read and write their memory as a file; others raise TypeError: use ``export_fd()``.
+        """
+        raise TypeError(f"a {type(self).__name__} is not a file; use export_fd() for an fd to hand on")
+
     @abc.abstractmethod
     def close(self) -> None:
         """Unmap and release this process's handles (idempotent).
@@ -102,8 +114,12 @@ class ArenaBackend(abc.ABC):
         """Make the arena's contents final; later maps are read-only where possible."""
 
     @abc.abstractmethod
-    def map(self, fd: int, spec: ArenaSpec) -> Arena:
-        """Map an arena received as ``fd`` (the fd is duplicated; the caller keeps its own)."""
+    def map(self, fd: int, spec: ArenaSpec, *, writable: bool = False, on_device: int | None = None) -> Arena:
+        """Map an arena received as ``fd`` (the fd is duplicated; the caller keeps its own).
+
+        ``writable``: ask for a writable mapping (default: read-only where the backend can); ``on_device``: map it
+        on this GPU index instead of its own (a peer copy; CUDA only, the host backend refuses it).
+        """
 
 
 PLAUSIBLE_GRANULE = 2 << 20

@@ -24,7 +24,7 @@ import sys
 import threading
 import typing
 
-from weightcache.core.arena import devices
+from weightcache.core import device as devices
 from weightcache.core.arena.base import Arena, ArenaBackend, ArenaSpec, round_up
 from weightcache.core.arena.driver import check, driver
 from weightcache.core.errors import ArenaClosed, ArenaError, BackendUnavailable, CudaError

@@ -1,6 +1,6 @@
 """The CUDA driver API through cuda-bindings: imported on first use, every call's result checked.
 
-Both ``arena/cuda.py`` (VMM arenas) and ``arena/devices.py`` (GPU UUIDs) call the
+Both ``arena/cuda.py`` (VMM arenas) and ``device.py`` (GPU UUIDs) call the
 driver through here, so neither imports the other.
 """
 

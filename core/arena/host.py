@@ -36,8 +36,8 @@ class HostArena(Arena):
         self.spec = spec
         self.writable = writable
         self._fd = fd
-        self._map = None
-        self._view = None
+        self._map: mmap.mmap | None = None
+        self._view: torch.Tensor | None = None
 
     def fileno(self) -> int:
         """The memfd: ``os.preadv`` reads the arena's bytes; a new arena's are written with ``os.pwritev`` before sealing."""
@@ -113,22 +113,25 @@ class HostArenaBackend(ArenaBackend):
             os.close(fd)
             raise
 
-    def seal(self, arena: HostArena) -> None:
+    def seal(self, arena: Arena) -> None:
         """Drop the writable mapping and seal the memfd; views made later map it read-only.
 
         Tensors that viewed the writable mapping must be dropped before sealing.
         """
+        if not isinstance(arena, HostArena):
+            raise TypeError(f"the host backend seals host arenas, not a {type(arena).__name__}")
         arena.make_read_only()
         fcntl.fcntl(arena.fileno(), fcntl.F_ADD_SEALS, _SEALS)
 
-    def map(self, fd: int, spec: ArenaSpec) -> HostArena:
+    def map(self, fd: int, spec: ArenaSpec, *, writable: bool = False, on_device: int | None = None) -> HostArena:
         if spec.backend != self.name:
             raise ValueError(f"arena of backend {spec.backend!r} cannot be mapped by the host backend")
         size = os.fstat(fd).st_size
         if size < spec.size:
             raise ValueError(f"arena fd holds {size} bytes, manifest says {spec.size}")
+        if writable or on_device is not None:
+            raise ValueError("host arenas map read-only in host memory: drop writable= and on_device=")
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        writable = not seals & fcntl.F_SEAL_WRITE
-        if writable:
+        if not seals & fcntl.F_SEAL_WRITE:
             log.warning("host arena is not sealed; mapping it read-only anyway")
         return HostArena(os.dup(fd), spec, writable=False)

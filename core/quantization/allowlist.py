@@ -28,8 +28,8 @@ REFUSED = {
 }
 
 
-def check_quantization(method: str, adapter_allowlist: Iterable[str] = ()) -> None:
-    """Raise UnsupportedQuantization unless ``method`` is validated (by the core or the adapter)."""
+def check_quantization(method: str | None, adapter_allowlist: Iterable[str] = ()) -> None:
+    """Raise UnsupportedQuantization unless ``method`` (None: unquantized) is validated (by the core or the adapter)."""
     method = (method or "none").lower()
     if method in VALIDATED or method in tuple(adapter_allowlist):
         return

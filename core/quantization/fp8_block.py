@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import sys
 import typing
 
 import attrs
@@ -46,6 +47,11 @@ DEFAULT_EXCLUDE = ("lm_head", "*embed*", "*wte*", "*wpe*")
 _REGEX_ONLY = frozenset("^$()|+{}\\")
 
 BlockSize = tuple[int, int]
+
+
+def _pair(value: typing.Iterable[int]) -> tuple[int, ...]:
+    """A block size as a tuple (``_check_block_size`` then checks it is two positive ints)."""
+    return tuple(value)
 
 
 # ---------------------------------------------------------------- config
@@ -83,7 +89,7 @@ class Fp8BlockConfig:
     :param activation_scheme: only ``"dynamic"`` is supported.
     """
 
-    block_size: BlockSize = attrs.field(default=(128, 128), converter=tuple, validator=_check_block_size)
+    block_size: BlockSize = attrs.field(default=(128, 128), converter=_pair, validator=_check_block_size)
     exclude: tuple[str, ...] = attrs.field(default=DEFAULT_EXCLUDE, converter=_to_str_tuple)
     activation_scheme: str = attrs.field(default="dynamic", validator=_check_activation_scheme)
 
@@ -265,7 +271,7 @@ class Fp8BlockLinear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.block_size = tuple(block_size)
+        self.block_size: BlockSize = (int(block_size[0]), int(block_size[1]))
         grid = scale_shape((out_features, in_features), self.block_size)
         self.weight = _frozen(torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device))
         self.weight_scale_inv = _frozen(torch.ones(grid, dtype=SCALE_DTYPE, device=device))
@@ -363,8 +369,11 @@ def quantize_model(model: nn.Module, config: Fp8BlockConfig = Fp8BlockConfig()) 
         try:
             layer = Fp8BlockLinear.from_linear(linear, config.block_size)
         except ValueError as exc:
-            exc.add_note(f"while quantizing {name}.weight")
-            raise
+            note = f"while quantizing {name}.weight"
+            if sys.version_info >= (3, 11):
+                exc.add_note(note)
+                raise
+            raise ValueError(f"{exc} ({note})") from exc  # Python 3.10 has no exception notes
         model.set_submodule(name, layer)
         names.append(name)
     return names

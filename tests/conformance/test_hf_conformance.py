@@ -4,13 +4,18 @@ The real MiniLM checkpoint and random-weight Llama, Qwen2, GPT-2 (Conv1D layers,
 tied head), Gemma (tied embeddings) and Mixtral (MoE), each unquantized and
 block-FP8 where the architecture has nn.Linear layers (GPT-2 has none: its
 Conv1D layers stay unquantized and its head is tied, so block-FP8 would change nothing).
+
+The whole kit (``ConformanceTests``) runs on MiniLM, unquantized and block-FP8; the other
+architectures run the checks their architecture decides (``ArchitectureTests``): the fingerprint
+and quantization-refusal checks (``AdapterTests``) perturb the fingerprint or the declared method,
+not the model, so another architecture would repeat them with the same outcome (docs/adapter-guide.md).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from weightcache.conformance import ConformanceFixtures, ConformanceTests
+from weightcache.conformance import ArchitectureTests, ConformanceFixtures, ConformanceTests
 
 
 class HfFixtures(ConformanceFixtures):
@@ -49,7 +54,7 @@ class TestMiniLMFp8(Fp8, TestMiniLM):
     pass
 
 
-class TestLlama(HfFixtures, ConformanceTests):
+class TestLlama(HfFixtures, ArchitectureTests):
     kind = "llama"
 
 
@@ -57,7 +62,7 @@ class TestLlamaFp8(Fp8, TestLlama):
     pass
 
 
-class TestQwen2(HfFixtures, ConformanceTests):
+class TestQwen2(HfFixtures, ArchitectureTests):
     kind = "qwen2"
 
 
@@ -65,7 +70,7 @@ class TestQwen2Fp8(Fp8, TestQwen2):
     pass
 
 
-class TestGpt2(HfFixtures, ConformanceTests):
+class TestGpt2(HfFixtures, ArchitectureTests):
     kind = "gpt2"
 
     @pytest.fixture(scope="class")
@@ -74,7 +79,7 @@ class TestGpt2(HfFixtures, ConformanceTests):
         return (("lm_head.weight", "transformer.wte.weight"),)
 
 
-class TestGemma(HfFixtures, ConformanceTests):
+class TestGemma(HfFixtures, ArchitectureTests):
     kind = "gemma"
 
     @pytest.fixture(scope="class")
@@ -87,7 +92,7 @@ class TestGemmaFp8(Fp8, TestGemma):
     pass
 
 
-class TestMixtral(HfFixtures, ConformanceTests):
+class TestMixtral(HfFixtures, ArchitectureTests):
     kind = "mixtral"
 
 
@@ -95,7 +100,7 @@ class TestMixtralFp8(Fp8, TestMixtral):
     pass
 
 
-class TestT5(HfFixtures, ConformanceTests):
+class TestT5(HfFixtures, ArchitectureTests):
     """An encoder-decoder: the kit's inputs carry decoder ids too (built from T5's forward signature)."""
 
     kind = "t5"
@@ -106,5 +111,5 @@ class TestT5(HfFixtures, ConformanceTests):
         return (("encoder.embed_tokens.weight", "shared.weight", "decoder.embed_tokens.weight"),)
 
 
-class TestBart(HfFixtures, ConformanceTests):
+class TestBart(HfFixtures, ArchitectureTests):
     kind = "bart"

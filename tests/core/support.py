@@ -17,8 +17,8 @@ from weightcache.core.client import Connection
 from weightcache.core.fingerprint import Fingerprint, sha256_json
 from weightcache.core.manifest import Manifest, TensorRecord
 from weightcache.core.memfd import sealed_memfd as blob_memfd
-from weightcache.core.paths import SOCKET_NAME
 from weightcache.core.protocol import HEADER, MAGIC, FrameReader, close_fds
+from weightcache.core.socket_dir import SOCKET_NAME
 from weightcache.core.tensor_table import TensorTable
 
 SOME_CHECKSUM = "wsum64v1:" + "0" * 32

@@ -23,7 +23,7 @@ from weightcache.core.attach import Attachment
 from weightcache.core.client import Connection
 from weightcache.core.errors import ChecksumMismatch, ServerError
 from weightcache.core.export import ArenaBuilder, export_state
-from weightcache.core.loader import publish_arenas
+from weightcache.core.publish import publish_arenas
 
 _MASK = (1 << 64) - 1
 

@@ -454,7 +454,7 @@ def test_numeric_serve_options_at_their_bounds_are_accepted():
 
 
 def test_sizes_read_and_show_in_fitting_units():
-    from weightcache.core.cli import size
+    from weightcache.core.cli_options import size
 
     assert [size(text) for text in ("1M", "1MiB", "64g", "1.5T", "4096")] == [1 << 20, 1 << 20, 64 << 30, 3 << 39, 4096]
     assert [size(text) for text in ("10GiB", "10Gi", "10gi", "10G")] == [10 << 30] * 4

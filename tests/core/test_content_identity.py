@@ -260,7 +260,7 @@ def test_a_file_changed_while_it_is_loaded_is_never_published_under_the_old_iden
     """The identity is taken before loading; if a weight file changes before loading ends, nothing is published."""
     import types
 
-    from weightcache.adapters.hf import plugin as hf
+    from weightcache.adapters.hf import hooks as hf
     from weightcache.core.errors import CheckpointChanged
     from weightcache.core.hookspecs import hookimpl
     from weightcache.core.loader import prepare, publish

@@ -47,9 +47,9 @@ from weightcache.core.errors import EntryNotFound, EntryUnusable, ServerError, S
 from weightcache.core.loader import prepare
 from weightcache.core.manifest import Manifest, TensorRecord
 from weightcache.core.modes import load_model
-from weightcache.core.paths import SOCKET_NAME
 from weightcache.core.protocol import FDS_PER_MESSAGE, HEADER, MAGIC, MAX_FDS, close_fds, encode
 from weightcache.core.request import LoadRequest
+from weightcache.core.socket_dir import SOCKET_NAME
 
 _SERVE = """
 import json, logging, resource, sys

@@ -110,3 +110,35 @@ def test_entries_back_from_the_fd_store_are_scrubbed_and_a_lying_one_is_dropped(
     _started(socket_dir, managed, from_store=True)
     assert wait_until(lambda: _digests(socket_dir) == {good.digest}, timeout=120), "the scrub did not drop the lying entry"
     assert wait_until(lambda: "weightcache verify on the entries from systemd's fd store: exit 2" in log.read_text(), timeout=30)
+
+
+def test_sigusr2_restarts_the_server_in_place_and_names_its_successor_the_main_process(socket_dir, managed):
+    """The successor is the server's own child (under systemd: in the unit's cgroup), takes every entry over, and
+    the old server tells the service manager ``MAINPID=<successor>`` instead of ``STOPPING=1``."""
+    manager, log, _ = managed
+    first = _started(socket_dir, managed)
+    published = {publish_host_entry(socket_dir, make_fingerprint(architecture=f"InPlace{n}")).digest for n in range(3)}
+    assert wait_until(lambda: manager.digests() == published, timeout=10)
+    first.send_signal(signal.SIGUSR2)
+    assert first.wait(timeout=30) == 0, log.read_text()[-3000:]
+    with Connection(socket_dir, timeout=10) as conn:
+        status = conn.status()
+    successor = status["pid"]
+    try:
+        assert successor != first.pid
+        assert {row["digest"] for row in status["entries"]} == published
+        assert {"MAINPID": str(successor)} in manager.messages
+        assert not any(m.get("STOPPING") == "1" for m in manager.messages), "the unit must not be told it stops"
+        assert manager.digests() == published, "the fd store lost entries"
+    finally:
+        os.kill(successor, signal.SIGTERM)
+
+
+def test_a_successor_command_takes_over_and_never_detaches():
+    from weightcache.core.reexec import successor_command
+
+    tail = successor_command(["--log-format", "json", "serve", "--socket-dir", "/run/wc", "--detach", "--log-file", "x"])
+    assert tail[-6:] == ["--log-format", "json", "serve", "--socket-dir", "/run/wc", "--take-over"]
+    assert successor_command(["serve", "--log-file=x", "--take-over", "--detach"])[-2:] == ["serve", "--take-over"]
+    with pytest.raises(ValueError, match="not a `weightcache serve` command line"):
+        successor_command(["load", "--model", "m"])

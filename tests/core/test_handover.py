@@ -17,7 +17,7 @@ from tests.helpers import ServerProcess, run_cli, wait_until
 from weightcache.core.attach import Attachment
 from weightcache.core.client import Connection
 from weightcache.core.errors import ServerError, ServerUnavailable
-from weightcache.core.handover import PAUSE_ENV
+from weightcache.core.handover import ADMIT_PAUSE_ENV, DIE_AT_ENV, PAUSE_ENV
 from weightcache.core.server_process import serve_command
 
 
@@ -53,14 +53,14 @@ def _successor_with(socket_dir, *args: str, env: dict | None = None) -> subproce
         )
 
 
-def _predecessor(socket_dir, pause_s: float = 0.0) -> subprocess.Popen:
-    """A server that pauses ``pause_s`` after each entry it hands over (so that a test can interrupt it)."""
+def _predecessor(socket_dir, env: dict | None = None) -> subprocess.Popen:
+    """A server with ``env`` added to its environment (the handover's pause and kill hooks)."""
     return subprocess.Popen(
         serve_command(socket_dir),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, PAUSE_ENV: str(pause_s)},
+        env={**os.environ, **(env or {})},
         start_new_session=True,
     )
 
@@ -147,19 +147,51 @@ def test_take_over_without_a_running_server_starts_as_usual(socket_dir):
 
 
 @contextlib.contextmanager
-def _handing_over(socket_dir):
-    """A predecessor holding 10 entries that pauses 0.1 s after each it hands over, and a successor taking them over."""
-    proc = _predecessor(socket_dir, pause_s=0.1)
+def _handing_over(socket_dir, predecessor_env: dict | None = None, successor_env: dict | None = None, entries: int = 10):
+    """A predecessor holding ``entries`` entries and a successor taking them over, each process with its own environment.
+
+    By default the predecessor pauses 0.05 s after each entry it packs and the successor 0.1 s after each it admits,
+    so that a test can interrupt either phase.
+    """
+    proc = _predecessor(socket_dir, {PAUSE_ENV: "0.05", **(predecessor_env or {})})
     successor = None
     try:
         assert wait_until(lambda: _served_by(socket_dir, proc.pid), timeout=20)
-        published = _publish(socket_dir, 10)
-        successor = _successor(socket_dir)
+        published = _publish(socket_dir, entries)
+        successor = _successor(socket_dir, {ADMIT_PAUSE_ENV: "0.1", **(successor_env or {})})
         yield proc, successor, published
     finally:
         if successor is not None:
             _stop(successor)
         _stop(proc)
+
+
+@contextlib.contextmanager
+def _clients(socket_dir):
+    """A client asking for ``status`` in a loop until the block ends; yields the list of what failed."""
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def keep_asking() -> None:
+        while not stop.is_set():
+            try:
+                _status(socket_dir)
+            except BaseException as exc:  # collected for the caller's assertion
+                failures.append(exc)
+                time.sleep(0.01)
+
+    asker = threading.Thread(target=keep_asking)
+    asker.start()
+    try:
+        yield failures
+    finally:
+        stop.set()
+        asker.join(timeout=30)
+
+
+def _log(socket_dir) -> str:
+    path = Path(str(socket_dir) + ".successor.log")
+    return path.read_text() if path.exists() else ""
 
 
 @pytest.mark.parametrize("after_s", [0.05, 0.5, 1.0])
@@ -174,20 +206,70 @@ def test_a_successor_killed_during_the_handover_leaves_every_entry_with_the_pred
         publish_host_entry(socket_dir, make_fingerprint(architecture="After"))  # waits out the handover's refusals
 
 
-@pytest.mark.parametrize("after_s", [0.05, 0.25, 0.55])
-def test_a_predecessor_killed_during_the_handover_leaves_the_successor_serving_what_it_received(socket_dir, after_s):
+@pytest.mark.parametrize("step", ["received", "admitting", "confirming"])
+def test_a_successor_that_dies_at_any_step_leaves_every_entry_with_the_predecessor(socket_dir, step):
+    with _handing_over(socket_dir, successor_env={DIE_AT_ENV: step}) as (proc, successor, published):
+        assert successor.wait(timeout=30) == -signal.SIGKILL, _log(socket_dir)[-2000:]
+        assert wait_until(lambda: _served_by(socket_dir, proc.pid), timeout=20), "the predecessor stopped serving"
+        assert _digests(socket_dir) == published
+        publish_host_entry(socket_dir, make_fingerprint(architecture="After"))
+        assert proc.poll() is None
+
+
+@pytest.mark.parametrize("step", ["sent", "confirmed"])
+def test_a_predecessor_killed_once_its_handover_left_leaves_the_successor_with_every_entry(socket_dir, step):
+    """SIGKILL right after the one sendmsg that carries every entry, or after the confirmation: nothing is lost and
+    clients asking all along are answered (they queue on the listener the successor now holds)."""
+    with _handing_over(socket_dir, predecessor_env={DIE_AT_ENV: step}) as (proc, successor, published):
+        with _clients(socket_dir) as failures:
+            assert proc.wait(timeout=30) == -signal.SIGKILL
+            assert wait_until(lambda: _served_by(socket_dir, successor.pid), timeout=30), _log(socket_dir)[-2000:]
+            assert _digests(socket_dir) == published
+            publish_host_entry(socket_dir, make_fingerprint(architecture="After"))
+            time.sleep(0.2)  # a few more client requests, answered by the successor
+        assert failures == [], f"clients failed: {failures[:3]}"
+
+
+def test_a_predecessor_killed_while_the_successor_admits_leaves_the_successor_with_every_entry(socket_dir):
     with _handing_over(socket_dir) as (proc, successor, published):
-        started = Path(str(socket_dir) + ".successor.log")
-        assert wait_until(lambda: "taking over" in started.read_text(), timeout=20), "the handover never began"
-        time.sleep(after_s)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        assert wait_until(lambda: _served_by(socket_dir, successor.pid), timeout=20), "the successor did not serve"
-        kept = _digests(socket_dir)
-        assert kept and kept <= published, "the successor must serve what it received, never nothing"
+        with _clients(socket_dir) as failures:
+            assert wait_until(lambda: "taking over" in _log(socket_dir), timeout=20), "the handover never began"
+            time.sleep(0.35)  # the successor has admitted some of the 10 entries (0.1 s each)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+            assert wait_until(lambda: _served_by(socket_dir, successor.pid), timeout=30), _log(socket_dir)[-2000:]
+            assert _digests(socket_dir) == published
+        assert failures == [], f"clients failed: {failures[:3]}"
 
 
-def test_a_predecessor_killed_after_the_last_entry_leaves_the_successor_with_every_entry(socket_dir):
+def test_a_predecessor_killed_before_it_handed_over_is_a_crash_and_the_successor_starts_clean(socket_dir):
+    """Killed while packing (before the one sendmsg): the successor holds nothing, waits for the lock and starts as
+    after a crash; the engine that maps an entry publishes it again, checksummed. Clients meanwhile are answered or
+    told the server is unavailable (a client-mode engine then loads from disk), never given anything else."""
+    proc = _predecessor(socket_dir, {DIE_AT_ENV: "packing"})
+    successor = None
+    try:
+        assert wait_until(lambda: _served_by(socket_dir, proc.pid), timeout=20)
+        _publish(socket_dir, 3)
+        held = publish_host_entry(socket_dir, label="attached")
+        attachment = Attachment.open(held.fingerprint, socket_dir)
+        with _clients(socket_dir) as failures:
+            successor = _successor(socket_dir)
+            assert proc.wait(timeout=30) == -signal.SIGKILL
+            assert wait_until(lambda: _served_by(socket_dir, successor.pid), timeout=30), _log(socket_dir)[-2000:]
+        assert all(isinstance(exc, ServerUnavailable) for exc in failures), failures[:3]
+        assert "before it handed anything over" in _log(socket_dir)
+        assert _digests(socket_dir) == set()
+        assert attachment.reattach() is True
+        assert _digests(socket_dir) == {held.digest}
+        attachment.close()
+    finally:
+        if successor is not None:
+            _stop(successor)
+        _stop(proc)
+
+
+def test_a_predecessor_killed_after_its_last_entry_leaves_the_successor_with_every_entry(socket_dir):
     proc = _predecessor(socket_dir)
     successor = None
     try:
@@ -198,6 +280,26 @@ def test_a_predecessor_killed_after_the_last_entry_leaves_the_successor_with_eve
         os.kill(proc.pid, signal.SIGKILL)  # whether or not it had exited by itself: the successor holds everything
         proc.wait(timeout=10)
         assert _digests(socket_dir) == published
+    finally:
+        if successor is not None:
+            _stop(successor)
+        _stop(proc)
+
+
+def test_a_predecessor_killed_after_a_refusal_leaves_the_successor_with_what_passed(socket_dir):
+    """A successor that cannot hold every entry refuses; if the predecessor dies before it acknowledges, nobody else
+    holds the entries: the successor serves those that fit rather than none."""
+    proc = _predecessor(socket_dir, {DIE_AT_ENV: "refused"})
+    successor = None
+    try:
+        assert wait_until(lambda: _served_by(socket_dir, proc.pid), timeout=20)
+        published = _publish(socket_dir, 4)
+        successor = _successor_with(socket_dir, "--host-budget", "40000")  # room for two 16 KiB entries of four
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert wait_until(lambda: _served_by(socket_dir, successor.pid), timeout=30), _log(socket_dir)[-2000:]
+        kept = _digests(socket_dir)
+        assert len(kept) == 2 and kept <= published
+        assert "died during the handover: serving the 2 entries that passed" in _log(socket_dir)
     finally:
         if successor is not None:
             _stop(successor)
@@ -243,4 +345,21 @@ def test_the_documented_upgrade_command_detaches_and_takes_every_entry(socket_di
         os.kill(status["pid"], signal.SIGTERM)
         assert wait_until(lambda: not (socket_dir / "weightcache.sock").exists(), timeout=10)
     finally:
+        first.close()
+
+
+def test_a_handover_of_more_entries_than_one_parcel_holds_keeps_every_one(socket_dir):
+    """About a hundred entries fit a parcel (half its send buffer): 250 travel in three, all in one sendmsg."""
+    first = ServerProcess.start(socket_dir)
+    successor = None
+    try:
+        published = _publish(socket_dir, 250)
+        successor = _successor(socket_dir)
+        assert wait_until(lambda: _served_by(socket_dir, successor.pid), timeout=60), _log(socket_dir)[-2000:]
+        assert first.proc.wait(timeout=10) == 0
+        assert _digests(socket_dir) == published
+        assert "taking over 250 entries in 3 parcels" in _log(socket_dir)
+    finally:
+        if successor is not None:
+            _stop(successor)
         first.close()

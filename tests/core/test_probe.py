@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from tests.core.test_cli import cli
-from weightcache.core.paths import LOCK_NAME, SOCKET_NAME
+from weightcache.core.socket_dir import LOCK_NAME, SOCKET_NAME
 
 
 def probe(socket_dir, *extra: str):

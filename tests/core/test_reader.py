@@ -73,7 +73,7 @@ def test_a_first_sight_publish_reads_each_weight_byte_once(large_checkpoint, ser
 
 def _racing_adapter(before_load):
     """The hf adapter, with ``before_load(request)`` run when its load starts (another writer at work)."""
-    from weightcache.adapters.hf import plugin as hf
+    from weightcache.adapters.hf import hooks as hf
     from weightcache.core.hookspecs import hookimpl
 
     racing = types.ModuleType("racing")

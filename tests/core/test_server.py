@@ -44,13 +44,14 @@ from weightcache.core.errors import (
     ServerError,
     ServerUnavailable,
 )
-from weightcache.core.paths import LOCK_NAME, SOCKET_NAME, ensure_private_dir, user_label
+from weightcache.core.paths import ensure_private_dir, user_label
 from weightcache.core.protocol import (
     MAX_FRAME_BYTES,
     FrameReader,
     close_fds,
     send_frame,
 )
+from weightcache.core.socket_dir import LOCK_NAME, SOCKET_NAME
 
 TEST_USER = "wctest"
 

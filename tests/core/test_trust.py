@@ -25,14 +25,8 @@ from tests.helpers import wait_until
 from weightcache.core.client import Connection
 from weightcache.core.errors import AccessDenied
 from weightcache.core.modes import load_model
-from weightcache.core.paths import (
-    ENV_SOCKET_DIR,
-    SOCKET_NAME,
-    check_client_dir,
-    peer_credentials,
-    trusted_uid,
-    user_label,
-)
+from weightcache.core.paths import check_client_dir, peer_credentials, trusted_uid, user_label
+from weightcache.core.socket_dir import ENV_SOCKET_DIR, SOCKET_NAME
 
 NOBODY = "nobody"
 

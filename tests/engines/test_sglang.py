@@ -51,15 +51,16 @@ from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
 from sglang.srt.model_loader.loader import BaseModelLoader, get_model_loader  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
-from weightcache.adapters.sglang import identity, internals, plugin  # noqa: E402
+from weightcache.adapters.sglang import engine, identity, internals, plugin  # noqa: E402
+from weightcache.adapters.sglang.engine import STATE_KEY, EngineObjects  # noqa: E402
 from weightcache.adapters.sglang.loader import loader_class  # noqa: E402
-from weightcache.adapters.sglang.runtime import STATE_KEY, EngineConfigs  # noqa: E402
 from weightcache.conformance import ConformanceFixtures, ConformanceTests, ParityTests  # noqa: E402
 from weightcache.core.client import server_is_running  # noqa: E402
 from weightcache.core.errors import UnsupportedQuantization  # noqa: E402
 from weightcache.core.loader import prepare  # noqa: E402
 from weightcache.core.request import LoadRequest  # noqa: E402
 from weightcache.core.safetensors_io import checkpoint_identity  # noqa: E402
+from weightcache.core.socket_dir import SocketDir  # noqa: E402
 
 GPTQ_MARLIN = {"quant_method": "gptq_marlin", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 MLA_ATTRIBUTES = ("model.layers.0.self_attn.w_kc", "model.layers.0.self_attn.w_vc")
@@ -188,7 +189,7 @@ def test_the_plugin_route_accepts_the_name_on_the_cli_and_in_load_config(plugins
     load_config = LoadConfig(load_format=args.load_format, model_loader_extra_config=args.model_loader_extra_config)
     assert load_config.load_format is loader_class()
     loader = get_model_loader(load_config)
-    assert type(loader) is loader_class() and loader.options.socket_dir == "/x"
+    assert type(loader) is loader_class() and loader.options.socket_dir == SocketDir("/x")
 
 
 def test_other_load_formats_are_untouched(plugins_loaded):
@@ -287,8 +288,8 @@ def test_docs_list_every_private_name_with_the_version():
 
 def fingerprint(path, args, ranks=None, dtype="bfloat16"):
     """The fingerprint the core computes for SGLang's objects (as WeightcacheLoader hands them over)."""
-    ranks = ranks or identity.Ranks()
-    configs = EngineConfigs(model_config(path, dtype), LoadConfig(load_format="auto"), DeviceConfig("cpu", 0), args, ranks)
+    ranks = ranks or engine.Ranks()
+    configs = EngineObjects(model_config(path, dtype), LoadConfig(load_format="auto"), DeviceConfig("cpu", 0), args, ranks)
     return prepare(
         LoadRequest(model=str(path), adapter="sglang", parallel=ranks.parallel, state={STATE_KEY: configs})
     ).fingerprint
@@ -313,19 +314,17 @@ def test_fingerprint_is_built_from_model_config_and_server_args(tiny_llama):
 
 def test_fingerprint_names_the_field_that_differs(tiny_llama, tmp_path):
     args = server_args(tiny_llama)
-    base = fingerprint(tiny_llama, args, identity.Ranks(tp_size=2, tp_rank=0))
-    assert base.mismatched_fields(fingerprint(tiny_llama, args, identity.Ranks(tp_size=2, tp_rank=1))) == ("tp_rank",)
-    assert base.mismatched_fields(fingerprint(tiny_llama, args, identity.Ranks(tp_size=2, moe_dp_size=2))) == (
-        "extra.moe_dp_size",
-    )
-    assert "dtype" in base.mismatched_fields(fingerprint(tiny_llama, args, identity.Ranks(tp_size=2), dtype="float16"))
+    base = fingerprint(tiny_llama, args, engine.Ranks(tp_size=2, tp_rank=0))
+    assert base.mismatched_fields(fingerprint(tiny_llama, args, engine.Ranks(tp_size=2, tp_rank=1))) == ("tp_rank",)
+    assert base.mismatched_fields(fingerprint(tiny_llama, args, engine.Ranks(tp_size=2, moe_dp_size=2))) == ("extra.moe_dp_size",)
+    assert "dtype" in base.mismatched_fields(fingerprint(tiny_llama, args, engine.Ranks(tp_size=2), dtype="float16"))
     fp8_kv = server_args(tiny_llama, kv_cache_dtype="fp8_e4m3")
-    assert base.mismatched_fields(fingerprint(tiny_llama, fp8_kv, identity.Ranks(tp_size=2))) == (
+    assert base.mismatched_fields(fingerprint(tiny_llama, fp8_kv, engine.Ranks(tp_size=2))) == (
         "extra.server_args.kv_cache_dtype",
     )
 
     block = with_quantization(tiny_llama, tmp_path / "fp8-block", FP8_BLOCK, weights=True)
-    quantized = fingerprint(block, args, identity.Ranks(tp_size=2))
+    quantized = fingerprint(block, args, engine.Ranks(tp_size=2))
     fields = base.mismatched_fields(quantized)
     assert {"quantization", "quantization_config", "extra.quant_method", "extra.quant_config_hash"} <= set(fields)
     assert "checkpoint" not in fields and quantized.quantization == "fp8-block"
@@ -336,7 +335,7 @@ def test_ranks_come_from_sglangs_parallel_context():
 
     parallel = get_parallel()
     with parallel.override(tp_size=1, tp_rank=0, pp_size=1, pp_rank=0):
-        ranks = identity.Ranks.current()
+        ranks = engine.Ranks.current()
     assert (ranks.tp_size, ranks.tp_rank, ranks.pp_size, ranks.moe_ep_size) == (1, 0, 1, 1)
 
 

@@ -53,6 +53,7 @@ from weightcache.core.errors import UnsupportedQuantization  # noqa: E402
 from weightcache.core.loader import prepare  # noqa: E402
 from weightcache.core.request import LoadRequest  # noqa: E402
 from weightcache.core.safetensors_io import checkpoint_identity  # noqa: E402
+from weightcache.core.socket_dir import SocketDir  # noqa: E402
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 
@@ -187,7 +188,7 @@ def test_vllms_plugin_loader_registers_the_load_format(monkeypatch):
         LoadConfig(load_format="weightcache", model_loader_extra_config={"mode": "client", "socket_dir": "/x"})
     )
     assert type(loader) is loader_class()
-    assert (loader.options.mode, loader.options.socket_dir, loader.options.strict) == ("client", "/x", False)
+    assert (loader.options.mode, loader.options.socket_dir, loader.options.strict) == ("client", SocketDir("/x"), False)
 
 
 def test_register_is_idempotent_and_keeps_one_class(caplog):

@@ -750,10 +750,6 @@ def sglang_modules(ctx: StepContext) -> dict:
     import sglang.srt.models.llama
     import sglang.srt.server_args  # noqa: F401
 
-    import weightcache.adapters.sglang.loader
-    import weightcache.adapters.sglang.loading
-    import weightcache.adapters.sglang.runtime  # noqa: F401
-
     return {"llama": ctx.module_file("sglang.srt.models.llama")}
 
 
@@ -770,7 +766,7 @@ def sglang_configs(ctx: StepContext, load_format: str, extra: dict | None = None
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
-    from weightcache.adapters.sglang.runtime import _initialise_distributed_once
+    from weightcache.adapters.sglang.engine import _initialise_distributed_once
 
     kind = "cuda" if ctx.cuda else "cpu"
     runtime = SGLANG_RUNTIME if ctx.cuda else {}

@@ -16,7 +16,7 @@ import pytest
 
 from weightcache.core.arena.base import ArenaSpec
 from weightcache.core.arena.cuda import CudaArenaBackend, unavailable_reason
-from weightcache.core.arena.devices import (
+from weightcache.core.device import (
     device_index_for_uuid,
     device_label,
     gpu_uuid,
@@ -78,7 +78,7 @@ def map_(fd, spec_json, mode, fill=None):
     import torch
     from weightcache.core.arena.base import ArenaSpec
     from weightcache.core.arena.cuda import CudaArenaBackend
-    from weightcache.core.arena.devices import gpu_uuid, visible_gpu_uuids
+    from weightcache.core.device import gpu_uuid, visible_gpu_uuids
 
     arena = CudaArenaBackend().map(int(fd), ArenaSpec.from_json(json.loads(spec_json)), writable=mode == "rw")
     os.close(int(fd))

@@ -128,8 +128,8 @@ def test_100_attach_detach_cycles_leave_memory_and_fds_where_they_were(server, g
 def test_a_reordered_cuda_visible_devices_still_maps_the_right_gpu(server, gpu_model):
     """With CUDA_VISIBLE_DEVICES reversed, the index that now names the publisher's GPU attaches its entry (and, on two
     GPUs, the old index names the other GPU: another gpu_uuid, so never the first GPU's entry: a client fills its own)."""
-    from weightcache.core.arena.devices import cuda_index, visible_gpu_uuids
     from weightcache.core.client import Connection
+    from weightcache.core.device import cuda_index, visible_gpu_uuids
 
     _publish_in_subprocess(gpu_model, server.socket_dir)
     visible = visible_gpu_uuids()

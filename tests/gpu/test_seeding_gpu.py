@@ -65,7 +65,7 @@ def test_nccl_seeds_a_gpu_entry_into_another_gpus_server(nodes, model_dir):
     checked = run_python(
         """
 import sys, torch
-from weightcache.core.arena.devices import gpu_uuid
+from weightcache.core.device import gpu_uuid
 from weightcache.core.attach import Attachment
 from weightcache.core.loader import prepare
 from weightcache.core.modes import load_model

@@ -19,21 +19,75 @@ import typing
 
 import attrs
 
-from weightcache.adapters.sglang.identity import Ranks
+from weightcache.adapters import engine_quantization
 from weightcache.core.fingerprint import ParallelSpec
 
 if typing.TYPE_CHECKING:
-    from weightcache.adapters.sglang.identity import DeviceConfig, LoadConfig, ModelConfig
     from weightcache.core.request import LoadRequest
 
 log = logging.getLogger(__name__)
 
 STATE_KEY = "sglang"
-"""``LoadRequest.state`` key of the EngineConfigs."""
+"""``LoadRequest.state`` key of the EngineObjects."""
+
+# SGLang's configuration objects, as typing.Any: SGLang is imported inside functions only.
+ModelConfig = typing.Any  # sglang.srt.configs.model_config.ModelConfig
+LoadConfig = typing.Any  # sglang.srt.configs.load_config.LoadConfig
+DeviceConfig = typing.Any  # sglang.srt.configs.device_config.DeviceConfig
+ServerArgs = typing.Any  # sglang.srt.server_args.ServerArgs
 
 
 @attrs.frozen
-class EngineConfigs:
+class Ranks:
+    """This process's place in SGLang's parallel layout (``runtime_context.get_parallel()``)."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    dp_size: int = 1
+    moe_ep_size: int = 1
+    moe_ep_rank: int = 0
+    moe_dp_size: int = 1
+    moe_dp_rank: int = 0
+    attn_dp_size: int = 1
+    attn_cp_size: int = 1
+    enable_dp_lm_head: bool = False
+    moe_dense_tp_size: int | None = None
+
+    @classmethod
+    def current(cls) -> "Ranks":
+        """The ranks SGLang published for this process (the scheduler does so before loading)."""
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        return cls(**{field.name: getattr(parallel, field.name) for field in attrs.fields(cls)})
+
+    @property
+    def parallel(self) -> ParallelSpec:
+        return ParallelSpec(
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+            pp_size=self.pp_size,
+            pp_rank=self.pp_rank,
+            dp_size=self.dp_size,
+            ep_size=self.moe_ep_size,
+            ep_rank=self.moe_ep_rank,
+        )
+
+
+def published_server_args() -> ServerArgs | None:
+    """The ServerArgs SGLang published for this process, or None."""
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        return get_server_args()
+    except (AttributeError, ValueError, RuntimeError):
+        return None
+
+
+@attrs.frozen
+class EngineObjects:
     """SGLang's objects for one model rank.
 
     :param model_config: SGLang's ModelConfig.
@@ -52,10 +106,8 @@ class EngineConfigs:
     single_process: bool = False
 
     @classmethod
-    def of_engine(cls, load_config: "LoadConfig", model_config: "ModelConfig", device_config: "DeviceConfig") -> "EngineConfigs":
+    def of_engine(cls, load_config: "LoadConfig", model_config: "ModelConfig", device_config: "DeviceConfig") -> "EngineObjects":
         """The objects an SGLang scheduler hands its loader, with what SGLang published for this process."""
-        from weightcache.adapters.sglang.identity import published_server_args
-
         return cls(model_config, plain_load_config(load_config), device_config, published_server_args(), Ranks.current())
 
 
@@ -66,7 +118,7 @@ def plain_load_config(load_config: "LoadConfig") -> "LoadConfig":
     return dataclasses.replace(load_config, load_format=LoadFormat.AUTO, model_loader_extra_config={})
 
 
-def configs_for(request: "LoadRequest") -> EngineConfigs:
+def engine_objects(request: "LoadRequest") -> EngineObjects:
     """The request's SGLang objects: the engine's (``request.state``), else those ``start_load`` built."""
     configs = request.state.get(STATE_KEY)
     if configs is None:
@@ -74,7 +126,7 @@ def configs_for(request: "LoadRequest") -> EngineConfigs:
     return configs
 
 
-def start_load(request: "LoadRequest") -> EngineConfigs:
+def start_load(request: "LoadRequest") -> EngineObjects:
     """The SGLang objects for a load that starts now (``weightcache_describe``): the engine's, else new ones.
 
     Objects built here are built again for every load, even when a caller
@@ -83,11 +135,11 @@ def start_load(request: "LoadRequest") -> EngineConfigs:
     """
     configs = request.state.get(STATE_KEY)
     if configs is None or configs.single_process:
-        configs = request.state[STATE_KEY] = single_process_configs(request)
+        configs = request.state[STATE_KEY] = standalone_objects(request)
     return configs
 
 
-def single_process_configs(request: "LoadRequest") -> EngineConfigs:
+def standalone_objects(request: "LoadRequest") -> EngineObjects:
     """ServerArgs, ModelConfig, LoadConfig and DeviceConfig for one rank in this process, published as a scheduler does."""
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig, LoadFormat
@@ -96,14 +148,12 @@ def single_process_configs(request: "LoadRequest") -> EngineConfigs:
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
-    from weightcache.adapters.sglang.identity import check_declared_quantization
-
     if request.parallel != ParallelSpec():
         raise ValueError(
             f"a single-process SGLang load is one rank (tp1 pp1 ep1), not {request.parallel.label}: for tensor, pipeline "
             "or expert parallelism run SGLang itself with --load-format weightcache"
         )
-    check_declared_quantization(request.model)
+    engine_quantization.declared_method(request.model)  # refused before SGLang parses it (its own error would differ)
     gpu_id = request.device.torch_index() if request.device.is_cuda else 0
     server_args = ServerArgs(model_path=request.model, device=request.device.kind, dtype=request.dtype or "auto")
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=gpu_id))
@@ -111,7 +161,7 @@ def single_process_configs(request: "LoadRequest") -> EngineConfigs:
     _initialise_distributed_once(request.device.kind)
     model_config = ModelConfig.from_server_args(server_args)
     load_config = LoadConfig(load_format=LoadFormat.AUTO, download_dir=server_args.download_dir)
-    return EngineConfigs(
+    return EngineObjects(
         model_config, load_config, DeviceConfig(request.device.kind, gpu_id), server_args, Ranks.current(), single_process=True
     )
 

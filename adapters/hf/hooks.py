@@ -1,0 +1,89 @@
+"""The Hugging Face transformers adapter's hooks: any model class built from its config.
+
+Registered under the name ``hf`` in the ``weightcache.adapters`` entry points. The work lives in
+``identity`` (describe: config.json alone) and ``loading`` (load, post_process, rebind), as in every
+adapter package; transformers is imported inside functions, so weightcache imports without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import typing
+
+from weightcache.adapters.hf import identity
+from weightcache.core.hookspecs import hookimpl
+from weightcache.core.options import AdapterOption
+
+log = logging.getLogger(__name__)
+
+OPTIONS = {
+    "model_class": AdapterOption(
+        "the transformers class to build (default: the checkpoint's architectures[0]), e.g. AutoModel",
+        type=str,
+        alternatives=("AutoModel",),
+    ),
+    "block_size": AdapterOption(
+        "fp8-block tile as [rows, cols] (default: [128, 128])", type=list, default=[128, 128], alternatives=([64, 64],)
+    ),
+    "exclude": AdapterOption(
+        "fp8-block: module name patterns to leave unquantized (default: lm_head and embeddings)", type=list, alternatives=([],)
+    ),
+}
+
+
+@hookimpl
+def weightcache_options():
+    return OPTIONS
+
+
+@hookimpl
+def weightcache_describe(request):
+    return identity.describe(request)
+
+
+@hookimpl
+def weightcache_warm_up(request):
+    from weightcache.adapters.hf.loading import model_class
+
+    model_class(request, identity.read_config(request.model))  # imports transformers and the model's module
+
+
+@hookimpl
+def weightcache_load(request, builder):
+    from weightcache.adapters.hf.loading import load
+
+    return load(request, builder)
+
+
+@hookimpl
+def weightcache_post_process(request, model, description):
+    from weightcache.adapters.hf.loading import post_process
+
+    return post_process(request, model, description)
+
+
+@hookimpl
+def weightcache_manifest_extra(request, model):
+    from weightcache.core.quantization.fp8_block import Fp8BlockLinear
+
+    extra: dict[str, typing.Any] = {"model_class": type(model).__name__, "dtype": str(_param_dtype(model)).removeprefix("torch.")}
+    fp8 = next((m for m in model.modules() if isinstance(m, Fp8BlockLinear)), None)
+    if fp8 is not None:
+        extra["fp8_block_size"] = list(fp8.block_size)
+    return extra
+
+
+def _param_dtype(model):
+    import torch
+
+    for param in model.parameters():
+        if param.dtype.is_floating_point and param.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return param.dtype
+    return torch.float32
+
+
+@hookimpl
+def weightcache_rebind(request, tensors, manifest):
+    from weightcache.adapters.hf.loading import rebind
+
+    return rebind(request, tensors, manifest)

@@ -1,0 +1,173 @@
+"""What a model rank is for the hf adapter, from the checkpoint's config.json alone: ``describe``, and the readers it uses
+(the config, the model class to build, the dtype, the quantization)."""
+
+from __future__ import annotations
+
+import json
+import typing
+from pathlib import Path
+
+from weightcache.core import __version__
+from weightcache.core.dtypes import to_dtype
+from weightcache.core.errors import UnsupportedQuantization
+from weightcache.core.hub import looks_like_hub_id
+from weightcache.core.request import ModelDescription
+
+if typing.TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+    from weightcache.core.quantization.fp8_block import Fp8BlockConfig
+    from weightcache.core.request import LoadRequest
+
+FP8_BLOCK = "fp8-block"
+
+
+def read_config(model: str, revision: str | None = None) -> dict:
+    """The checkpoint's config.json as a dict; for a hub id the local cache does not hold, transformers fetches it
+    (and raises what it raises without weightcache, e.g. offline)."""
+    if Path(model).is_file():
+        raise ValueError(
+            f"{model} is a file; the hf adapter takes the checkpoint directory that holds config.json and the weights "
+            f"(here: {Path(model).parent})"
+        )
+    path = Path(model) / "config.json"
+    if not Path(model).exists() and looks_like_hub_id(model):
+        from transformers.utils import cached_file
+
+        found = cached_file(model, "config.json", revision=revision)
+        if found is None:
+            raise FileNotFoundError(
+                f"{model} has no config.json in the local hub cache; download it, or pass a checkpoint directory"
+            )
+        path = Path(found)
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path} not found: the hf adapter needs a transformers checkpoint directory (save_pretrained writes config.json)"
+        ) from None
+    except ValueError as exc:
+        raise ValueError(
+            f"{path} is not valid JSON ({exc}); the checkpoint's config is damaged: copy or download it again"
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object; the checkpoint's config is damaged")
+    return config
+
+
+def architecture(config: dict) -> str:
+    """The model class named by the checkpoint (``architectures[0]``), else its model_type."""
+    names = config.get("architectures") or []
+    return names[0] if names else str(config.get("model_type", "unknown"))
+
+
+def checkpoint_quantization(config: dict) -> str:
+    """The method a checkpoint declares in ``quantization_config`` (``none`` if it declares none)."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return "none"
+    method = str(qc.get("quant_method", "unknown")).lower()
+    if method == "fp8":
+        return FP8_BLOCK if qc.get("weight_block_size") else "fp8"
+    return method
+
+
+def fp8_config(config: dict, requested: str | None, options: dict) -> "Fp8BlockConfig | None":
+    """The Fp8BlockConfig this load uses, or None when the model stays unquantized.
+
+    Raises UnsupportedQuantization for a method other than block FP8.
+    """
+    from weightcache.core.quantization.fp8_block import Fp8BlockConfig
+
+    stored = checkpoint_quantization(config)
+    if stored == FP8_BLOCK:
+        return Fp8BlockConfig.from_hf_quantization_config(config["quantization_config"])
+    if stored != "none":
+        raise UnsupportedQuantization(stored, "checkpoint quantized with a method weightcache has not validated")
+    if requested in (None, "none"):
+        return None
+    if requested != FP8_BLOCK:
+        raise UnsupportedQuantization(requested, "only block-wise FP8 is validated")
+    kwargs: dict[str, typing.Any] = {}
+    if options.get("block_size"):
+        kwargs["block_size"] = tuple(options["block_size"])
+    if options.get("exclude") is not None:
+        kwargs["exclude"] = tuple(options["exclude"])
+    return Fp8BlockConfig(**kwargs)
+
+
+class ModelClass(typing.Protocol):
+    """What the adapter uses of a transformers model class (``AutoModel`` or a concrete one)."""
+
+    def from_pretrained(self, model: str, **kwargs: typing.Any) -> "PreTrainedModel": ...
+
+    def _from_config(self, config: typing.Any, **kwargs: typing.Any) -> "PreTrainedModel": ...
+
+
+def model_class(request: "LoadRequest", config: dict) -> ModelClass:
+    """The transformers class to build: ``options['model_class']`` or the checkpoint's architecture."""
+    import transformers
+
+    name = request.option("model_class") or architecture(config)
+    cls = getattr(transformers, name, None)
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        raise ValueError(f"transformers has no model class {name!r}; pass model_class='AutoModel' (or another class)")
+    model_type = config.get("model_type")
+    if name.startswith("Auto") and hasattr(cls, "_model_mapping"):  # an Auto class: the concrete class it picks
+        try:
+            cls = cls._model_mapping[type(transformers.AutoConfig.for_model(**config))]
+        except (KeyError, ValueError, TypeError):
+            raise ValueError(
+                f"{name} has no model class for this checkpoint's {model_type!r} config; pass the architecture's class "
+                f"(e.g. {architecture(config)}) or leave model_class out"
+            ) from None
+    built_from = getattr(getattr(cls, "config_class", None), "model_type", None)
+    if built_from and model_type and built_from != model_type:
+        raise ValueError(
+            f"model class {name} is built from {built_from!r} configs, but this checkpoint is a {model_type!r} model "
+            f"({architecture(config)}); pass a class of its architecture, or leave model_class out"
+        )
+    return cls
+
+
+def load_dtype(request: "LoadRequest", config: dict) -> "torch.dtype":
+    """The dtype of unquantized weights: the request's, else the checkpoint's, else float32."""
+    import torch
+
+    if request.dtype:
+        return to_dtype(request.dtype)
+    stored = config.get("dtype") or config.get("torch_dtype")
+    return to_dtype(stored) if stored else torch.float32
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("the hf adapter needs transformers: `pip install 'weightcache[hf]'`") from None
+    return transformers
+
+
+def describe(request: "LoadRequest") -> ModelDescription:
+    """The description of ``request``'s model from its config.json alone (no weight is read)."""
+    transformers = _transformers()
+    config = read_config(request.model, request.revision)
+    if request.option("model_class"):
+        model_class(request, config)  # a class of another architecture is refused here, before any weight is read
+    requested = request.quantization
+    method = checkpoint_quantization(config) if requested in (None, "none") else requested
+    quant_config = {}
+    if method in ("none", FP8_BLOCK):
+        fp8 = fp8_config(config, requested, dict(request.options))
+        quant_config = fp8.to_json() if fp8 else {}
+    return ModelDescription(
+        architecture=request.option("model_class") or architecture(config),
+        config=config,
+        dtype=load_dtype(request, config),
+        quantization=method,
+        quantization_config=quant_config,
+        adapter_version=__version__,
+        engine="transformers",
+        engine_version=transformers.__version__,
+    )
