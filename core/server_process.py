@@ -139,8 +139,12 @@ def serve_detached(
     (None: /dev/null; the CLI's default is server.log in the socket directory); its readiness, or why it could not start, comes back
     through a pipe and is printed here.
     """
+    from weightcache.core.paths import ensure_private_dir
     from weightcache.core.server import start_server
 
+    # The log's default place is inside the socket directory: make (and check) the directory before the log opens,
+    # as the server would after the fork (a daemon-mode engine names a directory nobody has made yet).
+    ensure_private_dir(config.socket_dir.path)
     read_end, write_end = os.pipe()
     child = os.fork()
     if child:  # the launcher: reap the intermediate child, report what the server said

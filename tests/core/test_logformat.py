@@ -37,6 +37,18 @@ def test_a_detached_server_logs_json_lines_to_the_file_it_names(socket_dir):
         wait_until(lambda: not (socket_dir / "weightcache.sock").exists())
 
 
+def test_a_detached_server_makes_a_socket_directory_nobody_made_yet(tmp_path):
+    socket_dir = tmp_path / "not" / "made" / "yet"
+    pid, log_path = _detach(socket_dir)
+    try:
+        assert log_path == str(socket_dir / "server.log") and (socket_dir.stat().st_mode & 0o777) == 0o700
+        entry = publish_host_entry(socket_dir)
+        Attachment.open(entry.fingerprint, socket_dir).close()
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not (socket_dir / "weightcache.sock").exists())
+
+
 def test_log_level_warning_keeps_info_out(socket_dir, tmp_path):
     log_file = tmp_path / "server.log"
     proc = run_cli("--log-level", "warning", "serve", "--detach", "--socket-dir", str(socket_dir), "--log-file", str(log_file))
