@@ -143,48 +143,41 @@ _PAIR = re.compile(
 # with their block scales; dense and shared MLPs' ``gate_up_proj``; attention's ``qkv_proj`` (Qwen3) and DeepSeek's
 # ``fused_qkv_a_proj`` (q_a_proj + kv_a_proj_with_mqa). Sources: vllm/model_executor/models/{deepseek_v2,qwen3_moe}.py and
 # layers/fused_moe/layer.py (FusedMoE.create_weights), vllm 0.33.0; sglang/srt/models/deepseek_v2.py, sglang 0.5.23.
-_FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "q_proj": ("qkv_proj", 0),
-          "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "q_a_proj": ("fused_qkv_a_proj", 0),
-          "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1)}  # fmt: skip
+_FUSED = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "q_proj": "qkv_proj", "k_proj": "qkv_proj",
+          "v_proj": "qkv_proj", "q_a_proj": "fused_qkv_a_proj", "kv_a_proj_with_mqa": "fused_qkv_a_proj"}  # fmt: skip
 
 
 def fused(tensors: list[tuple[str, tuple[int, ...], str]]) -> list[tuple[str, tuple[int, ...], str]]:
     """``tensors`` (the Hugging Face layout) as the engines hold them after loading: stacked experts, fused projections."""
-    out: list = []
-    experts: dict[tuple[str, str, str], list] = {}
-    merged: dict[tuple[str, str, str], list] = {}
+    order: list = []  # a tensor kept as it is, or the name of a fused one (where its first part stood)
+    parts: dict[str, list[tuple[tuple[int, ...], str]]] = {}
+    per_expert: dict[str, int] = {}  # a stacked expert tensor: how many checkpoint tensors each expert adds to it
     for name, shape, dtype in tensors:
         if match := _EXPERT.match(name):
-            w = "w2" if match["proj"] == "down_proj" else "w13"
-            key = (match["moe"], w, match["leaf"])
-            if key not in experts:
-                experts[key] = []
-                out.append(key)
-            experts[key].append((match["proj"], shape, dtype))
+            gate_up = match["proj"] != "down_proj"
+            target = f"{match['moe']}.{'w13' if gate_up else 'w2'}_{match['leaf']}"
+            per_expert[target] = 2 if gate_up else 1
         elif match := _PAIR.match(name):
-            target, _ = _FUSED[match["proj"]]
-            key = (match["mlp"], target, match["leaf"])
-            if key not in merged:
-                merged[key] = []
-                out.append(key)
-            merged[key].append((shape, dtype))
+            target = f"{match['mlp']}.{_FUSED[match['proj']]}.{match['leaf']}"
         else:
-            out.append((name, shape, dtype))
+            order.append((name, shape, dtype))
+            continue
+        if target not in parts:
+            parts[target] = []
+            order.append(target)
+        parts[target].append((shape, dtype))
     result = []
-    for item in out:
-        if len(item) == 3 and isinstance(item[1], tuple):
+    for item in order:
+        if not isinstance(item, str):
             result.append(item)
-        elif item in experts:
-            moe, w, leaf = item
-            parts = experts[item]
-            count = len(parts) // (1 if w == "w2" else 2)
-            rows = sum(shape[0] for _, shape, _ in parts[: 1 if w == "w2" else 2])
-            suffix = "weight" if leaf == "weight" else "weight_scale_inv"
-            result.append((f"{moe}.{w}_{suffix}", (count, rows, parts[0][1][1]), parts[0][2]))
-        else:
-            prefix, target, leaf = item
-            parts = merged[item]
-            result.append((f"{prefix}.{target}.{leaf}", (sum(shape[0] for shape, _ in parts), parts[0][0][1]), parts[0][1]))
+            continue
+        pieces, per = parts[item], per_expert.get(item)
+        (first_shape, dtype) = pieces[0]
+        columns = first_shape[1]
+        if per is None:  # projections concatenated along their rows
+            result.append((item, (sum(shape[0] for shape, _ in pieces), columns), dtype))
+        else:  # experts stacked: (experts, rows of one expert's parts, columns)
+            result.append((item, (len(pieces) // per, sum(shape[0] for shape, _ in pieces[:per]), columns), dtype))
     return result
 
 
