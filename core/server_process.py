@@ -60,6 +60,7 @@ class ServerProcess:
         else:
             socket_dir = SocketDir.parse(socket_dir).path
             log_path = Path(str(socket_dir) + ".server.log")
+            log_path.parent.mkdir(parents=True, exist_ok=True)  # the log lies beside the directory the server makes
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 serve_command(socket_dir, *extra_args),

@@ -572,3 +572,14 @@ def test_force_evict_frees_the_servers_fds_and_keeps_engine_mappings(server):
     assert settle_fd_count(server.pid, baseline) == baseline
     unknown = cli("evict", "--socket-dir", str(server.socket_dir), "ffffffff")
     assert unknown.returncode != 0 and "no entry matches" in unknown.stderr
+
+
+def test_a_server_starts_on_a_socket_directory_whose_parent_nobody_made(tmp_path):
+    socket_dir = tmp_path / "not" / "made" / "sock"
+    server = ServerProcess.start(socket_dir)
+    try:
+        with Connection(socket_dir) as conn:
+            assert conn.hello()["pid"] == server.pid
+        assert (socket_dir.stat().st_mode & 0o777) == 0o700
+    finally:
+        server.close()
