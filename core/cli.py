@@ -320,7 +320,7 @@ def _warming_up(adapter, request):
         try:
             adapter.warm_up(request)
         except Exception as exc:  # the load raises it again, with its context
-            log.debug("warming up the %s adapter failed: %s", request.adapter, exc)
+            log.debug("warming up the %s adapter failed: %s", request.adapter, exc, exc_info=True)
 
     thread = threading.Thread(target=warm_up, name="weightcache-warm-up", daemon=True)
     thread.start()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import typing
 from pathlib import Path
 
@@ -105,12 +106,19 @@ class ModelClass(typing.Protocol):
     def _from_config(self, config: typing.Any, **kwargs: typing.Any) -> "PreTrainedModel": ...
 
 
+def class_named(name: str) -> typing.Any:
+    """transformers' attribute ``name`` (a model class), its module imported under the import lock."""
+    transformers = transformers_module()
+    with _IMPORTING:
+        return getattr(transformers, name)
+
+
 def model_class(request: "LoadRequest", config: dict) -> ModelClass:
     """The transformers class to build: ``options['model_class']`` or the checkpoint's architecture."""
-    import transformers
-
+    transformers = transformers_module()
     name = request.option("model_class") or architecture(config)
-    cls = getattr(transformers, name, None)
+    with _IMPORTING:  # transformers imports the class's module on first access
+        cls = getattr(transformers, name, None)
     if cls is None or not hasattr(cls, "from_pretrained"):
         raise ValueError(f"transformers has no model class {name!r}; pass model_class='AutoModel' (or another class)")
     model_type = config.get("model_type")
@@ -141,17 +149,25 @@ def load_dtype(request: "LoadRequest", config: dict) -> "torch.dtype":
     return to_dtype(stored) if stored else torch.float32
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise ImportError("the hf adapter needs transformers: `pip install 'weightcache[hf]'`") from None
+_IMPORTING = threading.RLock()
+"""Held while transformers or a model class is imported: ``weightcache load`` warms the adapter up in a thread while its
+main thread describes the model, and a thread that imports transformers while another one does can find it half made
+(no model classes yet)."""
+
+
+def transformers_module():
+    """transformers, imported whole (never half-initialised by another thread's import)."""
+    with _IMPORTING:
+        try:
+            import transformers
+        except ImportError:
+            raise ImportError("the hf adapter needs transformers: `pip install 'weightcache[hf]'`") from None
     return transformers
 
 
 def describe(request: "LoadRequest") -> ModelDescription:
     """The description of ``request``'s model from its config.json alone (no weight is read)."""
-    transformers = _transformers()
+    transformers = transformers_module()
     config = read_config(request.model, request.revision)
     if request.option("model_class"):
         model_class(request, config)  # a class of another architecture is refused here, before any weight is read

@@ -27,9 +27,7 @@ PREQUANTIZED_ATTR = "_weightcache_prequantized"
 
 
 def _hf_config(request, drop_quantization: bool):
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(request.model)
+    config = identity.transformers_module().AutoConfig.from_pretrained(request.model)
     if drop_quantization and hasattr(config, "quantization_config"):
         # weightcache's own FP8 modules replace transformers' quantizer.
         del config.quantization_config
@@ -169,10 +167,8 @@ def skeleton(
     weights are not tied here; callers tie them (``tie_weights``) or rebind
     them from the manifest's aliases.
     """
-    import transformers
-
     config = _hf_config(request, drop_quantization)
-    cls = getattr(transformers, class_name) if class_name else model_class(request, identity.read_config(request.model))
+    cls = identity.class_named(class_name) if class_name else model_class(request, identity.read_config(request.model))
     with meta_parameters(), _no_init_weights():
         model = cls._from_config(config, dtype=dtype)
     return model.eval()

@@ -143,3 +143,32 @@ def test_hook_weightcache_warm_up(model_dir):
     """)
     proc = subprocess.run([sys.executable, "-c", code, str(model_dir("llama"))], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_warm_up_in_a_thread_while_the_load_describes_the_model(model_dir):
+    """``weightcache load`` warms the adapter up in a thread while its main thread describes the model: both import
+    transformers at once, and neither may see it half-initialised (the warm-up used to find no model class and the
+    model's module was then imported serially, inside the timed load)."""
+    code = textwrap.dedent("""
+        import sys, threading
+        from weightcache.core.loader import prepare
+        from weightcache.core.plugins import installed_plugins
+        from weightcache.core.request import LoadRequest
+        request = LoadRequest(model=sys.argv[1])
+        adapter = installed_plugins().adapter(request.adapter)
+        failed = []
+        def warm_up():
+            try:
+                adapter.warm_up(request)
+            except Exception as exc:
+                failed.append(repr(exc))
+        thread = threading.Thread(target=warm_up)
+        thread.start()
+        prepare(request)  # the adapter's describe, in this thread meanwhile
+        thread.join()
+        assert not failed, failed
+        assert "transformers.models.llama.modeling_llama" in sys.modules
+    """)
+    for _ in range(3):  # a race: each round a fresh interpreter
+        proc = subprocess.run([sys.executable, "-c", code, str(model_dir("llama"))], capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
