@@ -965,7 +965,18 @@ class Parent:
 
     def cli_row(self, env: dict, socket_dir: Path) -> dict:
         """``weightcache load`` from exec to exit under a pseudo-terminal (its notes give the phases), then attach to check."""
-        command = [sys.executable, "-m", "weightcache.core.cli", "load", "--model", str(self.model), "--dtype", "bfloat16"]
+        verbose = ["-v"] if self.args.cli_verbose else []
+        command = [
+            sys.executable,
+            "-m",
+            "weightcache.core.cli",
+            *verbose,
+            "load",
+            "--model",
+            str(self.model),
+            "--dtype",
+            "bfloat16",
+        ]
         command += ["--device", self.args.device, "--socket-dir", str(socket_dir)]
         status, wall, lines = run_on_terminal(command, {**self.env, **env, "COLUMNS": "120"}, self.args.row_timeout)
         text = [line for _, line in lines]
@@ -973,6 +984,8 @@ class Parent:
             return {"status": "error", "error": f"weightcache load exited with {status}", "stderr": _tail("\n".join(text))}
         record = {"status": "ran", "seconds": wall, "phases": cli_phases(lines, wall), "output": text[-5:]}
         record["notes"] = [phase_text(record["phases"])]
+        if verbose:
+            record["timeline"] = [f"{seconds:7.2f} {line[:200]}" for seconds, line in lines[:400]]
         check = self.spawn(["--role", "child", "--method", "wc-entry", "--socket-dir", str(socket_dir)], env=env)
         record["verify"] = check.get("verify") or {
             "ok": False,
@@ -1228,6 +1241,11 @@ def main(argv=None) -> int:
         "--fastsafetensors-gds", action="store_true", help="let fastsafetensors try GPUDirect Storage (default: nogds)"
     )
     parser.add_argument("--json", metavar="PATH", help="write the full record as JSON")
+    parser.add_argument(
+        "--cli-verbose",
+        action="store_true",
+        help="run the wc-cli rows with -v and keep their timed debug lines (the JSON's 'timeline') to see where they wait",
+    )
     parser.add_argument(
         "--no-prime",
         action="store_true",

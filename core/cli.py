@@ -303,6 +303,7 @@ def _load(args) -> int:
     adapter.check_options(request)
     check_quantization(request.quantization, adapter.quantization_allowlist(request))
     headers = check_checkpoint(request.model)  # files, headers, lengths: no weight byte read
+    log.debug("load: options and %d weight file headers checked", len(headers))
     # First sight: the disk starts now; the adapter imports its framework meanwhile, while this thread checks the
     # server and makes the CUDA context (both wait outside the interpreter lock, imports inside it).
     with _read_ahead(headers, args.prefetch), _warming_up(adapter, request):
@@ -351,8 +352,11 @@ def _load_checked(args, request, adapter, headers) -> int:
 
     with Connection(args.socket_dir) as connection:
         connection.hello()  # no server: say so now, not after the load
+    log.debug("load: the server answered")
     preflight.check_device(request.device)
+    log.debug("load: %s ready", request.device)
     prepared = loader.prepare(request)  # the adapter reads the configs
+    log.debug("load: the adapter described the model")
     fingerprint = prepared.remembered()  # None on first sight: the load digests the bytes it reads
     with Connection(args.socket_dir) as connection:
         status = connection.status()
@@ -375,6 +379,7 @@ def _load_checked(args, request, adapter, headers) -> int:
         preflight.check_room(status, needed, tier=tier)
     note(f"loading {prepared.label} ({format_bytes(needed)} or more) into {request.device} arenas ...")
     published = loader.publish(prepared, args.socket_dir, progress=byte_progress("loading", total=needed), tier=args.tier)
+    log.debug("load: published; its steps (s): %s", {key: round(value, 3) for key, value in published.timings.items()})
     manifest = published.manifest
     source = "" if published.source == "disk" else f", copied from {published.source}"
     host = f"; kept on the host tier as {published.host_digest[:12]}" if published.host_digest and args.tier == "both" else ""
