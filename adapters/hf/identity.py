@@ -34,9 +34,7 @@ def read_config(model: str, revision: str | None = None) -> dict:
         )
     path = Path(model) / "config.json"
     if not Path(model).exists() and looks_like_hub_id(model):
-        from transformers.utils import cached_file
-
-        found = cached_file(model, "config.json", revision=revision)
+        found = transformers_module().utils.cached_file(model, "config.json", revision=revision)
         if found is None:
             raise FileNotFoundError(
                 f"{model} has no config.json in the local hub cache; download it, or pass a checkpoint directory"
@@ -165,9 +163,19 @@ def transformers_module():
     return transformers
 
 
+def transformers_version() -> str:
+    """The installed transformers' version, without importing it (seconds in a fresh process: ``weightcache load``
+    describes the model while its warm-up thread imports transformers and the model's module, and reads meanwhile)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return transformers_module().__version__  # not installed as a distribution: ask the module (or say it is missing)
+
+
 def describe(request: "LoadRequest") -> ModelDescription:
     """The description of ``request``'s model from its config.json alone (no weight is read)."""
-    transformers = transformers_module()
     config = read_config(request.model, request.revision)
     if request.option("model_class"):
         model_class(request, config)  # a class of another architecture is refused here, before any weight is read
@@ -185,5 +193,5 @@ def describe(request: "LoadRequest") -> ModelDescription:
         quantization_config=quant_config,
         adapter_version=__version__,
         engine="transformers",
-        engine_version=transformers.__version__,
+        engine_version=transformers_version(),
     )

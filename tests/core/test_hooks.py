@@ -169,6 +169,17 @@ def test_warm_up_in_a_thread_while_the_load_describes_the_model(model_dir):
         assert not failed, failed
         assert "transformers.models.llama.modeling_llama" in sys.modules
     """)
+    alone = textwrap.dedent("""
+        import sys
+        from weightcache.core.loader import prepare
+        from weightcache.core.request import LoadRequest
+        prepared = prepare(LoadRequest(model=sys.argv[1]))
+        assert "transformers" not in sys.modules, "describing the model imported transformers: the read waits for it"
+        import transformers
+        assert prepared.description.engine_version == transformers.__version__
+    """)
+    proc = subprocess.run([sys.executable, "-c", alone, str(model_dir("llama"))], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     for _ in range(3):  # a race: each round a fresh interpreter
         proc = subprocess.run([sys.executable, "-c", code, str(model_dir("llama"))], capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
