@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import threading
 import typing
 from pathlib import Path
+from types import ModuleType
 
 from weightcache.core import __version__
 from weightcache.core.dtypes import to_dtype
@@ -153,21 +156,32 @@ main thread describes the model, and a thread that imports transformers while an
 (no model classes yet)."""
 
 
-def transformers_module():
+_NEEDS_TRANSFORMERS = "the hf adapter needs transformers: `pip install 'weightcache[hf]'`"
+
+
+def transformers_module() -> ModuleType:
     """transformers, imported whole (never half-initialised by another thread's import)."""
     with _IMPORTING:
         try:
             import transformers
         except ImportError:
-            raise ImportError("the hf adapter needs transformers: `pip install 'weightcache[hf]'`") from None
+            raise ImportError(_NEEDS_TRANSFORMERS) from None
     return transformers
+
+
+def require_transformers() -> None:
+    """Raise the adapter's one-line ImportError when transformers cannot be imported, without importing it."""
+    try:
+        found = importlib.util.find_spec("transformers") is not None
+    except (ImportError, ValueError):  # ValueError: an entry in sys.modules without a spec (a module set to None)
+        found = False
+    if not found:
+        raise ImportError(_NEEDS_TRANSFORMERS)
 
 
 def transformers_version() -> str:
     """The installed transformers' version, without importing it (seconds in a fresh process: ``weightcache load``
     describes the model while its warm-up thread imports transformers and the model's module, and reads meanwhile)."""
-    import importlib.metadata
-
     try:
         return importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
@@ -176,6 +190,7 @@ def transformers_version() -> str:
 
 def describe(request: "LoadRequest") -> ModelDescription:
     """The description of ``request``'s model from its config.json alone (no weight is read)."""
+    require_transformers()
     config = read_config(request.model, request.revision)
     if request.option("model_class"):
         model_class(request, config)  # a class of another architecture is refused here, before any weight is read
