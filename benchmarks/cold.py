@@ -365,8 +365,9 @@ def run_instanttensor(ctx: Context, clock: Clock) -> dict:
 
 def run_wc_reader(ctx: Context, clock: Clock) -> dict:
     from weightcache.core.export import ArenaBuilder
-    from weightcache.core.reader import read_checkpoint
+    from weightcache.core.reader import default_threads, read_checkpoint
 
+    ctx.notes.append(f"{default_threads()} threads")
     with clock:
         builder = ArenaBuilder(str(ctx.device))
         placed = read_checkpoint(ctx.model, builder)
@@ -927,15 +928,16 @@ class Parent:
             return json.loads(lines[-1])
         return {"status": "error", "error": f"exit status {proc.returncode}", "stderr": _tail(proc.stderr)}
 
-    def row(self, method: Method, run: int) -> dict:
-        """One run of one method: drop the page cache, run it in a fresh process, and return what it reported."""
+    def row(self, method: Method, run: int, variant_env: dict | None = None) -> dict:
+        """One run of one method (with ``variant_env`` added to its environment): drop the page cache, run it in a fresh
+        process, and return what it reported."""
         if method.kind == "none":
             return {"status": "not run", "reason": self.sllm_reason()}
         if method.needs_cuda and not self.args.device.startswith("cuda"):
             return {"status": "skipped", "reason": f"{method.name} loads to CUDA devices only"}
         if method.name in self.skips:
             return {"status": "skipped", "reason": self.skips[method.name]}
-        env = dict(self.extra_env.get(method.name, {}))
+        env = {**self.extra_env.get(method.name, {}), **(variant_env or {})}
         server = None
         try:
             if method.store:
@@ -1200,6 +1202,15 @@ def targets(methods: dict) -> list[str]:
 # --- main -------------------------------------------------------------------------------------------------------------
 
 
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``LABEL:ENV=VALUE[,ENV=VALUE]`` -> ``("wc-reader [LABEL]", {ENV: VALUE})`` (a malformed one: ValueError)."""
+    label, _, assignments = text.partition(":")
+    pairs = [item.partition("=") for item in assignments.split(",") if item.strip()]
+    if not label.strip() or not pairs or any(not key.strip() or not sep for key, sep, _ in pairs):
+        raise ValueError(f"--reader-variant {text!r}: write LABEL:ENV=VALUE[,ENV=VALUE]")
+    return f"wc-reader [{label.strip()}]", {key.strip(): value.strip() for key, _, value in pairs}
+
+
 def parse_methods(text: str) -> list[str]:
     """``all``, or a comma-separated list of METHODS' names, in the order given (unknown names: ValueError)."""
     if text.strip() == "all":
@@ -1247,6 +1258,14 @@ def main(argv=None) -> int:
         help="run the wc-cli rows with -v and keep their timed debug lines (the JSON's 'timeline') to see where they wait",
     )
     parser.add_argument(
+        "--reader-variant",
+        action="append",
+        default=[],
+        metavar="LABEL:ENV=VALUE[,ENV=VALUE]",
+        help="one more wc-reader row, run with these environment variables (e.g. 'block 1 MiB:WEIGHTCACHE_READ_BLOCK_KIB=1024'); "
+        "repeatable",
+    )
+    parser.add_argument(
         "--no-prime",
         action="store_true",
         help="do not read the checkpoint once before the first row (a fresh checkpoint may then sit in the VM host's cache)",
@@ -1260,6 +1279,8 @@ def main(argv=None) -> int:
         return run_role(args)
     try:
         names = [] if args.methods.strip() == "none" else parse_methods(args.methods)
+        variants = dict(parse_variant(text) for text in args.reader_variant)
+        names += list(variants)
     except ValueError as exc:
         parser.error(str(exc))
     if args.size and args.model:
@@ -1293,7 +1314,7 @@ def main(argv=None) -> int:
         for run in range(args.runs):
             for position, name in rotated(names, run):
                 key = name if name not in names[:position] else f"{name} (end of run)"
-                record = parent.row(METHODS[name], run)
+                record = parent.row(METHODS[name.split(" ")[0]], run, variants.get(name))
                 results.setdefault(key, []).append(record)
                 said = (
                     f"{record['seconds']:.2f} s"
@@ -1327,7 +1348,7 @@ def record_of(parent: Parent, results: dict[str, list[dict]], command: str, wall
         method = METHODS[key.split(" ")[0]]
         summary = summarize(method, runs)
         if key != method.name:
-            summary["label"] += " (end of run)"
+            summary["label"] += key[len(method.name) :]  # " (end of run)", or a reader variant's " [label]"
         methods[key] = summary
     return {
         "checkpoint": {

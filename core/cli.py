@@ -17,6 +17,7 @@ import os
 import pathlib
 import sys
 import threading
+import time
 import typing
 from collections.abc import Sequence
 
@@ -318,10 +319,13 @@ def _warming_up(adapter, request):
     """
 
     def warm_up() -> None:
+        began = time.monotonic()
         try:
             adapter.warm_up(request)
         except Exception as exc:  # the load raises it again, with its context
             log.debug("warming up the %s adapter failed: %s", request.adapter, exc, exc_info=True)
+        else:
+            log.debug("load: the %s adapter warmed up (its imports) in %.2f s", request.adapter, time.monotonic() - began)
 
     thread = threading.Thread(target=warm_up, name="weightcache-warm-up", daemon=True)
     thread.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import typing
 
 from weightcache.adapters.hf import identity
@@ -78,10 +79,13 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
     if floating and wanted_dtype not in floating:  # a cast: a model kept partly in float32 still gets read
         log.debug("checkpoint stores %s, not %s; loading through transformers", floating[0], wanted_dtype)
         return None
+    began = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightcache-skeleton") as pool:
         building = pool.submit(_tied_skeleton, request, dtype)
         placed = read_checkpoint(request.model, builder)
+        read_s = time.monotonic() - began
         model = building.result()
+    log.debug("read the files in %.2f s; the skeleton was ready %.2f s later", read_s, time.monotonic() - began - read_s)
     wanted = dict(model.state_dict(keep_vars=True))
     stored = {name: info for name, (info, _slot) in placed.items()}
     ties = {name for name, p in model.named_parameters(remove_duplicate=False)} - {name for name, _ in model.named_parameters()}

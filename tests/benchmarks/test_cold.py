@@ -86,3 +86,13 @@ def test_priming_reads_every_file_once(cold, tmp_path):
 def _bytes_read() -> int:
     with open("/proc/self/io") as fh:
         return int(next(line for line in fh if line.startswith("rchar:")).split()[1])
+
+
+def test_a_reader_variant_is_a_wc_reader_row_with_its_environment(cold):
+    assert cold.parse_variant("32 threads:WEIGHTCACHE_READ_THREADS=32, X=1") == (
+        "wc-reader [32 threads]",
+        {"WEIGHTCACHE_READ_THREADS": "32", "X": "1"},
+    )
+    for malformed in ("no-colon", ":A=1", "label:", "label:A"):
+        with pytest.raises(ValueError, match="LABEL:ENV=VALUE"):
+            cold.parse_variant(malformed)
