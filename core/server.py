@@ -490,7 +490,7 @@ class Server:
             digest = _full_digest(message["digest"])
             found = self.registry.checkout(digest, connection_id, pid, verifies)
             if found is None:
-                return error_reply("not_found", f"no entry {digest[:12]}{self._unverified_note(digest)}"), []
+                return error_reply("not_found", self._miss_text(digest, f"entry {digest[:12]}")), []
             entry, fds = found
             reply = ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label, verify=not entry.verified)
             return {**reply, "fingerprint": entry.fingerprint.to_json()}, fds
@@ -500,7 +500,7 @@ class Server:
             if self.registry.is_unverified(fingerprint.digest):
                 return error_reply(
                     "not_found",
-                    f"entry {fingerprint.short}{self._unverified_note(fingerprint.digest)}",
+                    self._miss_text(fingerprint.digest, f"entry {fingerprint.short}"),
                     digest=fingerprint.digest,
                     fields=[],
                     unverified=True,
@@ -516,14 +516,14 @@ class Server:
         entry, fds = found
         return ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label, verify=not entry.verified), fds
 
-    def _unverified_note(self, digest: str) -> str:
-        """Why an attach of ``digest`` missed when the entry is held but not verified (else: where entries are listed)."""
+    def _miss_text(self, digest: str, name: str) -> str:
+        """Why an attach of ``digest`` (``name``: how to call it) missed: not verified, or not held at all."""
         if self.registry.is_unverified(digest):
             return (
-                " is held but not verified since the server came back; it is served only to clients that checksum it "
-                "(weightcache's own, this version) until one of them or `weightcache verify` has"
+                f"{name} is held but not verified since the server came back; it is served only to clients that "
+                "checksum it (weightcache's own, this version) until one of them or `weightcache verify` has"
             )
-        return "; `weightcache status` lists them"
+        return f"no {name}; `weightcache status` lists them"
 
     def _verified(self, message, fds, connection_id, pid):
         """A client that attached an unverified entry over this connection found its ``checksums`` in its bytes."""
