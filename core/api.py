@@ -172,7 +172,10 @@ def publish_checkpoint(
 def attach(fingerprint: Fingerprint, socket_dir: SocketDirLike = None, timeout: float = 30.0) -> Attachment:
     """Map the entry for ``fingerprint``; its ``tensors`` view the shared memory. Close it when done.
 
-    Raises ServerUnavailable, FingerprintMismatch (``.fields``) or EntryNotFound.
+    An entry not verified since a server crash is checksummed before it is returned.
+
+    Raises ServerUnavailable, FingerprintMismatch (``.fields``), EntryNotFound or EntryCorrupt (the entry's bytes
+    changed: load from disk; it was dropped from the server unless others have it attached).
     """
     return Attachment.open(fingerprint, socket_dir, timeout=timeout)
 

@@ -12,17 +12,19 @@ import time
 import typing
 
 from weightcache.core.arena import backend
-from weightcache.core.arena.checksum import check_mapped
+from weightcache.core.arena.checksum import check_mapped, mismatched
 from weightcache.core.client import Connection
 from weightcache.core.errors import (
     AccessDenied,
     ArenaError,
     CheckpointNotFound,
+    EntryCorrupt,
     EntryNotFound,
     EntryUnusable,
     InvalidCheckpoint,
     ServerError,
     ServerUnavailable,
+    WeightCacheError,
 )
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.protocol import close_fds
@@ -46,6 +48,9 @@ class Attachment:
 
     It keeps the entry's fds, so it can publish the entry again to a restarted
     server without touching the disk (``reattach``, driven by ``watch``).
+
+    ``unverified``: the server handed over an entry nobody has checksummed since a crash; ``verify`` (or, for a
+    caller that checks the bytes its own way, ``confirm_verified``) clears it.
     """
 
     def __init__(
@@ -69,6 +74,7 @@ class Attachment:
         self.arenas: list[Arena] = []
         self.timings: dict[str, float] = {}
         self.tensors: dict[str, torch.Tensor] = {}
+        self.unverified = False
         try:
             if len(self.fds) != len(manifest.arenas):
                 raise ValueError(f"the manifest lists {len(manifest.arenas)} arenas but {len(self.fds)} fds came")
@@ -93,21 +99,35 @@ class Attachment:
         socket_dir: SocketDirLike = None,
         timeout: float = 30.0,
         map_on: int | None = None,
+        checked_by_caller: bool = False,
     ) -> "Attachment":
         """Ask the server at ``socket_dir`` for ``fingerprint`` and map the answer.
 
         ``map_on``: map CUDA arenas for this GPU index over peer access, wherever they live (a peer fill).
+        An entry not verified since a server crash is checksummed here before it is returned (``verify``), unless
+        the caller checks the bytes its own way (``checked_by_caller``: a fill checks its copy) and then calls
+        ``confirm_verified``.
 
         Raises ServerUnavailable, AccessDenied, ServerError, FingerprintMismatch,
-        EntryNotFound or EntryUnusable. Whatever fails, every fd received and
+        EntryNotFound, EntryUnusable or EntryCorrupt. Whatever fails, every fd received and
         the connection are closed.
         """
-        return cls._open(lambda connection: connection.attach(fingerprint), fingerprint, socket_dir, timeout, map_on)
+        attachment = cls._open(
+            lambda connection: connection.attach(fingerprint, verifies=True), fingerprint, socket_dir, timeout, map_on
+        )
+        if attachment.unverified and not checked_by_caller:
+            try:
+                attachment.verify()  # closes it and raises EntryCorrupt on a mismatch
+            except BaseException:
+                attachment.close()
+                raise
+        return attachment
 
     @classmethod
     def by_digest(cls, digest: str, socket_dir: SocketDirLike = None, timeout: float = 30.0) -> "Attachment":
-        """Map the entry whose full digest is ``digest`` (as ``status`` lists it), whatever its fingerprint: a scrub's attach."""
-        return cls._open(lambda connection: connection.attach_digest(digest), None, socket_dir, timeout, None)
+        """Map the entry whose full digest is ``digest`` (as ``status`` lists it), whatever its fingerprint: a scrub's
+        attach (it checks every arena itself and calls ``confirm_verified``)."""
+        return cls._open(lambda connection: connection.attach_digest(digest, verifies=True), None, socket_dir, timeout, None)
 
     @classmethod
     def _open(
@@ -136,8 +156,42 @@ class Attachment:
         decoded = time.perf_counter()
         attachment = cls(connection, fingerprint, reply.digest, manifest, reply.fds, reply.label, map_on)
         attachment.socket_dir = socket_dir
+        attachment.unverified = reply.verify
         attachment.timings.update(request_s=requested - start, manifest_s=decoded - requested)
         return attachment
+
+    def verify(self) -> None:
+        """Checksum every mapped arena (each where it lives) against the manifest and tell the server they matched.
+
+        On a mismatch the entry is dropped from the server unless other engines have it attached, this attachment is
+        closed and EntryCorrupt raised (a ``client`` falls back to the disk on it).
+        """
+        start = time.perf_counter()
+        bad = mismatched(self.arenas)
+        self.timings["verify_s"] = time.perf_counter() - start
+        if not bad:
+            self.confirm_verified()
+            return
+        index, actual = bad[0]
+        expected = self.arenas[index].spec.checksum
+        for arena, checksum in bad:  # the error names the first; the mode runner's fallback is the one warning
+            log.debug("weightcache: entry %s: arena %d does not match its checksum (%s)", self.digest[:12], arena, checksum)
+        pids: tuple[int, ...] | None = ()
+        try:
+            if self.connection is not None:
+                self.connection.detach(self.digest)  # this process keeps nothing of it
+                pids = self.connection.drop_corrupt(self.digest)
+        except WeightCacheError as exc:
+            log.warning("weightcache: could not drop the corrupt entry %s from the server: %s", self.digest[:12], exc)
+        finally:
+            self.close()
+        raise EntryCorrupt(self.digest, index, expected, actual, pids or (), dropped=pids is None)
+
+    def confirm_verified(self) -> None:
+        """Tell the server the bytes of this (unverified) entry matched its checksums; nothing if it is verified."""
+        if self.unverified and self.connection is not None:
+            self.connection.verified(self.digest, [arena.spec.checksum for arena in self.arenas])
+        self.unverified = False
 
     def reattach(self) -> bool:
         """After a server restart: publish this entry again from the fds held here and attach to it anew.
@@ -203,6 +257,7 @@ _FALLBACKS = (
     (ServerError, "busy"),  # only ``busy``: another server error is a bug to show
     (EntryNotFound, "not_found"),  # a fingerprint mismatch too: its message names the fields
     (EntryUnusable, "unusable"),
+    (EntryCorrupt, "corrupt"),  # back from a crash with other bytes: dropped, never used
     (CheckpointNotFound, "not_cacheable"),  # a hub id not in the local cache, ``.bin`` weights only
     (InvalidCheckpoint, "not_cacheable"),  # a file weightcache cannot read (the engine's own load decides)
 )
@@ -212,7 +267,8 @@ def fallback_kind(exc: BaseException) -> str | None:
     """Which reason a ``client`` has to load from disk instead of raising ``exc``, or None when it must raise.
 
     A missing or refusing server, an untrusted one (AccessDenied), a busy one, no matching
-    entry, an entry this process cannot use, or a checkpoint the cache cannot serve: each only
+    entry (or one not verified since a crash), an entry this process cannot use, one whose bytes
+    failed their checksums here, or a checkpoint the cache cannot serve: each only
     costs the disk load, whose own errors are the engine's as without weightcache. Anything
     else (a rebind that does not fit, a bug) raises. The kinds are the server's fallback
     metric's reasons (``weightcache.core.metrics.FALLBACK_KINDS``) where a server is told.

@@ -449,7 +449,7 @@ def status_table(status: dict) -> list[str]:
         rows.append(
             (
                 e["digest"][:12],
-                e["label"] or "-",
+                (e["label"] or "-") + (" (unverified)" if e.get("verified") is False else ""),
                 _rank(e["rank"]),
                 _device_cell(e["device"]),
                 e["dtype"],

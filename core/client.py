@@ -49,6 +49,9 @@ class AttachReply:
     label: str
     fingerprint: dict | None = None
     """The entry's fingerprint (JSON), sent when it was attached by digest."""
+    verify: bool = False
+    """The entry is not verified (it came back after a server crash): check its arenas' checksums before use and send
+    ``verified`` (only a client that declared it ``verifies`` is given such an entry)."""
 
     def manifest(self) -> Manifest:
         """The entry's manifest, as the server checked it (InvalidManifest if the reply is malformed)."""
@@ -151,7 +154,7 @@ class Connection:
         fields, digest, closest = error.get("fields"), error.get("digest", ""), error.get("closest")
         if code == "not_found" and isinstance(fields, list) and all(isinstance(f, str) for f in fields):
             cls = FingerprintMismatch if fields else EntryNotFound
-            raise cls(str(digest), tuple(fields), closest if isinstance(closest, str) else None)
+            raise cls(str(digest), tuple(fields), closest if isinstance(closest, str) else None, error.get("unverified") is True)
         retry = error.get("retry_after_s")
         raise ServerError(code, text, retry if isinstance(retry, (int, float)) and 0 < retry <= 1 else None)
 
@@ -175,16 +178,20 @@ class Connection:
         finally:
             os.close(table_fd)
 
-    def attach(self, fingerprint: Fingerprint) -> AttachReply:
-        """Mark the entry attached by this connection and receive its arena fds and its tensor table."""
-        return self._attach({"op": "attach", "fingerprint": fingerprint.to_json()})
+    def attach(self, fingerprint: Fingerprint, verifies: bool = False) -> AttachReply:
+        """Mark the entry attached by this connection and receive its arena fds and its tensor table.
 
-    def attach_digest(self, digest: str) -> AttachReply:
+        ``verifies``: this client checksums an entry that is not verified before using it and then sends ``verified``
+        (``AttachReply.verify`` says when); without it such an entry is a miss (EntryNotFound).
+        """
+        return self._attach({"op": "attach", "fingerprint": fingerprint.to_json()}, verifies)
+
+    def attach_digest(self, digest: str, verifies: bool = False) -> AttachReply:
         """Attach the entry whose full digest is ``digest`` (from ``status``); the reply carries its fingerprint."""
-        return self._attach({"op": "attach", "digest": digest})
+        return self._attach({"op": "attach", "digest": digest}, verifies)
 
-    def _attach(self, message: dict) -> AttachReply:
-        reply, fds = self.request(message)
+    def _attach(self, message: dict, verifies: bool) -> AttachReply:
+        reply, fds = self.request({**message, "verifies": True} if verifies else message)
         try:
             if not fds:
                 raise KeyError("tensor table fd")
@@ -196,6 +203,7 @@ class Connection:
                 fds=tuple(fds[:-1]),
                 label=str(reply.get("label", "")),
                 fingerprint=reply.get("fingerprint"),
+                verify=reply.get("verify") is True,
             )
         except (KeyError, ValueError) as exc:
             close_fds(fds[:-1])  # the table's fd is closed below
@@ -208,6 +216,28 @@ class Connection:
 
     def detach(self, digest: str) -> None:
         self.request({"op": "detach", "digest": digest})
+
+    def verified(self, digest: str, checksums: "list[str | None]") -> bool:
+        """Tell the server that entry ``digest``, attached over this connection, holds the bytes of its arenas'
+        ``checksums`` (its manifest's, in order): it is served to every client from now on. True if that cleared the flag.
+        """
+        return bool(self.request({"op": "verified", "digest": digest, "checksums": checksums})[0].get("cleared"))
+
+    def drop_corrupt(self, digest: str, force: bool = False) -> tuple[int, ...] | None:
+        """Evict entry ``digest``, found corrupt, unless engines have it attached (``force``: even then).
+
+        None: it is gone (evicted now, or already); else the pids of the engines that keep it attached, and it stays.
+        """
+        try:
+            self.evict(digest, force=force)
+        except ServerError as exc:
+            if exc.code == "not_found":
+                return None  # evicted meanwhile: gone all the same
+            if exc.code != "attached":
+                raise
+            rows = [row for row in self.status()["entries"] if row["digest"] == digest]
+            return tuple(rows[0]["attached_pids"]) if rows else None
+        return None
 
     def status(self) -> dict:
         return self.request({"op": "status"})[0]

@@ -1,7 +1,9 @@
 """An entry's metadata in one sealed memfd: what a successor or systemd's fd store keeps besides the entry's fds.
 
 The record holds what a publish frame carries besides its fds (fingerprint and
-the manifest's JSON part) plus the label, the publisher and the age. Whoever
+the manifest's JSON part) plus the label, the publisher, the age and whether the
+entry is verified (a successor keeps an unverified entry unverified; the fd store's
+entries come back unverified whatever their record says). Whoever
 reads it back admits the entry with the publish check (``core/admission.py``):
 the record is never trusted further than a publish would be.
 """
@@ -26,6 +28,7 @@ def sealed_record(entry: Entry) -> int:
         "label": entry.label,
         "published_by": entry.published_by,
         "created": entry.created,
+        "verified": entry.verified,
     }
     return sealed_memfd(encode(record), "weightcache-entry-record")
 

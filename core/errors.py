@@ -72,10 +72,18 @@ class EntryNotFound(WeightCacheError):
     (empty when the server holds no entry for this model at all).
     """
 
-    def __init__(self, digest: str, fields: tuple[str, ...] = (), closest: str | None = None):
+    def __init__(self, digest: str, fields: tuple[str, ...] = (), closest: str | None = None, unverified: bool = False):
         self.digest = digest
         self.fields = tuple(fields)
         self.closest = closest
+        self.unverified = unverified
+        if unverified:
+            super().__init__(
+                f"the cached entry {digest[:12]} came back after a server crash and is not verified yet, so it is "
+                "served only to clients that checksum it first; attach with this weightcache version, or run "
+                "`weightcache verify`"
+            )
+            return
         if fields:
             detail = f"the closest entry, {(closest or '?')[:12]}, differs in: {', '.join(fields)}"
         else:
@@ -397,6 +405,41 @@ class ChecksumMismatch(WeightCacheError):
             f"arena {arena} from {source} does not hold the bytes it declared (their checksum is {actual}, {declared}); "
             f"nothing was published. {fix or 'Its copy is corrupt: evict it (`weightcache verify --drop`) and load the model from disk'}"
         )
+
+
+class EntryCorrupt(ChecksumMismatch):
+    """An entry not verified since a server crash does not hold the bytes its manifest declares; it was not used here.
+
+    ``attached_pids``: the engines that keep it attached, so that it stays on the server; ``dropped``: it is gone.
+    """
+
+    def __init__(
+        self,
+        digest: str,
+        arena: int,
+        expected: str | None,
+        actual: str,
+        attached_pids: "typing.Sequence[int]" = (),
+        dropped: bool = True,
+    ):
+        self.digest = digest
+        self.attached_pids = tuple(attached_pids)
+        self.dropped = dropped and not self.attached_pids
+        if not dropped and not self.attached_pids:
+            after = f"it could not be dropped from the server: run `weightcache verify --drop {digest[:12]}`"
+        elif self.attached_pids:
+            after = (
+                f"it stays on the server, attached by pids {list(self.attached_pids)}: restart those engines from disk and "
+                f"run `weightcache verify --drop --force {digest[:12]}`"
+            )
+        else:
+            after = "it was dropped from the server"
+        WeightCacheError.__init__(
+            self,
+            f"the cached entry {digest[:12]} came back after a server crash with other bytes: arena {arena}'s checksum is "
+            f"{actual}, its manifest declares {expected}; this process did not use it and {after}",
+        )
+        self.arena, self.source, self.expected, self.actual = arena, f"entry {digest[:12]}", expected, actual
 
 
 class NoMemory(WeightCacheError):

@@ -10,7 +10,9 @@ name keeps the order whatever order systemd hands them back in. An eviction send
 restart of the unit.
 
 On start, ``adopt`` takes the fds systemd passes (``$LISTEN_FDS`` from fd 3, ``$LISTEN_FDNAMES``),
-puts each entry back together and admits it with the publish check (docs/decisions.md, 38).
+puts each entry back together and admits it with the publish check, marked not verified: it is served
+only to clients that checksum it before use, until one of them or the scrub says it matched
+(docs/decisions.md, 38).
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ def passed_fds() -> dict[str, int]:
 def adopt(registry: Registry, fds: dict[str, int], max_frame_bytes: int) -> int:
     """Admit every entry whose fds systemd passed into ``registry``; how many were admitted.
 
-    An entry that is incomplete or fails the publish check is logged and its fds closed.
+    An entry that is incomplete or fails the publish check is logged and its fds closed; the rest are
+    admitted not verified (``Entry.verified``).
     """
     groups: dict[str, dict[int, int]] = {}
     for name, fd in fds.items():
@@ -124,6 +127,7 @@ def adopt(registry: Registry, fds: dict[str, int], max_frame_bytes: int) -> int:
             if entry.digest != digest:
                 raise ValueError(f"its metadata names entry {entry.digest[:12]}")
             entry.created = float(meta["created"])
+            entry.verified = False  # nobody has checked these bytes since the crash
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError, OSError) as exc:
             close_fds(parts.values())
             log.warning("not re-serving entry %s from systemd's fd store: %s", digest[:12], exc)
@@ -136,5 +140,9 @@ def adopt(registry: Registry, fds: dict[str, int], max_frame_bytes: int) -> int:
             entry.close_fds()
             log.warning("not re-serving entry %s from systemd's fd store: %s", digest[:12], exc)
     if groups:
-        log.info("re-serving %d of %d entries kept in systemd's fd store", adopted, len(groups))
+        log.info(
+            "re-serving %d of %d entries kept in systemd's fd store, to clients that verify them until they are checked",
+            adopted,
+            len(groups),
+        )
     return adopted

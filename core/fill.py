@@ -192,7 +192,8 @@ def _copy(source: Source, builder: ArenaBuilder, socket_dir: SocketDir | None, i
 
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    attachment = Attachment.open(source.fingerprint, socket_dir, map_on=index)
+    # An unverified source (back from a crash) is not checksummed where it lies: its copy is, below, on this GPU.
+    attachment = Attachment.open(source.fingerprint, socket_dir, map_on=index, checked_by_caller=True)
     try:
         timings["map_s"] = time.perf_counter() - start
         slots = [builder.add_arena(spec.size) for spec in attachment.manifest.arenas]
@@ -211,6 +212,7 @@ def _copy(source: Source, builder: ArenaBuilder, socket_dir: SocketDir | None, i
         del targets
         start = time.perf_counter()
         specs = builder.check_copy(attachment.manifest.arenas, source.name)  # on this GPU; a mismatch tries the next source
+        attachment.confirm_verified()  # its bytes, copied, matched: the source is verified too
         timings["verify_s"] = time.perf_counter() - start
         manifest = attrs.evolve(attachment.manifest, arenas=specs)
     finally:

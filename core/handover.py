@@ -423,6 +423,7 @@ def _adopt_entry(registry: Registry, fds: list[int], limits: Limits) -> None:
     record = read_record(fds[0])
     entry = admit_publish(record, fds[1:], int(record["published_by"]), limits.max_frame_bytes)
     entry.created = float(record["created"])
+    entry.verified = record.get("verified", True) is not False  # a predecessor's unverified entry stays unverified
     try:
         registry.publish(entry, evict=False)  # False: held already (adopted from systemd's fd store)
     except OverBudget:

@@ -23,9 +23,10 @@ log = logging.getLogger(__name__)
 ATTACH_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 """Upper bounds of the attach latency histogram, in seconds (the server's side: lookup and fd duplication)."""
 
-FALLBACK_KINDS = ("busy", "not_found", "unusable", "not_cacheable", "other")
+FALLBACK_KINDS = ("busy", "not_found", "unusable", "corrupt", "not_cacheable", "other")
 """Why an engine loaded from disk instead of attaching, as far as a server can be told: it was busy, it holds no
-matching entry, the entry could not be mapped in the engine, or the checkpoint is nothing the cache serves (a hub
+matching entry, the entry could not be mapped in the engine, its bytes failed their checksums there (an entry back
+from a crash), or the checkpoint is nothing the cache serves (a hub
 id not in the local cache, ``.bin`` weights). An engine that found no server or did not trust it tells nobody:
 its log line is the record."""
 

@@ -73,6 +73,9 @@ class Entry:
     sessions: dict = attrs.field(factory=dict)  # connection id -> client pid
     artifacts: dict = attrs.field(factory=dict)  # key -> Artifact
     tier_bytes: dict = attrs.field(factory=dict)  # tier (HOST_TIER or a GPU's UUID) -> arena bytes held there
+    verified: bool = True
+    """False for an entry that came back after a crash (systemd's fd store) and whose bytes nobody has checksummed
+    since: it is served only to clients that verify it (docs/decisions.md, 38), until one says it matched."""
 
     @property
     def digest(self) -> str:
@@ -124,7 +127,17 @@ class Entry:
             "attached_pids": sorted(set(self.sessions.values())),
             "published_by": self.published_by,
             "age_s": round(time.time() - self.created, 1),
+            "verified": self.verified,
         }
+
+    def take_bytes_of(self, other: Entry) -> None:
+        """Hold ``other``'s fds, manifest and sizes instead of this entry's own (whose fds are closed); verified now."""
+        old = attrs.evolve(self)
+        for field in ("manifest", "fds", "nbytes", "table_fd", "tensors", "table_bytes", "tier_bytes", "published_by"):
+            setattr(self, field, getattr(other, field))
+        self.verified = True
+        old.artifacts = {}  # they stay with this entry
+        old.close_fds()
 
 
 MAX_TIERS_SHOWN = 16
@@ -193,12 +206,25 @@ class Registry:
     def publish(self, entry: Entry, evict: bool = True) -> bool:
         """Add ``entry``; False (and its fds closed) if one with that digest exists already.
 
+        An existing entry that is not verified takes a verified ``entry``'s bytes instead of its own (a publisher
+        checksummed what it sends: an engine re-publishing after a crash checked its mapping first); it keeps its
+        attach sessions and artifacts, and the answer is still False.
+
         Raises OverBudget, having evicted nothing, when the entry does not fit
         even after evicting every unattached entry (with ``evict`` False: without evicting any).
         """
         with self._lock:
-            if entry.digest in self._entries:
-                entry.close_fds()
+            existing = self._entries.get(entry.digest)
+            if existing is not None:
+                if existing.verified or not entry.verified:
+                    entry.close_fds()
+                    return False
+                if self.on_evict is not None:
+                    self.on_evict(existing)  # the fd store forgets the unverified fds ...
+                existing.take_bytes_of(entry)
+                if self.on_publish is not None:
+                    self.on_publish(existing)  # ... and keeps the publisher's
+                log.info("entry %s, not verified, now holds the bytes pid %d published", entry.digest[:12], entry.published_by)
                 return False
             victims = self._victims(entry.held_in())
             if victims and not evict:
@@ -254,23 +280,19 @@ class Registry:
                     total -= held(entry, tier)
         return list(victims.values())
 
-    def _attach_locked(self, digest: str, connection: int, pid: int) -> Entry | None:
-        entry = self._entries.get(digest)
-        if entry is not None:
-            entry.sessions[connection] = pid
-            entry.last_used = time.monotonic()
-        return entry
-
-    def checkout(self, digest: str, connection: int, pid: int) -> tuple[Entry, list[int]] | None:
+    def checkout(self, digest: str, connection: int, pid: int, verifies: bool = False) -> tuple[Entry, list[int]] | None:
         """Attach entry ``digest`` to ``connection``, and duplicates of its arena fds and then its table fd, made under the
-        lock (the caller closes them).
+        lock (the caller closes them); None if there is no such entry, or it is not verified and the client does not
+        declare that it ``verifies`` one (``Entry.verified``).
 
         The duplicates stay valid even if the entry is evicted before the reply is sent.
         """
         with self._lock:
-            entry = self._attach_locked(digest, connection, pid)
-            if entry is None:
+            entry = self._entries.get(digest)
+            if entry is None or (not entry.verified and not verifies):
                 return None
+            entry.sessions[connection] = pid
+            entry.last_used = time.monotonic()
             fds: list[int] = []
             try:
                 for fd in entry.fds:
@@ -282,6 +304,36 @@ class Registry:
                 entry.sessions.pop(connection, None)
                 raise
             return entry, fds
+
+    def is_unverified(self, digest: str) -> bool:
+        """Whether the server holds entry ``digest`` and it is not verified (a miss then says why)."""
+        with self._lock:
+            entry = self._entries.get(digest)
+            return entry is not None and not entry.verified
+
+    def mark_verified(self, digest: str, connection: int, checksums: typing.Sequence[object]) -> bool:
+        """Entry ``digest`` is verified: ``connection``, which has it attached, found its arenas' ``checksums`` (the
+        manifest's, in order) in their bytes. True if that cleared the flag (False: verified already).
+
+        KeyError: no such entry; PermissionError: not attached over ``connection``; ValueError: other checksums.
+        """
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is None:
+                raise KeyError(f"no entry {digest[:12]}; `weightcache status` lists them")
+            if connection not in entry.sessions:
+                raise PermissionError(
+                    f"entry {digest[:12]} is not attached over this connection; attach it, check it, then say so"
+                )
+            declared = [arena.get("checksum") for arena in entry.manifest["arenas"]]
+            if list(checksums) != declared:
+                raise ValueError(
+                    f"the checksums sent are not entry {digest[:12]}'s ({len(declared)} arenas); send those of its manifest"
+                )
+            cleared, entry.verified = not entry.verified, True
+        if cleared:
+            log.info("entry %s (%s) verified: its arenas match their checksums", digest[:12], entry.label)
+        return cleared
 
     def put_artifact(self, digest: str, key: str, fd: int, nbytes: int, max_count: int) -> bool:
         """Keep ``fd`` (a sealed memfd of ``nbytes``) as entry ``digest``'s artifact ``key``; True if it replaced one.

@@ -9,6 +9,7 @@ reading the disk when the entry is held) and reports each item's state in ``stat
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -21,6 +22,8 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 64
 """Warm items a status reply lists."""
 _DETAIL_CHARS = 300
+SCRUB_PAUSE_ENV = "WEIGHTCACHE_SCRUB_PAUSE_S"
+"""Seconds the scrub of re-adopted entries waits before it starts (a test hook: tests that verify entries themselves)."""
 
 
 class Warmer:
@@ -104,9 +107,14 @@ class Warmer:
 
 def scrub_in_background(socket_dir: SocketDir) -> threading.Thread:
     """Run ``weightcache verify --drop`` once (entries came back from systemd's fd store: their checksums are checked
-    where they live and a corrupt one is evicted unless attached); its summary is logged."""
+    where they live, one that matches is verified from then on, a corrupt one is evicted unless attached); its summary
+    is logged."""
 
     def run() -> None:
+        pause = float(os.environ.get(SCRUB_PAUSE_ENV) or 0)
+        if pause > 0:
+            log.warning("the scrub of the entries from systemd's fd store waits %g s (%s is set)", pause, SCRUB_PAUSE_ENV)
+            threading.Event().wait(pause)
         command = [sys.executable, "-m", "weightcache.core.cli", "verify", "--socket-dir", str(socket_dir), "--drop"]
         try:
             done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, start_new_session=True)

@@ -422,6 +422,7 @@ class Server:
             "get_artifact": self._get_artifact,
             "locate": self._locate,
             "report": self._report,
+            "verified": self._verified,
         }
         handler = handlers.get(op) if isinstance(op, str) else None
         if handler is None:
@@ -482,17 +483,28 @@ class Server:
         return ok_reply(digest=entry.digest, created=created), []
 
     def _attach(self, message, fds, connection_id, pid):
+        # A client that "verifies" checksums an unverified entry's arenas before use and says so (`verified`);
+        # any other client misses such an entry and loads from disk (docs/decisions.md, 38).
+        verifies = message.get("verifies") is True
         if "fingerprint" not in message:  # by full digest: a scrub (`weightcache verify`) that knows entries from status
             digest = _full_digest(message["digest"])
-            found = self.registry.checkout(digest, connection_id, pid)
+            found = self.registry.checkout(digest, connection_id, pid, verifies)
             if found is None:
-                return error_reply("not_found", f"no entry {digest[:12]}; `weightcache status` lists them"), []
+                return error_reply("not_found", self._miss_text(digest, f"entry {digest[:12]}")), []
             entry, fds = found
-            reply = ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label)
+            reply = ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label, verify=not entry.verified)
             return {**reply, "fingerprint": entry.fingerprint.to_json()}, fds
         fingerprint = Fingerprint.from_json(message["fingerprint"])
-        found = self.registry.checkout(fingerprint.digest, connection_id, pid)
+        found = self.registry.checkout(fingerprint.digest, connection_id, pid, verifies)
         if found is None:
+            if self.registry.is_unverified(fingerprint.digest):
+                return error_reply(
+                    "not_found",
+                    self._miss_text(fingerprint.digest, f"entry {fingerprint.short}"),
+                    digest=fingerprint.digest,
+                    fields=[],
+                    unverified=True,
+                ), []
             closest, fields = self.registry.closest(fingerprint)
             return error_reply(
                 "not_found",
@@ -502,7 +514,30 @@ class Server:
                 fields=list(fields),
             ), []
         entry, fds = found
-        return ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label), fds
+        return ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label, verify=not entry.verified), fds
+
+    def _miss_text(self, digest: str, name: str) -> str:
+        """Why an attach of ``digest`` (``name``: how to call it) missed: not verified, or not held at all."""
+        if self.registry.is_unverified(digest):
+            return (
+                f"{name} is held but not verified since the server came back; it is served only to clients that "
+                "checksum it (weightcache's own, this version) until one of them or `weightcache verify` has"
+            )
+        return f"no {name}; `weightcache status` lists them"
+
+    def _verified(self, message, fds, connection_id, pid):
+        """A client that attached an unverified entry over this connection found its ``checksums`` in its bytes."""
+        digest = _full_digest(message["digest"])
+        checksums = message["checksums"]
+        if not isinstance(checksums, list):
+            raise TypeError("checksums must be a list, one per arena")
+        try:
+            cleared = self.registry.mark_verified(digest, connection_id, checksums)
+        except KeyError as exc:
+            return error_reply("not_found", exc.args[0]), []
+        except PermissionError as exc:
+            return error_reply("bad_request", str(exc)), []
+        return ok_reply(digest=digest, cleared=cleared), []
 
     def _locate(self, message, fds, connection_id, pid):
         """Where else the node holds this fingerprint's content (the loader copies from there; the server copies nothing)."""

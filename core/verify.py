@@ -6,7 +6,8 @@ Each entry the server holds (or the one whose digest starts with ID) is attached
 digest, every arena is checksummed where it lives (a GPU entry on its GPU: this process
 needs CUDA and that GPU; a host-tier or CPU entry on the CPU) and compared with the
 checksum its publisher computed when it sealed the arena. One line per entry:
-``ok``, ``CORRUPT arena N[, M...]`` or ``SKIPPED (why)``.
+``ok``, ``CORRUPT arena N[, M...]`` or ``SKIPPED (why)``. An entry found ok that was
+not verified since a server crash is verified from then on (served to every client).
 
 With ``--drop`` a corrupt entry is evicted, so no engine attaches it again; one that
 engines have attached is evicted only with ``--force`` as well (their mappings stay,
@@ -115,6 +116,8 @@ def _verify(row: dict, socket_dir: SocketDir, progress) -> Verdict:
         return attrs.evolve(verdict, skipped=str(exc).splitlines()[0][:300])
     try:
         corrupt = tuple(index for index, _ in mismatched(attachment.arenas, progress))
+        if not corrupt:
+            attachment.confirm_verified()  # an entry back from a crash is served to every client from now on
         if attachment.connection is not None:
             attachment.connection.detach(attachment.digest)  # before an evict: this scrub holds no entry attached
     finally:
@@ -126,17 +129,10 @@ def _verify(row: dict, socket_dir: SocketDir, progress) -> Verdict:
 
 def _drop(verdict: Verdict, socket_dir: SocketDir, force: bool) -> Verdict:
     with Connection(socket_dir) as connection:
-        try:
-            connection.evict(verdict.digest, force=force)
-        except ServerError as exc:
-            if exc.code == "not_found":
-                return attrs.evolve(verdict, dropped=True)  # evicted meanwhile: gone all the same
-            if exc.code != "attached":
-                raise
-            rows = [row for row in connection.status()["entries"] if row["digest"] == verdict.digest]
-            pids = tuple(rows[0]["attached_pids"]) if rows else ()
-            return attrs.evolve(verdict, attached_pids=pids)
-    return attrs.evolve(verdict, dropped=True)
+        pids = connection.drop_corrupt(verdict.digest, force=force)
+    if pids is None:
+        return attrs.evolve(verdict, dropped=True)
+    return attrs.evolve(verdict, attached_pids=pids)
 
 
 def exit_status(verdicts: typing.Sequence[Verdict]) -> int:
