@@ -115,6 +115,19 @@ def wait_for(socket_dir: Path, pid: int, digests: set[str], settle_s: float, tim
     return float("nan"), seen
 
 
+def wait_verified(socket_dir: Path, digests: set[str], timeout: float = 120.0) -> float:
+    """Seconds until the server lists every digest of ``digests`` as verified (entries back from a crash are served only
+    to clients that checksum them until then: the scrub or a first client checks them); nan if that did not happen."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        reply = status(socket_dir)
+        rows = {row["digest"]: row for row in (reply or {"entries": []})["entries"]}
+        if digests <= rows.keys() and all(rows[digest].get("verified", True) for digest in digests):
+            return time.monotonic() - start
+        time.sleep(0.01)
+    return float("nan")
+
+
 def successor(python: str, socket_dir: Path, log: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     command = [python, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir), *args]
     with open(log, "ab") as out:
@@ -160,13 +173,17 @@ def fd_store_row(args, socket_dir: Path, current: subprocess.Popen, digests: set
         restarted = manager.start_server(socket_dir, log)
         procs.append(restarted)
         took, kept = wait_for(socket_dir, restarted.pid, digests, settle_s=2.0)
+        verified_s = took + wait_verified(socket_dir, kept)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=30)
         manager.close()
-    note = f"a stand-in for systemd held {stored} entries; {args.attached} attached by an engine"
+    note = (
+        f"a stand-in for systemd held {stored} entries; {args.attached} attached by an engine; "
+        f"every entry checksummed (verified, served to every client) {verified_s:.2f} s after the restart"
+    )
     return dict(
         way="SIGKILL, with fd store",
         note=note,
