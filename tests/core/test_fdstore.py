@@ -158,6 +158,15 @@ def _rows(socket_dir) -> dict[str, dict]:
         return {row["digest"]: row for row in conn.status()["entries"]}
 
 
+def _stored(socket_dir, managed, *architectures: str):
+    """A server under the stand-in store, one host entry published per architecture and kept in the store: (server, entries)."""
+    manager = managed[0]
+    first = _started(socket_dir, managed)
+    entries = [publish_host_entry(socket_dir, make_fingerprint(architecture=name), label=name.lower()) for name in architectures]
+    assert wait_until(lambda: manager.digests() == {entry.digest for entry in entries}, timeout=10)
+    return first, entries
+
+
 def _crash_and_restart_from_store(socket_dir, managed, server: subprocess.Popen) -> subprocess.Popen:
     server.send_signal(signal.SIGKILL)
     server.wait(timeout=10)
@@ -221,11 +230,8 @@ def test_an_entry_whose_bytes_changed_in_the_fd_store_is_never_served_and_is_dro
 def test_an_intact_entry_from_the_fd_store_is_served_to_a_verifying_client_and_then_to_every_client(
     socket_dir, managed, monkeypatch
 ):
-    manager, _, _ = managed
     monkeypatch.setenv(SCRUB_PAUSE_ENV, "600")
-    first = _started(socket_dir, managed)
-    entry = publish_host_entry(socket_dir, make_fingerprint(architecture="Intact"), label="intact")
-    assert wait_until(lambda: manager.digests() == {entry.digest}, timeout=10)
+    first, [entry] = _stored(socket_dir, managed, "Intact")
     _crash_and_restart_from_store(socket_dir, managed, first)
     with Connection(socket_dir, timeout=10) as plain:
         with pytest.raises(EntryNotFound):
@@ -254,10 +260,8 @@ def test_an_intact_entry_from_the_fd_store_is_served_to_a_verifying_client_and_t
 
 
 def test_the_scrub_verifies_the_entries_from_the_fd_store(socket_dir, managed):
-    manager, log, _ = managed
-    first = _started(socket_dir, managed)
-    entries = [publish_host_entry(socket_dir, make_fingerprint(architecture=f"Scrubbed{n}")) for n in range(2)]
-    assert wait_until(lambda: len(manager.digests()) == 2, timeout=10)
+    _, log, _ = managed
+    first, entries = _stored(socket_dir, managed, "Scrubbed0", "Scrubbed1")
     _crash_and_restart_from_store(socket_dir, managed, first)
     assert wait_until(lambda: all(row["verified"] for row in _rows(socket_dir).values()), timeout=120), log.read_text()[-3000:]
     assert set(_rows(socket_dir)) == {entry.digest for entry in entries}
@@ -268,9 +272,7 @@ def test_the_scrub_verifies_the_entries_from_the_fd_store(socket_dir, managed):
 def test_an_engine_that_republishes_after_the_crash_verifies_the_entry_from_the_store(socket_dir, managed, monkeypatch):
     manager, _, _ = managed
     monkeypatch.setenv(SCRUB_PAUSE_ENV, "600")
-    first = _started(socket_dir, managed)
-    entry = publish_host_entry(socket_dir, make_fingerprint(architecture="Republished"))
-    assert wait_until(lambda: manager.digests() == {entry.digest}, timeout=10)
+    first, [entry] = _stored(socket_dir, managed, "Republished")
     attachment = Attachment.open(entry.fingerprint, socket_dir)
     try:
         _crash_and_restart_from_store(socket_dir, managed, first)
@@ -283,11 +285,9 @@ def test_an_engine_that_republishes_after_the_crash_verifies_the_entry_from_the_
 
 
 def test_an_unverified_entry_stays_unverified_through_a_restart_in_place(socket_dir, managed, monkeypatch):
-    manager, log, _ = managed
+    _, log, _ = managed
     monkeypatch.setenv(SCRUB_PAUSE_ENV, "600")
-    first = _started(socket_dir, managed)
-    entry = publish_host_entry(socket_dir, make_fingerprint(architecture="HandedOn"))
-    assert wait_until(lambda: manager.digests() == {entry.digest}, timeout=10)
+    first, [entry] = _stored(socket_dir, managed, "HandedOn")
     second = _crash_and_restart_from_store(socket_dir, managed, first)
     second.send_signal(signal.SIGUSR2)
     assert second.wait(timeout=30) == 0, log.read_text()[-3000:]
