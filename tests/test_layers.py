@@ -10,10 +10,10 @@ from tests.import_graph import Edge, cycles, edges
 
 
 def test_the_graph_sees_imports_inside_functions():
-    """``core/cli.py`` imports ``core/demo.py`` only inside a function: the graph must hold that edge."""
+    """``core/cli/cli.py`` imports ``core/cli/demo.py`` only inside a function: the graph must hold that edge."""
     graph = edges()
     assert len(graph) > 200, f"only {len(graph)} edges: has the layout changed?"
-    assert any(e.source == "weightcache.core.cli" and e.target == "weightcache.core.demo" for e in graph)
+    assert any(e.source == "weightcache.core.cli.cli" and e.target == "weightcache.core.cli.demo" for e in graph)
 
 
 def test_no_import_cycle_even_inside_functions():

@@ -12,11 +12,11 @@ from tests.core.support import make_fingerprint, publish_host_entry
 from tests.fdstore_standin import StandInManager
 from tests.helpers import wait_until
 from weightcache.core.arena.checksum import SCHEME
-from weightcache.core.attach import Attachment
-from weightcache.core.client import Connection
+from weightcache.core.client.attach import Attachment
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import ServerUnavailable
-from weightcache.core.protocol import close_fds
-from weightcache.core.server_process import serve_command
+from weightcache.core.server.server_process import serve_command
+from weightcache.core.wire.protocol import close_fds
 
 
 def _digests(socket_dir) -> set[str]:
@@ -135,7 +135,7 @@ def test_sigusr2_restarts_the_server_in_place_and_names_its_successor_the_main_p
 
 
 def test_a_successor_command_takes_over_and_never_detaches():
-    from weightcache.core.reexec import successor_command
+    from weightcache.core.server.reexec import successor_command
 
     tail = successor_command(["--log-format", "json", "serve", "--socket-dir", "/run/wc", "--detach", "--log-file", "x"])
     assert tail[-6:] == ["--log-format", "json", "serve", "--socket-dir", "/run/wc", "--take-over"]
