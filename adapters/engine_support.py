@@ -10,7 +10,7 @@
   an error that names it when a newer engine dropped it.
 
 The modes themselves (off, daemon, client, fallback, publish) are the core's
-(``weightcache.core.modes``). No engine is imported here.
+(``weightcache.core.flow.modes``). No engine is imported here.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from collections.abc import Callable, Iterator
 import attrs
 
 from weightcache.core.errors import AccessDenied, RebindError, ServerUnavailable
-from weightcache.core.modes import ATTACHMENT_ATTR
+from weightcache.core.flow.modes import ATTACHMENT_ATTR
 from weightcache.core.socket_dir import SocketDirLike
 
 if typing.TYPE_CHECKING:
     import torch
 
     from weightcache.core.fingerprint import Fingerprint
-    from weightcache.core.manifest import Manifest
+    from weightcache.core.layout.manifest import Manifest
     from weightcache.core.request import ModelDescription
 
 log = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ def entry_bytes(fingerprint: "Fingerprint", socket_dir: SocketDirLike = None, ti
 
     An engine's memory profiler must not count these as its own allocation.
     """
-    from weightcache.core.client import Connection
+    from weightcache.core.client.client import Connection
 
     digest = fingerprint.digest
     try:

@@ -116,7 +116,7 @@ def direct_read_gbps(paths, threads: int = 8) -> float:
 
 ENGINE = r"""
 import json, statistics, sys, time, torch
-from weightcache.core import api
+from weightcache.core.flow import api
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.gc_pause import gc_paused
 fp = Fingerprint.from_json(json.loads(sys.argv[1])); socket_dir = sys.argv[2]; device = sys.argv[3]; repeat = int(sys.argv[4])
@@ -171,13 +171,13 @@ def publish_random(gib: float, tensors: int, device: str, socket_dir, anchor: Pa
     timings = {} if timings is None else timings
     import torch
 
-    from weightcache.core import api
+    from weightcache.core.flow import api
 
     per = int(gib * GIB) // tensors // 2
     per -= per % 256
     fp = api.fingerprint(anchor, architecture=f"synthetic-{gib}GiB", dtype="bfloat16", device=device)
-    from weightcache.core.export import ArenaBuilder, NamedTensor
-    from weightcache.core.publish import publish_arenas
+    from weightcache.core.load.export import ArenaBuilder, NamedTensor
+    from weightcache.core.load.publish import publish_arenas
 
     builder = ArenaBuilder(device)
     try:
@@ -188,7 +188,7 @@ def publish_random(gib: float, tensors: int, device: str, socket_dir, anchor: Pa
         slots = [builder.plan(per * 2) for _ in items]
         for slot in slots:
             builder.view(slot).view(torch.bfloat16).normal_()
-        from weightcache.core.manifest import Manifest, TensorRecord
+        from weightcache.core.layout.manifest import Manifest, TensorRecord
 
         start = time.perf_counter()
         records = [
@@ -230,13 +230,13 @@ def main(argv=None) -> int:
 
     import torch
 
-    from weightcache.core import api
-    from weightcache.core.client import wait_for_server
+    from weightcache.core.client.client import wait_for_server
+    from weightcache.core.flow import api
 
     work = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
     socket_dir = Path(tempfile.mkdtemp(prefix="wc-bench-sock-"))
     server = subprocess.Popen(
-        [sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir)],
+        [sys.executable, "-m", "weightcache.core.cli.cli", "serve", "--socket-dir", str(socket_dir)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
         results["attach"] = time_attach(fingerprint, socket_dir, args.device, args.repeat)
         results["extra"] = {}
         for gib in args.extra_gib:
-            from weightcache.core.client import Connection
+            from weightcache.core.client.client import Connection
 
             with Connection(socket_dir) as conn:  # make room: only one big entry at a time
                 for entry in conn.status()["entries"]:

@@ -27,9 +27,9 @@ def publish_entry(socket_dir: Path, nbytes: int, tensors: int):
 
     from weightcache.core.arena import backend
     from weightcache.core.arena.checksum import checksum
-    from weightcache.core.client import Connection
+    from weightcache.core.client.client import Connection
     from weightcache.core.fingerprint import Fingerprint, sha256_json
-    from weightcache.core.manifest import Manifest, TensorRecord
+    from weightcache.core.layout.manifest import Manifest, TensorRecord
 
     host = backend("host")
     arena = host.create(nbytes)
@@ -89,7 +89,7 @@ def publish_entry(socket_dir: Path, nbytes: int, tensors: int):
 
 def attach_cycles(socket_dir: str, fingerprint: dict, cycles: int, barrier, results) -> None:
     """One client process: ``cycles`` x (Attachment.open, close); puts its latencies and failures on ``results``."""
-    from weightcache.core.attach import Attachment
+    from weightcache.core.client.attach import Attachment
     from weightcache.core.fingerprint import Fingerprint
 
     fp = Fingerprint.from_json(fingerprint)
@@ -134,8 +134,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(args) -> int:
-    from weightcache.core.client import Connection
-    from weightcache.core.server_process import ServerProcess
+    from weightcache.core.client.client import Connection
+    from weightcache.core.server.server_process import ServerProcess
 
     own_dir = None
     server = None
@@ -151,7 +151,7 @@ def run(args) -> int:
         before = resting_facts(pid)
 
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "weightcache.core.attach"])
+        ctx.set_forkserver_preload(["torch", "weightcache.core.client.attach"])
         barrier = ctx.Barrier(args.clients + 1)
         results = ctx.Queue()
         procs = [

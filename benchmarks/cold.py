@@ -26,7 +26,7 @@ resident):
   with the digests remembered (the store a first-sight run left, or one filled beforehand, untimed);
   the adapter and its framework are imported before the clock, as the issue's target says;
 - ``wc-cli`` / ``wc-cli-remembered``: the whole ``weightcache load --model DIR --dtype bfloat16
-  --device D`` (``python -m weightcache.core.cli``), from exec to exit, timed by this process, under a
+  --device D`` (``python -m weightcache.core.cli.cli``), from exec to exit, timed by this process, under a
   pseudo-terminal so that the CLI prints its notes; the arrival time of each note splits the wall
   clock into phases: start + checks (exec -> ``hashing ...`` or ``loading ...``), hashing, read +
   publish (-> ``published ...``), exit. Its clock includes the imports, so after a whole-cache drop a
@@ -364,8 +364,8 @@ def run_instanttensor(ctx: Context, clock: Clock) -> dict:
 
 
 def run_wc_reader(ctx: Context, clock: Clock) -> dict:
-    from weightcache.core.export import ArenaBuilder
-    from weightcache.core.reader import default_threads, read_checkpoint
+    from weightcache.core.load.export import ArenaBuilder
+    from weightcache.core.load.reader import default_threads, read_checkpoint
 
     ctx.notes.append(f"{default_threads()} threads")
     with clock:
@@ -378,8 +378,8 @@ def run_wc_reader(ctx: Context, clock: Clock) -> dict:
 
 def run_wc_publish(ctx: Context, clock: Clock) -> dict:
     """``prepare`` + ``publish`` to a fresh server (its adapter and framework imported first), then attach to check."""
-    from weightcache.core.loader import prepare, publish
-    from weightcache.core.plugins import installed_plugins
+    from weightcache.core.flow.loader import prepare, publish
+    from weightcache.core.flow.plugins import installed_plugins
     from weightcache.core.request import LoadRequest
 
     request = LoadRequest(model=str(ctx.model), dtype="bfloat16", device=str(ctx.device))
@@ -393,7 +393,7 @@ def run_wc_publish(ctx: Context, clock: Clock) -> dict:
 
 def run_wc_entry(ctx: Context, clock: Clock) -> dict:
     """No load: attach the entry ``weightcache load`` published (its fingerprint from the remembered digests)."""
-    from weightcache.core.loader import prepare
+    from weightcache.core.flow.loader import prepare
     from weightcache.core.request import LoadRequest
 
     request = LoadRequest(model=str(ctx.model), dtype="bfloat16", device=str(ctx.device))
@@ -401,7 +401,7 @@ def run_wc_entry(ctx: Context, clock: Clock) -> dict:
 
 
 def _attached(ctx: Context, fingerprint) -> dict:
-    from weightcache.core.api import attach
+    from weightcache.core.flow.api import attach
 
     attachment = attach(fingerprint, ctx.args.socket_dir)
     ctx.keep.append(attachment)
@@ -943,7 +943,7 @@ class Parent:
             if method.store:
                 env["WEIGHTCACHE_CACHE_DIR"] = str(self.store_for(method, run))
             if method.server:
-                from weightcache.core.server_process import ServerProcess
+                from weightcache.core.server.server_process import ServerProcess
 
                 server = ServerProcess.start()
             extra = ["--socket-dir", str(server.socket_dir)] if server else []
@@ -971,7 +971,7 @@ class Parent:
         command = [
             sys.executable,
             "-m",
-            "weightcache.core.cli",
+            "weightcache.core.cli.cli",
             *verbose,
             "load",
             "--model",
@@ -998,8 +998,8 @@ class Parent:
 
     def rewarm_command(self) -> list[str]:
         """Import what ``weightcache load`` imports (torch, transformers, safetensors, weightcache and its adapters)."""
-        code = "import torch, transformers, safetensors, weightcache.core.cli, weightcache.core.loader\n"
-        code += "from weightcache.core.plugins import installed_plugins; installed_plugins()\n"
+        code = "import torch, transformers, safetensors, weightcache.core.cli.cli, weightcache.core.flow.loader\n"
+        code += "from weightcache.core.flow.plugins import installed_plugins; installed_plugins()\n"
         if self.args.device.startswith("cuda"):
             code += f"torch.empty(1, device={self.args.device!r})\n"
         return [sys.executable, "-c", code]
@@ -1394,7 +1394,7 @@ def run_role(args) -> int:
             except ImportError as exc:
                 report = {"status": "skipped", "reason": f"not installed here: {exc}"}
         else:  # remember: hash the checkpoint once so that its digests are remembered
-            from weightcache.core.loader import prepare
+            from weightcache.core.flow.loader import prepare
             from weightcache.core.request import LoadRequest
 
             _ = prepare(LoadRequest(model=args.model, dtype="bfloat16", device=args.device)).fingerprint

@@ -37,10 +37,10 @@ began = time.monotonic()
 spawned_at, model, device, socket_dir, role = float(sys.argv[1]), *sys.argv[2:6]
 import torch, transformers
 from torch._dynamo.utils import counters
-from weightcache.core.compile_cache import publish_artifacts, restore_artifacts
-from weightcache.core.modes import load_model
+from weightcache.core.spare.compile_cache import publish_artifacts, restore_artifacts
+from weightcache.core.flow.modes import load_model
 from weightcache.core.request import LoadRequest
-from weightcache.core.standby import fixed_prompt
+from weightcache.core.spare.standby import fixed_prompt
 report = {"imports_s": time.monotonic() - began}
 start = time.perf_counter()
 loaded = load_model(model, mode="client", device=device, socket_dir=socket_dir, strict=True)
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         )
         os.environ.update(env)
         sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-        from weightcache.core.server_process import ServerProcess
+        from weightcache.core.server.server_process import ServerProcess
 
         server = ServerProcess.start(work / "sock")
         restart.publish_with_cli(model, args.device, server.socket_dir, env)

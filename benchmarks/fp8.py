@@ -19,7 +19,7 @@ from pathlib import Path
 
 ENGINE = r"""
 import json, sys, time, hashlib, torch, transformers
-from weightcache.core.modes import load_model
+from weightcache.core.flow.modes import load_model
 model_path, mode, device, socket_dir = sys.argv[1:5]
 transformers.LlamaForCausalLM
 if device.startswith("cuda"):
@@ -57,14 +57,14 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    from weightcache.core.client import wait_for_server
-    from weightcache.core.loader import prepare, publish
+    from weightcache.core.client.client import wait_for_server
+    from weightcache.core.flow.loader import prepare, publish
     from weightcache.core.request import LoadRequest
 
     work = Path(tempfile.mkdtemp(prefix="wc-fp8-"))
     socket_dir = Path(tempfile.mkdtemp(prefix="wc-fp8-sock-"))
     server = subprocess.Popen(
-        [sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir)],
+        [sys.executable, "-m", "weightcache.core.cli.cli", "serve", "--socket-dir", str(socket_dir)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

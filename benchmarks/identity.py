@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from weightcache.core.digests import DigestStore, file_digest, hashing_threads
-from weightcache.core.safetensors_io import checkpoint_files, checkpoint_identity, read_header
+from weightcache.core.identity.digests import DigestStore, file_digest, hashing_threads
+from weightcache.core.identity.safetensors_io import checkpoint_files, checkpoint_identity, read_header
 
 
 def _times_ms(function, runs: int) -> list[float]:

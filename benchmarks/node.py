@@ -9,7 +9,7 @@ this process, which has a CUDA context on both GPUs already (an engine has one t
 
 - peer GPU0 -> GPU1: ``fill.copy_from_node`` from GPU0's entry (peer access), then publish;
 - host tier -> GPU1: the same from the host-tier copy (sealed memfds, read through page-locked bounce buffers);
-- NCCL seeding GPU0 -> GPU1 across two servers (``weightcache.core.seeding``, two processes, one per "node");
+- NCCL seeding GPU0 -> GPU1 across two servers (``weightcache.core.node.seeding``, two processes, one per "node");
 - disk -> GPU1 (``--with-8b``): ``weightcache load``'s path on the 8 B checkpoint, cold and warm page cache;
 - model swap: three 16 GiB models on the host tier, a GPU budget for one: time to switch GPU1 between them;
 - checksum 16 GiB on a GPU and on the CPU: what verification adds (``weightcache.core.arena.checksum``).
@@ -43,7 +43,7 @@ def synthetic_fingerprint(name: str, gib: float, tensors: int, index: int):
     """A fingerprint for a synthetic model on cuda:``index`` (this process's real environment)."""
     from weightcache.core.device import Device
     from weightcache.core.fingerprint import Fingerprint, sha256_json
-    from weightcache.core.identity import Environment
+    from weightcache.core.identity.identity import Environment
 
     env = Environment.of(Device.parse(f"cuda:{index}"))
     return Fingerprint(
@@ -61,7 +61,7 @@ def publish_synthetic(fingerprint, gib: float, tensors: int, socket_dir, seed: i
     """``tensors`` random bf16 tensors, ``gib`` GiB in all, published from cuda:0."""
     import torch
 
-    from weightcache.core.api import publish_state
+    from weightcache.core.flow.api import publish_state
 
     per = int(gib * GIB) // tensors // 2
     generator = torch.Generator(device="cuda:0").manual_seed(seed)
@@ -77,10 +77,10 @@ def fill_gpu1(fingerprint, socket_dir, tier: str) -> dict:
     """Fill cuda:1's entry of ``fingerprint`` from the source on ``tier`` (``peer`` or ``host``) and publish it; timings."""
     import torch
 
-    from weightcache.core import fill
-    from weightcache.core.export import ArenaBuilder
     from weightcache.core.fingerprint import HOST_TIER
-    from weightcache.core.publish import publish_arenas
+    from weightcache.core.load.export import ArenaBuilder
+    from weightcache.core.load.publish import publish_arenas
+    from weightcache.core.node import fill
 
     wanted = [s for s in fill.sources(fingerprint, socket_dir) if (s.tier == HOST_TIER) == (tier == "host")]
     if not wanted:
@@ -99,7 +99,7 @@ def fill_gpu1(fingerprint, socket_dir, tier: str) -> dict:
 
 
 def evict(socket_dir, fingerprint) -> None:
-    from weightcache.core.client import Connection
+    from weightcache.core.client.client import Connection
 
     with Connection(socket_dir) as connection:
         connection.evict(fingerprint.digest, force=True)
@@ -121,7 +121,7 @@ def median(results: list[dict], key: str) -> float:
 _SEED_CHILD = r"""
 import json, os, sys, torch, torch.distributed as dist
 from weightcache.core.fingerprint import Fingerprint
-from weightcache.core import seeding
+from weightcache.core.node import seeding
 rank = int(os.environ["RANK"])
 torch.cuda.set_device(rank)
 dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
@@ -154,8 +154,8 @@ def seed_gpu0_to_gpu1(fingerprint, socket_a, socket_b, env: dict) -> dict:
 
 
 def synthetic_rows(args, work: Path, env: dict) -> dict:
-    from weightcache.core import fill
-    from weightcache.core.server_process import ServerProcess
+    from weightcache.core.node import fill
+    from weightcache.core.server.server_process import ServerProcess
 
     rows: dict = {}
     server = ServerProcess.start(work / "node-a")
@@ -192,8 +192,8 @@ def synthetic_rows(args, work: Path, env: dict) -> dict:
 
 def swap_rows(args, work: Path) -> dict:
     """Three models on the host tier, a GPU budget for one: each switch fills GPU1 from the host, evicting the last."""
-    from weightcache.core import fill
-    from weightcache.core.server_process import ServerProcess
+    from weightcache.core.node import fill
+    from weightcache.core.server.server_process import ServerProcess
 
     per_model = int(args.gib * GIB) + (256 << 20)
     server = ServerProcess.start(work / "swap", "--gpu-budget", str(per_model + (1 << 30)), "--host-budget", str(3 * per_model))
@@ -215,10 +215,10 @@ def model_rows(args, work: Path, env: dict) -> dict:
     """The 8 B checkpoint: disk cold and warm -> GPU1 through weightcache load's path, then peer and host fills."""
     import torch
 
-    from weightcache.core.client import Connection
-    from weightcache.core.loader import prepare, publish
+    from weightcache.core.client.client import Connection
+    from weightcache.core.flow.loader import prepare, publish
     from weightcache.core.request import LoadRequest
-    from weightcache.core.server_process import ServerProcess
+    from weightcache.core.server.server_process import ServerProcess
 
     model = restart.ensure_checkpoint("8b", "cuda:0", Path(args.keep_checkpoint or work / "model8b"), env)
     files = restart.checkpoint_files(model)

@@ -14,10 +14,10 @@ Every scenario runs in fresh processes (subprocess), side by side in one run:
 
 Each engine process reports its phases as JSON: interpreter start (spawn to the first line of the
 child), imports (torch, transformers, weightcache, the model's module through the adapter's warm-up
-hook; CUDA set-up runs meanwhile in a background thread, ``weightcache.core.warm.start_cuda_early``),
+hook; CUDA set-up runs meanwhile in a background thread, ``weightcache.core.spare.warm.start_cuda_early``),
 CUDA context (what was still left to wait for after the imports), model skeleton (transformers builds
 the model on the meta device; attach only: a disk load builds it inside ``from_pretrained``), map +
-rebind or disk load, first token (one forward of a fixed prompt, argmax; ``weightcache.core.standby.first_token``).
+rebind or disk load, first token (one forward of a fixed prompt, argmax; ``weightcache.core.spare.standby.first_token``).
 The row "weightcache's own share" is, in the attach engine, loading weightcache's adapters (entry
 points) plus the whole ``load_model(mode="client")`` call — prepare (fingerprint), attach (request,
 manifest, map), rebind (skeleton included) — timed after the framework was imported and the CUDA
@@ -110,16 +110,16 @@ def engine(args) -> None:
     """A fresh engine: report each phase from spawn to the first token as one JSON line (``--hold``: then wait to be killed)."""
     began = time.monotonic()
     phases = {"interpreter_s": began - args.spawned_at}
-    from weightcache.core.warm import start_cuda_early
+    from weightcache.core.spare.warm import start_cuda_early
 
     cuda = start_cuda_early(args.device)
     import torch
     import transformers  # noqa: F401  the framework, imported before the clock of our share, as an engine has it
 
-    from weightcache.core.modes import load_model
-    from weightcache.core.plugins import installed_plugins
+    from weightcache.core.flow.modes import load_model
+    from weightcache.core.flow.plugins import installed_plugins
     from weightcache.core.request import LoadRequest
-    from weightcache.core.standby import first_token, fixed_prompt
+    from weightcache.core.spare.standby import first_token, fixed_prompt
 
     request = LoadRequest(model=args.model, device=args.device)
     start = time.perf_counter()
@@ -333,7 +333,7 @@ class Runner:
                 [
                     sys.executable,
                     "-m",
-                    "weightcache.core.cli",
+                    "weightcache.core.cli.cli",
                     "standby",
                     "--model",
                     str(self.model),
@@ -379,7 +379,7 @@ class Runner:
 
 def publish_with_cli(model: Path, device: str, socket_dir, env: dict) -> None:
     """``weightcache load`` in a fresh process, as a user publishes a model."""
-    command = [sys.executable, "-m", "weightcache.core.cli", "load", "--model", str(model), "--device", device]
+    command = [sys.executable, "-m", "weightcache.core.cli.cli", "load", "--model", str(model), "--device", device]
     subprocess.run([*command, "--socket-dir", str(socket_dir)], env=env, check=True)
 
 
@@ -574,7 +574,7 @@ def main(argv=None) -> int:
         }
         os.environ.update(env)  # the server process too
         sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-        from weightcache.core.server_process import ServerProcess  # after the shim, if any, is on the path
+        from weightcache.core.server.server_process import ServerProcess  # after the shim, if any, is on the path
 
         server = ServerProcess.start(work / "sock")
         runner = Runner(model, args.device, server.socket_dir, env)

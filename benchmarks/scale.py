@@ -185,10 +185,10 @@ def publish_case(specs, device: str, max_bytes: int, socket_dir, anchor: Path, l
     """Build ``specs`` straight in arenas (pooled past ``max_bytes``), export and publish them; the timings."""
     import torch
 
-    from weightcache.core import api
     from weightcache.core.dtypes import ITEM_SIZES
-    from weightcache.core.export import ALIGNMENT, ArenaBuilder, export_state
-    from weightcache.core.publish import publish_arenas
+    from weightcache.core.flow import api
+    from weightcache.core.load.export import ALIGNMENT, ArenaBuilder, export_state
+    from weightcache.core.load.publish import publish_arenas
 
     sizes = [max(1, _numel(shape) * ITEM_SIZES[dtype]) for _, shape, dtype in specs]
     total = sum(-(-s // ALIGNMENT) * ALIGNMENT for s in sizes)
@@ -261,9 +261,9 @@ def _numel(shape) -> int:
 
 ENGINE = r"""
 import json, statistics, sys, time, torch
-from weightcache.core import api
+from weightcache.core.flow import api
 from weightcache.core.fingerprint import Fingerprint
-from weightcache.core.rebind import rebind_module
+from weightcache.core.load.rebind import rebind_module
 fp = Fingerprint.from_json(json.loads(sys.argv[1])); socket_dir = sys.argv[2]; device = sys.argv[3]; repeat = int(sys.argv[4])
 if device.startswith("cuda"):
     torch.zeros(1, device=device); torch.cuda.synchronize()
@@ -318,7 +318,7 @@ def run_engine(fingerprint: dict, socket_dir, device: str, repeat: int) -> tuple
 
 
 def measure(model: str, rank: bool, args, socket_dir, anchor: Path) -> dict:
-    from weightcache.core.client import Connection
+    from weightcache.core.client.client import Connection
 
     specs = tensors_of(model, rank, args.layout)
     label = f"{model} {'EP8 rank 7' if rank else 'whole'}{', engine layout' if args.layout == 'fused' else ''}"
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
 
-    from weightcache.core.client import wait_for_server
+    from weightcache.core.client.client import wait_for_server
 
     socket_dir = Path(tempfile.mkdtemp(prefix="wc-scale-sock-"))
     anchor = Path(tempfile.mkdtemp(prefix="wc-scale-"))  # a checkpoint identity for the fingerprints (nothing is read)
@@ -411,7 +411,7 @@ def main(argv=None) -> int:
 
     save_file({"anchor": torch.zeros(1)}, anchor / "model.safetensors")
     server = subprocess.Popen(
-        [sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir)], start_new_session=True
+        [sys.executable, "-m", "weightcache.core.cli.cli", "serve", "--socket-dir", str(socket_dir)], start_new_session=True
     )
     results = []
     try:

@@ -45,7 +45,7 @@ MIB = 1 << 20
 def fingerprint(n: int, device):
     """Entry ``n``'s fingerprint on ``device`` (a Device: its GPU's UUID, CUDA version and compute capability on a GPU)."""
     from tests.core.support import make_fingerprint
-    from weightcache.core.identity import Environment
+    from weightcache.core.identity.identity import Environment
 
     environment = Environment.of(device)
     return make_fingerprint(
@@ -62,7 +62,7 @@ def publish_entry(n: int, args) -> str:
     """Publish entry ``n``: ``args.mib`` MiB of random bf16, generated on ``args.device`` and copied into arenas there."""
     import torch
 
-    from weightcache.core.api import publish_state
+    from weightcache.core.flow.api import publish_state
 
     state = {"w": torch.randn(int(args.mib * MIB) // 2, dtype=torch.bfloat16, device=args.device.torch())}
     return publish_state(
@@ -86,7 +86,7 @@ def parse_device(text: str):
 
 
 def status(socket_dir: Path) -> dict | None:
-    from weightcache.core.client import Connection
+    from weightcache.core.client.client import Connection
     from weightcache.core.errors import ServerUnavailable
 
     try:
@@ -129,7 +129,7 @@ def wait_verified(socket_dir: Path, digests: set[str], timeout: float = 120.0) -
 
 
 def successor(python: str, socket_dir: Path, log: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
-    command = [python, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir), *args]
+    command = [python, "-m", "weightcache.core.cli.cli", "serve", "--socket-dir", str(socket_dir), *args]
     with open(log, "ab") as out:
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, env=env)
 
@@ -150,7 +150,7 @@ def checkout_env(checkout: Path, work: Path) -> tuple[dict, str]:
 def fd_store_row(args, socket_dir: Path, current: subprocess.Popen, digests: set[str], entry_bytes: int, log: Path) -> dict:
     """SIGKILL under (a stand-in for) systemd: a server that kept every entry in the fd store, then one started with them."""
     from tests.fdstore_standin import StandInManager
-    from weightcache.core.server_process import serve_command
+    from weightcache.core.server.server_process import serve_command
 
     manager = StandInManager(str(socket_dir) + ".notify")
     procs = []
@@ -218,8 +218,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from weightcache.core.api import attach
-    from weightcache.core.server_process import ServerProcess
+    from weightcache.core.flow.api import attach
+    from weightcache.core.server.server_process import ServerProcess
 
     server = ServerProcess.start(None)
     socket_dir, log = server.socket_dir, server.socket_dir / "successors.log"

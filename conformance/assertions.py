@@ -119,7 +119,7 @@ def model_tensors(model: "torch.nn.Module") -> dict[str, TensorFacts]:
     """Every tensor the forward may read, by name, tied aliases included: parameters, buffers and the
     tensor-valued plain attributes of modules (kind ``attribute``, e.g. vLLM's MLA ``W_UV``), each with the
     JSON-able Python attributes hung on it (``format_ue8m0``)."""
-    from weightcache.core.export import json_attributes, tensor_attributes
+    from weightcache.core.load.export import json_attributes, tensor_attributes
 
     facts: dict[str, TensorFacts] = {}
     named = [

@@ -44,7 +44,7 @@ from weightcache.conformance.fixtures import FP8_BLOCK, adapter_facade, fresh, l
 from weightcache.conformance.flips import REQUEST_FIELDS, field_flips, judge, option_flips
 from weightcache.core.errors import FingerprintMismatch, UnsupportedQuantization
 from weightcache.core.fingerprint import FIELDS, Fingerprint
-from weightcache.core.server_process import ServerProcess
+from weightcache.core.server.server_process import ServerProcess
 
 if typing.TYPE_CHECKING:
     import torch
@@ -83,7 +83,7 @@ def _perturb_fingerprint(monkeypatch, field: str) -> str:
     This stands for an engine whose environment differs from the one that
     published (another torch, GPU, rank...): the real load path then runs as is.
     """
-    from weightcache.core import identity
+    from weightcache.core.identity import identity
 
     original = identity.fingerprint_for
 
@@ -264,7 +264,7 @@ class FingerprintTests:
         self, load_request, plugins, weightcache_server, published, monkeypatch
     ):
         """Every field the adapter itself adds to the fingerprint (``ModelDescription.extra``) is compared and named."""
-        from weightcache.core import identity
+        from weightcache.core.identity import identity
 
         keys = sorted(published.fingerprint.extra)
         if not keys:
@@ -295,7 +295,7 @@ class QuantizationTests:
         The copy differs from the real checkpoint (which loads: ``disk_model``) in its weight
         bytes alone, so a load that fails after describe succeeded failed reading weights.
         """
-        from weightcache.core.loader import load_from_disk, prepare
+        from weightcache.core.flow.loader import load_from_disk, prepare
 
         request = fresh(attrs.evolve(load_request, model=str(weightless_checkpoint)))
         try:
@@ -354,7 +354,7 @@ class CrashTests:
     """An attached engine does not depend on the server staying alive; a new engine falls back to disk."""
 
     def test_outputs_survive_server_sigkill(self, load_request, plugins, run_model, example_inputs, disk_model):
-        from weightcache.core.loader import prepare, publish
+        from weightcache.core.flow.loader import prepare, publish
 
         server = ServerProcess.start()
         try:
@@ -439,7 +439,7 @@ class FlipTests:
     def test_request_field_flip_is_a_miss_or_the_same_model(
         self, field, load_request, plugins, weightcache_server, published, supports_fp8, run_model, example_inputs
     ):
-        from weightcache.core.loader import prepare
+        from weightcache.core.flow.loader import prepare
 
         description = prepare(fresh(load_request), plugins).description
         flips = field_flips(field, load_request, description, supports_fp8)

@@ -39,14 +39,14 @@ from weightcache.conformance.assertions import flatten_outputs
 from weightcache.conformance.precheck import PrecheckFailed, precheck
 from weightcache.conformance.verdict import NO_FORWARD
 from weightcache.conformance.weightless import copy_without_weights
-from weightcache.core.example_inputs import run_with_inputs
+from weightcache.core.flow.example_inputs import run_with_inputs
 from weightcache.core.socket_dir import SocketDirLike
 
 if typing.TYPE_CHECKING:
     import torch
 
-    from weightcache.core.modes import LoadedModel
-    from weightcache.core.plugins import Adapter, Plugins
+    from weightcache.core.flow.modes import LoadedModel
+    from weightcache.core.flow.plugins import Adapter, Plugins
     from weightcache.core.request import CheckpointConventions, ExampleInputs, LoadRequest
 
 FP8_BLOCK = "fp8-block"
@@ -78,7 +78,7 @@ def load(
     strict: bool = False,
 ) -> "LoadedModel":
     """``request`` through the core's mode runner in ``mode`` (what every engine integration calls)."""
-    from weightcache.core.modes import CacheOptions, run
+    from weightcache.core.flow.modes import CacheOptions, run
 
     return run(fresh(request), CacheOptions(mode=mode, socket_dir=socket_dir, strict=strict), plugins=plugins)
 
@@ -125,7 +125,7 @@ def _required_option(pytest_request, name: str, fixture: str, flag: str):
 
 def adapter_facade(plugins: "Plugins | None", name: str) -> "Adapter":
     """The adapter ``name`` from ``plugins`` (default: the installed ones)."""
-    from weightcache.core.plugins import installed_plugins
+    from weightcache.core.flow.plugins import installed_plugins
 
     return (plugins or installed_plugins()).adapter(name)
 
@@ -197,7 +197,7 @@ class ConformanceFixtures:
     @pytest.fixture(scope="class")
     @classmethod
     def plugins(cls):
-        """A ``weightcache.core.plugins.Plugins`` holding the adapter, or None for the installed entry points."""
+        """A ``weightcache.core.flow.plugins.Plugins`` holding the adapter, or None for the installed entry points."""
         return None
 
     # ------------------------------------------------------------- capabilities
@@ -307,7 +307,7 @@ class ConformanceFixtures:
     @classmethod
     def weightcache_server(cls):
         """A ``weightcache serve`` process of the kit's own, on a private socket directory."""
-        from weightcache.core.server_process import ServerProcess
+        from weightcache.core.server.server_process import ServerProcess
 
         server = ServerProcess.start()
         try:
@@ -319,7 +319,7 @@ class ConformanceFixtures:
     @classmethod
     def published(cls, load_request, plugins, weightcache_server):
         """The model loaded from disk into arenas and published to ``weightcache_server``."""
-        from weightcache.core.loader import prepare, publish
+        from weightcache.core.flow.loader import prepare, publish
 
         with refused_quantization_skips(load_request):
             return publish(prepare(fresh(load_request), plugins), weightcache_server.socket_dir)

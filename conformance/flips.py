@@ -30,9 +30,9 @@ from weightcache.core.errors import WeightCacheError
 from weightcache.core.socket_dir import SocketDirLike
 
 if typing.TYPE_CHECKING:
-    from weightcache.core.loader import Published
+    from weightcache.core.flow.loader import Published
+    from weightcache.core.flow.plugins import Plugins
     from weightcache.core.options import AdapterOption
-    from weightcache.core.plugins import Plugins
     from weightcache.core.request import LoadRequest, ModelDescription
 
 REQUEST_FIELDS = ("dtype", "quantization", "device")
@@ -95,7 +95,7 @@ def judge(
     example_inputs: typing.Any,
 ) -> str | None:
     """None if ``flip`` is sound (see the module docstring), else one line naming it and what to do."""
-    from weightcache.core.loader import prepare
+    from weightcache.core.flow.loader import prepare
 
     try:
         fingerprint = prepare(fresh(flip.request), plugins).fingerprint

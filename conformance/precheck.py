@@ -17,7 +17,7 @@ from weightcache.core.errors import UnsupportedQuantization, WeightCacheError
 from weightcache.core.request import LoadRequest
 
 if typing.TYPE_CHECKING:
-    from weightcache.core.plugins import Plugins
+    from weightcache.core.flow.plugins import Plugins
 
 
 class PrecheckFailed(WeightCacheError):
@@ -64,7 +64,7 @@ def precheck(request: LoadRequest, plugins: "Plugins | None" = None) -> None:
     A quantization method the request asks for and the model refuses is no
     failure here: the kit checks that refusal (and skips what needs the model loaded).
     """
-    from weightcache.core.plugins import installed_plugins
+    from weightcache.core.flow.plugins import installed_plugins
     from weightcache.core.quantization.allowlist import check_quantization
 
     try:

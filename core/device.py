@@ -182,7 +182,7 @@ def _checked_index(index: int) -> int:
 
 
 def _driver_uuid(index: int) -> bytes:
-    from weightcache.core.arena.driver import check, driver
+    from weightcache.core.cuda_driver import check, driver
 
     cu = driver()
     check(cu.cuInit(0), "cuInit")

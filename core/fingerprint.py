@@ -57,7 +57,7 @@ class Fingerprint:
     """Identity of one cached model rank; two fingerprints match only if every field is equal.
 
     Build it before loading (post-processing may mutate configs), with
-    ``weightcache.core.identity.fingerprint_for``. The fields are declared here
+    ``weightcache.core.identity.identity.fingerprint_for``. The fields are declared here
     once; everything else iterates ``attrs.fields(Fingerprint)`` (``FIELDS``).
     """
 
@@ -114,7 +114,7 @@ class Fingerprint:
         """The digest of everything but ``gpu_uuid``: the same bytes, wherever on the node they are held.
 
         Entries of one content on two GPUs of a kind, or on the host tier (``HOST_TIER``), are copies of each
-        other; a GPU's entry may be filled from any of them (``weightcache.core.fill``).
+        other; a GPU's entry may be filled from any of them (``weightcache.core.node.fill``).
         """
         return sha256_json({**self.to_json(), "gpu_uuid": None})
 

@@ -2,12 +2,12 @@
 
 Hooks are called with keyword arguments only, so a spec can gain arguments
 without breaking adapters. The core calls one adapter's hooks through
-``weightcache.core.plugins.Adapter``, never ``pm.hook`` directly; each call
-reaches the chosen adapter first and the core defaults (``core/defaults.py``)
+``weightcache.core.flow.plugins.Adapter``, never ``pm.hook`` directly; each call
+reaches the chosen adapter first and the core defaults (``core/flow/defaults.py``)
 behind it, never another adapter.
 
 Required: ``weightcache_describe``, ``weightcache_load``, ``weightcache_rebind``.
-The core's mode runner (``core/modes.py``) owns the flow; adapters fill in steps:
+The core's mode runner (``core/flow/modes.py``) owns the flow; adapters fill in steps:
 
     describe -> allowlist check -> fingerprint -> [attach -> rebind]            (client)
                                               -> load -> post_process -> export (publish)
@@ -26,8 +26,8 @@ import pluggy
 if typing.TYPE_CHECKING:
     import torch
 
-    from weightcache.core.export import ArenaBuilder
-    from weightcache.core.manifest import Manifest
+    from weightcache.core.layout.manifest import Manifest
+    from weightcache.core.load.export import ArenaBuilder
     from weightcache.core.options import AdapterOption
     from weightcache.core.request import CheckpointConventions, ExampleInputs, LoadRequest, ModelDescription
 
@@ -91,7 +91,7 @@ def weightcache_load(request: "LoadRequest", builder: "ArenaBuilder | None") -> 
     """Read the checkpoint for one rank (TP/PP/EP shard) and return the model holding its weights.
 
     With a ``builder`` the adapter may read tensors straight into its arenas
-    (``builder.plan`` then ``builder.view``, or ``weightcache.core.reader.read_checkpoint``)
+    (``builder.plan`` then ``builder.view``, or ``weightcache.core.load.reader.read_checkpoint``)
     instead of into private memory; export then copies nothing for them.
     Stops at first non-None result.
 

@@ -3,7 +3,7 @@
 Bars come from tqdm, when it is installed (the ``hf`` and ``test`` extras bring it)
 and the stream is a terminal; otherwise long work is silent (``NoProgress``). Library
 code takes any object with ``update(nbytes)`` and ``close()``
-(``weightcache.core.digests.ProgressLike``) and never draws anything itself.
+(``weightcache.core.identity.digests.ProgressLike``) and never draws anything itself.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class LoadRequest:
     """One engine rank's request for a model, parsed and checked where it enters weightcache.
 
     :param model: checkpoint directory, or a hub id (``org/name``) that ``prepare`` resolves from the local
-        hub cache (``weightcache.core.hub``); one the cache does not hold stays as given, for the engine's own load.
+        hub cache (``weightcache.core.identity.hub``); one the cache does not hold stays as given, for the engine's own load.
     :param revision: the hub revision (branch, tag or commit) of a hub id; None: ``main``.
     :param adapter: adapter name, as registered in the ``weightcache.adapters`` entry points.
     :param dtype: dtype of unquantized weights (None: as the checkpoint stores them; the

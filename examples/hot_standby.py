@@ -24,9 +24,9 @@ from pathlib import Path
 
 PRIMARY = """
 import json, os, sys, time
-from weightcache.core.modes import load_model
+from weightcache.core.flow.modes import load_model
 from weightcache.core.request import LoadRequest
-from weightcache.core.standby import first_token, fixed_prompt
+from weightcache.core.spare.standby import first_token, fixed_prompt
 
 model, device, socket_dir = sys.argv[1:4]
 loaded = load_model(model, mode="client", device=device, socket_dir=socket_dir, strict=True)
@@ -52,9 +52,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-pidfd", action="store_true", help="make the standby poll /proc even where pidfds work")
     args = parser.parse_args(argv)
 
-    from weightcache.core.loader import prepare, publish
+    from weightcache.core.flow.loader import prepare, publish
     from weightcache.core.request import LoadRequest
-    from weightcache.core.server_process import ServerProcess
+    from weightcache.core.server.server_process import ServerProcess
 
     work = Path(tempfile.mkdtemp(prefix="wc-standby-"))
     server = ServerProcess.start(work / "sock")
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
             [
                 sys.executable,
                 "-m",
-                "weightcache.core.cli",
+                "weightcache.core.cli.cli",
                 "standby",
                 "--model",
                 args.model,

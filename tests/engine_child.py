@@ -96,7 +96,7 @@ def main() -> None:
             )
         )
         watched = watch_opens(args.model)
-    from weightcache.core.modes import load_model
+    from weightcache.core.flow.modes import load_model
 
     free_before = _gpu_free(args.device)
     loaded = load_model(args.model, mode=args.mode, socket_dir=args.socket_dir, dtype=args.dtype, device=args.device, strict=True)

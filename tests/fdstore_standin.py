@@ -8,8 +8,8 @@ import socket
 import subprocess
 import threading
 
-from weightcache.core.protocol import close_fds
-from weightcache.core.server_process import serve_command
+from weightcache.core.server.server_process import serve_command
+from weightcache.core.wire.protocol import close_fds
 
 
 class StandInManager:

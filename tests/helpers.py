@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from weightcache.core.server_process import ServerProcess
+from weightcache.core.server.server_process import ServerProcess
 
 __all__ = ["ServerProcess"]  # one server-process helper for the kit, the demo and the project's tests
 
@@ -24,7 +24,7 @@ import pytest
 
 import planted_adapters
 from weightcache.conformance import ConformanceFixtures, ConformanceTests
-from weightcache.core.plugins import Plugins
+from weightcache.core.flow.plugins import Plugins
 
 
 class {test_class}(ConformanceFixtures, ConformanceTests):
@@ -114,7 +114,9 @@ def run_python(
 
 def run_cli(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
     """``weightcache ARGS`` in a fresh process; with ``check``, a failure shows its output."""
-    proc = subprocess.run([sys.executable, "-m", "weightcache.core.cli", *args], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightcache.core.cli.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
         raise AssertionError(
             f"weightcache {' '.join(args)} failed (exit {proc.returncode}):\nstdout:\n{proc.stdout[-3000:]}\n"

@@ -120,3 +120,28 @@ def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, k
         if name:
             found.append(name)
     return found
+
+
+def place(module: str, foundation: frozenset[str], layers: tuple[str, ...]) -> str | None:
+    """The layer of one of the core's modules: its folder under core/ when that is in ``layers``, ``"foundation"`` for
+    the core package itself and the top-level modules named in ``foundation``, None for any other (in no layer)."""
+    parts = module.split(".")[2:]  # after weightcache.core
+    if not parts or (len(parts) == 1 and parts[0] in foundation):
+        return "foundation"
+    if parts[0] in layers:  # the folder's package or one of its modules
+        return parts[0]
+    return None
+
+
+def upward(graph: list[Edge], foundation: frozenset[str], layers: tuple[str, ...]) -> list[Edge]:
+    """The core's imports that point up: a layer may import the foundation, its own folder and the layers before it in
+    ``layers`` (bottom first); the foundation imports only itself. Imports of modules in no layer are left to ``place``."""
+    rank = {"foundation": -1, **{layer: i for i, layer in enumerate(layers)}}
+    found = []
+    for edge in graph:
+        if not (edge.source.startswith("weightcache.core") and edge.target.startswith("weightcache.core")):
+            continue
+        source, target = place(edge.source, foundation, layers), place(edge.target, foundation, layers)
+        if source is not None and target is not None and source != target and rank[target] > rank[source]:
+            found.append(edge)
+    return found

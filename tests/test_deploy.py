@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from weightcache.core.cli import build_parser
+from weightcache.core.cli.cli import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 UNIT = DEPLOY / "systemd" / "weightcache.service"

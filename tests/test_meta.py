@@ -36,19 +36,19 @@ def test_every_module_imports_cleanly_without_engines(module):
 
 
 def test_importing_core_and_the_server_does_not_import_torch():
-    code = "import sys, weightcache.core.server, weightcache.core.client, weightcache.core.cli; print('torch' in sys.modules)"
+    code = "import sys, weightcache.core.server.server, weightcache.core.client.client, weightcache.core.cli.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False", "the server and the CLI's import must stay light (no torch)"
 
 
 # What an engine's start and the CLI import from weightcache must stay light: a restart waits for every import.
 LIGHT_MODULES = {
-    "weightcache.core.cli": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
-    "weightcache.core.client": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
-    "weightcache.core.modes": ("transformers", "weightcache.conformance", "weightcache.adapters"),
-    "weightcache.core.standby": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
-    "weightcache.core.warm": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
-    "weightcache.core.compile_cache": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
+    "weightcache.core.cli.cli": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
+    "weightcache.core.client.client": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
+    "weightcache.core.flow.modes": ("transformers", "weightcache.conformance", "weightcache.adapters"),
+    "weightcache.core.spare.standby": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
+    "weightcache.core.spare.warm": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
+    "weightcache.core.spare.compile_cache": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
 }
 
 
@@ -62,7 +62,7 @@ def test_the_cli_and_the_client_path_import_neither_transformers_nor_the_kit(mod
 
 def test_the_standby_commands_help_imports_no_framework():
     code = (
-        "import sys\nfrom weightcache.core.cli import main\ntry:\n    main(['standby', '--help'])\nexcept SystemExit:\n    pass\n"
+        "import sys\nfrom weightcache.core.cli.cli import main\ntry:\n    main(['standby', '--help'])\nexcept SystemExit:\n    pass\n"
         "print(sorted(m for m in ('torch', 'transformers', 'pytest') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip().splitlines()
@@ -117,10 +117,11 @@ def test_a_plain_install_puts_everything_under_the_weightcache_namespace(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     top = {p.name for p in target.iterdir()}
     assert "weightcache" in top and not top & {"core", "adapters", "conformance"}, sorted(top)
-    for package in ("core", "core/arena", "core/quantization", "adapters/hf", "conformance"):
+    core_packages = [str(p.parent.relative_to(ROOT)) for p in sorted((ROOT / "core").rglob("__init__.py"))]
+    for package in (*core_packages, "adapters/hf", "conformance"):
         assert (target / "weightcache" / package / "__init__.py").exists(), package
     entry_points = next(target.glob("weightcache-*.dist-info")).joinpath("entry_points.txt").read_text()
-    assert "hf = weightcache.adapters.hf.hooks" in entry_points and "weightcache = weightcache.core.cli:entry" in entry_points
+    assert "hf = weightcache.adapters.hf.hooks" in entry_points and "weightcache = weightcache.core.cli.cli:entry" in entry_points
 
 
 def test_the_adapter_guide_shows_the_example_adapter_as_it_is():

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import wait_until
-from weightcache.core.client import Connection
-from weightcache.core.server_process import serve_command
+from weightcache.core.client.client import Connection
+from weightcache.core.server.server_process import serve_command
 
 UNSHARE = shutil.which("unshare")
 
@@ -59,7 +59,7 @@ _ENGINE = textwrap.dedent(
     import os, sys
     from pathlib import Path
     assert not any(Path(sys.argv[2]).iterdir()), "the engine sees the server's own directory"
-    from weightcache.core.modes import load_model
+    from weightcache.core.flow.modes import load_model
     from tests.helpers import assert_tensors_equal
     cached = load_model(sys.argv[1], mode="client", socket_dir=sys.argv[3], strict=True)
     disk = load_model(sys.argv[1], mode="off")
@@ -85,7 +85,7 @@ def test_an_engine_in_other_namespaces_attaches_bit_identical_weights_through_th
                 [
                     sys.executable,
                     "-m",
-                    "weightcache.core.cli",
+                    "weightcache.core.cli.cli",
                     "load",
                     "--model",
                     str(models / "llama"),

@@ -47,7 +47,7 @@ CLIENT = """\
 import json, sys
 sys.path.insert(0, {root!r})
 from tests.core.support import make_fingerprint, publish_host_entry
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 for n in range(int(sys.argv[1])):
     publish_host_entry("/run/weightcache", make_fingerprint(architecture=f"Sd{{n}}"), label=f"sd{{n}}")
 with Connection("/run/weightcache", timeout=10) as conn:
@@ -114,7 +114,7 @@ def systemd(units):
         if line.startswith(("User=", "Group=")):
             continue
         if line.startswith("ExecStart="):
-            line = f"ExecStart={sys.executable} -m weightcache.core.cli serve --socket-dir /run/weightcache"
+            line = f"ExecStart={sys.executable} -m weightcache.core.cli.cli serve --socket-dir /run/weightcache"
             lines.append("EnvironmentFile=-/run/wc-units/environment")  # a test's handover hooks
         lines.append(line)
     (units / "weightcache.service").write_text("\n".join(lines) + "\n")
@@ -181,7 +181,7 @@ def test_a_successor_started_from_a_shell_becomes_the_main_process_of_a_unit_run
     systemd.run("systemctl", "start", "weightcache.service")
     first = systemd.client(publish=2)
     systemd.run(
-        sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", "/run/weightcache", "--take-over", "--detach"
+        sys.executable, "-m", "weightcache.core.cli.cli", "serve", "--socket-dir", "/run/weightcache", "--take-over", "--detach"
     )
     taken = _served_by_another(systemd, first["pid"])
     assert taken["entries"] == first["entries"]
@@ -194,7 +194,7 @@ def test_a_successor_started_from_a_shell_becomes_the_main_process_of_a_unit_run
 def test_an_old_server_killed_during_an_in_place_restart_leaves_every_entry_in_the_restarted_unit(systemd, units, step):
     """Killed before its one handover message or right after it, before ``MAINPID=``: systemd sees its main process
     die, stops the rest of the unit (the successor) and restarts it; the fd store gives every entry back."""
-    from weightcache.core.handover import DIE_AT_ENV
+    from weightcache.core.server.handover import DIE_AT_ENV
 
     (units / "environment").write_text(f"{DIE_AT_ENV}={step}\n")  # the successor's steps have other names
     systemd.run("systemctl", "start", "weightcache.service")

@@ -14,7 +14,7 @@ from types import ModuleType
 from weightcache.core import __version__
 from weightcache.core.dtypes import to_dtype
 from weightcache.core.errors import UnsupportedQuantization
-from weightcache.core.hub import looks_like_hub_id
+from weightcache.core.identity.hub import looks_like_hub_id
 from weightcache.core.request import ModelDescription
 
 if typing.TYPE_CHECKING:

@@ -10,14 +10,14 @@ from weightcache.adapters.hf import identity
 from weightcache.adapters.hf.identity import load_dtype, model_class
 from weightcache.core.dtypes import to_dtype
 from weightcache.core.errors import UnsupportedQuantization
-from weightcache.core.rebind import check_no_meta, meta_parameters
+from weightcache.core.load.rebind import check_no_meta, meta_parameters
 
 if typing.TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from weightcache.core.export import ArenaBuilder
-    from weightcache.core.manifest import Manifest
+    from weightcache.core.layout.manifest import Manifest
+    from weightcache.core.load.export import ArenaBuilder
     from weightcache.core.request import LoadRequest, ModelDescription
 
 log = logging.getLogger(__name__)
@@ -70,8 +70,8 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
 
     import torch
 
-    from weightcache.core.reader import read_checkpoint
-    from weightcache.core.safetensors_io import checkpoint_tensors
+    from weightcache.core.identity.safetensors_io import checkpoint_tensors
+    from weightcache.core.load.reader import read_checkpoint
 
     dtype = load_dtype(request, config)
     wanted_dtype = str(dtype).removeprefix("torch.")
@@ -129,8 +129,8 @@ def load_prequantized_fp8(request: "LoadRequest", config: dict) -> "torch.nn.Mod
     """A checkpoint that stores block-FP8 weights and ``weight_scale_inv``: bind them, never re-quantize."""
     import safetensors.torch
 
+    from weightcache.core.identity.safetensors_io import checkpoint_files
     from weightcache.core.quantization.fp8_block import load_prequantized
-    from weightcache.core.safetensors_io import checkpoint_files
 
     fp8 = identity.fp8_config(config, None, dict(request.options))
     if fp8 is None:
@@ -233,7 +233,7 @@ def post_process(request: "LoadRequest", model: "torch.nn.Module", description: 
 
 def rebind(request: "LoadRequest", tensors: "dict[str, torch.Tensor]", manifest: "Manifest") -> "torch.nn.Module":
     """The meta-device model for ``manifest``, its parameters and buffers pointed at the mapped ``tensors``."""
-    from weightcache.core.rebind import rebind_module
+    from weightcache.core.load.rebind import rebind_module
 
     model = build_skeleton(request, manifest)
     return rebind_module(model, tensors, manifest, device=request.device.torch())

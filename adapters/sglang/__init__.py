@@ -9,7 +9,7 @@ Two ways in::
     # CLI: the sglang.srt.plugins entry point adds the name
     sglang serve --model-path MODEL --load-format weightcache --model-loader-extra-config '{"mode": "client"}'
 
-Both run the core's mode runner (``weightcache.core.modes``) over the hooks in
+Both run the core's mode runner (``weightcache.core.flow.modes``) over the hooks in
 ``hooks`` (registered as ``sglang`` in the ``weightcache.adapters`` entry
 points, so the conformance kit and ``weightcache load --adapter sglang`` drive
 them too). Modules: ``hooks`` (the hook implementations), ``identity`` (what a

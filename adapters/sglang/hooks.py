@@ -24,7 +24,7 @@ from weightcache.core.hookspecs import hookimpl
 from weightcache.core.request import ForwardUnavailable
 
 ENGINE_PACKAGES = ("sglang",)
-"""Without sglang installed this adapter is not usable (``weightcache.core.plugins.missing_engines``)."""
+"""Without sglang installed this adapter is not usable (``weightcache.core.flow.plugins.missing_engines``)."""
 
 NO_FORWARD = (
     "SGLang's model forward takes a ForwardBatch built by its scheduler and runs through an attention backend "

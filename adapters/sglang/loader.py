@@ -6,7 +6,7 @@ itself as ``load_format`` or use ``--load-format weightcache`` (see
 class is first looked up, so this module imports without SGLang.
 
 ``load_model`` puts SGLang's configuration objects into a LoadRequest and
-calls ``weightcache.core.modes.run`` with the options of
+calls ``weightcache.core.flow.modes.run`` with the options of
 ``--model-loader-extra-config`` (``mode``, ``socket_dir``, ``strict``,
 ``republish``, ``timeout_s``); the steps are the adapter's hooks
 (``weightcache.adapters.sglang.hooks``). ``preloaded_weights_bytes`` tells
@@ -56,7 +56,7 @@ def _build_class():
         """Loads through weightcache; ``model_loader_extra_config`` takes ``mode`` (off, daemon, client), ``socket_dir``, ``strict``, ``republish``, ``timeout_s``."""
 
         def __init__(self, load_config: LoadConfig):
-            from weightcache.core.modes import CacheOptions
+            from weightcache.core.flow.modes import CacheOptions
 
             super().__init__(load_config)
             self.options = CacheOptions.from_mapping(load_config.model_loader_extra_config, OPTIONS_WHERE)
@@ -104,7 +104,7 @@ def load_model(loader: typing.Any, *, model_config: ModelConfig, device_config: 
 
     ``loader`` is typed Any: its class is defined on first use (``loader_class``).
     """
-    from weightcache.core.modes import run
+    from weightcache.core.flow.modes import run
 
     loader.preloaded_weights_bytes = 0
     loaded = run(load_request(loader.load_config, model_config, device_config), loader.options)

@@ -19,7 +19,7 @@ from weightcache.core.hookspecs import hookimpl
 from weightcache.core.request import ForwardUnavailable
 
 ENGINE_PACKAGES = ("vllm",)
-"""Without vllm installed this adapter is not usable (``weightcache.core.plugins.missing_engines``)."""
+"""Without vllm installed this adapter is not usable (``weightcache.core.flow.plugins.missing_engines``)."""
 
 WARM_UP_MODULES = (
     "vllm.model_executor.model_loader.default_loader",
@@ -57,7 +57,7 @@ def weightcache_post_process(request, model, description):
 @hookimpl
 def weightcache_export(request, model, builder):
     """The core's export (every parameter, buffer and tensor attribute), after refusing emptied parameters."""
-    from weightcache.core.export import export_module
+    from weightcache.core.load.export import export_module
 
     check_publishable(model)
     manifest = export_module(model, builder)

@@ -3,7 +3,7 @@
 ``WeightcacheModelLoader.load_model`` turns vLLM's objects into a
 ``LoadRequest`` for the ``vllm`` adapter (the checkpoint directory, dtype,
 device, this rank's parallel groups; the objects themselves in
-``request.state``) and calls ``weightcache.core.modes.run`` with the
+``request.state``) and calls ``weightcache.core.flow.modes.run`` with the
 ``CacheOptions`` read from ``--model-loader-extra-config``: off, daemon and
 client, fallback, strict, server start, publish and re-publish are the core's.
 What each step does inside vLLM is in ``weightcache.adapters.vllm.hooks``.
@@ -49,7 +49,7 @@ def _build_class():
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    from weightcache.core.modes import CacheOptions
+    from weightcache.core.flow.modes import CacheOptions
 
     class WeightcacheModelLoader(BaseModelLoader):
         """Loads through weightcache: ``--load-format weightcache --model-loader-extra-config '{"mode": "client"}'``."""
@@ -113,11 +113,11 @@ def load_request(load_config: LoadConfig, vllm_config: VllmConfig, model_config:
 
 
 def load_model(loader: typing.Any, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> "torch.nn.Module":
-    """The body of ``WeightcacheModelLoader.load_model``: the request through ``weightcache.core.modes.run``.
+    """The body of ``WeightcacheModelLoader.load_model``: the request through ``weightcache.core.flow.modes.run``.
 
     ``loader`` is typed Any: its class is defined on first use (``loader_class``).
     """
-    from weightcache.core.modes import run
+    from weightcache.core.flow.modes import run
 
     loaded = run(load_request(loader.load_config, vllm_config, model_config, prefix), loader.options)
     log.info(
@@ -145,7 +145,7 @@ def external_weight_memory(loader: typing.Any, vllm_config: VllmConfig) -> int:
 
 
 def _entry_bytes(loader, vllm_config, model_config) -> int:
-    from weightcache.core.loader import prepare
+    from weightcache.core.flow.loader import prepare
 
     if loader.options.mode == "off":
         return 0

@@ -39,7 +39,7 @@ if typing.TYPE_CHECKING:
     import torch
 
     from weightcache.core.arena.base import Arena, ArenaSpec
-    from weightcache.core.digests import ProgressLike
+    from weightcache.core.identity.digests import ProgressLike
 
 SCHEME: typing.Final = "wsum64v1"
 """The name every checksum text starts with; a later scheme gets a new name, so it never compares equal to this one."""

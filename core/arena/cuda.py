@@ -26,7 +26,7 @@ import typing
 
 from weightcache.core import device as devices
 from weightcache.core.arena.base import Arena, ArenaBackend, ArenaSpec, round_up
-from weightcache.core.arena.driver import check, driver
+from weightcache.core.cuda_driver import check, driver
 from weightcache.core.errors import ArenaClosed, ArenaError, BackendUnavailable, CudaError
 
 if typing.TYPE_CHECKING:

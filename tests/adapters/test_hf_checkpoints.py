@@ -18,8 +18,8 @@ import pytest
 
 from tests.helpers import assert_tensors_equal
 from tests.models import ARCHITECTURES, ENCODERS, LARGE
-from weightcache.core.loader import prepare, publish
-from weightcache.core.modes import load_model
+from weightcache.core.flow.loader import prepare, publish
+from weightcache.core.flow.modes import load_model
 from weightcache.core.request import LoadRequest
 
 SMALL = tuple(dict.fromkeys((*ARCHITECTURES, "llama-odd", *ENCODERS)))
@@ -112,7 +112,7 @@ def test_a_few_hundred_megabytes_publish_and_attach_like_from_pretrained(server,
 def test_weightcache_load_command_publishes_a_saved_checkpoint(server, model_dir, kind):
     path = model_dir(kind)
     done = subprocess.run(
-        [sys.executable, "-m", "weightcache.core.cli", "load", "--socket-dir", str(server.socket_dir), "--model", str(path)],
+        [sys.executable, "-m", "weightcache.core.cli.cli", "load", "--socket-dir", str(server.socket_dir), "--model", str(path)],
         capture_output=True,
         text=True,
         timeout=240,

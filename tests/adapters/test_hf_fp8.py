@@ -8,8 +8,8 @@ import pytest
 
 from tests.helpers import assert_tensors_equal, run_python
 from weightcache.core.errors import UnsupportedQuantization
-from weightcache.core.loader import prepare, publish
-from weightcache.core.modes import load_model
+from weightcache.core.flow.loader import prepare, publish
+from weightcache.core.flow.modes import load_model
 from weightcache.core.request import LoadRequest
 
 
@@ -51,7 +51,7 @@ import weightcache.core.quantization.fp8_block as fp8
 def refuse(*a, **k):
     raise AssertionError("a client must not quantize")
 fp8.quantize_weight = fp8.quantize_model = refuse
-from weightcache.core.modes import load_model
+from weightcache.core.flow.modes import load_model
 loaded = load_model(sys.argv[1], mode="client", socket_dir=sys.argv[2], quantization="fp8-block", strict=True)
 print(json.dumps({"source": loaded.source}))
 """
@@ -107,7 +107,7 @@ import weightcache.core.quantization.fp8_block as fp8
 def refuse(*a, **k):
     raise AssertionError("a pre-quantized checkpoint must not be quantized again")
 fp8.quantize_weight = fp8.quantize_model = refuse
-from weightcache.core.loader import prepare, publish
+from weightcache.core.flow.loader import prepare, publish
 from weightcache.core.request import LoadRequest
 publish(prepare(LoadRequest(model=sys.argv[1])), sys.argv[2])
 """

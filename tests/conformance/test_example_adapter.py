@@ -80,7 +80,7 @@ class ExampleFixtures(ConformanceFixtures):
     @pytest.fixture(scope="class")
     @classmethod
     def plugins(cls, example_package):
-        from weightcache.core.plugins import Plugins
+        from weightcache.core.flow.plugins import Plugins
 
         return Plugins.from_modules({"example": example_package.plugin})
 
@@ -116,7 +116,7 @@ def test_cli_passes_on_installed_example(installed_example, example_checkpoint, 
         [
             sys.executable,
             "-m",
-            "weightcache.core.cli",
+            "weightcache.core.cli.cli",
             "conformance",
             "--adapter",
             "example",
@@ -181,7 +181,7 @@ def test_cli_fails_with_nonzero_exit_and_json(installed_example, example_checkpo
         [
             sys.executable,
             "-m",
-            "weightcache.core.cli",
+            "weightcache.core.cli.cli",
             "conformance",
             "--adapter",
             "example",

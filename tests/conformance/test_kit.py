@@ -39,7 +39,7 @@ def test_plugin_module_is_light():
     proc = _python("""
         import sys
         import weightcache.conformance, weightcache.conformance.command
-        from weightcache.core.cli import build_parser
+        from weightcache.core.cli.cli import build_parser
         build_parser()
         heavy = sorted(m for m in ("torch", "transformers", "safetensors", "weightcache.conformance.checks") if m in sys.modules)
         assert not heavy, heavy
@@ -170,7 +170,7 @@ def test_weightless_copy_keeps_headers_and_fails_reads(model_dir, tmp_path):
     import safetensors.torch
     from safetensors import SafetensorError
 
-    from weightcache.core.safetensors_io import read_header
+    from weightcache.core.identity.safetensors_io import read_header
 
     source = model_dir("llama", sharded=True)
     copy = copy_without_weights(source, tmp_path / "copy")
@@ -189,7 +189,7 @@ def test_weightless_copy_keeps_headers_and_fails_reads(model_dir, tmp_path):
 
 def test_cli_help_lists_options():
     proc = subprocess.run(
-        [sys.executable, "-m", "weightcache.core.cli", "conformance", "--help"],
+        [sys.executable, "-m", "weightcache.core.cli.cli", "conformance", "--help"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -257,7 +257,7 @@ def test_cli_stops_at_once_on_an_unknown_adapter(tmp_path):
     """No check runs, none can pass: one line, a non-zero exit."""
     (tmp_path / "config.json").write_text("{}")
     proc = subprocess.run(
-        [sys.executable, "-m", "weightcache.core.cli", "conformance", "--adapter", "nosuch", "--model", str(tmp_path)],
+        [sys.executable, "-m", "weightcache.core.cli.cli", "conformance", "--adapter", "nosuch", "--model", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -61,7 +61,7 @@ def kit_cli(env: dict, cwd: Path, adapter: str, checkpoint: str, *args: str, sel
     """``weightcache conformance`` in a fresh process: the process and its JSON results (None if it stopped before)."""
     out = cwd / "results.json"
     out.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "weightcache.core.cli", "conformance", "--adapter", adapter, "--model", checkpoint]
+    argv = [sys.executable, "-m", "weightcache.core.cli.cli", "conformance", "--adapter", adapter, "--model", checkpoint]
     argv += [*args, "--json", str(out)] + (["--pytest-args", f"-k '{select}'"] if select else [])
     proc = _run(argv, env, cwd, adapter)
     return proc, (json.loads(out.read_text()) if out.exists() else None)

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from weightcache.core.errors import ProtocolError
-from weightcache.core.protocol import FrameReader, close_fds, ok_reply, send_frame
 from weightcache.core.socket_dir import SOCKET_NAME
+from weightcache.core.wire.protocol import FrameReader, close_fds, ok_reply, send_frame
 
 
 def serve(socket_dir: Path, reply_file: Path) -> None:

@@ -20,9 +20,9 @@ import sys
 
 import torch.distributed as dist
 
-from weightcache.core import seeding
 from weightcache.core.fingerprint import Fingerprint
-from weightcache.core.seeding import send_entry
+from weightcache.core.node import seeding
+from weightcache.core.node.seeding import send_entry
 
 HEADER_BROADCASTS = 2  # the header's length, then the header
 

@@ -13,13 +13,13 @@ import attrs
 from weightcache.core import PROTOCOL_VERSION
 from weightcache.core.arena import ArenaSpec, backend
 from weightcache.core.arena.checksum import checksum as arena_checksum
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 from weightcache.core.fingerprint import Fingerprint, sha256_json
-from weightcache.core.manifest import Manifest, TensorRecord
+from weightcache.core.layout.manifest import Manifest, TensorRecord
+from weightcache.core.layout.tensor_table import TensorTable
 from weightcache.core.memfd import sealed_memfd as blob_memfd
-from weightcache.core.protocol import HEADER, MAGIC, FrameReader, close_fds
 from weightcache.core.socket_dir import SOCKET_NAME
-from weightcache.core.tensor_table import TensorTable
+from weightcache.core.wire.protocol import HEADER, MAGIC, FrameReader, close_fds
 
 SOME_CHECKSUM = "wsum64v1:" + "0" * 32
 """A well-formed checksum for manifests the server checks without reading their bytes (it never computes one)."""

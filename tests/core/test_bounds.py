@@ -13,8 +13,8 @@ import re
 import attrs
 import pytest
 
-from weightcache.core import bounds
-from weightcache.core.server import ServerConfig
+from weightcache.core.server import bounds
+from weightcache.core.server.server import ServerConfig
 
 NOT_NUMBERS = {"socket_dir", "metrics_host"}
 NUMERIC_FIELDS = [field.name for field in attrs.fields(ServerConfig) if field.name not in NOT_NUMBERS]

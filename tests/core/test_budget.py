@@ -21,7 +21,7 @@ from tests.core.support import (
 from tests.helpers import ServerProcess
 from weightcache.core.arena import ArenaSpec
 from weightcache.core.arena.base import PLAUSIBLE_GRANULE, PLAUSIBLE_SLACK
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import ServerError
 
 KIB = 1024

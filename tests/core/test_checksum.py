@@ -19,11 +19,11 @@ from tests.core.support import host_manifest, make_fingerprint, pattern, publish
 from weightcache.core.arena import ArenaSpec
 from weightcache.core.arena import checksum as checksums
 from weightcache.core.arena.checksum import SCHEME, checksum, is_checksum
-from weightcache.core.attach import Attachment
-from weightcache.core.client import Connection
+from weightcache.core.client.attach import Attachment
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import ChecksumMismatch, ServerError
-from weightcache.core.export import ArenaBuilder, export_state
-from weightcache.core.publish import publish_arenas
+from weightcache.core.load.export import ArenaBuilder, export_state
+from weightcache.core.load.publish import publish_arenas
 
 _MASK = (1 << 64) - 1
 

@@ -27,11 +27,11 @@ import pytest
 from tests.core.support import make_fingerprint, publish_host_entry
 from tests.helpers import ServerProcess
 from weightcache.core import __version__
-from weightcache.core.bounds import SIZE_EXAMPLE
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import FingerprintMismatch, UnsupportedQuantization
 from weightcache.core.progress import format_bytes, format_speedup
 from weightcache.core.quantization.allowlist import PER_TENSOR_FP8
+from weightcache.core.server.bounds import SIZE_EXAMPLE
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE_SPELLINGS = "'cpu', 'cuda', 'cuda:N' or a GPU UUID ('GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx')"
@@ -42,12 +42,12 @@ _WRAPPER = """
 import os, sys
 for name in filter(None, os.environ.get("WC_TEST_HIDE_MODULES", "").split(",")):
     sys.modules[name] = None  # as if the package were not installed
-from weightcache.core.cli import main
+from weightcache.core.cli.cli import main
 try:
     code = main(sys.argv[1:])
 except SystemExit as exc:
     code = exc.code
-sys.stderr.write("[imported: " + " ".join(m for m in ("torch", "weightcache.core.reader") if sys.modules.get(m)) + "]\\n")
+sys.stderr.write("[imported: " + " ".join(m for m in ("torch", "weightcache.core.load.reader") if sys.modules.get(m)) + "]\\n")
 sys.exit(code)
 """
 
@@ -227,7 +227,7 @@ def test_a_cuda_device_on_a_machine_without_cuda_is_one_line(checkpoint, server)
         f"weightcache: error: device 'cuda:0' is not available here: this torch ({torch.__version__}) {build}; "
         "use device 'cpu', or run where that GPU is visible"
     ]
-    assert "weightcache.core.reader" not in run.imported
+    assert "weightcache.core.load.reader" not in run.imported
 
 
 def test_verbose_adds_the_traceback_of_a_mistake(no_server):
@@ -274,7 +274,7 @@ def test_load_shows_progress_on_a_terminal_then_finds_the_entry_cached_without_l
     path = model_dir("llama")
     digests = {"WEIGHTCACHE_CACHE_DIR": str(tmp_path / "digests")}  # a store of its own: the files are seen for the first time
     code, stdout, shown = run_on_terminal(
-        [sys.executable, "-m", "weightcache.core.cli", "load", "--model", str(path), "--socket-dir", str(server.socket_dir)],
+        [sys.executable, "-m", "weightcache.core.cli.cli", "load", "--model", str(path), "--socket-dir", str(server.socket_dir)],
         digests,
     )
     assert code == 0, shown
@@ -293,11 +293,11 @@ def test_load_shows_progress_on_a_terminal_then_finds_the_entry_cached_without_l
     again = cli("load", "--model", str(path), "--socket-dir", str(server.socket_dir), env=digests)
     assert again.code == 0 and again.stderr == [], again
     assert re.fullmatch(rf"already cached: {digest}  {re.escape(label)}, [\d.]+ MiB; nothing was loaded\n", again.stdout), again
-    assert "weightcache.core.reader" not in again.imported, "a cached entry is not loaded again"
+    assert "weightcache.core.load.reader" not in again.imported, "a cached entry is not loaded again"
 
 
 def test_a_model_that_cannot_fit_the_budget_is_refused_before_loading(model_dir, socket_dir):
-    from weightcache.core.safetensors_io import check_checkpoint
+    from weightcache.core.identity.safetensors_io import check_checkpoint
 
     path = model_dir("llama")
     needed = sum(t.nbytes for header in check_checkpoint(path) for t in header.tensors)  # float32, loaded as float32
@@ -312,7 +312,7 @@ def test_a_model_that_cannot_fit_the_budget_is_refused_before_loading(model_dir,
         "(its budget is 1.0 MiB, 0 B of it held by entries engines have attached); nothing was loaded. Restart the server "
         "with a larger --byte-budget, detach engines, or evict entries (`weightcache status` lists them)"
     ]
-    assert "weightcache.core.reader" not in run.imported
+    assert "weightcache.core.load.reader" not in run.imported
     assert (
         status.stdout.splitlines()[0]
         == f"server pid {server.pid} (weightcache {__version__}): 0 entries, 0 B held of a 1.0 MiB budget"
@@ -324,7 +324,7 @@ def test_the_publish_log_does_not_claim_publishing_an_entry_that_existed(model_d
     code = f"""
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-from weightcache.core.loader import prepare, publish
+from weightcache.core.flow.loader import prepare, publish
 from weightcache.core.request import LoadRequest
 for _ in range(2):
     publish(prepare(LoadRequest(model={str(path)!r})), {str(server.socket_dir)!r})
@@ -360,7 +360,7 @@ def test_status_json_fields_are_the_documented_ones(server):
 
 def test_an_entry_published_through_the_api_without_a_label_gets_one(server):
     torch = pytest.importorskip("torch")
-    from weightcache.core import api
+    from weightcache.core.flow import api
 
     fingerprint = make_fingerprint()
     api.publish_state({"w": torch.ones(4)}, fingerprint, socket_dir=server.socket_dir)
@@ -374,7 +374,7 @@ def test_a_closed_pipe_ends_status_quietly(server):
     os.close(read_end)  # `weightcache status | head -0`: the reader is gone before the first write
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "weightcache.core.cli", "status", "--socket-dir", str(server.socket_dir)],
+            [sys.executable, "-m", "weightcache.core.cli.cli", "status", "--socket-dir", str(server.socket_dir)],
             stdout=write_end,
             stderr=subprocess.PIPE,
             text=True,
@@ -391,7 +391,7 @@ def test_a_closed_pipe_ends_status_quietly(server):
 def test_every_command_has_a_description_and_every_option_help():
     import argparse
 
-    from weightcache.core.cli import build_parser
+    from weightcache.core.cli.cli import build_parser
 
     parser = build_parser()
     [commands] = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
@@ -400,7 +400,7 @@ def test_every_command_has_a_description_and_every_option_help():
         for action in command._actions:
             assert action.help, f"`weightcache {name} {'/'.join(action.option_strings) or action.dest}` has no help"
     shown = subprocess.run(
-        [sys.executable, "-m", "weightcache.core.cli", "load", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "weightcache.core.cli.cli", "load", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "--dtype {auto,bfloat16,float16,float32}" in shown
 
@@ -444,7 +444,7 @@ def test_a_numeric_serve_option_out_of_range_is_refused_before_the_socket_is_bou
 
 
 def test_numeric_serve_options_at_their_bounds_are_accepted():
-    from weightcache.core.cli import build_parser
+    from weightcache.core.cli.cli import build_parser
 
     args = build_parser().parse_args(
         ["serve", "--frame-deadline", "0.01", "--idle-timeout", "86400", "--max-connections", "1048576", "--byte-budget", "1"]
@@ -454,7 +454,7 @@ def test_numeric_serve_options_at_their_bounds_are_accepted():
 
 
 def test_sizes_read_and_show_in_fitting_units():
-    from weightcache.core.cli_options import size
+    from weightcache.core.cli.cli_options import size
 
     assert [size(text) for text in ("1M", "1MiB", "64g", "1.5T", "4096")] == [1 << 20, 1 << 20, 64 << 30, 3 << 39, 4096]
     assert [size(text) for text in ("10GiB", "10Gi", "10gi", "10G")] == [10 << 30] * 4
@@ -483,7 +483,7 @@ def test_sizes_read_and_show_in_fitting_units():
 
 
 def test_a_mismatch_names_a_short_digest_and_its_fields_once():
-    from weightcache.core.attach import fallback_reason
+    from weightcache.core.client.attach import fallback_reason
 
     closest = "c" * 64
     reason = fallback_reason(FingerprintMismatch("a" * 64, ("dtype", "tp_rank"), closest))
@@ -494,7 +494,7 @@ def test_a_mismatch_names_a_short_digest_and_its_fields_once():
 
 
 def test_the_demo_table_says_slower_when_attach_is_slower():
-    from weightcache.core.demo import demo_table
+    from weightcache.core.cli.demo import demo_table
 
     published = {
         "first_sight": True,
@@ -559,12 +559,12 @@ def test_load_publishes_the_same_entry_with_and_without_reading_ahead(model_dir,
 
 
 def test_the_console_script_skips_teardown_only_after_load_and_keeps_the_exit_status(model_dir, tmp_path):
-    from weightcache.core.cli import FAST_EXIT_COMMANDS, _subcommand
+    from weightcache.core.cli.cli import FAST_EXIT_COMMANDS, _subcommand
 
     assert _subcommand(["-v", "load", "--model", "x"]) == "load" and _subcommand(["--version"]) is None
     assert FAST_EXIT_COMMANDS == {"load"}
     refused = subprocess.run(
-        [sys.executable, "-m", "weightcache.core.cli", "load", "--model", str(tmp_path / "missing")],
+        [sys.executable, "-m", "weightcache.core.cli.cli", "load", "--model", str(tmp_path / "missing")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -576,14 +576,14 @@ def test_the_console_script_skips_teardown_only_after_load_and_keeps_the_exit_st
 
 _TRUNCATING = """
 import os, sys
-from weightcache.core import reader
+from weightcache.core.load import reader
 original = reader.read_fully
 def read_fully(fd, into, offset, what="the file"):
     os.truncate(os.readlink(f"/proc/self/fd/{fd}"), offset + 16)  # another process cuts the file off meanwhile
     reader.read_fully = original
     return original(fd, into, offset, what)
 reader.read_fully = read_fully
-from weightcache.core.cli import main
+from weightcache.core.cli.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -648,7 +648,7 @@ def test_help_shows_no_docstring_markup(command):
 
 
 def test_every_command_spells_its_deadline_timeout_and_still_takes_timeout_s():
-    from weightcache.core.cli import build_parser
+    from weightcache.core.cli.cli import build_parser
 
     for command in ("seed", "standby"):
         shown = cli(command, "--help").stdout

@@ -28,14 +28,14 @@ from tests.core.support import (
 )
 from tests.core.test_exhaustion import configured_server
 from tests.helpers import run_python
-from weightcache.core.attach import Attachment
-from weightcache.core.client import Connection
-from weightcache.core.compile_cache import publish_artifacts, restore_artifacts
+from weightcache.core.client.attach import Attachment
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import CompileArtifactsUnavailable, ServerError
-from weightcache.core.loader import prepare, publish
+from weightcache.core.flow.loader import prepare, publish
+from weightcache.core.flow.modes import LoadedModel
 from weightcache.core.memfd import read_memfd, sealed_memfd
-from weightcache.core.modes import LoadedModel
 from weightcache.core.request import LoadRequest
+from weightcache.core.spare.compile_cache import publish_artifacts, restore_artifacts
 
 KEY = "torch.compile;torch=test;triton=none;device=cpu"
 MAX_BYTES = 1 << 20
@@ -204,8 +204,8 @@ _ENGINE = """
 import hashlib, json, sys, time
 import torch
 from torch._dynamo.utils import counters
-from weightcache.core.modes import load_model
-from weightcache.core.compile_cache import publish_artifacts, restore_artifacts
+from weightcache.core.flow.modes import load_model
+from weightcache.core.spare.compile_cache import publish_artifacts, restore_artifacts
 
 model_dir, socket_dir, role = sys.argv[1:4]
 loaded = load_model(model_dir, mode="client", socket_dir=socket_dir, strict=True)

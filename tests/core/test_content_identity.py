@@ -19,12 +19,12 @@ import pytest
 
 from tests.helpers import assert_tensors_equal, run_python
 from tests.models import save_random_model
-from weightcache.core.client import Connection
-from weightcache.core.digests import RACY_WINDOW_NS, DigestStore, FileKey, checkpoint_digests, file_digest
-from weightcache.core.loader import prepare, publish
-from weightcache.core.modes import load_model
+from weightcache.core.client.client import Connection
+from weightcache.core.flow.loader import prepare, publish
+from weightcache.core.flow.modes import load_model
+from weightcache.core.identity.digests import RACY_WINDOW_NS, DigestStore, FileKey, checkpoint_digests, file_digest
+from weightcache.core.identity.safetensors_io import checkpoint_files, checkpoint_identity, read_header
 from weightcache.core.request import LoadRequest
-from weightcache.core.safetensors_io import checkpoint_files, checkpoint_identity, read_header
 
 
 def _settle(path: Path) -> None:
@@ -161,7 +161,7 @@ def test_an_unchanged_checkpoint_opens_no_weight_file(model_dir):
     identity = checkpoint_identity(path)  # first sight (in this session): hashed and remembered
     code = """
 import json, sys
-from weightcache.core.safetensors_io import checkpoint_identity
+from weightcache.core.identity.safetensors_io import checkpoint_identity
 opened = []
 sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" else None)
 identity = checkpoint_identity(sys.argv[1])
@@ -190,7 +190,7 @@ def test_a_corrupt_store_entry_is_ignored_and_rewritten(model_dir, tmp_path):
 def _assert_not_used(directory: Path, reason: str, caplog, model_dir) -> None:
     files = checkpoint_files(model_dir("llama"))
     before = sorted(os.listdir(directory))
-    with caplog.at_level(logging.WARNING, logger="weightcache.core.digests"):
+    with caplog.at_level(logging.WARNING, logger="weightcache.core.identity.digests"):
         store = DigestStore.open(directory)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and reason in warnings[0] and "WEIGHTCACHE_CACHE_DIR" in warnings[0], warnings
@@ -246,7 +246,7 @@ def test_first_sight_logs_one_line_and_counts_every_byte(model_dir, tmp_path, ca
     def run() -> tuple[list[str], int]:
         caplog.clear()
         progress = Counter()
-        with caplog.at_level(logging.INFO, logger="weightcache.core.digests"):
+        with caplog.at_level(logging.INFO, logger="weightcache.core.identity.digests"):
             checkpoint_digests(files, store, progress)
         return [r.getMessage() for r in caplog.records], progress.done
 
@@ -262,9 +262,9 @@ def test_a_file_changed_while_it_is_loaded_is_never_published_under_the_old_iden
 
     from weightcache.adapters.hf import hooks as hf
     from weightcache.core.errors import CheckpointChanged
+    from weightcache.core.flow.loader import prepare, publish
+    from weightcache.core.flow.plugins import Plugins
     from weightcache.core.hookspecs import hookimpl
-    from weightcache.core.loader import prepare, publish
-    from weightcache.core.plugins import Plugins
     from weightcache.core.request import LoadRequest
 
     path = Path(shutil.copytree(model_dir("llama"), tmp_path / "changing"))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.core.digests import MAX_ENTRY_BYTES, SCHEME, DigestStore, FileKey
+from weightcache.core.identity.digests import MAX_ENTRY_BYTES, SCHEME, DigestStore, FileKey
 
 REAL = f"{SCHEME}:{'a' * 64}"
 FAKE = f"{SCHEME}:{'f' * 64}"
@@ -41,7 +41,9 @@ def forged_entry(key: FileKey, digest: str = FAKE) -> bytes:
 
 
 def debug_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "weightcache.core.digests" and r.levelno == logging.DEBUG]
+    return [
+        r.getMessage() for r in caplog.records if r.name == "weightcache.core.identity.digests" and r.levelno == logging.DEBUG
+    ]
 
 
 def test_a_store_directory_swapped_for_a_symlink_after_opening_redirects_no_read_and_no_write(tmp_path, store, key):
@@ -63,7 +65,7 @@ def test_an_entry_that_is_a_symlink_to_a_forged_entry_is_a_miss(tmp_path, store,
     forged = tmp_path / "forged"
     forged.write_bytes(forged_entry(key))
     (tmp_path / "store" / key.entry_name).symlink_to(forged)
-    with caplog.at_level(logging.DEBUG, logger="weightcache.core.digests"):
+    with caplog.at_level(logging.DEBUG, logger="weightcache.core.identity.digests"):
         assert store.get(key) is None
     assert len(debug_lines(caplog)) == 1 and "link" in debug_lines(caplog)[0], caplog.text
 
@@ -79,7 +81,7 @@ def test_a_fifo_in_an_entrys_place_is_a_miss_and_does_not_block(tmp_path, store,
     entry = tmp_path / "store" / key.entry_name
     os.mkfifo(entry, 0o600)
     got: list = []
-    with caplog.at_level(logging.DEBUG, logger="weightcache.core.digests"):
+    with caplog.at_level(logging.DEBUG, logger="weightcache.core.identity.digests"):
         reader = threading.Thread(target=lambda: got.append(store.get(key)), daemon=True)
         reader.start()
         reader.join(timeout=10)
@@ -96,7 +98,7 @@ def test_a_fifo_in_an_entrys_place_is_a_miss_and_does_not_block(tmp_path, store,
 def test_an_entry_larger_than_any_put_writes_is_a_miss(tmp_path, store, key, caplog):
     padded = forged_entry(key).ljust(64 << 20, b" ")  # a valid-looking entry, then 64 MiB of padding
     (tmp_path / "store" / key.entry_name).write_bytes(padded)
-    with caplog.at_level(logging.DEBUG, logger="weightcache.core.digests"):
+    with caplog.at_level(logging.DEBUG, logger="weightcache.core.identity.digests"):
         assert store.get(key) is None
     assert debug_lines(caplog) == [
         f"ignoring digest store entry {key.entry_name} in {tmp_path / 'store'}: it holds {len(padded)} bytes; "

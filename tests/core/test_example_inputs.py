@@ -8,7 +8,7 @@ from tests.helpers import run_python
 
 _FORWARD = """
 import sys, torch, transformers
-from weightcache.core.example_inputs import inputs_from_signature, run_with_inputs
+from weightcache.core.flow.example_inputs import inputs_from_signature, run_with_inputs
 model = getattr(transformers, sys.argv[2]).from_pretrained(sys.argv[1], dtype=getattr(torch, sys.argv[3])).eval()
 inputs = inputs_from_signature(model)
 floating = sorted({str(v.dtype) for v in inputs.values() if v.is_floating_point()})

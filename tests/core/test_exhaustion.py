@@ -41,19 +41,19 @@ from tests.core.support import (
 )
 from tests.helpers import ServerProcess, wait_until
 from weightcache.core import PROTOCOL_VERSION
-from weightcache.core.attach import Attachment
-from weightcache.core.client import Connection, wait_for_server
+from weightcache.core.client.attach import Attachment
+from weightcache.core.client.client import Connection, wait_for_server
 from weightcache.core.errors import EntryNotFound, EntryUnusable, ServerError, ServerUnavailable
-from weightcache.core.loader import prepare
-from weightcache.core.manifest import Manifest, TensorRecord
-from weightcache.core.modes import load_model
-from weightcache.core.protocol import FDS_PER_MESSAGE, HEADER, MAGIC, MAX_FDS, close_fds, encode
+from weightcache.core.flow.loader import prepare
+from weightcache.core.flow.modes import load_model
+from weightcache.core.layout.manifest import Manifest, TensorRecord
 from weightcache.core.request import LoadRequest
 from weightcache.core.socket_dir import SOCKET_NAME
+from weightcache.core.wire.protocol import FDS_PER_MESSAGE, HEADER, MAGIC, MAX_FDS, close_fds, encode
 
 _SERVE = """
 import json, logging, resource, sys
-from weightcache.core.server import ServerConfig, serve
+from weightcache.core.server.server import ServerConfig, serve
 options = json.loads(sys.argv[2])
 open_files = options.pop("open_files", None)
 if open_files:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from weightcache.core.errors import ArenaError
-from weightcache.core.export import ArenaBuilder, NamedTensor, Slot, export_module, export_tensors
-from weightcache.core.loader import prepare, publish
-from weightcache.core.modes import load_model
+from weightcache.core.flow.loader import prepare, publish
+from weightcache.core.flow.modes import load_model
+from weightcache.core.load.export import ArenaBuilder, NamedTensor, Slot, export_module, export_tensors
 from weightcache.core.request import LoadRequest
 
 
@@ -120,7 +120,7 @@ def test_every_manifest_tensor_lies_in_an_arena_after_rebind(server, model_dir, 
 
 
 def test_add_arena_gives_a_whole_arena_of_its_own_that_later_slots_do_not_share():
-    from weightcache.core.export import ArenaBuilder
+    from weightcache.core.load.export import ArenaBuilder
 
     with ArenaBuilder("cpu", chunk_bytes=1 << 20) as builder:
         first = builder.plan(100)
@@ -137,7 +137,7 @@ def test_a_host_arena_is_filled_through_its_memfd_and_mapped_only_when_viewed():
     """What a host-tier copy does: write each new arena's memfd with pwritev (no mapping, no page faults), seal, read."""
     import os
 
-    from weightcache.core.export import ArenaBuilder
+    from weightcache.core.load.export import ArenaBuilder
 
     def mapped_arenas() -> int:
         with open("/proc/self/maps") as maps:

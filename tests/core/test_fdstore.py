@@ -14,15 +14,15 @@ from tests.core.support import ALL_SEALS, make_fingerprint, publish_host_entry
 from tests.fdstore_standin import StandInManager
 from tests.helpers import run_cli, wait_until
 from weightcache.core.arena.checksum import SCHEME
-from weightcache.core.attach import Attachment
-from weightcache.core.client import Connection
+from weightcache.core.client.attach import Attachment
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import EntryCorrupt, EntryNotFound, ServerError, ServerUnavailable
-from weightcache.core.loader import prepare, publish
-from weightcache.core.modes import load_model
-from weightcache.core.protocol import close_fds
+from weightcache.core.flow.loader import prepare, publish
+from weightcache.core.flow.modes import load_model
 from weightcache.core.request import LoadRequest
-from weightcache.core.rewarm import SCRUB_PAUSE_ENV
-from weightcache.core.server_process import serve_command
+from weightcache.core.server.rewarm import SCRUB_PAUSE_ENV
+from weightcache.core.server.server_process import serve_command
+from weightcache.core.wire.protocol import close_fds
 
 
 def _digests(socket_dir) -> set[str]:
@@ -141,7 +141,7 @@ def test_sigusr2_restarts_the_server_in_place_and_names_its_successor_the_main_p
 
 
 def test_a_successor_command_takes_over_and_never_detaches():
-    from weightcache.core.reexec import successor_command
+    from weightcache.core.server.reexec import successor_command
 
     tail = successor_command(["--log-format", "json", "serve", "--socket-dir", "/run/wc", "--detach", "--log-file", "x"])
     assert tail[-6:] == ["--log-format", "json", "serve", "--socket-dir", "/run/wc", "--take-over"]
@@ -206,7 +206,7 @@ def test_an_entry_whose_bytes_changed_in_the_fd_store_is_never_served_and_is_dro
     rows = _rows(socket_dir)
     assert [rows[p.digest]["verified"] for p in published] == [False, False]  # admitted (sizes, seals), not checked
 
-    with caplog.at_level(logging.WARNING, logger="weightcache.core.modes"):
+    with caplog.at_level(logging.WARNING, logger="weightcache.core.flow.modes"):
         loaded = load_model(str(paths[0]), mode="client", socket_dir=socket_dir)
     try:
         assert loaded.source == "disk", "a client used an entry whose bytes changed"
@@ -214,7 +214,7 @@ def test_an_entry_whose_bytes_changed_in_the_fd_store_is_never_served_and_is_dro
         assert "it was dropped from the server" in loaded.fallback_reason
     finally:
         loaded.close()
-    fallbacks = [r for r in caplog.records if r.name == "weightcache.core.modes" and "from disk" in r.getMessage()]
+    fallbacks = [r for r in caplog.records if r.name == "weightcache.core.flow.modes" and "from disk" in r.getMessage()]
     assert len(fallbacks) == 1, [r.getMessage() for r in caplog.records]
     with pytest.raises(EntryCorrupt) as strict:
         load_model(str(paths[1]), mode="client", socket_dir=socket_dir, strict=True)

@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.core.support import make_fingerprint
-from weightcache.core import fill
-from weightcache.core.fill import MAX_SOURCE_BYTES, Source
 from weightcache.core.fingerprint import HOST_TIER, Fingerprint
-from weightcache.core.protocol import MAX_SOURCES
+from weightcache.core.node import fill
+from weightcache.core.node.fill import MAX_SOURCE_BYTES, Source
+from weightcache.core.wire.protocol import MAX_SOURCES
 
 WANTED = make_fingerprint(gpu_uuid="GPU-bbbbbbbb-0000-0000-0000-000000000000")
 PEER = WANTED.on_device("GPU-aaaaaaaa-0000-0000-0000-000000000000")
@@ -89,9 +89,9 @@ class LyingServer:
     def sources(self, caplog) -> tuple[list[Source], list[str]]:
         """What ``fill.sources(WANTED)`` returns, and the lines it logged."""
         caplog.clear()
-        with caplog.at_level(logging.DEBUG, logger="weightcache.core.fill"):
+        with caplog.at_level(logging.DEBUG, logger="weightcache.core.node.fill"):
             found = fill.sources(WANTED, self.socket_dir)
-        return found, [r.getMessage() for r in caplog.records if r.name == "weightcache.core.fill"]
+        return found, [r.getMessage() for r in caplog.records if r.name == "weightcache.core.node.fill"]
 
     def close(self) -> None:
         self.proc.kill()

@@ -10,7 +10,7 @@ import pytest
 
 from tests.models import save_random_model
 from weightcache.core.fingerprint import FIELDS, HOST_TIER, Fingerprint
-from weightcache.core.safetensors_io import checkpoint_identity, read_header
+from weightcache.core.identity.safetensors_io import checkpoint_identity, read_header
 
 
 def make(**changes) -> Fingerprint:

@@ -10,11 +10,11 @@ import attrs
 import pytest
 
 from tests.helpers import Engine, assert_tensors_equal
-from weightcache.core.attach import Attachment
+from weightcache.core.client.attach import Attachment
 from weightcache.core.errors import EntryNotFound, FingerprintMismatch, ServerUnavailable
 from weightcache.core.fingerprint import FIELDS
-from weightcache.core.loader import prepare, publish
-from weightcache.core.modes import load_model
+from weightcache.core.flow.loader import prepare, publish
+from weightcache.core.flow.modes import load_model
 from weightcache.core.request import LoadRequest
 
 
@@ -62,7 +62,7 @@ def test_daemon_mode_starts_a_server_publishes_and_attaches(socket_dir, model_di
     finally:
         first.close()
         second.close()
-        from weightcache.core.client import Connection
+        from weightcache.core.client.client import Connection
 
         with Connection(socket_dir) as conn:
             server_pid = conn.hello()["pid"]
@@ -190,7 +190,16 @@ def test_a_loader_killed_at_any_point_leaves_no_partial_entry(server, minilm_dir
     outcomes = set()
     for delay in (0.2, 0.8, 1.5, 2.5, 4.0):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "weightcache.core.cli", "load", "--socket-dir", str(server.socket_dir), "--model", str(path)],
+            [
+                sys.executable,
+                "-m",
+                "weightcache.core.cli.cli",
+                "load",
+                "--socket-dir",
+                str(server.socket_dir),
+                "--model",
+                str(path),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -205,7 +214,7 @@ def test_a_loader_killed_at_any_point_leaves_no_partial_entry(server, minilm_dir
             cached = load_model(str(path), mode="client", socket_dir=server.socket_dir, strict=True)
             assert_tensors_equal("logits", outputs(cached.model), outputs(load_model(str(path)).model))
             cached.close()
-            from weightcache.core.client import Connection
+            from weightcache.core.client.client import Connection
 
             with Connection(server.socket_dir) as conn:
                 conn.evict(entries[0]["digest"])
@@ -217,7 +226,7 @@ def test_cli_status_lists_entries(server, model_dir):
     path = model_dir("llama")
     published = publish_model(path, server.socket_dir)
     out = subprocess.run(
-        [sys.executable, "-m", "weightcache.core.cli", "status", "--socket-dir", str(server.socket_dir)],
+        [sys.executable, "-m", "weightcache.core.cli.cli", "status", "--socket-dir", str(server.socket_dir)],
         capture_output=True,
         text=True,
         check=True,
@@ -234,7 +243,7 @@ def _meminfo(key: str) -> int:
 
 
 def _status(socket_dir) -> dict:
-    from weightcache.core.client import Connection
+    from weightcache.core.client.client import Connection
 
     with Connection(socket_dir) as conn:
         return conn.status()

@@ -42,10 +42,10 @@ from tests.core.support import (
 )
 from tests.helpers import ServerProcess, wait_until
 from weightcache.core import PROTOCOL_VERSION
-from weightcache.core.client import Connection, wait_for_server
+from weightcache.core.client.client import Connection, wait_for_server
 from weightcache.core.errors import ServerError
 from weightcache.core.memfd import sealed_memfd as blob_memfd
-from weightcache.core.protocol import (
+from weightcache.core.wire.protocol import (
     MAGIC,
     MAX_FDS,
     MAX_FRAME_BYTES,
@@ -393,7 +393,7 @@ def test_oversized_or_wrong_version(fuzzed, version, length, kinds, tail):
 
 _SHORT_DEADLINE_SERVER = """
 import logging, sys
-from weightcache.core.server import ServerConfig, serve
+from weightcache.core.server.server import ServerConfig, serve
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 serve(ServerConfig(socket_dir=sys.argv[1], frame_deadline_s=float(sys.argv[2])))
 """

@@ -14,11 +14,11 @@ import pytest
 
 from tests.core.support import make_fingerprint, publish_host_entry, resting_fd_count, settle_fd_count
 from tests.helpers import ServerProcess, run_cli, wait_until
-from weightcache.core.attach import Attachment
-from weightcache.core.client import Connection
+from weightcache.core.client.attach import Attachment
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import ServerError, ServerUnavailable
-from weightcache.core.handover import ADMIT_PAUSE_ENV, DIE_AT_ENV, PAUSE_ENV
-from weightcache.core.server_process import serve_command
+from weightcache.core.server.handover import ADMIT_PAUSE_ENV, DIE_AT_ENV, PAUSE_ENV
+from weightcache.core.server.server_process import serve_command
 
 
 def _status(socket_dir) -> dict:

@@ -9,9 +9,9 @@ import textwrap
 import attrs
 import pytest
 
-from weightcache.core.export import ArenaBuilder
-from weightcache.core.loader import prepare
-from weightcache.core.plugins import installed_plugins
+from weightcache.core.flow.loader import prepare
+from weightcache.core.flow.plugins import installed_plugins
+from weightcache.core.load.export import ArenaBuilder
 from weightcache.core.request import ForwardUnavailable, LoadRequest
 
 torch = pytest.importorskip("torch")
@@ -134,7 +134,7 @@ def test_hook_weightcache_warm_up(model_dir):
     """Warm-up imports the model's module, so a timed load or a standby's takeover pays no import."""
     code = textwrap.dedent("""
         import sys
-        from weightcache.core.loader import prepare
+        from weightcache.core.flow.loader import prepare
         from weightcache.core.request import LoadRequest
         prepared = prepare(LoadRequest(model=sys.argv[1]))
         assert "transformers.models.llama.modeling_llama" not in sys.modules
@@ -151,8 +151,8 @@ def test_warm_up_in_a_thread_while_the_load_describes_the_model(model_dir):
     model's module was then imported serially, inside the timed load)."""
     code = textwrap.dedent("""
         import sys, threading
-        from weightcache.core.loader import prepare
-        from weightcache.core.plugins import installed_plugins
+        from weightcache.core.flow.loader import prepare
+        from weightcache.core.flow.plugins import installed_plugins
         from weightcache.core.request import LoadRequest
         request = LoadRequest(model=sys.argv[1])
         adapter = installed_plugins().adapter(request.adapter)
@@ -171,7 +171,7 @@ def test_warm_up_in_a_thread_while_the_load_describes_the_model(model_dir):
     """)
     alone = textwrap.dedent("""
         import sys
-        from weightcache.core.loader import prepare
+        from weightcache.core.flow.loader import prepare
         from weightcache.core.request import LoadRequest
         prepared = prepare(LoadRequest(model=sys.argv[1]))
         assert "transformers" not in sys.modules, "describing the model imported transformers: the read waits for it"

@@ -18,7 +18,7 @@ import pytest
 
 from tests.core.test_cli import cli
 from tests.helpers import run_python, wait_until
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
@@ -55,7 +55,7 @@ def resolve_in_child(cache: Path, model: str, revision: str | None = None) -> di
     code = textwrap.dedent(
         """
         import json, sys
-        from weightcache.core.hub import resolve
+        from weightcache.core.identity.hub import resolve
         where = resolve(sys.argv[1], sys.argv[2] or None)
         print(json.dumps({"path": where.path, "cached": where.cached, "commit": where.commit}))
         """
@@ -74,7 +74,7 @@ def test_a_hub_id_resolves_to_the_snapshot_huggingface_hub_itself_finds(hub_cach
 
 
 def test_a_local_path_is_never_taken_for_a_hub_id(tmp_path, monkeypatch):
-    from weightcache.core.hub import looks_like_hub_id, resolve
+    from weightcache.core.identity.hub import looks_like_hub_id, resolve
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "tiny").mkdir(parents=True)
@@ -106,7 +106,7 @@ def test_load_of_a_hub_id_the_cache_lacks_is_one_line(hub_cache, socket_dir):
 _CLIENT = """
 import sys, logging
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-from weightcache.core.modes import load_model
+from weightcache.core.flow.modes import load_model
 loaded = load_model(sys.argv[1], mode=sys.argv[2], socket_dir=sys.argv[3])
 print(loaded.source, loaded.fallback_reason is not None, type(loaded.model).__name__)
 """
@@ -125,7 +125,7 @@ def test_a_hub_id_the_cache_lacks_raises_what_transformers_raises_without_weight
         env=hub_env(hub_cache),
     )
     ours = run_python(
-        "from weightcache.core.modes import load_model\ntry:\n"
+        "from weightcache.core.flow.modes import load_model\ntry:\n"
         f"    load_model('org/absent', mode='client', socket_dir={str(server.socket_dir)!r})\n"
         "except Exception as exc:\n    print(type(exc).__name__)",
         env=hub_env(hub_cache),

@@ -7,9 +7,9 @@ import os
 import time
 
 from tests.core.support import fd_count, publish_host_entry, resting_fd_count, rss_kib
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 from weightcache.core.fingerprint import Fingerprint
-from weightcache.core.protocol import close_fds
+from weightcache.core.wire.protocol import close_fds
 
 CLIENTS = int(os.environ.get("WEIGHTCACHE_LOAD_CLIENTS", "32"))
 CYCLES = int(os.environ.get("WEIGHTCACHE_LOAD_CYCLES", "200"))
@@ -24,7 +24,7 @@ def _check_bytes(attachment, expected: bytes) -> bool:
 
 def attach_cycles(socket_dir: str, fingerprint: dict, expected: bytes, cycles: int, barrier, results) -> None:
     """One client process: ``cycles`` times Attachment.open, check the bytes, close; report to ``results``."""
-    from weightcache.core.attach import Attachment
+    from weightcache.core.client.attach import Attachment
 
     fp = Fingerprint.from_json(fingerprint)
     latencies, failures = [], []
@@ -48,7 +48,7 @@ def attach_cycles(socket_dir: str, fingerprint: dict, expected: bytes, cycles: i
 def run_clients(socket_dir, fingerprint: Fingerprint, expected: bytes, clients: int, cycles: int) -> list[dict]:
     """Start ``clients`` processes (forkserver with torch preloaded, so none pays for ``import torch``)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "weightcache.core.attach", __name__])
+    ctx.set_forkserver_preload(["torch", "weightcache.core.client.attach", __name__])
     barrier = ctx.Barrier(clients)
     results = ctx.Queue()
     procs = [

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tests.core.support import publish_host_entry
 from tests.helpers import run_cli, wait_until
-from weightcache.core.attach import Attachment
+from weightcache.core.client.attach import Attachment
 
 
 def _detach(socket_dir, *options: str) -> tuple[int, str]:
@@ -64,7 +64,7 @@ def test_log_level_warning_keeps_info_out(socket_dir, tmp_path):
 
 
 def test_log_options_go_before_the_command_or_after_serve():
-    from weightcache.core.cli import build_parser
+    from weightcache.core.cli.cli import build_parser
 
     parser = build_parser()
     assert (parser.parse_args(["serve"]).log_level, parser.parse_args(["serve"]).log_format) == (None, "text")

@@ -18,10 +18,10 @@ import pytest
 from tests.core.support import make_fingerprint, publish_host_entry
 from tests.core.test_cli import cli
 from tests.helpers import ServerProcess, free_port, run_cli, wait_until
-from weightcache.core.attach import Attachment
-from weightcache.core.client import Connection
+from weightcache.core.client.attach import Attachment
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import EntryNotFound
-from weightcache.core.metrics import ATTACH_BUCKETS_S, Histogram, Metrics
+from weightcache.core.server.metrics import ATTACH_BUCKETS_S, Histogram, Metrics
 
 pytest.importorskip("prometheus_client", reason="the metrics extra is not installed (pip install -e '.[test]')")
 

@@ -10,8 +10,8 @@ import types
 import pytest
 
 from weightcache.core.errors import AdapterNotFound, InvalidAdapter, UnknownOption
+from weightcache.core.flow.plugins import Plugins
 from weightcache.core.hookspecs import hookimpl
-from weightcache.core.plugins import Plugins
 from weightcache.core.request import LoadRequest
 
 
@@ -129,7 +129,7 @@ def test_a_broken_installed_adapter_is_reported_by_name_and_the_others_keep_work
     code = textwrap.dedent("""
         import logging, sys
         logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
-        from weightcache.core.plugins import Plugins
+        from weightcache.core.flow.plugins import Plugins
         from weightcache.core.errors import AdapterNotFound
         plugins = Plugins.installed()
         print("names", plugins.names())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from weightcache.core.prefetch import CHUNK_BYTES, Prefetch, available_memory
+from weightcache.core.load.prefetch import CHUNK_BYTES, Prefetch, available_memory
 
 
 def _files(tmp_path, sizes):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tests.core.support import fd_count, frame, inode, send_raw
 from weightcache.core import PROTOCOL_VERSION
 from weightcache.core.errors import ProtocolError
-from weightcache.core.protocol import (
+from weightcache.core.wire.protocol import (
     FDS_PER_MESSAGE,
     HEADER,
     MAGIC,

@@ -35,12 +35,12 @@ from tests.core.support import (
 )
 from tests.helpers import ServerProcess
 from weightcache.core.arena import ArenaSpec, backend
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 from weightcache.core.dtypes import ITEM_SIZES
 from weightcache.core.errors import InvalidManifest, ServerError
-from weightcache.core.manifest import Manifest, TensorRecord
-from weightcache.core.protocol import FrameReader
-from weightcache.core.registry import MAX_LABEL_CHARS, Entry, Registry
+from weightcache.core.layout.manifest import Manifest, TensorRecord
+from weightcache.core.server.registry import MAX_LABEL_CHARS, Entry, Registry
+from weightcache.core.wire.protocol import FrameReader
 
 ARENA_BYTES = 4096
 
@@ -410,7 +410,7 @@ def test_an_ambiguous_evict_prefix_is_refused_and_lists_the_matches(served):
     assert {e["digest"] for e in status(server)["entries"]} == {first.digest, second.digest}, "nothing was evicted"
 
     cli = subprocess.run(
-        [sys.executable, "-m", "weightcache.core.cli", "evict", "--socket-dir", str(server.socket_dir), prefix],
+        [sys.executable, "-m", "weightcache.core.cli.cli", "evict", "--socket-dir", str(server.socket_dir), prefix],
         capture_output=True,
         text=True,
         timeout=60,

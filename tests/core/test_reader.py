@@ -16,14 +16,14 @@ import pytest
 
 from tests.helpers import assert_tensors_equal
 from tests.models import save_random_model
-from weightcache.core.client import Connection
-from weightcache.core.digests import DigestStore, file_digest
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import CheckpointChanged
-from weightcache.core.export import ArenaBuilder
-from weightcache.core.loader import prepare, publish
-from weightcache.core.reader import read_checkpoint
+from weightcache.core.flow.loader import prepare, publish
+from weightcache.core.identity.digests import DigestStore, file_digest
+from weightcache.core.identity.safetensors_io import checkpoint_files, checkpoint_identity
+from weightcache.core.load.export import ArenaBuilder
+from weightcache.core.load.reader import read_checkpoint
 from weightcache.core.request import LoadRequest
-from weightcache.core.safetensors_io import checkpoint_files, checkpoint_identity
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def _racing_adapter(before_load):
 
 def test_a_file_cut_off_as_its_load_starts_is_refused_in_one_line(socket_dir, server, model_dir, tmp_path):
     from weightcache.core.errors import InvalidCheckpoint
-    from weightcache.core.plugins import Plugins
+    from weightcache.core.flow.plugins import Plugins
 
     path = Path(shutil.copytree(model_dir("llama"), tmp_path / "cut"))
     weights = next(path.glob("*.safetensors"))
@@ -128,7 +128,7 @@ def test_a_file_cut_off_while_the_reader_reads_it_is_checkpoint_changed(large_ch
 
 def test_a_header_rewritten_after_it_was_planned_is_checkpoint_changed(socket_dir, server, tmp_path):
     """A header rewritten in place (same file, same size) while the load runs: nothing is published."""
-    from weightcache.core.plugins import Plugins
+    from weightcache.core.flow.plugins import Plugins
 
     path = save_random_model("llama", tmp_path / "model", seed=1)
     weights = path / "model.safetensors"

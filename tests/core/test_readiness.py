@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.core.client import Connection
-from weightcache.core.server_process import serve_command
+from weightcache.core.client.client import Connection
+from weightcache.core.server.server_process import serve_command
 
 
 @pytest.fixture(params=["path", "abstract"])
@@ -55,7 +55,7 @@ def test_the_server_tells_systemd_it_is_ready_once_it_answers_and_when_it_stops(
 
 
 def test_without_notify_socket_nothing_is_sent(monkeypatch):
-    from weightcache.core import readiness
+    from weightcache.core.server import readiness
 
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     assert readiness.notify("READY=1") is False

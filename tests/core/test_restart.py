@@ -12,11 +12,11 @@ from tests.core.support import publish_host_entry
 from tests.core.test_standby import StandbyProcess
 from tests.helpers import Engine, ServerProcess, wait_until
 from weightcache.core.arena.checksum import SCHEME
-from weightcache.core.attach import Attachment
-from weightcache.core.client import Connection
-from weightcache.core.digests import RACY_WINDOW_NS
+from weightcache.core.client.attach import Attachment
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import ChecksumMismatch, ServerError
-from weightcache.core.loader import prepare, publish
+from weightcache.core.flow.loader import prepare, publish
+from weightcache.core.identity.digests import RACY_WINDOW_NS
 from weightcache.core.request import LoadRequest
 
 
@@ -27,7 +27,7 @@ def _entries(socket_dir) -> list[dict]:
 
 def test_a_restarted_server_gets_its_entries_back_from_live_engines_without_disk_reads(socket_dir, model_dir, tmp_path):
     path = Path(shutil.copytree(model_dir("llama"), tmp_path / "llama"))
-    time.sleep(RACY_WINDOW_NS / 1e9)  # files this fresh are hashed but not remembered (core/digests.py)
+    time.sleep(RACY_WINDOW_NS / 1e9)  # files this fresh are hashed but not remembered (core/identity/digests.py)
     first = ServerProcess.start(socket_dir)
     engine = late = None
     try:
@@ -58,8 +58,8 @@ def test_a_restarted_server_gets_its_entries_back_from_live_engines_without_disk
 
 def test_hot_standby_takes_over_within_a_second(server, model_dir):
     """`weightcache standby --watch-pid` beside a live primary: SIGKILL the primary, the standby's first token follows within 1 s."""
-    from weightcache.core.modes import load_model
-    from weightcache.core.standby import first_token, fixed_prompt
+    from weightcache.core.flow.modes import load_model
+    from weightcache.core.spare.standby import first_token, fixed_prompt
 
     model = model_dir("llama")
     publish(prepare(LoadRequest(model=str(model))), server.socket_dir)

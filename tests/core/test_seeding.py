@@ -17,11 +17,11 @@ import pytest
 from tests.adapters.test_hf_checkpoints import assert_attaches_like_from_pretrained
 from tests.core.support import resting_fd_count
 from tests.helpers import free_port
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import SeedRefused
-from weightcache.core.loader import prepare, publish
+from weightcache.core.flow.loader import prepare, publish
+from weightcache.core.node.seeding import check_environment
 from weightcache.core.request import LoadRequest
-from weightcache.core.seeding import check_environment
 
 TIMEOUT_S = 20
 
@@ -42,7 +42,7 @@ def seed_command(socket_dir, *args: str, timeout_s: int = TIMEOUT_S) -> list[str
     return [
         sys.executable,
         "-m",
-        "weightcache.core.cli",
+        "weightcache.core.cli.cli",
         "seed",
         "--socket-dir",
         str(socket_dir),
@@ -221,7 +221,7 @@ def test_a_sender_declaring_an_arena_smaller_than_its_tensors_is_refused(nodes, 
 
 
 def test_an_entry_beyond_the_receiving_servers_budget_is_refused_before_any_weight_moves(model_dir):
-    from weightcache.core.server_process import ServerProcess
+    from weightcache.core.server.server_process import ServerProcess
 
     a = ServerProcess.start()
     b = ServerProcess.start(None, "--byte-budget", "64K")

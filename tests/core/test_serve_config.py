@@ -9,9 +9,9 @@ import pytest
 
 from tests.core.support import make_fingerprint, publish_host_entry
 from tests.helpers import ServerProcess, wait_until
-from weightcache.core.attach import Attachment
-from weightcache.core.client import Connection
-from weightcache.core.serve_config import ConfigError, ServeFile, ServeSource
+from weightcache.core.client.attach import Attachment
+from weightcache.core.client.client import Connection
+from weightcache.core.server.serve_config import ConfigError, ServeFile, ServeSource
 
 
 def _status(socket_dir) -> dict:
@@ -90,7 +90,7 @@ def test_python_without_a_toml_reader_is_told_what_to_install(tmp_path):
     path.write_text("")
     code = (
         "import sys; sys.modules['tomllib'] = None; sys.modules['tomli'] = None\n"
-        "from weightcache.core.serve_config import ServeFile, ConfigError\n"
+        "from weightcache.core.server.serve_config import ServeFile, ConfigError\n"
         f"try:\n    ServeFile.load({str(path)!r})\nexcept ConfigError as exc:\n    print(exc)\n"
     )
     out = subprocess.run([__import__("sys").executable, "-c", code], capture_output=True, text=True, timeout=60).stdout

@@ -37,21 +37,21 @@ from tests.core.support import (
 from tests.helpers import ServerProcess, run_cli, wait_until
 from weightcache.core import PROTOCOL_VERSION
 from weightcache.core.arena import ArenaSpec
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import (
     AccessDenied,
     FingerprintMismatch,
     ServerError,
     ServerUnavailable,
 )
-from weightcache.core.paths import ensure_private_dir, user_label
-from weightcache.core.protocol import (
+from weightcache.core.socket_dir import LOCK_NAME, SOCKET_NAME
+from weightcache.core.wire.paths import ensure_private_dir, user_label
+from weightcache.core.wire.protocol import (
     MAX_FRAME_BYTES,
     FrameReader,
     close_fds,
     send_frame,
 )
-from weightcache.core.socket_dir import LOCK_NAME, SOCKET_NAME
 
 TEST_USER = "wctest"
 
@@ -274,7 +274,7 @@ def test_malformed_frame_gets_an_error_and_the_server_goes_on(server, tmp_path, 
 
 _SERVE_WITH_LOW_FD_LIMIT = """
 import resource, sys
-from weightcache.core.cli import main
+from weightcache.core.cli.cli import main
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 sys.exit(main(["serve", "--socket-dir", sys.argv[1]]))
 """
@@ -404,8 +404,8 @@ def test_a_missing_socket_directory_is_created_private(tmp_path):
 # starts as root, imports everything it needs and only then switches to the test user.
 _SERVER_AS_USER = """
 import logging, os, sys
-import weightcache.core.arena.host, weightcache.core.manifest
-from weightcache.core.server import ServerConfig, serve
+import weightcache.core.arena.host, weightcache.core.layout.manifest
+from weightcache.core.server.server import ServerConfig, serve
 os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[1]))
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 serve(ServerConfig(socket_dir=sys.argv[3]))
@@ -414,7 +414,7 @@ serve(ServerConfig(socket_dir=sys.argv[3]))
 _HELLO_AS_USER = """
 import json, os, sys
 from weightcache.core.arena import ArenaSpec
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import WeightCacheError
 os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[1]))
 try:

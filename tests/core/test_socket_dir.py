@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.core.cli import build_parser
+from weightcache.core.cli.cli import build_parser
 from weightcache.core.errors import ServerUnavailable
-from weightcache.core.modes import CacheOptions
-from weightcache.core.server import ServerConfig
+from weightcache.core.flow.modes import CacheOptions
+from weightcache.core.server.server import ServerConfig
 from weightcache.core.socket_dir import ENV_SOCKET_DIR, LOCK_NAME, SOCKET_NAME, SocketDir
 
 

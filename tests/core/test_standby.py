@@ -19,9 +19,9 @@ import pytest
 
 from tests.helpers import wait_until
 from weightcache.core.errors import StandbyError
-from weightcache.core.loader import prepare, publish
+from weightcache.core.flow.loader import prepare, publish
 from weightcache.core.request import LoadRequest
-from weightcache.core.standby import TAKEOVER_REQUEST, _Triggers
+from weightcache.core.spare.standby import TAKEOVER_REQUEST, _Triggers
 
 
 class StandbyProcess:
@@ -33,7 +33,7 @@ class StandbyProcess:
             [
                 sys.executable,
                 "-m",
-                "weightcache.core.cli",
+                "weightcache.core.cli.cli",
                 "standby",
                 "--model",
                 str(model),
@@ -196,7 +196,7 @@ def test_a_standby_that_cannot_attach_says_why_and_exits_non_zero(server, model_
     ],
 )
 def test_a_bad_watch_pid_or_then_is_refused_before_anything_slow(socket_dir, model_dir, args, words):
-    code = "import sys; from weightcache.core.cli import main; code = main(sys.argv[1:]); print('torch' in sys.modules); sys.exit(code)"
+    code = "import sys; from weightcache.core.cli.cli import main; code = main(sys.argv[1:]); print('torch' in sys.modules); sys.exit(code)"
     proc = subprocess.run(
         [sys.executable, "-c", code, "standby", "--model", str(model_dir("llama")), "--socket-dir", str(socket_dir), *args],
         capture_output=True,
@@ -250,7 +250,7 @@ def test_early_cuda_set_up_does_nothing_on_the_cpu_and_hands_its_error_to_the_wa
     import torch
 
     from weightcache.core.errors import ArenaError
-    from weightcache.core.warm import start_cuda_early
+    from weightcache.core.spare.warm import start_cuda_early
 
     assert start_cuda_early("cpu").wait() < 0.01
     if torch.cuda.is_available():

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from weightcache.conformance.assertions import model_tensors
-from weightcache.core import api
 from weightcache.core.errors import InvalidManifest, RebindError
-from weightcache.core.export import ArenaBuilder, collect_tensors, export_module
-from weightcache.core.manifest import Manifest, TensorRecord
-from weightcache.core.rebind import check_no_meta, rebind_module
+from weightcache.core.flow import api
+from weightcache.core.layout.manifest import Manifest, TensorRecord
+from weightcache.core.load.export import ArenaBuilder, collect_tensors, export_module
+from weightcache.core.load.rebind import check_no_meta, rebind_module
 
 
 class Attention(torch.nn.Module):

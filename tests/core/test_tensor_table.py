@@ -14,10 +14,10 @@ import pytest
 from tests.core.support import make_fingerprint, publish_raw, rss_kib, sealed_memfd
 from tests.helpers import ServerProcess
 from weightcache.core.arena import ArenaSpec
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import InvalidManifest, ServerError
-from weightcache.core.manifest import Manifest, TensorRecord
-from weightcache.core.tensor_table import HEADER, MAX_TENSORS, TensorTable
+from weightcache.core.layout.manifest import Manifest, TensorRecord
+from weightcache.core.layout.tensor_table import HEADER, MAX_TENSORS, TensorTable
 
 
 def expert_table(count: int, itemsize_offsets: int = 8) -> TensorTable:

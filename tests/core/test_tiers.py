@@ -18,10 +18,10 @@ import pytest
 from tests.core.support import make_fingerprint, publish_host_entry
 from tests.core.test_exhaustion import configured_server
 from tests.helpers import run_cli
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import ServerError
 from weightcache.core.fingerprint import HOST_TIER
-from weightcache.core.registry import Budgets, Entry, OverBudget, Registry
+from weightcache.core.server.registry import Budgets, Entry, OverBudget, Registry
 
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
@@ -90,7 +90,7 @@ def test_the_server_command_takes_per_tier_budgets(tmp_path):
         [
             sys.executable,
             "-m",
-            "weightcache.core.cli",
+            "weightcache.core.cli.cli",
             "serve",
             "--socket-dir",
             str(socket_dir),
@@ -103,7 +103,7 @@ def test_the_server_command_takes_per_tier_budgets(tmp_path):
         stderr=subprocess.DEVNULL,
     )
     try:
-        from weightcache.core.client import wait_for_server
+        from weightcache.core.client.client import wait_for_server
 
         wait_for_server(socket_dir, timeout=30)
         status = json.loads(run_cli("status", "--json", "--socket-dir", str(socket_dir)).stdout)

@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import wait_until
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 from weightcache.core.errors import AccessDenied
-from weightcache.core.modes import load_model
-from weightcache.core.paths import check_client_dir, peer_credentials, trusted_uid, user_label
+from weightcache.core.flow.modes import load_model
 from weightcache.core.socket_dir import ENV_SOCKET_DIR, SOCKET_NAME
+from weightcache.core.wire.paths import check_client_dir, peer_credentials, trusted_uid, user_label
 
 NOBODY = "nobody"
 
@@ -34,7 +34,7 @@ NOBODY = "nobody"
 def serve_cli(socket_dir: Path) -> subprocess.CompletedProcess:
     """``weightcache serve`` on ``socket_dir`` in a fresh process (it exits at once when it refuses the directory)."""
     return subprocess.run(
-        [sys.executable, "-m", "weightcache.core.cli", "serve", "--socket-dir", str(socket_dir)],
+        [sys.executable, "-m", "weightcache.core.cli.cli", "serve", "--socket-dir", str(socket_dir)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -124,7 +124,7 @@ def test_serve_refuses_a_parent_others_may_write_without_the_sticky_bit(tmp_path
     assert result.returncode != 0 and "may write it without the sticky bit" in result.stderr, result.stderr
     assert not (parent / "wc").exists(), "nothing is created in an unsafe parent"
     parent.chmod(0o1777)  # like /tmp: others may write, but only the owner may rename or remove what is ours
-    from weightcache.core.paths import ensure_private_dir
+    from weightcache.core.wire.paths import ensure_private_dir
 
     assert stat.S_IMODE(os.stat(ensure_private_dir(parent / "wc")).st_mode) == 0o700
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from tests.core.support import make_fingerprint, publish_host_entry
 from tests.helpers import run_cli
 from weightcache.core.arena.checksum import SCHEME
-from weightcache.core.client import Connection
-from weightcache.core.loader import prepare, publish
+from weightcache.core.cli.verify import CORRUPT, OK
+from weightcache.core.client.client import Connection
+from weightcache.core.flow.loader import prepare, publish
 from weightcache.core.request import LoadRequest
-from weightcache.core.verify import CORRUPT, OK
 
 LIE = f"{SCHEME}:{'5a' * 16}"
 

@@ -54,8 +54,8 @@ def describe(model, out) -> dict:
     """
     import torch
 
-    from weightcache.core.export import tensor_attributes
-    from weightcache.core.modes import ATTACHMENT_ATTR
+    from weightcache.core.flow.modes import ATTACHMENT_ATTR
+    from weightcache.core.load.export import tensor_attributes
 
     attachment = getattr(model, ATTACHMENT_ATTR, None)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -104,7 +104,7 @@ def held_on_meta(model) -> list[str]:
 
 def python_attributes(model) -> dict:
     """The JSON-able Python attributes engines hang on each parameter and buffer (``format_ue8m0``), by tensor name."""
-    from weightcache.core.export import json_attributes
+    from weightcache.core.load.export import json_attributes
 
     named = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     return {name: json_attributes(tensor) for name, tensor in named.items() if json_attributes(tensor)}
@@ -134,7 +134,7 @@ def run_vllm(model_path: str, steps: list) -> None:
     from vllm.plugins import load_general_plugins
 
     from weightcache.adapters.vllm.loader import load_request
-    from weightcache.core.loader import prepare
+    from weightcache.core.flow.loader import prepare
 
     load_general_plugins()
     initialised = False
@@ -218,7 +218,7 @@ def run_sglang(model_path: str, steps: list) -> None:
 def sglang_digest(load_config, model_config, device_config) -> str:
     """The fingerprint digest the SGLang adapter computes for these objects, before loading."""
     from weightcache.adapters.sglang.loader import load_request
-    from weightcache.core.loader import prepare
+    from weightcache.core.flow.loader import prepare
 
     return prepare(load_request(load_config, model_config, device_config)).fingerprint.digest
 

@@ -102,7 +102,7 @@ run_variant() {  # run_variant ENGINE PYTHON NAME [extra args...]
 server_status() {
   python3 - "$SOCK" <<'PY'
 import json, sys
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 with Connection(sys.argv[1]) as connection:
     print(json.dumps(connection.status(), indent=1))
 PY
@@ -111,7 +111,7 @@ PY
 evict_all() {
   python3 - "$SOCK" <<'PY'
 import sys
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 with Connection(sys.argv[1]) as connection:
     for entry in connection.status()["entries"]:
         connection.evict(entry["digest"], force=True)
@@ -140,7 +140,7 @@ PY
 
 status=0
 { date -u; nvidia-smi; } > "$OUT/machine.txt" 2>&1
-python3 -m weightcache.core.cli serve --socket-dir "$SOCK" > "$OUT/server.log" 2>&1 &
+python3 -m weightcache.core.cli.cli serve --socket-dir "$SOCK" > "$OUT/server.log" 2>&1 &
 SERVER_PID=$!
 sleep 2
 

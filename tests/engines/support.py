@@ -278,7 +278,7 @@ def write_word_tokenizer(directory: Path, vocab_size: int) -> Path:
 
 
 def server_status(socket_dir) -> dict:
-    from weightcache.core.client import Connection
+    from weightcache.core.client.client import Connection
 
     with Connection(socket_dir, timeout=5.0) as connection:
         return connection.status()
@@ -286,7 +286,7 @@ def server_status(socket_dir) -> dict:
 
 def stop_spawned_server(socket_dir) -> None:
     """Stop the server a daemon-mode engine started in ``socket_dir`` (it outlives the engine on purpose)."""
-    from weightcache.core.client import server_is_running
+    from weightcache.core.client.client import server_is_running
 
     if not server_is_running(socket_dir):
         return

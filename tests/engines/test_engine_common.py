@@ -11,7 +11,7 @@ import pytest
 
 from weightcache.adapters import engine_quantization, engine_support
 from weightcache.core.errors import RebindError, UnsupportedQuantization
-from weightcache.core.modes import ATTACHMENT_ATTR, CacheOptions
+from weightcache.core.flow.modes import ATTACHMENT_ATTR, CacheOptions
 
 WHERE = "--model-loader-extra-config"
 
@@ -106,7 +106,7 @@ def test_writes_into_mapped_weights_are_named_and_private_tensors_stay_writable(
     SIGSEGV); the same on private tensors, and reads of mapped ones, go through."""
     import torch
 
-    from weightcache.core import api
+    from weightcache.core.flow import api
 
     fingerprint = api.fingerprint(model_dir("llama"), architecture="GuardTest", dtype="float32")
     api.publish_state({"scale": torch.ones(4), "weight": torch.arange(6.0)}, fingerprint, socket_dir=socket_dir)
@@ -144,7 +144,7 @@ def test_reloading_a_mapped_model_in_place_is_refused():
 
 
 def test_entry_bytes_is_zero_without_a_server_or_an_entry(server, socket_dir, tmp_path, model_dir):
-    from weightcache.core import api
+    from weightcache.core.flow import api
 
     fingerprint = api.fingerprint(model_dir("llama"), architecture="Absent", dtype="float32")
     assert engine_support.entry_bytes(fingerprint, tmp_path / "none") == 0

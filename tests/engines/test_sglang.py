@@ -55,11 +55,11 @@ from weightcache.adapters.sglang import engine, identity, internals, plugin  # n
 from weightcache.adapters.sglang.engine import STATE_KEY, EngineObjects  # noqa: E402
 from weightcache.adapters.sglang.loader import loader_class  # noqa: E402
 from weightcache.conformance import ConformanceFixtures, ConformanceTests, ParityTests  # noqa: E402
-from weightcache.core.client import server_is_running  # noqa: E402
+from weightcache.core.client.client import server_is_running  # noqa: E402
 from weightcache.core.errors import UnsupportedQuantization  # noqa: E402
-from weightcache.core.loader import prepare  # noqa: E402
+from weightcache.core.flow.loader import prepare  # noqa: E402
+from weightcache.core.identity.safetensors_io import checkpoint_identity  # noqa: E402
 from weightcache.core.request import LoadRequest  # noqa: E402
-from weightcache.core.safetensors_io import checkpoint_identity  # noqa: E402
 from weightcache.core.socket_dir import SocketDir  # noqa: E402
 
 GPTQ_MARLIN = {"quant_method": "gptq_marlin", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
@@ -142,7 +142,7 @@ def test_the_entry_points_are_installed_in_both_groups():
 def test_the_adapter_passes_the_core_checks_and_warm_up_imports_the_models_class(tiny_llama):
     import sys
 
-    from weightcache.core.plugins import installed_plugins
+    from weightcache.core.flow.plugins import installed_plugins
 
     plugins = installed_plugins()
     assert "sglang" in plugins.names() and "sglang" not in plugins.broken, plugins.broken

@@ -50,9 +50,9 @@ from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, Ranks  # 
 from weightcache.adapters.vllm.loader import LOAD_FORMAT, loader_class  # noqa: E402
 from weightcache.conformance import ConformanceFixtures, ConformanceTests  # noqa: E402
 from weightcache.core.errors import UnsupportedQuantization  # noqa: E402
-from weightcache.core.loader import prepare  # noqa: E402
+from weightcache.core.flow.loader import prepare  # noqa: E402
+from weightcache.core.identity.safetensors_io import checkpoint_identity  # noqa: E402
 from weightcache.core.request import LoadRequest  # noqa: E402
-from weightcache.core.safetensors_io import checkpoint_identity  # noqa: E402
 from weightcache.core.socket_dir import SocketDir  # noqa: E402
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
@@ -131,7 +131,7 @@ def test_the_kit_cli_passes_on_a_block_fp8_checkpoint(tiny_fp8_block, tmp_path):
         [
             sys.executable,
             "-m",
-            "weightcache.core.cli",
+            "weightcache.core.cli.cli",
             "conformance",
             "--adapter",
             "vllm",
@@ -333,9 +333,9 @@ def test_vllms_in_place_parameter_update_into_mapped_weights_is_an_error_not_a_c
     from vllm.model_executor.utils import replace_parameter
 
     from weightcache.adapters.engine_support import no_writes_into
-    from weightcache.core import api
     from weightcache.core.errors import RebindError
-    from weightcache.core.rebind import rebind_module
+    from weightcache.core.flow import api
+    from weightcache.core.load.rebind import rebind_module
 
     layer = torch.nn.Module()
     layer.W_UV = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3), requires_grad=False)

@@ -495,7 +495,7 @@ class StepContext:
 
     def start_server(self):
         """A weightcache server (``ServerProcess``) whose pid the parent kills if this step dies before closing it."""
-        from weightcache.core.server_process import ServerProcess
+        from weightcache.core.server.server_process import ServerProcess
 
         server = ServerProcess.start()
         pids = self.work / "pids"
@@ -545,7 +545,7 @@ def loaded_summary(model, out: Path | None = None) -> dict:
 
 
 def attachment_devices(model) -> list[str]:
-    from weightcache.core.modes import ATTACHMENT_ATTR
+    from weightcache.core.flow.modes import ATTACHMENT_ATTR
 
     attachment = getattr(model, ATTACHMENT_ATTR, None)
     if attachment is None:
@@ -554,7 +554,7 @@ def attachment_devices(model) -> list[str]:
 
 
 def server_entries(server) -> list:
-    from weightcache.core.client import Connection
+    from weightcache.core.client.client import Connection
 
     with Connection(server.socket_dir, timeout=5.0) as connection:
         status = connection.status()

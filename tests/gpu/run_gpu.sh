@@ -60,7 +60,7 @@ if [ "$PART" = all ] || [ "$PART" = kit ]; then
     for quant in $quants; do
       extra=""; [ "$quant" != none ] && extra="--quant $quant"
       echo "== conformance $kind $quant on cuda:0" | tee -a "$OUT/conformance-gpu.log"
-      python3 -m weightcache.core.cli conformance --adapter hf --model "$MODELS/$kind" --device cuda:0 $extra 2>&1 \
+      python3 -m weightcache.core.cli.cli conformance --adapter hf --model "$MODELS/$kind" --device cuda:0 $extra 2>&1 \
         | tail -n 25 | tee -a "$OUT/conformance-gpu.log" || status=1
     done
   done

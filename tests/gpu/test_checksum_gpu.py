@@ -42,7 +42,7 @@ def test_chunks_fold_on_the_gpu_as_on_the_cpu(monkeypatch):
 
 
 def test_a_cuda_arena_is_checksummed_at_seal_on_its_gpu():
-    from weightcache.core.export import ArenaBuilder
+    from weightcache.core.load.export import ArenaBuilder
 
     with ArenaBuilder("cuda:0") as builder:
         view = builder.view(builder.plan(5 << 20))
@@ -56,7 +56,7 @@ def test_a_cuda_arena_is_checksummed_at_seal_on_its_gpu():
 _ON_CUDA1_ONLY = """
 import torch
 from weightcache.core.arena.checksum import checksum
-from weightcache.core.arena.driver import check, driver
+from weightcache.core.cuda_driver import check, driver
 data = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda:1")
 print(checksum(data) == checksum(data.cpu()))
 cu = driver()

@@ -30,7 +30,7 @@ def gpu_model(tmp_path_factory):
 
 def _publish_in_subprocess(model_path, socket_dir):
     run_python(
-        "import sys; from weightcache.core.loader import prepare, publish; from weightcache.core.request import LoadRequest;"
+        "import sys; from weightcache.core.flow.loader import prepare, publish; from weightcache.core.request import LoadRequest;"
         "publish(prepare(LoadRequest(model=sys.argv[1], device='cuda:0')), sys.argv[2])",
         str(model_path),
         str(socket_dir),
@@ -93,7 +93,7 @@ def test_engines_survive_the_loader_sigkill(server, gpu_model):
 
 
 def test_evict_frees_gpu_memory_once_no_engine_maps_it(server, gpu_model):
-    from weightcache.core.client import Connection
+    from weightcache.core.client.client import Connection
 
     torch.zeros(1, device=DEVICE)
     free_before = torch.cuda.mem_get_info()[0]
@@ -107,8 +107,8 @@ def test_evict_frees_gpu_memory_once_no_engine_maps_it(server, gpu_model):
 
 
 def test_100_attach_detach_cycles_leave_memory_and_fds_where_they_were(server, gpu_model):
-    from weightcache.core.attach import Attachment
-    from weightcache.core.loader import prepare
+    from weightcache.core.client.attach import Attachment
+    from weightcache.core.flow.loader import prepare
     from weightcache.core.request import LoadRequest
 
     _publish_in_subprocess(gpu_model, server.socket_dir)
@@ -128,7 +128,7 @@ def test_100_attach_detach_cycles_leave_memory_and_fds_where_they_were(server, g
 def test_a_reordered_cuda_visible_devices_still_maps_the_right_gpu(server, gpu_model):
     """With CUDA_VISIBLE_DEVICES reversed, the index that now names the publisher's GPU attaches its entry (and, on two
     GPUs, the old index names the other GPU: another gpu_uuid, so never the first GPU's entry: a client fills its own)."""
-    from weightcache.core.client import Connection
+    from weightcache.core.client.client import Connection
     from weightcache.core.device import cuda_index, visible_gpu_uuids
 
     _publish_in_subprocess(gpu_model, server.socket_dir)
@@ -160,7 +160,7 @@ def test_a_reordered_cuda_visible_devices_still_maps_the_right_gpu(server, gpu_m
 
 def test_fp8_block_model_attached_equals_the_disk_quantized_model(server, gpu_model):
     run_python(
-        "import sys; from weightcache.core.loader import prepare, publish; from weightcache.core.request import LoadRequest;"
+        "import sys; from weightcache.core.flow.loader import prepare, publish; from weightcache.core.request import LoadRequest;"
         "publish(prepare(LoadRequest(model=sys.argv[1], device='cuda:0', quantization='fp8-block')), sys.argv[2])",
         str(gpu_model),
         str(server.socket_dir),
@@ -168,7 +168,7 @@ def test_fp8_block_model_attached_equals_the_disk_quantized_model(server, gpu_mo
     code = """
 import sys, json, hashlib, torch
 import weightcache.core.quantization.fp8_block as fp8
-from weightcache.core.modes import load_model
+from weightcache.core.flow.modes import load_model
 mode = sys.argv[3]
 if mode == "client":
     def refuse(*a, **k):
@@ -189,7 +189,7 @@ print(json.dumps({"source": loaded.source, "sha": hashlib.sha256(out.numpy().tob
 
 def test_engines_republish_gpu_entries_to_a_restarted_server(socket_dir, gpu_model):
     from tests.helpers import ServerProcess, wait_until
-    from weightcache.core.client import Connection
+    from weightcache.core.client.client import Connection
 
     first = ServerProcess.start(socket_dir)
     _publish_in_subprocess(gpu_model, socket_dir)
@@ -220,7 +220,7 @@ def test_engines_map_gpu_weights_read_only_so_a_faulty_engine_cannot_corrupt_the
     _publish_in_subprocess(gpu_model, server.socket_dir)
     probe = """
 import sys, json, torch
-from weightcache.core.modes import load_model
+from weightcache.core.flow.modes import load_model
 loaded = load_model(sys.argv[1], mode="client", socket_dir=sys.argv[2], device="cuda:0", strict=True)
 writable = [a.writable for a in loaded.attachment.arenas]
 print(json.dumps({"writable": writable}), flush=True)
@@ -251,10 +251,10 @@ def test_a_first_sight_publish_on_the_gpu_digests_exactly_the_bytes_it_placed(gp
     import safetensors.torch
 
     from tests.helpers import assert_tensors_equal
-    from weightcache.core.digests import file_digest
-    from weightcache.core.export import ArenaBuilder
-    from weightcache.core.reader import read_checkpoint
-    from weightcache.core.safetensors_io import checkpoint_files
+    from weightcache.core.identity.digests import file_digest
+    from weightcache.core.identity.safetensors_io import checkpoint_files
+    from weightcache.core.load.export import ArenaBuilder
+    from weightcache.core.load.reader import read_checkpoint
 
     files = checkpoint_files(gpu_model)
     with ArenaBuilder(DEVICE) as builder:

@@ -42,7 +42,7 @@ def load(model, socket_dir, device: str, tier: str = "device") -> str:
 
 
 def status(socket_dir) -> list[dict]:
-    from weightcache.core.client import Connection
+    from weightcache.core.client.client import Connection
 
     with Connection(socket_dir) as connection:
         return connection.status()["entries"]
@@ -50,7 +50,7 @@ def status(socket_dir) -> list[dict]:
 
 def assert_attaches_like_a_disk_load(model, socket_dir, device: str) -> None:
     from tests.adapters.test_hf_checkpoints import assert_same_bits, forward, named_tensors
-    from weightcache.core.modes import load_model
+    from weightcache.core.flow.modes import load_model
 
     def compare(cached, disk) -> None:  # its locals (views of the arenas) are gone before the arenas are unmapped
         assert cached.source == "cache"
@@ -89,7 +89,8 @@ def test_evicting_the_gpu_entry_keeps_its_host_copy_and_a_client_refills_from_it
     assert "kept on the host tier as" in line, line
     gpu = next(row for row in status(server.socket_dir) if row["tier"] != "host")
     subprocess.run(
-        [sys.executable, "-m", "weightcache.core.cli", "evict", gpu["digest"], "--socket-dir", str(server.socket_dir)], check=True
+        [sys.executable, "-m", "weightcache.core.cli.cli", "evict", gpu["digest"], "--socket-dir", str(server.socket_dir)],
+        check=True,
     )
     assert [row["tier"] for row in status(server.socket_dir)] == ["host"]
     engine = Engine(gpu_model, server.socket_dir, mode="client", device="cuda:0")  # a client: fills from the node, no disk
@@ -101,10 +102,10 @@ def test_evicting_the_gpu_entry_keeps_its_host_copy_and_a_client_refills_from_it
 
 
 def test_a_source_gone_before_the_copy_costs_one_log_line_and_the_next_source_is_used(server, gpu_model, caplog):
-    from weightcache.core import fill
-    from weightcache.core.export import ArenaBuilder
     from weightcache.core.fingerprint import HOST_TIER
-    from weightcache.core.loader import prepare
+    from weightcache.core.flow.loader import prepare
+    from weightcache.core.load.export import ArenaBuilder
+    from weightcache.core.node import fill
     from weightcache.core.request import LoadRequest
 
     load(gpu_model, server.socket_dir, "cuda:0", tier="host")
@@ -132,9 +133,9 @@ def test_a_filler_killed_before_it_publishes_leaves_no_entry(server, gpu_model):
 
 _FILL_THEN_WAIT = """
 import sys, time
-from weightcache.core import fill
-from weightcache.core.export import ArenaBuilder
-from weightcache.core.loader import prepare
+from weightcache.core.node import fill
+from weightcache.core.load.export import ArenaBuilder
+from weightcache.core.flow.loader import prepare
 from weightcache.core.request import LoadRequest
 fingerprint = prepare(LoadRequest(model=sys.argv[1], device="cuda:0")).fingerprint
 with ArenaBuilder("cuda:0") as builder:
@@ -156,10 +157,10 @@ def test_a_peer_gpu_fills_the_second_gpu_bit_identical_to_its_disk_load(server, 
 
 @two_gpus
 def test_an_evicted_peer_entry_falls_back_to_the_host_tier(server, gpu_model, caplog):
-    from weightcache.core import fill
-    from weightcache.core.client import Connection
-    from weightcache.core.export import ArenaBuilder
-    from weightcache.core.loader import prepare
+    from weightcache.core.client.client import Connection
+    from weightcache.core.flow.loader import prepare
+    from weightcache.core.load.export import ArenaBuilder
+    from weightcache.core.node import fill
     from weightcache.core.request import LoadRequest
 
     load(gpu_model, server.socket_dir, "cuda:0", tier="both")
@@ -176,8 +177,8 @@ def test_an_evicted_peer_entry_falls_back_to_the_host_tier(server, gpu_model, ca
 
 _LOAD_ON_CUDA1_THEN_LIST_CONTEXTS = """
 import sys
-from weightcache.core.arena.driver import check, driver
-from weightcache.core.cli import main
+from weightcache.core.cuda_driver import check, driver
+from weightcache.core.cli.cli import main
 assert main(["load", "--model", sys.argv[1], "--device", "cuda:1", "--socket-dir", sys.argv[2]]) == 0
 cu = driver()
 states = [check(cu.cuDevicePrimaryCtxGetState(check(cu.cuDeviceGet(i), "cuDeviceGet")), "state") for i in range(2)]
@@ -201,7 +202,7 @@ def load_on_cuda1_and_list_contexts(model, socket_dir) -> tuple[str, str]:
 @two_gpus
 def test_loading_for_the_second_gpu_makes_no_context_on_the_first(server, gpu_model):
     """A CUDA context costs hundreds of MiB of its GPU: a loader for cuda:1, from disk or from cuda:0's entry, makes none on cuda:0."""
-    from weightcache.core.client import Connection
+    from weightcache.core.client.client import Connection
 
     output, contexts = load_on_cuda1_and_list_contexts(gpu_model, server.socket_dir)
     assert "copied from" not in output, output
@@ -237,11 +238,11 @@ def publish_corrupt_copy(fingerprint, socket_dir, tier: str) -> None:
     import attrs
 
     from weightcache.core.arena.transfer import Pair, device_to_host
-    from weightcache.core.attach import Attachment
-    from weightcache.core.client import Connection
-    from weightcache.core.export import ArenaBuilder
+    from weightcache.core.client.attach import Attachment
+    from weightcache.core.client.client import Connection
     from weightcache.core.fingerprint import HOST_TIER
-    from weightcache.core.protocol import close_fds
+    from weightcache.core.load.export import ArenaBuilder
+    from weightcache.core.wire.protocol import close_fds
 
     original = Attachment.open(fingerprint, socket_dir)
     try:
@@ -277,10 +278,10 @@ def publish_corrupt_copy(fingerprint, socket_dir, tier: str) -> None:
 
 
 def test_a_corrupted_host_tier_copy_is_refused_on_the_gpu_and_the_disk_is_used(server, gpu_model, caplog):
-    from weightcache.core import fill
-    from weightcache.core.client import Connection
-    from weightcache.core.export import ArenaBuilder
-    from weightcache.core.loader import prepare
+    from weightcache.core.client.client import Connection
+    from weightcache.core.flow.loader import prepare
+    from weightcache.core.load.export import ArenaBuilder
+    from weightcache.core.node import fill
     from weightcache.core.request import LoadRequest
 
     load(gpu_model, server.socket_dir, "cuda:0")
@@ -299,9 +300,9 @@ def test_a_corrupted_host_tier_copy_is_refused_on_the_gpu_and_the_disk_is_used(s
 
 @two_gpus
 def test_a_corrupted_peer_gpu_entry_is_refused_on_the_gpu_and_the_next_source_is_used(server, gpu_model, caplog):
-    from weightcache.core import fill
-    from weightcache.core.export import ArenaBuilder
-    from weightcache.core.loader import prepare
+    from weightcache.core.flow.loader import prepare
+    from weightcache.core.load.export import ArenaBuilder
+    from weightcache.core.node import fill
     from weightcache.core.request import LoadRequest
 
     load(gpu_model, server.socket_dir, "cuda:0", tier="both")
@@ -317,7 +318,7 @@ def test_a_corrupted_peer_gpu_entry_is_refused_on_the_gpu_and_the_next_source_is
 
 
 def test_weightcache_verify_checks_a_gpu_entry_on_its_gpu_and_finds_a_corrupt_one(server, gpu_model):
-    from weightcache.core.loader import prepare
+    from weightcache.core.flow.loader import prepare
     from weightcache.core.request import LoadRequest
 
     load(gpu_model, server.socket_dir, "cuda:0")

@@ -12,7 +12,7 @@ import pytest
 
 from tests.core.test_seeding import run_ranks, seed_command, sender_script
 from tests.helpers import run_python
-from weightcache.core.client import Connection
+from weightcache.core.client.client import Connection
 from weightcache.core.fingerprint import Fingerprint
 
 torch = pytest.importorskip("torch")
@@ -43,7 +43,7 @@ def test_nccl_seeds_a_gpu_entry_into_another_gpus_server(nodes, model_dir):
     a, b = nodes
     path = model_dir("llama-500m")  # ~500 MB in fp32
     run_python(
-        "import sys; from weightcache.core.loader import prepare, publish; from weightcache.core.request import LoadRequest;"
+        "import sys; from weightcache.core.flow.loader import prepare, publish; from weightcache.core.request import LoadRequest;"
         "publish(prepare(LoadRequest(model=sys.argv[1], device='cuda:0')), sys.argv[2])",
         str(path),
         str(a.socket_dir),
@@ -66,9 +66,9 @@ def test_nccl_seeds_a_gpu_entry_into_another_gpus_server(nodes, model_dir):
         """
 import sys, torch
 from weightcache.core.device import gpu_uuid
-from weightcache.core.attach import Attachment
-from weightcache.core.loader import prepare
-from weightcache.core.modes import load_model
+from weightcache.core.client.attach import Attachment
+from weightcache.core.flow.loader import prepare
+from weightcache.core.flow.modes import load_model
 from weightcache.core.request import LoadRequest
 
 model, a, b, digest = sys.argv[1:5]
@@ -107,7 +107,7 @@ print("ok")
 def publish_on_cuda0(path, socket_dir) -> Fingerprint:
     """``weightcache load``'s publish of ``path`` on cuda:0, in a process of its own; its fingerprint."""
     printed = run_python(
-        "import sys, json; from weightcache.core.loader import prepare, publish; from weightcache.core.request import LoadRequest;"
+        "import sys, json; from weightcache.core.flow.loader import prepare, publish; from weightcache.core.request import LoadRequest;"
         "print(json.dumps(publish(prepare(LoadRequest(model=sys.argv[1], device='cuda:0')), sys.argv[2]).fingerprint.to_json()))",
         str(path),
         str(socket_dir),

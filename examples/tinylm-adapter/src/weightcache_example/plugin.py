@@ -18,8 +18,8 @@ import safetensors.torch
 import torch
 
 from weightcache.core.hookspecs import hookimpl
+from weightcache.core.load.rebind import rebind_module
 from weightcache.core.quantization.fp8_block import Fp8BlockConfig, convert_model_to_fp8_skeleton, quantize_model
-from weightcache.core.rebind import rebind_module
 from weightcache.core.request import CheckpointConventions, ModelDescription
 from weightcache_example import TinyLM, __version__, example_inputs, read_config
 

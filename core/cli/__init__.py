@@ -1,0 +1,1 @@
+"""The ``weightcache`` command line: its subcommands, the options they share, one line per mistake, the demo."""

@@ -1,0 +1,283 @@
+"""An engine's attachment to a cached entry: the connection, the mapped arenas and the tensors.
+
+Also the one rule for when a ``client`` falls back to a disk load instead of
+raising (``fallback_reason``): a cache miss is always safe, a wrong hit never is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import typing
+
+from weightcache.core.arena import backend
+from weightcache.core.arena.checksum import check_mapped, mismatched
+from weightcache.core.client.client import Connection
+from weightcache.core.errors import (
+    AccessDenied,
+    ArenaError,
+    CheckpointNotFound,
+    EntryCorrupt,
+    EntryNotFound,
+    EntryUnusable,
+    InvalidCheckpoint,
+    ServerError,
+    ServerUnavailable,
+    WeightCacheError,
+)
+from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
+from weightcache.core.wire.protocol import close_fds
+
+if typing.TYPE_CHECKING:
+    import torch
+
+    from weightcache.core.arena.base import Arena
+    from weightcache.core.client.watch import Republisher
+    from weightcache.core.layout.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+# What decoding, checking, mapping or viewing an entry raises when its manifest does not fit this process.
+_UNUSABLE = (ValueError, TypeError, OverflowError, RuntimeError, ArenaError)
+
+
+class Attachment:
+    """A mapped entry. Keep it alive as long as the model uses its tensors; ``close()`` detaches.
+
+    It keeps the entry's fds, so it can publish the entry again to a restarted
+    server without touching the disk (``reattach``, driven by ``watch``).
+
+    ``unverified``: the server handed over an entry nobody has checksummed since a crash; ``verify`` (or, for a
+    caller that checks the bytes its own way, ``confirm_verified``) clears it.
+    """
+
+    def __init__(
+        self,
+        connection: Connection,
+        fingerprint: Fingerprint,
+        digest: str,
+        manifest: "Manifest",
+        fds,
+        label: str,
+        map_on: int | None = None,
+    ):
+        self.connection: Connection | None = connection
+        self.fingerprint = fingerprint
+        self.digest = digest
+        self.manifest = manifest
+        self.label = label
+        self.fds = list(fds)
+        self.socket_dir: SocketDir | None = None
+        self.watcher: Republisher | None = None
+        self.arenas: list[Arena] = []
+        self.timings: dict[str, float] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.unverified = False
+        try:
+            if len(self.fds) != len(manifest.arenas):
+                raise ValueError(f"the manifest lists {len(manifest.arenas)} arenas but {len(self.fds)} fds came")
+            start = time.perf_counter()
+            for fd, spec in zip(self.fds, manifest.arenas, strict=True):
+                self.arenas.append(_map(fd, spec, map_on))
+            self.timings["map_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            self.tensors = manifest.views(self.arenas)
+            self.timings["views_s"] = time.perf_counter() - start
+        except _UNUSABLE as exc:
+            self.close()
+            raise EntryUnusable(digest, f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def open(
+        cls,
+        fingerprint: Fingerprint,
+        socket_dir: SocketDirLike = None,
+        timeout: float = 30.0,
+        map_on: int | None = None,
+        checked_by_caller: bool = False,
+    ) -> "Attachment":
+        """Ask the server at ``socket_dir`` for ``fingerprint`` and map the answer.
+
+        ``map_on``: map CUDA arenas for this GPU index over peer access, wherever they live (a peer fill).
+        An entry not verified since a server crash is checksummed here before it is returned (``verify``), unless
+        the caller checks the bytes its own way (``checked_by_caller``: a fill checks its copy) and then calls
+        ``confirm_verified``.
+
+        Raises ServerUnavailable, AccessDenied, ServerError, FingerprintMismatch,
+        EntryNotFound, EntryUnusable or EntryCorrupt. Whatever fails, every fd received and
+        the connection are closed.
+        """
+        attachment = cls._open(
+            lambda connection: connection.attach(fingerprint, verifies=True), fingerprint, socket_dir, timeout, map_on
+        )
+        if attachment.unverified and not checked_by_caller:
+            try:
+                attachment.verify()  # closes it and raises EntryCorrupt on a mismatch
+            except BaseException:
+                attachment.close()
+                raise
+        return attachment
+
+    @classmethod
+    def by_digest(cls, digest: str, socket_dir: SocketDirLike = None, timeout: float = 30.0) -> "Attachment":
+        """Map the entry whose full digest is ``digest`` (as ``status`` lists it), whatever its fingerprint: a scrub's
+        attach (it checks every arena itself and calls ``confirm_verified``)."""
+        return cls._open(lambda connection: connection.attach_digest(digest, verifies=True), None, socket_dir, timeout, None)
+
+    @classmethod
+    def _open(
+        cls, ask, fingerprint: Fingerprint | None, socket_dir: SocketDirLike, timeout: float, map_on: int | None
+    ) -> "Attachment":
+        """Attach with ``ask(connection)`` and map the reply; ``fingerprint`` None: the one the reply carries."""
+        start = time.perf_counter()
+        socket_dir = SocketDir.parse(socket_dir)
+        connection = Connection(socket_dir, timeout=timeout)
+        try:
+            reply = ask(connection)
+        except BaseException:
+            connection.close()
+            raise
+        requested = time.perf_counter()
+        try:
+            manifest = reply.manifest()
+            if fingerprint is None:
+                fingerprint = Fingerprint.from_json(reply.fingerprint or {})
+        except BaseException as exc:
+            close_fds(reply.fds)
+            connection.close()
+            if isinstance(exc, _UNUSABLE):
+                raise EntryUnusable(reply.digest, f"{type(exc).__name__}: {exc}") from exc
+            raise
+        decoded = time.perf_counter()
+        attachment = cls(connection, fingerprint, reply.digest, manifest, reply.fds, reply.label, map_on)
+        attachment.socket_dir = socket_dir
+        attachment.unverified = reply.verify
+        attachment.timings.update(request_s=requested - start, manifest_s=decoded - requested)
+        return attachment
+
+    def verify(self) -> None:
+        """Checksum every mapped arena (each where it lives) against the manifest and tell the server they matched.
+
+        On a mismatch the entry is dropped from the server unless other engines have it attached, this attachment is
+        closed and EntryCorrupt raised (a ``client`` falls back to the disk on it).
+        """
+        start = time.perf_counter()
+        bad = mismatched(self.arenas)
+        self.timings["verify_s"] = time.perf_counter() - start
+        if not bad:
+            self.confirm_verified()
+            return
+        index, actual = bad[0]
+        expected = self.arenas[index].spec.checksum
+        for arena, checksum in bad:  # the error names the first; the mode runner's fallback is the one warning
+            log.debug("weightcache: entry %s: arena %d does not match its checksum (%s)", self.digest[:12], arena, checksum)
+        pids: tuple[int, ...] | None = ()
+        try:
+            if self.connection is not None:
+                self.connection.detach(self.digest)  # this process keeps nothing of it
+                pids = self.connection.drop_corrupt(self.digest)
+        except WeightCacheError as exc:
+            log.warning("weightcache: could not drop the corrupt entry %s from the server: %s", self.digest[:12], exc)
+        finally:
+            self.close()
+        raise EntryCorrupt(self.digest, index, expected, actual, pids or (), dropped=pids is None)
+
+    def confirm_verified(self) -> None:
+        """Tell the server the bytes of this (unverified) entry matched its checksums; nothing if it is verified."""
+        if self.unverified and self.connection is not None:
+            self.connection.verified(self.digest, [arena.spec.checksum for arena in self.arenas])
+        self.unverified = False
+
+    def reattach(self) -> bool:
+        """After a server restart: publish this entry again from the fds held here and attach to it anew.
+
+        Returns whether this engine's publish created the entry (False: another engine was first).
+        The mapped arenas are checksummed first (each where it lives) and must match the
+        manifest's checksums: ChecksumMismatch, and nothing published, if they do not.
+        """
+        connection = Connection(self.socket_dir)  # first: while no server answers, nothing is checksummed
+        try:
+            check_mapped(
+                self.arenas,
+                "this engine's mapping",
+                "The mapped bytes changed since they were published: restart this engine from disk (`weightcache load`)",
+            )
+            created = bool(connection.publish(self.fingerprint, self.manifest, self.fds, label=self.label).get("created"))
+            reply = connection.attach(self.fingerprint)
+            close_fds(reply.fds)  # this engine keeps the fds it already holds
+        except BaseException:
+            connection.close()
+            raise
+        old, self.connection = self.connection, connection
+        if old is not None:
+            old.close()
+        return created
+
+    def watch(self, poll_s: float = 0.2) -> None:
+        """Re-publish this entry whenever the server restarts (a background thread; see ``core.watch``)."""
+        from weightcache.core.client.watch import Republisher
+
+        if self.watcher is None:
+            self.watcher = Republisher(self, poll_s)
+            self.watcher.start()
+
+    def close(self) -> None:
+        """Drop the tensors, unmap the arenas, close the fds and the connection (idempotent)."""
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = None
+        self.tensors = {}
+        for arena in self.arenas:
+            arena.close()
+        self.arenas = []
+        close_fds(self.fds)
+        self.fds = []
+        if self.connection is not None:
+            self.connection.close()
+            self.connection = None
+
+    def __repr__(self) -> str:
+        return f"<Attachment {self.digest[:12]} {self.label} pid={os.getpid()} arenas={len(self.arenas)}>"
+
+
+def _map(fd: int, spec, map_on: int | None) -> "Arena":
+    if map_on is not None and spec.backend == "cuda":
+        return backend("cuda").map(fd, spec, on_device=map_on)
+    return backend(spec.backend).map(fd, spec)
+
+
+_FALLBACKS = (
+    (ServerUnavailable, "no_server"),
+    (AccessDenied, "access_denied"),
+    (ServerError, "busy"),  # only ``busy``: another server error is a bug to show
+    (EntryNotFound, "not_found"),  # a fingerprint mismatch too: its message names the fields
+    (EntryUnusable, "unusable"),
+    (EntryCorrupt, "corrupt"),  # back from a crash with other bytes: dropped, never used
+    (CheckpointNotFound, "not_cacheable"),  # a hub id not in the local cache, ``.bin`` weights only
+    (InvalidCheckpoint, "not_cacheable"),  # a file weightcache cannot read (the engine's own load decides)
+)
+
+
+def fallback_kind(exc: BaseException) -> str | None:
+    """Which reason a ``client`` has to load from disk instead of raising ``exc``, or None when it must raise.
+
+    A missing or refusing server, an untrusted one (AccessDenied), a busy one, no matching
+    entry (or one not verified since a crash), an entry this process cannot use, one whose bytes
+    failed their checksums here, or a checkpoint the cache cannot serve: each only
+    costs the disk load, whose own errors are the engine's as without weightcache. Anything
+    else (a rebind that does not fit, a bug) raises. The kinds are the server's fallback
+    metric's reasons (``weightcache.core.server.metrics.FALLBACK_KINDS``) where a server is told.
+    """
+    if isinstance(exc, ServerError) and exc.code != "busy":
+        return None
+    return next((kind for cls, kind in _FALLBACKS if isinstance(exc, cls)), None)
+
+
+def fallback_reason(exc: BaseException) -> str | None:
+    """Why a ``client`` may load from disk instead of raising ``exc`` (one line; see ``fallback_kind``), or None."""
+    return str(exc) if fallback_kind(exc) is not None else None

