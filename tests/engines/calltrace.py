@@ -17,6 +17,10 @@ import typing
 def calls(package: str, action: typing.Callable[[], object], skip: typing.Collection[str] = ()) -> list[str]:
     """``module:qualname`` of every Python call into ``package``'s functions while ``action()`` runs, in order.
 
+    Left out as well: the import system's probes of a module's ``__getattr__`` (``from m import x`` inside a
+    function asks ``m`` for ``__path__``, and a module-level ``__getattr__`` answers it): they say where an
+    import statement stands, not what a load does.
+
     :param skip: qualnames whose calls, and everything below them, are left out (an adapter's own set-up).
     """
     seen: list[str] = []
@@ -33,7 +37,7 @@ def calls(package: str, action: typing.Callable[[], object], skip: typing.Collec
         if module.partition(".")[0] != package:
             return
         qualname = frame.f_code.co_qualname
-        if qualname in skip:
+        if qualname in skip or import_probe(frame):
             skipped.append(frame)
             return
         seen.append(f"{module}:{qualname}")
@@ -45,6 +49,15 @@ def calls(package: str, action: typing.Callable[[], object], skip: typing.Collec
     finally:
         sys.setprofile(previous)
     return seen
+
+
+def import_probe(frame) -> bool:
+    """Whether ``frame`` is a module-level ``__getattr__`` asked for a dunder name (``__path__``, ``__spec__``)."""
+    code = frame.f_code
+    if code.co_qualname != "__getattr__" or not code.co_argcount:
+        return False
+    name = frame.f_locals.get(code.co_varnames[0])
+    return isinstance(name, str) and name.startswith("__") and name.endswith("__")
 
 
 def difference(engine: list[str], replay: list[str]) -> dict[str, dict[str, int]]:

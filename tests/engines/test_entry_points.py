@@ -4,9 +4,9 @@ Per engine, one process builds the engine by its public constructor for a
 Llama, a Qwen3-MoE and a DeepSeek-V3 (MLA + MoE): without weightcache, then
 with ``--load-format weightcache`` in mode ``off``, ``daemon`` (starts the
 server, loads, publishes) and ``client`` (strict: a miss raises, so tokens mean
-the cache served it), each a fresh engine start; then the Llama at TP=2 without
-weightcache, daemon and client. Greedy tokens must be identical within each
-model and TP size. Then the engine's HTTP server (``vllm serve``, SGLang's
+the cache served it), each a fresh engine start; then the same at TP=2 (two
+ranks, each its own entry). Greedy tokens must be identical within each model
+and TP size. Then the engine's HTTP server (``vllm serve``, SGLang's
 ``launch_server``) as a strict client answers one OpenAI completion. Errors
 (a strict client with no server, a refused quantization, a fingerprint
 mismatch under strict) must reach the user in bounded time with weightcache's
@@ -18,6 +18,7 @@ wheel is a CUDA build without the CPU ``_C`` that vLLM's CPU worker needs).
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 import os
@@ -80,29 +81,33 @@ def engine(request) -> str:
     return request.param
 
 
+FAMILIES = ("llama", "qwen3-moe", "deepseek-v3")
+"""The model families of the generation test, each run at every TP size in every mode."""
+
+
 @pytest.fixture(scope="module")
 def models(engine, tmp_path_factory) -> dict[str, Path]:
     """The three families (DeepSeek-V3 as the engine's CPU MLA path takes it), each with a word-level tokenizer."""
     from tests.engines.test_sglang import with_released_deepseek_fields
 
     mla, _ = DEEPSEEK_FOR[engine]
-    made = {
-        "llama": write_tiny_llama(tmp_path_factory.mktemp("llama")),
-        "qwen3-moe": write_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3-moe")),
-        "deepseek-v3": with_released_deepseek_fields(
-            write_tiny_model("deepseek_v3", tmp_path_factory.mktemp("deepseek-v3"), **mla)
-        ),
+    writers = {
+        "llama": write_tiny_llama,
+        "qwen3-moe": lambda directory: write_tiny_model("qwen3_moe", directory),
+        "deepseek-v3": lambda directory: with_released_deepseek_fields(write_tiny_model("deepseek_v3", directory, **mla)),
     }
+    made = {family: writers[family](tmp_path_factory.mktemp(family)) for family in FAMILIES}
     for path in made.values():
         write_word_tokenizer(path, json.loads((path / "config.json").read_text())["vocab_size"])
     return made
 
 
 MODES = ("none", "off", "daemon", "client")
+TP_SIZES = (1, 2)
 
 
 def plan(engine: str, models: dict[str, Path], socket_dir: Path) -> list[dict]:
-    """Every engine start of the generation test: each family in every mode at TP=1, then the Llama at TP=2."""
+    """Every engine start of the generation test: each family in every mode at TP=1, then the same at TP=2."""
     extras = {
         "none": None,
         "off": {"mode": "off"},
@@ -110,13 +115,12 @@ def plan(engine: str, models: dict[str, Path], socket_dir: Path) -> list[dict]:
         "client": {"mode": "client", "socket_dir": str(socket_dir), "strict": True},
     }
     args = {"deepseek-v3": DEEPSEEK_FOR[engine][1]}
-    runs = [
-        {"family": f, "tp": 1, "mode": m, "model": str(p), "extra": extras[m], "engine_args": args.get(f, {})}
+    return [
+        {"family": f, "tp": tp, "mode": m, "model": str(p), "extra": extras[m], "engine_args": args.get(f, {})}
+        for tp in TP_SIZES
         for f, p in models.items()
         for m in MODES
     ]
-    tp2 = [{"family": "llama", "tp": 2, "mode": m, "model": str(models["llama"]), "extra": extras[m]} for m in MODES]
-    return runs + [run for run in tp2 if run["mode"] != "off"]
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +136,12 @@ def generations(engine, models):
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
-@pytest.mark.parametrize("family,tp", [("llama", 1), ("qwen3-moe", 1), ("deepseek-v3", 1), ("llama", 2)])
+@pytest.mark.parametrize("tp", TP_SIZES, ids=lambda tp: f"tp{tp}")
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_are_the_engines_own_in_every_mode(generations, family, tp):
     done, _, _ = generations
     results = {r["run"]["mode"]: r for r in done.results if r["run"]["family"] == family and r["run"]["tp"] == tp}
-    assert "none" in results, results
+    assert sorted(results) == sorted(MODES), results
     for mode, result in results.items():
         assert "error" not in result, (
             f"{family} tp{tp} {mode}: {result.get('error')}: {result.get('message')}\n{done.output[-6000:]}"
@@ -151,7 +156,9 @@ def test_greedy_tokens_are_the_engines_own_in_every_mode(generations, family, tp
 
 def test_the_server_holds_one_entry_per_family_and_rank(generations):
     _, status, _ = generations
-    assert len(status["entries"]) == 3 + 2, [entry.get("label") for entry in status["entries"]]  # 3 families, tp2 ranks
+    held = collections.Counter(entry["rank"].split()[0] for entry in status["entries"])  # "tp1/2 pp0/1 ep0/1"
+    expected = {f"tp{rank}/{tp}": len(FAMILIES) for tp in TP_SIZES for rank in range(tp)}
+    assert held == expected, [(entry["label"], entry["rank"]) for entry in status["entries"]]
 
 
 # Errors ---------------------------------------------------------------------------------------------------------------

