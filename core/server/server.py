@@ -491,7 +491,13 @@ class Server:
             digest = _full_digest(message["digest"])
             found = self.registry.checkout(digest, connection_id, pid, verifies)
             if found is None:
-                return error_reply("not_found", self._miss_text(digest, f"entry {digest[:12]}")), []
+                held = self.registry.is_unverified(digest)
+                text = (
+                    _unverified_text(f"entry {digest[:12]}")
+                    if held
+                    else f"no entry {digest[:12]}; `weightcache status` lists them"
+                )
+                return error_reply("not_found", text), []
             entry, fds = found
             reply = ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label, verify=not entry.verified)
             return {**reply, "fingerprint": entry.fingerprint.to_json()}, fds
@@ -501,7 +507,7 @@ class Server:
             if self.registry.is_unverified(fingerprint.digest):
                 return error_reply(
                     "not_found",
-                    self._miss_text(fingerprint.digest, f"entry {fingerprint.short}"),
+                    _unverified_text(f"entry {fingerprint.short}"),
                     digest=fingerprint.digest,
                     fields=[],
                     unverified=True,
@@ -516,15 +522,6 @@ class Server:
             ), []
         entry, fds = found
         return ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label, verify=not entry.verified), fds
-
-    def _miss_text(self, digest: str, name: str) -> str:
-        """Why an attach of ``digest`` (``name``: how to call it) missed: not verified, or not held at all."""
-        if self.registry.is_unverified(digest):
-            return (
-                f"{name} is held but not verified since the server came back; it is served only to clients that "
-                "checksum it (weightcache's own, this version) until one of them or `weightcache verify` has"
-            )
-        return f"no {name}; `weightcache status` lists them"
 
     def _verified(self, message, fds, connection_id, pid):
         """A client that attached an unverified entry over this connection found its ``checksums`` in its bytes."""
@@ -732,3 +729,11 @@ def start_server(config: ServerConfig, take_over: bool = False, source: ServeSou
 def serve(config: ServerConfig, take_over: bool = False, source: ServeSource | None = None) -> None:
     """Run a server in this process until SIGTERM or SIGINT (``take_over``, ``source``: see ``start_server``)."""
     start_server(config, take_over, source).serve_forever()
+
+
+def _unverified_text(name: str) -> str:
+    """Why an attach of ``name`` (an entry the server holds but nobody has verified since it came back) missed."""
+    return (
+        f"{name} is held but not verified since the server came back; it is served only to clients that "
+        "checksum it (weightcache's own, this version) until one of them or `weightcache verify` has"
+    )
