@@ -115,15 +115,15 @@ def wait_for(socket_dir: Path, pid: int, digests: set[str], settle_s: float, tim
     return float("nan"), seen
 
 
-def wait_verified(socket_dir: Path, digests: set[str], timeout: float = 120.0) -> float:
-    """Seconds until the server lists every digest of ``digests`` as verified (entries back from a crash are served only
-    to clients that checksum them until then: the scrub or a first client checks them); nan if that did not happen."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
+def wait_verified(socket_dir: Path, digests: set[str], since: float, timeout: float = 120.0) -> float:
+    """Seconds from ``since`` (a ``time.monotonic()``) until the server lists every digest of ``digests`` as verified
+    (entries back from a crash are served only to clients that checksum them until then: the scrub or a first client
+    checks them); nan if that did not happen within ``timeout``."""
+    while time.monotonic() - since < timeout:
         reply = status(socket_dir)
         rows = {row["digest"]: row for row in (reply or {"entries": []})["entries"]}
         if digests <= rows.keys() and all(rows[digest].get("verified", True) for digest in digests):
-            return time.monotonic() - start
+            return time.monotonic() - since
         time.sleep(0.01)
     return float("nan")
 
@@ -172,8 +172,9 @@ def fd_store_row(args, socket_dir: Path, current: subprocess.Popen, digests: set
         kept_by_store.wait(timeout=30)
         restarted = manager.start_server(socket_dir, log)
         procs.append(restarted)
+        began = time.monotonic()
         took, kept = wait_for(socket_dir, restarted.pid, digests, settle_s=2.0)
-        verified_s = took + wait_verified(socket_dir, kept)
+        verified_s = wait_verified(socket_dir, kept, since=began)
     finally:
         for proc in procs:
             if proc.poll() is None:
