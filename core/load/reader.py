@@ -17,6 +17,7 @@ import bisect
 import concurrent.futures
 import hashlib
 import os
+import queue
 import threading
 import types
 import typing
@@ -34,6 +35,10 @@ from weightcache.core.identity.safetensors_io import Header, TensorInfo, check_l
 from weightcache.core.load.export import ArenaBuilder, Slot
 
 THREADS_ENV = "WEIGHTCACHE_READ_THREADS"
+BLOCK_ENV = "WEIGHTCACHE_READ_BLOCK_KIB"
+DIRECT_ENV = "WEIGHTCACHE_READ_DIRECT"
+ALIGN = 4096
+"""O_DIRECT's alignment of offsets, lengths and buffers (the largest logical block size in use)."""
 
 
 def default_threads() -> int:
@@ -42,6 +47,19 @@ def default_threads() -> int:
     if configured.isdigit() and 0 < int(configured) <= 256:
         return int(configured)
     return min(16, (os.cpu_count() or 2) * 2)
+
+
+def default_block() -> int:
+    """``$WEIGHTCACHE_READ_BLOCK_KIB`` in bytes (a multiple of 4 KiB, at most a piece), else 0: whole pieces per thread."""
+    configured = os.environ.get(BLOCK_ENV, "")
+    if configured.isdigit() and 0 < int(configured) << 10 <= PIECE_BYTES and (int(configured) << 10) % ALIGN == 0:
+        return int(configured) << 10
+    return 0
+
+
+def default_direct() -> bool:
+    """``$WEIGHTCACHE_READ_DIRECT=1``: block reads bypass the page cache (O_DIRECT), where the file system allows it."""
+    return os.environ.get(DIRECT_ENV, "") == "1"
 
 
 CHUNK_BYTES = 16 << 20
@@ -76,14 +94,18 @@ def read_checkpoint(
 
     Returns ``name -> (info, slot)``; the bytes are the file's, unconverted. The
     file digests are added to ``builder.read_digests``. ``threads`` defaults to ``default_threads()``.
+    With ``default_block()`` set, the threads instead take blocks of that size from one queue in file
+    order (``_read_in_blocks``), with O_DIRECT where ``default_direct()``.
     """
     threads = threads or default_threads()
+    block = default_block()
     files = checkpoint_files(path)
     headers = [read_header(file) for file in files]
     placed = {info.name: (info, builder.plan(info.nbytes)) for header in headers for info in header.tensors}
     for _, slot in placed.values():
         builder.view(slot)  # create every arena up front, on this thread
     fds: list[int] = []
+    direct_fds: list[int] = []
     try:
         for file in files:
             fds.append(os.open(file, os.O_RDONLY | os.O_CLOEXEC))
@@ -92,28 +114,42 @@ def read_checkpoint(
         pieces = [piece for number, header in enumerate(headers) for piece in _pieces(number, header, keys[number], placed)]
         hashes: list[dict[int, bytes]] = [{} for _ in files]
         reader = _GpuReader(builder) if builder.device.is_cuda else _HostReader(builder)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightcache-read") as pool:
-            work = {pool.submit(_read_piece, reader, piece, fds[piece.file], headers[piece.file]): piece for piece in pieces}
-            try:
-                for future in concurrent.futures.as_completed(work):
-                    piece = work[future]
-                    hashes[piece.file][piece.index] = future.result()
-                    builder.progress.update(sum(copy.nbytes for copy in piece.copies))
-            except BaseException:
-                for future in work:
-                    future.cancel()
-                raise
-            finally:
-                reader.finish()
+        try:
+            if block:
+                for number, file in enumerate(files):
+                    direct_fds.append(_direct_fd(file, keys[number]) if default_direct() else -1)
+                done = _read_in_blocks(reader, pieces, fds, direct_fds, headers, threads, block)
+            else:
+                done = _read_pieces(reader, pieces, fds, headers, threads)
+            for piece, piece_hash in done:
+                hashes[piece.file][piece.index] = piece_hash
+                builder.progress.update(sum(copy.nbytes for copy in piece.copies))
+        finally:
+            reader.finish()
         for number, file in enumerate(files):
             _check_unchanged(path, file, fds[number], keys[number])
             size = keys[number].st_size
             digest = combine(size, [hashes[number][i] for i in range(len(piece_offsets(size)))])
             builder.read_digests[str(file)] = FileDigest(file, keys[number], digest)
     finally:
-        for fd in fds:
+        for fd in fds + [fd for fd in direct_fds if fd >= 0]:
             os.close(fd)
     return placed
+
+
+def _read_pieces(
+    reader: "_HostReader | _GpuReader", pieces: list[Piece], fds: list[int], headers: list[Header], threads: int
+) -> typing.Iterator[tuple[Piece, bytes]]:
+    """Each of ``threads`` threads reads whole pieces in ``CHUNK_BYTES`` chunks; ``(piece, sha256)`` as each finishes."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightcache-read") as pool:
+        work = {pool.submit(_read_piece, reader, piece, fds[piece.file], headers[piece.file]): piece for piece in pieces}
+        try:
+            for future in concurrent.futures.as_completed(work):
+                yield work[future], future.result()
+        except BaseException:
+            for future in work:
+                future.cancel()
+            raise
 
 
 def _pieces(number: int, header: Header, key: FileKey, placed: dict) -> list[Piece]:
@@ -163,6 +199,153 @@ def _read_piece(reader: "_HostReader | _GpuReader", piece: Piece, fd: int, heade
     return digest.digest()
 
 
+def _direct_fd(file: Path, key: FileKey) -> int:
+    """``file`` opened again with O_DIRECT, or -1 where its file system refuses that; CheckpointChanged if it is another file now."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+    except OSError:
+        return -1  # e.g. tmpfs: EINVAL; the buffered descriptor reads it
+    if FileKey.of_fd(fd) != key:
+        os.close(fd)
+        raise CheckpointChanged(str(file.parent), str(file))  # replaced between the two opens
+    return fd
+
+
+class _PieceInFlight:
+    """A piece whose blocks are being read into ``buffer``; ``left`` blocks are still to come."""
+
+    def __init__(self, piece: Piece, buffer: typing.Any, blocks: int):
+        self.piece = piece
+        self.buffer = buffer
+        self.left = blocks
+
+
+def _read_in_blocks(
+    reader: "_HostReader | _GpuReader",
+    pieces: list[Piece],
+    fds: list[int],
+    direct_fds: list[int],
+    headers: list[Header],
+    threads: int,
+    block: int,
+) -> typing.Iterator[tuple[Piece, bytes]]:
+    """``threads`` threads take ``block``-byte reads from one queue in file order, so the disk sees one sequential front.
+
+    Each piece is read into a whole-piece buffer from a small pool; the thread that reads a piece's last
+    block checks its header bytes, places its tensor bytes, hashes it and gives the buffer back. The
+    dispatcher (this generator) waits for a free buffer holding no lock, and stops at the first error.
+    Yields ``(piece, sha256)`` as pieces finish.
+    """
+    free: queue.Queue = queue.Queue()
+    for _ in range(max(4, -(-threads * block // PIECE_BYTES) + 2)):
+        free.put(reader.piece_buffer())
+    work: queue.SimpleQueue = queue.SimpleQueue()
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    count_lock = threading.Lock()
+    failed = threading.Event()
+
+    def finish(state: _PieceInFlight) -> None:
+        piece, header = state.piece, headers[state.piece.file]
+        view = state.buffer.numpy()[: piece.nbytes]
+        raw = header.raw
+        if piece.start < len(raw):
+            stop = min(len(raw), piece.start + piece.nbytes)
+            if bytes(view[: stop - piece.start]) != raw[piece.start : stop]:
+                raise _Changed
+        done = reader.place_from(state.buffer, list(piece.copies))
+        digest = hashlib.sha256(view).digest()
+        reader.wait(done)
+        free.put(state.buffer)
+        finished.put((piece, digest))
+
+    def work_loop() -> None:
+        while True:
+            item = work.get()
+            if item is None:
+                return
+            state, offset, nbytes = item
+            if failed.is_set():
+                continue
+            piece = state.piece
+            try:
+                _read_block(fds[piece.file], direct_fds[piece.file], state.buffer.numpy(), piece.start, offset, nbytes)
+                with count_lock:
+                    state.left -= 1
+                    last = state.left == 0
+                if last:
+                    finish(state)
+            except (EOFError, _Changed):
+                failed.set()
+                header = headers[piece.file]
+                finished.put((None, CheckpointChanged(str(header.file.parent), str(header.file))))
+            except BaseException as exc:  # handed to the dispatcher, which raises it
+                failed.set()
+                finished.put((None, exc))
+
+    workers = [threading.Thread(target=work_loop, name=f"weightcache-read-{n}", daemon=True) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    dispatched = received = 0
+    try:
+        for piece in pieces:
+            buffer = None
+            while buffer is None and not failed.is_set():
+                try:
+                    buffer = free.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+                while not finished.empty():
+                    received += 1
+                    yield _result(finished.get())
+            if failed.is_set():
+                break
+            state = _PieceInFlight(piece, buffer, -(-piece.nbytes // block))
+            for offset in range(0, piece.nbytes, block):
+                work.put((state, offset, min(block, piece.nbytes - offset)))
+            dispatched += 1
+        while received < dispatched:
+            received += 1
+            yield _result(finished.get())
+    finally:
+        failed.set()  # the workers skip what is left in the queue
+        for _ in workers:
+            work.put(None)
+        for worker in workers:
+            worker.join()
+
+
+def _result(item: tuple) -> tuple[Piece, bytes]:
+    """A finished piece, or the error a worker met, raised."""
+    piece, outcome = item
+    if piece is None:
+        raise outcome
+    return piece, outcome
+
+
+def _read_block(fd: int, direct_fd: int, buffer: typing.Any, start: int, offset: int, nbytes: int) -> None:
+    """Read ``nbytes`` at ``start + offset`` into ``buffer[offset:]``: whole aligned blocks through ``direct_fd`` where
+    there is one (the buffer has room up to the next block), the rest (a short read that left it unaligned) buffered.
+
+    EOFError if the file ends first.
+    """
+    view = memoryview(buffer)
+    done = 0
+    if direct_fd >= 0:
+        want = -(-nbytes // ALIGN) * ALIGN
+        while done < nbytes:
+            got = os.preadv(direct_fd, [view[offset + done : offset + want]], start + offset + done)
+            if got == 0:
+                raise EOFError
+            done += got
+            if done % ALIGN:
+                break
+    while done < nbytes:
+        got = os.preadv(fd, [view[offset + done : offset + nbytes]], start + offset + done)
+        if got == 0:
+            raise EOFError
+        done += got
+
+
 def _overlaps(copy: Copy, start: int, stop: int) -> bool:
     return copy.source < stop and start < copy.source + copy.nbytes
 
@@ -204,8 +387,26 @@ class _HostReader:
             target = self.builder.view(copy.slot)[copy.offset : copy.offset + copy.nbytes].numpy()
             target[:] = staging[copy.source : copy.source + copy.nbytes]
 
+    def piece_buffer(self):
+        """A tensor of ``PIECE_BYTES`` at an ``ALIGN``-aligned address (O_DIRECT reads into it)."""
+        import torch
+
+        return _aligned(torch.empty(PIECE_BYTES + ALIGN, dtype=torch.uint8))
+
+    def place_from(self, buffer, copies: list[Copy]) -> None:
+        self.place(buffer.numpy(), copies)
+
+    def wait(self, done: None) -> None:
+        pass
+
     def finish(self) -> None:
         pass
+
+
+def _aligned(raw):
+    """The ``PIECE_BYTES`` of the 1-D uint8 tensor ``raw`` that start at an ``ALIGN``-aligned address."""
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip : skip + PIECE_BYTES]
 
 
 class _GpuReader:
@@ -221,18 +422,25 @@ class _GpuReader:
         self.lock = threading.Lock()
         self.torch = torch
 
+    def _stream(self):
+        """This thread's own copy stream."""
+        stream = getattr(self.local, "stream", None)
+        if stream is None:
+            stream = self.local.stream = self.torch.cuda.Stream(device=self.device)
+            with self.lock:
+                self.streams.append(stream)
+        return stream
+
     def _state(self):
         state = getattr(self.local, "state", None)
         if state is None:
             torch = self.torch
             state = self.local.state = types.SimpleNamespace(
                 buffers=[torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)],
-                stream=torch.cuda.Stream(device=self.device),
+                stream=self._stream(),
                 events=[None, None],
                 turn=0,
             )
-            with self.lock:
-                self.streams.append(state.stream)
         return state
 
     def staging(self, nbytes: int) -> "numpy.ndarray":
@@ -254,6 +462,25 @@ class _GpuReader:
             event = torch.cuda.Event()
             event.record(state.stream)
         state.events[state.turn] = event  # hashing reads the buffer while the DMA does: neither writes it
+
+    def piece_buffer(self):
+        """A pinned tensor of ``PIECE_BYTES`` at an ``ALIGN``-aligned address (O_DIRECT reads into it)."""
+        return _aligned(self.torch.empty(PIECE_BYTES + ALIGN, dtype=self.torch.uint8, pin_memory=True))
+
+    def place_from(self, buffer, copies: list[Copy]):
+        """Queue the copies out of ``buffer`` on this thread's stream; the event that marks them done."""
+        torch = self.torch
+        stream = self._stream()
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            for copy in copies:
+                target = self.builder.view(copy.slot)[copy.offset : copy.offset + copy.nbytes]
+                target.copy_(buffer[copy.source : copy.source + copy.nbytes], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def wait(self, done) -> None:
+        done.synchronize()  # the buffer may be read into again
 
     def finish(self) -> None:
         for stream in self.streams:

@@ -32,13 +32,22 @@ def large_checkpoint(tmp_path_factory) -> Path:
     return save_random_model("llama-gpu", tmp_path_factory.mktemp("llama-161mib"), dtype="bfloat16")
 
 
+@pytest.fixture(params=["pieces", "blocks", "blocks-direct"])
+def reader_mode(request, monkeypatch) -> str:
+    """Each way the reader can read: whole pieces per thread, or 512 KiB blocks from one queue (buffered or O_DIRECT)."""
+    if request.param != "pieces":
+        monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "512")
+        monkeypatch.setenv("WEIGHTCACHE_READ_DIRECT", "1" if request.param == "blocks-direct" else "0")
+    return request.param
+
+
 def _bytes_read() -> int:
     """Bytes this process has read through read(2)-like calls so far (``rchar`` of /proc/self/io)."""
     with open("/proc/self/io") as fh:
         return int(next(line for line in fh if line.startswith("rchar:")).split()[1])
 
 
-def test_the_reader_places_the_files_tensors_and_digests_every_byte(large_checkpoint):
+def test_the_reader_places_the_files_tensors_and_digests_every_byte(large_checkpoint, reader_mode):
     import safetensors.torch
     import torch
 
@@ -54,7 +63,7 @@ def test_the_reader_places_the_files_tensors_and_digests_every_byte(large_checkp
         assert {Path(p): d.digest for p, d in builder.read_digests.items()} == {f: file_digest(f) for f in files}
 
 
-def test_a_first_sight_publish_reads_each_weight_byte_once(large_checkpoint, server, tmp_path, monkeypatch):
+def test_a_first_sight_publish_reads_each_weight_byte_once(large_checkpoint, server, tmp_path, monkeypatch, reader_mode):
     monkeypatch.setenv("WEIGHTCACHE_CACHE_DIR", str(tmp_path / "empty-store"))  # first sight
     weights = sum(f.stat().st_size for f in checkpoint_files(large_checkpoint))
     prepared = prepare(LoadRequest(model=str(large_checkpoint), dtype="bfloat16"))
@@ -107,7 +116,7 @@ def test_a_file_cut_off_as_its_load_starts_is_refused_in_one_line(socket_dir, se
         assert conn.status()["entries"] == []
 
 
-def test_a_file_cut_off_while_the_reader_reads_it_is_checkpoint_changed(large_checkpoint, tmp_path):
+def test_a_file_cut_off_while_the_reader_reads_it_is_checkpoint_changed(large_checkpoint, tmp_path, reader_mode):
     """Truncated after its first piece arrived (the progress callback runs between pieces): CheckpointChanged, not EOFError."""
     path = Path(shutil.copytree(large_checkpoint, tmp_path / "copy"))
     [weights] = checkpoint_files(path)
@@ -126,7 +135,7 @@ def test_a_file_cut_off_while_the_reader_reads_it_is_checkpoint_changed(large_ch
         assert builder.read_digests == {}
 
 
-def test_a_header_rewritten_after_it_was_planned_is_checkpoint_changed(socket_dir, server, tmp_path):
+def test_a_header_rewritten_after_it_was_planned_is_checkpoint_changed(socket_dir, server, tmp_path, reader_mode):
     """A header rewritten in place (same file, same size) while the load runs: nothing is published."""
     from weightcache.core.flow.plugins import Plugins
 
@@ -145,3 +154,23 @@ def test_a_header_rewritten_after_it_was_planned_is_checkpoint_changed(socket_di
         publish(prepared, socket_dir)
     with Connection(socket_dir) as conn:
         assert conn.status()["entries"] == []
+
+
+def test_block_reads_take_o_direct_where_the_file_system_allows_it(large_checkpoint, monkeypatch):
+    """The O_DIRECT descriptor opens here and names the file read; one opened on a file replaced meanwhile is refused."""
+    from weightcache.core.identity.digests import FileKey
+    from weightcache.core.load import reader
+
+    [weights] = checkpoint_files(large_checkpoint)
+    fd = reader._direct_fd(weights, FileKey.of(weights))
+    if fd < 0:
+        pytest.skip(f"{weights.parent} is on a file system that refuses O_DIRECT")
+    os.close(fd)
+    other = large_checkpoint / "config.json"
+    with pytest.raises(CheckpointChanged):
+        reader._direct_fd(weights, FileKey.of(other))
+    monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "1024")
+    monkeypatch.setenv("WEIGHTCACHE_READ_DIRECT", "1")
+    with ArenaBuilder("cpu") as builder:
+        read_checkpoint(large_checkpoint, builder, threads=3)
+        assert builder.read_digests[str(weights)].digest == file_digest(weights)
