@@ -365,9 +365,11 @@ def run_instanttensor(ctx: Context, clock: Clock) -> dict:
 
 def run_wc_reader(ctx: Context, clock: Clock) -> dict:
     from weightcache.core.load.export import ArenaBuilder
-    from weightcache.core.load.reader import default_threads, read_checkpoint
+    from weightcache.core.load.reader import default_block, default_direct, default_threads, read_checkpoint
 
-    ctx.notes.append(f"{default_threads()} threads")
+    block = default_block()
+    how = f"{block >> 10} KiB blocks from one queue{', O_DIRECT' if default_direct() else ''}" if block else "whole pieces"
+    ctx.notes.append(f"{default_threads()} threads, {how}")
     with clock:
         builder = ArenaBuilder(str(ctx.device))
         placed = read_checkpoint(ctx.model, builder)

@@ -33,7 +33,6 @@ as ``tests/gpu/run_gpu.sh`` does.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import json
 import mmap
@@ -264,33 +263,18 @@ def read_into_page_cache(paths) -> None:
 
 def resident_fraction(paths) -> float:
     """The share of ``paths``' pages in the page cache (mincore)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    resident = total = 0
+    from weightcache.core.fileio import resident_share
+
+    resident = total = 0.0
     for path in paths:
         size = os.path.getsize(path)
-        if size == 0:
-            continue
-        pages = -(-size // mmap.PAGESIZE)
         fd = os.open(path, os.O_RDONLY)
         try:
-            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if address in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), f"mmap of {path}")
-            try:
-                vector = ctypes.create_string_buffer(pages)
-                if libc.mincore(address, size, vector) != 0:
-                    raise OSError(ctypes.get_errno(), f"mincore of {path}")
-                data = vector.raw
-                resident += pages - data.count(0)
-            finally:
-                libc.munmap(address, size)
+            pages = -(-size // mmap.PAGESIZE)
+            resident += resident_share(fd, size) * pages
+            total += pages
         finally:
             os.close(fd)
-        total += pages
     return resident / total if total else 0.0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import typing
 
@@ -26,3 +28,28 @@ def write_fully(fd: int, data: Buffer, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwritev(fd, [view[done:]], offset + done)
+
+
+def resident_share(fd: int, size: int) -> float:
+    """The share of the open file's first ``size`` bytes whose pages are in the page cache (``mincore``), from 0 to 1.
+
+    OSError where the file cannot be mapped (e.g. a pipe) or the kernel refuses ``mincore``.
+    """
+    if size <= 0:
+        return 0.0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap for mincore")
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        vector = ctypes.create_string_buffer(pages)
+        if libc.mincore(address, size, vector) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        return (pages - vector.raw[:pages].count(0)) / pages
+    finally:
+        libc.munmap(address, size)

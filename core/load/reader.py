@@ -29,7 +29,7 @@ if typing.TYPE_CHECKING:
 import attrs
 
 from weightcache.core.errors import CheckpointChanged
-from weightcache.core.fileio import read_fully
+from weightcache.core.fileio import read_fully, resident_share
 from weightcache.core.identity.digests import PIECE_BYTES, FileDigest, FileKey, combine, piece_offsets
 from weightcache.core.identity.safetensors_io import Header, TensorInfo, check_length, checkpoint_files, read_header
 from weightcache.core.load.export import ArenaBuilder, Slot
@@ -49,17 +49,38 @@ def default_threads() -> int:
     return min(16, (os.cpu_count() or 2) * 2)
 
 
+DEFAULT_BLOCK_KIB = 512
+"""16 threads x 512 KiB O_DIRECT blocks from one queue read 16 GB in 7.80 s on the H200 machine, whole pieces per
+thread (buffered) in 9.09 s, 1 MiB blocks 8.42 s, 4 MiB 8.74 s, 512 KiB buffered 8.55 s (docs/benchmarks.md, 22:50 UTC)."""
+
+WARM_SHARE = 0.5
+"""A file with at least this share of its pages in the page cache is read through it (buffered), not O_DIRECT."""
+
+
 def default_block() -> int:
-    """``$WEIGHTCACHE_READ_BLOCK_KIB`` in bytes (a multiple of 4 KiB, at most a piece), else 0: whole pieces per thread."""
+    """``$WEIGHTCACHE_READ_BLOCK_KIB`` in bytes (a multiple of 4 KiB up to a piece; ``0``: whole pieces per thread), else 512 KiB."""
     configured = os.environ.get(BLOCK_ENV, "")
+    if configured == "0":
+        return 0
     if configured.isdigit() and 0 < int(configured) << 10 <= PIECE_BYTES and (int(configured) << 10) % ALIGN == 0:
         return int(configured) << 10
-    return 0
+    return DEFAULT_BLOCK_KIB << 10
 
 
 def default_direct() -> bool:
-    """``$WEIGHTCACHE_READ_DIRECT=1``: block reads bypass the page cache (O_DIRECT), where the file system allows it."""
-    return os.environ.get(DIRECT_ENV, "") == "1"
+    """Block reads bypass the page cache (O_DIRECT) unless ``$WEIGHTCACHE_READ_DIRECT=0``."""
+    return os.environ.get(DIRECT_ENV, "") != "0"
+
+
+def read_directly(fd: int, size: int) -> bool:
+    """Whether to read this file with O_DIRECT: asked for, and less than ``WARM_SHARE`` of it already in the page cache
+    (a file just downloaded or loaded before is read from memory, far faster than from the disk)."""
+    if not default_direct():
+        return False
+    try:
+        return resident_share(fd, size) < WARM_SHARE
+    except OSError:
+        return True
 
 
 CHUNK_BYTES = 16 << 20
@@ -94,8 +115,8 @@ def read_checkpoint(
 
     Returns ``name -> (info, slot)``; the bytes are the file's, unconverted. The
     file digests are added to ``builder.read_digests``. ``threads`` defaults to ``default_threads()``.
-    With ``default_block()`` set, the threads instead take blocks of that size from one queue in file
-    order (``_read_in_blocks``), with O_DIRECT where ``default_direct()``.
+    The threads take ``default_block()`` blocks from one queue in file order (``_read_in_blocks``), with
+    O_DIRECT where ``read_directly`` says; with the block size 0 each thread reads whole pieces (``_read_pieces``).
     """
     threads = threads or default_threads()
     block = default_block()
@@ -117,7 +138,8 @@ def read_checkpoint(
         try:
             if block:
                 for number, file in enumerate(files):
-                    direct_fds.append(_direct_fd(file, keys[number]) if default_direct() else -1)
+                    direct = read_directly(fds[number], keys[number].st_size)
+                    direct_fds.append(_direct_fd(file, keys[number]) if direct else -1)
                 done = _read_in_blocks(reader, pieces, fds, direct_fds, headers, threads, block)
             else:
                 done = _read_pieces(reader, pieces, fds, headers, threads)

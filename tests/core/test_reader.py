@@ -35,9 +35,11 @@ def large_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(params=["pieces", "blocks", "blocks-direct"])
 def reader_mode(request, monkeypatch) -> str:
     """Each way the reader can read: whole pieces per thread, or 512 KiB blocks from one queue (buffered or O_DIRECT)."""
-    if request.param != "pieces":
-        monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "512")
-        monkeypatch.setenv("WEIGHTCACHE_READ_DIRECT", "1" if request.param == "blocks-direct" else "0")
+    from weightcache.core.load import reader
+
+    monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "0" if request.param == "pieces" else "512")
+    monkeypatch.setenv("WEIGHTCACHE_READ_DIRECT", "1" if request.param == "blocks-direct" else "0")
+    monkeypatch.setattr(reader, "WARM_SHARE", 2.0)  # O_DIRECT even though the test's files sit in the page cache
     return request.param
 
 
@@ -171,6 +173,25 @@ def test_block_reads_take_o_direct_where_the_file_system_allows_it(large_checkpo
         reader._direct_fd(weights, FileKey.of(other))
     monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "1024")
     monkeypatch.setenv("WEIGHTCACHE_READ_DIRECT", "1")
+    monkeypatch.setattr(reader, "WARM_SHARE", 2.0)
     with ArenaBuilder("cpu") as builder:
         read_checkpoint(large_checkpoint, builder, threads=3)
         assert builder.read_digests[str(weights)].digest == file_digest(weights)
+
+
+def test_a_file_in_the_page_cache_is_read_through_it_and_a_cold_one_with_o_direct(tmp_path, monkeypatch):
+    from weightcache.core.load.reader import read_directly
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.read(fd, 8 << 20)  # every page resident
+        assert not read_directly(fd, 8 << 20), "a warm file must be read from the page cache"
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert read_directly(fd, 8 << 20), "a file out of the page cache is read with O_DIRECT"
+        monkeypatch.setenv("WEIGHTCACHE_READ_DIRECT", "0")
+        assert not read_directly(fd, 8 << 20)
+    finally:
+        os.close(fd)
