@@ -1205,12 +1205,22 @@ def targets(methods: dict) -> list[str]:
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """``LABEL:ENV=VALUE[,ENV=VALUE]`` -> ``("wc-reader [LABEL]", {ENV: VALUE})`` (a malformed one: ValueError)."""
-    label, _, assignments = text.partition(":")
+    """``[METHOD@]LABEL:ENV=VALUE[,ENV=VALUE]`` -> ``("METHOD [LABEL]", {ENV: VALUE})``; METHOD defaults to wc-reader.
+
+    A malformed one, or a METHOD that is not one of METHODS: ValueError.
+    """
+    method, at, rest = text.partition("@")
+    if not at:
+        method, rest = "wc-reader", text
+    label, _, assignments = rest.partition(":")
     pairs = [item.partition("=") for item in assignments.split(",") if item.strip()]
     if not label.strip() or not pairs or any(not key.strip() or not sep for key, sep, _ in pairs):
-        raise ValueError(f"--reader-variant {text!r}: write LABEL:ENV=VALUE[,ENV=VALUE]")
-    return f"wc-reader [{label.strip()}]", {key.strip(): value.strip() for key, _, value in pairs}
+        raise ValueError(f"--reader-variant {text!r}: write [METHOD@]LABEL:ENV=VALUE[,ENV=VALUE]")
+    if method.strip() not in METHODS or METHODS[method.strip()].kind == "none":
+        raise ValueError(
+            f"--reader-variant {text!r}: {method.strip()!r} is not a method that runs; choose from {', '.join(METHODS)}"
+        )
+    return f"{method.strip()} [{label.strip()}]", {key.strip(): value.strip() for key, _, value in pairs}
 
 
 def parse_methods(text: str) -> list[str]:
@@ -1263,9 +1273,9 @@ def main(argv=None) -> int:
         "--reader-variant",
         action="append",
         default=[],
-        metavar="LABEL:ENV=VALUE[,ENV=VALUE]",
-        help="one more wc-reader row, run with these environment variables (e.g. 'block 1 MiB:WEIGHTCACHE_READ_BLOCK_KIB=1024'); "
-        "repeatable",
+        metavar="[METHOD@]LABEL:ENV=VALUE[,ENV=VALUE]",
+        help="one more row of METHOD (default wc-reader), run with these environment variables "
+        "(e.g. 'wc-publish-first@pieces:WEIGHTCACHE_READ_BLOCK_KIB=0'); repeatable",
     )
     parser.add_argument(
         "--no-prime",

@@ -93,6 +93,13 @@ def test_a_reader_variant_is_a_wc_reader_row_with_its_environment(cold):
         "wc-reader [32 threads]",
         {"WEIGHTCACHE_READ_THREADS": "32", "X": "1"},
     )
+    assert cold.parse_variant("wc-publish-first@pieces:WEIGHTCACHE_READ_BLOCK_KIB=0") == (
+        "wc-publish-first [pieces]",
+        {"WEIGHTCACHE_READ_BLOCK_KIB": "0"},
+    )
     for malformed in ("no-colon", ":A=1", "label:", "label:A"):
         with pytest.raises(ValueError, match="LABEL:ENV=VALUE"):
             cold.parse_variant(malformed)
+    for unknown in ("nosuch@x:A=1", "serverless-llm-store@x:A=1"):
+        with pytest.raises(ValueError, match="not a method that runs"):
+            cold.parse_variant(unknown)
