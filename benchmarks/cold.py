@@ -888,8 +888,7 @@ class Parent:
     def store_for(self, method: Method, run: int) -> Path:
         """An empty digest store (first sight), or the remembered one (copied from a first-sight run, else filled untimed)."""
         if method.store == "empty":
-            path = self.work / f"digests-{method.name}-{run}"
-            path.mkdir(mode=0o700)
+            path = Path(tempfile.mkdtemp(prefix=f"digests-{method.name}-{run}-", dir=self.work))  # a variant's row too
             self.stores["last-first-sight"] = path
             return path
         remembered = self.work / "digests-remembered"

@@ -30,13 +30,13 @@ def write_fully(fd: int, data: Buffer, offset: int) -> None:
         done += os.pwritev(fd, [view[done:]], offset + done)
 
 
-def resident_share(fd: int, size: int) -> float:
-    """The share of the open file's first ``size`` bytes whose pages are in the page cache (``mincore``), from 0 to 1.
+def resident_pages(fd: int, size: int) -> bytes:
+    """One byte per page of the open file's first ``size`` bytes, non-zero where the page is in the page cache (``mincore``).
 
     OSError where the file cannot be mapped (e.g. a pipe) or the kernel refuses ``mincore``.
     """
     if size <= 0:
-        return 0.0
+        return b""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -50,6 +50,12 @@ def resident_share(fd: int, size: int) -> float:
         vector = ctypes.create_string_buffer(pages)
         if libc.mincore(address, size, vector) != 0:
             raise OSError(ctypes.get_errno(), "mincore")
-        return (pages - vector.raw[:pages].count(0)) / pages
+        return vector.raw[:pages]
     finally:
         libc.munmap(address, size)
+
+
+def resident_share(fd: int, size: int) -> float:
+    """The share of the open file's first ``size`` bytes whose pages are in the page cache, from 0 to 1 (OSError as above)."""
+    pages = resident_pages(fd, size)
+    return (len(pages) - pages.count(0)) / len(pages) if pages else 0.0

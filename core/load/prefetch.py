@@ -23,6 +23,18 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 16 << 20
 THREADS = 8
 
+_running: set["Prefetch"] = set()
+_running_lock = threading.Lock()
+
+
+def stop_prefetches() -> int:
+    """Stop every prefetch of this process (the reader takes over from here); the bytes they had read."""
+    with _running_lock:
+        running = list(_running)
+    for prefetch in running:
+        prefetch.stop()
+    return sum(prefetch.done for prefetch in running)
+
 
 def available_memory() -> int | None:
     """What /proc/meminfo calls MemAvailable, in bytes; None where it cannot be read (not Linux 3.14 or later)."""
@@ -72,6 +84,8 @@ class Prefetch:
     def __enter__(self) -> Prefetch:
         if self.limit > 0:
             log.debug("reading up to %d bytes of %d weight files ahead of the load", self.limit, len(self.files))
+            with _running_lock:
+                _running.add(self)
             for thread in self._threads:
                 thread.start()
         return self
@@ -82,6 +96,8 @@ class Prefetch:
     def stop(self) -> None:
         """End the reads (each thread finishes its chunk) and wait for the threads."""
         self._stopped.set()
+        with _running_lock:
+            _running.discard(self)
         for thread in self._threads:
             if thread.is_alive():
                 thread.join()

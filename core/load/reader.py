@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import hashlib
+import mmap
 import os
 import queue
 import threading
@@ -29,10 +30,11 @@ if typing.TYPE_CHECKING:
 import attrs
 
 from weightcache.core.errors import CheckpointChanged
-from weightcache.core.fileio import read_fully, resident_share
+from weightcache.core.fileio import read_fully, resident_pages
 from weightcache.core.identity.digests import PIECE_BYTES, FileDigest, FileKey, combine, piece_offsets
 from weightcache.core.identity.safetensors_io import Header, TensorInfo, check_length, checkpoint_files, read_header
 from weightcache.core.load.export import ArenaBuilder, Slot
+from weightcache.core.load.prefetch import stop_prefetches
 
 THREADS_ENV = "WEIGHTCACHE_READ_THREADS"
 BLOCK_ENV = "WEIGHTCACHE_READ_BLOCK_KIB"
@@ -72,15 +74,21 @@ def default_direct() -> bool:
     return os.environ.get(DIRECT_ENV, "") != "0"
 
 
-def read_directly(fd: int, size: int) -> bool:
-    """Whether to read this file with O_DIRECT: asked for, and less than ``WARM_SHARE`` of it already in the page cache
-    (a file just downloaded or loaded before is read from memory, far faster than from the disk)."""
-    if not default_direct():
-        return False
+def cached_pieces(fd: int, size: int) -> set[int]:
+    """The indexes of the file's digest pieces of which ``WARM_SHARE`` or more is in the page cache: those are read
+    through it (from memory, far faster than the disk), the others with O_DIRECT. All of them where that cannot be told."""
+    offsets = piece_offsets(size)
     try:
-        return resident_share(fd, size) < WARM_SHARE
+        pages = resident_pages(fd, size)
     except OSError:
-        return True
+        return set(range(len(offsets)))
+    per_piece = PIECE_BYTES // mmap.PAGESIZE
+    cached = set()
+    for index in range(len(offsets)):
+        window = pages[index * per_piece : (index + 1) * per_piece]
+        if window and (len(window) - window.count(0)) >= WARM_SHARE * len(window):
+            cached.add(index)
+    return cached
 
 
 CHUNK_BYTES = 16 << 20
@@ -116,7 +124,7 @@ def read_checkpoint(
     Returns ``name -> (info, slot)``; the bytes are the file's, unconverted. The
     file digests are added to ``builder.read_digests``. ``threads`` defaults to ``default_threads()``.
     The threads take ``default_block()`` blocks from one queue in file order (``_read_in_blocks``), with
-    O_DIRECT where ``read_directly`` says; with the block size 0 each thread reads whole pieces (``_read_pieces``).
+    O_DIRECT for the pieces not in the page cache (``cached_pieces``); with the block size 0 each thread reads whole pieces (``_read_pieces``).
     """
     threads = threads or default_threads()
     block = default_block()
@@ -137,10 +145,14 @@ def read_checkpoint(
         reader = _GpuReader(builder) if builder.device.is_cuda else _HostReader(builder)
         try:
             if block:
+                stop_prefetches()  # what they read is in the page cache now; from here on, this reads
                 for number, file in enumerate(files):
-                    direct = read_directly(fds[number], keys[number].st_size)
-                    direct_fds.append(_direct_fd(file, keys[number]) if direct else -1)
-                done = _read_in_blocks(reader, pieces, fds, direct_fds, headers, threads, block)
+                    direct_fds.append(_direct_fd(file, keys[number]) if default_direct() else -1)
+                cached = [
+                    cached_pieces(fd, key.st_size) if default_direct() else set() for fd, key in zip(fds, keys, strict=True)
+                ]
+                direct_for = [-1 if piece.index in cached[piece.file] else direct_fds[piece.file] for piece in pieces]
+                done = _read_in_blocks(reader, pieces, fds, direct_for, headers, threads, block)
             else:
                 done = _read_pieces(reader, pieces, fds, headers, threads)
             for piece, piece_hash in done:
@@ -236,17 +248,18 @@ def _direct_fd(file: Path, key: FileKey) -> int:
 class _PieceInFlight:
     """A piece whose blocks are being read into ``buffer``; ``left`` blocks are still to come."""
 
-    def __init__(self, piece: Piece, buffer: typing.Any, blocks: int):
+    def __init__(self, piece: Piece, buffer: typing.Any, blocks: int, direct_fd: int):
         self.piece = piece
         self.buffer = buffer
         self.left = blocks
+        self.direct_fd = direct_fd
 
 
 def _read_in_blocks(
     reader: "_HostReader | _GpuReader",
     pieces: list[Piece],
     fds: list[int],
-    direct_fds: list[int],
+    direct_for: list[int],
     headers: list[Header],
     threads: int,
     block: int,
@@ -256,6 +269,7 @@ def _read_in_blocks(
     Each piece is read into a whole-piece buffer from a small pool; the thread that reads a piece's last
     block checks its header bytes, places its tensor bytes, hashes it and gives the buffer back. The
     dispatcher (this generator) waits for a free buffer holding no lock, and stops at the first error.
+    ``direct_for[i]`` is the O_DIRECT descriptor to read ``pieces[i]`` through, or -1 (buffered).
     Yields ``(piece, sha256)`` as pieces finish.
     """
     free: queue.Queue = queue.Queue()
@@ -290,7 +304,7 @@ def _read_in_blocks(
                 continue
             piece = state.piece
             try:
-                _read_block(fds[piece.file], direct_fds[piece.file], state.buffer.numpy(), piece.start, offset, nbytes)
+                _read_block(fds[piece.file], state.direct_fd, state.buffer.numpy(), piece.start, offset, nbytes)
                 with count_lock:
                     state.left -= 1
                     last = state.left == 0
@@ -309,7 +323,7 @@ def _read_in_blocks(
         worker.start()
     dispatched = received = 0
     try:
-        for piece in pieces:
+        for piece, direct_fd in zip(pieces, direct_for, strict=True):
             buffer = None
             while buffer is None and not failed.is_set():
                 try:
@@ -321,7 +335,7 @@ def _read_in_blocks(
                     yield _result(finished.get())
             if failed.is_set():
                 break
-            state = _PieceInFlight(piece, buffer, -(-piece.nbytes // block))
+            state = _PieceInFlight(piece, buffer, -(-piece.nbytes // block), direct_fd)
             for offset in range(0, piece.nbytes, block):
                 work.put((state, offset, min(block, piece.nbytes - offset)))
             dispatched += 1

@@ -179,19 +179,33 @@ def test_block_reads_take_o_direct_where_the_file_system_allows_it(large_checkpo
         assert builder.read_digests[str(weights)].digest == file_digest(weights)
 
 
-def test_a_file_in_the_page_cache_is_read_through_it_and_a_cold_one_with_o_direct(tmp_path, monkeypatch):
-    from weightcache.core.load.reader import read_directly
+def test_the_pieces_in_the_page_cache_are_read_through_it_and_the_others_with_o_direct(tmp_path, monkeypatch):
+    from weightcache.core.identity.digests import PIECE_BYTES
+    from weightcache.core.load.reader import cached_pieces
 
     path = tmp_path / "weights.bin"
-    path.write_bytes(os.urandom(8 << 20))
+    size = 2 * PIECE_BYTES + (1 << 20)  # three pieces
+    path.write_bytes(b"\x01" * size)
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.read(fd, 8 << 20)  # every page resident
-        assert not read_directly(fd, 8 << 20), "a warm file must be read from the page cache"
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        assert read_directly(fd, 8 << 20), "a file out of the page cache is read with O_DIRECT"
-        monkeypatch.setenv("WEIGHTCACHE_READ_DIRECT", "0")
-        assert not read_directly(fd, 8 << 20)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead into the next piece
+        os.preadv(fd, [bytearray(PIECE_BYTES)], PIECE_BYTES)  # only the middle piece is in the page cache now
+        assert cached_pieces(fd, size) == {1}
+        os.preadv(fd, [bytearray(1 << 20)], 2 * PIECE_BYTES)
+        assert cached_pieces(fd, size) == {1, 2}
     finally:
         os.close(fd)
+
+
+def test_the_reader_stops_a_prefetch_of_its_files_before_it_reads(large_checkpoint):
+    from weightcache.core.load import prefetch
+
+    files = checkpoint_files(large_checkpoint)
+    with prefetch.Prefetch(files) as running:
+        assert running in prefetch._running
+        with ArenaBuilder("cpu") as builder:
+            read_checkpoint(large_checkpoint, builder, threads=2)
+        assert running not in prefetch._running
+        assert not any(thread.is_alive() for thread in running._threads), "the prefetch still reads"
