@@ -5,7 +5,9 @@ offset 0, header included) into a staging buffer; the buffer is hashed and the
 tensor bytes in it are copied to their slots, so the digest and the arenas come
 from the very same bytes: no second read can disagree with the first. The file
 digests land in ``builder.read_digests``; the loader derives the checkpoint's
-identity from them (``safetensors_io.identity_of``).
+identity from them (``safetensors_io.identity_of``). Pieces that are not in the page
+cache are read with O_DIRECT (the disk's fastest way on the H200 machine, and no
+second copy in memory); those that are, through it.
 
 A file that is replaced, rewritten, cut off or grown while it is read, or whose
 header no longer says what the plan was made from, raises ``CheckpointChanged``.
@@ -30,7 +32,7 @@ if typing.TYPE_CHECKING:
 import attrs
 
 from weightcache.core.errors import CheckpointChanged
-from weightcache.core.fileio import read_fully, resident_pages
+from weightcache.core.fileio import resident_pages
 from weightcache.core.identity.digests import PIECE_BYTES, FileDigest, FileKey, combine, piece_offsets
 from weightcache.core.identity.safetensors_io import Header, TensorInfo, check_length, checkpoint_files, read_header
 from weightcache.core.load.export import ArenaBuilder, Slot
@@ -51,26 +53,27 @@ def default_threads() -> int:
     return min(16, (os.cpu_count() or 2) * 2)
 
 
-DEFAULT_BLOCK_KIB = 512
-"""16 threads x 512 KiB O_DIRECT blocks from one queue read 16 GB in 7.80 s on the H200 machine, whole pieces per
-thread (buffered) in 9.09 s, 1 MiB blocks 8.42 s, 4 MiB 8.74 s, 512 KiB buffered 8.55 s (docs/benchmarks.md, 22:50 UTC)."""
-
 WARM_SHARE = 0.5
-"""A file with at least this share of its pages in the page cache is read through it (buffered), not O_DIRECT."""
+"""A piece with at least this share of its pages in the page cache is read through it (buffered), not O_DIRECT."""
 
 
 def default_block() -> int:
-    """``$WEIGHTCACHE_READ_BLOCK_KIB`` in bytes (a multiple of 4 KiB up to a piece; ``0``: whole pieces per thread), else 512 KiB."""
+    """``$WEIGHTCACHE_READ_BLOCK_KIB`` in bytes (a multiple of 4 KiB up to a piece), else 0: whole pieces per thread.
+
+    Alone on the H200 machine, 16 threads taking 512 KiB O_DIRECT blocks from one queue read 16 GB in 7.80 s, whole
+    pieces 9.09 s (buffered); but while the adapter imports its framework (as every load does) the blocks' many
+    returns to the interpreter lock slowed the read to 13.15 s and the imports by half, whole pieces 8.92 s
+    (docs/benchmarks.md, decision 49)."""
     configured = os.environ.get(BLOCK_ENV, "")
     if configured == "0":
         return 0
     if configured.isdigit() and 0 < int(configured) << 10 <= PIECE_BYTES and (int(configured) << 10) % ALIGN == 0:
         return int(configured) << 10
-    return DEFAULT_BLOCK_KIB << 10
+    return 0
 
 
 def default_direct() -> bool:
-    """Block reads bypass the page cache (O_DIRECT) unless ``$WEIGHTCACHE_READ_DIRECT=0``."""
+    """Pieces not in the page cache are read with O_DIRECT (bypassing it) unless ``$WEIGHTCACHE_READ_DIRECT=0``."""
     return os.environ.get(DIRECT_ENV, "") != "0"
 
 
@@ -144,17 +147,17 @@ def read_checkpoint(
         hashes: list[dict[int, bytes]] = [{} for _ in files]
         reader = _GpuReader(builder) if builder.device.is_cuda else _HostReader(builder)
         try:
-            if block:
-                stop_prefetches()  # what they read is in the page cache now; from here on, this reads
-                for number, file in enumerate(files):
-                    direct_fds.append(_direct_fd(file, keys[number]) if default_direct() else -1)
-                cached = [
-                    cached_pieces(fd, key.st_size) if default_direct() else set() for fd, key in zip(fds, keys, strict=True)
-                ]
+            stop_prefetches()  # what they read is in the page cache now; from here on, this reads
+            if default_direct():
+                direct_fds.extend(_direct_fd(file, keys[number]) for number, file in enumerate(files))
+                cached = [cached_pieces(fd, key.st_size) for fd, key in zip(fds, keys, strict=True)]
                 direct_for = [-1 if piece.index in cached[piece.file] else direct_fds[piece.file] for piece in pieces]
+            else:
+                direct_for = [-1] * len(pieces)
+            if block:
                 done = _read_in_blocks(reader, pieces, fds, direct_for, headers, threads, block)
             else:
-                done = _read_pieces(reader, pieces, fds, headers, threads)
+                done = _read_pieces(reader, pieces, fds, direct_for, headers, threads)
             for piece, piece_hash in done:
                 hashes[piece.file][piece.index] = piece_hash
                 builder.progress.update(sum(copy.nbytes for copy in piece.copies))
@@ -172,11 +175,20 @@ def read_checkpoint(
 
 
 def _read_pieces(
-    reader: "_HostReader | _GpuReader", pieces: list[Piece], fds: list[int], headers: list[Header], threads: int
+    reader: "_HostReader | _GpuReader",
+    pieces: list[Piece],
+    fds: list[int],
+    direct_for: list[int],
+    headers: list[Header],
+    threads: int,
 ) -> typing.Iterator[tuple[Piece, bytes]]:
-    """Each of ``threads`` threads reads whole pieces in ``CHUNK_BYTES`` chunks; ``(piece, sha256)`` as each finishes."""
+    """Each of ``threads`` threads reads whole pieces in ``CHUNK_BYTES`` chunks (through ``direct_for[i]`` where it is not
+    -1); ``(piece, sha256)`` as each finishes."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightcache-read") as pool:
-        work = {pool.submit(_read_piece, reader, piece, fds[piece.file], headers[piece.file]): piece for piece in pieces}
+        work = {
+            pool.submit(_read_piece, reader, piece, fds[piece.file], direct_fd, headers[piece.file]): piece
+            for piece, direct_fd in zip(pieces, direct_for, strict=True)
+        }
         try:
             for future in concurrent.futures.as_completed(work):
                 yield work[future], future.result()
@@ -211,7 +223,7 @@ class _Changed(Exception):
     """The bytes read are not those of the file the plan was made from."""
 
 
-def _read_piece(reader: "_HostReader | _GpuReader", piece: Piece, fd: int, header: Header) -> bytes:
+def _read_piece(reader: "_HostReader | _GpuReader", piece: Piece, fd: int, direct_fd: int, header: Header) -> bytes:
     """Read ``piece`` in chunks through a staging buffer: check the header bytes, place the tensor bytes, hash; its sha256.
 
     Every chunk is hashed from the buffer its tensor bytes were placed from, after they were placed.
@@ -221,8 +233,9 @@ def _read_piece(reader: "_HostReader | _GpuReader", piece: Piece, fd: int, heade
     try:
         for start in range(0, piece.nbytes, CHUNK_BYTES):
             stop = min(start + CHUNK_BYTES, piece.nbytes)
-            staging = reader.staging(stop - start)
-            read_fully(fd, staging, piece.start + start, "checkpoint file")
+            buffer = reader.staging()
+            _read_block(fd, direct_fd, buffer, piece.start + start, 0, stop - start)
+            staging = buffer[: stop - start]
             at = piece.start + start
             if at < len(raw) and bytes(staging[: min(len(raw), piece.start + stop) - at]) != raw[at : piece.start + stop]:
                 raise _Changed
@@ -412,11 +425,14 @@ class _HostReader:
         self.local = threading.local()
         self.numpy = numpy
 
-    def staging(self, nbytes: int) -> "numpy.ndarray":
+    def staging(self) -> "numpy.ndarray":
+        """This thread's ``CHUNK_BYTES`` staging buffer, ``ALIGN``-aligned (O_DIRECT reads into it)."""
         buffer = getattr(self.local, "buffer", None)
         if buffer is None:
-            buffer = self.local.buffer = self.numpy.empty(CHUNK_BYTES, dtype=self.numpy.uint8)
-        return buffer[:nbytes]
+            import torch
+
+            buffer = self.local.buffer = _aligned(torch.empty(CHUNK_BYTES + ALIGN, dtype=torch.uint8), CHUNK_BYTES).numpy()
+        return buffer
 
     def place(self, staging: "numpy.ndarray", copies: list[Copy]) -> None:
         for copy in copies:
@@ -427,7 +443,7 @@ class _HostReader:
         """A tensor of ``PIECE_BYTES`` at an ``ALIGN``-aligned address (O_DIRECT reads into it)."""
         import torch
 
-        return _aligned(torch.empty(PIECE_BYTES + ALIGN, dtype=torch.uint8))
+        return _aligned(torch.empty(PIECE_BYTES + ALIGN, dtype=torch.uint8), PIECE_BYTES)
 
     def place_from(self, buffer, copies: list[Copy]) -> None:
         self.place(buffer.numpy(), copies)
@@ -439,10 +455,10 @@ class _HostReader:
         pass
 
 
-def _aligned(raw):
-    """The ``PIECE_BYTES`` of the 1-D uint8 tensor ``raw`` that start at an ``ALIGN``-aligned address."""
+def _aligned(raw, nbytes: int):
+    """The ``nbytes`` of the 1-D uint8 tensor ``raw`` that start at an ``ALIGN``-aligned address."""
     skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip : skip + PIECE_BYTES]
+    return raw[skip : skip + nbytes]
 
 
 class _GpuReader:
@@ -472,19 +488,22 @@ class _GpuReader:
         if state is None:
             torch = self.torch
             state = self.local.state = types.SimpleNamespace(
-                buffers=[torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)],
+                buffers=[
+                    _aligned(torch.empty(CHUNK_BYTES + ALIGN, dtype=torch.uint8, pin_memory=True), CHUNK_BYTES) for _ in range(2)
+                ],
                 stream=self._stream(),
                 events=[None, None],
                 turn=0,
             )
         return state
 
-    def staging(self, nbytes: int) -> "numpy.ndarray":
+    def staging(self) -> "numpy.ndarray":
+        """The next of this thread's two pinned ``CHUNK_BYTES`` buffers (``ALIGN``-aligned), once its copies are done."""
         state = self._state()
         state.turn = 1 - state.turn
         if state.events[state.turn] is not None:
             state.events[state.turn].synchronize()  # the copies out of this buffer have finished
-        return state.buffers[state.turn][:nbytes].numpy()
+        return state.buffers[state.turn].numpy()
 
     def place(self, staging: "numpy.ndarray", copies: list[Copy]) -> None:
         torch = self.torch
@@ -501,7 +520,7 @@ class _GpuReader:
 
     def piece_buffer(self):
         """A pinned tensor of ``PIECE_BYTES`` at an ``ALIGN``-aligned address (O_DIRECT reads into it)."""
-        return _aligned(self.torch.empty(PIECE_BYTES + ALIGN, dtype=self.torch.uint8, pin_memory=True))
+        return _aligned(self.torch.empty(PIECE_BYTES + ALIGN, dtype=self.torch.uint8, pin_memory=True), PIECE_BYTES)
 
     def place_from(self, buffer, copies: list[Copy]):
         """Queue the copies out of ``buffer`` on this thread's stream; the event that marks them done."""

@@ -32,13 +32,13 @@ def large_checkpoint(tmp_path_factory) -> Path:
     return save_random_model("llama-gpu", tmp_path_factory.mktemp("llama-161mib"), dtype="bfloat16")
 
 
-@pytest.fixture(params=["pieces", "blocks", "blocks-direct"])
+@pytest.fixture(params=["pieces", "pieces-direct", "blocks", "blocks-direct"])
 def reader_mode(request, monkeypatch) -> str:
-    """Each way the reader can read: whole pieces per thread, or 512 KiB blocks from one queue (buffered or O_DIRECT)."""
+    """Each way the reader can read: whole pieces per thread or 512 KiB blocks from one queue, buffered or O_DIRECT."""
     from weightcache.core.load import reader
 
-    monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "0" if request.param == "pieces" else "512")
-    monkeypatch.setenv("WEIGHTCACHE_READ_DIRECT", "1" if request.param == "blocks-direct" else "0")
+    monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "512" if request.param.startswith("blocks") else "0")
+    monkeypatch.setenv("WEIGHTCACHE_READ_DIRECT", "1" if request.param.endswith("direct") else "0")
     monkeypatch.setattr(reader, "WARM_SHARE", 2.0)  # O_DIRECT even though the test's files sit in the page cache
     return request.param
 
