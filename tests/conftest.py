@@ -18,6 +18,22 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 DIGEST_DIR = os.environ["WEIGHTCACHE_CACHE_DIR"] = tempfile.mkdtemp(prefix="wc-digests-")
 
 
+SERIAL_PATHS = ("tests/gpu/", "tests/test_systemd_real.py")
+"""Run alone (marked ``serial``): the GPU tests share the machine's GPUs, the systemd ones its /run/weightcache."""
+
+
+FIRST = "tests/engines/test_engine_venv.py"
+"""The longest module (the engine suite in the engine venvs, minutes): first, so that it does not run alone at the end."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """``make test`` runs the suite on several workers, then the ``serial`` tests alone (docs/decisions.md, 47)."""
+    for item in items:
+        if item.nodeid.startswith(SERIAL_PATHS):
+            item.add_marker(pytest.mark.serial)
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_digest_dir():
     """Remove the session's digest directory at the end."""

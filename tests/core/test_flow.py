@@ -95,6 +95,7 @@ def test_tied_weights_stay_tied(server, model_dir, kind):
         cached.close()
 
 
+@pytest.mark.serial  # reads the machine-wide Shmem of /proc/meminfo: another worker's arenas would count
 def test_two_engines_share_one_physical_copy(server, minilm_dir):
     path = minilm_dir  # 87 MiB of weights: large against the machine's background noise in Shmem
     publish_model(path, server.socket_dir)
@@ -183,6 +184,7 @@ def test_empty_server_reports_no_entry(server, model_dir):
     assert not isinstance(caught.value, FingerprintMismatch)
 
 
+@pytest.mark.serial  # reads the machine-wide Shmem of /proc/meminfo: another worker's arenas would count
 def test_a_loader_killed_at_any_point_leaves_no_partial_entry(server, minilm_dir):
     """Publishing is one frame: a killed loader leaves either nothing or a whole entry, and no memory."""
     path = minilm_dir  # 87 MiB: a leaked arena would stand out from the machine's background noise

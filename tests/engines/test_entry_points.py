@@ -47,6 +47,9 @@ from tests.engines.support import (
     write_word_tokenizer,
 )
 
+pytestmark = pytest.mark.engine_entry
+"""Real engine starts: ``make test-engines`` runs this file, ``make test`` leaves it out (docs/decisions.md, 47)."""
+
 ERROR_BOUND_S = 120
 """An engine start that must fail has this long to fail (the engines start in 20-60 s on 2 busy cores)."""
 
