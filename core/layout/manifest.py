@@ -17,11 +17,9 @@ from weightcache.core.dtypes import ITEM_SIZES
 from weightcache.core.errors import InvalidManifest
 from weightcache.core.gc_pause import gc_paused
 from weightcache.core.layout.tensor_table import KINDS, MAX_ATTRIBUTE_BYTES, MAX_INDEX, TensorTable, numel
-from weightcache.core.layout.views import table_views
+from weightcache.core.layout.views import MappedTensors, table_views
 
 if typing.TYPE_CHECKING:
-    import torch
-
     from weightcache.core.arena.base import Arena
 
 __all__ = ["KINDS", "MAX_ATTRIBUTE_BYTES", "MAX_INDEX", "Manifest", "Records", "TensorRecord"]
@@ -366,14 +364,15 @@ class Manifest:
             extra=data.get("extra", {}),
         )
 
-    def views(self, arenas: "typing.Sequence[Arena]") -> "dict[str, torch.Tensor]":
-        """Tensors viewing the mapped ``arenas`` (no copy), aliases included."""
+    def views(self, arenas: "typing.Sequence[Arena]") -> "MappedTensors":
+        """Tensors viewing the mapped ``arenas`` (no copy), aliases included: a dict that remembers the table and arenas
+        (``rebind_module`` makes its Parameters from them in batches)."""
         if len(arenas) != len(self.arenas):
             raise ValueError(f"manifest has {len(self.arenas)} arenas, {len(arenas)} were mapped")
         with gc_paused():
             tensors = table_views(self.table, [arena.bytes_view() for arena in arenas])
         for alias, target in self.aliases.items():
-            tensors[alias] = tensors[target]
+            dict.__setitem__(tensors, alias, tensors[target])  # part of what was made: rebind may still use its source
         return tensors
 
 

@@ -3,32 +3,155 @@
 Records of one layout (same arena, dtype, shape, stride and name pattern: the
 gate projections of every expert of a layer) usually lie at a constant step
 in their arena. Such a run becomes one ``as_strided`` of ``(count, *shape)``
-and one ``unbind``, which makes its ``count`` views inside torch; the grouping
-itself is a few vectorised torch operations over the table's columns. A record
-that fits no run gets its own ``as_strided``. torch checks every view against
-its arena's storage, so none reaches outside the memory mapped.
+and one ``unbind``, which makes its ``count`` tensors inside torch; the grouping
+itself is a few vectorised torch operations over the table's columns, done once
+per table and arena sizes (:func:`plan_of`) and shared by the plain tensors
+(:func:`table_views`) and the Parameters rebind makes (:func:`table_parameters`).
+A record that fits no run gets its own ``as_strided``. torch checks every view
+against its arena's storage, so none reaches outside the memory mapped.
+
+The tensors are made below torch's autograd view tracking (``unbind`` then
+records no view of the run for each one): each is a plain alias of its arena's
+memory, as ``detach()`` would give, not an autograd view, at about half the cost.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import typing
 
 from weightcache.core.dtypes import ITEM_SIZES, to_dtype
-from weightcache.core.layout.tensor_table import contiguous_stride, numel
+from weightcache.core.layout.tensor_table import KINDS, contiguous_stride, numel
 
 if typing.TYPE_CHECKING:
     import torch
 
     from weightcache.core.layout.tensor_table import TensorTable
 
-_DIGITS = str.maketrans("0123456789", "##########")
+_PARAMETER = KINDS.index("parameter")
 
 
-def table_views(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tensor]") -> "dict[str, torch.Tensor]":
+class MappedTensors(dict):
+    """A table's tensors by name (a plain dict to every reader) that remembers the table and arenas it was made from.
+
+    ``rebind_module`` uses ``source`` to make its Parameters straight from the
+    table in batches; any change to the dict drops ``source`` (the tensors may
+    then no longer be the table's), and rebind takes each tensor from the dict.
+    """
+
+    __slots__ = ("source",)
+
+    def __init__(self, items: "typing.Iterable[tuple[str, torch.Tensor]]", source: "tuple[TensorTable, list] | None"):
+        super().__init__(items)
+        self.source = source
+
+    def __setitem__(self, key, value) -> None:
+        self.source = None
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key) -> None:
+        self.source = None
+        super().__delitem__(key)
+
+    def __ior__(self, other):  # type: ignore[misc]  # dict.__or__ gives a dict, |= keeps this one (as dict does)
+        self.source = None
+        return super().__ior__(other)
+
+    def update(self, *args, **kwargs) -> None:
+        self.source = None
+        super().update(*args, **kwargs)
+
+    def pop(self, *args):
+        self.source = None
+        return super().pop(*args)
+
+    def popitem(self):
+        self.source = None
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self.source = None
+        return super().setdefault(key, default)
+
+    def clear(self) -> None:
+        self.source = None
+        super().clear()
+
+
+def table_views(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tensor]") -> MappedTensors:
     """Every record of ``table`` as a tensor viewing ``arena_bytes`` (one uint8 tensor per arena), by name."""
-    with one_thread():
-        return _table_views(table, arena_bytes)
+    arena_bytes = list(arena_bytes)
+    if table.count == 0:
+        return MappedTensors((), (table, arena_bytes))
+    plan = plan_of(table, arena_bytes)
+    return MappedTensors(zip(plan.names, _make(plan, table, arena_bytes), strict=True), (table, arena_bytes))
+
+
+def table_parameters(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tensor]") -> "dict[str, torch.nn.Parameter]":
+    """A new ``nn.Parameter`` (``requires_grad=False``) viewing its region for every record of kind ``parameter``, by name.
+
+    Each call makes new objects (nothing is shared with :func:`table_views`' tensors or an earlier call's), each a
+    Parameter as ``nn.Parameter(tensor, requires_grad=False)`` makes one: a plain alias of the memory, no autograd
+    view, no grad. They are made as tensors in batches and their class set to Parameter, which skips the second
+    tensor ``nn.Parameter()`` makes of each (``Tensor._make_subclass`` detaches a copy).
+    """
+    import torch
+
+    arena_bytes = list(arena_bytes)
+    if table.count == 0:
+        return {}
+    plan = plan_of(table, arena_bytes)
+    made = _make(plan, table, arena_bytes)
+    names = plan.names
+    if not plan.all_parameters:
+        positions = plan.parameter_positions
+        made = [made[position] for position in positions]
+        names = [names[position] for position in positions]
+    _as_parameters(made, torch.nn.Parameter)
+    return dict(zip(names, made, strict=True))
+
+
+def _as_parameters(tensors: list, parameter: type) -> None:
+    """Make each of ``tensors`` (plain tensors of no grad) an instance of ``parameter`` in place."""
+    if not tensors:
+        return
+    try:
+        for tensor in tensors:
+            tensor.__class__ = parameter
+    except TypeError:  # a torch whose tensors refuse a class change: the Parameter() way, one copy each
+        make = tensors[0].__class__._make_subclass
+        tensors[:] = [t if type(t) is parameter else make(parameter, t, False) for t in tensors]
+
+
+class Plan:
+    """How to make a table's tensors over arenas of given sizes: its runs in making order, computed once.
+
+    ``runs``: per run ``(record, arena, dtype, shape, stride, count, step, first)``; ``record`` is the table index
+    of a record made alone (-1 for a run of ``count`` records from element ``first`` at ``step`` elements).
+    ``names``: the records' names in making order. ``parameter_positions``: the positions in that order of the
+    records of kind ``parameter`` (``all_parameters``: every record is one).
+    """
+
+    __slots__ = ("all_parameters", "names", "parameter_positions", "runs")
+
+    def __init__(self, runs: list, names: list[str], parameter_positions: list[int], all_parameters: bool):
+        self.runs = runs
+        self.names = names
+        self.parameter_positions = parameter_positions
+        self.all_parameters = all_parameters
+
+
+def plan_of(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tensor]") -> Plan:
+    """The :class:`Plan` of ``table`` over ``arena_bytes``, kept on the table for the next call with arenas of these sizes."""
+    sizes = tuple(view.numel() for view in arena_bytes)
+    plans = table.__dict__.setdefault("_view_plans", {})
+    plan = plans.get(sizes)
+    if plan is None:
+        with one_thread():
+            plan = plans[sizes] = _plan(table, sizes)
+    return plan
 
 
 @contextlib.contextmanager
@@ -54,12 +177,39 @@ def one_thread() -> "typing.Iterator[None]":
         torch.set_num_threads(threads)
 
 
-def _table_views(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tensor]") -> "dict[str, torch.Tensor]":
+def _below_view_tracking() -> "typing.ContextManager":
+    """torch's dispatch below autograd and its view tracking: view ops make plain aliases (as ``detach()`` would)."""
+    import torch
+
+    guard = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
+    return guard() if guard is not None else contextlib.nullcontext()
+
+
+def _make(plan: Plan, table: "TensorTable", arena_bytes: "list[torch.Tensor]") -> list:
+    """The tensors of ``plan``'s records, in its order (each a new object)."""
+    typed: dict = {}
+    made: list = []
+    extend, append = made.extend, made.append
+    dtypes = table.dtypes
+    with _below_view_tracking():
+        for record, arena_index, dtype_code, shape, stride, count, step, first in plan.runs:
+            if record >= 0:
+                append(view_of(arena_bytes[arena_index], table, record))
+                continue
+            base = typed.get((arena_index, dtype_code))
+            if base is None:
+                base = typed[(arena_index, dtype_code)] = arena_bytes[arena_index].view(to_dtype(dtypes[dtype_code]))
+            if count == 1:
+                append(base.as_strided(shape, stride, first))
+            else:
+                extend(base.as_strided([count, *shape], [step, *stride], first).unbind(0))
+    return made
+
+
+def _plan(table: "TensorTable", arena_sizes_of: "tuple[int, ...]") -> Plan:
     import torch
 
     count = table.count
-    if count == 0:
-        return {}
     names = table.names
 
     def column(name: str, dtype: "torch.dtype") -> "torch.Tensor":
@@ -70,9 +220,10 @@ def _table_views(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tenso
     code = column("dtype", torch.uint8)
     arena = column("arena", torch.int32)
     nbytes = column("nbytes", torch.int64)
+    kind = column("kind", torch.uint8)
     itemsizes = torch.tensor([ITEM_SIZES[name] for name in table.dtypes], dtype=torch.long)[code]
     element = column("offset", torch.int64) // itemsizes + column("storage_offset", torch.int64)
-    arena_sizes = torch.tensor([view.numel() for view in arena_bytes], dtype=torch.long)
+    arena_sizes = torch.tensor(arena_sizes_of, dtype=torch.long)
     # Runs need a typed view of the whole arena; empty tensors and arenas no whole number of items long go one by one.
     batched = (nbytes > 0) & (arena_sizes[arena] % itemsizes == 0)
 
@@ -85,50 +236,62 @@ def _table_views(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tenso
         position = torch.arange(table.dims) - first_dim[owner]
         shapes[owner, position] = column("shape", torch.int64)
         strides[owner, position] = column("stride", torch.int64)
-    patterns: dict[str, int] = {}
-    pattern = torch.tensor(list(map(patterns.setdefault, _patterns(names), range(count))))
     alone = (~batched).long() * (torch.arange(count) + 1)  # a record that cannot join a run gets a group of its own
-    keys = torch.cat([torch.stack([alone, pattern, arena, code, ndim], 1), shapes, strides], 1)
-    rows, group = _groups(keys)
+    layout = [alone, arena, code, ndim]
+    found = _runs(layout, shapes, strides, element)
+    if found[-1]:  # a layout's records lie at more than one step: interleaved kinds (gate, up), which names tell apart
+        found = _runs([*layout, _patterns(names)], shapes, strides, element)
+    rows, order, starts, first, steps, run_groups, _ = found
+    key_width = len(rows[0]) - 2 * width
+    ends = [*starts[1:], count]
+    identity = torch.equal(order, torch.arange(count))
+    order_list = None if identity else order.tolist()
+    runs = []
+    for start, end, run_group, run_first, run_step in zip(starts, ends, run_groups, first, steps, strict=True):
+        row = rows[run_group]
+        is_alone, arena_index, dtype_code, dims = row[:4]
+        if is_alone:  # its own group (``alone`` holds the record's index + 1)
+            runs.append((is_alone - 1, arena_index, dtype_code, None, None, 1, 0, 0))
+            continue
+        shape, stride = row[key_width : key_width + dims], row[key_width + width : key_width + width + dims]
+        runs.append((-1, arena_index, dtype_code, shape, stride, end - start, run_step if end - start > 1 else 0, run_first))
+    parameters = torch.nonzero(kind[order] == _PARAMETER).flatten().tolist()
+    names_in_order = names if order_list is None else list(map(names.__getitem__, order_list))
+    return Plan(runs, names_in_order, parameters, len(parameters) == count)
+
+
+def _runs(columns: list, shapes: "torch.Tensor", strides: "torch.Tensor", element: "torch.Tensor") -> tuple:
+    """Records grouped by ``columns``, shape and stride, sorted by element offset in each group and cut where the step
+    changes: ``(rows, order, starts, firsts, steps, groups, split)``, per run its start in ``order``, first element,
+    step and group; ``split``: some group holds more than one run."""
+    import torch
+
+    rows, group = _groups(torch.cat([torch.stack(columns, 1), shapes, strides], 1))
     order = _sort_within_groups(group, element)
     group, element = group[order], element[order]
     step = element[1:] - element[:-1]
     new_group = group[1:] != group[:-1]
     breaks = new_group.clone()
     breaks[1:] |= ~new_group[:-1] & (step[1:] != step[:-1])
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(breaks).flatten() + 1]).tolist()
-    ends = [*starts[1:], count]
-
-    first = element.tolist()
-    steps = step.tolist()
-    run_groups = group.tolist()
-    typed: dict = {}
-    made: list = []
-    for start, end in zip(starts, ends, strict=True):
-        alone, _, arena_index, dtype_code, dims = rows[run_groups[start]][:5]
-        if alone:  # its own group (``alone`` holds the record's index + 1)
-            made.append(view_of(arena_bytes[arena_index], table, int(order[start])))
-            continue
-        row = rows[run_groups[start]]
-        shape, stride = row[5 : 5 + dims], row[5 + width : 5 + width + dims]
-        base = typed.get((arena_index, dtype_code))
-        if base is None:
-            base = typed[(arena_index, dtype_code)] = arena_bytes[arena_index].view(to_dtype(table.dtypes[dtype_code]))
-        if end - start == 1:
-            made.append(base.as_strided(shape, stride, first[start]))
-        else:
-            run = base.as_strided([end - start, *shape], [steps[start], *stride], first[start])
-            made.extend(run.unbind(0))
-    return dict(zip(map(names.__getitem__, order.tolist()), made, strict=True))
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(breaks).flatten() + 1])
+    steps = torch.cat([step, torch.zeros(1, dtype=torch.long)])[starts]  # the last record's step: none
+    split = int(breaks.sum()) > int(new_group.sum())
+    return rows, order, starts.tolist(), element[starts].tolist(), steps.tolist(), group[starts].tolist(), split
 
 
-def _patterns(names: list[str]) -> list[str]:
-    """Each name with its numbers replaced by ``#``: ``layers.3.mlp.experts.17.up_proj.weight`` and
-    ``layers.12.mlp.experts.5.up_proj.weight`` share the pattern ``layers.#.mlp.experts.#.up_proj.weight``."""
-    text = "\0".join(names).translate(_DIGITS)
-    while "##" in text:
-        text = text.replace("##", "#")
-    return text.split("\0")
+def _patterns(names: list[str]) -> "torch.Tensor":
+    """Each name's pattern as an index: the names with their digits left out share one when they are equal
+    (``layers.3.mlp.experts.17.up_proj.weight`` and ``layers.12.mlp.experts.5.up_proj.weight``: ``layers..mlp.experts..up_proj.weight``).
+
+    The pattern only decides which records may form a run (a run still needs one layout at one step), so two names
+    that share a pattern by chance cost nothing but a shorter run.
+    """
+    import torch
+
+    text = "\0".join(names).encode("utf-8").translate(None, b"0123456789")
+    patterns: dict[bytes, int] = {}
+    indices = array.array("q", map(patterns.setdefault, text.split(b"\0"), range(len(names))))
+    return torch.frombuffer(indices, dtype=torch.long) if indices else torch.zeros(0, dtype=torch.long)
 
 
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd 64-bit constant as int64: rows hash by wrapping multiplication

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import operator
 import typing
 from collections.abc import Iterator
 
 from weightcache.core.errors import RebindError
 from weightcache.core.gc_pause import gc_paused
 from weightcache.core.layout.tensor_table import KINDS
+from weightcache.core.layout.views import table_parameters
 
 if typing.TYPE_CHECKING:
     import torch
@@ -96,73 +99,171 @@ def rebind_module(
     own post-processing on the rebound model first, then calls ``check_no_meta``.
 
     It reads the manifest's table column by column (no record objects), and
-    finds each owner module once.
+    finds each owner module once. When ``tensors`` is what ``Manifest.views`` made
+    from this manifest's table, unchanged since, the Parameters are made from the
+    table in batches (``table_parameters``: one new Parameter of the same memory per
+    record, as ``nn.Parameter(tensors[name], requires_grad=False)`` would make).
     """
     import torch
 
     table = manifest.table
     owners = _Owners(model)
-    params: dict[str, torch.nn.Parameter] = {}
-    attribute_sets = table.attribute_sets
     Parameter, Tensor = torch.nn.Parameter, torch.Tensor
     make_subclass = Tensor._make_subclass  # what Parameter() calls for a plain tensor, without its Python frame
+    parameter_kind = _PARAMETER
     with gc_paused():  # tens of thousands of Parameters: no full collections in between
-        for name, kind, persistent, attributes in zip(table.names, table.kind, table.persistent, table.attributes, strict=True):
-            owner, leaf = owners.split(name)
+        source = getattr(tensors, "source", None)
+        fresh = table_parameters(*source) if source is not None and source[0] is table else None
+        params: dict[str, torch.nn.Parameter] = {} if fresh is None else fresh
+        tree = _Tree(model)  # every module once: by path, with its dicts (no Module attribute lookups per record)
+        owned = tree.owned
+        last_path = None
+        for index, (name, kind) in enumerate(zip(table.names, table.kind, strict=True)):
+            path, _, leaf = name.rpartition(".")
+            if path != last_path:  # records of one module usually follow each other (weight, weight_scale_inv)
+                last_path = path
+                held = owned.get(path)
+                if held is None:  # below a module reached twice, or not among ``_modules``: found by name
+                    owner = owners.split(name)[0]
+                    held = owned[path] = (owner, owner._parameters, owner._buffers)
+                owner, slots, buffers = held
+            if kind == parameter_kind:
+                if fresh is not None:
+                    bound = fresh[name]
+                else:
+                    tensor = tensors[name]
+                    bound = (
+                        make_subclass(Parameter, tensor, False)
+                        if type(tensor) is Tensor
+                        else Parameter(tensor, requires_grad=False)
+                    )
+                    params[name] = bound
+                current = slots.get(leaf)
+                if current is None:
+                    current = _current(owner, leaf)
+                if current is not None and isinstance(current, Tensor) and current.shape != bound.shape:
+                    _raise_shape(name, bound, current)
+                if buffers:
+                    buffers.pop(leaf, None)
+                slots[leaf] = bound
+                continue
             tensor = tensors[name]
-            bound: torch.Tensor
             current = _current(owner, leaf)
             if isinstance(current, Tensor) and current.shape != tensor.shape:
-                raise RebindError(
-                    f"mapped tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(current.shape)}; "
-                    "the cached entry was made from a different model configuration"
-                )
-            if kind == _PARAMETER:
-                if type(tensor) is Tensor:
-                    bound = params[name] = make_subclass(Parameter, tensor, False)
-                else:
-                    bound = params[name] = Parameter(tensor, requires_grad=False)
-                if owner._buffers:
-                    owner._buffers.pop(leaf, None)
-                owner._parameters[leaf] = bound
-            elif kind == _BUFFER:
-                owner._parameters.pop(leaf, None)
-                owner.register_buffer(leaf, tensor, persistent=bool(persistent))
-                bound = tensor
+                _raise_shape(name, tensor, current)
+            if kind == _BUFFER:
+                slots.pop(leaf, None)
+                owner.register_buffer(leaf, tensor, persistent=bool(table.persistent[index]))
             else:
                 set_tensor_attribute(owner, leaf, tensor)
-                bound = tensor
-            if attributes:
-                for attribute, value in attribute_sets[attributes - 1].items():
-                    setattr(bound, attribute, value)
-    kinds = dict(zip(table.names, table.kind, strict=True)) if manifest.aliases else {}
-    for alias, target in manifest.aliases.items():
-        owner, leaf = owners.split(alias)
-        registered = leaf in owner._parameters or leaf in owner._buffers
-        if not registered and (kinds[target] == _ATTRIBUTE or leaf in vars(owner)):
-            set_tensor_attribute(owner, leaf, params.get(target, tensors[target]))
-        elif target in params:
-            owner._parameters[leaf] = params[target]
-        else:
-            owner._buffers[leaf] = tensors[target]
-    if device is not None:
-        _move_unmapped_buffers(model, manifest, device)
-    modules = _modules(model)
-    if check:
-        check_no_meta(model, modules)
-    evaluation_mode(model, modules)
+        _set_attributes(table, params, tensors)
+        kinds = dict(zip(table.names, table.kind, strict=True)) if manifest.aliases else {}
+        for alias, target in manifest.aliases.items():
+            owner, leaf = owners.split(alias)
+            registered = leaf in owner._parameters or leaf in owner._buffers
+            if not registered and (kinds[target] == _ATTRIBUTE or leaf in vars(owner)):
+                set_tensor_attribute(owner, leaf, params.get(target, tensors[target]))
+            elif target in params:
+                owner._parameters[leaf] = params[target]
+            else:
+                owner._buffers[leaf] = tensors[target]
+        if device is not None:
+            _move_unmapped_buffers(model, manifest, device, tree.modules)
+        if check:
+            tree.check_no_meta()
+        tree.finish_evaluation_mode()
     return model
 
 
+class _Tree:
+    """Every module of a model once (parents first), walked in one pass: each module's path, its ``_parameters`` and
+    ``_buffers`` dicts, and ``training`` set to False where the class keeps ``nn.Module.train`` (the others get their
+    own ``train(False)`` from :meth:`finish_evaluation_mode`, after the weights are bound)."""
+
+    def __init__(self, model: "torch.nn.Module"):
+        import torch
+
+        default_train = torch.nn.Module.train
+        bare = len(_module_internals())
+        self.modules: list[torch.nn.Module] = [model]
+        self.owned: dict[str, tuple] = {}
+        self.containers: list[dict] = []  # every module's _parameters and _buffers
+        self.extra: list[dict] = []  # instance dicts holding more than nn.Module's own entries (tensor attributes?)
+        self.overriding: list[torch.nn.Module] = []
+        paths = [""]
+        seen = {id(model)}
+        add, append, owned, containers = seen.add, self.modules.append, self.owned, self.containers
+        for module, path in zip(self.modules, paths, strict=True):  # both grow as children are found
+            own = module.__dict__
+            if "_parameters" in own and "_buffers" in own:
+                parameters, buffers = own["_parameters"], own["_buffers"]
+            else:  # a module keeping them elsewhere (properties)
+                parameters, buffers = module._parameters, module._buffers
+            owned[path] = (module, parameters, buffers)
+            containers.append(parameters)
+            containers.append(buffers)
+            if len(own) != bare:
+                self.extra.append(own)
+            if type(module).train is default_train:
+                own["training"] = False
+            else:
+                self.overriding.append(module)
+            children = own.get("_modules")
+            if children is None:
+                children = module._modules
+            if children:
+                prefix = f"{path}." if path else ""
+                for name, child in children.items():
+                    if child is not None and id(child) not in seen:
+                        add(id(child))
+                        append(child)
+                        paths.append(prefix + name)
+
+    def check_no_meta(self) -> None:
+        """``check_no_meta`` over the walked modules."""
+        _check_values(self.modules[0], self.containers, self.extra)
+
+    def finish_evaluation_mode(self) -> None:
+        for module in self.overriding:
+            module.train(False)
+
+
+def _set_attributes(table, params: "dict[str, torch.nn.Parameter]", tensors) -> None:
+    """The Python attributes recorded on each tensor (``format_ue8m0``), set on what was bound (the Parameter or tensor)."""
+    codes = table.attributes
+    if not codes or not max(codes):
+        return
+    names, sets = table.names, table.attribute_sets
+    for index, code in enumerate(codes):
+        if code:
+            name = names[index]
+            bound = params.get(name)
+            if bound is None:
+                bound = tensors[name]
+            for attribute, value in sets[code - 1].items():
+                setattr(bound, attribute, value)
+
+
+def _raise_shape(name: str, tensor: "torch.Tensor", current: "torch.Tensor") -> typing.NoReturn:
+    raise RebindError(
+        f"mapped tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(current.shape)}; "
+        "the cached entry was made from a different model configuration"
+    )
+
+
 def _modules(model: "torch.nn.Module") -> "list[torch.nn.Module]":
-    """Every module of ``model`` once (what ``model.modules()`` yields, without building a name for each)."""
-    found, seen, stack = [], set(), [model]
-    while stack:
-        module = stack.pop()
-        if id(module) not in seen:
-            seen.add(id(module))
-            found.append(module)
-            stack.extend(child for child in module._modules.values() if child is not None)
+    """Every module of ``model`` once, parents before children (what ``model.modules()`` yields, without a name for each)."""
+    found, seen = [model], {id(model)}
+    add, append = seen.add, found.append
+    for module in found:  # grows as children are found
+        children = module.__dict__.get("_modules")
+        if children is None:  # a module keeping them elsewhere (a property)
+            children = module._modules
+        if children:
+            for child in children.values():
+                if child is not None and id(child) not in seen:
+                    add(id(child))
+                    append(child)
     return found
 
 
@@ -190,7 +291,17 @@ def set_tensor_attribute(owner: "torch.nn.Module", leaf: str, tensor: "torch.Ten
     vars(owner)[leaf] = tensor
 
 
-def _move_unmapped_buffers(model, manifest, device) -> None:
+def _move_unmapped_buffers(model, manifest, device, modules: "list[torch.nn.Module]") -> None:
+    import torch
+
+    device = torch.device(device)
+    if not any(
+        buffer is not None and not buffer.is_meta and buffer.device != device
+        for module in modules
+        if module._buffers
+        for buffer in module._buffers.values()
+    ):
+        return  # every buffer is on the device already (or on meta): ``to(device)`` would give each back unchanged
     mapped = {*manifest.names, *manifest.aliases}
     for owner_name, owner in model.named_modules():
         for leaf, buffer in list(owner._buffers.items()):
@@ -202,18 +313,46 @@ def _move_unmapped_buffers(model, manifest, device) -> None:
 def check_no_meta(model: "torch.nn.Module", modules: "list[torch.nn.Module] | None" = None) -> None:
     """Raise RebindError if any parameter, buffer or tensor attribute is still on the meta device.
 
-    One pass over the modules (``modules``: all of them, when the caller has the list); names are made only for the message.
+    One pass over the modules (``modules``: all of them, when the caller has the list); names are made only for the
+    message. A module's instance dict is searched for tensor attributes only when it holds more entries than a bare
+    ``nn.Module``'s (nn.Module never deletes its own), and the values are screened at C speed.
     """
+    if modules is None:
+        modules = _modules(model)
+    bare = len(_module_internals())
+    containers: list = []
+    extra: list = []
+    for module in modules:
+        own = module.__dict__
+        if "_parameters" in own and "_buffers" in own:
+            containers += (own["_parameters"], own["_buffers"])
+        else:  # a module keeping them elsewhere (properties)
+            containers += (module._parameters, module._buffers)
+        if len(own) != bare:  # more than nn.Module's own entries (which are never tensors): attributes to look at
+            extra.append(own)
+    _check_values(model, containers, extra)
+
+
+def _check_values(model: "torch.nn.Module", containers: "list[dict]", extra: "list[dict]") -> None:
+    """Raise RebindError if a tensor on meta is among ``containers``' values or ``extra``'s non-Module entries."""
     import torch
 
-    Tensor = torch.Tensor
-    internals = frozenset(vars(torch.nn.Module()))  # a module's own bookkeeping: never a tensor attribute
-    for module in _modules(model) if modules is None else modules:
-        for tensor in itertools.chain(
-            module._parameters.values(), module._buffers.values(), map(vars(module).get, vars(module).keys() - internals)
-        ):
-            if isinstance(tensor, Tensor) and tensor.is_meta:
-                _raise_left_on_meta(model)
+    internals = _module_internals()
+    values = itertools.chain(
+        itertools.chain.from_iterable(map(operator.methodcaller("values"), containers)),
+        itertools.chain.from_iterable(map(own.get, own.keys() - internals) for own in extra),
+    )
+    is_tensor = functools.partial(type.__instancecheck__, torch.Tensor)
+    if any(map(operator.attrgetter("is_meta"), filter(is_tensor, values))):
+        _raise_left_on_meta(model)
+
+
+@functools.cache
+def _module_internals() -> frozenset[str]:
+    """The entries of a bare ``nn.Module``'s instance dict (its bookkeeping: hooks, ``training``): never tensors."""
+    import torch
+
+    return frozenset(vars(torch.nn.Module()))
 
 
 def _raise_left_on_meta(model: "torch.nn.Module") -> typing.NoReturn:
