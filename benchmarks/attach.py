@@ -118,34 +118,43 @@ ENGINE = r"""
 import json, statistics, sys, time, torch
 from weightcache.core.flow import api
 from weightcache.core.fingerprint import Fingerprint
-from weightcache.core.gc_pause import gc_paused
+from weightcache.core.load.rebind import rebind_module
 fp = Fingerprint.from_json(json.loads(sys.argv[1])); socket_dir = sys.argv[2]; device = sys.argv[3]; repeat = int(sys.argv[4])
 if device.startswith("cuda"):
     torch.zeros(1, device=device); torch.cuda.synchronize()
 def skeleton(manifest):
-    model = torch.nn.Module()
-    with torch.device("meta"):
-        for r in manifest.tensors:
-            model.register_parameter(r.name.replace(".", "_"), torch.nn.Parameter(torch.empty(r.shape, dtype=getattr(torch, r.dtype))))
-    return model
+    # The module tree of the dotted names, parameters on the meta device (names without dots: one module holds them all).
+    root, modules = torch.nn.Module(), {}
+    modules[""] = root
+    for r in manifest.tensors:
+        path, _, leaf = r.name.rpartition(".")
+        owner = modules.get(path)
+        if owner is None:
+            owner, walked = root, ""
+            for part in path.split("."):
+                walked = f"{walked}.{part}" if walked else part
+                child = modules.get(walked)
+                if child is None:
+                    child = modules[walked] = torch.nn.Module(); owner.add_module(part, child)
+                owner = child
+        owner.register_parameter(leaf, torch.nn.Parameter(torch.empty(r.shape, dtype=getattr(torch, r.dtype), device="meta"), requires_grad=False))
+    return root
 first = api.attach(fp, socket_dir); manifest = first.manifest; first.close()
 times, touched, phases = [], [], []
 for _ in range(repeat):
     model = skeleton(manifest)
     start = time.perf_counter()
     attachment = api.attach(fp, socket_dir)
-    tensors = {name.replace(".", "_"): t for name, t in attachment.tensors.items()}
-    with gc_paused():  # as rebind_module makes its Parameters
-        for name, tensor in tensors.items():
-            model._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
-    assert not any(p.is_meta for p in model.parameters())
-    times.append(time.perf_counter() - start)
-    phases.append(attachment.timings)
+    attached = time.perf_counter()
+    rebind_module(model, attachment.tensors, attachment.manifest)  # what every adapter does: Parameters, checks, eval()
+    done = time.perf_counter()
+    times.append(done - start)
+    phases.append({**attachment.timings, "rebind_s": done - attached})
     if device == "cpu":
         for t in attachment.tensors.values():
             t.view(torch.uint8)[::4096].sum()
         touched.append(time.perf_counter() - start)
-    del model, tensors
+    del model
     attachment.close()
 print(json.dumps({"median_s": statistics.median(times), "min_s": min(times), "tensors": len(manifest.tensors), "arenas": len(manifest.arenas),
                   "touched_median_s": statistics.median(touched) if touched else None,
@@ -184,7 +193,8 @@ def publish_random(gib: float, tensors: int, device: str, socket_dir, anchor: Pa
         # generate tensor by tensor straight into the arenas: the peak stays at one tensor beyond the arenas
         items = []
         for i in range(tensors):
-            items.append(NamedTensor(f"layers.{i}.weight", "parameter", torch.empty(per, dtype=torch.bfloat16, device="meta")))
+            # No dots: one module holds every tensor in the engine's skeleton (the per-tensor cost, no module tree).
+            items.append(NamedTensor(f"layers_{i}_weight", "parameter", torch.empty(per, dtype=torch.bfloat16, device="meta")))
         slots = [builder.plan(per * 2) for _ in items]
         for slot in slots:
             builder.view(slot).view(torch.bfloat16).normal_()
@@ -207,8 +217,13 @@ def publish_random(gib: float, tensors: int, device: str, socket_dir, anchor: Pa
         ]
         manifest = Manifest(tensors=records, arenas=builder.specs())
         built = time.perf_counter()
-        publish_arenas(builder, fp, manifest, socket_dir, f"random {gib} GiB")
-        timings.update(publisher_manifest_ms=(built - start) * 1000, publish_request_ms=(time.perf_counter() - built) * 1000)
+        published: dict = {}
+        publish_arenas(builder, fp, manifest, socket_dir, f"random {gib} GiB", timings=published)
+        timings.update(
+            publisher_manifest_ms=(built - start) * 1000,
+            publisher_seal_ms=published["seal_s"] * 1000,
+            publish_request_ms=published["request_s"] * 1000,
+        )
     finally:
         builder.close()
     return fp
