@@ -38,11 +38,12 @@ typecheck: setup
 	MYPYPATH=$(VENV)/typecheck $(BIN)/mypy -p weightcache.core -p weightcache.adapters -p weightcache.conformance
 
 # The everyday suite: everything but the real engine starts of tests/engines/test_entry_points.py, on one worker per
-# core (pytest-xdist, at most TEST_WORKERS; a module or class stays on one worker), then the `serial` tests alone
+# core (pytest-xdist, at most TEST_WORKERS; a module or class stays on one worker; in collection order, where
+# tests/conftest.py puts the minutes-long engine-venv module first), then the `serial` tests alone
 # (docs/decisions.md 47).
 TEST_WORKERS ?= 4
 test: lint typecheck
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not engine_entry and not serial" -n auto --maxprocesses $(TEST_WORKERS) --dist loadscope
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not engine_entry and not serial" -n auto --maxprocesses $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "serial and not engine_entry"
 
 # The 48 real engine starts (vllm.LLM, sglang.Engine, their HTTP servers) in the engine venvs; about 26 min on 2 cores.
