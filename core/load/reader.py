@@ -28,6 +28,7 @@ from pathlib import Path
 
 if typing.TYPE_CHECKING:
     import numpy
+    import torch
 
 import attrs
 
@@ -439,13 +440,13 @@ class _HostReader:
             target = self.builder.view(copy.slot)[copy.offset : copy.offset + copy.nbytes].numpy()
             target[:] = staging[copy.source : copy.source + copy.nbytes]
 
-    def piece_buffer(self):
+    def piece_buffer(self) -> "torch.Tensor":
         """A tensor of ``PIECE_BYTES`` at an ``ALIGN``-aligned address (O_DIRECT reads into it)."""
         import torch
 
         return _aligned(torch.empty(PIECE_BYTES + ALIGN, dtype=torch.uint8), PIECE_BYTES)
 
-    def place_from(self, buffer, copies: list[Copy]) -> None:
+    def place_from(self, buffer: "torch.Tensor", copies: list[Copy]) -> None:
         self.place(buffer.numpy(), copies)
 
     def wait(self, done: None) -> None:
@@ -518,11 +519,11 @@ class _GpuReader:
             event.record(state.stream)
         state.events[state.turn] = event  # hashing reads the buffer while the DMA does: neither writes it
 
-    def piece_buffer(self):
+    def piece_buffer(self) -> "torch.Tensor":
         """A pinned tensor of ``PIECE_BYTES`` at an ``ALIGN``-aligned address (O_DIRECT reads into it)."""
         return _aligned(self.torch.empty(PIECE_BYTES + ALIGN, dtype=self.torch.uint8, pin_memory=True), PIECE_BYTES)
 
-    def place_from(self, buffer, copies: list[Copy]):
+    def place_from(self, buffer: "torch.Tensor", copies: list[Copy]) -> "torch.cuda.Event":
         """Queue the copies out of ``buffer`` on this thread's stream; the event that marks them done."""
         torch = self.torch
         stream = self._stream()
@@ -534,7 +535,7 @@ class _GpuReader:
             event.record(stream)
         return event
 
-    def wait(self, done) -> None:
+    def wait(self, done: "torch.cuda.Event") -> None:
         done.synchronize()  # the buffer may be read into again
 
     def finish(self) -> None:
