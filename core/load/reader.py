@@ -449,7 +449,7 @@ class _HostReader:
     def place_from(self, buffer: "torch.Tensor", copies: list[Copy]) -> None:
         self.place(buffer.numpy(), copies)
 
-    def wait(self, done: None) -> None:
+    def wait(self, done: "torch.cuda.Event | None") -> None:
         pass
 
     def finish(self) -> None:
@@ -535,8 +535,9 @@ class _GpuReader:
             event.record(stream)
         return event
 
-    def wait(self, done: "torch.cuda.Event") -> None:
-        done.synchronize()  # the buffer may be read into again
+    def wait(self, done: "torch.cuda.Event | None") -> None:
+        if done is not None:
+            done.synchronize()  # the buffer may be read into again
 
     def finish(self) -> None:
         for stream in self.streams:
