@@ -187,7 +187,7 @@ class _Tree:
         bare = len(_module_internals())
         self.modules: list[torch.nn.Module] = [model]
         self.owned: dict[str, tuple] = {}
-        self.containers: list[dict] = []  # every module's _parameters and _buffers
+        self.containers: list[dict] = []  # every module's _parameters and _buffers that hold something
         self.extra: list[dict] = []  # instance dicts holding more than nn.Module's own entries (tensor attributes?)
         self.overriding: list[torch.nn.Module] = []
         paths = [""]
@@ -200,8 +200,11 @@ class _Tree:
             else:  # a module keeping them elsewhere (properties)
                 parameters, buffers = module._parameters, module._buffers
             owned[path] = (module, parameters, buffers)
-            containers.append(parameters)
-            containers.append(buffers)
+            # Only a dict holding tensors now can hold one left on meta later: what rebind adds is mapped.
+            if parameters:
+                containers.append(parameters)
+            if buffers:
+                containers.append(buffers)
             if len(own) != bare:
                 self.extra.append(own)
             if type(module).train is default_train:
