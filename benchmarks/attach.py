@@ -12,7 +12,9 @@ clock, as an engine builds its model either way). ``--extra-gib`` publishes
 that many GiB of random tensors straight from memory (no checkpoint on disk)
 and times attach again, to show attach stays flat as size grows. ``--no-disk`` skips the checkpoint and the disk
 rows: the entry is published from memory, and the per-tensor cost of every phase is printed (publish's manifest
-build, the publish request with the server's check, and the engine's request, manifest, map, views and ready model).
+build, sealing and checksumming the arenas, the publish request with the server's check and storage, and the
+engine's request, manifest, map, views and rebind). The ready model is ``rebind_module`` onto the skeleton (as every
+adapter does); ``--no-disk`` names its tensors without dots, so that one module holds them all.
 """
 
 from __future__ import annotations
