@@ -58,19 +58,19 @@ class MappedTensors(dict):
         self.source = None
         return super().__ior__(other)
 
-    def update(self, *args, **kwargs) -> None:
+    def update(self, *args: typing.Any, **kwargs: typing.Any) -> None:
         self.source = None
         super().update(*args, **kwargs)
 
-    def pop(self, *args):
+    def pop(self, *args: typing.Any) -> typing.Any:
         self.source = None
         return super().pop(*args)
 
-    def popitem(self):
+    def popitem(self) -> tuple[str, typing.Any]:
         self.source = None
         return super().popitem()
 
-    def setdefault(self, key, default=None):
+    def setdefault(self, key: str, default: typing.Any = None) -> typing.Any:
         if key not in self:
             self.source = None
         return super().setdefault(key, default)
