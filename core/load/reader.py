@@ -237,9 +237,7 @@ def _read_piece(reader: "_HostReader | _GpuReader", piece: Piece, fd: int, direc
             buffer = reader.staging()
             _read_block(fd, direct_fd, buffer, piece.start + start, 0, stop - start)
             staging = buffer[: stop - start]
-            at = piece.start + start
-            if at < len(raw) and bytes(staging[: min(len(raw), piece.start + stop) - at]) != raw[at : piece.start + stop]:
-                raise _Changed
+            _check_header_bytes(raw, piece.start + start, staging)
             reader.place(staging, [_within(copy, start, stop) for copy in piece.copies if _overlaps(copy, start, stop)])
             digest.update(staging)  # type: ignore[arg-type]  # numpy's stubs omit __buffer__ before Python 3.12; hashlib reads the array's buffer
     except (EOFError, _Changed):
@@ -297,11 +295,7 @@ def _read_in_blocks(
     def finish(state: _PieceInFlight) -> None:
         piece, header = state.piece, headers[state.piece.file]
         view = state.buffer.numpy()[: piece.nbytes]
-        raw = header.raw
-        if piece.start < len(raw):
-            stop = min(len(raw), piece.start + piece.nbytes)
-            if bytes(view[: stop - piece.start]) != raw[piece.start : stop]:
-                raise _Changed
+        _check_header_bytes(header.raw, piece.start, view)
         done = reader.place_from(state.buffer, list(piece.copies))
         digest = hashlib.sha256(view).digest()
         reader.wait(done)
@@ -394,6 +388,14 @@ def _read_block(fd: int, direct_fd: int, buffer: typing.Any, start: int, offset:
         if got == 0:
             raise EOFError
         done += got
+
+
+def _check_header_bytes(raw: bytes, at: int, data: "numpy.ndarray") -> None:
+    """``_Changed`` if ``data``, read from file offset ``at``, disagrees with the header bytes ``raw`` it overlaps."""
+    if at < len(raw):
+        stop = min(len(raw), at + len(data))
+        if bytes(data[: stop - at]) != raw[at:stop]:
+            raise _Changed
 
 
 def _overlaps(copy: Copy, start: int, stop: int) -> bool:
