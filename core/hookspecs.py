@@ -199,12 +199,15 @@ def weightcache_checkpoint_conventions(request: "LoadRequest") -> "CheckpointCon
 
 
 @hookspec
-def weightcache_warm_up(request: "LoadRequest") -> None:
+def weightcache_warm_up(request: "LoadRequest", for_publish: bool) -> None:
     """Import now what loading and running this model will need (the engine, the model's module).
 
     Called before timing starts (the demo, the benchmarks) and by a warm spare,
-    so that the moment it takes over costs no import. Every implementation runs.
+    so that the moment it takes over costs no import; and by ``weightcache load``
+    while it reads. Every implementation runs.
 
     :param request: the engine's load request.
+    :param for_publish: True when the process will only load and publish the model
+        (``weightcache load``), never run it: what only running needs may be skipped.
     :returns: nothing.
     """

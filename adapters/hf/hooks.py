@@ -42,10 +42,21 @@ def weightcache_describe(request):
 
 
 @hookimpl
-def weightcache_warm_up(request):
+def weightcache_warm_up(request, for_publish):
+    config = identity.read_config(request.model)
+    if for_publish and _layout_remembered(request, config):
+        return  # the publish builds the model from its remembered layout: transformers stays unimported
     from weightcache.adapters.hf.loading import model_class
 
-    model_class(request, identity.read_config(request.model))  # imports transformers and the model's module
+    model_class(request, config)  # imports transformers and the model's module
+
+
+def _layout_remembered(request, config) -> bool:
+    from weightcache.adapters.hf import layout
+    from weightcache.core.identity.digests import default_store
+
+    dtype = str(identity.load_dtype(request, config)).removeprefix("torch.")
+    return layout.remembered(default_store(), layout.layout_key(request, config, dtype)) is not None
 
 
 @hookimpl
@@ -66,7 +77,8 @@ def weightcache_post_process(request, model, description):
 def weightcache_manifest_extra(request, model):
     from weightcache.core.quantization.fp8_block import Fp8BlockLinear
 
-    extra: dict[str, typing.Any] = {"model_class": type(model).__name__, "dtype": str(_param_dtype(model)).removeprefix("torch.")}
+    class_name = getattr(model, "weightcache_class_name", None) or type(model).__name__  # a LayoutModel names its class
+    extra: dict[str, typing.Any] = {"model_class": class_name, "dtype": str(_param_dtype(model)).removeprefix("torch.")}
     fp8 = next((m for m in model.modules() if isinstance(m, Fp8BlockLinear)), None)
     if fp8 is not None:
         extra["fp8_block_size"] = list(fp8.block_size)

@@ -6,10 +6,10 @@ import logging
 import time
 import typing
 
-from weightcache.adapters.hf import identity
+from weightcache.adapters.hf import identity, layout
 from weightcache.adapters.hf.identity import load_dtype, model_class
 from weightcache.core.dtypes import to_dtype
-from weightcache.core.errors import UnsupportedQuantization
+from weightcache.core.errors import RebindError, UnsupportedQuantization
 from weightcache.core.load.rebind import check_no_meta, meta_parameters
 
 if typing.TYPE_CHECKING:
@@ -63,13 +63,15 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
     None means the checkpoint needs transformers' own loading (renamed keys,
     fused experts, a dtype cast): then ``builder`` is empty again. The meta
     skeleton is built (transformers imports the model's module, seconds on a
-    cold interpreter) while the files are read; a checkpoint that stores no
-    floating tensor in the model's dtype is turned away before any weight is read.
+    cold interpreter) while the files are read, and its layout remembered; where
+    this architecture's layout is remembered (``layout``), a plain module tree
+    built from it stands in for the skeleton and transformers is not imported.
+    A checkpoint that stores no floating tensor in the model's dtype is turned
+    away before any weight is read.
     """
     import concurrent.futures
 
-    import torch
-
+    from weightcache.core.identity.digests import default_store
     from weightcache.core.identity.safetensors_io import checkpoint_tensors
     from weightcache.core.load.reader import read_checkpoint
 
@@ -79,13 +81,56 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
     if floating and wanted_dtype not in floating:  # a cast: a model kept partly in float32 still gets read
         log.debug("checkpoint stores %s, not %s; loading through transformers", floating[0], wanted_dtype)
         return None
+    store = default_store()
+    key = layout.layout_key(request, config, wanted_dtype)
+    known = layout.remembered(store, key)
     began = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightcache-skeleton") as pool:
-        building = pool.submit(_tied_skeleton, request, dtype)
+        building = pool.submit(_model_for, known, request, dtype)
         placed = read_checkpoint(request.model, builder)
         read_s = time.monotonic() - began
-        model = building.result()
-    log.debug("read the files in %.2f s; the skeleton was ready %.2f s later", read_s, time.monotonic() - began - read_s)
+        model, learned = building.result()
+    log.debug(
+        "read the files in %.2f s; the %s was ready %.2f s later",
+        read_s,
+        "remembered layout" if known else "skeleton",
+        time.monotonic() - began - read_s,
+    )
+    if known is not None:
+        try:
+            if _matches(model, placed):
+                return _bound(model, placed, builder, request)
+        except RebindError as exc:
+            log.debug("the remembered layout left %s", exc)
+        log.info("the remembered layout of %s does not fit this checkpoint; building its skeleton", known.class_name)
+        model, learned = _model_for(None, request, dtype)
+    if not _matches(model, placed):
+        log.debug("checkpoint does not match the model one to one; loading through transformers")
+        builder.reset()
+        return None
+    model = _bound(model, placed, builder, request)
+    if learned is not None:
+        store.write_entry(key, learned.to_json())  # the next load of this architecture needs no transformers
+    return model
+
+
+Model = typing.Union["PreTrainedModel", "layout.LayoutModel"]
+"""What a one-to-one load binds the checkpoint's bytes into: the meta skeleton, or a module tree built from its layout."""
+
+
+def _model_for(
+    known: "layout.Layout | None", request: "LoadRequest", dtype: "torch.dtype"
+) -> "tuple[Model, layout.Layout | None]":
+    """The module tree of ``known``, or else the tied meta skeleton and its layout (taken before any slot is bound)."""
+    if known is not None:
+        return known.build(), None
+    model, ties = _tied_skeleton(request, dtype)
+    return model, layout.Layout.of_model(model, ties)
+
+
+def _matches(model: "torch.nn.Module", placed: dict) -> bool:
+    """Whether the checkpoint's tensors are exactly the model's (names, shapes, dtypes; none missing, no tied name
+    stored: a tied weight stored on its own is transformers' call, it unties the two when their values differ)."""
     wanted = dict(model.state_dict(keep_vars=True))
     stored = {name: info for name, (info, _slot) in placed.items()}
     ties = {name for name, p in model.named_parameters(remove_duplicate=False)} - {name for name, _ in model.named_parameters()}
@@ -94,11 +139,14 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
         for n, info in stored.items()
     )
     missing = [n for n in wanted if n not in stored and n not in ties and wanted[n].device.type == "meta"]
-    if not fits or missing or ties & set(stored):
-        # A tied weight stored on its own is transformers' call: it unties the two when their values differ.
-        log.debug("checkpoint does not match the model one to one; loading through transformers")
-        builder.reset()
-        return None
+    return fits and not missing and not ties & set(stored)
+
+
+def _bound(model: Model, placed: dict, builder: "ArenaBuilder", request: "LoadRequest") -> Model:
+    """``model`` with every stored tensor bound to its arena bytes, tied, its buffers on the device; RebindError if
+    anything is left on meta."""
+    import torch
+
     for name, (info, slot) in placed.items():
         owner_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_name)
@@ -114,11 +162,19 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
     return model.eval()
 
 
-def _tied_skeleton(request: "LoadRequest", dtype: "torch.dtype") -> "PreTrainedModel":
-    """The meta skeleton, tied on meta: that shows which names tying would overwrite."""
+def _tied_skeleton(request: "LoadRequest", dtype: "torch.dtype") -> "tuple[PreTrainedModel, list[tuple[str, str]]]":
+    """The meta skeleton, tied on meta (that shows which names tying would overwrite), and the ties ``tie_weights``
+    made: (parameter name, the name whose parameter it now is)."""
     model = skeleton(request, drop_quantization=False, dtype=dtype)
+    before = {name: id(param) for name, param in model.named_parameters(remove_duplicate=False)}
     model.tie_weights()
-    return model
+    first: dict[int, str] = {}
+    ties = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(param), name)
+        if id(param) != before.get(name) and first[id(param)] != name:
+            ties.append((name, first[id(param)]))
+    return model, ties
 
 
 def _is_floating(dtype: str) -> bool:

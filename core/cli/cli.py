@@ -158,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-prefetch",
         dest="prefetch",
         action="store_false",
-        help="on first sight of the weight files, do not read them into the page cache while Python imports "
-        "(by default at most half the available memory is read ahead)",
+        help="do not read the weight files into the page cache while Python imports (by default at most half the "
+        "available memory is read ahead, until the load reads them or finds them cached)",
     )
 
     probe = _command(commands, "probe", "check that the server answers; exit 0 ready, 3 no server, 4 not ready, 5 unhealthy")
@@ -305,8 +305,8 @@ def _load(args) -> int:
     check_quantization(request.quantization, adapter.quantization_allowlist(request))
     headers = check_checkpoint(request.model)  # files, headers, lengths: no weight byte read
     log.debug("load: options and %d weight file headers checked", len(headers))
-    # First sight: the disk starts now; the adapter imports its framework meanwhile, while this thread checks the
-    # server and makes the CUDA context (both wait outside the interpreter lock, imports inside it).
+    # The disk starts now; the adapter imports its framework meanwhile (nothing where the hf adapter remembers the
+    # model's layout), while this thread checks the server and makes the CUDA context.
     with _read_ahead(headers, args.prefetch), _warming_up(adapter, request):
         return _load_checked(args, request, adapter, headers)
 
@@ -321,7 +321,7 @@ def _warming_up(adapter, request):
     def warm_up() -> None:
         began = time.monotonic()
         try:
-            adapter.warm_up(request)
+            adapter.warm_up(request, for_publish=True)
         except Exception as exc:  # the load raises it again, with its context
             log.debug("warming up the %s adapter failed: %s", request.adapter, exc, exc_info=True)
         else:
@@ -336,14 +336,17 @@ def _warming_up(adapter, request):
 
 
 def _read_ahead(headers, wanted: bool):
-    """A ``Prefetch`` of the weight files when none of their digests is known yet (first sight), else nothing."""
-    from weightcache.core.identity.digests import FileKey, remembered_digests
+    """A ``Prefetch`` of the weight files (unless ``--no-prefetch``), stopped when the load ends or finds the entry held.
+
+    Also where the digests are remembered: whether the server already holds the entry is known only once torch
+    is imported and the CUDA context made (the fingerprint names the GPU and the CUDA version), seconds in which
+    the disk would otherwise sit idle before a restart's read (decision 50).
+    """
     from weightcache.core.load.prefetch import Prefetch
 
-    files = [header.file for header in headers]
-    if not wanted or all(remembered_digests(FileKey.of(file) for file in files)):
+    if not wanted:
         return contextlib.nullcontext()
-    return Prefetch(files)
+    return Prefetch([header.file for header in headers])
 
 
 def _load_checked(args, request, adapter, headers) -> int:

@@ -274,8 +274,8 @@ class Adapter:
     def checkpoint_conventions(self, request: "LoadRequest") -> CheckpointConventions:
         return self._typed("weightcache_checkpoint_conventions", CheckpointConventions, request=request)
 
-    def warm_up(self, request: "LoadRequest") -> None:
-        self._hook("weightcache_warm_up")(request=request)
+    def warm_up(self, request: "LoadRequest", for_publish: bool = False) -> None:
+        self._hook("weightcache_warm_up")(request=request, for_publish=for_publish)
 
     def _required(self, hook: str, **kwargs) -> typing.Any:
         result = self._hook(hook)(**kwargs)

@@ -223,26 +223,9 @@ class DigestStore:
 
     def get(self, key: FileKey) -> str | None:
         """The digest remembered for ``key``, or None (also for an entry that is not a small file of ours, or corrupt)."""
-        if self.fd is None:
-            return None
         name = key.entry_name
-        try:
-            # O_NONBLOCK: opening a FIFO put in an entry's place must not wait for a writer.
-            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=self.fd)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:  # ELOOP: a symlink
-            self._ignore(
-                name, "it cannot be opened without following a link" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
-            )
-            return None
-        try:
-            problem = _entry_problem(os.fstat(fd))
-            data = b"" if problem else os.read(fd, MAX_ENTRY_BYTES + 1)
-        finally:
-            os.close(fd)
-        if problem:
-            self._ignore(name, problem)
+        data = self.read_entry(name, MAX_ENTRY_BYTES)
+        if data is None:
             return None
         try:
             entry = json.loads(data)
@@ -254,26 +237,55 @@ class DigestStore:
             return None
         return entry["digest"]
 
+    def read_entry(self, name: str, limit: int) -> bytes | None:
+        """The bytes of entry ``name``, or None: missing, no trusted directory, or not a regular file of ours of at most
+        ``limit`` bytes (a link, a FIFO, someone else's file: each a miss, logged)."""
+        if self.fd is None:
+            return None
+        try:
+            # O_NONBLOCK: opening a FIFO put in an entry's place must not wait for a writer.
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=self.fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # ELOOP: a symlink
+            self._ignore(
+                name, "it cannot be opened without following a link" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+            )
+            return None
+        try:
+            problem = _entry_problem(os.fstat(fd), limit)
+            data = b"" if problem else _read_all(fd, limit + 1)
+        finally:
+            os.close(fd)
+        if problem:
+            self._ignore(name, problem)
+            return None
+        return data
+
     def _ignore(self, name: str, why: str) -> None:
         log.debug("ignoring digest store entry %s in %s: %s", name, self.directory, why)
 
     def put(self, key: FileKey, digest: str) -> None:
         """Remember ``digest`` for ``key`` (atomically: a temporary file renamed into place, both relative to the store)."""
+        self.write_entry(key.entry_name, json.dumps({"scheme": SCHEME, "key": key.as_list(), "digest": digest}).encode())
+
+    def write_entry(self, name: str, data: bytes) -> None:
+        """Store ``data`` as entry ``name``: a temporary file renamed into place, both relative to the store; a failure
+        is logged and leaves the entry as it was (nothing remembered)."""
         if self.fd is None:
             return
-        data = json.dumps({"scheme": SCHEME, "key": key.as_list(), "digest": digest}).encode()
         temporary = f".tmp-{secrets.token_hex(8)}"
         try:
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
         except OSError as exc:
-            log.debug("could not remember a digest in %s: %s", self.directory, exc)
+            log.debug("could not remember %s in %s: %s", name, self.directory, exc)
             return
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
-            os.replace(temporary, key.entry_name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            os.replace(temporary, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except OSError as exc:
-            log.debug("could not remember a digest in %s: %s", self.directory, exc)
+            log.debug("could not remember %s in %s: %s", name, self.directory, exc)
             with contextlib.suppress(OSError):
                 os.unlink(temporary, dir_fd=self.fd)
 
@@ -399,12 +411,21 @@ def _untrusted(info: os.stat_result, path: Path) -> str | None:
     return None
 
 
-def _entry_problem(info: os.stat_result) -> str | None:
-    """Why an open store entry is not one ``put`` wrote (a regular file of ours, small), or None."""
+def _read_all(fd: int, limit: int) -> bytes:
+    """Up to ``limit`` bytes of ``fd`` from where it stands (``os.read`` may return less than asked)."""
+    chunks, left = [], limit
+    while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _entry_problem(info: os.stat_result, limit: int = MAX_ENTRY_BYTES) -> str | None:
+    """Why an open store entry is not one ``write_entry`` wrote (a regular file of ours, at most ``limit`` bytes), or None."""
     if not stat.S_ISREG(info.st_mode):
         return "it is not a regular file"
     if info.st_uid != os.geteuid():
         return f"it belongs to uid {info.st_uid}, not to you (uid {os.geteuid()})"
-    if info.st_size > MAX_ENTRY_BYTES:
-        return f"it holds {info.st_size} bytes; an entry holds at most {MAX_ENTRY_BYTES}"
+    if info.st_size > limit:
+        return f"it holds {info.st_size} bytes; an entry holds at most {limit}"
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -143,6 +144,34 @@ def test_hook_weightcache_warm_up(model_dir):
     """)
     proc = subprocess.run([sys.executable, "-c", code, str(model_dir("llama"))], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_warm_up_for_a_publish_imports_nothing_where_the_hf_layout_is_remembered(model_dir, tmp_path):
+    """``weightcache load`` warms up ``for_publish``: with the model's layout remembered the hf adapter skips
+    transformers (the publish needs none), and without it imports the model's module as before."""
+    code = textwrap.dedent("""
+        import sys
+        from weightcache.core.flow.loader import prepare
+        from weightcache.core.request import LoadRequest
+        prepared = prepare(LoadRequest(model=sys.argv[1]))
+        prepared.adapter.warm_up(prepared.request, for_publish=True)
+        print("IMPORTED", "transformers" in sys.modules)
+    """)
+    path = model_dir("llama")
+    env = {**os.environ, "WEIGHTCACHE_CACHE_DIR": str(tmp_path / "store")}
+    before = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=240, env=env)
+    assert before.returncode == 0 and "IMPORTED True" in before.stdout, before.stderr[-3000:]
+    learn = (
+        "import sys\nfrom weightcache.adapters.hf.loading import load_into_arenas\n"
+        "from weightcache.adapters.hf.identity import read_config\nfrom weightcache.core.device import Device\n"
+        "from weightcache.core.load.export import ArenaBuilder\nfrom weightcache.core.request import LoadRequest\n"
+        "with ArenaBuilder(Device.parse('cpu')) as builder:\n"
+        "    assert load_into_arenas(LoadRequest(model=sys.argv[1]), read_config(sys.argv[1]), builder) is not None\n"
+    )
+    learned = subprocess.run([sys.executable, "-c", learn, str(path)], capture_output=True, text=True, timeout=240, env=env)
+    assert learned.returncode == 0, learned.stderr[-3000:]
+    after = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=240, env=env)
+    assert after.returncode == 0 and "IMPORTED False" in after.stdout, (after.stdout, after.stderr[-3000:])
 
 
 def test_warm_up_in_a_thread_while_the_load_describes_the_model(model_dir):

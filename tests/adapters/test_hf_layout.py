@@ -1,0 +1,169 @@
+"""The hf adapter's remembered layout: a publish built from it is the publish built from the skeleton, record for record.
+
+Real checkpoints of every architecture the tests build (save_pretrained, random weights), real arenas, a
+real private store directory; the CLI runs in a fresh process, and a remembered layout must spare it transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.adapters.test_hf_checkpoints import SMALL, assert_attaches_like_from_pretrained
+from weightcache.adapters.hf import identity, layout
+from weightcache.adapters.hf.hooks import weightcache_manifest_extra
+from weightcache.adapters.hf.loading import load_into_arenas
+from weightcache.core.device import Device
+from weightcache.core.identity.digests import DigestStore
+from weightcache.core.load.export import ArenaBuilder, collect_tensors, export_module
+from weightcache.core.request import LoadRequest
+
+
+@pytest.fixture
+def store_dir(tmp_path, monkeypatch):
+    """An empty private store of this test's own (the process-wide default store is per directory)."""
+    directory = tmp_path / "store"
+    monkeypatch.setenv("WEIGHTCACHE_CACHE_DIR", str(directory))
+    return directory
+
+
+def publish_view(path, dtype: str | None = None):
+    """What a publish of ``path`` would describe: the manifest's records, aliases, the adapter's extra and the bytes of
+    every tensor that was not read from the checkpoint (computed buffers); plus the model class the load returned."""
+    request = LoadRequest(model=str(path), dtype=dtype)
+    config = identity.read_config(str(path))
+    with ArenaBuilder(Device.parse("cpu")) as builder:
+        model = load_into_arenas(request, config, builder)
+        if model is None:  # the checkpoint needs transformers' own loading (Mixtral's experts are fused on load)
+            return None, None
+        extra = weightcache_manifest_extra(request, model)
+        built_as = type(model).__name__
+        items, _ = collect_tensors(model)
+        computed = {item.name: _bytes(item.tensor) for item in items if item.kind != "parameter"}
+        manifest = export_module(model, builder)
+        records = [
+            (r.name, r.kind, r.dtype, r.shape, r.stride, r.storage_offset, r.arena, r.offset, r.nbytes, r.persistent)
+            for r in manifest.tensors
+        ]
+        return {"records": records, "aliases": manifest.aliases, "extra": extra, "computed": computed}, built_as
+
+
+def _bytes(tensor) -> bytes:
+    import torch
+
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def layout_entries(directory) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if name.startswith("layout-"))
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", SMALL)
+def test_a_publish_from_the_remembered_layout_is_the_publish_from_the_skeleton(store_dir, model_dir, kind, stored):
+    path = model_dir(kind, stored)
+    first, built_first = publish_view(path)
+    if first is None:
+        assert not layout_entries(store_dir), "a checkpoint transformers must convert leaves no layout"
+        assert publish_view(path) == (None, None)
+        return
+    assert len(layout_entries(store_dir)) == 1, "the first load remembers the layout"
+    again, built_again = publish_view(path)
+    assert built_first != "LayoutModel" and built_again == "LayoutModel", "the second load uses the layout"
+    assert again == first
+
+
+def test_the_cli_with_a_remembered_layout_never_imports_transformers_and_attaches_like_from_pretrained(
+    server, model_dir, tmp_path
+):
+    path = model_dir("llama")
+    env = {**os.environ, "WEIGHTCACHE_CACHE_DIR": str(tmp_path / "store"), "HF_HUB_OFFLINE": "1"}
+    code = (
+        "import sys\nfrom weightcache.core.cli.cli import main\n"
+        f"code = main(['load', '--socket-dir', {str(server.socket_dir)!r}, '--model', {str(path)!r}])\n"
+        "print('TRANSFORMERS', 'transformers' in sys.modules)\nsys.exit(code)\n"
+    )
+    learned = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert learned.returncode == 0, learned.stderr[-3000:]
+    assert "TRANSFORMERS True" in learned.stdout, "without a remembered layout, the skeleton is built"
+    for entry in _entries(server.socket_dir):
+        subprocess.run(
+            [sys.executable, "-m", "weightcache.core.cli.cli", "evict", "--force", "--socket-dir", str(server.socket_dir), entry],
+            check=True,
+            capture_output=True,
+        )
+    known = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert known.returncode == 0, known.stderr[-3000:]
+    assert known.stdout.startswith("published"), known.stdout
+    assert "TRANSFORMERS False" in known.stdout, "with the layout remembered, the CLI needs no transformers"
+    assert_attaches_like_from_pretrained(path, server.socket_dir, "float32", None)
+
+
+def _entries(socket_dir) -> list[str]:
+    from weightcache.core.client.client import Connection
+
+    with Connection(socket_dir) as connection:
+        return [entry["digest"] for entry in connection.status()["entries"]]
+
+
+def _poison(store_dir, change) -> None:
+    (name,) = layout_entries(store_dir)
+    raw = json.loads((store_dir / name).read_bytes())
+    change(raw)
+    (store_dir / name).write_text(json.dumps(raw))
+
+
+def _shrink_first_tensor(raw) -> None:
+    raw["tensors"][0][1] = [1]  # a shape that matches no checkpoint tensor: the checkpoint no longer fits
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda raw: raw.update(format=99),
+        lambda raw: raw["tensors"].append(["float32", [4], "AAAA"]),  # 3 bytes for 16
+        lambda raw: raw["modules"][1].__setitem__(2, [["weight", "parameter", 10**9, True]]),
+        lambda raw: raw.pop("ties"),
+        _shrink_first_tensor,
+    ],
+    ids=["other-format", "value-size", "dangling-reference", "missing-field", "checkpoint-does-not-fit"],
+)
+def test_a_damaged_layout_entry_is_a_miss_and_the_publish_is_the_skeletons(store_dir, model_dir, damage):
+    path = model_dir("gpt2")
+    first, _ = publish_view(path)
+    _poison(store_dir, damage)
+    again, built = publish_view(path)
+    assert built != "LayoutModel", "a damaged layout is not used"
+    assert again == first
+
+
+def test_a_layout_entry_that_is_a_link_is_not_followed(store_dir, model_dir, tmp_path):
+    path = model_dir("llama")
+    publish_view(path)
+    (name,) = layout_entries(store_dir)
+    elsewhere = tmp_path / "elsewhere.json"
+    os.replace(store_dir / name, elsewhere)
+    os.symlink(elsewhere, store_dir / name)
+    _, built = publish_view(path)
+    assert built != "LayoutModel"
+
+
+def test_the_layout_key_changes_with_what_the_layout_depends_on(model_dir):
+    path = model_dir("llama")
+    config = identity.read_config(str(path))
+    request = LoadRequest(model=str(path))
+    key = layout.layout_key(request, config, "float32")
+    assert layout.layout_key(request, {**config, "rope_theta": 5e5}, "float32") != key, "rotary frequencies differ"
+    assert layout.layout_key(request, config, "bfloat16") != key
+    assert layout.layout_key(LoadRequest(model=str(path), options={"model_class": "AutoModel"}), config, "float32") != key
+    assert layout.layout_key(request, dict(config), "float32") == key
+
+
+def test_a_store_without_a_trusted_directory_remembers_no_layout(model_dir):
+    store = DigestStore(None)
+    assert layout.remembered(store, "layout-x.json") is None
+    store.write_entry("layout-x.json", b"{}")  # nothing happens, nothing raises
