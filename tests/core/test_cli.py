@@ -558,6 +558,24 @@ def test_load_publishes_the_same_entry_with_and_without_reading_ahead(model_dir,
     assert digests[0] == digests[1]
 
 
+def test_a_restart_with_digests_remembered_reads_ahead_too_and_publishes_the_same_entry(model_dir, tmp_path):
+    """The prefetch runs on every load, not only on first sight (decision 50): a restart's read otherwise began
+    only once torch and the CUDA context were up."""
+    path = model_dir("llama")
+    env = {"WEIGHTCACHE_CACHE_DIR": str(tmp_path / "digests")}
+    digests = []
+    for _ in range(2):  # the second load: a fresh server, the digests remembered
+        server = ServerProcess.start()
+        try:
+            run = cli("-v", "load", "--model", str(path), "--socket-dir", str(server.socket_dir), env=env)
+            assert run.code == 0 and "published " in run.stdout, run
+            assert any("ahead of the load" in line for line in run.stderr), "the weight files are read ahead"
+            digests.append(run.stdout.split("published ")[1].split()[0])
+        finally:
+            server.close()
+    assert digests[0] == digests[1]
+
+
 def test_the_console_script_skips_teardown_only_after_load_and_keeps_the_exit_status(model_dir, tmp_path):
     from weightcache.core.cli.cli import FAST_EXIT_COMMANDS, _subcommand
 
