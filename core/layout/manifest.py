@@ -15,9 +15,8 @@ import attrs
 from weightcache.core.arena.base import ArenaSpec
 from weightcache.core.dtypes import ITEM_SIZES
 from weightcache.core.errors import InvalidManifest
-from weightcache.core.gc_pause import gc_paused
 from weightcache.core.layout.tensor_table import KINDS, MAX_ATTRIBUTE_BYTES, MAX_INDEX, TensorTable, numel
-from weightcache.core.layout.views import MappedTensors, table_views
+from weightcache.core.layout.views import MappedTensors, UnmadeTensors
 
 if typing.TYPE_CHECKING:
     from weightcache.core.arena.base import Arena
@@ -366,14 +365,10 @@ class Manifest:
 
     def views(self, arenas: "typing.Sequence[Arena]") -> "MappedTensors":
         """Tensors viewing the mapped ``arenas`` (no copy), aliases included: a dict that remembers the table and arenas
-        (``rebind_module`` makes its Parameters from them in batches)."""
+        (``rebind_module`` makes its Parameters from them in batches) and makes its own tensors on its first read."""
         if len(arenas) != len(self.arenas):
             raise ValueError(f"manifest has {len(self.arenas)} arenas, {len(arenas)} were mapped")
-        with gc_paused():
-            tensors = table_views(self.table, [arena.bytes_view() for arena in arenas])
-        for alias, target in self.aliases.items():
-            dict.__setitem__(tensors, alias, tensors[target])  # part of what was made: rebind may still use its source
-        return tensors
+        return UnmadeTensors.of(self.table, [arena.bytes_view() for arena in arenas], dict(self.aliases))
 
 
 def _arenas(data: dict) -> list[ArenaSpec]:

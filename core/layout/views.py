@@ -22,6 +22,7 @@ import contextlib
 import typing
 
 from weightcache.core.dtypes import ITEM_SIZES, to_dtype
+from weightcache.core.gc_pause import gc_paused
 from weightcache.core.layout.tensor_table import KINDS, contiguous_stride, numel
 
 if typing.TYPE_CHECKING:
@@ -40,11 +41,12 @@ class MappedTensors(dict):
     then no longer be the table's), and rebind takes each tensor from the dict.
     """
 
-    __slots__ = ("source",)
+    __slots__ = ("_unmade", "source")
 
     def __init__(self, items: "typing.Iterable[tuple[str, torch.Tensor]]", source: "tuple[TensorTable, list] | None"):
         super().__init__(items)
         self.source = source
+        self._unmade: tuple[TensorTable, list, dict[str, str]] | None = None
 
     def __setitem__(self, key, value) -> None:
         self.source = None
@@ -78,6 +80,116 @@ class MappedTensors(dict):
     def clear(self) -> None:
         self.source = None
         super().clear()
+
+
+class UnmadeTensors(MappedTensors):
+    """A :class:`MappedTensors` whose tensors are made on its first read, all at once (then it is a MappedTensors).
+
+    An engine whose adapter hands the dict to ``rebind_module`` and never reads it pays for one tensor per record
+    (the Parameters rebind makes from ``source``), not two. Every Python-level way of reading a dict (items, values,
+    iteration, ``len``, ``in``, ``get``, ``==``, ``dict(d)``, ``{**d}``, copy, pickle, changes) makes the tensors
+    first; only C code that reads a dict's storage directly (``PyDict_Next``, ``PyDict_GetItem`` on a dict never read
+    from Python) would see it empty.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, table: "TensorTable", arena_bytes: list, aliases: "dict[str, str]") -> "UnmadeTensors":
+        tensors = cls((), (table, arena_bytes))
+        tensors._unmade = (table, arena_bytes, aliases)
+        return tensors
+
+    def made(self) -> MappedTensors:
+        """This dict with its tensors in it (made now, on the first call): a plain :class:`MappedTensors` from now on."""
+        if self._unmade is not None:
+            table, arena_bytes, aliases = self._unmade
+            if table.count:
+                with gc_paused():
+                    plan = plan_of(table, arena_bytes)
+                    dict.update(self, zip(plan.names, _make(plan, table, arena_bytes), strict=True))
+            for alias, target in aliases.items():
+                dict.__setitem__(self, alias, dict.__getitem__(self, target))
+            self._unmade = None
+        self.__class__ = MappedTensors  # type: ignore[assignment]  # the same layout: reads are dict's own from now on
+        return self
+
+    def __getitem__(self, key):
+        return self.made()[key]
+
+    def __iter__(self):
+        return iter(self.made())
+
+    def __reversed__(self):
+        return reversed(self.made())
+
+    def __len__(self) -> int:
+        return len(self.made())
+
+    def __contains__(self, key) -> bool:
+        return key in self.made()
+
+    def __repr__(self) -> str:
+        return repr(self.made())
+
+    def __eq__(self, other) -> bool:
+        return self.made() == other
+
+    def __ne__(self, other) -> bool:
+        return self.made() != other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __or__(self, other):
+        return self.made() | other
+
+    def __ror__(self, other):
+        return other | dict(self.made())
+
+    def __ior__(self, other):
+        return self.made().__ior__(other)
+
+    def __reduce_ex__(self, protocol):
+        return self.made().__reduce_ex__(protocol)
+
+    def __sizeof__(self) -> int:
+        return self.made().__sizeof__()
+
+    def get(self, key: str, default: typing.Any = None) -> typing.Any:
+        return self.made().get(key, default)
+
+    def keys(self) -> "typing.KeysView[str]":  # type: ignore[override]
+        return self.made().keys()
+
+    def values(self) -> "typing.ValuesView[typing.Any]":  # type: ignore[override]
+        return self.made().values()
+
+    def items(self) -> "typing.ItemsView[str, typing.Any]":  # type: ignore[override]
+        return self.made().items()
+
+    def copy(self) -> dict:
+        return self.made().copy()
+
+    def __setitem__(self, key, value) -> None:
+        self.made()[key] = value
+
+    def __delitem__(self, key) -> None:
+        del self.made()[key]
+
+    def update(self, *args: typing.Any, **kwargs: typing.Any) -> None:
+        self.made().update(*args, **kwargs)
+
+    def pop(self, *args: typing.Any) -> typing.Any:
+        return self.made().pop(*args)
+
+    def popitem(self) -> tuple[str, typing.Any]:
+        return self.made().popitem()
+
+    def setdefault(self, key: str, default: typing.Any = None) -> typing.Any:
+        return self.made().setdefault(key, default)
+
+    def clear(self) -> None:
+        self.made().clear()
 
 
 def table_views(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tensor]") -> MappedTensors:

@@ -162,7 +162,7 @@ def rebind_module(
             owner, leaf = owners.split(alias)
             registered = leaf in owner._parameters or leaf in owner._buffers
             if not registered and (kinds[target] == _ATTRIBUTE or leaf in vars(owner)):
-                set_tensor_attribute(owner, leaf, params.get(target, tensors[target]))
+                set_tensor_attribute(owner, leaf, params[target] if target in params else tensors[target])
             elif target in params:
                 owner._parameters[leaf] = params[target]
             else:

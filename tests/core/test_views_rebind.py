@@ -4,6 +4,7 @@ new each time, and a changed tensors dict is honoured; the module walk still fin
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from weightcache.core.errors import RebindError
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.layout.tensor_table import TensorTable
-from weightcache.core.layout.views import MappedTensors, plan_of, table_parameters, table_views, view_of
+from weightcache.core.layout.views import MappedTensors, UnmadeTensors, plan_of, table_parameters, table_views, view_of
 from weightcache.core.load import rebind as rebind_mod
 from weightcache.core.load.export import ArenaBuilder, NamedTensor, export_tensors
 from weightcache.core.load.rebind import check_no_meta, rebind_module
@@ -122,6 +123,88 @@ def test_a_changed_tensors_dict_forgets_its_source(change):
     assert views.source is not None
     change(views)
     assert views.source is None
+
+
+READS = {
+    "getitem": lambda d, name: d[name],
+    "get": lambda d, name: d.get(name),
+    "in": lambda d, name: name in d,
+    "len": lambda d, name: len(d),
+    "iter": lambda d, name: list(d),
+    "reversed": lambda d, name: list(reversed(d)),
+    "keys": lambda d, name: list(d.keys()),
+    "values": lambda d, name: list(d.values()),
+    "items": lambda d, name: list(d.items()),
+    "bool": lambda d, name: bool(d),
+    "dict()": lambda d, name: dict(d),
+    "{**d}": lambda d, name: {**d},
+    "plain.update": lambda d, name: {}.update(d),
+    "OrderedDict": lambda d, name: collections.OrderedDict(d),
+    "copy": lambda d, name: d.copy(),
+    "copy.copy": lambda d, name: copy.copy(d),
+    "==": lambda d, name: d == {},
+    "plain ==": lambda d, name: {} == d,
+    "|": lambda d, name: d | {},
+    "ror": lambda d, name: {} | d,
+    "repr": lambda d, name: repr(d),
+    "load_state_dict": lambda d, name: torch.nn.Module().load_state_dict(d, strict=False),
+    "setitem": lambda d, name: d.__setitem__("x", torch.zeros(1)),
+    "pop": lambda d, name: d.pop(name),
+    "setdefault": lambda d, name: d.setdefault(name),
+    "update": lambda d, name: d.update(x=torch.zeros(1)),
+    "clear": lambda d, name: d.clear(),
+}
+
+
+@pytest.mark.parametrize("read", list(READS))
+def test_unmade_tensors_are_made_by_any_read_and_are_the_views(read):
+    table, arena_bytes = mixed_table()
+    unmade = UnmadeTensors.of(table, arena_bytes, {"alias.weight": table.names[0]})
+    assert dict.__len__(unmade) == 0  # nothing made yet
+    result = READS[read](unmade, table.names[0])
+    assert type(unmade) is MappedTensors  # made: a plain MappedTensors from now on
+    if read in ("len", "bool", "in"):
+        assert result == (len(table.names) + 1 if read == "len" else True)
+    if read == "plain ==":
+        assert result is False
+    if read not in ("setitem", "pop", "update", "clear"):
+        expected = table_views(table, arena_bytes)
+        assert set(unmade) == {*table.names, "alias.weight"} and unmade.source is not None
+        assert unmade["alias.weight"] is unmade[table.names[0]]
+        for name in table.names:
+            assert unmade[name].data_ptr() == expected[name].data_ptr() and unmade[name].shape == expected[name].shape
+    else:
+        assert unmade.source is None  # a change: rebind takes each tensor from the dict
+
+
+def test_rebind_from_unmade_tensors_makes_only_the_parameters():
+    builder, manifest = published(Model())
+    try:
+        views = manifest.views(builder.arenas)
+        assert type(views) is UnmadeTensors
+        model = rebind_module(meta_model(), views, manifest)  # buffers and aliases read the dict: made then
+        assert type(views) is MappedTensors and model.experts[1].scale is views["experts.1.scale"]
+        del model, views
+        # A model of parameters only, no aliases: rebind leaves the dict unmade.
+        original = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        items = [NamedTensor(name, "parameter", t) for name, t in original.named_parameters()]
+        built = ArenaBuilder("cpu")
+        try:
+            exported = export_tensors(items, {}, built, release=False)
+            plain = Manifest.from_wire(*exported.to_wire(), trusted=True)
+            views = plain.views(built.arenas)
+            with torch.device("meta"):
+                skeleton = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+            model = rebind_module(skeleton, views, plain)
+            assert type(views) is UnmadeTensors
+            x = torch.randn(3, 4)
+            assert torch.equal(model(x), original(x))
+            assert model[0].weight.data_ptr() == views["0.weight"].data_ptr()
+            del model, views
+        finally:
+            built.close()
+    finally:
+        builder.close()
 
 
 class Expert(torch.nn.Module):
