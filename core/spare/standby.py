@@ -10,9 +10,10 @@ it maps the server's entry and holds no copy of its own; a standby that cannot
 attach says why and exits with status 1) and one warm-up forward. Then it
 waits, and takes over on the first of:
 
-- the watched primary (``--watch-pid``) exits, however it exits (a pidfd where
-  the kernel has one, else ``/proc/PID/stat`` read every millisecond, which
-  also sees an exit that has begun: ``PF_EXITING``; ``--no-pidfd`` forces that);
+- the watched primary (``--watch-pid``) exits, however it exits: its exit has
+  begun (``/proc/PID/stat`` read every millisecond: ``PF_EXITING`` or no memory
+  map left), or it is a zombie (seen by that poll, and by a pidfd where the
+  kernel has one; ``--no-pidfd`` or ``WEIGHTCACHE_STANDBY_PIDFD=0``: the poll alone);
 - SIGUSR1;
 - a line ``takeover`` on its standard input.
 
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 
 TAKEOVER_REQUEST = "takeover"
 POLL_INTERVAL_S = 0.001
-"""How often a primary is checked where the kernel has no pidfd (one ``/proc`` read, ~20 µs: ~2 % of one core)."""
+"""How often a watched primary's ``/proc/PID/stat`` is read, pidfd or not (one read, ~20 µs: ~2 % of one core)."""
 PF_EXITING = 0x4
 """``/proc/PID/stat`` flag of a task whose exit has begun (``linux/sched.h``): set the moment a SIGKILL is acted on,
 long before a primary holding GPU memory has torn its mappings down and become a zombie."""
@@ -310,19 +311,23 @@ class _Triggers:
             log.warning("standby waits outside the main thread: SIGUSR1 cannot reach it; use --watch-pid or a request")
 
     def _watch(self, pid: int) -> None:
+        """A pidfd where the kernel has one (it wakes the wait when the primary is a zombie), and in every case
+        ``/proc/PID/stat`` read every POLL_INTERVAL_S, which sees the exit begin (a pidfd only fires once a primary
+        that maps GPU memory, or much host memory, has torn it all down: 0.5-1 s for 1.5 GiB of host memory here)."""
+        polling = f"/proc/PID/stat every {POLL_INTERVAL_S * 1000:g} ms (exit begun: PF_EXITING or no memory map; or zombie)"
         try:
             if not self._use_pidfd:
                 raise OSError("pidfds not used")
             self._pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
             raise StandbyError(f"there is no process {pid} to watch; give the primary engine's pid to --watch-pid") from None
-        except (AttributeError, OSError) as exc:  # no pidfd here (old kernel, sandbox or Python): check every POLL_INTERVAL_S
-            self.watched_by = f"polling /proc/PID/stat every {POLL_INTERVAL_S * 1000:g} ms (exit begun or zombie; {exc})"
+        except (AttributeError, OSError) as exc:  # no pidfd here (old kernel, sandbox or Python): the poll alone
+            self.watched_by = f"polling {polling}, no pidfd ({exc})"
             log.info("watching pid %d by %s", pid, self.watched_by)
             if not _alive(pid):
                 raise StandbyError(f"there is no process {pid} to watch; give the primary engine's pid to --watch-pid") from None
             return
-        self.watched_by = "pidfd"
+        self.watched_by = f"pidfd and polling {polling}"
         self._poll.register(self._pidfd, select.POLLIN)
 
     def _catch_sigusr1(self) -> None:
@@ -333,7 +338,7 @@ class _Triggers:
         self._poll.register(read_end, select.POLLIN)
 
     def wait(self, timeout: float | None) -> Trigger | None:
-        polling = self._watch_pid is not None and self._pidfd < 0
+        polling = self._watch_pid is not None
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -392,14 +397,28 @@ class _Triggers:
 
 
 def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs: not gone, not a zombie, and not exiting (``PF_EXITING``: its exit has begun; a primary
-    killed while it maps GPU memory spends ~100 ms tearing its mappings down before it turns zombie)."""
+    """Whether ``pid`` runs: not gone, and :func:`exit_begun` does not say so of its ``/proc/PID/stat``."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-        return fields[0] not in (b"Z", b"X", b"x") and not int(fields[6]) & PF_EXITING
-    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            return not exit_begun(stat.read())
+    except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def exit_begun(stat: bytes) -> bool:
+    """Whether a ``/proc/PID/stat`` line is that of a process whose exit has begun, or is over.
+
+    Any of: the state is zombie or dead; the ``PF_EXITING`` flag (Linux sets it the moment a SIGKILL is acted on); no
+    memory map (``vsize`` 0: every user process has mappings until its exit releases them). A primary killed while it
+    maps GPU memory spends ~100 ms tearing its mappings down before it turns zombie; the flag and the empty map come
+    before. gVisor reports no flags (the field is always 0) and no zombie until the teardown is done: there the empty
+    map is the early sign (its leader thread drops its map first). A line that cannot be read counts as exited.
+    """
+    try:
+        fields = stat.rsplit(b")", 1)[1].split()
+        return fields[0] in (b"Z", b"X", b"x") or bool(int(fields[6]) & PF_EXITING) or int(fields[20]) == 0
+    except (IndexError, ValueError):
+        return True
 
 
 def load_function(spec: str) -> "typing.Callable":
@@ -433,7 +452,9 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     parser.add_argument("--dtype", help="dtype of unquantized weights, as the entry was published (default: the checkpoint's)")
     parser.add_argument("--watch-pid", type=int, metavar="PID", help="take over when this process (the primary) exits")
     parser.add_argument(
-        "--no-pidfd", action="store_true", help="watch the primary by polling /proc every millisecond even where pidfds work"
+        "--no-pidfd",
+        action="store_true",
+        help="watch the primary by the /proc poll alone, no pidfd (also: WEIGHTCACHE_STANDBY_PIDFD=0)",
     )
     parser.add_argument(
         "--then", metavar="MODULE:FUNCTION", help="call FUNCTION(loaded) on take-over instead of generating one token"
@@ -454,7 +475,7 @@ def run(args: argparse.Namespace) -> int:
         then=then,
         requests=sys.stdin,
         timeout_s=args.timeout,
-        use_pidfd=not args.no_pidfd,
+        use_pidfd=not args.no_pidfd and os.environ.get("WEIGHTCACHE_STANDBY_PIDFD", "1") != "0",
     )
     try:
         print(json.dumps(standby.start()), flush=True)

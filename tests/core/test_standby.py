@@ -21,7 +21,7 @@ from tests.helpers import wait_until
 from weightcache.core.errors import StandbyError
 from weightcache.core.flow.loader import prepare, publish
 from weightcache.core.request import LoadRequest
-from weightcache.core.spare.standby import TAKEOVER_REQUEST, _Triggers
+from weightcache.core.spare.standby import TAKEOVER_REQUEST, _Triggers, exit_begun
 
 
 class StandbyProcess:
@@ -226,24 +226,51 @@ def test_a_primarys_exit_is_seen_by_pidfd_or_by_polling(pidfd):
         _Triggers(primary.pid, None, use_pidfd=pidfd)
 
 
-def test_without_a_pidfd_a_killed_primary_is_seen_within_a_few_milliseconds():
-    """The fallback where the kernel has no pidfd (sandboxes): /proc read every millisecond, and an exit that has
-    begun (PF_EXITING) counts, so a primary that takes long to tear its memory down is seen at once."""
-    seen = []
+SLOW_EXIT = "import mmap, time; m = mmap.mmap(-1, 1 << 30); m.write(b'x' * (1 << 30)); print(flush=True); time.sleep(60)"
+"""A primary that takes long to die: 1 GiB of host memory to free after the kill (as a GPU primary's mappings)."""
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "polling"])
+def test_a_killed_primary_is_seen_within_a_few_milliseconds_long_before_it_is_a_zombie(pidfd):
+    """An exit that has begun (PF_EXITING, no memory map) counts, with or without a pidfd (which fires only at the
+    zombie): a primary that takes long to tear its memory down is seen at once."""
+    seen, zombie = [], []
     for _ in range(5):
-        primary = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        triggers = _Triggers(primary.pid, None, use_pidfd=False)
+        primary = subprocess.Popen([sys.executable, "-c", SLOW_EXIT], stdout=subprocess.PIPE)
+        primary.stdout.readline()  # its memory is there
+        triggers = _Triggers(primary.pid, None, use_pidfd=pidfd)
         try:
-            assert triggers.watched_by.startswith("polling /proc/PID/stat every 1 ms"), triggers.watched_by
+            assert ("pidfd and polling" if pidfd else "polling /proc/PID/stat every 1 ms") in triggers.watched_by
             assert triggers.wait(timeout=0.05) is None
             killed = time.monotonic()
             primary.kill()
             trigger = triggers.wait(timeout=10)
             seen.append(trigger.at - killed)
+            os.waitid(os.P_PID, primary.pid, os.WEXITED | os.WNOWAIT)
+            zombie.append(time.monotonic() - killed)
         finally:
             triggers.close()
             primary.wait()
-    assert sorted(seen)[2] < 0.010, f"kill -> seen: {[round(s * 1000, 1) for s in seen]} ms"
+            primary.stdout.close()
+    figures = f"kill -> seen {[round(s * 1000, 1) for s in seen]} ms, -> zombie {[round(z * 1000, 1) for z in zombie]} ms"
+    assert sorted(seen)[2] < 0.010, figures
+
+
+@pytest.mark.parametrize(
+    ("line", "begun"),
+    [
+        (b"7 (python3) S 1 7 7 0 -1 4194560 9 0 0 0 1 2 0 0 20 0 3 0 100 123904000 4000 18446744073709551615", False),
+        (b"7 (a) b) S 1 7 7 0 -1 4194560 9 0 0 0 1 2 0 0 20 0 3 0 100 123904000 4000 0", False),  # a ")" in the name
+        (b"7 (python3) S 1 7 7 0 -1 4194564 9 0 0 0 1 2 0 0 20 0 3 0 100 123904000 4000 0", True),  # PF_EXITING
+        (b"7 (python3) Z 1 7 7 0 -1 4194560 9 0 0 0 1 2 0 0 20 0 1 0 100 0 0 0", True),
+        # gVisor: flags always 0, the state "R" until the zombie; the leader's map released: vsize 0
+        (b"7 (python3) R 1 7 7 0 0 0 0 0 0 0 1 2 0 0 20 0 3 0 100 0 0 0", True),
+        (b"7 (python3) R 1 7 7 0 0 0 0 0 0 0 1 2 0 0 20 0 3 0 100 123904000 4000 0", False),
+        (b"garbage", True),
+    ],
+)
+def test_exit_begun_reads_the_state_the_flags_and_the_memory_map(line, begun):
+    assert exit_begun(line) is begun
 
 
 def test_early_cuda_set_up_does_nothing_on_the_cpu_and_hands_its_error_to_the_waiter():
