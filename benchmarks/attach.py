@@ -14,7 +14,9 @@ and times attach again, to show attach stays flat as size grows. ``--no-disk`` s
 rows: the entry is published from memory, and the per-tensor cost of every phase is printed (publish's manifest
 build, sealing and checksumming the arenas, the publish request with the server's check and storage, and the
 engine's request, manifest, map, views and rebind). The ready model is ``rebind_module`` onto the skeleton (as every
-adapter does); ``--no-disk`` names its tensors without dots, so that one module holds them all.
+adapter does); ``--no-disk`` names its tensors without dots, so that one module holds them all. "views" is ~0: the
+attachment's tensors dict is made on its first read, and rebind makes its Parameters from the table without reading
+it (the grouping of the records into runs is then part of "rebind").
 """
 
 from __future__ import annotations

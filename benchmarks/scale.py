@@ -7,8 +7,9 @@ MoE and Qwen3-235B-A22B, per expert-parallel rank and whole, published from memo
 For each case it builds the tensors straight in arenas (nothing on disk), exports them with ``export_state`` (the
 manifest build every publisher pays), publishes them with ``publish_arenas`` (the server checks every record), then a
 fresh engine process attaches and rebinds them onto an ``nn.Module`` tree built on the meta device from the names
-(timed by phase: request, manifest, map, views, rebind), and a second engine attaches while the first still holds
-the entry (the server must hold one entry, attached by both, and both must read the same bytes).
+(timed by phase: request, manifest, map, views, rebind; views ~0: the dict is made on its first read), and a
+second engine attaches while the first still holds the entry (the server must hold one entry, attached by both, and
+both must read the same bytes).
 
 Where a case's bytes exceed ``--max-gib``, every tensor keeps its shape and dtype but the records share a pool of
 ``--max-gib`` bytes (regions overlap; the server allows that, views of one storage do it): the tensor count, the
