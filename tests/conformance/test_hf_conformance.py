@@ -5,10 +5,12 @@ tied head), Gemma (tied embeddings) and Mixtral (MoE), each unquantized and
 block-FP8 where the architecture has nn.Linear layers (GPT-2 has none: its
 Conv1D layers stay unquantized and its head is tied, so block-FP8 would change nothing).
 
-The whole kit (``ConformanceTests``) runs on MiniLM, unquantized and block-FP8; the other
-architectures run the checks their architecture decides (``ArchitectureTests``): the fingerprint
-and quantization-refusal checks (``AdapterTests``) perturb the fingerprint or the declared method,
-not the model, so another architecture would repeat them with the same outcome (docs/adapter-guide.md).
+The whole kit (``ConformanceTests``) runs on the random-weight Llama, unquantized and block-FP8;
+MiniLM and the other architectures run the checks their architecture decides (``ArchitectureTests``):
+the fingerprint and quantization-refusal checks (``AdapterTests``) perturb the fingerprint or the
+declared method, not the model, so another architecture would repeat them with the same outcome
+(docs/adapter-guide.md), and each of the 46 fallbacks among them loads the model from disk again:
+on the 2-layer Llama, not on MiniLM's 90 MB (docs/decisions.md, 47).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class Fp8:
         return "fp8-block"
 
 
-class TestMiniLM(HfFixtures, ConformanceTests):
+class TestMiniLM(HfFixtures, ArchitectureTests):
     @pytest.fixture(scope="class")
     @classmethod
     def model_path(cls, minilm_dir):
@@ -54,7 +56,7 @@ class TestMiniLMFp8(Fp8, TestMiniLM):
     pass
 
 
-class TestLlama(HfFixtures, ArchitectureTests):
+class TestLlama(HfFixtures, ConformanceTests):
     kind = "llama"
 
 

@@ -2,7 +2,7 @@
 audio features), vision (ViT, fed pixels) and a state-space model (Mamba), each in bfloat16 and float32.
 
 A bf16 Whisper failed the kit before its example features followed the weights' dtype (issue 25).
-The architecture-independent checks (``AdapterTests``) run once, on MiniLM (test_hf_conformance.py).
+The architecture-independent checks (``AdapterTests``) run once per quantization, on the Llama (test_hf_conformance.py).
 """
 
 from __future__ import annotations

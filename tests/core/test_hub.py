@@ -138,11 +138,11 @@ def test_a_bin_only_checkpoint_falls_back_to_the_engines_load_with_one_line(mode
     source, target = model_dir("llama"), tmp_path / "bin-only"
     target.mkdir()
     shutil.copyfile(source / "config.json", target / "config.json")
-    run_python(  # the older format transformers still reads: a pickled state dict
-        "import sys, torch, safetensors.torch\ntorch.save(safetensors.torch.load_file(sys.argv[1]), sys.argv[2])",
-        str(source / "model.safetensors"),
-        str(target / "pytorch_model.bin"),
-    )
+    import safetensors.torch
+    import torch
+
+    # The older format transformers still reads: a pickled state dict (written here; the engine runs in a child).
+    torch.save(safetensors.torch.load_file(source / "model.safetensors"), target / "pytorch_model.bin")
     assert not list((tmp_path / "bin-only").glob("*.safetensors"))
     proc = run_python(_CLIENT, str(tmp_path / "bin-only"), mode, str(server.socket_dir))
     assert proc.stdout.split() == ["disk", "True", "LlamaForCausalLM"], proc.stderr
@@ -154,13 +154,12 @@ def test_a_checkpoint_weightcache_cannot_read_falls_back_in_daemon_mode(tmp_path
     """A tensor of a dtype weightcache does not handle (U32) beside the weights: transformers loads it, weightcache not."""
     target = tmp_path / "u32"
     shutil.copytree(model_dir("llama"), target)
-    run_python(
-        "import sys, torch, safetensors.torch\n"
-        "tensors = safetensors.torch.load_file(sys.argv[1])\n"
-        "tensors['extra_counter'] = torch.zeros(4, dtype=torch.uint32)\n"
-        "safetensors.torch.save_file(tensors, sys.argv[1], metadata={'format': 'pt'})",
-        str(target / "model.safetensors"),
-    )
+    import safetensors.torch
+    import torch
+
+    tensors = safetensors.torch.load_file(target / "model.safetensors")
+    tensors["extra_counter"] = torch.zeros(4, dtype=torch.uint32)
+    safetensors.torch.save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
     proc = run_python(_CLIENT, str(target), "daemon", str(socket_dir))
     assert proc.stdout.split() == ["disk", "True", "LlamaForCausalLM"], proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING weightcache")]  # transformers warns too

@@ -2,8 +2,9 @@
 
     python -m tests.engines.engine_child --engine vllm --model DIR --steps JSON
 
-Each step is ``{"extra": {...model_loader_extra_config...}, "out": PATH or null, "try_reload": bool}`` (vLLM
-also takes ``load_format``, see ``run_vllm``; SGLang ``model`` and ``shutdown``, see ``run_sglang``):
+Each step is ``{"extra": {...model_loader_extra_config...}, "out": PATH or null, "try_reload": bool, "model": PATH}``
+(``model``: another checkpoint than ``--model``, for this step; vLLM also takes ``load_format``, see ``run_vllm``;
+SGLang ``shutdown``, see ``run_sglang``):
 a fresh engine config, the engine's own ``get_model_loader`` (the plugin
 registered the format), ``load_model``; the model's parameters, buffers and
 tensor attributes go to ``out`` (torch.save) and a ``WCRESULT {json}`` line to stdout describes it.
@@ -127,7 +128,8 @@ def try_reload(result: dict, reload) -> None:
 
 
 def run_vllm(model_path: str, steps: list) -> None:
-    """vLLM's steps; ``load_format`` (default ``weightcache``) may be ``auto``: vLLM's own ``DefaultModelLoader``."""
+    """vLLM's steps; ``load_format`` (default ``weightcache``) may be ``auto``: vLLM's own ``DefaultModelLoader``; a step
+    may name another checkpoint (``model``)."""
     from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.model_executor.model_loader import get_model_loader
@@ -139,7 +141,7 @@ def run_vllm(model_path: str, steps: list) -> None:
     load_general_plugins()
     initialised = False
     for step in steps:
-        model_config = ModelConfig(model=model_path, dtype="bfloat16", skip_tokenizer_init=True)
+        model_config = ModelConfig(model=step.get("model", model_path), dtype="bfloat16", skip_tokenizer_init=True)
         load_format = step.get("load_format", "weightcache")
         load_config = LoadConfig(load_format=load_format, model_loader_extra_config=step.get("extra") or {})
         vllm_config = VllmConfig(model_config=model_config, load_config=load_config)
@@ -166,7 +168,8 @@ def run_vllm(model_path: str, steps: list) -> None:
 
 
 def run_sglang(model_path: str, steps: list) -> None:
-    """SGLang's steps; a step may name another checkpoint (``model``) and end with the engine's shutdown (``shutdown``).
+    """SGLang's steps; a step may name another checkpoint (``model``), as in vLLM's, and end with the engine's shutdown
+    (``shutdown``).
 
     ``shutdown``: after the load, kill this process's whole tree with SGLang's own
     ``kill_process_tree(os.getpid(), include_parent=False)``, as ``sglang.Engine.shutdown`` does.

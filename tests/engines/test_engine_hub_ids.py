@@ -31,16 +31,14 @@ def test_a_hub_id_loads_in_every_mode_as_its_snapshot_path_does(engine, tiny_lla
             ],
             env=env,
         )
-        (client,) = run_engine(
+        # Another process: a client started with the id, then (a fresh config in the same process) with the path.
+        client, by_path = run_engine(
             engine,
             "org/tiny-llama",
-            [{"extra": {**daemon, "mode": "client", "strict": True}, "out": str(tmp_path / "client.pt")}],
-            env=env,
-        )
-        (by_path,) = run_engine(
-            engine,
-            snapshot,
-            [{"extra": {**daemon, "mode": "client"}, "out": str(tmp_path / "path.pt")}],
+            [
+                {"extra": {**daemon, "mode": "client", "strict": True}, "out": str(tmp_path / "client.pt")},
+                {"model": str(snapshot), "extra": {**daemon, "mode": "client"}, "out": str(tmp_path / "path.pt")},
+            ],
             env=env,
         )
         status = server_status(socket_dir)
