@@ -503,14 +503,14 @@ def test_the_adapter_names_no_private_vllm_name_outside_internals():
 # Drift: vLLM's own load_model against the steps the adapter replays --------------------------------------------------
 
 BASE = "vllm.model_executor.model_loader.base_loader"
+LOG_ONCE = ("_VllmLogger.info_once", "_VllmLogger.debug_once", "_VllmLogger.warning_once")
+"""vLLM's log-once calls, left out of both traces with all below them: whether one prints depends on whether its text
+(often a timing) was printed before in the process, which says nothing about the load's steps (a CI run under load
+once counted two prints of "Initializing model took ..." against one)."""
+
 REPLAY_STRUCTURE = {
     "engine_only": {
         f"{BASE}:BaseModelLoader.load_model": 1,
-        # its "Initializing model took" log line
-        "vllm.logger:_VllmLogger.info_once": 1,
-        "vllm.logger:_print_info_once": 1,
-        "vllm.logger:_should_log_with_scope": 1,
-        "vllm.distributed.parallel_state:is_local_first_rank": 1,
         # the peak-GPU-memory log line, on CUDA/XPU only
         "vllm.platforms.interface:Platform.is_cuda_alike": 1,
         "vllm.platforms.interface:Platform.is_xpu": 1,
@@ -560,9 +560,9 @@ def traced_load_and_replay(checkpoint) -> tuple[list[str], list[str]]:
         engine_load(first)()  # once untraced: vLLM initialises some state on first use
     target = objects()
     with target.current(), isolated(loading.rope_table()):  # as the replay: no rotary module cached yet
-        engine = calls("vllm", engine_load(target))
+        engine = calls("vllm", engine_load(target), skip=LOG_ONCE)
     again = objects()
-    replay = calls("vllm", lambda: loading.post_process(again, loading.load(again)))
+    replay = calls("vllm", lambda: loading.post_process(again, loading.load(again)), skip=LOG_ONCE)
     return engine, replay
 
 
