@@ -167,3 +167,58 @@ def test_a_store_without_a_trusted_directory_remembers_no_layout(model_dir):
     store = DigestStore(None)
     assert layout.remembered(store, "layout-x.json") is None
     store.write_entry("layout-x.json", b"{}")  # nothing happens, nothing raises
+
+
+def _foreign_configs():
+    import transformers
+
+    return {
+        # shared modules: the encoder's and decoder's embed_tokens are the model's `shared`
+        "t5": transformers.T5Config(
+            vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, architectures=["T5ForConditionalGeneration"]
+        ),
+        # tied embeddings, q/k norms
+        "qwen3-tied": transformers.Qwen3Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+            architectures=["Qwen3ForCausalLM"],
+        ),
+        # a speech encoder-decoder: convolutions, sinusoidal position buffers
+        "whisper": transformers.WhisperConfig(
+            vocab_size=256,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+            d_model=64,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=128,
+            decoder_ffn_dim=128,
+            num_mel_bins=16,
+            max_source_positions=32,
+            max_target_positions=32,
+            architectures=["WhisperForConditionalGeneration"],
+        ),
+    }
+
+
+@pytest.mark.parametrize("kind", ["t5", "qwen3-tied", "whisper"])
+def test_shared_modules_tied_embeddings_and_a_speech_model_publish_the_same_from_their_layout(store_dir, tmp_path, kind):
+    import transformers
+
+    config = _foreign_configs()[kind]
+    path = tmp_path / kind
+    getattr(transformers, config.architectures[0])(config).eval().save_pretrained(path)
+    first, built_first = publish_view(path)
+    again, built_again = publish_view(path)
+    assert built_first != "LayoutModel" and built_again == "LayoutModel"
+    assert again == first
