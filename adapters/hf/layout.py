@@ -235,7 +235,7 @@ class Layout:
 
 
 def _check_value(tensor: Tensor) -> None:
-    itemsize = torch.empty(0, dtype=to_dtype(tensor.dtype)).element_size()
+    itemsize = to_dtype(tensor.dtype).itemsize  # every dtype checked, no tensor made: a layout holds 10^5 of them
     if tensor.value is not None and len(tensor.value) != math.prod(tensor.shape) * itemsize:
         raise ValueError(f"a value of {len(tensor.value)} bytes for shape {list(tensor.shape)} of {tensor.dtype}")
 
@@ -272,16 +272,26 @@ def layout_key(request: "LoadRequest", config: dict, dtype: str) -> str:
     return f"layout-{digest[:48]}.json"
 
 
+_last_parsed: tuple[bytes, Layout] | None = None
+"""The last entry parsed and its layout: ``weightcache load``'s warm-up and its load each read the entry, parsed once."""
+
+
 def remembered(store: "DigestStore", key: str) -> Layout | None:
     """The layout remembered under ``key``, or None (none, or an entry that is not a layout: logged, then a miss)."""
+    global _last_parsed
     data = store.read_entry(key, MAX_ENTRY_BYTES)
     if data is None:
         return None
+    last = _last_parsed
+    if last is not None and last[0] == data:  # the very bytes parsed before (a Layout is immutable)
+        return last[1]
     try:
-        return Layout.from_json(data)
+        layout = Layout.from_json(data)
     except ValueError as exc:
         log.debug("ignoring layout %s in %s: %s", key, store.directory, exc)
         return None
+    _last_parsed = (data, layout)
+    return layout
 
 
 def remember(store: "DigestStore", key: str, model: torch.nn.Module, ties: typing.Iterable[tuple[str, str]]) -> None:

@@ -252,7 +252,6 @@ def build_skeleton(request: "LoadRequest", manifest: "Manifest") -> "torch.nn.Mo
     """
     import torch
 
-    from weightcache.core.errors import RebindError
     from weightcache.core.quantization.fp8_block import Fp8BlockLinear
 
     extra = manifest.extra
