@@ -207,22 +207,63 @@ def table_parameters(table: "TensorTable", arena_bytes: "typing.Sequence[torch.T
     Each call makes new objects (nothing is shared with :func:`table_views`' tensors or an earlier call's), each a
     Parameter as ``nn.Parameter(tensor, requires_grad=False)`` makes one: a plain alias of the memory, no autograd
     view, no grad. They are made as tensors in batches and their class set to Parameter, which skips the second
-    tensor ``nn.Parameter()`` makes of each (``Tensor._make_subclass`` detaches a copy).
+    tensor ``nn.Parameter()`` makes of each (``Tensor._make_subclass`` detaches a copy). What :func:`table_bindings`
+    makes, by name.
+    """
+    bound = table_bindings(table, arena_bytes)
+    return dict(zip(table.names, bound.tensors, strict=True)) if bound.all_parameters else bound.parameters_by_name()
+
+
+class Bindings:
+    """What :func:`table_bindings` makes: per record of a table, in the table's order, its new tensor and its shape.
+
+    ``tensors[i]``: record ``i``'s tensor, a new ``nn.Parameter`` where its kind is ``parameter`` (a plain tensor
+    otherwise, which rebind does not use: it binds the tensors dict's own buffers and attributes). ``shapes[i]``: its
+    shape as a ``torch.Size``, the very shape the tensor was made with (one object per run, shared by its records).
+    ``mapped``: every tensor was made here as a view of mapped arenas (none is on the meta device); False for tensors
+    taken from elsewhere (a dict).
+    """
+
+    __slots__ = ("all_parameters", "mapped", "names", "shapes", "table", "tensors")
+
+    def __init__(self, table: "TensorTable", tensors: list, shapes: list, all_parameters: bool, mapped: bool):
+        self.table, self.names, self.tensors, self.shapes = table, table.names, tensors, shapes
+        self.all_parameters, self.mapped = all_parameters, mapped
+
+    def parameters_by_name(self) -> "dict[str, torch.nn.Parameter]":
+        """The Parameters by name (records of other kinds left out)."""
+        if self.all_parameters:
+            return dict(zip(self.names, self.tensors, strict=True))
+        return {name: t for name, kind, t in zip(self.names, self.table.kind, self.tensors, strict=True) if kind == _PARAMETER}
+
+
+def table_bindings(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tensor]") -> Bindings:
+    """The tensors ``rebind_module`` binds, made from the table in batches: a list in the table's order, no dict.
+
+    Each record of kind ``parameter`` gets a new ``nn.Parameter`` of its region, as :func:`table_parameters`
+    describes; with it comes the shape each tensor was made with, so a caller checking it against a model's own
+    tensor reads one shape, not two.
     """
     import torch
 
     arena_bytes = list(arena_bytes)
     if table.count == 0:
-        return {}
+        return Bindings(table, [], [], True, True)
     plan = plan_of(table, arena_bytes)
-    made = _make(plan, table, arena_bytes)
-    names = plan.names
-    if not plan.all_parameters:
+    shapes: list = []
+    made = _make(plan, table, arena_bytes, shapes)
+    if plan.all_parameters:
+        _as_parameters(made, torch.nn.Parameter)
+    else:
         positions = plan.parameter_positions
-        made = [made[position] for position in positions]
-        names = [names[position] for position in positions]
-    _as_parameters(made, torch.nn.Parameter)
-    return dict(zip(names, made, strict=True))
+        chosen = [made[position] for position in positions]
+        _as_parameters(chosen, torch.nn.Parameter)
+        for position, tensor in zip(positions, chosen, strict=True):
+            made[position] = tensor
+    table_order = plan.table_order
+    if table_order is not None:  # making order -> the table's order
+        made, shapes = list(map(made.__getitem__, table_order)), list(map(shapes.__getitem__, table_order))
+    return Bindings(table, made, shapes, plan.all_parameters, not any(view.is_meta for view in arena_bytes))
 
 
 def _as_parameters(tensors: list, parameter: type) -> None:
@@ -243,16 +284,20 @@ class Plan:
     ``runs``: per run ``(record, arena, dtype, shape, stride, count, step, first)``; ``record`` is the table index
     of a record made alone (-1 for a run of ``count`` records from element ``first`` at ``step`` elements).
     ``names``: the records' names in making order. ``parameter_positions``: the positions in that order of the
-    records of kind ``parameter`` (``all_parameters``: every record is one).
+    records of kind ``parameter`` (``all_parameters``: every record is one). ``table_order``: per record of the
+    table, its position in making order (None: the orders are one).
     """
 
-    __slots__ = ("all_parameters", "names", "parameter_positions", "runs")
+    __slots__ = ("all_parameters", "names", "parameter_positions", "runs", "table_order")
 
-    def __init__(self, runs: list, names: list[str], parameter_positions: list[int], all_parameters: bool):
+    def __init__(
+        self, runs: list, names: list[str], parameter_positions: list[int], all_parameters: bool, table_order: "list[int] | None"
+    ):
         self.runs = runs
         self.names = names
         self.parameter_positions = parameter_positions
         self.all_parameters = all_parameters
+        self.table_order = table_order
 
 
 def plan_of(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tensor]") -> Plan:
@@ -297,8 +342,11 @@ def _below_view_tracking() -> "typing.ContextManager":
     return guard() if guard is not None else contextlib.nullcontext()
 
 
-def _make(plan: Plan, table: "TensorTable", arena_bytes: "list[torch.Tensor]") -> list:
-    """The tensors of ``plan``'s records, in its order (each a new object)."""
+def _make(plan: Plan, table: "TensorTable", arena_bytes: "list[torch.Tensor]", shapes: "list | None" = None) -> list:
+    """The tensors of ``plan``'s records, in its order (each a new object); ``shapes`` (when given) gets each one's
+    shape, as a ``torch.Size`` shared by a run's records."""
+    import torch
+
     typed: dict = {}
     made: list = []
     extend, append = made.extend, made.append
@@ -307,6 +355,8 @@ def _make(plan: Plan, table: "TensorTable", arena_bytes: "list[torch.Tensor]") -
         for record, arena_index, dtype_code, shape, stride, count, step, first in plan.runs:
             if record >= 0:
                 append(view_of(arena_bytes[arena_index], table, record))
+                if shapes is not None:
+                    shapes.append(made[-1].shape)
                 continue
             base = typed.get((arena_index, dtype_code))
             if base is None:
@@ -315,6 +365,8 @@ def _make(plan: Plan, table: "TensorTable", arena_bytes: "list[torch.Tensor]") -
                 append(base.as_strided(shape, stride, first))
             else:
                 extend(base.as_strided([count, *shape], [step, *stride], first).unbind(0))
+            if shapes is not None:
+                shapes.extend([torch.Size(shape)] * count)
     return made
 
 
@@ -358,6 +410,11 @@ def _plan(table: "TensorTable", arena_sizes_of: "tuple[int, ...]") -> Plan:
     ends = [*starts[1:], count]
     identity = torch.equal(order, torch.arange(count))
     order_list = None if identity else order.tolist()
+    table_order = None
+    if not identity:
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(count)
+        table_order = inverse.tolist()
     runs = []
     for start, end, run_group, run_first, run_step in zip(starts, ends, run_groups, first, steps, strict=True):
         row = rows[run_group]
@@ -369,7 +426,7 @@ def _plan(table: "TensorTable", arena_sizes_of: "tuple[int, ...]") -> Plan:
         runs.append((-1, arena_index, dtype_code, shape, stride, end - start, run_step if end - start > 1 else 0, run_first))
     parameters = torch.nonzero(kind[order] == _PARAMETER).flatten().tolist()
     names_in_order = names if order_list is None else list(map(names.__getitem__, order_list))
-    return Plan(runs, names_in_order, parameters, len(parameters) == count)
+    return Plan(runs, names_in_order, parameters, len(parameters) == count, table_order)
 
 
 def _runs(columns: list, shapes: "torch.Tensor", strides: "torch.Tensor", element: "torch.Tensor") -> tuple:
@@ -413,6 +470,8 @@ def _groups(keys: "torch.Tensor") -> "tuple[list[list[int]], torch.Tensor]":
     """The distinct rows of ``keys`` (as lists) and each row's group index: rows hashed to one int64, collisions checked."""
     import torch
 
+    if bool((keys == keys[0]).all()):  # one layout (a flat model of one shape): no hashing, no sort
+        return [keys[0].tolist()], torch.zeros(keys.shape[0], dtype=torch.long)
     weights = torch.empty(keys.shape[1], dtype=torch.long)
     weights[0], factor = 1, 1
     for column in range(1, keys.shape[1]):
@@ -435,7 +494,10 @@ def _sort_within_groups(group: "torch.Tensor", element: "torch.Tensor") -> "torc
     span = int(element.max()) + 1
     groups = int(group.max()) + 1
     if groups * span < 1 << 62:
-        return torch.argsort(group * span + element)
+        key = group * span + element
+        if bool((key[1:] > key[:-1]).all()):  # in order already (records laid out as listed): no sort
+            return torch.arange(len(key))
+        return torch.argsort(key)
     order = torch.argsort(element, stable=True)
     return order[torch.argsort(group[order], stable=True)]
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from weightcache.core.errors import RebindError
 from weightcache.core.gc_pause import gc_paused
 from weightcache.core.layout.tensor_table import KINDS
-from weightcache.core.layout.views import table_parameters
+from weightcache.core.layout.views import Bindings, table_bindings
 
 if typing.TYPE_CHECKING:
     import torch
@@ -101,24 +101,30 @@ def rebind_module(
     It reads the manifest's table column by column (no record objects), and
     finds each owner module once. When ``tensors`` is what ``Manifest.views`` made
     from this manifest's table, unchanged since, the Parameters are made from the
-    table in batches (``table_parameters``: one new Parameter of the same memory per
-    record, as ``nn.Parameter(tensors[name], requires_grad=False)`` would make).
+    table in batches (``table_bindings``: one new Parameter of the same memory per
+    record, as ``nn.Parameter(tensors[name], requires_grad=False)`` would make, in a
+    list in the table's order with the shape each was made with: the shape check reads
+    only the model's own tensor's shape).
     """
     import torch
 
     table = manifest.table
     owners = _Owners(model)
     Parameter, Tensor = torch.nn.Parameter, torch.Tensor
-    make_subclass = Tensor._make_subclass  # what Parameter() calls for a plain tensor, without its Python frame
     parameter_kind = _PARAMETER
     with gc_paused():  # tens of thousands of Parameters: no full collections in between
         source = getattr(tensors, "source", None)
-        fresh = table_parameters(*source) if source is not None and source[0] is table else None
-        params: dict[str, torch.nn.Parameter] = {} if fresh is None else fresh
+        if source is not None and source[0] is table:
+            bindings = table_bindings(*source)
+        else:
+            bindings = _bindings_of(table, tensors, Parameter, Tensor)
+        made, shapes = bindings.tensors, bindings.shapes
         tree = _Tree(model)  # every module once: by path, with its dicts (no Module attribute lookups per record)
         owned = tree.owned
         last_path = None
-        for index, (name, kind) in enumerate(zip(table.names, table.kind, strict=True)):
+        entered: list = []  # (a module's _parameters, the index of its first record), each time the loop enters one
+        spoiled: list = []  # _parameters that lost or gained an entry other than a Parameter bound here
+        for index, (name, kind, bound, shape) in enumerate(zip(table.names, table.kind, made, shapes, strict=True)):
             path, _, leaf = name.rpartition(".")
             if path != last_path:  # records of one module usually follow each other (weight, weight_scale_inv)
                 last_path = path
@@ -127,39 +133,37 @@ def rebind_module(
                     owner = owners.split(name)[0]
                     held = owned[path] = (owner, owner._parameters, owner._buffers)
                 owner, slots, buffers = held
+                entered.append((slots, index))
             if kind == parameter_kind:
-                if fresh is not None:
-                    bound = fresh[name]
-                else:
-                    tensor = tensors[name]
-                    bound = (
-                        make_subclass(Parameter, tensor, False)
-                        if type(tensor) is Tensor
-                        else Parameter(tensor, requires_grad=False)
-                    )
-                    params[name] = bound
                 current = slots.get(leaf)
-                if current is None:
-                    current = _current(owner, leaf)
-                if current is not None and isinstance(current, Tensor) and current.shape != bound.shape:
-                    _raise_shape(name, bound, current)
+                if current.__class__ is not Parameter:  # not the usual skeleton's Parameter: nothing, or anything else
+                    if current is None:
+                        current = _current(owner, leaf)
+                    if isinstance(current, Tensor) and current.shape != shape:
+                        _raise_shape(name, shape, current)
+                elif current.shape != shape:  # ``shape`` is ``bound``'s own (Bindings): one read, not two
+                    _raise_shape(name, shape, current)
                 if buffers:
                     buffers.pop(leaf, None)
                 slots[leaf] = bound
                 continue
+            spoiled.append(slots)
             tensor = tensors[name]
             current = _current(owner, leaf)
             if isinstance(current, Tensor) and current.shape != tensor.shape:
-                _raise_shape(name, tensor, current)
+                _raise_shape(name, tensor.shape, current)
             if kind == _BUFFER:
                 slots.pop(leaf, None)
                 owner.register_buffer(leaf, tensor, persistent=bool(table.persistent[index]))
             else:
                 set_tensor_attribute(owner, leaf, tensor)
+        bound_here = _bound_here(entered, table.count, spoiled) if bindings.mapped else {}
+        params = bindings.parameters_by_name() if manifest.aliases or _has_attributes(table) else {}
         _set_attributes(table, params, tensors)
         kinds = dict(zip(table.names, table.kind, strict=True)) if manifest.aliases else {}
         for alias, target in manifest.aliases.items():
             owner, leaf = owners.split(alias)
+            bound_here.pop(id(owner._parameters), None)
             registered = leaf in owner._parameters or leaf in owner._buffers
             if not registered and (kinds[target] == _ATTRIBUTE or leaf in vars(owner)):
                 set_tensor_attribute(owner, leaf, params[target] if target in params else tensors[target])
@@ -170,9 +174,32 @@ def rebind_module(
         if device is not None:
             _move_unmapped_buffers(model, manifest, device, tree.modules)
         if check:
-            tree.check_no_meta()
+            tree.check_no_meta(bound_here)
         tree.finish_evaluation_mode()
     return model
+
+
+def _bound_here(entered: list, records: int, spoiled: list) -> "dict[int, int]":
+    """Per module ``_parameters`` dict (by id) whose every entry may be a Parameter this rebind bound from the arenas:
+    how many it bound there. The loop entered each such dict once, for records of kind ``parameter`` only, so when the
+    dict holds that many entries at the check, they are all those Parameters (none can be on meta) and its values need
+    no look. A dict entered twice, or that a buffer, an attribute or an alias changed, is not in it: it is checked."""
+    counts: dict[int, int] = {}
+    if not entered:
+        return counts
+    twice: list[int] = []
+    ends = [index for _, index in entered[1:]]
+    ends.append(records)
+    for (slots, start), end in zip(entered, ends, strict=True):
+        key = id(slots)
+        if key in counts:
+            twice.append(key)
+        counts[key] = end - start
+    for key in twice:
+        counts.pop(key, None)
+    for slots in spoiled:
+        counts.pop(id(slots), None)
+    return counts
 
 
 class _Tree:
@@ -222,20 +249,46 @@ class _Tree:
                         append(child)
                         paths.append(prefix + name)
 
-    def check_no_meta(self) -> None:
-        """``check_no_meta`` over the walked modules."""
-        _check_values(self.modules[0], self.containers, self.extra)
+    def check_no_meta(self, bound_here: "dict[int, int] | None" = None) -> None:
+        """``check_no_meta`` over the walked modules; a ``_parameters`` dict that holds just the entries ``bound_here``
+        counts for it (see :func:`_bound_here`) is passed over."""
+        containers = self.containers
+        if bound_here:
+            get = bound_here.get
+            containers = [values for values in containers if get(id(values)) != len(values)]
+        _check_values(self.modules[0], containers, self.extra)
 
     def finish_evaluation_mode(self) -> None:
         for module in self.overriding:
             module.train(False)
 
 
+def _bindings_of(
+    table, tensors: "dict[str, torch.Tensor]", Parameter: "type[torch.nn.Parameter]", Tensor: "type[torch.Tensor]"
+) -> Bindings:
+    """The :class:`Bindings` of a tensors dict not made from ``table`` (or changed since): a new Parameter of each
+    parameter's tensor, as ``nn.Parameter(tensor, requires_grad=False)`` makes it; the dict's own tensor for the rest."""
+    make_subclass = Tensor._make_subclass  # what Parameter() calls for a plain tensor, without its Python frame
+    made = []
+    for name, kind in zip(table.names, table.kind, strict=True):
+        tensor = tensors[name]
+        if kind == _PARAMETER:
+            tensor = make_subclass(Parameter, tensor, False) if type(tensor) is Tensor else Parameter(tensor, requires_grad=False)
+        made.append(tensor)
+    return Bindings(table, made, [t.shape for t in made], not any(table.kind), False)
+
+
+def _has_attributes(table) -> bool:
+    """Whether any record has Python attributes to set (the column's zero bytes counted at C speed)."""
+    codes = table.attributes
+    return codes.tobytes().count(b"\0") != codes.nbytes
+
+
 def _set_attributes(table, params: "dict[str, torch.nn.Parameter]", tensors) -> None:
     """The Python attributes recorded on each tensor (``format_ue8m0``), set on what was bound (the Parameter or tensor)."""
-    codes = table.attributes
-    if not codes or not max(codes):
+    if not _has_attributes(table):
         return
+    codes = table.attributes
     names, sets = table.names, table.attribute_sets
     for index, code in enumerate(codes):
         if code:
@@ -247,9 +300,9 @@ def _set_attributes(table, params: "dict[str, torch.nn.Parameter]", tensors) -> 
                 setattr(bound, attribute, value)
 
 
-def _raise_shape(name: str, tensor: "torch.Tensor", current: "torch.Tensor") -> typing.NoReturn:
+def _raise_shape(name: str, shape: "torch.Size", current: "torch.Tensor") -> typing.NoReturn:
     raise RebindError(
-        f"mapped tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(current.shape)}; "
+        f"mapped tensor {name!r} has shape {tuple(shape)}, the model expects {tuple(current.shape)}; "
         "the cached entry was made from a different model configuration"
     )
 

@@ -13,7 +13,15 @@ import torch
 from weightcache.core.errors import RebindError
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.layout.tensor_table import TensorTable
-from weightcache.core.layout.views import MappedTensors, UnmadeTensors, plan_of, table_parameters, table_views, view_of
+from weightcache.core.layout.views import (
+    MappedTensors,
+    UnmadeTensors,
+    plan_of,
+    table_bindings,
+    table_parameters,
+    table_views,
+    view_of,
+)
 from weightcache.core.load import rebind as rebind_mod
 from weightcache.core.load.export import ArenaBuilder, NamedTensor, export_tensors
 from weightcache.core.load.rebind import check_no_meta, rebind_module
@@ -261,8 +269,8 @@ def test_rebind_from_the_views_makes_its_parameters_from_the_table_and_gives_the
     original = Model().eval()
     builder, manifest = published(original)
     calls = []
-    real = rebind_mod.table_parameters
-    monkeypatch.setattr(rebind_mod, "table_parameters", lambda *a: calls.append(1) or real(*a))
+    real = rebind_mod.table_bindings
+    monkeypatch.setattr(rebind_mod, "table_bindings", lambda *a: calls.append(1) or real(*a))
     try:
         views = manifest.views(builder.arenas)
         fast = rebind_module(meta_model(), views, manifest)
@@ -330,3 +338,76 @@ def test_check_no_meta_finds_a_tensor_left_on_meta(left):
         del model
     finally:
         builder.close()
+
+
+def test_table_bindings_are_in_the_tables_order_with_the_shape_each_was_made_with():
+    table, arena_bytes = mixed_table()
+    bound = table_bindings(table, arena_bytes)
+    assert plan_of(table, arena_bytes).table_order is not None  # the runs made them in another order
+    views = table_views(table, arena_bytes)
+    for name, kind, tensor, shape in zip(table.names, table.kind, bound.tensors, bound.shapes, strict=True):
+        assert type(tensor) is (torch.nn.Parameter if kind == 0 else torch.Tensor), name
+        assert type(shape) is torch.Size and shape == tensor.shape == views[name].shape, name
+        if tensor.numel():
+            assert tensor.data_ptr() == views[name].data_ptr() and tensor.stride() == views[name].stride(), name
+    assert bound.mapped and not bound.all_parameters
+    assert set(bound.parameters_by_name()) == set(table_parameters(table, arena_bytes))
+
+
+def _wrong_shape(skeleton: Model, where: str) -> str:
+    """Give ``skeleton`` one tensor of another shape; the name rebind must refuse."""
+    if where == "in a run":  # the experts' weights are made as one run
+        skeleton.experts[4].weight = torch.nn.Parameter(torch.empty(8, 4, device="meta"))
+        return "experts.4.weight"
+    if where == "a Parameter subclass":
+        skeleton.experts[2].weight = type("Sub", (torch.nn.Parameter,), {})(torch.empty(4, 9, device="meta"))
+        return "experts.2.weight"
+    if where == "a plain attribute":
+        del skeleton.norm
+        skeleton.__dict__["norm"] = torch.empty(3, device="meta")
+        return "norm"
+    skeleton.experts[5].weight = torch.nn.Parameter(torch.empty(4, 8, 1, device="meta"))
+    return "experts.5.weight"
+
+
+@pytest.mark.parametrize("where", ["in a run", "a Parameter subclass", "a plain attribute", "another rank"])
+@pytest.mark.parametrize("fresh", [True, False], ids=["from the table", "from a dict"])
+def test_rebind_refuses_every_shape_the_model_does_not_have(where, fresh):
+    builder, manifest = published(Model())
+    try:
+        skeleton = meta_model()
+        name = _wrong_shape(skeleton, where)
+        views = manifest.views(builder.arenas)
+        with pytest.raises(RebindError, match=f"'{name}' has shape"):
+            rebind_module(skeleton, views if fresh else dict(views), manifest)
+    finally:
+        builder.close()
+
+
+def test_a_module_reached_at_two_paths_is_checked_for_meta_whatever_its_records_bind():
+    """Records under both paths of one module (no alias) bind its one slot twice: its dict holds as many entries as
+    records were bound there, yet one of them is still on meta; the check must look at it."""
+    torch.manual_seed(0)
+    source = Model()
+    state = {"experts.0.weight": source.experts[0].weight, "shared.weight": source.experts[0].weight.clone()}
+    state.update((f"experts.{i}.weight", source.experts[i].weight) for i in range(1, 6))
+    items = [NamedTensor(name, "parameter", t) for name, t in state.items()]  # parameters only: no dict is spoiled
+    items.append(NamedTensor("norm", "parameter", source.norm))
+    builder = ArenaBuilder("cpu")
+    try:
+        manifest = Manifest.from_wire(*export_tensors(items, {}, builder, release=False).to_wire(), trusted=True)
+        skeleton = meta_model()
+        for expert in skeleton.experts:
+            del expert.scale
+        skeleton.experts[0].extra = torch.nn.Parameter(torch.empty(2, device="meta"))
+        with pytest.raises(RebindError, match=r"^1 tensors .*: experts\.0\.extra"):
+            rebind_module(skeleton, manifest.views(builder.arenas), manifest)
+    finally:
+        builder.close()
+
+
+def test_bound_here_keeps_only_dicts_entered_once_by_parameters():
+    once, twice, spoiled = {}, {}, {}
+    entered = [(once, 0), (twice, 2), (spoiled, 3), (twice, 5)]
+    assert rebind_mod._bound_here(entered, 7, [spoiled]) == {id(once): 2}
+    assert rebind_mod._bound_here([], 0, []) == {}
