@@ -230,6 +230,12 @@ class Bindings:
         self.table, self.names, self.tensors, self.shapes = table, table.names, tensors, shapes
         self.all_parameters, self.mapped = all_parameters, mapped
 
+    def other_records(self) -> list[int]:
+        """The indices of the records not of kind ``parameter`` (buffers, attributes), in the table's order."""
+        if self.all_parameters:
+            return []
+        return [index for index, kind in enumerate(self.table.kind) if kind != _PARAMETER]
+
     def parameters_by_name(self) -> "dict[str, torch.nn.Parameter]":
         """The Parameters by name (records of other kinds left out)."""
         if self.all_parameters:

@@ -111,45 +111,25 @@ def rebind_module(
     table = manifest.table
     owners = _Owners(model)
     Parameter, Tensor = torch.nn.Parameter, torch.Tensor
-    parameter_kind = _PARAMETER
     with gc_paused():  # tens of thousands of Parameters: no full collections in between
         source = getattr(tensors, "source", None)
         if source is not None and source[0] is table:
             bindings = table_bindings(*source)
         else:
             bindings = _bindings_of(table, tensors, Parameter, Tensor)
-        made, shapes = bindings.tensors, bindings.shapes
         tree = _Tree(model)  # every module once: by path, with its dicts (no Module attribute lookups per record)
-        owned = tree.owned
-        last_path = None
-        entered: list = []  # (a module's _parameters, the index of its first record), each time the loop enters one
+        names, made, shapes, others = table.names, bindings.tensors, bindings.shapes, bindings.other_records()
+        if others:  # buffers and attributes: the parameters are bound first, each record touches its own slot only
+            pick = _picker([index for index, kind in enumerate(table.kind) if kind == _PARAMETER])
+            names, made, shapes = pick(names), pick(made), pick(shapes)
+        entered = _bind_parameters(tree.owned, owners, names, made, shapes, Parameter, Tensor)
         spoiled: list = []  # _parameters that lost or gained an entry other than a Parameter bound here
-        for index, (name, kind, bound, shape) in enumerate(zip(table.names, table.kind, made, shapes, strict=True)):
-            path, _, leaf = name.rpartition(".")
-            if path != last_path:  # records of one module usually follow each other (weight, weight_scale_inv)
-                last_path = path
-                held = owned.get(path)
-                if held is None:  # below a module reached twice, or not among ``_modules``: found by name
-                    owner = owners.split(name)[0]
-                    held = owned[path] = (owner, owner._parameters, owner._buffers)
-                owner, slots, buffers = held
-                entered.append((slots, index))
-            if kind == parameter_kind:
-                current = slots.get(leaf)
-                if current.__class__ is not Parameter:  # not the usual skeleton's Parameter: nothing, or anything else
-                    if current is None:
-                        current = _current(owner, leaf)
-                    if isinstance(current, Tensor) and current.shape != shape:
-                        _raise_shape(name, shape, current)
-                elif current.shape != shape:  # ``shape`` is ``bound``'s own (Bindings): one read, not two
-                    _raise_shape(name, shape, current)
-                if buffers:
-                    buffers.pop(leaf, None)
-                slots[leaf] = bound
-                continue
+        for index in others:
+            name, kind = table.names[index], table.kind[index]
+            owner, slots, _ = _held(tree.owned, owners, name)
             spoiled.append(slots)
             tensor = tensors[name]
-            current = _current(owner, leaf)
+            current = _current(owner, leaf := name.rpartition(".")[2])
             if isinstance(current, Tensor) and current.shape != tensor.shape:
                 _raise_shape(name, tensor.shape, current)
             if kind == _BUFFER:
@@ -157,7 +137,7 @@ def rebind_module(
                 owner.register_buffer(leaf, tensor, persistent=bool(table.persistent[index]))
             else:
                 set_tensor_attribute(owner, leaf, tensor)
-        bound_here = _bound_here(entered, table.count, spoiled) if bindings.mapped else {}
+        bound_here = _bound_here(entered, len(names), spoiled) if bindings.mapped else {}
         params = bindings.parameters_by_name() if manifest.aliases or _has_attributes(table) else {}
         _set_attributes(table, params, tensors)
         kinds = dict(zip(table.names, table.kind, strict=True)) if manifest.aliases else {}
@@ -200,6 +180,59 @@ def _bound_here(entered: list, records: int, spoiled: list) -> "dict[int, int]":
     for slots in spoiled:
         counts.pop(id(slots), None)
     return counts
+
+
+def _bind_parameters(
+    owned: dict,
+    owners: _Owners,
+    names: list,
+    made: list,
+    shapes: list,
+    Parameter: "type[torch.nn.Parameter]",
+    Tensor: "type[torch.Tensor]",
+) -> list:
+    """Set each of ``made`` (Parameters) in its module's ``_parameters`` under its name's leaf, after checking the
+    model's tensor there, if any, has ``shapes``' shape. Returns ``(_parameters, index of its first record)`` for each
+    module entered, in order (a module's records usually follow each other: weight, weight_scale_inv)."""
+    last_path = None
+    entered: list = []
+    for index, (name, bound, shape) in enumerate(zip(names, made, shapes, strict=True)):
+        path, _, leaf = name.rpartition(".")
+        if path != last_path:
+            last_path = path
+            owner, slots, buffers = _held(owned, owners, name, path)
+            entered.append((slots, index))
+        current = slots.get(leaf)
+        if current.__class__ is not Parameter:  # not the usual skeleton's Parameter: nothing, or anything else
+            if current is None:
+                current = _current(owner, leaf)
+            if isinstance(current, Tensor) and current.shape != shape:
+                _raise_shape(name, shape, current)
+        elif current.shape != shape:  # ``shape`` is ``bound``'s own (Bindings): one read, not two
+            _raise_shape(name, shape, current)
+        if buffers:
+            buffers.pop(leaf, None)
+        slots[leaf] = bound
+    return entered
+
+
+def _held(owned: dict, owners: _Owners, name: str, path: "str | None" = None) -> tuple:
+    """``(module, its _parameters, its _buffers)`` for the module that owns ``name`` (``path``: its module's path)."""
+    if path is None:
+        path = name.rpartition(".")[0]
+    held = owned.get(path)
+    if held is None:  # below a module reached twice, or not among ``_modules``: found by name
+        owner = owners.split(name)[0]
+        held = owned[path] = (owner, owner._parameters, owner._buffers)
+    return held
+
+
+def _picker(positions: list) -> "typing.Callable[[typing.Sequence], list]":
+    """A function that takes ``positions``' items of a sequence, in that order, as a list (at C speed)."""
+    if len(positions) < 2:  # itemgetter of one position gives the item, of none it is refused
+        return lambda items: [items[position] for position in positions]
+    getter = operator.itemgetter(*positions)
+    return lambda items: list(getter(items))
 
 
 class _Tree:

@@ -411,3 +411,29 @@ def test_bound_here_keeps_only_dicts_entered_once_by_parameters():
     entered = [(once, 0), (twice, 2), (spoiled, 3), (twice, 5)]
     assert rebind_mod._bound_here(entered, 7, [spoiled]) == {id(once): 2}
     assert rebind_mod._bound_here([], 0, []) == {}
+
+
+@pytest.mark.parametrize("positions", [[], [2], [3, 0, 1]])
+def test_picker_takes_the_positions_in_order(positions):
+    assert rebind_mod._picker(positions)("abcd") == ["abcd"[p] for p in positions]
+
+
+def test_a_table_of_buffers_and_attributes_only_binds_them():
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.rand(3))
+            self.W_UV = torch.rand(2, 2)
+
+    source = Holder()
+    builder = ArenaBuilder("cpu")
+    try:
+        items = [NamedTensor("scale", "buffer", source.scale), NamedTensor("W_UV", "attribute", source.W_UV)]
+        manifest = Manifest.from_wire(*export_tensors(items, {}, builder, release=False).to_wire(), trusted=True)
+        with torch.device("meta"):
+            skeleton = Holder()
+        model = rebind_module(skeleton, manifest.views(builder.arenas), manifest)
+        assert torch.equal(model.scale, source.scale) and torch.equal(model.W_UV, source.W_UV)
+        assert "W_UV" not in model._buffers and "W_UV" not in model._parameters
+    finally:
+        builder.close()
