@@ -294,16 +294,30 @@ class Plan:
     table, its position in making order (None: the orders are one).
     """
 
-    __slots__ = ("all_parameters", "names", "parameter_positions", "runs", "table_order")
+    __slots__ = ("_names", "_order", "_table_names", "all_parameters", "parameter_positions", "runs", "table_order")
 
     def __init__(
-        self, runs: list, names: list[str], parameter_positions: list[int], all_parameters: bool, table_order: "list[int] | None"
+        self,
+        runs: list,
+        table_names: list[str],
+        order: "list[int] | None",
+        parameter_positions: "typing.Sequence[int]",
+        all_parameters: bool,
+        table_order: "list[int] | None",
     ):
         self.runs = runs
-        self.names = names
+        self._table_names, self._order, self._names = table_names, order, None if order is not None else table_names
         self.parameter_positions = parameter_positions
         self.all_parameters = all_parameters
         self.table_order = table_order
+
+    @property
+    def names(self) -> list[str]:
+        """The records' names in making order (listed on first use: rebind, which binds in the table's order, never asks)."""
+        if self._names is None:
+            assert self._order is not None
+            self._names = list(map(self._table_names.__getitem__, self._order))
+        return self._names
 
 
 def plan_of(table: "TensorTable", arena_bytes: "typing.Sequence[torch.Tensor]") -> Plan:
@@ -430,9 +444,11 @@ def _plan(table: "TensorTable", arena_sizes_of: "tuple[int, ...]") -> Plan:
             continue
         shape, stride = row[key_width : key_width + dims], row[key_width + width : key_width + width + dims]
         runs.append((-1, arena_index, dtype_code, shape, stride, end - start, run_step if end - start > 1 else 0, run_first))
-    parameters = torch.nonzero(kind[order] == _PARAMETER).flatten().tolist()
-    names_in_order = names if order_list is None else list(map(names.__getitem__, order_list))
-    return Plan(runs, names_in_order, parameters, len(parameters) == count, table_order)
+    if table.kind.tobytes().count(_PARAMETER) == count:  # every record a parameter (the usual table): no positions
+        parameters: typing.Sequence[int] = range(count)
+    else:
+        parameters = torch.nonzero(kind[order] == _PARAMETER).flatten().tolist()
+    return Plan(runs, names, order_list, parameters, len(parameters) == count, table_order)
 
 
 def _runs(columns: list, shapes: "torch.Tensor", strides: "torch.Tensor", element: "torch.Tensor") -> tuple:

@@ -200,7 +200,10 @@ def _bind_parameters(
         path, _, leaf = name.rpartition(".")
         if path != last_path:
             last_path = path
-            owner, slots, buffers = _held(owned, owners, name, path)
+            held = owned.get(path)
+            if held is None:
+                held = _held(owned, owners, name, path)
+            owner, slots, buffers = held
             entered.append((slots, index))
         current = slots.get(leaf)
         if current.__class__ is not Parameter:  # not the usual skeleton's Parameter: nothing, or anything else
@@ -312,7 +315,10 @@ def _bindings_of(
 
 
 def _has_attributes(table) -> bool:
-    """Whether any record has Python attributes to set (the column's zero bytes counted at C speed)."""
+    """Whether any record has Python attributes to set. A checked table's codes index its attribute sets, so a table
+    without sets has none (no scan); otherwise the column's zero bytes are counted at C speed."""
+    if not table.attribute_sets:
+        return False
     codes = table.attributes
     return codes.tobytes().count(b"\0") != codes.nbytes
 
