@@ -154,6 +154,8 @@ def rebind_module(
         if device is not None:
             _move_unmapped_buffers(model, manifest, device, tree.modules)
         if check:
+            if not bindings.mapped and any(t.is_meta for t in bindings.tensors if isinstance(t, Tensor)):
+                _raise_left_on_meta(model)  # a dict's tensor on meta, bound where the model held nothing before
             tree.check_no_meta(bound_here)
         tree.finish_evaluation_mode()
     return model

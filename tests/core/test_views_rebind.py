@@ -437,3 +437,16 @@ def test_a_table_of_buffers_and_attributes_only_binds_them():
         assert "W_UV" not in model._buffers and "W_UV" not in model._parameters
     finally:
         builder.close()
+
+
+def test_a_dict_tensor_on_meta_bound_where_the_model_held_nothing_is_refused():
+    builder, manifest = published(Model())
+    try:
+        views = manifest.views(builder.arenas)
+        views["experts.2.weight"] = torch.empty(4, 8, device="meta")  # a changed dict: rebind binds what it holds
+        skeleton = meta_model()
+        del skeleton.experts[2].weight  # nothing there: the module's _parameters held no tensor when walked
+        with pytest.raises(RebindError, match=r"experts\.2\.weight"):
+            rebind_module(skeleton, views, manifest)
+    finally:
+        builder.close()
