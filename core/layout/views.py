@@ -210,8 +210,7 @@ def table_parameters(table: "TensorTable", arena_bytes: "typing.Sequence[torch.T
     tensor ``nn.Parameter()`` makes of each (``Tensor._make_subclass`` detaches a copy). What :func:`table_bindings`
     makes, by name.
     """
-    bound = table_bindings(table, arena_bytes)
-    return dict(zip(table.names, bound.tensors, strict=True)) if bound.all_parameters else bound.parameters_by_name()
+    return table_bindings(table, arena_bytes).parameters_by_name()
 
 
 class Bindings:
