@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
 import typing
 
@@ -73,7 +75,7 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
 
     from weightcache.core.identity.digests import default_store
     from weightcache.core.identity.safetensors_io import checkpoint_tensors
-    from weightcache.core.load.reader import read_checkpoint
+    from weightcache.core.load.reader import importing, read_checkpoint
 
     dtype = load_dtype(request, config)
     wanted_dtype = str(dtype).removeprefix("torch.")
@@ -85,7 +87,12 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
     key = layout.layout_key(request, config, wanted_dtype)
     known = layout.remembered(store, key)
     began = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightcache-skeleton") as pool:
+    # Without a warm-up before (the Python API), the skeleton's thread imports transformers during the read.
+    imports = known is None and "transformers.modeling_utils" not in sys.modules
+    with (
+        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightcache-skeleton") as pool,
+        importing() if imports else contextlib.nullcontext(),
+    ):
         building = pool.submit(_model_for, known, request, dtype)
         placed = read_checkpoint(request.model, builder)
         read_s = time.monotonic() - began
