@@ -44,19 +44,32 @@ def weightcache_describe(request):
 @hookimpl
 def weightcache_warm_up(request, for_publish):
     config = identity.read_config(request.model)
-    if for_publish and _layout_remembered(request, config):
-        return  # the publish builds the model from its remembered layout: transformers stays unimported
+    if for_publish:
+        from weightcache.adapters.hf import layout_process
+
+        key = _layout_key(request, config)
+        if _layout_remembered(key):
+            return  # the publish builds the model from its remembered layout: transformers stays unimported
+        if layout_process.wanted():
+            layout_process.start(request, key)  # a child learns the layout on another core; the load awaits it
+            return
     from weightcache.adapters.hf.loading import model_class
 
     model_class(request, config)  # imports transformers and the model's module
 
 
-def _layout_remembered(request, config) -> bool:
+def _layout_key(request, config) -> str:
+    from weightcache.adapters.hf import layout
+
+    dtype = str(identity.load_dtype(request, config)).removeprefix("torch.")
+    return layout.layout_key(request, config, dtype)
+
+
+def _layout_remembered(key: str) -> bool:
     from weightcache.adapters.hf import layout
     from weightcache.core.identity.digests import default_store
 
-    dtype = str(identity.load_dtype(request, config)).removeprefix("torch.")
-    return layout.remembered(default_store(), layout.layout_key(request, config, dtype)) is not None
+    return layout.remembered(default_store(), key) is not None
 
 
 @hookimpl

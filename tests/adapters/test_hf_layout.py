@@ -81,7 +81,12 @@ def test_the_cli_with_a_remembered_layout_never_imports_transformers_and_attache
     server, model_dir, tmp_path
 ):
     path = model_dir("llama")
-    env = {**os.environ, "WEIGHTCACHE_CACHE_DIR": str(tmp_path / "store"), "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "WEIGHTCACHE_CACHE_DIR": str(tmp_path / "store"),
+        "HF_HUB_OFFLINE": "1",
+        "WEIGHTCACHE_LAYOUT_PROCESS": "0",  # this process builds the skeleton (test_hf_layout_process.py: a child)
+    }
     code = (
         "import sys\nfrom weightcache.core.cli.cli import main\n"
         f"code = main(['load', '--socket-dir', {str(server.socket_dir)!r}, '--model', {str(path)!r}])\n"
