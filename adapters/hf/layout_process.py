@@ -73,7 +73,8 @@ class LayoutProcess:
 
     def result(self, timeout: float = WAIT_S) -> "Layout | None":
         """The child's layout, or None (it failed, printed no layout, or ran past ``timeout``: logged, then stopped)."""
-        from weightcache.adapters.hf.layout import MAX_ENTRY_BYTES, Layout
+        from weightcache.adapters.hf.layout import Layout
+        from weightcache.adapters.hf.layout_key import MAX_ENTRY_BYTES
 
         with self._lock:
             if self._output is None:

@@ -10,6 +10,7 @@ import typing
 
 from weightcache.adapters.hf import identity, layout, layout_process
 from weightcache.adapters.hf.identity import load_dtype, model_class
+from weightcache.adapters.hf.layout_key import layout_key
 from weightcache.core.dtypes import to_dtype
 from weightcache.core.errors import RebindError, UnsupportedQuantization
 from weightcache.core.load.rebind import check_no_meta, meta_parameters
@@ -84,7 +85,7 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
         log.debug("checkpoint stores %s, not %s; loading through transformers", floating[0], wanted_dtype)
         return None
     store = default_store()
-    key = layout.layout_key(request, config, wanted_dtype)
+    key = layout_key(request, config, identity.load_dtype_name(request, config))
     known = layout.remembered(store, key)
     child = layout_process.take(key) if known is None else None  # the warm-up's process learning the layout
     began = time.monotonic()

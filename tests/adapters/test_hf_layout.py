@@ -16,6 +16,7 @@ import pytest
 from tests.adapters.test_hf_checkpoints import SMALL, assert_attaches_like_from_pretrained
 from weightcache.adapters.hf import identity, layout
 from weightcache.adapters.hf.hooks import weightcache_manifest_extra
+from weightcache.adapters.hf.layout_key import layout_key
 from weightcache.adapters.hf.loading import load_into_arenas
 from weightcache.core.device import Device
 from weightcache.core.identity.digests import DigestStore
@@ -161,11 +162,11 @@ def test_the_layout_key_changes_with_what_the_layout_depends_on(model_dir):
     path = model_dir("llama")
     config = identity.read_config(str(path))
     request = LoadRequest(model=str(path))
-    key = layout.layout_key(request, config, "float32")
-    assert layout.layout_key(request, {**config, "rope_theta": 5e5}, "float32") != key, "rotary frequencies differ"
-    assert layout.layout_key(request, config, "bfloat16") != key
-    assert layout.layout_key(LoadRequest(model=str(path), options={"model_class": "AutoModel"}), config, "float32") != key
-    assert layout.layout_key(request, dict(config), "float32") == key
+    key = layout_key(request, config, "float32")
+    assert layout_key(request, {**config, "rope_theta": 5e5}, "float32") != key, "rotary frequencies differ"
+    assert layout_key(request, config, "bfloat16") != key
+    assert layout_key(LoadRequest(model=str(path), options={"model_class": "AutoModel"}), config, "float32") != key
+    assert layout_key(request, dict(config), "float32") == key
 
 
 def test_a_store_without_a_trusted_directory_remembers_no_layout(model_dir):

@@ -16,6 +16,7 @@ import pytest
 from tests.adapters.test_hf_checkpoints import assert_attaches_like_from_pretrained
 from tests.adapters.test_hf_layout import _entries, layout_entries, publish_view
 from weightcache.adapters.hf import identity, layout_process
+from weightcache.adapters.hf.layout_key import layout_key
 from weightcache.adapters.hf.loading import skeleton_and_layout
 from weightcache.core.request import LoadRequest
 
@@ -38,12 +39,11 @@ def test_the_child_learns_the_layout_this_process_learns(model_dir, kind):
 
 
 def test_a_load_given_the_childs_layout_publishes_what_the_skeleton_publishes(store_dir, model_dir):
-    from weightcache.adapters.hf import layout
 
     path = model_dir("gemma")
     request = LoadRequest(model=str(path))
     config = identity.read_config(str(path))
-    key = layout.layout_key(request, config, str(identity.load_dtype(request, config)).removeprefix("torch."))
+    key = layout_key(request, config, identity.load_dtype_name(request, config))
     layout_process.start(request, key)
     from_child, built_as = publish_view(path)
     assert built_as == "LayoutModel", "the load bound the child's layout"
@@ -57,12 +57,11 @@ def test_a_load_given_the_childs_layout_publishes_what_the_skeleton_publishes(st
 
 
 def test_a_failed_child_leaves_the_load_to_build_the_skeleton(store_dir, model_dir, tmp_path, caplog):
-    from weightcache.adapters.hf import layout
 
     path = model_dir("llama")
     request = LoadRequest(model=str(path))
     config = identity.read_config(str(path))
-    key = layout.layout_key(request, config, str(identity.load_dtype(request, config)).removeprefix("torch."))
+    key = layout_key(request, config, identity.load_dtype_name(request, config))
     broken = LoadRequest(model=str(tmp_path / "no-such-model"))
     with layout_process._started_lock:
         layout_process._started[key] = layout_process.LayoutProcess(broken)  # a child that fails, under this key
@@ -116,3 +115,28 @@ def test_the_cli_on_first_sight_never_imports_transformers_and_attaches_like_fro
     assert layout_entries(tmp_path / "store"), "the layout is remembered for the next load"
     assert len(_entries(server.socket_dir)) == 1
     assert_attaches_like_from_pretrained(path, server.socket_dir, "float32", None)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma", "bert"])
+@pytest.mark.parametrize("dtype", [None, "bfloat16", "float32"])
+def test_the_warm_up_names_the_entry_the_load_reads_without_importing_torch(model_dir, kind, dtype, tmp_path):
+    """The warm-up's key (no torch) and the load's dtype agree, for the checkpoint's dtype and a requested one."""
+    request = LoadRequest(model=str(model_dir(kind, "bfloat16")), dtype=dtype)
+    config = identity.read_config(request.model)
+    assert identity.load_dtype_name(request, config) == str(identity.load_dtype(request, config)).removeprefix("torch.")
+    code = (
+        "import sys\nfrom weightcache.adapters.hf import identity\nfrom weightcache.adapters.hf.layout_key import layout_key\n"
+        "from weightcache.core.request import LoadRequest\n"
+        f"request = LoadRequest(model={request.model!r}, dtype={dtype!r})\n"
+        "config = identity.read_config(request.model)\n"
+        "key = layout_key(request, config, identity.load_dtype_name(request, config))\n"
+        "from weightcache.adapters.hf import hooks, layout_process\n"
+        "hooks.weightcache_warm_up(request, for_publish=True)\n"
+        "print(key, key in layout_process._started)\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+        "layout_process.stop_all()\n"
+    )
+    env = {**os.environ, layout_process.ENV: "1", "WEIGHTCACHE_CACHE_DIR": str(tmp_path / "store")}
+    named = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=True)
+    key = layout_key(request, config, identity.load_dtype_name(request, config))
+    assert named.stdout.splitlines() == [f"{key} True", "TORCH False"], "the warm-up started the child before torch"
