@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tests.adapters.test_hf_checkpoints import assert_attaches_like_from_pretrained
-from tests.adapters.test_hf_layout import _entries, layout_entries, publish_view
+from tests.adapters.test_hf_layout import _entries, cli_load, layout_entries, publish_view
 from weightcache.adapters.hf import identity, layout_process
 from weightcache.adapters.hf.layout_key import layout_key
 from weightcache.adapters.hf.loading import skeleton_and_layout
@@ -97,18 +97,7 @@ def test_the_variable_decides_and_else_the_cpus(monkeypatch):
 
 def test_the_cli_on_first_sight_never_imports_transformers_and_attaches_like_from_pretrained(server, model_dir, tmp_path):
     path = model_dir("llama")
-    env = {
-        **os.environ,
-        "WEIGHTCACHE_CACHE_DIR": str(tmp_path / "store"),
-        "HF_HUB_OFFLINE": "1",
-        layout_process.ENV: "1",
-    }
-    code = (
-        "import sys\nfrom weightcache.core.cli.cli import main\n"
-        f"code = main(['load', '--socket-dir', {str(server.socket_dir)!r}, '--model', {str(path)!r}])\n"
-        "print('TRANSFORMERS', 'transformers' in sys.modules)\nsys.exit(code)\n"
-    )
-    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    first = cli_load(server.socket_dir, path, tmp_path / "store", layout_process="1")
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.startswith("published"), first.stdout
     assert "TRANSFORMERS False" in first.stdout, "the child built the skeleton; this process only its layout's tree"
