@@ -76,7 +76,8 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
 
     from weightcache.core.identity.digests import default_store
     from weightcache.core.identity.safetensors_io import checkpoint_tensors
-    from weightcache.core.load.reader import importing, read_checkpoint
+    from weightcache.core.load.importing import importing
+    from weightcache.core.load.reader import read_checkpoint
 
     dtype = load_dtype(request, config)
     wanted_dtype = str(dtype).removeprefix("torch.")

@@ -319,7 +319,7 @@ def _warming_up(adapter, request):
     """
 
     def warm_up() -> None:
-        from weightcache.core.load.reader import importing
+        from weightcache.core.load.importing import importing
 
         began = time.monotonic()
         try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
-import contextlib
 import hashlib
 import logging
 import mmap
@@ -38,6 +37,7 @@ from weightcache.core.errors import CheckpointChanged
 from weightcache.core.fileio import resident_pages
 from weightcache.core.identity.digests import PIECE_BYTES, FileDigest, FileKey, combine, piece_offsets
 from weightcache.core.identity.safetensors_io import Header, TensorInfo, check_length, checkpoint_files, read_header
+from weightcache.core.load import importing
 from weightcache.core.load.export import ArenaBuilder, Slot
 from weightcache.core.load.prefetch import stop_prefetches
 
@@ -106,26 +106,6 @@ class ReadMode:
         return f"{how} on {self.threads} threads ({self.why})"
 
 
-_importing = 0
-_importing_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def importing() -> typing.Iterator[None]:
-    """Mark a stretch in which another thread of this process imports (an adapter's warm-up): a read that starts
-    meanwhile takes whole pieces. Each block returns to the interpreter lock, and while a thread imports each such
-    return waits: 512 KiB blocks slowed a read beside transformers' imports from 8.92 s to 13.15 s, and the imports by
-    half (decision 49)."""
-    global _importing
-    with _importing_lock:
-        _importing += 1
-    try:
-        yield
-    finally:
-        with _importing_lock:
-            _importing -= 1
-
-
 def choose_mode(threads: int | None, cached_share: float) -> ReadMode:
     """The read's mode: ``$WEIGHTCACHE_READ_BLOCK_KIB`` where set; else whole pieces where another thread imports or
     ``cached_share`` (of the bytes, in the page cache) is ``WARM_SHARE`` or more (memory speed: 16 threads hash in
@@ -135,7 +115,7 @@ def choose_mode(threads: int | None, cached_share: float) -> ReadMode:
     threads = threads or _configured_threads()
     if configured is not None:
         return ReadMode(configured, threads or default_threads(), f"${BLOCK_ENV}")
-    if _importing:
+    if importing.under_way():
         return ReadMode(0, threads or default_threads(), "another thread imports")
     if cached_share >= WARM_SHARE:
         return ReadMode(0, threads or default_threads(), f"{cached_share:.0%} in the page cache")

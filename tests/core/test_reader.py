@@ -214,7 +214,7 @@ def test_the_reader_stops_a_prefetch_of_its_files_before_it_reads(large_checkpoi
 def test_the_mode_follows_the_variable_then_imports_then_the_page_cache(monkeypatch):
     """Where nothing is configured: blocks from one queue for a read from the disk, whole pieces beside an import or
     for bytes in the page cache; the variables and an explicit thread count win."""
-    from weightcache.core.load import reader
+    from weightcache.core.load import importing, reader
 
     monkeypatch.delenv(reader.BLOCK_ENV, raising=False)
     monkeypatch.delenv(reader.THREADS_ENV, raising=False)
@@ -224,8 +224,8 @@ def test_the_mode_follows_the_variable_then_imports_then_the_page_cache(monkeypa
     assert reader.choose_mode(None, 0.9).block == 0
     assert reader.choose_mode(None, 0.9).threads == reader.default_threads()
     assert reader.choose_mode(7, 0.0).threads == 7
-    with reader.importing():
-        with reader.importing():
+    with importing.importing():
+        with importing.importing():
             assert reader.choose_mode(None, 0.0).block == 0
         assert reader.choose_mode(None, 0.0).block == 0, "the outer import is still running"
     assert reader.choose_mode(None, 0.0).block == reader.BLOCK_BYTES
@@ -233,21 +233,21 @@ def test_the_mode_follows_the_variable_then_imports_then_the_page_cache(monkeypa
     assert reader.choose_mode(None, 0.0).block == 0
     monkeypatch.setenv(reader.BLOCK_ENV, "512")
     monkeypatch.setenv(reader.THREADS_ENV, "3")
-    with reader.importing():
+    with importing.importing():
         assert (reader.choose_mode(None, 0.9).block, reader.choose_mode(None, 0.9).threads) == (512 << 10, 3)
 
 
 def test_an_import_in_another_thread_makes_a_read_take_whole_pieces(large_checkpoint, monkeypatch):
     import threading
 
-    from weightcache.core.load import reader
+    from weightcache.core.load import importing, reader
 
     monkeypatch.delenv(reader.BLOCK_ENV, raising=False)
     monkeypatch.setattr(reader, "WARM_SHARE", 2.0)  # never "in the page cache"
     held, release = threading.Event(), threading.Event()
 
     def warm_up() -> None:
-        with reader.importing():
+        with importing.importing():
             held.set()
             release.wait(30)
 
