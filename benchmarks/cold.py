@@ -376,15 +376,13 @@ def run_instanttensor(ctx: Context, clock: Clock) -> dict:
 
 def run_wc_reader(ctx: Context, clock: Clock) -> dict:
     from weightcache.core.load.export import ArenaBuilder
-    from weightcache.core.load.reader import default_block, default_direct, default_threads, read_checkpoint
+    from weightcache.core.load.reader import default_direct, read_checkpoint
 
-    block = default_block()
-    how = f"{block >> 10} KiB blocks from one queue{', O_DIRECT' if default_direct() else ''}" if block else "whole pieces"
-    ctx.notes.append(f"{default_threads()} threads, {how}")
     with clock:
         builder = ArenaBuilder(str(ctx.device))
         placed = read_checkpoint(ctx.model, builder)
     ctx.keep.append(builder)
+    ctx.notes.append(f"{builder.read_mode.describe()}{', O_DIRECT where not cached' if default_direct() else ''}")
     ctx.notes.append(f"{len(builder.arenas)} arenas")
     return {name: builder.view(slot) for name, (_, slot) in placed.items()}
 
@@ -397,11 +395,31 @@ def run_wc_publish(ctx: Context, clock: Clock) -> dict:
 
     request = LoadRequest(model=str(ctx.model), dtype="bfloat16", device=str(ctx.device))
     installed_plugins().adapter(request.adapter).warm_up(request)
-    with clock:
+    with _reader_notes(ctx), clock:
         published = publish(prepare(request), ctx.args.socket_dir)
     ctx.phases.update({key: round(value, 3) for key, value in published.timings.items()})
     ctx.notes.append(", ".join(f"{key.removesuffix('_s')} {value:.2f}" for key, value in published.timings.items()))
     return _attached(ctx, published.fingerprint)
+
+
+@contextlib.contextmanager
+def _reader_notes(ctx: Context):
+    """The reader's own line on how it read (its mode), added to the row's notes."""
+    import logging
+
+    class Notes(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            ctx.notes.append(record.getMessage())
+
+    logger, handler = logging.getLogger("weightcache.core.load.reader"), Notes(logging.DEBUG)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def run_wc_entry(ctx: Context, clock: Clock) -> dict:

@@ -44,19 +44,28 @@ def weightcache_describe(request):
 @hookimpl
 def weightcache_warm_up(request, for_publish):
     config = identity.read_config(request.model)
-    if for_publish and _layout_remembered(request, config):
-        return  # the publish builds the model from its remembered layout: transformers stays unimported
+    if for_publish:
+        from weightcache.adapters.hf import layout_process
+        from weightcache.adapters.hf.layout_key import layout_key
+
+        key = layout_key(request, config, identity.load_dtype_name(request, config))  # no torch import yet
+        if _has_entry(key):
+            return  # the publish builds the model from its remembered layout: transformers stays unimported
+        if layout_process.wanted():
+            layout_process.start(request, key)  # a child learns the layout on another core; the load awaits it
+            return
     from weightcache.adapters.hf.loading import model_class
 
     model_class(request, config)  # imports transformers and the model's module
 
 
-def _layout_remembered(request, config) -> bool:
-    from weightcache.adapters.hf import layout
+def _has_entry(key: str) -> bool:
+    """Whether the store holds an entry ``key`` (the load parses and checks it; a damaged one makes it build the
+    skeleton itself)."""
+    from weightcache.adapters.hf.layout_key import MAX_ENTRY_BYTES
     from weightcache.core.identity.digests import default_store
 
-    dtype = str(identity.load_dtype(request, config)).removeprefix("torch.")
-    return layout.remembered(default_store(), layout.layout_key(request, config, dtype)) is not None
+    return default_store().read_entry(key, MAX_ENTRY_BYTES) is not None
 
 
 @hookimpl

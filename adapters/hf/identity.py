@@ -12,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 from weightcache.core import __version__
-from weightcache.core.dtypes import to_dtype
+from weightcache.core.dtypes import dtype_name, to_dtype
 from weightcache.core.errors import UnsupportedQuantization
 from weightcache.core.identity.hub import looks_like_hub_id
 from weightcache.core.request import ModelDescription
@@ -148,6 +148,15 @@ def load_dtype(request: "LoadRequest", config: dict) -> "torch.dtype":
         return to_dtype(request.dtype)
     stored = config.get("dtype") or config.get("torch_dtype")
     return to_dtype(stored) if stored else torch.float32
+
+
+def load_dtype_name(request: "LoadRequest", config: dict) -> str:
+    """The name of ``load_dtype`` (``"bfloat16"``), without importing torch where it is a name weightcache knows."""
+    wanted = request.dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
+    try:
+        return dtype_name(wanted)
+    except ValueError:
+        return str(load_dtype(request, config)).removeprefix("torch.")
 
 
 _IMPORTING = threading.RLock()

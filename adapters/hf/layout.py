@@ -21,8 +21,6 @@ builds the skeleton as before (docs/decisions.md 50).
 from __future__ import annotations
 
 import base64
-import hashlib
-import importlib.metadata
 import json
 import logging
 import math
@@ -31,20 +29,16 @@ import typing
 import attrs
 import torch
 
+from weightcache.adapters.hf.layout_key import FORMAT, MAX_ENTRY_BYTES
 from weightcache.core.dtypes import to_dtype
 
 if typing.TYPE_CHECKING:
     from weightcache.core.identity.digests import DigestStore
-    from weightcache.core.request import LoadRequest
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
-"""The layout format's version: part of every key, so a change of format never reads an old entry."""
 MAX_VALUE_BYTES = 16 << 20
 """Real (computed) tensor values a layout may carry; a model with more is not remembered (its skeleton is built)."""
-MAX_ENTRY_BYTES = 256 << 20
-"""The largest layout entry read back (a 200,000-tensor model's names and shapes, with room)."""
 
 KINDS = ("parameter", "buffer", "attribute")
 
@@ -254,22 +248,6 @@ class LayoutModel(torch.nn.Module):
         for name, target in self.__dict__["weightcache_layout"].ties:
             owner_name, _, leaf = name.rpartition(".")
             self.get_submodule(owner_name)._parameters[leaf] = self.get_parameter(target)
-
-
-def layout_key(request: "LoadRequest", config: dict, dtype: str) -> str:
-    """The store entry name of the layout of this checkpoint's model: a digest of everything the layout depends on."""
-    from weightcache.adapters.hf.identity import architecture
-
-    parts = {
-        "format": FORMAT,
-        "config": config,
-        "class": request.option("model_class") or architecture(config),
-        "dtype": dtype,
-        "transformers": importlib.metadata.version("transformers"),
-        "torch": torch.__version__,
-    }
-    digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-    return f"layout-{digest[:48]}.json"
 
 
 _last_parsed: tuple[bytes, Layout] | None = None

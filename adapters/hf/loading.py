@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
 import typing
 
-from weightcache.adapters.hf import identity, layout
+from weightcache.adapters.hf import identity, layout, layout_process
 from weightcache.adapters.hf.identity import load_dtype, model_class
+from weightcache.adapters.hf.layout_key import layout_key
 from weightcache.core.dtypes import to_dtype
 from weightcache.core.errors import RebindError, UnsupportedQuantization
 from weightcache.core.load.rebind import check_no_meta, meta_parameters
@@ -73,6 +76,7 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
 
     from weightcache.core.identity.digests import default_store
     from weightcache.core.identity.safetensors_io import checkpoint_tensors
+    from weightcache.core.load.importing import importing
     from weightcache.core.load.reader import read_checkpoint
 
     dtype = load_dtype(request, config)
@@ -82,18 +86,24 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
         log.debug("checkpoint stores %s, not %s; loading through transformers", floating[0], wanted_dtype)
         return None
     store = default_store()
-    key = layout.layout_key(request, config, wanted_dtype)
+    key = layout_key(request, config, identity.load_dtype_name(request, config))
     known = layout.remembered(store, key)
+    child = layout_process.take(key) if known is None else None  # the warm-up's process learning the layout
     began = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightcache-skeleton") as pool:
-        building = pool.submit(_model_for, known, request, dtype)
+    # Without a warm-up before (the Python API), the skeleton's thread imports transformers during the read.
+    imports = known is None and child is None and "transformers.modeling_utils" not in sys.modules
+    with (
+        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightcache-skeleton") as pool,
+        importing() if imports else contextlib.nullcontext(),
+    ):
+        building = pool.submit(_model_for, known, request, dtype, child)
         placed = read_checkpoint(request.model, builder)
         read_s = time.monotonic() - began
         model, learned = building.result()
     log.debug(
         "read the files in %.2f s; the %s was ready %.2f s later",
         read_s,
-        "remembered layout" if known else "skeleton",
+        "remembered layout" if known else ("layout process's layout" if isinstance(model, layout.LayoutModel) else "skeleton"),
         time.monotonic() - began - read_s,
     )
     if known is not None:
@@ -119,11 +129,24 @@ Model = typing.Union["PreTrainedModel", "layout.LayoutModel"]
 
 
 def _model_for(
-    known: "layout.Layout | None", request: "LoadRequest", dtype: "torch.dtype"
+    known: "layout.Layout | None",
+    request: "LoadRequest",
+    dtype: "torch.dtype",
+    child: "layout_process.LayoutProcess | None" = None,
 ) -> "tuple[Model, layout.Layout | None]":
-    """The module tree of ``known``, or else the tied meta skeleton and its layout (taken before any slot is bound)."""
+    """The module tree of ``known``; else that of the layout ``child`` learned; else the tied meta skeleton; with the
+    layout to remember (taken before any slot is bound; None for ``known``)."""
     if known is not None:
         return known.build(), None
+    learned = child.result() if child is not None else None
+    if learned is not None:
+        return learned.build(), learned
+    return skeleton_and_layout(request, dtype)
+
+
+def skeleton_and_layout(request: "LoadRequest", dtype: "torch.dtype") -> "tuple[PreTrainedModel, layout.Layout | None]":
+    """The tied meta skeleton and its layout (None where a plain module tree would not rebuild it): what a load binds
+    on first sight, and what the layout process prints."""
     model, ties = _tied_skeleton(request, dtype)
     return model, layout.Layout.of_model(model, ties)
 

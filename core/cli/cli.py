@@ -319,9 +319,12 @@ def _warming_up(adapter, request):
     """
 
     def warm_up() -> None:
+        from weightcache.core.load.importing import importing
+
         began = time.monotonic()
         try:
-            adapter.warm_up(request, for_publish=True)
+            with importing():  # a read that starts meanwhile takes whole pieces (few returns to the interpreter lock)
+                adapter.warm_up(request, for_publish=True)
         except Exception as exc:  # the load raises it again, with its context
             log.debug("warming up the %s adapter failed: %s", request.adapter, exc, exc_info=True)
         else:

@@ -65,6 +65,8 @@ class ArenaBuilder:
         self.read_digests: dict[str, FileDigest] = {}
         """Digests of the checkpoint files whose bytes ``weightcache.core.load.reader`` placed here, by path: computed
         from those very bytes, they name what the arenas hold."""
+        self.read_mode: typing.Any = None
+        """How the reader read them (its ``ReadMode``), for diagnostics."""
 
     def __enter__(self) -> "ArenaBuilder":
         return self
@@ -175,6 +177,7 @@ class ArenaBuilder:
         self.close()
         self._sizes, self._arenas, self._fill, self._last_is_whole, self._sealed = [], [], 0, False, False
         self.read_digests = {}
+        self.read_mode = None
 
     def locate(self, tensor: "torch.Tensor") -> Slot | None:
         """The slot of a tensor that already lives in one of these arenas, else None."""

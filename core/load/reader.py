@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import hashlib
+import logging
 import mmap
 import os
 import queue
@@ -36,8 +37,11 @@ from weightcache.core.errors import CheckpointChanged
 from weightcache.core.fileio import resident_pages
 from weightcache.core.identity.digests import PIECE_BYTES, FileDigest, FileKey, combine, piece_offsets
 from weightcache.core.identity.safetensors_io import Header, TensorInfo, check_length, checkpoint_files, read_header
+from weightcache.core.load import importing
 from weightcache.core.load.export import ArenaBuilder, Slot
 from weightcache.core.load.prefetch import stop_prefetches
+
+log = logging.getLogger(__name__)
 
 THREADS_ENV = "WEIGHTCACHE_READ_THREADS"
 BLOCK_ENV = "WEIGHTCACHE_READ_BLOCK_KIB"
@@ -48,10 +52,14 @@ ALIGN = 4096
 
 def default_threads() -> int:
     """``$WEIGHTCACHE_READ_THREADS``, else min(16, 2 x CPUs): 16 read 16 GB 14 % faster than 8 on the H200 machine."""
+    return _configured_threads() or min(16, (os.cpu_count() or 2) * 2)
+
+
+def _configured_threads() -> int | None:
     configured = os.environ.get(THREADS_ENV, "")
     if configured.isdigit() and 0 < int(configured) <= 256:
         return int(configured)
-    return min(16, (os.cpu_count() or 2) * 2)
+    return None
 
 
 WARM_SHARE = 0.5
@@ -59,18 +67,59 @@ WARM_SHARE = 0.5
 
 
 def default_block() -> int:
-    """``$WEIGHTCACHE_READ_BLOCK_KIB`` in bytes (a multiple of 4 KiB up to a piece), else 0: whole pieces per thread.
+    """``$WEIGHTCACHE_READ_BLOCK_KIB`` in bytes (a multiple of 4 KiB up to a piece; 0: whole pieces per thread), else 0.
 
-    Alone on the H200 machine, 16 threads taking 512 KiB O_DIRECT blocks from one queue read 16 GB in 7.80 s, whole
-    pieces 9.09 s (buffered); but while the adapter imports its framework (as every load does) the blocks' many
-    returns to the interpreter lock slowed the read to 13.15 s and the imports by half, whole pieces 8.92 s
-    (docs/benchmarks.md, decision 49)."""
+    Without the variable the mode is chosen per read (``choose_mode``)."""
+    return _configured_block() or 0
+
+
+def _configured_block() -> int | None:
     configured = os.environ.get(BLOCK_ENV, "")
     if configured == "0":
         return 0
     if configured.isdigit() and 0 < int(configured) << 10 <= PIECE_BYTES and (int(configured) << 10) % ALIGN == 0:
         return int(configured) << 10
-    return 0
+    return None
+
+
+BLOCK_BYTES = 2 << 20
+BLOCK_THREADS = 4
+"""The block mode's default: 4 threads taking 2 MiB blocks from one queue, one sequential front of 8 MiB as
+fastsafetensors keeps (16 x 512 KiB). On one H200 machine (2026-12-02 04:22, first-sight publish of 16 GB, one row
+each) it took 10.67 s, 16 x 512 KiB 11.50 s, 8 x 1 MiB 11.25 s, whole pieces 12.16 s, fastsafetensors 10.38 s:
+fewer returns to the interpreter lock for the same front (docs/benchmarks.md)."""
+HASH_THREADS = 4
+"""The block mode's threads that check, place and hash the pieces read, apart from the readers: at 2.6 GB/s
+(fastsafetensors' rate on one H200 machine) a 64 MiB piece arrives every 26 ms and sha256 takes ~40 ms of a core."""
+
+
+@attrs.frozen
+class ReadMode:
+    """How one read runs: ``block`` bytes per read from one queue (0: whole pieces per thread) on ``threads`` threads."""
+
+    block: int
+    threads: int
+    why: str
+
+    def describe(self) -> str:
+        how = f"{self.block >> 10} KiB blocks from one queue" if self.block else "whole pieces per thread"
+        return f"{how} on {self.threads} threads ({self.why})"
+
+
+def choose_mode(threads: int | None, cached_share: float) -> ReadMode:
+    """The read's mode: ``$WEIGHTCACHE_READ_BLOCK_KIB`` where set; else whole pieces where another thread imports or
+    ``cached_share`` (of the bytes, in the page cache) is ``WARM_SHARE`` or more (memory speed: 16 threads hash in
+    parallel); else ``BLOCK_BYTES`` blocks on ``BLOCK_THREADS`` threads (the disk sees one sequential front).
+    ``threads`` (or ``$WEIGHTCACHE_READ_THREADS``) overrides the thread count."""
+    configured = _configured_block()
+    threads = threads or _configured_threads()
+    if configured is not None:
+        return ReadMode(configured, threads or default_threads(), f"${BLOCK_ENV}")
+    if importing.under_way():
+        return ReadMode(0, threads or default_threads(), "another thread imports")
+    if cached_share >= WARM_SHARE:
+        return ReadMode(0, threads or default_threads(), f"{cached_share:.0%} in the page cache")
+    return ReadMode(BLOCK_BYTES, threads or BLOCK_THREADS, "from the disk")
 
 
 def default_direct() -> bool:
@@ -126,12 +175,11 @@ def read_checkpoint(
     """Plan a slot for every tensor of the checkpoint at ``path``, read its bytes into it and digest every file.
 
     Returns ``name -> (info, slot)``; the bytes are the file's, unconverted. The
-    file digests are added to ``builder.read_digests``. ``threads`` defaults to ``default_threads()``.
-    The threads take ``default_block()`` blocks from one queue in file order (``_read_in_blocks``), with
-    O_DIRECT for the pieces not in the page cache (``cached_pieces``); with the block size 0 each thread reads whole pieces (``_read_pieces``).
+    file digests are added to ``builder.read_digests``, the mode ``choose_mode`` picked to ``builder.read_mode``:
+    threads taking blocks from one queue in file order (``_read_in_blocks``) or each reading whole pieces
+    (``_read_pieces``), with O_DIRECT for the pieces not in the page cache (``cached_pieces``). ``threads``
+    overrides the mode's thread count.
     """
-    threads = threads or default_threads()
-    block = default_block()
     files = checkpoint_files(path)
     headers = [read_header(file) for file in files]
     placed = {info.name: (info, builder.plan(info.nbytes)) for header in headers for info in header.tensors}
@@ -149,16 +197,20 @@ def read_checkpoint(
         reader = _GpuReader(builder) if builder.device.is_cuda else _HostReader(builder)
         try:
             stop_prefetches()  # what they read is in the page cache now; from here on, this reads
+            cached = [cached_pieces(fd, key.st_size) for fd, key in zip(fds, keys, strict=True)]
             if default_direct():
                 direct_fds.extend(_direct_fd(file, keys[number]) for number, file in enumerate(files))
-                cached = [cached_pieces(fd, key.st_size) for fd, key in zip(fds, keys, strict=True)]
                 direct_for = [-1 if piece.index in cached[piece.file] else direct_fds[piece.file] for piece in pieces]
             else:
                 direct_for = [-1] * len(pieces)
-            if block:
-                done = _read_in_blocks(reader, pieces, fds, direct_for, headers, threads, block)
+            total = sum(piece.nbytes for piece in pieces)
+            warm = sum(piece.nbytes for piece in pieces if piece.index in cached[piece.file])
+            mode = builder.read_mode = choose_mode(threads, warm / total if total else 1.0)
+            log.debug("reading %d weight files: %s", len(files), mode.describe())
+            if mode.block:
+                done = _read_in_blocks(reader, pieces, fds, direct_for, headers, mode.threads, mode.block)
             else:
-                done = _read_pieces(reader, pieces, fds, direct_for, headers, threads)
+                done = _read_pieces(reader, pieces, fds, direct_for, headers, mode.threads)
             for piece, piece_hash in done:
                 hashes[piece.file][piece.index] = piece_hash
                 builder.progress.update(sum(copy.nbytes for copy in piece.copies))
@@ -278,16 +330,19 @@ def _read_in_blocks(
 ) -> typing.Iterator[tuple[Piece, bytes]]:
     """``threads`` threads take ``block``-byte reads from one queue in file order, so the disk sees one sequential front.
 
-    Each piece is read into a whole-piece buffer from a small pool; the thread that reads a piece's last
-    block checks its header bytes, places its tensor bytes, hashes it and gives the buffer back. The
-    dispatcher (this generator) waits for a free buffer holding no lock, and stops at the first error.
+    Each piece is read into a whole-piece buffer from a small pool; once its last block is in, one of
+    ``HASH_THREADS`` other threads checks its header bytes, places its tensor bytes, hashes it and gives the
+    buffer back, so the readers never stop reading to hash (at 2.6 GB/s a 64 MiB piece arrives every 26 ms and
+    takes ~40 ms to hash). The dispatcher (this generator) waits for a free buffer holding no lock, and stops at
+    the first error.
     ``direct_for[i]`` is the O_DIRECT descriptor to read ``pieces[i]`` through, or -1 (buffered).
     Yields ``(piece, sha256)`` as pieces finish.
     """
     free: queue.Queue = queue.Queue()
-    for _ in range(max(4, -(-threads * block // PIECE_BYTES) + 2)):
-        free.put(reader.piece_buffer())
+    buffers = -(-threads * block // PIECE_BYTES) + HASH_THREADS + 2  # made as they are first needed (pinned: ms each)
+    made = 0
     work: queue.SimpleQueue = queue.SimpleQueue()
+    complete: queue.SimpleQueue = queue.SimpleQueue()  # pieces whose blocks are all in
     finished: queue.SimpleQueue = queue.SimpleQueue()
     count_lock = threading.Lock()
     failed = threading.Event()
@@ -301,6 +356,23 @@ def _read_in_blocks(
         reader.wait(done)
         free.put(state.buffer)
         finished.put((piece, digest))
+
+    def hash_loop() -> None:
+        while True:
+            state = complete.get()
+            if state is None:
+                return
+            if failed.is_set():
+                continue
+            try:
+                finish(state)
+            except (EOFError, _Changed):
+                failed.set()
+                header = headers[state.piece.file]
+                finished.put((None, CheckpointChanged(str(header.file.parent), str(header.file))))
+            except BaseException as exc:  # handed to the dispatcher, which raises it
+                failed.set()
+                finished.put((None, exc))
 
     def work_loop() -> None:
         while True:
@@ -317,7 +389,7 @@ def _read_in_blocks(
                     state.left -= 1
                     last = state.left == 0
                 if last:
-                    finish(state)
+                    complete.put(state)
             except (EOFError, _Changed):
                 failed.set()
                 header = headers[piece.file]
@@ -327,17 +399,19 @@ def _read_in_blocks(
                 finished.put((None, exc))
 
     workers = [threading.Thread(target=work_loop, name=f"weightcache-read-{n}", daemon=True) for n in range(threads)]
-    for worker in workers:
-        worker.start()
+    hashers = [threading.Thread(target=hash_loop, name=f"weightcache-hash-{n}", daemon=True) for n in range(HASH_THREADS)]
+    for thread in workers + hashers:
+        thread.start()
     dispatched = received = 0
     try:
         for piece, direct_fd in zip(pieces, direct_for, strict=True):
             buffer = None
             while buffer is None and not failed.is_set():
                 try:
-                    buffer = free.get(timeout=0.05)
+                    buffer = free.get(timeout=0.05) if made == buffers else free.get_nowait()
                 except queue.Empty:
-                    pass
+                    if made < buffers:
+                        buffer, made = reader.piece_buffer(), made + 1
                 while not finished.empty():
                     received += 1
                     yield _result(finished.get())
@@ -356,6 +430,10 @@ def _read_in_blocks(
             work.put(None)
         for worker in workers:
             worker.join()
+        for _ in hashers:
+            complete.put(None)
+        for hasher in hashers:
+            hasher.join()
 
 
 def _result(item: tuple) -> tuple[Piece, bytes]:

@@ -16,6 +16,7 @@ import pytest
 from tests.adapters.test_hf_checkpoints import SMALL, assert_attaches_like_from_pretrained
 from weightcache.adapters.hf import identity, layout
 from weightcache.adapters.hf.hooks import weightcache_manifest_extra
+from weightcache.adapters.hf.layout_key import layout_key
 from weightcache.adapters.hf.loading import load_into_arenas
 from weightcache.core.device import Device
 from weightcache.core.identity.digests import DigestStore
@@ -81,13 +82,8 @@ def test_the_cli_with_a_remembered_layout_never_imports_transformers_and_attache
     server, model_dir, tmp_path
 ):
     path = model_dir("llama")
-    env = {**os.environ, "WEIGHTCACHE_CACHE_DIR": str(tmp_path / "store"), "HF_HUB_OFFLINE": "1"}
-    code = (
-        "import sys\nfrom weightcache.core.cli.cli import main\n"
-        f"code = main(['load', '--socket-dir', {str(server.socket_dir)!r}, '--model', {str(path)!r}])\n"
-        "print('TRANSFORMERS', 'transformers' in sys.modules)\nsys.exit(code)\n"
-    )
-    learned = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    # The CLI's own process builds the skeleton (test_hf_layout_process.py: a child does).
+    learned = cli_load(server.socket_dir, path, tmp_path / "store", layout_process="0")
     assert learned.returncode == 0, learned.stderr[-3000:]
     assert "TRANSFORMERS True" in learned.stdout, "without a remembered layout, the skeleton is built"
     for entry in _entries(server.socket_dir):
@@ -96,11 +92,22 @@ def test_the_cli_with_a_remembered_layout_never_imports_transformers_and_attache
             check=True,
             capture_output=True,
         )
-    known = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    known = cli_load(server.socket_dir, path, tmp_path / "store", layout_process="0")
     assert known.returncode == 0, known.stderr[-3000:]
     assert known.stdout.startswith("published"), known.stdout
     assert "TRANSFORMERS False" in known.stdout, "with the layout remembered, the CLI needs no transformers"
     assert_attaches_like_from_pretrained(path, server.socket_dir, "float32", None)
+
+
+def cli_load(socket_dir, path, store, layout_process: str) -> subprocess.CompletedProcess:
+    """``weightcache load`` of ``path`` in a fresh process with its own store; it prints whether it imported transformers."""
+    env = {**os.environ, "WEIGHTCACHE_CACHE_DIR": str(store), "HF_HUB_OFFLINE": "1", "WEIGHTCACHE_LAYOUT_PROCESS": layout_process}
+    code = (
+        "import sys\nfrom weightcache.core.cli.cli import main\n"
+        f"code = main(['load', '--socket-dir', {str(socket_dir)!r}, '--model', {str(path)!r}])\n"
+        "print('TRANSFORMERS', 'transformers' in sys.modules)\nsys.exit(code)\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
 
 
 def _entries(socket_dir) -> list[str]:
@@ -156,11 +163,11 @@ def test_the_layout_key_changes_with_what_the_layout_depends_on(model_dir):
     path = model_dir("llama")
     config = identity.read_config(str(path))
     request = LoadRequest(model=str(path))
-    key = layout.layout_key(request, config, "float32")
-    assert layout.layout_key(request, {**config, "rope_theta": 5e5}, "float32") != key, "rotary frequencies differ"
-    assert layout.layout_key(request, config, "bfloat16") != key
-    assert layout.layout_key(LoadRequest(model=str(path), options={"model_class": "AutoModel"}), config, "float32") != key
-    assert layout.layout_key(request, dict(config), "float32") == key
+    key = layout_key(request, config, "float32")
+    assert layout_key(request, {**config, "rope_theta": 5e5}, "float32") != key, "rotary frequencies differ"
+    assert layout_key(request, config, "bfloat16") != key
+    assert layout_key(LoadRequest(model=str(path), options={"model_class": "AutoModel"}), config, "float32") != key
+    assert layout_key(request, dict(config), "float32") == key
 
 
 def test_a_store_without_a_trusted_directory_remembers_no_layout(model_dir):

@@ -209,3 +209,63 @@ def test_the_reader_stops_a_prefetch_of_its_files_before_it_reads(large_checkpoi
             read_checkpoint(large_checkpoint, builder, threads=2)
         assert running not in prefetch._running
         assert not any(thread.is_alive() for thread in running._threads), "the prefetch still reads"
+
+
+def test_the_mode_follows_the_variable_then_imports_then_the_page_cache(monkeypatch):
+    """Where nothing is configured: blocks from one queue for a read from the disk, whole pieces beside an import or
+    for bytes in the page cache; the variables and an explicit thread count win."""
+    from weightcache.core.load import importing, reader
+
+    monkeypatch.delenv(reader.BLOCK_ENV, raising=False)
+    monkeypatch.delenv(reader.THREADS_ENV, raising=False)
+    cold = reader.choose_mode(None, 0.0)
+    assert (cold.block, cold.threads) == (reader.BLOCK_BYTES, reader.BLOCK_THREADS)
+    assert "blocks" in cold.describe()
+    assert reader.choose_mode(None, 0.9).block == 0
+    assert reader.choose_mode(None, 0.9).threads == reader.default_threads()
+    assert reader.choose_mode(7, 0.0).threads == 7
+    with importing.importing():
+        with importing.importing():
+            assert reader.choose_mode(None, 0.0).block == 0
+        assert reader.choose_mode(None, 0.0).block == 0, "the outer import is still running"
+    assert reader.choose_mode(None, 0.0).block == reader.BLOCK_BYTES
+    monkeypatch.setenv(reader.BLOCK_ENV, "0")
+    assert reader.choose_mode(None, 0.0).block == 0
+    monkeypatch.setenv(reader.BLOCK_ENV, "512")
+    monkeypatch.setenv(reader.THREADS_ENV, "3")
+    with importing.importing():
+        assert (reader.choose_mode(None, 0.9).block, reader.choose_mode(None, 0.9).threads) == (512 << 10, 3)
+
+
+def test_an_import_in_another_thread_makes_a_read_take_whole_pieces(large_checkpoint, monkeypatch):
+    import threading
+
+    from weightcache.core.load import importing, reader
+
+    monkeypatch.delenv(reader.BLOCK_ENV, raising=False)
+    monkeypatch.setattr(reader, "WARM_SHARE", 2.0)  # never "in the page cache"
+    held, release = threading.Event(), threading.Event()
+
+    def warm_up() -> None:
+        with importing.importing():
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=warm_up)
+    thread.start()
+    try:
+        assert held.wait(30)
+        with ArenaBuilder("cpu") as builder:
+            read_checkpoint(large_checkpoint, builder)
+            assert builder.read_mode.block == 0 and "imports" in builder.read_mode.why
+    finally:
+        release.set()
+        thread.join()
+    with ArenaBuilder("cpu") as builder:
+        placed = read_checkpoint(large_checkpoint, builder)
+        assert builder.read_mode.block == reader.BLOCK_BYTES
+        [weights] = checkpoint_files(large_checkpoint)
+        assert builder.read_digests[str(weights)].digest == file_digest(weights)
+        data = weights.read_bytes()
+        for info, slot in placed.values():  # 2 MiB blocks: each tensor's bytes are the file's
+            assert builder.view(slot).numpy().tobytes() == data[info.start : info.start + info.nbytes], info.name
