@@ -39,12 +39,15 @@ typecheck: setup
 
 # The everyday suite: everything but the real engine starts of tests/engines/test_entry_points.py, on one worker per
 # core (pytest-xdist, at most TEST_WORKERS; a module or class stays on one worker; in collection order, where
-# tests/conftest.py puts the minutes-long engine-venv module first), then the `serial` tests alone
-# (docs/decisions.md 47).
+# tests/conftest.py puts the minutes-long engine-venv module first), then the `serial` tests alone, with mypy beside
+# them on the core they leave idle (docs/decisions.md 47, 52). The tests' fresh Python children are forked from a
+# test zygote where tests/zygote.py's rules allow; WEIGHTCACHE_TEST_NO_ZYGOTE=1 execs every one.
 TEST_WORKERS ?= 4
-test: lint typecheck
+test: lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not engine_entry and not serial" -n auto --maxprocesses $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "serial and not engine_entry"
+	$(MAKE) --no-print-directory typecheck & typecheck=$$!; \
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "serial and not engine_entry"; serial=$$?; \
+	wait $$typecheck && exit $$serial
 
 # The 48 real engine starts (vllm.LLM, sglang.Engine, their HTTP servers) in the engine venvs; about 26 min on 2 cores.
 test-engines: setup

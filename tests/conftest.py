@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import zygote
 from tests.helpers import ServerProcess
 from tests.models import save_random_model
 
@@ -16,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Checkpoint digests go to a private directory of this session, never to ~/.cache; child processes inherit it.
 DIGEST_DIR = os.environ["WEIGHTCACHE_CACHE_DIR"] = tempfile.mkdtemp(prefix="wc-digests-")
+zygote.snapshot_environment()  # the environment children forked from the test zygote start with (tests/zygote.py)
 
 
 SERIAL_PATHS = ("tests/gpu/", "tests/test_systemd_real.py")
@@ -32,6 +34,13 @@ def pytest_collection_modifyitems(config, items):
         if item.nodeid.startswith(SERIAL_PATHS):
             item.add_marker(pytest.mark.serial)
     items.sort(key=lambda item: not item.nodeid.startswith(FIRST))  # stable: the rest keep their order
+
+
+def pytest_unconfigure(config):
+    """Stop the test zygotes, and reap them, so that their children's CPU is counted as this process's."""
+    zygote.stop_all()
+    if os.environ.get("WEIGHTCACHE_TEST_ZYGOTE_REPORT") == "1":
+        print(f"\ntest zygote ({os.environ.get('PYTEST_XDIST_WORKER', 'main')}): {zygote.counts}")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests import zygote
 from weightcache.core.server.server_process import ServerProcess
 
 __all__ = ["ServerProcess"]  # one server-process helper for the kit, the demo and the project's tests
@@ -73,7 +74,7 @@ class Engine:
         ] + (["--count-opens"] if count_opens else [])
         if dtype:
             args += ["--dtype", dtype]
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = zygote.popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.ready = self._read()
 
     def _read(self) -> dict:
@@ -97,8 +98,8 @@ class Engine:
 def run_python(
     code: str, *args: str, timeout: float = 240, env: dict | None = None, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter (a real second process)."""
-    proc = subprocess.run(
+    """Run ``code`` in a fresh interpreter (a real second process; forked from tests/zygote.py's where its rules allow)."""
+    proc = zygote.run(
         [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
@@ -113,10 +114,8 @@ def run_python(
 
 
 def run_cli(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
-    """``weightcache ARGS`` in a fresh process; with ``check``, a failure shows its output."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "weightcache.core.cli.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
+    """``weightcache ARGS`` in a fresh process (tests/zygote.py's rules); with ``check``, a failure shows its output."""
+    proc = zygote.run([sys.executable, "-m", "weightcache.core.cli.cli", *args], capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"weightcache {' '.join(args)} failed (exit {proc.returncode}):\nstdout:\n{proc.stdout[-3000:]}\n"

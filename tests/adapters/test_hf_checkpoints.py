@@ -11,11 +11,11 @@ are tied, and the forward output is the same.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
+from tests import zygote
 from tests.helpers import assert_tensors_equal
 from tests.models import ARCHITECTURES, ENCODERS, LARGE
 from weightcache.core.flow.loader import prepare, publish
@@ -111,7 +111,7 @@ def test_a_few_hundred_megabytes_publish_and_attach_like_from_pretrained(server,
 @pytest.mark.parametrize("kind", ["bert", "llama-odd"])
 def test_weightcache_load_command_publishes_a_saved_checkpoint(server, model_dir, kind):
     path = model_dir(kind)
-    done = subprocess.run(
+    done = zygote.run(
         [sys.executable, "-m", "weightcache.core.cli.cli", "load", "--socket-dir", str(server.socket_dir), "--model", str(path)],
         capture_output=True,
         text=True,

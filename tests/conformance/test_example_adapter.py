@@ -19,6 +19,7 @@ import sys
 
 import pytest
 
+from tests import zygote
 from tests.helpers import EXAMPLE, PLANTED_DIR, kit_subclass_module
 from tests.helpers import EXAMPLE_SRC as SRC
 from weightcache.conformance import ConformanceFixtures, ConformanceTests
@@ -55,7 +56,7 @@ def installed_example(tmp_path_factory):
 
 def _run(argv, env=None, cwd=None, timeout=600, check=True) -> subprocess.CompletedProcess:
     merged = {**os.environ, **(env or {})}
-    proc = subprocess.run(argv, capture_output=True, text=True, env=merged, cwd=cwd, timeout=timeout)
+    proc = zygote.run(argv, preload=zygote.PYTEST_PRELOAD, capture_output=True, text=True, env=merged, cwd=cwd, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{argv[:4]}... exited {proc.returncode}:\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}")
     return proc

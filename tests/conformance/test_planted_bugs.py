@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import zygote
 from tests.helpers import EXAMPLE_SRC, PLANTED_DIR, kit_subclass_module
 
 ENTRY_POINTS = {
@@ -54,7 +55,7 @@ def _run(argv: list[str], env: dict, cwd: Path, adapter: str | None = None) -> s
     """``argv`` with the planted adapters on the path, all but ``adapter`` blocked (a broken one would warn in every run)."""
     blocked = ",".join(name for name in ENTRY_POINTS if name != adapter)
     env = {**os.environ, **env, "WEIGHTCACHE_BLOCK_ADAPTERS": blocked}
-    return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    return zygote.run(argv, preload=zygote.PYTEST_PRELOAD, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
 
 
 def kit_cli(env: dict, cwd: Path, adapter: str, checkpoint: str, *args: str, select: str | None = None):

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import zygote
 
 API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 PLACEHOLDER = "/models/llama"
@@ -52,7 +53,7 @@ def test_the_doc_has_both_snippets_and_the_placeholder():
 @pytest.mark.parametrize("kind", ["bert", "llama", "t5"])
 def test_api_md_snippets_run_verbatim(kind, model_dir, server):
     script = "\n".join(python_blocks(API_DOC.read_text())).replace(PLACEHOLDER, str(model_dir(kind)))
-    proc = subprocess.run(
+    proc = zygote.run(
         [sys.executable, "-c", script + CHECK_OUTPUTS],
         capture_output=True,
         text=True,

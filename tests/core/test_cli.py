@@ -24,6 +24,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from tests import zygote
 from tests.core.support import make_fingerprint, publish_host_entry
 from tests.helpers import ServerProcess
 from weightcache.core import __version__
@@ -57,16 +58,17 @@ class Run:
     code: int
     stdout: str
     stderr: list[str]  # the CLI's lines, without the wrapper's
-    imported: set[str]
+    imported: set[str] | None  # None where the process was forked from the test zygote (it has torch imported)
 
     @property
     def first(self) -> str:
         return self.stderr[0] if self.stderr else ""
 
 
-def cli(*args: str, env: dict | None = None, timeout: float = 300) -> Run:
-    """``weightcache ARGS`` in a fresh process (stderr not a terminal)."""
-    proc = subprocess.run(
+def cli(*args: str, env: dict | None = None, timeout: float = 300, fork: bool = False) -> Run:
+    """``weightcache ARGS`` in a fresh process (stderr not a terminal); ``fork``: from the test zygote (tests/zygote.py)
+    if its rules allow, for a test that does not ask what the process imported (``imported`` is None then)."""
+    proc = (zygote.run if fork else subprocess.run)(
         [sys.executable, "-c", _WRAPPER, *args],
         capture_output=True,
         text=True,
@@ -76,7 +78,8 @@ def cli(*args: str, env: dict | None = None, timeout: float = 300) -> Run:
     )
     lines = proc.stderr.splitlines()
     assert lines and lines[-1].startswith("[imported:"), proc.stderr
-    return Run(proc.returncode, proc.stdout, lines[:-1], set(lines[-1].removeprefix("[imported:").rstrip("]").split()))
+    imported = set(lines[-1].removeprefix("[imported:").rstrip("]").split())
+    return Run(proc.returncode, proc.stdout, lines[:-1], None if isinstance(proc, zygote.Forked) else imported)
 
 
 def write_safetensors(path: Path, data: bytes = bytes(range(64))) -> Path:
@@ -246,9 +249,7 @@ def run_on_terminal(args: list[str], env: dict) -> tuple[int, str, str]:
 
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    proc = subprocess.Popen(
-        args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, cwd=ROOT, env={**os.environ, **env}
-    )
+    proc = zygote.popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, cwd=ROOT, env={**os.environ, **env})
     os.close(slave)
     shown = b""
     deadline = time.monotonic() + 300
@@ -329,7 +330,7 @@ from weightcache.core.request import LoadRequest
 for _ in range(2):
     publish(prepare(LoadRequest(model={str(path)!r})), {str(server.socket_dir)!r})
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = zygote.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if f"({path.name} (LlamaForCausalLM, hf))" in line]
     assert proc.returncode == 0 and len(lines) == 2, proc.stdout + proc.stderr
     assert lines[0].startswith("published ") and lines[1].startswith("loaded, but the server already held "), lines
@@ -550,7 +551,7 @@ def test_load_publishes_the_same_entry_with_and_without_reading_ahead(model_dir,
         server = ServerProcess.start()
         try:
             env = {"WEIGHTCACHE_CACHE_DIR": str(tmp_path / f"digests-{number}")}  # first sight each time
-            run = cli("load", "--model", str(path), "--socket-dir", str(server.socket_dir), *flags, env=env)
+            run = cli("load", "--model", str(path), "--socket-dir", str(server.socket_dir), *flags, env=env, fork=True)
             assert run.code == 0 and run.stdout.startswith("published "), run
             digests.append(run.stdout.split()[1])
         finally:
@@ -567,7 +568,7 @@ def test_a_restart_with_digests_remembered_reads_ahead_too_and_publishes_the_sam
     for _ in range(2):  # the second load: a fresh server, the digests remembered
         server = ServerProcess.start()
         try:
-            run = cli("-v", "load", "--model", str(path), "--socket-dir", str(server.socket_dir), env=env)
+            run = cli("-v", "load", "--model", str(path), "--socket-dir", str(server.socket_dir), env=env, fork=True)
             assert run.code == 0 and "published " in run.stdout, run
             assert any("ahead of the load" in line for line in run.stderr), "the weight files are read ahead"
             digests.append(run.stdout.split("published ")[1].split()[0])
@@ -611,7 +612,7 @@ def test_a_file_cut_off_while_it_is_read_is_one_line(model_dir, tmp_path, server
     checkpoint.mkdir()
     for file in model_dir("llama").iterdir():
         (checkpoint / file.name).write_bytes(file.read_bytes())
-    proc = subprocess.run(
+    proc = zygote.run(
         [sys.executable, "-c", _TRUNCATING, "load", "--model", str(checkpoint), "--socket-dir", str(server.socket_dir)],
         capture_output=True,
         text=True,
@@ -628,7 +629,14 @@ def test_a_file_cut_off_while_it_is_read_is_one_line(model_dir, tmp_path, server
 
 def test_a_model_class_of_another_architecture_is_one_line(model_dir, server):
     run = cli(
-        "load", "--model", str(model_dir("llama")), "--model-class", "GPT2LMHeadModel", "--socket-dir", str(server.socket_dir)
+        "load",
+        "--model",
+        str(model_dir("llama")),
+        "--model-class",
+        "GPT2LMHeadModel",
+        "--socket-dir",
+        str(server.socket_dir),
+        fork=True,
     )
     assert run.code == 1 and run.stderr == [
         "weightcache: error: model class GPT2LMHeadModel is built from 'gpt2' configs, but this checkpoint is a 'llama' "

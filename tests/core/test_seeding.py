@@ -14,6 +14,7 @@ import time
 import attrs
 import pytest
 
+from tests import zygote
 from tests.adapters.test_hf_checkpoints import assert_attaches_like_from_pretrained
 from tests.core.support import resting_fd_count
 from tests.helpers import free_port
@@ -68,7 +69,7 @@ def run_ranks(*commands: list[str], wait_s: float = TIMEOUT_S + 40, env: dict | 
     """Run one command per rank (rank = position) on a fresh port, ``env`` added; each must end within ``wait_s``."""
     port = free_port()
     procs = [
-        subprocess.Popen(command, env=rank_env(rank, port, env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        zygote.popen(command, env=rank_env(rank, port, env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for rank, command in enumerate(commands)
     ]
     done = []

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import zygote
 from tests.helpers import wait_until
 from weightcache.core.errors import StandbyError
 from weightcache.core.flow.loader import prepare, publish
@@ -29,7 +30,7 @@ class StandbyProcess:
 
     def __init__(self, model, socket_dir, *args: str, stdin=subprocess.DEVNULL):
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(
+        self.proc = zygote.popen(
             [
                 sys.executable,
                 "-m",
