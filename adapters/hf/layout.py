@@ -250,26 +250,16 @@ class LayoutModel(torch.nn.Module):
             self.get_submodule(owner_name)._parameters[leaf] = self.get_parameter(target)
 
 
-_last_parsed: tuple[bytes, Layout] | None = None
-"""The last entry parsed and its layout: ``weightcache load``'s warm-up and its load each read the entry, parsed once."""
-
-
 def remembered(store: "DigestStore", key: str) -> Layout | None:
     """The layout remembered under ``key``, or None (none, or an entry that is not a layout: logged, then a miss)."""
-    global _last_parsed
     data = store.read_entry(key, MAX_ENTRY_BYTES)
     if data is None:
         return None
-    last = _last_parsed
-    if last is not None and last[0] == data:  # the very bytes parsed before (a Layout is immutable)
-        return last[1]
     try:
-        layout = Layout.from_json(data)
+        return Layout.from_json(data)
     except ValueError as exc:
         log.debug("ignoring layout %s in %s: %s", key, store.directory, exc)
         return None
-    _last_parsed = (data, layout)
-    return layout
 
 
 def remember(store: "DigestStore", key: str, model: torch.nn.Module, ties: typing.Iterable[tuple[str, str]]) -> None:

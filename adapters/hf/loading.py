@@ -80,13 +80,13 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
     from weightcache.core.load.reader import read_checkpoint
 
     dtype = load_dtype(request, config)
-    wanted_dtype = str(dtype).removeprefix("torch.")
+    wanted_dtype = identity.load_dtype_name(request, config)  # the dtype's name, as the warm-up names its layout entry
     floating = [info.dtype for info in checkpoint_tensors(request.model) if _is_floating(info.dtype)]
     if floating and wanted_dtype not in floating:  # a cast: a model kept partly in float32 still gets read
         log.debug("checkpoint stores %s, not %s; loading through transformers", floating[0], wanted_dtype)
         return None
     store = default_store()
-    key = layout_key(request, config, identity.load_dtype_name(request, config))
+    key = layout_key(request, config, wanted_dtype)
     known = layout.remembered(store, key)
     child = layout_process.take(key) if known is None else None  # the warm-up's process learning the layout
     began = time.monotonic()

@@ -66,14 +66,9 @@ WARM_SHARE = 0.5
 """A piece with at least this share of its pages in the page cache is read through it (buffered), not O_DIRECT."""
 
 
-def default_block() -> int:
-    """``$WEIGHTCACHE_READ_BLOCK_KIB`` in bytes (a multiple of 4 KiB up to a piece; 0: whole pieces per thread), else 0.
-
-    Without the variable the mode is chosen per read (``choose_mode``)."""
-    return _configured_block() or 0
-
-
 def _configured_block() -> int | None:
+    """``$WEIGHTCACHE_READ_BLOCK_KIB`` in bytes (a multiple of 4 KiB up to a piece; 0: whole pieces per thread), else
+    None: ``choose_mode`` decides per read."""
     configured = os.environ.get(BLOCK_ENV, "")
     if configured == "0":
         return 0

@@ -313,7 +313,8 @@ def _bindings_of(
         if kind == _PARAMETER:
             tensor = make_subclass(Parameter, tensor, False) if type(tensor) is Tensor else Parameter(tensor, requires_grad=False)
         made.append(tensor)
-    return Bindings(table, made, [t.shape for t in made], not any(table.kind), False)
+    every_parameter = table.kind.tobytes().count(_PARAMETER) == table.count  # no kind code is assumed to be 0
+    return Bindings(table, made, [t.shape for t in made], every_parameter, False)
 
 
 def _has_attributes(table) -> bool:
