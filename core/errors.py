@@ -107,6 +107,17 @@ class CheckpointChanged(WeightCacheError):
         )
 
 
+class ReaderFailed(WeightCacheError):
+    """The reader process a load read its checkpoint through ended or answered out of turn (``reason`` says how)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(
+            f"the reader process failed: {reason}; nothing was published. Load again, or set "
+            "WEIGHTCACHE_READ_PROCESS=0 to read in the loading process"
+        )
+
+
 class EntryUnusable(WeightCacheError):
     """The server handed over an entry this process cannot decode, view or map (``reason`` says why)."""
 

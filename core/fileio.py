@@ -7,6 +7,9 @@ import mmap
 import os
 import typing
 
+DIRECT_ALIGN = 4096
+"""O_DIRECT's alignment of offsets, lengths and buffers (the largest logical block size in use)."""
+
 Buffer = typing.Any
 """Anything ``memoryview`` takes: bytes, bytearray, a numpy array, an mmap (``collections.abc.Buffer`` from Python 3.12)."""
 
@@ -28,6 +31,30 @@ def write_fully(fd: int, data: Buffer, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwritev(fd, [view[done:]], offset + done)
+
+
+def read_block(fd: int, direct_fd: int, buffer: typing.Any, start: int, offset: int, nbytes: int) -> None:
+    """Read ``nbytes`` at ``start + offset`` into ``buffer[offset:]``: whole aligned blocks through ``direct_fd`` where
+    there is one (the buffer has room up to the next block), the rest (a short read that left it unaligned) buffered.
+
+    EOFError if the file ends first.
+    """
+    view = memoryview(buffer)
+    done = 0
+    if direct_fd >= 0:
+        want = -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
+        while done < nbytes:
+            got = os.preadv(direct_fd, [view[offset + done : offset + want]], start + offset + done)
+            if got == 0:
+                raise EOFError
+            done += got
+            if done % DIRECT_ALIGN:
+                break
+    while done < nbytes:
+        got = os.preadv(fd, [view[offset + done : offset + nbytes]], start + offset + done)
+        if got == 0:
+            raise EOFError
+        done += got
 
 
 def resident_pages(fd: int, size: int) -> bytes:

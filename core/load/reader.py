@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import mmap
@@ -31,13 +32,16 @@ if typing.TYPE_CHECKING:
     import numpy
     import torch
 
+    from weightcache.core.load.read_process import ReadProcess
+
 import attrs
 
-from weightcache.core.errors import CheckpointChanged
-from weightcache.core.fileio import resident_pages
+from weightcache.core.errors import CheckpointChanged, ReaderFailed
+from weightcache.core.fileio import DIRECT_ALIGN as ALIGN
+from weightcache.core.fileio import read_block, resident_pages
 from weightcache.core.identity.digests import PIECE_BYTES, FileDigest, FileKey, combine, piece_offsets
 from weightcache.core.identity.safetensors_io import Header, TensorInfo, check_length, checkpoint_files, read_header
-from weightcache.core.load import importing
+from weightcache.core.load import importing, read_process
 from weightcache.core.load.export import ArenaBuilder, Slot
 from weightcache.core.load.prefetch import stop_prefetches
 
@@ -46,8 +50,6 @@ log = logging.getLogger(__name__)
 THREADS_ENV = "WEIGHTCACHE_READ_THREADS"
 BLOCK_ENV = "WEIGHTCACHE_READ_BLOCK_KIB"
 DIRECT_ENV = "WEIGHTCACHE_READ_DIRECT"
-ALIGN = 4096
-"""O_DIRECT's alignment of offsets, lengths and buffers (the largest logical block size in use)."""
 
 
 def default_threads() -> int:
@@ -83,6 +85,11 @@ BLOCK_THREADS = 4
 fastsafetensors keeps (16 x 512 KiB). On one H200 machine (2026-12-02 04:22, first-sight publish of 16 GB, one row
 each) it took 10.67 s, 16 x 512 KiB 11.50 s, 8 x 1 MiB 11.25 s, whole pieces 12.16 s, fastsafetensors 10.38 s:
 fewer returns to the interpreter lock for the same front (docs/benchmarks.md)."""
+PROCESS_BLOCK_BYTES = 512 << 10
+PROCESS_THREADS = 16
+"""The reader process's default: fastsafetensors' geometry (16 reads of 512 KiB in flight, 8 MiB of front), which read
+fastest on the H200 machine where no interpreter lock held the reads back (22:50 on 2026-12-01: 7.80 s against 8.42
+for 1 MiB and 8.74 for 4 MiB blocks); in this process the lock made 2 MiB x 4 the better choice (decision 54)."""
 HASH_THREADS = 4
 """The block mode's threads that check, place and hash the pieces read, apart from the readers: at 2.6 GB/s
 (fastsafetensors' rate on one H200 machine) a 64 MiB piece arrives every 26 ms and sha256 takes ~40 ms of a core."""
@@ -95,25 +102,33 @@ class ReadMode:
     block: int
     threads: int
     why: str
+    process: bool = False
+    """Whether the blocks are read in a reader process (``read_process``) rather than on threads of this one."""
 
     def describe(self) -> str:
         how = f"{self.block >> 10} KiB blocks from one queue" if self.block else "whole pieces per thread"
-        return f"{how} on {self.threads} threads ({self.why})"
+        where = " in a reader process" if self.process else ""
+        return f"{how} on {self.threads} threads{where} ({self.why})"
 
 
 def choose_mode(threads: int | None, cached_share: float) -> ReadMode:
-    """The read's mode: ``$WEIGHTCACHE_READ_BLOCK_KIB`` where set; else whole pieces where another thread imports or
-    ``cached_share`` (of the bytes, in the page cache) is ``WARM_SHARE`` or more (memory speed: 16 threads hash in
-    parallel); else ``BLOCK_BYTES`` blocks on ``BLOCK_THREADS`` threads (the disk sees one sequential front).
+    """The read's mode: ``$WEIGHTCACHE_READ_BLOCK_KIB`` where set; else whole pieces where ``cached_share`` (of the
+    bytes, in the page cache) is ``WARM_SHARE`` or more (memory speed: 16 threads hash in parallel); else blocks from
+    one queue (the disk sees one sequential front): ``PROCESS_BLOCK_BYTES`` on ``PROCESS_THREADS`` threads of a reader
+    process (``$WEIGHTCACHE_READ_PROCESS``, default on), whose reads no import or skeleton of this process holds up;
+    without it whole pieces where another thread imports, else ``BLOCK_BYTES`` on ``BLOCK_THREADS`` threads here.
     ``threads`` (or ``$WEIGHTCACHE_READ_THREADS``) overrides the thread count."""
     configured = _configured_block()
     threads = threads or _configured_threads()
+    process = read_process.wanted()
     if configured is not None:
-        return ReadMode(configured, threads or default_threads(), f"${BLOCK_ENV}")
-    if importing.under_way():
-        return ReadMode(0, threads or default_threads(), "another thread imports")
+        return ReadMode(configured, threads or default_threads(), f"${BLOCK_ENV}", process=bool(configured) and process)
     if cached_share >= WARM_SHARE:
         return ReadMode(0, threads or default_threads(), f"{cached_share:.0%} in the page cache")
+    if process:
+        return ReadMode(PROCESS_BLOCK_BYTES, threads or PROCESS_THREADS, "from the disk", process=True)
+    if importing.under_way():
+        return ReadMode(0, threads or default_threads(), "another thread imports")
     return ReadMode(BLOCK_BYTES, threads or BLOCK_THREADS, "from the disk")
 
 
@@ -200,15 +215,24 @@ def read_checkpoint(
                 direct_for = [-1] * len(pieces)
             total = sum(piece.nbytes for piece in pieces)
             warm = sum(piece.nbytes for piece in pieces if piece.index in cached[piece.file])
-            mode = builder.read_mode = choose_mode(threads, warm / total if total else 1.0)
+            mode = choose_mode(threads, warm / total if total else 1.0)
+            process = _start_process(fds, direct_for, pieces, mode) if mode.process else None
+            if mode.process and process is None:
+                mode = attrs.evolve(mode, process=False, why=f"{mode.why}; the reader process did not start")
+            builder.read_mode = mode
             log.debug("reading %d weight files: %s", len(files), mode.describe())
             if mode.block:
-                done = _read_in_blocks(reader, pieces, fds, direct_for, headers, mode.threads, mode.block)
+                done = _read_in_blocks(reader, pieces, fds, direct_for, headers, mode, process)
             else:
                 done = _read_pieces(reader, pieces, fds, direct_for, headers, mode.threads)
-            for piece, piece_hash in done:
-                hashes[piece.file][piece.index] = piece_hash
-                builder.progress.update(sum(copy.nbytes for copy in piece.copies))
+            try:
+                for piece, piece_hash in done:
+                    hashes[piece.file][piece.index] = piece_hash
+                    builder.progress.update(sum(copy.nbytes for copy in piece.copies))
+            finally:
+                done.close()  # its threads stopped, also where it was never started
+                if process is not None:
+                    process.close()
         finally:
             reader.finish()
         for number, file in enumerate(files):
@@ -229,7 +253,7 @@ def _read_pieces(
     direct_for: list[int],
     headers: list[Header],
     threads: int,
-) -> typing.Iterator[tuple[Piece, bytes]]:
+) -> typing.Generator[tuple[Piece, bytes], None, None]:
     """Each of ``threads`` threads reads whole pieces in ``CHUNK_BYTES`` chunks (through ``direct_for[i]`` where it is not
     -1); ``(piece, sha256)`` as each finishes."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightcache-read") as pool:
@@ -282,7 +306,7 @@ def _read_piece(reader: "_HostReader | _GpuReader", piece: Piece, fd: int, direc
         for start in range(0, piece.nbytes, CHUNK_BYTES):
             stop = min(start + CHUNK_BYTES, piece.nbytes)
             buffer = reader.staging()
-            _read_block(fd, direct_fd, buffer, piece.start + start, 0, stop - start)
+            read_block(fd, direct_fd, buffer, piece.start + start, 0, stop - start)
             staging = buffer[: stop - start]
             _check_header_bytes(raw, piece.start + start, staging)
             reader.place(staging, [_within(copy, start, stop) for copy in piece.copies if _overlaps(copy, start, stop)])
@@ -305,10 +329,12 @@ def _direct_fd(file: Path, key: FileKey) -> int:
 
 
 class _PieceInFlight:
-    """A piece whose blocks are being read into ``buffer``; ``left`` blocks are still to come."""
+    """A piece whose blocks are being read into ``buffer`` (slot ``slot`` of the pool); ``left`` blocks are still to
+    come."""
 
-    def __init__(self, piece: Piece, buffer: typing.Any, blocks: int, direct_fd: int):
+    def __init__(self, piece: Piece, slot: int, buffer: typing.Any, blocks: int, direct_fd: int):
         self.piece = piece
+        self.slot = slot
         self.buffer = buffer
         self.left = blocks
         self.direct_fd = direct_fd
@@ -320,26 +346,180 @@ def _read_in_blocks(
     fds: list[int],
     direct_for: list[int],
     headers: list[Header],
-    threads: int,
-    block: int,
-) -> typing.Iterator[tuple[Piece, bytes]]:
-    """``threads`` threads take ``block``-byte reads from one queue in file order, so the disk sees one sequential front.
+    mode: ReadMode,
+    process: "ReadProcess | None",
+) -> typing.Generator[tuple[Piece, bytes], None, None]:
+    """``mode.threads`` reads of ``mode.block`` bytes from one queue in file order, so the disk sees one sequential
+    front: in the reader process ``process`` where there is one (this closes it), else on threads of this process.
 
-    Each piece is read into a whole-piece buffer from a small pool; once its last block is in, one of
-    ``HASH_THREADS`` other threads checks its header bytes, places its tensor bytes, hashes it and gives the
-    buffer back, so the readers never stop reading to hash (at 2.6 GB/s a 64 MiB piece arrives every 26 ms and
-    takes ~40 ms to hash). The dispatcher (this generator) waits for a free buffer holding no lock, and stops at
-    the first error.
-    ``direct_for[i]`` is the O_DIRECT descriptor to read ``pieces[i]`` through, or -1 (buffered).
+    Each piece is read into a whole-piece buffer from a small pool (in the reader process: its shared slots); once
+    its last block is in, one of ``HASH_THREADS`` threads checks its header bytes, places its tensor bytes, hashes it
+    and gives the buffer back, so the reads never stop for hashing (at 2.6 GB/s a 64 MiB piece arrives every 26 ms
+    and takes ~40 ms to hash). The dispatcher (this generator) waits for a free buffer holding no lock, and stops at
+    the first error. ``direct_for[i]`` is the O_DIRECT descriptor to read ``pieces[i]`` through, or -1 (buffered).
     Yields ``(piece, sha256)`` as pieces finish.
     """
+    slots = _slots(mode)
+    with contextlib.ExitStack() as stack:
+        if process is not None:
+            stack.enter_context(process)
+            buffers = process.buffers()
+            stack.callback(reader.unpin, reader.pin(buffers))
+            feed: _Feed = _ProcessFeed(process, headers)
+        else:
+            buffers = []
+            feed = _ThreadFeed(fds, mode, headers)
+        yield from _dispatch(reader, pieces, direct_for, headers, slots, buffers, feed, mode.block)
+
+
+def _slots(mode: ReadMode) -> int:
+    """Whole-piece buffers a block read keeps: its front's pieces, one per hash thread, two to spare."""
+    return -(-mode.threads * mode.block // PIECE_BYTES) + HASH_THREADS + 2
+
+
+def _start_process(fds: list[int], direct_for: list[int], pieces: list[Piece], mode: ReadMode) -> "ReadProcess | None":
+    """A started reader process over the files (each with its O_DIRECT descriptor where one of its pieces uses it),
+    or None where it did not start (logged: the read runs in this process then)."""
+    slots = _slots(mode)
+    direct = {piece.file: fd for piece, fd in zip(pieces, direct_for, strict=True) if fd >= 0}
+    try:
+        process = read_process.ReadProcess(
+            [(fd, direct.get(n, -1)) for n, fd in enumerate(fds)], slots, PIECE_BYTES, mode.threads, mode.block
+        )
+    except OSError as exc:
+        log.info("the reader process did not start (%s); reading in this process", exc)
+        return None
+    if not process.ready():
+        process.close()
+        return None
+    return process
+
+
+class _Feed(typing.Protocol):
+    """Where a dispatched piece's blocks are read: ``start`` the readers, ``submit`` a piece, ``stop`` them all."""
+
+    def start(self, complete: queue.SimpleQueue, finished: queue.SimpleQueue, failed: threading.Event) -> None: ...
+
+    def submit(self, state: _PieceInFlight, direct: bool) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def _changed(header: Header) -> CheckpointChanged:
+    return CheckpointChanged(str(header.file.parent), str(header.file))
+
+
+class _ThreadFeed:
+    """Blocks read by ``mode.threads`` threads of this process from one queue."""
+
+    def __init__(self, fds: list[int], mode: ReadMode, headers: list[Header]):
+        self.fds, self.mode, self.headers = fds, mode, headers
+        self.work: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def start(self, complete: queue.SimpleQueue, finished: queue.SimpleQueue, failed: threading.Event) -> None:
+        def work_loop() -> None:
+            while (item := self.work.get()) is not None:
+                state, offset, nbytes = item
+                if failed.is_set():
+                    continue
+                piece = state.piece
+                try:
+                    read_block(self.fds[piece.file], state.direct_fd, state.buffer.numpy(), piece.start, offset, nbytes)
+                    with self.lock:
+                        state.left -= 1
+                        last = state.left == 0
+                    if last:
+                        complete.put(state)
+                except (EOFError, _Changed):
+                    failed.set()
+                    finished.put((None, _changed(self.headers[piece.file])))
+                except BaseException as exc:  # handed to the dispatcher, which raises it
+                    failed.set()
+                    finished.put((None, exc))
+
+        self.threads = [
+            threading.Thread(target=work_loop, name=f"weightcache-read-{n}", daemon=True) for n in range(self.mode.threads)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def submit(self, state: _PieceInFlight, direct: bool) -> None:
+        block, nbytes = self.mode.block, state.piece.nbytes
+        for offset in range(0, nbytes, block):
+            self.work.put((state, offset, min(block, nbytes - offset)))
+
+    def stop(self) -> None:
+        for _ in self.threads:
+            self.work.put(None)
+        for thread in self.threads:
+            thread.join()
+
+
+class _ProcessFeed:
+    """Blocks read by the reader process into its shared slots; a collector thread takes its answers."""
+
+    def __init__(self, process: "ReadProcess", headers: list[Header]):
+        self.process, self.headers = process, headers
+        self.in_flight: dict[int, _PieceInFlight] = {}
+        self.collector: threading.Thread | None = None
+
+    def start(self, complete: queue.SimpleQueue, finished: queue.SimpleQueue, failed: threading.Event) -> None:
+        def collect() -> None:
+            while True:
+                try:
+                    slot, status = self.process.result()
+                except ReaderFailed as exc:
+                    if not failed.is_set():  # not the end the dispatcher asked for
+                        failed.set()
+                        finished.put((None, exc))
+                    return
+                state = self.in_flight.pop(slot, None)
+                if state is None:
+                    failed.set()
+                    finished.put((None, ReaderFailed(f"it answered for slot {slot}, which holds no job")))
+                    return
+                if status == 0:
+                    complete.put(state)
+                elif not failed.is_set():
+                    failed.set()
+                    error = read_process.status_error(status)
+                    finished.put((None, _changed(self.headers[state.piece.file]) if isinstance(error, EOFError) else error))
+
+        self.collector = threading.Thread(target=collect, name="weightcache-read-collector", daemon=True)
+        self.collector.start()
+
+    def submit(self, state: _PieceInFlight, direct: bool) -> None:
+        self.in_flight[state.slot] = state
+        piece = state.piece
+        self.process.submit(state.slot, piece.file, piece.start, piece.nbytes, direct)
+
+    def stop(self) -> None:
+        self.process.end_jobs()  # the worker finishes the reads in flight and exits: the collector sees its end
+        if self.collector is not None:
+            self.collector.join()
+
+
+def _dispatch(
+    reader: "_HostReader | _GpuReader",
+    pieces: list[Piece],
+    direct_for: list[int],
+    headers: list[Header],
+    slots: int,
+    buffers: list,
+    feed: _Feed,
+    block: int,
+) -> typing.Generator[tuple[Piece, bytes], None, None]:
+    """Hand each piece a free buffer and the feed its blocks; hash threads finish the pieces whose blocks are in.
+
+    ``buffers`` are the pool (made here as first needed, up to ``slots``, where empty)."""
     free: queue.Queue = queue.Queue()
-    buffers = -(-threads * block // PIECE_BYTES) + HASH_THREADS + 2  # made as they are first needed (pinned: ms each)
-    made = 0
-    work: queue.SimpleQueue = queue.SimpleQueue()
+    for slot, buffer in enumerate(buffers):
+        free.put((slot, buffer))
+    made = len(buffers)
     complete: queue.SimpleQueue = queue.SimpleQueue()  # pieces whose blocks are all in
     finished: queue.SimpleQueue = queue.SimpleQueue()
-    count_lock = threading.Lock()
     failed = threading.Event()
 
     def finish(state: _PieceInFlight) -> None:
@@ -349,82 +529,50 @@ def _read_in_blocks(
         done = reader.place_from(state.buffer, list(piece.copies))
         digest = hashlib.sha256(view).digest()
         reader.wait(done)
-        free.put(state.buffer)
+        free.put((state.slot, state.buffer))
         finished.put((piece, digest))
 
     def hash_loop() -> None:
-        while True:
-            state = complete.get()
-            if state is None:
-                return
+        while (state := complete.get()) is not None:
             if failed.is_set():
                 continue
             try:
                 finish(state)
             except (EOFError, _Changed):
                 failed.set()
-                header = headers[state.piece.file]
-                finished.put((None, CheckpointChanged(str(header.file.parent), str(header.file))))
+                finished.put((None, _changed(headers[state.piece.file])))
             except BaseException as exc:  # handed to the dispatcher, which raises it
                 failed.set()
                 finished.put((None, exc))
 
-    def work_loop() -> None:
-        while True:
-            item = work.get()
-            if item is None:
-                return
-            state, offset, nbytes = item
-            if failed.is_set():
-                continue
-            piece = state.piece
-            try:
-                _read_block(fds[piece.file], state.direct_fd, state.buffer.numpy(), piece.start, offset, nbytes)
-                with count_lock:
-                    state.left -= 1
-                    last = state.left == 0
-                if last:
-                    complete.put(state)
-            except (EOFError, _Changed):
-                failed.set()
-                header = headers[piece.file]
-                finished.put((None, CheckpointChanged(str(header.file.parent), str(header.file))))
-            except BaseException as exc:  # handed to the dispatcher, which raises it
-                failed.set()
-                finished.put((None, exc))
-
-    workers = [threading.Thread(target=work_loop, name=f"weightcache-read-{n}", daemon=True) for n in range(threads)]
     hashers = [threading.Thread(target=hash_loop, name=f"weightcache-hash-{n}", daemon=True) for n in range(HASH_THREADS)]
-    for thread in workers + hashers:
+    feed.start(complete, finished, failed)
+    for thread in hashers:
         thread.start()
     dispatched = received = 0
     try:
         for piece, direct_fd in zip(pieces, direct_for, strict=True):
-            buffer = None
-            while buffer is None and not failed.is_set():
+            taken = None
+            while taken is None and not failed.is_set():
                 try:
-                    buffer = free.get(timeout=0.05) if made == buffers else free.get_nowait()
+                    taken = free.get(timeout=0.05) if made == slots else free.get_nowait()
                 except queue.Empty:
-                    if made < buffers:
-                        buffer, made = reader.piece_buffer(), made + 1
+                    if made < slots:
+                        taken, made = (made, reader.piece_buffer()), made + 1
                 while not finished.empty():
                     received += 1
                     yield _result(finished.get())
-            if failed.is_set():
+            if taken is None:
                 break
-            state = _PieceInFlight(piece, buffer, -(-piece.nbytes // block), direct_fd)
-            for offset in range(0, piece.nbytes, block):
-                work.put((state, offset, min(block, piece.nbytes - offset)))
+            slot, buffer = taken
+            feed.submit(_PieceInFlight(piece, slot, buffer, -(-piece.nbytes // block), direct_fd), direct_fd >= 0)
             dispatched += 1
-        while received < dispatched:
+        while received < dispatched:  # every failure puts its error here: the loop ends by raising it
             received += 1
             yield _result(finished.get())
     finally:
-        failed.set()  # the workers skip what is left in the queue
-        for _ in workers:
-            work.put(None)
-        for worker in workers:
-            worker.join()
+        failed.set()  # the readers skip what is left
+        feed.stop()
         for _ in hashers:
             complete.put(None)
         for hasher in hashers:
@@ -437,30 +585,6 @@ def _result(item: tuple) -> tuple[Piece, bytes]:
     if piece is None:
         raise outcome
     return piece, outcome
-
-
-def _read_block(fd: int, direct_fd: int, buffer: typing.Any, start: int, offset: int, nbytes: int) -> None:
-    """Read ``nbytes`` at ``start + offset`` into ``buffer[offset:]``: whole aligned blocks through ``direct_fd`` where
-    there is one (the buffer has room up to the next block), the rest (a short read that left it unaligned) buffered.
-
-    EOFError if the file ends first.
-    """
-    view = memoryview(buffer)
-    done = 0
-    if direct_fd >= 0:
-        want = -(-nbytes // ALIGN) * ALIGN
-        while done < nbytes:
-            got = os.preadv(direct_fd, [view[offset + done : offset + want]], start + offset + done)
-            if got == 0:
-                raise EOFError
-            done += got
-            if done % ALIGN:
-                break
-    while done < nbytes:
-        got = os.preadv(fd, [view[offset + done : offset + nbytes]], start + offset + done)
-        if got == 0:
-            raise EOFError
-        done += got
 
 
 def _check_header_bytes(raw: bytes, at: int, data: "numpy.ndarray") -> None:
@@ -523,6 +647,12 @@ class _HostReader:
 
     def place_from(self, buffer: "torch.Tensor", copies: list[Copy]) -> None:
         self.place(buffer.numpy(), copies)
+
+    def pin(self, buffers: list) -> list[int]:
+        return []  # host copies need no page-locked source
+
+    def unpin(self, pinned: list[int]) -> None:
+        pass
 
     def wait(self, done: "torch.cuda.Event | None") -> None:
         pass
@@ -609,6 +739,24 @@ class _GpuReader:
             event = torch.cuda.Event()
             event.record(stream)
         return event
+
+    def pin(self, buffers: list) -> list[int]:
+        """Page-lock ``buffers`` (the reader process's shared slots) for full-speed DMA; the addresses locked. A buffer
+        the driver will not lock stays pageable: its copies are correct, only slower."""
+        cudart = self.torch.cuda.cudart()
+        pinned = []
+        for buffer in buffers:
+            if int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)) == 0:
+                pinned.append(buffer.data_ptr())
+            else:
+                log.info("could not page-lock a staging slot of the reader process; its copies run pageable")
+        return pinned
+
+    def unpin(self, pinned: list[int]) -> None:
+        self.finish()  # no copy may still read a slot
+        cudart = self.torch.cuda.cudart()
+        for address in pinned:
+            cudart.cudaHostUnregister(address)
 
     def wait(self, done: "torch.cuda.Event | None") -> None:
         if done is not None:

@@ -596,12 +596,12 @@ def test_the_console_script_skips_teardown_only_after_load_and_keeps_the_exit_st
 _TRUNCATING = """
 import os, sys
 from weightcache.core.load import reader
-original = reader._read_block
+original = reader.read_block
 def read_block(fd, direct_fd, buffer, start, offset, nbytes):
     os.truncate(os.readlink(f"/proc/self/fd/{fd}"), start + offset + 16)  # another process cuts the file off meanwhile
-    reader._read_block = original
+    reader.read_block = original
     return original(fd, direct_fd, buffer, start, offset, nbytes)
-reader._read_block = read_block
+reader.read_block = read_block
 from weightcache.core.cli.cli import main
 sys.exit(main(sys.argv[1:]))
 """

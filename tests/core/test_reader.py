@@ -32,13 +32,15 @@ def large_checkpoint(tmp_path_factory) -> Path:
     return save_random_model("llama-gpu", tmp_path_factory.mktemp("llama-161mib"), dtype="bfloat16")
 
 
-@pytest.fixture(params=["pieces", "pieces-direct", "blocks", "blocks-direct"])
+@pytest.fixture(params=["pieces", "pieces-direct", "blocks", "blocks-direct", "blocks-here-direct"])
 def reader_mode(request, monkeypatch) -> str:
-    """Each way the reader can read: whole pieces per thread or 512 KiB blocks from one queue, buffered or O_DIRECT."""
+    """Each way the reader can read: whole pieces per thread or 512 KiB blocks from one queue (in the reader process,
+    or ``here``: on threads of this one), buffered or O_DIRECT."""
     from weightcache.core.load import reader
 
     monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "512" if request.param.startswith("blocks") else "0")
     monkeypatch.setenv("WEIGHTCACHE_READ_DIRECT", "1" if request.param.endswith("direct") else "0")
+    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "0" if "-here" in request.param else "1")
     monkeypatch.setattr(reader, "WARM_SHARE", 2.0)  # O_DIRECT even though the test's files sit in the page cache
     return request.param
 
@@ -211,19 +213,26 @@ def test_the_reader_stops_a_prefetch_of_its_files_before_it_reads(large_checkpoi
         assert not any(thread.is_alive() for thread in running._threads), "the prefetch still reads"
 
 
-def test_the_mode_follows_the_variable_then_imports_then_the_page_cache(monkeypatch):
-    """Where nothing is configured: blocks from one queue for a read from the disk, whole pieces beside an import or
-    for bytes in the page cache; the variables and an explicit thread count win."""
+def test_the_mode_follows_the_variable_then_the_page_cache_then_the_reader_process(monkeypatch):
+    """Where nothing is configured: blocks from one queue in the reader process for a read from the disk, whole pieces
+    for bytes in the page cache; without the process, whole pieces beside an import; the variables and an explicit
+    thread count win."""
     from weightcache.core.load import importing, reader
 
     monkeypatch.delenv(reader.BLOCK_ENV, raising=False)
     monkeypatch.delenv(reader.THREADS_ENV, raising=False)
+    monkeypatch.delenv("WEIGHTCACHE_READ_PROCESS", raising=False)
     cold = reader.choose_mode(None, 0.0)
-    assert (cold.block, cold.threads) == (reader.BLOCK_BYTES, reader.BLOCK_THREADS)
-    assert "blocks" in cold.describe()
+    assert (cold.block, cold.threads, cold.process) == (reader.PROCESS_BLOCK_BYTES, reader.PROCESS_THREADS, True)
+    assert "blocks" in cold.describe() and "reader process" in cold.describe()
+    with importing.importing():
+        assert reader.choose_mode(None, 0.0) == cold, "an import here does not hold up the reader process's reads"
     assert reader.choose_mode(None, 0.9).block == 0
     assert reader.choose_mode(None, 0.9).threads == reader.default_threads()
     assert reader.choose_mode(7, 0.0).threads == 7
+    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "0")
+    here = reader.choose_mode(None, 0.0)
+    assert (here.block, here.threads, here.process) == (reader.BLOCK_BYTES, reader.BLOCK_THREADS, False)
     with importing.importing():
         with importing.importing():
             assert reader.choose_mode(None, 0.0).block == 0
@@ -235,14 +244,18 @@ def test_the_mode_follows_the_variable_then_imports_then_the_page_cache(monkeypa
     monkeypatch.setenv(reader.THREADS_ENV, "3")
     with importing.importing():
         assert (reader.choose_mode(None, 0.9).block, reader.choose_mode(None, 0.9).threads) == (512 << 10, 3)
+    assert not reader.choose_mode(None, 0.0).process
+    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "1")
+    assert reader.choose_mode(None, 0.0).process
 
 
-def test_an_import_in_another_thread_makes_a_read_take_whole_pieces(large_checkpoint, monkeypatch):
+def test_an_import_in_another_thread_makes_a_read_in_this_process_take_whole_pieces(large_checkpoint, monkeypatch):
     import threading
 
     from weightcache.core.load import importing, reader
 
     monkeypatch.delenv(reader.BLOCK_ENV, raising=False)
+    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "0")
     monkeypatch.setattr(reader, "WARM_SHARE", 2.0)  # never "in the page cache"
     held, release = threading.Event(), threading.Event()
 
@@ -269,3 +282,185 @@ def test_an_import_in_another_thread_makes_a_read_take_whole_pieces(large_checkp
         data = weights.read_bytes()
         for info, slot in placed.values():  # 2 MiB blocks: each tensor's bytes are the file's
             assert builder.view(slot).numpy().tobytes() == data[info.start : info.start + info.nbytes], info.name
+
+
+def _worker_pids() -> list[int]:
+    """The reader processes this process started and that still run."""
+    pids = []
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                if b"read_worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    pids.append(int(pid))
+            except OSError:
+                continue
+    return pids
+
+
+def test_a_read_from_the_disk_runs_in_the_reader_process_and_this_process_reads_no_weight_byte(large_checkpoint, monkeypatch):
+    """The bytes arrive through the shared slots: while the read runs the worker has read them and this process has
+    not (a reaped child's reads count as its parent's, so this is seen between pieces), the digest and every tensor's
+    bytes are still the file's, and no worker is left."""
+    from weightcache.core.load import reader
+
+    monkeypatch.delenv(reader.BLOCK_ENV, raising=False)
+    monkeypatch.delenv("WEIGHTCACHE_READ_PROCESS", raising=False)
+    monkeypatch.setattr(reader, "WARM_SHARE", 2.0)  # never "in the page cache"
+    [weights] = checkpoint_files(large_checkpoint)
+
+    class Count:
+        def __init__(self) -> None:
+            self.start, self.here, self.worker = _bytes_read(), 0, 0
+
+        def update(self, nbytes: int) -> None:
+            self.here = _bytes_read() - self.start
+            for pid in _worker_pids():
+                with open(f"/proc/{pid}/io") as fh:
+                    self.worker = max(self.worker, int(next(line for line in fh if line.startswith("rchar:")).split()[1]))
+
+        def close(self) -> None:
+            pass
+
+    count = Count()
+    with ArenaBuilder("cpu", progress=count) as builder:
+        placed = read_checkpoint(large_checkpoint, builder)
+        assert builder.read_mode.process and "reader process" in builder.read_mode.describe()
+        assert count.here < weights.stat().st_size // 8, f"this process read {count.here} bytes itself"
+        assert count.worker > weights.stat().st_size // 2, f"the worker read {count.worker} bytes"
+        assert builder.read_digests[str(weights)].digest == file_digest(weights)
+        data = weights.read_bytes()
+        for info, slot in placed.values():
+            assert builder.view(slot).numpy().tobytes() == data[info.start : info.start + info.nbytes], info.name
+    assert _worker_pids() == [], "the reader process outlived its read"
+
+
+def test_a_reader_process_killed_during_the_read_fails_the_load_in_one_line(large_checkpoint, monkeypatch):
+    """SIGKILL of the worker after its first piece: ReaderFailed (what happened and what to do), no digest, no worker left."""
+    import signal
+
+    from weightcache.core.errors import ReaderFailed
+    from weightcache.core.load import reader
+
+    monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "512")
+    monkeypatch.setenv("WEIGHTCACHE_READ_THREADS", "1")
+    monkeypatch.setattr(reader, "WARM_SHARE", 2.0)
+    monkeypatch.setattr(reader, "HASH_THREADS", 1)
+
+    killed: list[int] = []
+
+    class KillTheWorker:
+        def update(self, nbytes: int) -> None:
+            for pid in _worker_pids():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+
+        def close(self) -> None:
+            pass
+
+    with ArenaBuilder("cpu", progress=KillTheWorker()) as builder:
+        with pytest.raises(ReaderFailed, match=r"exited with status -9.*WEIGHTCACHE_READ_PROCESS=0"):
+            read_checkpoint(large_checkpoint, builder)
+        assert killed and builder.read_digests == {}
+    assert _worker_pids() == []
+
+
+def test_a_reader_process_that_cannot_start_leaves_the_read_to_this_process(large_checkpoint, monkeypatch, caplog):
+    import logging
+    import sys
+
+    from weightcache.core.load import reader
+
+    monkeypatch.delenv(reader.BLOCK_ENV, raising=False)
+    monkeypatch.setattr(reader, "WARM_SHARE", 2.0)
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # starts, and exits at once without a word
+    [weights] = checkpoint_files(large_checkpoint)
+    with caplog.at_level(logging.INFO, logger="weightcache.core.load"), ArenaBuilder("cpu") as builder:
+        read_checkpoint(large_checkpoint, builder)
+        assert not builder.read_mode.process and "did not start" in builder.read_mode.why
+        assert builder.read_digests[str(weights)].digest == file_digest(weights)
+    assert "reading in this process" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("job", "said"),
+    [
+        ((9, 0, 0, 4096, 0), "a job out of bounds: slot 9"),
+        ((0, 3, 0, 4096, 0), "a job out of bounds: slot 0, file 3"),
+        ((0, 0, 0, (64 << 20) + 1, 0), "a job out of bounds"),
+        ((0, 0, -5, 4096, 0), "a job out of bounds"),
+    ],
+)
+def test_the_reader_process_refuses_a_job_out_of_bounds_and_says_so(tmp_path, job, said):
+    """The worker run as the loader runs it, fed a job no loader sends: it exits 2 naming the job, and reads nothing."""
+    import json
+    import subprocess
+    import sys
+
+    from weightcache.core.load.read_worker import CONFIG, JOB, RESULT
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\x07" * 8192)
+    fd = os.open(path, os.O_RDONLY)
+    staging = os.memfd_create("staging")
+    os.ftruncate(staging, 2 * (64 << 20))
+    try:
+        config = json.dumps(
+            {"files": [[fd, -1]], "staging": staging, "slot_bytes": 64 << 20, "slots": 2, "threads": 2, "block": 4096}
+        )
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "weightcache.core.load.read_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=[fd, staging],
+        )
+        out, err = worker.communicate(CONFIG.pack(len(config)) + config.encode() + JOB.pack(*job), timeout=60)
+        assert worker.returncode == 2, err
+        assert said in err.decode()
+        assert out == RESULT.pack(-1, 0), "only the ready record: nothing was read"
+    finally:
+        os.close(fd)
+        os.close(staging)
+
+
+def test_the_reader_process_answers_a_file_cut_short_with_its_end_and_reads_the_rest(tmp_path):
+    """A job past the file's end: the worker answers that slot with STATUS_EOF and goes on with the next job."""
+    import json
+    import mmap
+    import subprocess
+    import sys
+
+    from weightcache.core.load.read_worker import CONFIG, JOB, RESULT, STATUS_EOF
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(256)) * 64)  # 16 KiB
+    fd = os.open(path, os.O_RDONLY)
+    staging = os.memfd_create("staging")
+    os.ftruncate(staging, 2 * (64 << 20))
+    try:
+        config = json.dumps(
+            {"files": [[fd, -1]], "staging": staging, "slot_bytes": 64 << 20, "slots": 2, "threads": 2, "block": 4096}
+        )
+        jobs = JOB.pack(0, 0, 8192, 16384, 0) + JOB.pack(1, 0, 0, 16384, 0)
+        done = subprocess.run(
+            [sys.executable, "-m", "weightcache.core.load.read_worker"],
+            input=CONFIG.pack(len(config)) + config.encode() + jobs,
+            capture_output=True,
+            pass_fds=[fd, staging],
+            timeout=60,
+            check=True,
+        )
+        answers = {
+            RESULT.unpack_from(done.stdout, n)[0]: RESULT.unpack_from(done.stdout, n)[1]
+            for n in range(0, len(done.stdout), RESULT.size)
+        }
+        assert answers == {-1: 0, 0: STATUS_EOF, 1: 0}
+        with mmap.mmap(staging, 2 * (64 << 20)) as area:
+            assert area[64 << 20 : (64 << 20) + 16384] == path.read_bytes()
+    finally:
+        os.close(fd)
+        os.close(staging)

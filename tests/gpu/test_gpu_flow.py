@@ -246,19 +246,27 @@ if sys.argv[3] == "write" and not any(writable):
         good.close()
 
 
-def test_a_first_sight_publish_on_the_gpu_digests_exactly_the_bytes_it_placed(gpu_model, tmp_path):
-    """One pass to cuda:0: the arenas hold the files' tensors and the identity equals hashing the files on their own."""
+@pytest.mark.parametrize("mode", ["cached", "process-direct", "here-direct"])
+def test_a_first_sight_publish_on_the_gpu_digests_exactly_the_bytes_it_placed(gpu_model, tmp_path, mode, monkeypatch):
+    """One pass to cuda:0: the arenas hold the files' tensors and the identity equals hashing the files on their own:
+    through the page cache (whole pieces), and with O_DIRECT blocks read by the reader process into its page-locked
+    shared slots, or by threads of this process."""
     import safetensors.torch
 
     from tests.helpers import assert_tensors_equal
     from weightcache.core.identity.digests import file_digest
     from weightcache.core.identity.safetensors_io import checkpoint_files
+    from weightcache.core.load import reader
     from weightcache.core.load.export import ArenaBuilder
     from weightcache.core.load.reader import read_checkpoint
 
+    if mode != "cached":
+        monkeypatch.setattr(reader, "WARM_SHARE", 2.0)  # never "in the page cache": blocks from the disk
+        monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "1" if mode.startswith("process") else "0")
     files = checkpoint_files(gpu_model)
     with ArenaBuilder(DEVICE) as builder:
         placed = read_checkpoint(gpu_model, builder)
+        assert builder.read_mode.process == mode.startswith("process"), builder.read_mode
         expected = {name: t for file in files for name, t in safetensors.torch.load_file(file, device=DEVICE).items()}
         for name, (info, slot) in placed.items():
             tensor = builder.view(slot).view(getattr(torch, info.dtype)).view(info.shape)
