@@ -2,7 +2,7 @@
 its results.
 
 A block read in the loading process returns to its interpreter lock, which the skeleton's Python, an adapter's
-imports and the hashing threads keep busy; in a process of its own the reads stay in flight (docs/decisions.md 56).
+imports and the hashing threads keep busy; in a process of its own the reads stay in flight (docs/decisions.md 58).
 The slots are one memfd mapped by both processes; the loader hashes and places each slot's bytes after the worker
 said it is full, and gives the slot a new job only after that. ``$WEIGHTCACHE_READ_PROCESS=0`` keeps the reads in
 the loading process; a worker that cannot start (no usable ``sys.executable``, an import that fails there) does too,
