@@ -22,7 +22,7 @@ import time
 import typing
 
 from weightcache.core.errors import ReaderFailed
-from weightcache.core.load.read_worker import CONFIG, JOB, READY, RESULT, STATUS_EOF
+from weightcache.core.load.read_worker import CONFIG, DONE, JOB, READY, RESULT, STATUS_EOF
 
 if typing.TYPE_CHECKING:
     import torch
@@ -121,7 +121,7 @@ class ReadProcess:
         os.write(self.jobs, JOB.pack(slot, file, start, nbytes, int(direct)))
 
     def end_jobs(self) -> None:
-        """No more jobs: the worker finishes those in flight, answers them and exits (``result`` then raises)."""
+        """No more jobs: the worker finishes those in flight, answers them, answers ``DONE`` and exits."""
         if self.jobs >= 0:
             os.close(self.jobs)
             self.jobs = -1
@@ -136,7 +136,7 @@ class ReadProcess:
                 raise ReaderFailed(self._ended())
             data += got
         slot, status = RESULT.unpack(data)
-        if slot != READY and not 0 <= slot < self.slots:
+        if slot not in (READY, DONE) and not 0 <= slot < self.slots:
             raise ReaderFailed(f"it answered for slot {slot} of {self.slots}")
         return slot, status
 

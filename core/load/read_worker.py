@@ -14,7 +14,8 @@ The wire (native byte order, one host): first ``CONFIG`` (the JSON's length) and
 direct_fd], ...], "staging": fd, "slot_bytes": n, "slots": n, "threads": n, "block": n}``; then ``JOB`` records
 (slot, file index, start, nbytes, direct), each asking for ``nbytes`` of that file from ``start`` into the slot
 (through its O_DIRECT descriptor where ``direct``); each
-finished job is answered by one ``RESULT`` (slot, status), after a first one for slot ``READY``: 0, ``STATUS_EOF`` (the file ended first) or an errno.
+finished job is answered by one ``RESULT`` (slot, status), after a first one for slot ``READY``; a last one for slot ``DONE`` says every
+read finished: 0, ``STATUS_EOF`` (the file ended first) or an errno.
 The jobs' end (EOF on standard input) lets the reads in flight finish, then the process exits 0.
 """
 
@@ -36,6 +37,8 @@ RESULT = struct.Struct("=ii")
 STATUS_EOF = -1
 READY = -1
 """The slot of the first result: the config was read and the slots mapped."""
+DONE = -2
+"""The slot of the last result: the jobs ended and every read finished; the process exits next."""
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -112,6 +115,7 @@ def serve(jobs: int, results: int) -> None:
             blocks.put(None)
         for thread in threads:
             thread.join()
+    os.write(results, RESULT.pack(DONE, 0))
 
 
 def main() -> int:
@@ -124,4 +128,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.stderr.flush()
+    os._exit(main())  # nothing to tear down: every result is written, and the loader waits for this exit

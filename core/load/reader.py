@@ -44,6 +44,7 @@ from weightcache.core.identity.safetensors_io import Header, TensorInfo, check_l
 from weightcache.core.load import importing, read_process
 from weightcache.core.load.export import ArenaBuilder, Slot
 from weightcache.core.load.prefetch import stop_prefetches
+from weightcache.core.load.read_worker import DONE
 
 log = logging.getLogger(__name__)
 
@@ -474,6 +475,8 @@ class _ProcessFeed:
                     if not failed.is_set():  # not the end the dispatcher asked for
                         failed.set()
                         finished.put((None, exc))
+                    return
+                if slot == DONE:
                     return
                 state = self.in_flight.pop(slot, None)
                 if state is None:

@@ -434,7 +434,7 @@ def test_the_reader_process_answers_a_file_cut_short_with_its_end_and_reads_the_
     import subprocess
     import sys
 
-    from weightcache.core.load.read_worker import CONFIG, JOB, RESULT, STATUS_EOF
+    from weightcache.core.load.read_worker import CONFIG, DONE, JOB, READY, RESULT, STATUS_EOF
 
     path = tmp_path / "weights.bin"
     path.write_bytes(bytes(range(256)) * 64)  # 16 KiB
@@ -458,7 +458,7 @@ def test_the_reader_process_answers_a_file_cut_short_with_its_end_and_reads_the_
             RESULT.unpack_from(done.stdout, n)[0]: RESULT.unpack_from(done.stdout, n)[1]
             for n in range(0, len(done.stdout), RESULT.size)
         }
-        assert answers == {-1: 0, 0: STATUS_EOF, 1: 0}
+        assert answers == {READY: 0, 0: STATUS_EOF, 1: 0, DONE: 0}
         with mmap.mmap(staging, 2 * (64 << 20)) as area:
             assert area[64 << 20 : (64 << 20) + 16384] == path.read_bytes()
     finally:
