@@ -18,7 +18,9 @@ memory, as ``detach()`` would give, not an autograd view, at about half the cost
 from __future__ import annotations
 
 import array
+import collections
 import contextlib
+import itertools
 import typing
 
 from weightcache.core.dtypes import ITEM_SIZES, to_dtype
@@ -275,9 +277,8 @@ def _as_parameters(tensors: list, parameter: type) -> None:
     """Make each of ``tensors`` (plain tensors of no grad) an instance of ``parameter`` in place."""
     if not tensors:
         return
-    try:
-        for tensor in tensors:
-            tensor.__class__ = parameter
+    try:  # at C speed (``setattr`` mapped over the list), not a bytecode loop
+        collections.deque(map(setattr, tensors, itertools.repeat("__class__"), itertools.repeat(parameter)), maxlen=0)
     except TypeError:  # a torch whose tensors refuse a class change: the Parameter() way, one copy each
         make = tensors[0].__class__._make_subclass
         tensors[:] = [t if type(t) is parameter else make(parameter, t, False) for t in tensors]
