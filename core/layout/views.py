@@ -457,7 +457,11 @@ def _runs(columns: list, shapes: "torch.Tensor", strides: "torch.Tensor", elemen
     step and group; ``split``: some group holds more than one run."""
     import torch
 
-    rows, group = _groups(torch.cat([torch.stack(columns, 1), shapes, strides], 1))
+    if all(bool((column == column[0]).all()) for column in (*columns, shapes, strides)):  # one layout: no key matrix
+        rows = [[*(int(column[0]) for column in columns), *shapes[0].tolist(), *strides[0].tolist()]]
+        group = torch.zeros(len(element), dtype=torch.long)
+    else:
+        rows, group = _groups(torch.cat([torch.stack(columns, 1), shapes, strides], 1))
     order = _sort_within_groups(group, element)
     group, element = group[order], element[order]
     step = element[1:] - element[:-1]
@@ -492,8 +496,6 @@ def _groups(keys: "torch.Tensor") -> "tuple[list[list[int]], torch.Tensor]":
     """The distinct rows of ``keys`` (as lists) and each row's group index: rows hashed to one int64, collisions checked."""
     import torch
 
-    if bool((keys == keys[0]).all()):  # one layout (a flat model of one shape): no hashing, no sort
-        return [keys[0].tolist()], torch.zeros(keys.shape[0], dtype=torch.long)
     weights = torch.empty(keys.shape[1], dtype=torch.long)
     weights[0], factor = 1, 1
     for column in range(1, keys.shape[1]):

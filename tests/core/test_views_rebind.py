@@ -74,6 +74,38 @@ def test_batched_views_are_the_record_by_record_views_and_are_plain_aliases():
         assert got._base is None and not got.requires_grad and got.grad_fn is None and not got.is_inference(), name
 
 
+def one_layout_table(order: list[int], odd: "int | None" = None) -> tuple[TensorTable, list[torch.Tensor]]:
+    """Records of one layout (bf16, (4,), one arena) at offsets ``order`` * 8 bytes; ``odd``: that record's shape is
+    (2, 2) instead (another layout among them)."""
+    count = len(order)
+    shapes = [(2, 2) if index == odd else (4,) for index in range(count)]
+    strides = [(2, 1) if index == odd else (1,) for index in range(count)]
+    table = TensorTable.encode(
+        [f"w{index}" for index in range(count)], ["parameter"] * count, ["bfloat16"] * count, shapes, strides,
+        [0] * count, [0] * count, [8 * slot for slot in order], [8] * count, [True] * count, [{}] * count,
+    )  # fmt: skip
+    size = 8 * (max(order) + 1)
+    arena_bytes = [torch.randint(0, 64, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))]
+    table.check([len(arena_bytes[0])])
+    return table, arena_bytes
+
+
+@pytest.mark.parametrize(
+    ("order", "odd", "runs"),
+    [(list(range(12)), None, 1), (list(range(11, -1, -1)), None, 1), ([0, 1, 2, 3, 9, 10, 11], None, 3), (list(range(12)), 5, 4)],
+    ids=["in order", "reversed", "two steps", "another layout among them"],
+)
+def test_views_of_one_layout_are_the_record_by_record_views(order, odd, runs):
+    table, arena_bytes = one_layout_table(order, odd)
+    assert len(plan_of(table, arena_bytes).runs) == runs
+    views, bound = table_views(table, arena_bytes), table_bindings(table, arena_bytes)
+    for index, name in enumerate(table.names):
+        expected = view_of(arena_bytes[0], table, index)
+        for got in (views[name], bound.tensors[index]):
+            assert got.shape == expected.shape == bound.shapes[index] and got.stride() == expected.stride(), name
+            assert got.data_ptr() == expected.data_ptr() and torch.equal(got, expected), name
+
+
 def test_table_parameters_are_new_parameters_of_the_same_memory_each_time():
     table, arena_bytes = mixed_table()
     views = table_views(table, arena_bytes)
