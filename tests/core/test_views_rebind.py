@@ -76,13 +76,13 @@ def test_batched_views_are_the_record_by_record_views_and_are_plain_aliases():
 
 def one_layout_table(order: list[int], odd: "int | None" = None) -> tuple[TensorTable, list[torch.Tensor]]:
     """Records of one layout (bf16, (4,), one arena) at offsets ``order`` * 8 bytes; ``odd``: that record's shape is
-    (2, 2) instead (another layout among them)."""
+    (3,) instead (another layout among them, of the same rank and stride)."""
     count = len(order)
-    shapes = [(2, 2) if index == odd else (4,) for index in range(count)]
-    strides = [(2, 1) if index == odd else (1,) for index in range(count)]
+    shapes = [(3,) if index == odd else (4,) for index in range(count)]
+    strides = [(1,)] * count
     table = TensorTable.encode(
         [f"w{index}" for index in range(count)], ["parameter"] * count, ["bfloat16"] * count, shapes, strides,
-        [0] * count, [0] * count, [8 * slot for slot in order], [8] * count, [True] * count, [{}] * count,
+        [0] * count, [0] * count, [8 * slot for slot in order], [6 if index == odd else 8 for index in range(count)], [True] * count, [{}] * count,
     )  # fmt: skip
     size = 8 * (max(order) + 1)
     arena_bytes = [torch.randint(0, 64, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))]
