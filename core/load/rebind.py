@@ -228,7 +228,7 @@ def _bind_parameters(
     return entered
 
 
-_BULK_MIN = 8  # a module with fewer entries is bound record by record (the bulk path's lists cost more than they save)
+_BULK_MIN = 32  # a module with fewer entries is bound record by record: below ~24-32 the lists cost more than they save
 _SHAPE = operator.attrgetter("shape")
 
 
