@@ -18,7 +18,9 @@ memory, as ``detach()`` would give, not an autograd view, at about half the cost
 from __future__ import annotations
 
 import array
+import collections
 import contextlib
+import itertools
 import typing
 
 from weightcache.core.dtypes import ITEM_SIZES, to_dtype
@@ -275,9 +277,8 @@ def _as_parameters(tensors: list, parameter: type) -> None:
     """Make each of ``tensors`` (plain tensors of no grad) an instance of ``parameter`` in place."""
     if not tensors:
         return
-    try:
-        for tensor in tensors:
-            tensor.__class__ = parameter
+    try:  # at C speed (``setattr`` mapped over the list), not a bytecode loop
+        collections.deque(map(setattr, tensors, itertools.repeat("__class__"), itertools.repeat(parameter)), maxlen=0)
     except TypeError:  # a torch whose tensors refuse a class change: the Parameter() way, one copy each
         make = tensors[0].__class__._make_subclass
         tensors[:] = [t if type(t) is parameter else make(parameter, t, False) for t in tensors]
@@ -456,7 +457,11 @@ def _runs(columns: list, shapes: "torch.Tensor", strides: "torch.Tensor", elemen
     step and group; ``split``: some group holds more than one run."""
     import torch
 
-    rows, group = _groups(torch.cat([torch.stack(columns, 1), shapes, strides], 1))
+    if all(bool((column == column[0]).all()) for column in (*columns, shapes, strides)):  # one layout: no key matrix
+        rows = [[*(int(column[0]) for column in columns), *shapes[0].tolist(), *strides[0].tolist()]]
+        group = torch.zeros(len(element), dtype=torch.long)
+    else:
+        rows, group = _groups(torch.cat([torch.stack(columns, 1), shapes, strides], 1))
     order = _sort_within_groups(group, element)
     group, element = group[order], element[order]
     step = element[1:] - element[:-1]
@@ -491,8 +496,6 @@ def _groups(keys: "torch.Tensor") -> "tuple[list[list[int]], torch.Tensor]":
     """The distinct rows of ``keys`` (as lists) and each row's group index: rows hashed to one int64, collisions checked."""
     import torch
 
-    if bool((keys == keys[0]).all()):  # one layout (a flat model of one shape): no hashing, no sort
-        return [keys[0].tolist()], torch.zeros(keys.shape[0], dtype=torch.long)
     weights = torch.empty(keys.shape[1], dtype=torch.long)
     weights[0], factor = 1, 1
     for column in range(1, keys.shape[1]):

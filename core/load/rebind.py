@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -198,7 +199,8 @@ def _bind_parameters(
     module entered, in order (a module's records usually follow each other: weight, weight_scale_inv)."""
     last_path = None
     entered: list = []
-    for index, (name, bound, shape) in enumerate(zip(names, made, shapes, strict=True)):
+    records = enumerate(zip(names, made, shapes, strict=True))
+    for index, (name, bound, shape) in records:
         path, _, leaf = name.rpartition(".")
         if path != last_path:
             last_path = path
@@ -207,6 +209,11 @@ def _bind_parameters(
                 held = _held(owned, owners, name, path)
             owner, slots, buffers = held
             entered.append((slots, index))
+            if len(slots) >= _BULK_MIN and _bind_in_bulk(slots, buffers, path, names, made, shapes, index, Parameter):
+                if index + len(slots) == len(names):
+                    break
+                collections.deque(itertools.islice(records, len(slots) - 1), maxlen=0)  # the module's other records: bound
+                continue
         current = slots.get(leaf)
         if current.__class__ is not Parameter:  # not the usual skeleton's Parameter: nothing, or anything else
             if current is None:
@@ -219,6 +226,36 @@ def _bind_parameters(
             buffers.pop(leaf, None)
         slots[leaf] = bound
     return entered
+
+
+_BULK_MIN = 32  # a module with fewer entries is bound record by record: below ~24-32 the lists cost more than they save
+_SHAPE = operator.attrgetter("shape")
+
+
+def _bind_in_bulk(
+    slots: dict, buffers: dict, path: str, names: list, made: list, shapes: list, start: int, Parameter: type
+) -> bool:
+    """Bind records ``start``.. as the whole of one module's ``_parameters`` (``slots``), at C speed, when they are
+    exactly its entries in its order, each a plain ``Parameter`` of the record's shape; else bind nothing and return
+    False, and the caller binds record by record (which names what does not fit).
+
+    What the record loop does per record, done per list: the names are the module's keys under its path (no key holds
+    a dot, so each name's leaf is its key), every entry's type is exactly ``Parameter`` (nothing missing, no subclass
+    or plain tensor), the shapes compare equal as ``torch.Size`` tuples, same-named buffers are dropped, and the dict's
+    own keys get the new values (no fresh name hashed or looked up). The skeleton's Parameters are freed on return.
+    """
+    keys = list(slots)
+    expected = list(map(f"{path}.".__add__, keys)) if path else keys
+    if names[start : start + len(keys)] != expected or "." in "".join(keys):
+        return False
+    olds = list(slots.values())
+    end = start + len(keys)
+    if set(map(type, olds)) != {Parameter} or list(map(_SHAPE, olds)) != shapes[start:end]:
+        return False
+    if buffers:
+        collections.deque(map(buffers.pop, keys, itertools.repeat(None)), maxlen=0)
+    slots.update(zip(keys, made[start:end], strict=True))
+    return True
 
 
 def _held(owned: dict, owners: _Owners, name: str, path: "str | None" = None) -> tuple:

@@ -74,6 +74,38 @@ def test_batched_views_are_the_record_by_record_views_and_are_plain_aliases():
         assert got._base is None and not got.requires_grad and got.grad_fn is None and not got.is_inference(), name
 
 
+def one_layout_table(order: list[int], odd: "int | None" = None) -> tuple[TensorTable, list[torch.Tensor]]:
+    """Records of one layout (bf16, (4,), one arena) at offsets ``order`` * 8 bytes; ``odd``: that record's shape is
+    (3,) instead (another layout among them, of the same rank and stride)."""
+    count = len(order)
+    shapes = [(3,) if index == odd else (4,) for index in range(count)]
+    strides = [(1,)] * count
+    table = TensorTable.encode(
+        [f"w{index}" for index in range(count)], ["parameter"] * count, ["bfloat16"] * count, shapes, strides,
+        [0] * count, [0] * count, [8 * slot for slot in order], [6 if index == odd else 8 for index in range(count)], [True] * count, [{}] * count,
+    )  # fmt: skip
+    size = 8 * (max(order) + 1)
+    arena_bytes = [torch.randint(0, 64, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))]
+    table.check([len(arena_bytes[0])])
+    return table, arena_bytes
+
+
+@pytest.mark.parametrize(
+    ("order", "odd", "runs"),
+    [(list(range(12)), None, 1), (list(range(11, -1, -1)), None, 1), ([0, 1, 2, 3, 9, 10, 11], None, 3), (list(range(12)), 5, 4)],
+    ids=["in order", "reversed", "two steps", "another layout among them"],
+)
+def test_views_of_one_layout_are_the_record_by_record_views(order, odd, runs):
+    table, arena_bytes = one_layout_table(order, odd)
+    assert len(plan_of(table, arena_bytes).runs) == runs
+    views, bound = table_views(table, arena_bytes), table_bindings(table, arena_bytes)
+    for index, name in enumerate(table.names):
+        expected = view_of(arena_bytes[0], table, index)
+        for got in (views[name], bound.tensors[index]):
+            assert got.shape == expected.shape == bound.shapes[index] and got.stride() == expected.stride(), name
+            assert got.data_ptr() == expected.data_ptr() and torch.equal(got, expected), name
+
+
 def test_table_parameters_are_new_parameters_of_the_same_memory_each_time():
     table, arena_bytes = mixed_table()
     views = table_views(table, arena_bytes)
@@ -448,5 +480,163 @@ def test_a_dict_tensor_on_meta_bound_where_the_model_held_nothing_is_refused():
         del skeleton.experts[2].weight  # nothing there: the module's _parameters held no tensor when walked
         with pytest.raises(RebindError, match=r"experts\.2\.weight"):
             rebind_module(skeleton, views, manifest)
+    finally:
+        builder.close()
+
+
+class Wide(torch.nn.Module):
+    """A module holding more Parameters than ``_BULK_MIN`` (rebind binds them as one list), of several shapes, with a
+    buffer beside them and a small child bound record by record."""
+
+    def __init__(self, count: int = 2 * rebind_mod._BULK_MIN):
+        super().__init__()
+        for index in range(count):
+            self.register_parameter(f"p{index}", torch.nn.Parameter(torch.randn(3, index % 4 + 1)))
+        self.register_buffer("scale", torch.rand(2))
+        self.child = torch.nn.Linear(2, 2, bias=False)
+
+
+def published_wide(count: int = 2 * rebind_mod._BULK_MIN) -> tuple[Wide, ArenaBuilder, Manifest]:
+    torch.manual_seed(1)
+    source = Wide(count)
+    items = [NamedTensor(name, "parameter", t) for name, t in source.named_parameters()]
+    items += [NamedTensor(name, "buffer", t) for name, t in source.named_buffers()]
+    builder = ArenaBuilder("cpu")
+    manifest = Manifest.from_wire(*export_tensors(items, {}, builder, release=False).to_wire(), trusted=True)
+    return source, builder, manifest
+
+
+def meta_wide(count: int = 2 * rebind_mod._BULK_MIN) -> Wide:
+    with torch.device("meta"):
+        return Wide(count)
+
+
+def _bulk_calls(monkeypatch) -> list:
+    """The results of rebind's bulk binding, one per call (a spy: the real function runs)."""
+    results: list = []
+    real = rebind_mod._bind_in_bulk
+    monkeypatch.setattr(rebind_mod, "_bind_in_bulk", lambda *a: results.append(real(*a)) or results[-1])
+    return results
+
+
+@pytest.mark.parametrize("count", [rebind_mod._BULK_MIN - 1, rebind_mod._BULK_MIN, 3 * rebind_mod._BULK_MIN])
+@pytest.mark.parametrize("fresh", [True, False], ids=["from the table", "from a dict"])
+def test_a_wide_module_is_bound_in_bulk_and_gives_the_same_model(monkeypatch, count, fresh):
+    source, builder, manifest = published_wide(count)
+    try:
+        results = _bulk_calls(monkeypatch)
+        views = manifest.views(builder.arenas)
+        model = rebind_module(meta_wide(count), views if fresh else dict(views), manifest)
+        # The wide module's parameters in one go from _BULK_MIN entries (one by one below); the child's always one by one.
+        assert results == ([True] if count >= rebind_mod._BULK_MIN else [])
+        for name, tensor in source.state_dict().items():
+            bound = model.get_parameter(name) if name != "scale" else model.scale
+            assert torch.equal(bound, tensor) and bound.data_ptr() == views[name].data_ptr(), name
+            assert type(bound) is (torch.nn.Parameter if name != "scale" else torch.Tensor) and not bound.requires_grad
+        assert list(model._parameters) == [f"p{i}" for i in range(count)]  # the dict's order is kept
+        assert not model.training
+        del model, views
+    finally:
+        builder.close()
+
+
+def _spoil(skeleton: Wide, how: str) -> None:
+    """Make ``skeleton``'s wide module unfit for the bulk path, in one way each."""
+    parameters = skeleton._parameters
+    if how == "a wrong shape":
+        parameters["p5"] = torch.nn.Parameter(torch.empty(3, 7, device="meta"))
+    elif how == "another rank":
+        parameters["p5"] = torch.nn.Parameter(torch.empty(3, 2, 1, device="meta"))
+    elif how == "a Parameter subclass of a wrong shape":
+        parameters["p5"] = type("Sub", (torch.nn.Parameter,), {})(torch.empty(4, 2, device="meta"))
+    elif how == "a plain tensor of a wrong shape":
+        parameters["p5"] = torch.empty(9, device="meta")
+    elif how == "a meta Parameter the entry lacks":
+        skeleton.register_parameter("extra", torch.nn.Parameter(torch.empty(2, device="meta")))
+    elif how == "an entry of None":
+        skeleton.register_parameter("p5", None)
+    elif how == "another order":
+        parameters["p0"] = parameters.pop("p0")
+    elif how == "a key holding a dot":
+        parameters["child.weight"] = torch.nn.Parameter(torch.empty(2, 2, device="meta"))
+    elif how == "a Parameter subclass of the right shape":
+        parameters["p5"] = type("Sub", (torch.nn.Parameter,), {})(torch.empty(3, 2, device="meta"))
+    elif how == "a same-named buffer":
+        skeleton._buffers["p5"] = torch.empty(3, 2, device="meta")
+
+
+REFUSED = {
+    "a wrong shape": r"'p5' has shape \(3, 2\), the model expects \(3, 7\)",
+    "another rank": r"'p5' has shape \(3, 2\), the model expects \(3, 2, 1\)",
+    "a Parameter subclass of a wrong shape": r"'p5' has shape \(3, 2\), the model expects \(4, 2\)",
+    "a plain tensor of a wrong shape": r"'p5' has shape \(3, 2\), the model expects \(9,\)",
+    "a meta Parameter the entry lacks": r"^1 tensors stayed on the meta device after rebind: extra;",
+    "a key holding a dot": r"^1 tensors stayed on the meta device after rebind: child\.weight;",
+}
+ACCEPTED = ["an entry of None", "another order", "a Parameter subclass of the right shape"]
+
+
+@pytest.mark.parametrize("how", [*REFUSED, *ACCEPTED, "a same-named buffer"])
+@pytest.mark.parametrize("fresh", [True, False], ids=["from the table", "from a dict"])
+def test_a_wide_module_unfit_for_the_bulk_path_is_bound_record_by_record(monkeypatch, how, fresh):
+    """Each way a module can differ from its records makes the bulk path bind nothing and step aside; the record loop
+    then refuses what it always refused, with its own message, and binds what it always bound. A buffer of a
+    parameter's name is dropped by either path."""
+    source, builder, manifest = published_wide()
+    try:
+        results = _bulk_calls(monkeypatch)
+        skeleton = meta_wide()
+        _spoil(skeleton, how)
+        views = manifest.views(builder.arenas)
+        tensors = views if fresh else dict(views)
+        if how in REFUSED:
+            with pytest.raises(RebindError, match=REFUSED[how]):
+                rebind_module(skeleton, tensors, manifest)
+            assert results == [False]
+            return
+        model = rebind_module(skeleton, tensors, manifest)
+        assert results == [how not in ACCEPTED]
+        for name, tensor in source.named_parameters():
+            assert type(model.get_parameter(name)) is torch.nn.Parameter and torch.equal(model.get_parameter(name), tensor)
+        assert "p5" not in model._buffers and torch.equal(model.scale, source.scale)
+        del model, views, tensors
+    finally:
+        builder.close()
+
+
+def test_bulk_binding_binds_all_or_nothing():
+    """``_bind_in_bulk`` on its own: a fit binds every record into the dict's own keys; a misfit leaves the dict as it
+    was (the same objects), whatever it is that does not fit."""
+    _, builder, manifest = published_wide()
+    try:
+        bound = table_bindings(manifest.table, [arena.bytes_view() for arena in builder.arenas])
+        parameters = [index for index, kind in enumerate(manifest.table.kind) if kind == 0]
+        names = [manifest.table.names[i] for i in parameters]
+        made, shapes = [bound.tensors[i] for i in parameters], [bound.shapes[i] for i in parameters]
+        args = (names, made, shapes, 0, torch.nn.Parameter)
+        for how in [*REFUSED, *ACCEPTED[:3]]:
+            skeleton = meta_wide()
+            _spoil(skeleton, how)
+            before = dict(skeleton._parameters)
+            assert not rebind_mod._bind_in_bulk(skeleton._parameters, skeleton._buffers, "", *args), how
+            assert skeleton._parameters == before and all(skeleton._parameters[k] is v for k, v in before.items()), how
+        skeleton = meta_wide()
+        keys = list(skeleton._parameters)
+        assert rebind_mod._bind_in_bulk(skeleton._parameters, skeleton._buffers, "", *args)
+        assert list(skeleton._parameters) == keys and all(
+            a is b for a, b in zip(skeleton._parameters.values(), made[: len(keys)], strict=True)
+        )
+        # Under a path: the names must be the keys under it, not the bare keys.
+        skeleton = meta_wide()
+        assert not rebind_mod._bind_in_bulk(skeleton._parameters, skeleton._buffers, "wide", *args)
+        prefixed = (["wide." + name for name in names], *args[1:])
+        assert rebind_mod._bind_in_bulk(skeleton._parameters, skeleton._buffers, "wide", *prefixed)
+        # Fewer records than entries: the slice is short, nothing is bound.
+        skeleton = meta_wide()
+        short = names[: len(keys) - 1]
+        assert not rebind_mod._bind_in_bulk(
+            skeleton._parameters, skeleton._buffers, "", short, made, shapes, 0, torch.nn.Parameter
+        )
+        assert all(p.is_meta for p in skeleton._parameters.values())
     finally:
         builder.close()
