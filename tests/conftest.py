@@ -19,6 +19,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 DIGEST_DIR = os.environ["WEIGHTCACHE_CACHE_DIR"] = tempfile.mkdtemp(prefix="wc-digests-")
 zygote.snapshot_environment()  # the environment children forked from the test zygote start with (tests/zygote.py)
 
+pytest_plugins = ["tests.cpu_report"]  # each test's CPU seconds, where WEIGHTCACHE_TEST_CPU_REPORT names a directory
+
 
 SERIAL_PATHS = ("tests/gpu/", "tests/test_systemd_real.py")
 """Run alone (marked ``serial``): the GPU tests share the machine's GPUs, the systemd ones its /run/weightcache."""
