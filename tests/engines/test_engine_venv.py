@@ -2,9 +2,11 @@
 
 The engines do not install beside the project's own dependencies, so they live
 in a venv of their own (``make engine-venv``). These tests run the engine suite
-there as a subprocess, or skip saying how to make that venv. The entry-point tests
-(48 real engine starts, about 26 minutes on CI's 2 cores) are marked ``engine_entry``:
-``make test-engines`` runs them, ``make test`` runs the rest (docs/decisions.md, 47).
+there as a subprocess, or skip saying how to make that venv. All of them are marked
+``engine_venv``: ``make test-engines`` runs them (the tensor-level suite, the drift
+check, and the 48 real engine starts, marked ``engine_entry`` too, about 26 minutes on
+CI's 2 cores), ``make test`` leaves them out: it needs only the project's venv
+(docs/decisions.md, 47 and 57).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.engine_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV_PYTHON = "WEIGHTCACHE_ENGINE_PYTHON"
@@ -30,7 +34,7 @@ def engine_python() -> Path:
 
 ENTRY_POINTS = "tests/engines/test_entry_points.py"
 EVERYDAY = ["-m", "not engine_entry"]
-"""The tensor-level tests: ``make test`` runs them; the entry-point tests (real engine starts) are ``make test-engines``'."""
+"""The tensor-level tests: everything in tests/engines but the entry-point tests (real engine starts)."""
 
 
 def engine_venv_python() -> Path:
