@@ -385,6 +385,40 @@ def test_a_reader_process_that_cannot_start_leaves_the_read_to_this_process(larg
     assert "reading in this process" in caplog.text
 
 
+def _run_worker(tmp_path: Path, content: bytes, jobs: bytes) -> tuple[int, bytes, str, bytes]:
+    """The worker run as the loader runs it, over a file holding ``content`` and two 64 MiB slots, fed ``jobs``:
+    (its exit status, its answers, its standard error, the slots' bytes)."""
+    import json
+    import mmap
+    import subprocess
+    import sys
+
+    from weightcache.core.load.read_worker import CONFIG
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(content)
+    fd = os.open(path, os.O_RDONLY)
+    staging = os.memfd_create("staging")
+    os.ftruncate(staging, 2 * (64 << 20))
+    try:
+        config = json.dumps(
+            {"files": [[fd, -1]], "staging": staging, "slot_bytes": 64 << 20, "slots": 2, "threads": 2, "block": 4096}
+        ).encode()
+        worker = subprocess.run(
+            [sys.executable, "-m", "weightcache.core.load.read_worker"],
+            input=CONFIG.pack(len(config)) + config + jobs,
+            capture_output=True,
+            pass_fds=[fd, staging],
+            timeout=60,
+        )
+        with mmap.mmap(staging, 2 * (64 << 20)) as area:
+            slots = bytes(area)
+        return worker.returncode, worker.stdout, worker.stderr.decode(), slots
+    finally:
+        os.close(fd)
+        os.close(staging)
+
+
 @pytest.mark.parametrize(
     ("job", "said"),
     [
@@ -395,72 +429,23 @@ def test_a_reader_process_that_cannot_start_leaves_the_read_to_this_process(larg
     ],
 )
 def test_the_reader_process_refuses_a_job_out_of_bounds_and_says_so(tmp_path, job, said):
-    """The worker run as the loader runs it, fed a job no loader sends: it exits 2 naming the job, and reads nothing."""
-    import json
-    import subprocess
-    import sys
+    """Fed a job no loader sends, the worker exits 2 naming the job, and reads nothing."""
+    from weightcache.core.load.read_worker import JOB, READY, RESULT
 
-    from weightcache.core.load.read_worker import CONFIG, JOB, RESULT
-
-    path = tmp_path / "weights.bin"
-    path.write_bytes(b"\x07" * 8192)
-    fd = os.open(path, os.O_RDONLY)
-    staging = os.memfd_create("staging")
-    os.ftruncate(staging, 2 * (64 << 20))
-    try:
-        config = json.dumps(
-            {"files": [[fd, -1]], "staging": staging, "slot_bytes": 64 << 20, "slots": 2, "threads": 2, "block": 4096}
-        )
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "weightcache.core.load.read_worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=[fd, staging],
-        )
-        out, err = worker.communicate(CONFIG.pack(len(config)) + config.encode() + JOB.pack(*job), timeout=60)
-        assert worker.returncode == 2, err
-        assert said in err.decode()
-        assert out == RESULT.pack(-1, 0), "only the ready record: nothing was read"
-    finally:
-        os.close(fd)
-        os.close(staging)
+    status, answers, err, slots = _run_worker(tmp_path, b"\x07" * 8192, JOB.pack(*job))
+    assert status == 2, err
+    assert said in err
+    assert answers == RESULT.pack(READY, 0), "only the ready record: nothing was read"
+    assert slots.count(0) == len(slots)
 
 
 def test_the_reader_process_answers_a_file_cut_short_with_its_end_and_reads_the_rest(tmp_path):
     """A job past the file's end: the worker answers that slot with STATUS_EOF and goes on with the next job."""
-    import json
-    import mmap
-    import subprocess
-    import sys
+    from weightcache.core.load.read_worker import DONE, JOB, READY, RESULT, STATUS_EOF
 
-    from weightcache.core.load.read_worker import CONFIG, DONE, JOB, READY, RESULT, STATUS_EOF
-
-    path = tmp_path / "weights.bin"
-    path.write_bytes(bytes(range(256)) * 64)  # 16 KiB
-    fd = os.open(path, os.O_RDONLY)
-    staging = os.memfd_create("staging")
-    os.ftruncate(staging, 2 * (64 << 20))
-    try:
-        config = json.dumps(
-            {"files": [[fd, -1]], "staging": staging, "slot_bytes": 64 << 20, "slots": 2, "threads": 2, "block": 4096}
-        )
-        jobs = JOB.pack(0, 0, 8192, 16384, 0) + JOB.pack(1, 0, 0, 16384, 0)
-        done = subprocess.run(
-            [sys.executable, "-m", "weightcache.core.load.read_worker"],
-            input=CONFIG.pack(len(config)) + config.encode() + jobs,
-            capture_output=True,
-            pass_fds=[fd, staging],
-            timeout=60,
-            check=True,
-        )
-        answers = {
-            RESULT.unpack_from(done.stdout, n)[0]: RESULT.unpack_from(done.stdout, n)[1]
-            for n in range(0, len(done.stdout), RESULT.size)
-        }
-        assert answers == {READY: 0, 0: STATUS_EOF, 1: 0, DONE: 0}
-        with mmap.mmap(staging, 2 * (64 << 20)) as area:
-            assert area[64 << 20 : (64 << 20) + 16384] == path.read_bytes()
-    finally:
-        os.close(fd)
-        os.close(staging)
+    content = bytes(range(256)) * 64  # 16 KiB
+    status, answers, err, slots = _run_worker(tmp_path, content, JOB.pack(0, 0, 8192, 16384, 0) + JOB.pack(1, 0, 0, 16384, 0))
+    assert status == 0, err
+    records = dict(RESULT.unpack_from(answers, n) for n in range(0, len(answers), RESULT.size))
+    assert records == {READY: 0, 0: STATUS_EOF, 1: 0, DONE: 0}
+    assert slots[64 << 20 : (64 << 20) + 16384] == content
