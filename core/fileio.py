@@ -33,7 +33,7 @@ def write_fully(fd: int, data: Buffer, offset: int) -> None:
         done += os.pwritev(fd, [view[done:]], offset + done)
 
 
-def read_block(fd: int, direct_fd: int, buffer: typing.Any, start: int, offset: int, nbytes: int) -> None:
+def read_block(fd: int, direct_fd: int, buffer: Buffer, start: int, offset: int, nbytes: int) -> None:
     """Read ``nbytes`` at ``start + offset`` into ``buffer[offset:]``: whole aligned blocks through ``direct_fd`` where
     there is one (the buffer has room up to the next block), the rest (a short read that left it unaligned) buffered.
 

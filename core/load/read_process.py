@@ -22,7 +22,7 @@ import time
 import typing
 
 from weightcache.core.errors import ReaderFailed
-from weightcache.core.load.read_worker import CONFIG, DONE, JOB, READY, RESULT, STATUS_EOF
+from weightcache.core.load.read_worker import CONFIG, DONE, JOB, READY, RESULT
 
 if typing.TYPE_CHECKING:
     import torch
@@ -101,7 +101,7 @@ class ReadProcess:
         return [whole[n * self.slot_bytes : (n + 1) * self.slot_bytes] for n in range(self.slots)]
 
     def ready(self, timeout: float = START_TIMEOUT_S) -> bool:
-        """Whether the worker started (mapped the slots) within ``timeout`` seconds; if not, it is ended."""
+        """Whether the worker started (mapped the slots) within ``timeout`` seconds; if not, the caller closes it."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             if select.select([self.results], [], [], left)[0]:
@@ -112,7 +112,6 @@ class ReadProcess:
                     return False
                 return slot == READY
         log.info("the reader process did not start in %.0f s; reading in this process", timeout)
-        self.close()
         return False
 
     def submit(self, slot: int, file: int, start: int, nbytes: int, direct: bool) -> None:
@@ -177,8 +176,7 @@ class ReadProcess:
             self.memfd = -1
 
 
-def status_error(status: int) -> Exception:
-    """The exception a job's non-zero ``status`` stands for: EOFError (the file ended first) or the OSError."""
-    if status == STATUS_EOF:
-        return EOFError()
+def status_error(status: int) -> OSError:
+    """The OSError a job's errno ``status`` stands for (``STATUS_EOF``, the file ending first, is the reader's to
+    name: it is the file that changed)."""
     return OSError(status, os.strerror(status))

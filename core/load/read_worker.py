@@ -13,10 +13,10 @@ loop's, so ``threads`` reads stay in flight however busy the loader is.
 The wire (native byte order, one host): first ``CONFIG`` (the JSON's length) and the JSON ``{"files": [[fd,
 direct_fd], ...], "staging": fd, "slot_bytes": n, "slots": n, "threads": n, "block": n}``; then ``JOB`` records
 (slot, file index, start, nbytes, direct), each asking for ``nbytes`` of that file from ``start`` into the slot
-(through its O_DIRECT descriptor where ``direct``); each
-finished job is answered by one ``RESULT`` (slot, status), after a first one for slot ``READY``; a last one for slot ``DONE`` says every
-read finished: 0, ``STATUS_EOF`` (the file ended first) or an errno.
-The jobs' end (EOF on standard input) lets the reads in flight finish, then the process exits 0.
+(through its O_DIRECT descriptor where ``direct``). The answers are ``RESULT`` records (slot, status): first one for
+slot ``READY`` (the config read, the slots mapped), then one per job once its last block is in, with status 0,
+``STATUS_EOF`` (the file ended first) or an errno, and last one for slot ``DONE``: the jobs' end (EOF on standard
+input) let the reads in flight finish, and the process exits 0.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
-import contextlib
 import hashlib
 import logging
 import mmap
@@ -44,7 +43,7 @@ from weightcache.core.identity.safetensors_io import Header, TensorInfo, check_l
 from weightcache.core.load import importing, read_process
 from weightcache.core.load.export import ArenaBuilder, Slot
 from weightcache.core.load.prefetch import stop_prefetches
-from weightcache.core.load.read_worker import DONE
+from weightcache.core.load.read_worker import DONE, STATUS_EOF
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +350,8 @@ def _read_in_blocks(
     process: "ReadProcess | None",
 ) -> typing.Generator[tuple[Piece, bytes], None, None]:
     """``mode.threads`` reads of ``mode.block`` bytes from one queue in file order, so the disk sees one sequential
-    front: in the reader process ``process`` where there is one (this closes it), else on threads of this process.
+    front: in the reader process ``process`` where there is one (its caller closes it), else on threads of this
+    process.
 
     Each piece is read into a whole-piece buffer from a small pool (in the reader process: its shared slots); once
     its last block is in, one of ``HASH_THREADS`` threads checks its header bytes, places its tensor bytes, hashes it
@@ -360,17 +360,18 @@ def _read_in_blocks(
     the first error. ``direct_for[i]`` is the O_DIRECT descriptor to read ``pieces[i]`` through, or -1 (buffered).
     Yields ``(piece, sha256)`` as pieces finish.
     """
-    slots = _slots(mode)
-    with contextlib.ExitStack() as stack:
-        if process is not None:
-            stack.enter_context(process)
-            buffers = process.buffers()
-            stack.callback(reader.unpin, reader.pin(buffers))
-            feed: _Feed = _ProcessFeed(process, headers)
-        else:
-            buffers = []
-            feed = _ThreadFeed(fds, mode, headers)
-        yield from _dispatch(reader, pieces, direct_for, headers, slots, buffers, feed, mode.block)
+    feed: _Feed
+    if process is not None:
+        buffers = process.buffers()
+        pinned = reader.pin(buffers)
+        feed = _ProcessFeed(process, headers)
+    else:
+        buffers, pinned = [], []  # made as first needed, pinned as they are made
+        feed = _ThreadFeed(fds, mode, headers)
+    try:
+        yield from _dispatch(reader, pieces, direct_for, headers, _slots(mode), buffers, feed, mode.block)
+    finally:
+        reader.unpin(pinned)
 
 
 def _slots(mode: ReadMode) -> int:
@@ -410,6 +411,12 @@ def _changed(header: Header) -> CheckpointChanged:
     return CheckpointChanged(str(header.file.parent), str(header.file))
 
 
+def _fail(failed: threading.Event, finished: queue.SimpleQueue, error: BaseException) -> None:
+    """Stop the read (every thread skips what is left) and hand ``error`` to the dispatcher, which raises it."""
+    failed.set()
+    finished.put((None, error))
+
+
 class _ThreadFeed:
     """Blocks read by ``mode.threads`` threads of this process from one queue."""
 
@@ -434,11 +441,9 @@ class _ThreadFeed:
                     if last:
                         complete.put(state)
                 except (EOFError, _Changed):
-                    failed.set()
-                    finished.put((None, _changed(self.headers[piece.file])))
+                    _fail(failed, finished, _changed(self.headers[piece.file]))
                 except BaseException as exc:  # handed to the dispatcher, which raises it
-                    failed.set()
-                    finished.put((None, exc))
+                    _fail(failed, finished, exc)
 
         self.threads = [
             threading.Thread(target=work_loop, name=f"weightcache-read-{n}", daemon=True) for n in range(self.mode.threads)
@@ -473,22 +478,19 @@ class _ProcessFeed:
                     slot, status = self.process.result()
                 except ReaderFailed as exc:
                     if not failed.is_set():  # not the end the dispatcher asked for
-                        failed.set()
-                        finished.put((None, exc))
+                        _fail(failed, finished, exc)
                     return
                 if slot == DONE:
                     return
                 state = self.in_flight.pop(slot, None)
                 if state is None:
-                    failed.set()
-                    finished.put((None, ReaderFailed(f"it answered for slot {slot}, which holds no job")))
+                    _fail(failed, finished, ReaderFailed(f"it answered for slot {slot}, which holds no job"))
                     return
                 if status == 0:
                     complete.put(state)
                 elif not failed.is_set():
-                    failed.set()
-                    error = read_process.status_error(status)
-                    finished.put((None, _changed(self.headers[state.piece.file]) if isinstance(error, EOFError) else error))
+                    changed = _changed(self.headers[state.piece.file])
+                    _fail(failed, finished, changed if status == STATUS_EOF else read_process.status_error(status))
 
         self.collector = threading.Thread(target=collect, name="weightcache-read-collector", daemon=True)
         self.collector.start()
@@ -542,11 +544,9 @@ def _dispatch(
             try:
                 finish(state)
             except (EOFError, _Changed):
-                failed.set()
-                finished.put((None, _changed(headers[state.piece.file])))
+                _fail(failed, finished, _changed(headers[state.piece.file]))
             except BaseException as exc:  # handed to the dispatcher, which raises it
-                failed.set()
-                finished.put((None, exc))
+                _fail(failed, finished, exc)
 
     hashers = [threading.Thread(target=hash_loop, name=f"weightcache-hash-{n}", daemon=True) for n in range(HASH_THREADS)]
     feed.start(complete, finished, failed)
@@ -756,6 +756,8 @@ class _GpuReader:
         return pinned
 
     def unpin(self, pinned: list[int]) -> None:
+        if not pinned:
+            return
         self.finish()  # no copy may still read a slot
         cudart = self.torch.cuda.cudart()
         for address in pinned:
