@@ -11,7 +11,8 @@ skeleton's Python, an adapter's imports, the hashing and copy threads' bookkeepi
 loop's, so ``threads`` reads stay in flight however busy the loader is.
 
 The wire (native byte order, one host): first ``CONFIG`` (the JSON's length) and the JSON ``{"files": [[fd,
-direct_fd], ...], "staging": fd, "slot_bytes": n, "slots": n, "threads": n, "block": n}``; then ``JOB`` records
+direct_fd], ...], "staging": fd, "slot_bytes": n, "slots": n, "threads": n, "block": n, "huge_staging": bool}``;
+then ``JOB`` records
 (slot, file index, start, nbytes, direct), each asking for ``nbytes`` of that file from ``start`` into the slot
 (through its O_DIRECT descriptor where ``direct``). The answers are ``RESULT`` records (slot, status): first one for
 slot ``READY`` (the config read, the slots mapped), then one per job once its last block is in, with status 0,
@@ -21,6 +22,7 @@ input) let the reads in flight finish, and the process exits 0.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -29,7 +31,7 @@ import struct
 import sys
 import threading
 
-from weightcache.core.fileio import read_block
+from weightcache.core.fileio import DirectBuffer, read_block
 
 CONFIG = struct.Struct("=I")
 JOB = struct.Struct("=iiqqi")
@@ -68,22 +70,30 @@ def serve(jobs: int, results: int) -> None:
     slot_bytes, slots, block = int(config["slot_bytes"]), int(config["slots"]), int(config["block"])
     area = mmap.mmap(int(config["staging"]), slot_bytes * slots, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     view = memoryview(area)
+    anchor = ctypes.c_char.from_buffer(area)  # the slots' address, for the copies out of the huge-page staging
+    threads = int(config["threads"])
+    huge = DirectBuffer(threads * block) if config.get("huge_staging") else None
     os.write(results, RESULT.pack(READY, 0))
     blocks: queue.SimpleQueue = queue.SimpleQueue()
     lock = threading.Lock()
     left: dict[int, int] = {}
     status: dict[int, int] = {}
 
-    def read_loop() -> None:
+    def read_loop(index: int) -> None:
+        staging = huge.view[index * block : (index + 1) * block] if huge is not None else None
         while (item := blocks.get()) is not None:
             slot, file, start, offset, nbytes, direct = item
             outcome = 0
             if status[slot] == 0:
                 fd, direct_fd = files[file]
                 try:
-                    read_block(
-                        fd, direct_fd if direct else -1, view[slot * slot_bytes : (slot + 1) * slot_bytes], start, offset, nbytes
-                    )
+                    if direct and huge is not None:  # into a huge page, then copied (ctypes releases the GIL)
+                        read_block(fd, direct_fd, staging, start + offset, 0, nbytes)
+                        target = ctypes.addressof(anchor) + slot * slot_bytes + offset
+                        ctypes.memmove(target, huge.address + index * block, nbytes)
+                    else:
+                        slot_view = view[slot * slot_bytes : (slot + 1) * slot_bytes]
+                        read_block(fd, direct_fd if direct else -1, slot_view, start, offset, nbytes)
                 except EOFError:
                     outcome = STATUS_EOF
                 except OSError as exc:
@@ -96,8 +106,8 @@ def serve(jobs: int, results: int) -> None:
             if last:
                 os.write(results, RESULT.pack(slot, final))  # 8 bytes: one atomic pipe write
 
-    threads = [threading.Thread(target=read_loop, daemon=True) for _ in range(int(config["threads"]))]
-    for thread in threads:
+    readers = [threading.Thread(target=read_loop, args=(n,), daemon=True) for n in range(threads)]
+    for thread in readers:
         thread.start()
     try:
         while (record := read_exactly(jobs, JOB.size)) is not None:
@@ -111,9 +121,9 @@ def serve(jobs: int, results: int) -> None:
             for offset in range(0, nbytes, block):
                 blocks.put((slot, file, start, offset, min(block, nbytes - offset), direct))
     finally:
-        for _ in threads:
+        for _ in readers:
             blocks.put(None)
-        for thread in threads:
+        for thread in readers:
             thread.join()
     os.write(results, RESULT.pack(DONE, 0))
 

@@ -32,15 +32,32 @@ def large_checkpoint(tmp_path_factory) -> Path:
     return save_random_model("llama-gpu", tmp_path_factory.mktemp("llama-161mib"), dtype="bfloat16")
 
 
-@pytest.fixture(params=["pieces", "pieces-direct", "blocks", "blocks-direct", "blocks-here-direct"])
+@pytest.fixture(
+    params=[
+        "pieces",
+        "pieces-direct",
+        "blocks",
+        "blocks-direct",
+        "blocks-direct-huge",
+        "blocks-here-direct",
+        "blocks-here-direct-small",
+    ]
+)
 def reader_mode(request, monkeypatch) -> str:
     """Each way the reader can read: whole pieces per thread or 512 KiB blocks from one queue (in the reader process,
-    or ``here``: on threads of this one), buffered or O_DIRECT."""
+    or ``here``: on threads of this one), buffered or O_DIRECT; O_DIRECT into huge pages (``huge``: in the reader
+    process, through its copy into the slots) or into small ones (``small``: ``$WEIGHTCACHE_READ_HUGE_PAGES=0``)."""
     from weightcache.core.load import reader
 
-    monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "512" if request.param.startswith("blocks") else "0")
-    monkeypatch.setenv("WEIGHTCACHE_READ_DIRECT", "1" if request.param.endswith("direct") else "0")
-    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "0" if "-here" in request.param else "1")
+    mode = request.param
+    monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "512" if mode.startswith("blocks") else "0")
+    monkeypatch.setenv("WEIGHTCACHE_READ_DIRECT", "1" if "direct" in mode else "0")
+    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "0" if "-here" in mode else "1")
+    huge = {"huge": "1", "small": "0"}.get(mode.rpartition("-")[2])
+    if huge is None:
+        monkeypatch.delenv("WEIGHTCACHE_READ_HUGE_PAGES", raising=False)
+    else:
+        monkeypatch.setenv("WEIGHTCACHE_READ_HUGE_PAGES", huge)
     monkeypatch.setattr(reader, "WARM_SHARE", 2.0)  # O_DIRECT even though the test's files sit in the page cache
     return request.param
 
@@ -65,6 +82,8 @@ def test_the_reader_places_the_files_tensors_and_digests_every_byte(large_checkp
             tensor = builder.view(slot).view(getattr(torch, info.dtype)).view(info.shape)
             assert_tensors_equal(name, tensor, expected[name])
         assert {Path(p): d.digest for p, d in builder.read_digests.items()} == {f: file_digest(f) for f in files}
+        if reader_mode == "blocks-direct-huge":
+            assert "O_DIRECT into huge pages" in builder.read_mode.describe()
 
 
 def test_a_first_sight_publish_reads_each_weight_byte_once(large_checkpoint, server, tmp_path, monkeypatch, reader_mode):
