@@ -378,7 +378,7 @@ def run_wc_reader(ctx: Context, clock: Clock) -> dict:
     from weightcache.core.load.export import ArenaBuilder
     from weightcache.core.load.reader import default_direct, read_checkpoint
 
-    with clock:
+    with _reader_notes(ctx), clock:
         builder = ArenaBuilder(str(ctx.device))
         placed = read_checkpoint(ctx.model, builder)
     ctx.keep.append(builder)

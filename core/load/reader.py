@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import mmap
 import os
 import queue
 import threading
+import time
 import types
 import typing
 from pathlib import Path
@@ -381,8 +383,15 @@ def _read_in_blocks(
         reader.unpin(pinned)
 
 
+SLOTS_ENV = "WEIGHTCACHE_READ_SLOTS"
+
+
 def _slots(mode: ReadMode) -> int:
-    """Whole-piece buffers a block read keeps: its front's pieces, one per hash thread, two to spare."""
+    """Whole-piece buffers a block read keeps: ``$WEIGHTCACHE_READ_SLOTS`` (2 to 64), else its front's pieces, one per
+    hash thread, two to spare."""
+    configured = os.environ.get(SLOTS_ENV, "")
+    if configured.isdigit() and 2 <= int(configured) <= 64:
+        return int(configured)
     return -(-mode.threads * mode.block // PIECE_BYTES) + HASH_THREADS + 2
 
 
@@ -544,31 +553,43 @@ def _dispatch(
         free.put((state.slot, state.buffer))
         finished.put((piece, digest))
 
-    def hash_loop() -> None:
+    busy = [0.0] * HASH_THREADS  # seconds each hash thread spent checking, placing and hashing
+
+    def hash_loop(number: int) -> None:
         while (state := complete.get()) is not None:
             if failed.is_set():
                 continue
             try:
+                start = time.monotonic()
                 finish(state)
+                busy[number] += time.monotonic() - start
             except (EOFError, _Changed):
                 _fail(failed, finished, _changed(headers[state.piece.file]))
             except BaseException as exc:  # handed to the dispatcher, which raises it
                 _fail(failed, finished, exc)
 
-    hashers = [threading.Thread(target=hash_loop, name=f"weightcache-hash-{n}", daemon=True) for n in range(HASH_THREADS)]
+    hashers = [
+        threading.Thread(target=hash_loop, args=(n,), name=f"weightcache-hash-{n}", daemon=True) for n in range(HASH_THREADS)
+    ]
     feed.start(complete, finished, failed)
     for thread in hashers:
         thread.start()
     dispatched = received = 0
+    began, waited = time.monotonic(), 0.0
     try:
         for piece, direct_fd in zip(pieces, direct_for, strict=True):
             taken = None
             while taken is None and not failed.is_set():
                 try:
-                    taken = free.get(timeout=0.05) if made == slots else free.get_nowait()
+                    taken = free.get_nowait()
                 except queue.Empty:
                     if made < slots:
                         taken, made = (made, reader.piece_buffer()), made + 1
+                    else:
+                        start = time.monotonic()
+                        with contextlib.suppress(queue.Empty):
+                            taken = free.get(timeout=0.05)
+                        waited += time.monotonic() - start
                 while not finished.empty():
                     received += 1
                     yield _result(finished.get())
@@ -580,6 +601,16 @@ def _dispatch(
         while received < dispatched:  # every failure puts its error here: the loop ends by raising it
             received += 1
             yield _result(finished.get())
+        log.debug(
+            "read %d pieces in %.2f s through %d staging slots; %.2f s of it waiting for a free slot; the %d hash "
+            "threads busy %.2f s in all",
+            dispatched,
+            time.monotonic() - began,
+            slots,
+            waited,
+            HASH_THREADS,
+            sum(busy),
+        )
     finally:
         failed.set()  # the readers skip what is left
         feed.stop()
