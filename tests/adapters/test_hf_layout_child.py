@@ -86,8 +86,9 @@ def test_the_child_process_prints_the_layout_this_process_learns(model_dir, kind
 REFUSE_SCIPY = """
 import json, sys
 from weightcache.adapters.hf import layout_child
-layout_child.prepare(["scipy"])
-status = layout_child.main([sys.argv[1]], refused={"scipy": ()})
+refused = {**layout_child.REFUSED, "scipy": ()}  # the child's own refusals, and scipy
+layout_child.prepare(refused)
+status = layout_child.main([sys.argv[1]], refused)
 print("STATUS", status)
 """
 
