@@ -30,20 +30,32 @@ if typing.TYPE_CHECKING:
 
     from weightcache.adapters.hf.layout import Layout
 
+_AVAILABILITY = ("transformers", "transformers.utils", "transformers.utils.import_utils", "transformers.file_utils")
+"""transformers' availability checks (``is_sklearn_available``) and the modules that re-export them."""
+
 REFUSED: dict[str, tuple[str, ...]] = {
     "sklearn": (
+        *_AVAILABILITY,
         "transformers.generation.candidate_generator",  # assisted generation's confidence threshold (roc_curve)
         "transformers.data.metrics",  # the GLUE/XNLI metrics
-        "transformers.utils.import_utils",  # is_sklearn_available
-        "transformers.utils",
-        "transformers.file_utils",
-        "transformers",
+    ),
+    "scipy": (
+        *_AVAILABILITY,
+        "transformers.dependency_versions_table",  # a table of version pins
+        "transformers.loss.",  # training losses (the detection models' Hungarian matching), computed in forward
     ),
 }
-"""Packages the child imports as if they were not installed, each with the transformers modules known to use it
-outside building a model. transformers 5.17 imports scikit-learn (and with it scipy.stats and pandas: ~1,100 modules,
-1.0-1.4 s here) at the top of its generation utilities, which every model class with ``generate`` needs; 5.24 imports
-it where assisted generation calls it. No model's code in either version mentions it."""
+"""Packages the child imports as if they were not installed, each with the transformers modules (a name ending in
+``.``: the modules under it) known to use it only outside building a model; a loaded module beyond those that mentions
+one makes the child refuse the layout (FNet, whose DFT buffers scipy computes, is learned by the load itself).
+transformers 5.17 imports scikit-learn (with scipy.stats and pandas: ~740 modules) at the top of its generation
+utilities, which every model class with ``generate`` needs; 5.24 imports it only where assisted generation calls it.
+Both import scipy.optimize (~320 modules) with the losses, which every ``PreTrainedModel`` module imports."""
+
+
+def _known_user(module: str, users: tuple[str, ...]) -> bool:
+    return any(module == user or (user.endswith(".") and module.startswith(user)) for user in users)
+
 
 EXIT_NO_LAYOUT = 3
 EXIT_REFUSED = 4
@@ -95,7 +107,9 @@ def check_refused_unused(refused: typing.Mapping[str, tuple[str, ...]] = REFUSED
         with open(origin, "rb") as file:
             source = file.read()
         found += [
-            f"{name} mentions {package}" for package, users in refused.items() if name not in users and package.encode() in source
+            f"{name} mentions {package}"
+            for package, users in refused.items()
+            if not _known_user(name, users) and package.encode() in source
         ]
     if found:
         raise RefusedPackage(

@@ -1,5 +1,5 @@
 """The layout child's fast start (docs/decisions.md 59): the layout it learns with the garbage collector off and
-scikit-learn refused is the layout this process learns, record for record, for every architecture the tests build; a
+scikit-learn and scipy refused is the layout this process learns, record for record, for every architecture the tests build; a
 model whose code mentions a refused package is refused, not learned; where the child cannot learn a layout the load
 builds the skeleton itself, as before.
 
@@ -33,7 +33,8 @@ learned = {}
 for arguments in json.loads(sys.argv[1]):
     layout = layout_child.learn(arguments)
     learned[arguments["model"]] = None if layout is None else layout.to_json().decode()
-print(json.dumps({"learned": learned, "sklearn": repr(sys.modules.get("sklearn", "never asked for"))}))
+refused = {name: repr(sys.modules.get(name, "never asked for")) for name in layout_child.REFUSED}
+print(json.dumps({"learned": learned, "refused": refused}))
 """
 
 
@@ -64,7 +65,7 @@ def test_the_prepared_child_learns_every_architecture_as_this_process_does(model
     done = _fresh(LEARN_ALL, json.dumps([_arguments(path) for path in paths]))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    assert report["sklearn"] == "None", "scikit-learn was refused, not imported"
+    assert report["refused"] == {"sklearn": "None", "scipy": "None"}, "asked for, refused, never imported"
     for path in paths:
         assert report["learned"][str(path)] == _here(path), f"{path.name}: the child's layout differs from this process's"
     assert None not in report["learned"].values(), "every one has a layout to compare"
@@ -83,16 +84,6 @@ def test_the_child_process_prints_the_layout_this_process_learns(model_dir, kind
     assert done.stdout.decode() == _here(path)
 
 
-REFUSE_SCIPY = """
-import json, sys
-from weightcache.adapters.hf import layout_child
-refused = {**layout_child.REFUSED, "scipy": ()}  # the child's own refusals, and scipy
-layout_child.prepare(refused)
-status = layout_child.main([sys.argv[1]], refused)
-print("STATUS", status)
-"""
-
-
 def test_a_model_whose_code_mentions_a_refused_package_is_refused_not_learned(tmp_path):
     """FNet computes DFT buffers with scipy where it is installed: with scipy refused, its layout could differ."""
     import transformers
@@ -101,10 +92,16 @@ def test_a_model_whose_code_mentions_a_refused_package_is_refused_not_learned(tm
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, architectures=["FNetModel"]
     )
     transformers.FNetModel(config).eval().save_pretrained(tmp_path / "fnet")
-    done = _fresh(REFUSE_SCIPY, json.dumps(_arguments(tmp_path / "fnet")))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines() == [f"STATUS {layout_child.EXIT_REFUSED}"], "no layout printed"
-    assert "transformers.models.fnet.modeling_fnet mentions scipy" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", layout_process.CHILD, json.dumps(_arguments(tmp_path / "fnet"))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == layout_child.EXIT_REFUSED, done.stderr[-3000:]
+    assert not done.stdout, "no layout printed"
+    assert done.stderr.startswith("transformers.models.fnet.modeling_fnet mentions scipy:"), done.stderr[-3000:]
+    assert _here(tmp_path / "fnet") is not None, "this process learns it (the load builds the skeleton itself)"
 
 
 def _unknown_type(directory):
