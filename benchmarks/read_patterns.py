@@ -17,7 +17,8 @@ Memory kinds: ``anon4k`` (private anonymous, huge pages refused), ``anonthp`` (p
 ``memfd`` (a shared memfd, as the reader process's staging slots), ``memfdthp`` (the same with ``MADV_HUGEPAGE``,
 which takes only where ``shmem_enabled`` allows), ``pinned`` (``torch.empty(pin_memory=True)``: ``cudaHostAlloc``),
 ``memfdreg`` (a memfd registered with ``cudaHostRegister``, as the loader pins the slots), ``buffered`` (anon4k
-through the page cache, no O_DIRECT). A row is ``KIND:BLOCK_KIB[:THREADS]``. Needs root for the drops (else
+through the page cache, no O_DIRECT); ``KIND+memfd`` reads into KIND and copies each block into a memfd (what the
+reader process does since decision 60). A row is ``KIND:BLOCK_KIB[:THREADS]``. Needs root for the drops (else
 ``posix_fadvise(DONTNEED)`` per file, said in the table). Nothing is verified: these rows only read.
 """
 
