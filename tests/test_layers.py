@@ -16,6 +16,7 @@ LAYERS = ("arena", "quantization", "layout", "wire", "identity", "client", "serv
 # package's own __init__). A new module goes into the folder of its layer; it joins these only if every layer needs it.
 FOUNDATION = frozenset(
     {
+        "cpus",
         "cuda_driver",
         "device",
         "dtypes",

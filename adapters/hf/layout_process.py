@@ -26,6 +26,8 @@ import sys
 import threading
 import typing
 
+from weightcache.core.cpus import usable_cpus
+
 if typing.TYPE_CHECKING:
     from weightcache.adapters.hf.layout import Layout
     from weightcache.core.request import LoadRequest
@@ -45,11 +47,7 @@ def wanted() -> bool:
     configured = os.environ.get(ENV, "")
     if configured in ("0", "1"):
         return configured == "1"
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return cpus >= MIN_CPUS
+    return usable_cpus() >= MIN_CPUS
 
 
 class LayoutProcess:

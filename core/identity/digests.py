@@ -33,6 +33,8 @@ from typing import Protocol
 
 import attrs
 
+from weightcache.core.cpus import usable_cpus
+
 log = logging.getLogger(__name__)
 
 SCHEME = "wc-sha256-tree-64MiB"
@@ -101,8 +103,7 @@ class FileDigest:
 
 def hashing_threads() -> int:
     """Threads that hash pieces: min(8, 2 x the CPUs this process may run on)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(8, 2 * cpus)
+    return min(8, 2 * usable_cpus())
 
 
 def _hash_piece(path: Path, offset: int, length: int) -> bytes:

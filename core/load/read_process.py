@@ -21,6 +21,7 @@ import sys
 import time
 import typing
 
+from weightcache.core.cpus import usable_cpus
 from weightcache.core.errors import ReaderFailed
 from weightcache.core.fileio import huge_staging_forced, huge_staging_wanted
 from weightcache.core.load.read_worker import CONFIG, DONE, JOB, READY, RESULT
@@ -46,8 +47,7 @@ def bounced_staging() -> bool:
     """Whether the worker reads O_DIRECT blocks into huge pages and copies them into the slots: where
     ``fileio.huge_staging_wanted`` and the process may run on ``BOUNCE_MIN_CPUS`` or more, or where
     ``$WEIGHTCACHE_READ_HUGE_PAGES=1``."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return huge_staging_forced() or (huge_staging_wanted() and cpus >= BOUNCE_MIN_CPUS)
+    return huge_staging_forced() or (huge_staging_wanted() and usable_cpus() >= BOUNCE_MIN_CPUS)
 
 
 def wanted() -> bool:
