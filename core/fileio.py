@@ -29,16 +29,17 @@ def huge_pages_offered(setting: str = THP_SETTING) -> bool:
     return "[always]" in chosen or "[madvise]" in chosen
 
 
+def huge_staging_setting() -> bool | None:
+    """``$WEIGHTCACHE_READ_HUGE_PAGES``: True for 1, False for 0, None where it is unset or anything else (then the
+    caller's default decides)."""
+    return {"1": True, "0": False}.get(os.environ.get(HUGE_STAGING_ENV, ""))
+
+
 def huge_staging_wanted() -> bool:
     """Whether O_DIRECT reads land in huge pages (``DirectBuffer``): ``$WEIGHTCACHE_READ_HUGE_PAGES`` where it is 0 or
     1, else where the kernel offers them."""
-    configured = os.environ.get(HUGE_STAGING_ENV, "")
-    return configured == "1" or (configured != "0" and huge_pages_offered())
-
-
-def huge_staging_forced() -> bool:
-    """Whether ``$WEIGHTCACHE_READ_HUGE_PAGES=1`` asks for huge-page staging even where it costs a copy on few CPUs."""
-    return os.environ.get(HUGE_STAGING_ENV, "") == "1"
+    setting = huge_staging_setting()
+    return huge_pages_offered() if setting is None else setting
 
 
 class DirectBuffer:

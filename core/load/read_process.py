@@ -23,7 +23,7 @@ import typing
 
 from weightcache.core.cpus import usable_cpus
 from weightcache.core.errors import ReaderFailed
-from weightcache.core.fileio import huge_staging_forced, huge_staging_wanted
+from weightcache.core.fileio import huge_pages_offered, huge_staging_setting
 from weightcache.core.load.read_worker import CONFIG, DONE, JOB, READY, RESULT
 
 if typing.TYPE_CHECKING:
@@ -44,10 +44,11 @@ both cores (this project's 2-core VM: 2.6 GB read 4.1 s without, 4.5-4.9 s with)
 
 
 def bounced_staging() -> bool:
-    """Whether the worker reads O_DIRECT blocks into huge pages and copies them into the slots: where
-    ``fileio.huge_staging_wanted`` and the process may run on ``BOUNCE_MIN_CPUS`` or more, or where
-    ``$WEIGHTCACHE_READ_HUGE_PAGES=1``."""
-    return huge_staging_forced() or (huge_staging_wanted() and usable_cpus() >= BOUNCE_MIN_CPUS)
+    """Whether the worker reads O_DIRECT blocks into huge pages and copies them into the slots:
+    ``$WEIGHTCACHE_READ_HUGE_PAGES`` where it is 0 or 1, else where the kernel offers huge pages and the process may
+    run on ``BOUNCE_MIN_CPUS`` or more."""
+    setting = huge_staging_setting()
+    return huge_pages_offered() and usable_cpus() >= BOUNCE_MIN_CPUS if setting is None else setting
 
 
 def wanted() -> bool:

@@ -108,8 +108,8 @@ class ReadMode:
     """Whether the blocks are read in a reader process (``read_process``) rather than on threads of this one."""
 
     huge_staging: bool = False
-    """Whether O_DIRECT reads land in huge pages first (``fileio.DirectBuffer``; the reader process copies them into
-    its slots)."""
+    """Whether O_DIRECT reads land in huge pages (``fileio.DirectBuffer``): the reader process's, which it copies into
+    its slots, or a host read's staging here."""
 
     def describe(self) -> str:
         how = f"{self.block >> 10} KiB blocks from one queue" if self.block else "whole pieces per thread"
@@ -226,8 +226,9 @@ def read_checkpoint(
             process = _start_process(fds, direct_for, pieces, mode) if mode.process else None
             if mode.process and process is None:
                 mode = attrs.evolve(mode, process=False, why=f"{mode.why}; the reader process did not start")
-            elif process is not None:
-                mode = attrs.evolve(mode, huge_staging=process.huge_staging)
+            else:
+                huge = process.huge_staging if process is not None else reader.huge_staging
+                mode = attrs.evolve(mode, huge_staging=huge and any(fd >= 0 for fd in direct_for))
             builder.read_mode = mode
             log.debug("reading %d weight files: %s", len(files), mode.describe())
             if mode.block:
@@ -665,12 +666,13 @@ class _HostReader:
         self.builder = builder
         self.local = threading.local()
         self.numpy = numpy
+        self.huge_staging = huge_staging_wanted()  # decided once per read, for every buffer it makes
 
     def staging(self) -> "numpy.ndarray":
         """This thread's ``CHUNK_BYTES`` staging buffer, ``ALIGN``-aligned (O_DIRECT reads into it)."""
         buffer = getattr(self.local, "buffer", None)
         if buffer is None:
-            buffer = self.local.buffer = _host_buffer(CHUNK_BYTES).numpy()
+            buffer = self.local.buffer = _host_buffer(CHUNK_BYTES, self.huge_staging).numpy()
         return buffer
 
     def place(self, staging: "numpy.ndarray", copies: list[Copy]) -> None:
@@ -680,7 +682,7 @@ class _HostReader:
 
     def piece_buffer(self) -> "torch.Tensor":
         """A tensor of ``PIECE_BYTES`` at an ``ALIGN``-aligned address (O_DIRECT reads into it)."""
-        return _host_buffer(PIECE_BYTES)
+        return _host_buffer(PIECE_BYTES, self.huge_staging)
 
     def place_from(self, buffer: "torch.Tensor", copies: list[Copy]) -> None:
         self.place(buffer.numpy(), copies)
@@ -698,13 +700,13 @@ class _HostReader:
         pass
 
 
-def _host_buffer(nbytes: int) -> "torch.Tensor":
-    """A uint8 tensor of ``nbytes`` for O_DIRECT reads: in huge pages where ``huge_staging_wanted`` (a virtio disk takes
-    reads into them at twice the speed; ``fileio.DirectBuffer``), else malloc's memory at an ``ALIGN``-aligned address.
-    The tensor keeps its memory alive."""
+def _host_buffer(nbytes: int, huge: bool) -> "torch.Tensor":
+    """A uint8 tensor of ``nbytes`` for O_DIRECT reads: in huge pages where ``huge`` (a virtio disk takes reads into
+    them at twice the speed; ``fileio.DirectBuffer``), else malloc's memory at an ``ALIGN``-aligned address. The tensor
+    keeps its memory alive."""
     import torch
 
-    if huge_staging_wanted():
+    if huge:
         return torch.frombuffer(DirectBuffer(nbytes).view, dtype=torch.uint8)
     return _aligned(torch.empty(nbytes + ALIGN, dtype=torch.uint8), nbytes)
 
@@ -727,6 +729,7 @@ class _GpuReader:
         self.streams: list = []
         self.lock = threading.Lock()
         self.torch = torch
+        self.huge_staging = False  # its buffers are cudaHostAlloc's page-locked memory, contiguous already
 
     def _stream(self):
         """This thread's own copy stream."""

@@ -18,6 +18,7 @@ from tests.helpers import assert_tensors_equal
 from tests.models import save_random_model
 from weightcache.core.client.client import Connection
 from weightcache.core.errors import CheckpointChanged
+from weightcache.core.fileio import huge_pages_offered
 from weightcache.core.flow.loader import prepare, publish
 from weightcache.core.identity.digests import DigestStore, file_digest
 from weightcache.core.identity.safetensors_io import checkpoint_files, checkpoint_identity
@@ -84,6 +85,10 @@ def test_the_reader_places_the_files_tensors_and_digests_every_byte(large_checkp
         assert {Path(p): d.digest for p, d in builder.read_digests.items()} == {f: file_digest(f) for f in files}
         if reader_mode == "blocks-direct-huge":
             assert "O_DIRECT into huge pages" in builder.read_mode.describe()
+        if reader_mode == "blocks-here-direct-small" or "direct" not in reader_mode:
+            assert not builder.read_mode.huge_staging, builder.read_mode.describe()  # no huge pages, or no O_DIRECT
+        if reader_mode == "blocks-here-direct":  # a host read's own staging: huge pages wherever the kernel offers them
+            assert builder.read_mode.huge_staging == huge_pages_offered(), builder.read_mode.describe()
 
 
 def test_a_first_sight_publish_reads_each_weight_byte_once(large_checkpoint, server, tmp_path, monkeypatch, reader_mode):
