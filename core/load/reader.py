@@ -200,8 +200,13 @@ def read_checkpoint(
     files = checkpoint_files(path)
     headers = [read_header(file) for file in files]
     placed = {info.name: (info, builder.plan(info.nbytes)) for header in headers for info in header.tensors}
-    for _, slot in placed.values():
-        builder.view(slot)  # create every arena up front, on this thread
+
+    def make_arenas() -> None:
+        """Create every arena, on this thread (a host arena's pages populated, a GPU's memory mapped): a block read
+        does it while its first pieces are read, a piece read before it starts."""
+        for _, slot in placed.values():
+            builder.view(slot)
+
     fds: list[int] = []
     direct_fds: list[int] = []
     try:
@@ -232,8 +237,9 @@ def read_checkpoint(
             builder.read_mode = mode
             log.debug("reading %d weight files: %s", len(files), mode.describe())
             if mode.block:
-                done = _read_in_blocks(reader, pieces, fds, direct_for, headers, mode, process)
+                done = _read_in_blocks(reader, pieces, fds, direct_for, headers, mode, process, make_arenas)
             else:
+                make_arenas()
                 done = _read_pieces(reader, pieces, fds, direct_for, headers, mode.threads)
             try:
                 for piece, piece_hash in done:
@@ -358,10 +364,12 @@ def _read_in_blocks(
     headers: list[Header],
     mode: ReadMode,
     process: "ReadProcess | None",
+    make_arenas: "typing.Callable[[], None]",
 ) -> typing.Generator[tuple[Piece, bytes], None, None]:
     """``mode.threads`` reads of ``mode.block`` bytes from one queue in file order, so the disk sees one sequential
     front: in the reader process ``process`` where there is one (its caller closes it), else on threads of this
-    process.
+    process. ``make_arenas`` runs on this thread once the first pieces are being read (every staging buffer has one),
+    and no piece is placed before it returned.
 
     Each piece is read into a whole-piece buffer from a small pool (in the reader process: its shared slots); once
     its last block is in, one of ``HASH_THREADS`` threads checks its header bytes, places its tensor bytes, hashes it
@@ -379,7 +387,7 @@ def _read_in_blocks(
         buffers, pinned = [], []  # made as first needed, pinned as they are made
         feed = _ThreadFeed(fds, mode, headers)
     try:
-        yield from _dispatch(reader, pieces, direct_for, headers, _slots(mode), buffers, feed, mode.block)
+        yield from _dispatch(reader, pieces, direct_for, headers, _slots(mode), buffers, feed, mode.block, make_arenas)
     finally:
         reader.unpin(pinned)
 
@@ -532,10 +540,13 @@ def _dispatch(
     buffers: list,
     feed: _Feed,
     block: int,
+    make_arenas: "typing.Callable[[], None]",
 ) -> typing.Generator[tuple[Piece, bytes], None, None]:
     """Hand each piece a free buffer and the feed its blocks; hash threads finish the pieces whose blocks are in.
 
-    ``buffers`` are the pool (made here as first needed, up to ``slots``, where empty)."""
+    ``buffers`` are the pool (made here as first needed, up to ``slots``, where empty). ``make_arenas`` runs here
+    when every buffer holds a piece being read (or every piece was handed out), so the arenas are made while the disk
+    works; the hash threads place nothing before it returned."""
     free: queue.Queue = queue.Queue()
     for slot, buffer in enumerate(buffers):
         free.put((slot, buffer))
@@ -555,9 +566,21 @@ def _dispatch(
         finished.put((piece, digest))
 
     busy = [0.0] * HASH_THREADS  # seconds each hash thread spent checking, placing and hashing
+    arenas_made = threading.Event()  # set once make_arenas returned (or the read ends): placing may begin
+    arenas_s = 0.0
+
+    def arenas_beside_the_reads() -> None:
+        nonlocal arenas_s
+        start = time.monotonic()
+        try:
+            make_arenas()
+        finally:
+            arenas_made.set()
+        arenas_s = time.monotonic() - start
 
     def hash_loop(number: int) -> None:
         while (state := complete.get()) is not None:
+            arenas_made.wait()
             if failed.is_set():
                 continue
             try:
@@ -586,6 +609,8 @@ def _dispatch(
                 except queue.Empty:
                     if made < slots:
                         taken, made = (made, reader.piece_buffer()), made + 1
+                    elif not arenas_made.is_set():  # every buffer is being read: the arenas now, beside the disk
+                        arenas_beside_the_reads()
                     else:
                         start = time.monotonic()
                         with contextlib.suppress(queue.Empty):
@@ -599,21 +624,25 @@ def _dispatch(
             slot, buffer = taken
             feed.submit(_PieceInFlight(piece, slot, buffer, -(-piece.nbytes // block), direct_fd), direct_fd >= 0)
             dispatched += 1
+        if not arenas_made.is_set():  # fewer pieces than buffers
+            arenas_beside_the_reads()
         while received < dispatched:  # every failure puts its error here: the loop ends by raising it
             received += 1
             yield _result(finished.get())
         log.debug(
             "read %d pieces in %.2f s through %d staging slots; %.2f s of it waiting for a free slot; the %d hash "
-            "threads busy %.2f s in all",
+            "threads busy %.2f s in all; the arenas made in %.2f s beside the first reads",
             dispatched,
             time.monotonic() - began,
             slots,
             waited,
             HASH_THREADS,
             sum(busy),
+            arenas_s,
         )
     finally:
         failed.set()  # the readers skip what is left
+        arenas_made.set()  # a hash thread waiting to place sees ``failed`` and stops
         feed.stop()
         for _ in hashers:
             complete.put(None)
@@ -724,7 +753,7 @@ class _GpuReader:
         import torch
 
         self.builder = builder
-        self.device = builder.view(Slot(0, 0, 0)).device
+        self.device = builder.device.torch()  # no arena made here: the read makes them beside its first reads
         self.local = threading.local()
         self.streams: list = []
         self.lock = threading.Lock()

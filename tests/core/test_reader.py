@@ -392,6 +392,65 @@ def test_a_reader_process_killed_during_the_read_fails_the_load_in_one_line(larg
     assert _worker_pids() == []
 
 
+class _Backend:
+    """The host backend, with a hook run as each arena is made (the real arena is made after it)."""
+
+    def __init__(self, on_create):
+        from weightcache.core.arena.host import HostArenaBackend
+
+        self.real, self.on_create = HostArenaBackend(), on_create
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def create(self, size: int, device: str = "cpu"):
+        self.on_create()
+        return self.real.create(size, device)
+
+
+def test_the_arenas_are_made_while_the_reader_process_reads_the_first_pieces(large_checkpoint, monkeypatch):
+    """Making the arenas (a host arena's pages populated, a GPU's memory mapped) waits for no read: the worker already
+    has its first pieces when the first arena is made, and every byte still lands where it belongs."""
+    import safetensors.torch
+    import torch
+
+    from weightcache.core.load import reader
+
+    monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "512")
+    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "1")
+    monkeypatch.setattr(reader, "WARM_SHARE", 2.0)
+    workers_then: list[list[int]] = []
+    with ArenaBuilder("cpu", backend=_Backend(lambda: workers_then.append(_worker_pids()))) as builder:
+        placed = read_checkpoint(large_checkpoint, builder)
+        assert builder.read_mode.process, builder.read_mode.describe()
+        assert workers_then and all(workers_then), f"an arena was made before the reader process ran: {workers_then}"
+        expected = {n: t for f in checkpoint_files(large_checkpoint) for n, t in safetensors.torch.load_file(f).items()}
+        for name, (info, slot) in placed.items():
+            assert_tensors_equal(name, builder.view(slot).view(getattr(torch, info.dtype)).view(info.shape), expected[name])
+
+
+@pytest.mark.parametrize("where", ["process", "here"])
+def test_an_arena_that_cannot_be_made_fails_the_read_with_its_error_and_leaves_nothing(large_checkpoint, monkeypatch, where):
+    """The arenas are made once the first reads run; out of memory there ends the read with that error (no hash thread
+    waits forever to place a piece), no digest is recorded and no reader process is left."""
+    import errno
+
+    from weightcache.core.load import reader
+
+    monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "512")
+    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "1" if where == "process" else "0")
+    monkeypatch.setattr(reader, "WARM_SHARE", 2.0)
+
+    def out_of_memory():
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    with ArenaBuilder("cpu", backend=_Backend(out_of_memory)) as builder:
+        with pytest.raises(OSError, match="Cannot allocate memory"):
+            read_checkpoint(large_checkpoint, builder)
+        assert builder.read_digests == {}
+    assert _worker_pids() == []
+
+
 def test_a_reader_process_that_cannot_start_leaves_the_read_to_this_process(large_checkpoint, monkeypatch, caplog):
     import logging
     import sys
