@@ -624,7 +624,7 @@ def _dispatch(
             slot, buffer = taken
             feed.submit(_PieceInFlight(piece, slot, buffer, -(-piece.nbytes // block), direct_fd), direct_fd >= 0)
             dispatched += 1
-        if not arenas_made.is_set():  # fewer pieces than buffers
+        if not arenas_made.is_set() and not failed.is_set():  # fewer pieces than buffers (a failed read makes none)
             arenas_beside_the_reads()
         while received < dispatched:  # every failure puts its error here: the loop ends by raising it
             received += 1
