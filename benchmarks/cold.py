@@ -404,22 +404,26 @@ def run_wc_publish(ctx: Context, clock: Clock) -> dict:
 
 @contextlib.contextmanager
 def _reader_notes(ctx: Context):
-    """The reader's own line on how it read (its mode), added to the row's notes."""
+    """The reader's own lines on how it read (its mode, where its time went) and the hf adapter's on the read against
+    the skeleton, added to the row's notes."""
     import logging
 
     class Notes(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             ctx.notes.append(record.getMessage())
 
-    logger, handler = logging.getLogger("weightcache.core.load.reader"), Notes(logging.DEBUG)
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
+    handler = Notes(logging.DEBUG)
+    loggers = [logging.getLogger(name) for name in ("weightcache.core.load.reader", "weightcache.adapters.hf.loading")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
 
 
 def run_wc_entry(ctx: Context, clock: Clock) -> dict:

@@ -197,6 +197,7 @@ def read_checkpoint(
     (``_read_pieces``), with O_DIRECT for the pieces not in the page cache (``cached_pieces``). ``threads``
     overrides the mode's thread count.
     """
+    began = time.monotonic()
     files = checkpoint_files(path)
     headers = [read_header(file) for file in files]
     placed = {info.name: (info, builder.plan(info.nbytes)) for header in headers for info in header.tensors}
@@ -236,6 +237,7 @@ def read_checkpoint(
                 mode = attrs.evolve(mode, huge_staging=huge and any(fd >= 0 for fd in direct_for))
             builder.read_mode = mode
             log.debug("reading %d weight files: %s", len(files), mode.describe())
+            first_piece = time.monotonic()
             if mode.block:
                 done = _read_in_blocks(reader, pieces, fds, direct_for, headers, mode, process, make_arenas)
             else:
@@ -245,6 +247,7 @@ def read_checkpoint(
                 for piece, piece_hash in done:
                     hashes[piece.file][piece.index] = piece_hash
                     builder.progress.update(sum(copy.nbytes for copy in piece.copies))
+                last_piece = time.monotonic()
             finally:
                 done.close()  # its threads stopped, also where it was never started
                 if process is not None:
@@ -256,6 +259,12 @@ def read_checkpoint(
             size = keys[number].st_size
             digest = combine(size, [hashes[number][i] for i in range(len(piece_offsets(size)))])
             builder.read_digests[str(file)] = FileDigest(file, keys[number], digest)
+        log.debug(
+            "the read's own work: %.2f s before its first piece (headers, plan, files, page cache, reader process), "
+            "%.2f s after its last (the reader closed, the files checked, the digests)",
+            first_piece - began,
+            time.monotonic() - last_piece,
+        )
     finally:
         for fd in fds + [fd for fd in direct_fds if fd >= 0]:
             os.close(fd)
