@@ -238,6 +238,7 @@ def publish_case(specs, device: str, max_bytes: int, socket_dir, anchor: Path, l
         published: dict = {}
         reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label, timings=published)
         timings.update(seal_s=published["seal_s"], publish_s=published["request_s"])
+        pool, region, bytes_ = [], None, None  # no view outlives the arenas (a CUDA arena closed under one warns)
     timings["digest"] = reply["digest"]
     return {"fingerprint": fingerprint.to_json(), **timings}
 
@@ -300,6 +301,7 @@ probe = [attachment.tensors[n].reshape(-1)[:64].view(torch.uint8).long().sum().i
 print(json.dumps({"phases_ms": {k: 1000 * statistics.median(r[k] for r in runs) for k in runs[0]}, "tensors": len(names),
                   "arenas": len(attachment.manifest.arenas), "probe": probe}), flush=True)
 sys.stdin.readline()  # hold the attachment until told to go
+del model
 attachment.close()
 """
 
