@@ -578,13 +578,11 @@ def _dispatch(
     arenas_made = threading.Event()  # set once make_arenas returned (or the read ends): placing may begin
     arenas_s = 0.0
 
-    def arenas_beside_the_reads() -> None:
+    def arenas_beside_the_reads() -> None:  # an error here leaves through the dispatcher's finally, which sets the event
         nonlocal arenas_s
         start = time.monotonic()
-        try:
-            make_arenas()
-        finally:
-            arenas_made.set()
+        make_arenas()
+        arenas_made.set()
         arenas_s = time.monotonic() - start
 
     def hash_loop(number: int) -> None:
