@@ -4,9 +4,10 @@ its results.
 A block read in the loading process returns to its interpreter lock, which the skeleton's Python, an adapter's
 imports and the hashing threads keep busy; in a process of its own the reads stay in flight (docs/decisions.md 58).
 The slots are one memfd mapped by both processes; the loader hashes and places each slot's bytes after the worker
-said it is full, and gives the slot a new job only after that. ``$WEIGHTCACHE_READ_PROCESS=0`` keeps the reads in
-the loading process; a worker that cannot start (no usable ``sys.executable``, an import that fails there) does too,
-with a log line.
+said it is full, and gives the slot a new job only after that. The reader uses it where another thread of the loading
+process imports while the read runs (docs/decisions.md 62); ``$WEIGHTCACHE_READ_PROCESS=1`` for every read from the
+disk, ``=0`` for none. A worker that cannot start (no usable ``sys.executable``, an import that fails there) leaves
+the read to the loading process, with a log line.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ def bounced_staging() -> bool:
     return huge_pages_offered() and usable_cpus() >= BOUNCE_MIN_CPUS if setting is None else setting
 
 
-def wanted() -> bool:
-    """Whether reads from the disk go through a reader process (``$WEIGHTCACHE_READ_PROCESS``, default yes)."""
-    return os.environ.get(PROCESS_ENV, "") != "0"
+def setting() -> bool | None:
+    """``$WEIGHTCACHE_READ_PROCESS``: True (``1``: every read from the disk goes through a reader process), False
+    (``0``: none does), else None (the reader decides: only beside an import)."""
+    return {"1": True, "0": False}.get(os.environ.get(PROCESS_ENV, ""))
 
 
 class ReadProcess:

@@ -81,17 +81,12 @@ def _configured_block() -> int | None:
     return None
 
 
-BLOCK_BYTES = 2 << 20
-BLOCK_THREADS = 4
-"""The block mode's default: 4 threads taking 2 MiB blocks from one queue, one sequential front of 8 MiB as
-fastsafetensors keeps (16 x 512 KiB). On one H200 machine (2026-12-02 04:22, first-sight publish of 16 GB, one row
-each) it took 10.67 s, 16 x 512 KiB 11.50 s, 8 x 1 MiB 11.25 s, whole pieces 12.16 s, fastsafetensors 10.38 s:
-fewer returns to the interpreter lock for the same front (docs/benchmarks.md)."""
-PROCESS_BLOCK_BYTES = 512 << 10
-PROCESS_THREADS = 16
-"""The reader process's default: fastsafetensors' geometry (16 reads of 512 KiB in flight, 8 MiB of front), which read
-fastest on the H200 machine where no interpreter lock held the reads back (22:50 on 2026-12-01: 7.80 s against 8.42
-for 1 MiB and 8.74 for 4 MiB blocks); in this process the lock made 2 MiB x 4 the better choice (decision 54)."""
+BLOCK_BYTES = 512 << 10
+BLOCK_THREADS = 16
+"""The block mode's geometry, in this process or the reader process: fastsafetensors' (16 reads of 512 KiB in flight
+from one queue, one sequential front of 8 MiB). On the H200 machine, a first-sight publish of 16 GB with it on
+threads of this process, no import beside, read into the pinned pieces with no copy: 9.52 s (median of 3, rotated),
+against 10.16 s through the reader process and fastsafetensors' 10.08 s (2026-12-03 10:44, decision 62)."""
 HASH_THREADS = 4
 """The block mode's threads that check, place and hash the pieces read, apart from the readers: at 2.6 GB/s
 (fastsafetensors' rate on one H200 machine) a 64 MiB piece arrives every 26 ms and sha256 takes ~40 ms of a core."""
@@ -121,22 +116,23 @@ class ReadMode:
 def choose_mode(threads: int | None, cached_share: float) -> ReadMode:
     """The read's mode: ``$WEIGHTCACHE_READ_BLOCK_KIB`` where set; else whole pieces where ``cached_share`` (of the
     bytes, in the page cache) is ``WARM_SHARE`` or more (memory speed: 16 threads hash in parallel); else blocks from
-    one queue (the disk sees one sequential front): ``PROCESS_BLOCK_BYTES`` on ``PROCESS_THREADS`` threads of a reader
-    process (``$WEIGHTCACHE_READ_PROCESS``, default on), whose reads no import or skeleton of this process holds up;
-    without it whole pieces where another thread imports, else ``BLOCK_BYTES`` on ``BLOCK_THREADS`` threads here.
-    ``threads`` (or ``$WEIGHTCACHE_READ_THREADS``) overrides the thread count."""
+    one queue (the disk sees one sequential front), ``BLOCK_BYTES`` on ``BLOCK_THREADS`` threads: in a reader process
+    where another thread of this one imports (its lock would hold every read up) or ``$WEIGHTCACHE_READ_PROCESS=1``,
+    else here, straight into the pieces the hash threads place from (no copy). Beside an import with the process
+    off (``=0``): whole pieces. ``threads`` (or ``$WEIGHTCACHE_READ_THREADS``) overrides the thread count."""
     configured = _configured_block()
     threads = threads or _configured_threads()
-    process = read_process.wanted()
+    setting = read_process.setting()
+    beside_import = importing.under_way()
+    process = beside_import if setting is None else setting
     if configured is not None:
         return ReadMode(configured, threads or default_threads(), f"${BLOCK_ENV}", process=bool(configured) and process)
     if cached_share >= WARM_SHARE:
         return ReadMode(0, threads or default_threads(), f"{cached_share:.0%} in the page cache")
-    if process:
-        return ReadMode(PROCESS_BLOCK_BYTES, threads or PROCESS_THREADS, "from the disk", process=True)
-    if importing.under_way():
+    if beside_import and not process:
         return ReadMode(0, threads or default_threads(), "another thread imports")
-    return ReadMode(BLOCK_BYTES, threads or BLOCK_THREADS, "from the disk")
+    why = "from the disk, another thread imports" if beside_import else "from the disk"
+    return ReadMode(BLOCK_BYTES, threads or BLOCK_THREADS, why, process=process)
 
 
 def default_direct() -> bool:

@@ -237,40 +237,47 @@ def test_the_reader_stops_a_prefetch_of_its_files_before_it_reads(large_checkpoi
         assert not any(thread.is_alive() for thread in running._threads), "the prefetch still reads"
 
 
-def test_the_mode_follows_the_variable_then_the_page_cache_then_the_reader_process(monkeypatch):
-    """Where nothing is configured: blocks from one queue in the reader process for a read from the disk, whole pieces
-    for bytes in the page cache; without the process, whole pieces beside an import; the variables and an explicit
-    thread count win."""
+def test_the_mode_follows_the_variable_then_the_page_cache_then_an_import_beside_the_read(monkeypatch):
+    """Where nothing is configured: 512 KiB blocks from one queue on 16 threads of this process for a read from the
+    disk, in the reader process where another thread imports, whole pieces for bytes in the page cache; with the
+    process off, whole pieces beside an import; the variables and an explicit thread count win."""
     from weightcache.core.load import importing, reader
 
     monkeypatch.delenv(reader.BLOCK_ENV, raising=False)
     monkeypatch.delenv(reader.THREADS_ENV, raising=False)
     monkeypatch.delenv("WEIGHTCACHE_READ_PROCESS", raising=False)
     cold = reader.choose_mode(None, 0.0)
-    assert (cold.block, cold.threads, cold.process) == (reader.PROCESS_BLOCK_BYTES, reader.PROCESS_THREADS, True)
-    assert "blocks" in cold.describe() and "reader process" in cold.describe()
+    assert (cold.block, cold.threads, cold.process) == (512 << 10, 16, False)
+    assert "blocks" in cold.describe() and "reader process" not in cold.describe()
     with importing.importing():
-        assert reader.choose_mode(None, 0.0) == cold, "an import here does not hold up the reader process's reads"
+        beside = reader.choose_mode(None, 0.0)
+        assert (beside.block, beside.threads, beside.process) == (512 << 10, 16, True), "an import here would hold the reads up"
+        assert "reader process" in beside.describe() and "imports" in beside.describe()
+        assert reader.choose_mode(None, 0.9).block == 0, "bytes in the page cache are read in whole pieces, import or not"
     assert reader.choose_mode(None, 0.9).block == 0
     assert reader.choose_mode(None, 0.9).threads == reader.default_threads()
     assert reader.choose_mode(7, 0.0).threads == 7
     monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "0")
-    here = reader.choose_mode(None, 0.0)
-    assert (here.block, here.threads, here.process) == (reader.BLOCK_BYTES, reader.BLOCK_THREADS, False)
+    assert reader.choose_mode(None, 0.0) == cold
     with importing.importing():
         with importing.importing():
             assert reader.choose_mode(None, 0.0).block == 0
         assert reader.choose_mode(None, 0.0).block == 0, "the outer import is still running"
     assert reader.choose_mode(None, 0.0).block == reader.BLOCK_BYTES
+    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "1")
+    assert reader.choose_mode(None, 0.0).process, "=1: every read from the disk goes through the reader process"
+    monkeypatch.delenv("WEIGHTCACHE_READ_PROCESS")
     monkeypatch.setenv(reader.BLOCK_ENV, "0")
     assert reader.choose_mode(None, 0.0).block == 0
     monkeypatch.setenv(reader.BLOCK_ENV, "512")
     monkeypatch.setenv(reader.THREADS_ENV, "3")
     with importing.importing():
         assert (reader.choose_mode(None, 0.9).block, reader.choose_mode(None, 0.9).threads) == (512 << 10, 3)
+        assert reader.choose_mode(None, 0.0).process, "a configured block still leaves this process beside an import"
     assert not reader.choose_mode(None, 0.0).process
-    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "1")
-    assert reader.choose_mode(None, 0.0).process
+    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "0")
+    with importing.importing():
+        assert not reader.choose_mode(None, 0.0).process
 
 
 def test_an_import_in_another_thread_makes_a_read_in_this_process_take_whole_pieces(large_checkpoint, monkeypatch):
@@ -304,7 +311,7 @@ def test_an_import_in_another_thread_makes_a_read_in_this_process_take_whole_pie
         [weights] = checkpoint_files(large_checkpoint)
         assert builder.read_digests[str(weights)].digest == file_digest(weights)
         data = weights.read_bytes()
-        for info, slot in placed.values():  # 2 MiB blocks: each tensor's bytes are the file's
+        for info, slot in placed.values():  # 512 KiB blocks: each tensor's bytes are the file's
             assert builder.view(slot).numpy().tobytes() == data[info.start : info.start + info.nbytes], info.name
 
 
@@ -325,16 +332,40 @@ def _worker_pids() -> list[int]:
     return pids
 
 
-def test_a_read_from_the_disk_runs_in_the_reader_process_and_this_process_reads_no_weight_byte(large_checkpoint, monkeypatch):
-    """The bytes arrive through the shared slots: while the read runs the worker has read them and this process has
-    not (a reaped child's reads count as its parent's, so this is seen between pieces), the digest and every tensor's
-    bytes are still the file's, and no worker is left."""
-    from weightcache.core.load import reader
+def test_a_read_from_the_disk_beside_an_import_runs_in_the_reader_process_and_this_process_reads_no_weight_byte(
+    large_checkpoint, monkeypatch
+):
+    """With nothing configured and another thread importing, the bytes arrive through the shared slots: while the read
+    runs the worker has read them and this process has not (a reaped child's reads count as its parent's, so this is
+    seen between pieces), the digest and every tensor's bytes are still the file's, and no worker is left."""
+    import threading
+
+    from weightcache.core.load import importing, reader
 
     monkeypatch.delenv(reader.BLOCK_ENV, raising=False)
     monkeypatch.delenv("WEIGHTCACHE_READ_PROCESS", raising=False)
     monkeypatch.setattr(reader, "WARM_SHARE", 2.0)  # never "in the page cache"
     [weights] = checkpoint_files(large_checkpoint)
+    held, release = threading.Event(), threading.Event()
+
+    def warm_up() -> None:
+        with importing.importing():
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=warm_up)
+    thread.start()
+    try:
+        assert held.wait(30)
+        _read_through_the_worker(large_checkpoint, weights)
+    finally:
+        release.set()
+        thread.join()
+    assert _worker_pids() == [], "the reader process outlived its read"
+
+
+def _read_through_the_worker(large_checkpoint, weights) -> None:
+    """Read the checkpoint, counting the bytes this process and the worker read, and check where they came from."""
 
     class Count:
         def __init__(self) -> None:
@@ -359,7 +390,6 @@ def test_a_read_from_the_disk_runs_in_the_reader_process_and_this_process_reads_
         data = weights.read_bytes()
         for info, slot in placed.values():
             assert builder.view(slot).numpy().tobytes() == data[info.start : info.start + info.nbytes], info.name
-    assert _worker_pids() == [], "the reader process outlived its read"
 
 
 def test_a_reader_process_killed_during_the_read_fails_the_load_in_one_line(large_checkpoint, monkeypatch):
@@ -371,6 +401,7 @@ def test_a_reader_process_killed_during_the_read_fails_the_load_in_one_line(larg
 
     monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "512")
     monkeypatch.setenv("WEIGHTCACHE_READ_THREADS", "1")
+    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "1")
     monkeypatch.setattr(reader, "WARM_SHARE", 2.0)
     monkeypatch.setattr(reader, "HASH_THREADS", 1)
 
@@ -458,6 +489,7 @@ def test_a_reader_process_that_cannot_start_leaves_the_read_to_this_process(larg
     from weightcache.core.load import reader
 
     monkeypatch.delenv(reader.BLOCK_ENV, raising=False)
+    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "1")
     monkeypatch.setattr(reader, "WARM_SHARE", 2.0)
     monkeypatch.setattr(sys, "executable", "/bin/false")  # starts, and exits at once without a word
     [weights] = checkpoint_files(large_checkpoint)
