@@ -7,9 +7,11 @@ tensors straddle piece boundaries.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -280,31 +282,39 @@ def test_the_mode_follows_the_variable_then_the_page_cache_then_an_import_beside
         assert not reader.choose_mode(None, 0.0).process
 
 
-def test_an_import_in_another_thread_makes_a_read_in_this_process_take_whole_pieces(large_checkpoint, monkeypatch):
+@contextlib.contextmanager
+def _importing_in_another_thread() -> typing.Iterator[None]:
+    """Another thread inside ``importing.importing()`` (as the CLI's warm-up) for the duration."""
     import threading
 
-    from weightcache.core.load import importing, reader
+    from weightcache.core.load import importing
 
-    monkeypatch.delenv(reader.BLOCK_ENV, raising=False)
-    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "0")
-    monkeypatch.setattr(reader, "WARM_SHARE", 2.0)  # never "in the page cache"
     held, release = threading.Event(), threading.Event()
 
     def warm_up() -> None:
         with importing.importing():
             held.set()
-            release.wait(30)
+            release.wait(60)
 
     thread = threading.Thread(target=warm_up)
     thread.start()
     try:
         assert held.wait(30)
-        with ArenaBuilder("cpu") as builder:
-            read_checkpoint(large_checkpoint, builder)
-            assert builder.read_mode.block == 0 and "imports" in builder.read_mode.why
+        yield
     finally:
         release.set()
         thread.join()
+
+
+def test_an_import_in_another_thread_makes_a_read_in_this_process_take_whole_pieces(large_checkpoint, monkeypatch):
+    from weightcache.core.load import reader
+
+    monkeypatch.delenv(reader.BLOCK_ENV, raising=False)
+    monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "0")
+    monkeypatch.setattr(reader, "WARM_SHARE", 2.0)  # never "in the page cache"
+    with _importing_in_another_thread(), ArenaBuilder("cpu") as builder:
+        read_checkpoint(large_checkpoint, builder)
+        assert builder.read_mode.block == 0 and "imports" in builder.read_mode.why
     with ArenaBuilder("cpu") as builder:
         placed = read_checkpoint(large_checkpoint, builder)
         assert builder.read_mode.block == reader.BLOCK_BYTES
@@ -338,29 +348,14 @@ def test_a_read_from_the_disk_beside_an_import_runs_in_the_reader_process_and_th
     """With nothing configured and another thread importing, the bytes arrive through the shared slots: while the read
     runs the worker has read them and this process has not (a reaped child's reads count as its parent's, so this is
     seen between pieces), the digest and every tensor's bytes are still the file's, and no worker is left."""
-    import threading
-
-    from weightcache.core.load import importing, reader
+    from weightcache.core.load import reader
 
     monkeypatch.delenv(reader.BLOCK_ENV, raising=False)
     monkeypatch.delenv("WEIGHTCACHE_READ_PROCESS", raising=False)
     monkeypatch.setattr(reader, "WARM_SHARE", 2.0)  # never "in the page cache"
     [weights] = checkpoint_files(large_checkpoint)
-    held, release = threading.Event(), threading.Event()
-
-    def warm_up() -> None:
-        with importing.importing():
-            held.set()
-            release.wait(60)
-
-    thread = threading.Thread(target=warm_up)
-    thread.start()
-    try:
-        assert held.wait(30)
+    with _importing_in_another_thread():
         _read_through_the_worker(large_checkpoint, weights)
-    finally:
-        release.set()
-        thread.join()
     assert _worker_pids() == [], "the reader process outlived its read"
 
 
