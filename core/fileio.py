@@ -29,10 +29,15 @@ def huge_pages_offered(setting: str = THP_SETTING) -> bool:
     return "[always]" in chosen or "[madvise]" in chosen
 
 
+def switch_setting(name: str) -> bool | None:
+    """The read setting ``$name`` as a switch: True for 1, False for 0, None where it is unset or anything else (then
+    the caller's default decides)."""
+    return {"1": True, "0": False}.get(os.environ.get(name, ""))
+
+
 def huge_staging_setting() -> bool | None:
-    """``$WEIGHTCACHE_READ_HUGE_PAGES``: True for 1, False for 0, None where it is unset or anything else (then the
-    caller's default decides)."""
-    return {"1": True, "0": False}.get(os.environ.get(HUGE_STAGING_ENV, ""))
+    """``$WEIGHTCACHE_READ_HUGE_PAGES`` as a switch (``switch_setting``)."""
+    return switch_setting(HUGE_STAGING_ENV)
 
 
 def huge_staging_wanted() -> bool:

@@ -24,7 +24,7 @@ import typing
 
 from weightcache.core.cpus import usable_cpus
 from weightcache.core.errors import ReaderFailed
-from weightcache.core.fileio import huge_pages_offered, huge_staging_setting
+from weightcache.core.fileio import huge_pages_offered, huge_staging_setting, switch_setting
 from weightcache.core.load.read_worker import CONFIG, DONE, JOB, READY, RESULT
 
 if typing.TYPE_CHECKING:
@@ -55,7 +55,7 @@ def bounced_staging() -> bool:
 def setting() -> bool | None:
     """``$WEIGHTCACHE_READ_PROCESS``: True (``1``: every read from the disk goes through a reader process), False
     (``0``: none does), else None (the reader decides: only beside an import)."""
-    return {"1": True, "0": False}.get(os.environ.get(PROCESS_ENV, ""))
+    return switch_setting(PROCESS_ENV)
 
 
 class ReadProcess:
