@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import attrs
+
 GIB = 1 << 30
 EP = TP = 8
 
@@ -196,37 +198,28 @@ def publish_case(specs, device: str, max_bytes: int, socket_dir, anchor: Path, l
     pooled = total > max_bytes
     fingerprint = api.fingerprint(anchor, architecture=label, dtype="bfloat16", device=device)
     timings = {"tensors": len(specs), "bytes": total, "pooled": pooled}
-    with ArenaBuilder(device, chunk_bytes=min(GIB, max_bytes)) as builder:
+    arena_bytes = min(GIB, max_bytes)
+    with ArenaBuilder(device, chunk_bytes=arena_bytes) as builder:
         start = time.perf_counter()
-        if pooled:
-            pool = [builder.view(builder.plan(min(GIB, max_bytes))) for _ in range(max(1, max_bytes // GIB))]
-            for bytes_ in pool:
-                bytes_.random_(0, 256) if bytes_.is_cuda else bytes_.copy_(torch.randint(0, 256, bytes_.shape, dtype=torch.uint8))
-        else:
-            pool = []
+        placements = pool_placements(sizes, arena_bytes, max(1, max_bytes // GIB)) if pooled else []
+        pool = [builder.view(builder.plan(arena_bytes)) for _ in range(1 + max((p.arena for p in placements), default=-1))]
+        for bytes_ in pool:
+            bytes_.random_(0, 256) if bytes_.is_cuda else bytes_.copy_(torch.randint(0, 256, bytes_.shape, dtype=torch.uint8))
         # Every slot is planned before the first arena exists: an arena, once created, never grows, so planning and
         # creating in turn would give each tensor an arena of its own on a GPU (its granularity is 2 MiB).
         slots = [] if pooled else [builder.plan(nbytes) for nbytes in sizes]
-        state, cursor, which = {}, 0, 0
-        for index, ((name, shape, dtype), nbytes) in enumerate(zip(specs, sizes, strict=True)):
+        state = {}
+        for index, (name, shape, dtype) in enumerate(specs):
             if not pooled:
                 region = builder.view(slots[index])
                 region.random_(0, 256) if region.is_cuda else region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8))
                 state[name] = region[: _numel(shape) * ITEM_SIZES[dtype]].view(getattr(torch, dtype)).view(shape)
                 continue
-            if nbytes > pool[which].numel():  # larger than a pool arena: its rows overlap (real shape, fewer bytes)
-                state[name] = _squeezed(pool[which].view(getattr(torch, dtype)), shape)
+            place = placements[index]
+            if place.squeezed:  # larger than a pool arena: its rows overlap (real shape, fewer bytes)
+                state[name] = _squeezed(pool[place.arena].view(getattr(torch, dtype)), shape)
                 continue
-            padded = -(-nbytes // ALIGNMENT) * ALIGNMENT
-            if cursor + nbytes > pool[which].numel():
-                # The arena's last tensor ends at its end (the server refuses an arena its tensors do not reach), then
-                # the next arena; after a full cycle the records overlap what the first cycle placed.
-                end = pool[which].numel()
-                region = pool[which][end - padded : end - padded + nbytes]
-                which, cursor = (which + 1) % len(pool), 0
-            else:
-                region = pool[which][cursor : cursor + nbytes]
-                cursor += padded
+            region = pool[place.arena][place.offset : place.offset + sizes[index]]
             state[name] = region[: _numel(shape) * ITEM_SIZES[dtype]].view(getattr(torch, dtype)).view(shape)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -239,8 +232,49 @@ def publish_case(specs, device: str, max_bytes: int, socket_dir, anchor: Path, l
         reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label, timings=published)
         timings.update(seal_s=published["seal_s"], publish_s=published["request_s"])
         pool, region, bytes_ = [], None, None  # no view outlives the arenas (a CUDA arena closed under one warns)
+        del manifest
     timings["digest"] = reply["digest"]
     return {"fingerprint": fingerprint.to_json(), **timings}
+
+
+@attrs.frozen
+class Placement:
+    """Where a pooled tensor's bytes go: an arena of the pool and an offset in it, or the whole arena, rows overlapping."""
+
+    arena: int
+    offset: int = 0
+    squeezed: bool = False
+
+
+def pool_placements(sizes: list[int], arena_bytes: int, most: int) -> list[Placement]:
+    """Place tensors of ``sizes`` bytes in a pool of at most ``most`` arenas of ``arena_bytes``, every arena reached.
+
+    The server refuses an arena its tensors do not reach to the end, so each arena is closed by a tensor that ends at
+    its end (the one that no longer fits is placed there, overlapping its neighbours), and a tensor larger than an
+    arena fills one of its own, rows overlapping. The pool has as many arenas as one pass over the tensors closes
+    (at most ``most``); past the last one the placements wrap round to the first, overlapping what is there.
+    """
+    from weightcache.core.load.export import ALIGNMENT
+
+    def walk(count: int) -> tuple[list[Placement], int]:
+        placements, arena, cursor, closed = [], 0, 0, 0
+        for nbytes in sizes:
+            padded = -(-nbytes // ALIGNMENT) * ALIGNMENT
+            if nbytes > arena_bytes or cursor + nbytes > arena_bytes:
+                squeezed = nbytes > arena_bytes
+                placements.append(Placement(arena, 0 if squeezed else arena_bytes - padded, squeezed))
+                arena, cursor, closed = (arena + 1) % count, 0, closed + 1
+                continue
+            placements.append(Placement(arena, cursor))
+            cursor += padded
+        return placements, closed
+
+    _, closed = walk(len(sizes) + 1)
+    count = max(1, min(most, closed))
+    placements, closed = walk(count)
+    if closed < count:
+        raise ValueError(f"{len(sizes)} tensors of {sum(sizes):,} bytes do not reach the end of a {arena_bytes:,}-byte arena")
+    return placements
 
 
 def _squeezed(typed, shape):
