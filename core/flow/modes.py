@@ -27,6 +27,7 @@ from weightcache.core.client.client import Connection, server_is_running
 from weightcache.core.errors import CheckpointNotFound, EntryNotFound, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.flow.loader import Prepared, load_from_disk, prepare, publish, publish_from_node
+from weightcache.core.identity import hub
 from weightcache.core.request import LoadRequest
 from weightcache.core.socket_dir import SocketDir, SocketDirLike, to_socket_dir
 
@@ -143,18 +144,19 @@ def load_model(
     """Load ``model`` (a checkpoint directory or a hub id, ``revision`` its hub revision) for one engine rank in
     ``mode`` (see the module docstring).
 
-    ``options`` are the adapter's own (``model_class`` for hf); an option the
-    adapter does not declare is refused before anything is read.
+    A hub id is looked up in the local hub cache only, as ``weightcache load`` does: one the cache does not hold
+    raises ModelNotCached at once (nothing is downloaded). ``options`` are the adapter's own (``model_class`` for hf);
+    an option the adapter does not declare is refused before anything is read.
     """
+    where = hub.require_cached(hub.resolve(model, revision))
     request = LoadRequest(
-        model=model,
+        model=where.path,
         adapter=adapter,
         dtype=dtype,
         device=device,
         quantization=quantization,
         parallel=parallel or ParallelSpec(),
         options=options,
-        revision=revision,
     )
     cache = CacheOptions(mode=mode, socket_dir=socket_dir, strict=strict, republish=republish, timeout_s=timeout_s)
     return run(request, cache, plugins=plugins, progress=progress)

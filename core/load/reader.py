@@ -39,9 +39,9 @@ import attrs
 
 from weightcache.core.errors import CheckpointChanged, ReaderFailed
 from weightcache.core.fileio import DIRECT_ALIGN as ALIGN
-from weightcache.core.fileio import DirectBuffer, huge_staging_wanted, read_block, resident_pages
+from weightcache.core.fileio import READ_FLAGS, DirectBuffer, huge_staging_wanted, open_regular, read_block, resident_pages
 from weightcache.core.identity.digests import PIECE_BYTES, FileDigest, FileKey, combine, piece_offsets
-from weightcache.core.identity.safetensors_io import Header, TensorInfo, check_length, checkpoint_files, read_header
+from weightcache.core.identity.safetensors_io import Header, TensorInfo, checkpoint_files, read_header
 from weightcache.core.load import importing, read_process
 from weightcache.core.load.export import ArenaBuilder, Slot
 from weightcache.core.load.prefetch import stop_prefetches
@@ -208,7 +208,7 @@ def read_checkpoint(
     direct_fds: list[int] = []
     try:
         for file in files:
-            fds.append(os.open(file, os.O_RDONLY | os.O_CLOEXEC))
+            fds.append(open_regular(file))
             os.posix_fadvise(fds[-1], 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
         keys = [FileKey.of_fd(fd) for fd in fds]
         pieces = [piece for number, header in enumerate(headers) for piece in _pieces(number, header, keys[number], placed)]
@@ -295,7 +295,6 @@ def _pieces(number: int, header: Header, key: FileKey, placed: dict) -> list[Pie
     """The digest scheme's pieces of one file, each with the tensor bytes that fall into it."""
     if key != header.key:
         raise CheckpointChanged(str(header.file.parent), str(header.file))  # not the version whose header was read
-    check_length(header)
     starts = [info.start for info in header.tensors]
     pieces = []
     for index, start in enumerate(piece_offsets(key.st_size)):
@@ -340,7 +339,7 @@ def _read_piece(reader: "_HostReader | _GpuReader", piece: Piece, fd: int, direc
 def _direct_fd(file: Path, key: FileKey) -> int:
     """``file`` opened again with O_DIRECT, or -1 where its file system refuses that; CheckpointChanged if it is another file now."""
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        fd = os.open(file, READ_FLAGS | os.O_DIRECT)
     except OSError:
         return -1  # e.g. tmpfs: EINVAL; the buffered descriptor reads it
     if FileKey.of_fd(fd) != key:
