@@ -8,6 +8,7 @@ import os
 import stat
 import typing
 
+from weightcache.core import envvars
 from weightcache.core.errors import NotRegularFile
 
 DIRECT_ALIGN = 4096
@@ -69,8 +70,8 @@ def huge_pages_offered(setting: str = THP_SETTING) -> bool:
 
 def switch_setting(name: str) -> bool | None:
     """The read setting ``$name`` as a switch: True for 1, False for 0, None where it is unset or anything else (then
-    the caller's default decides)."""
-    return {"1": True, "0": False}.get(os.environ.get(name, ""))
+    the caller's default decides; anything else is warned about once, ``envvars.switch``)."""
+    return envvars.switch(name)
 
 
 def huge_staging_setting() -> bool | None:

@@ -37,6 +37,7 @@ if typing.TYPE_CHECKING:
 
 import attrs
 
+from weightcache.core import envvars
 from weightcache.core.errors import CheckpointChanged, ReaderFailed
 from weightcache.core.fileio import DIRECT_ALIGN as ALIGN
 from weightcache.core.fileio import READ_FLAGS, DirectBuffer, huge_staging_wanted, open_regular, read_block, resident_pages
@@ -60,10 +61,7 @@ def default_threads() -> int:
 
 
 def _configured_threads() -> int | None:
-    configured = os.environ.get(THREADS_ENV, "")
-    if configured.isdigit() and 0 < int(configured) <= 256:
-        return int(configured)
-    return None
+    return envvars.integer(THREADS_ENV, 1, 256)
 
 
 WARM_SHARE = 0.5
@@ -73,12 +71,8 @@ WARM_SHARE = 0.5
 def _configured_block() -> int | None:
     """``$WEIGHTCACHE_READ_BLOCK_KIB`` in bytes (a multiple of 4 KiB up to a piece; 0: whole pieces per thread), else
     None: ``choose_mode`` decides per read."""
-    configured = os.environ.get(BLOCK_ENV, "")
-    if configured == "0":
-        return 0
-    if configured.isdigit() and 0 < int(configured) << 10 <= PIECE_BYTES and (int(configured) << 10) % ALIGN == 0:
-        return int(configured) << 10
-    return None
+    configured = envvars.integer(BLOCK_ENV, ALIGN >> 10, PIECE_BYTES >> 10, step=ALIGN >> 10, also=(0,))
+    return None if configured is None else configured << 10
 
 
 BLOCK_BYTES = 512 << 10
@@ -137,7 +131,7 @@ def choose_mode(threads: int | None, cached_share: float) -> ReadMode:
 
 def default_direct() -> bool:
     """Pieces not in the page cache are read with O_DIRECT (bypassing it) unless ``$WEIGHTCACHE_READ_DIRECT=0``."""
-    return os.environ.get(DIRECT_ENV, "") != "0"
+    return envvars.switch(DIRECT_ENV) is not False
 
 
 def cached_pieces(fd: int, size: int) -> set[int]:
@@ -402,9 +396,9 @@ SLOTS_ENV = "WEIGHTCACHE_READ_SLOTS"
 def _slots(mode: ReadMode) -> int:
     """Whole-piece buffers a block read keeps: ``$WEIGHTCACHE_READ_SLOTS`` (2 to 64), else its front's pieces, one per
     hash thread, two to spare."""
-    configured = os.environ.get(SLOTS_ENV, "")
-    if configured.isdigit() and 2 <= int(configured) <= 64:
-        return int(configured)
+    configured = envvars.integer(SLOTS_ENV, 2, 64)
+    if configured is not None:
+        return configured
     return -(-mode.threads * mode.block // PIECE_BYTES) + HASH_THREADS + 2
 
 
