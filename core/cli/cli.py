@@ -366,7 +366,7 @@ def _load_checked(args, request, adapter, headers) -> int:
     log.debug("load: the server answered")
     preflight.check_device(request.device)
     log.debug("load: %s ready", request.device)
-    prepared = loader.prepare(request, headers=headers)  # the adapter reads the configs
+    prepared = loader.prepare(request)  # the adapter reads the configs
     log.debug("load: the adapter described the model")
     fingerprint = prepared.remembered()  # None on first sight: the load digests the bytes it reads
     with Connection(args.socket_dir) as connection:

@@ -24,7 +24,7 @@ from weightcache.core.identity.digests import (
     remember,
     remembered_digests,
 )
-from weightcache.core.identity.safetensors_io import Header, check_checkpoint, checkpoint_files, checkpoint_identity, identity_of
+from weightcache.core.identity.safetensors_io import checkpoint_files, checkpoint_identity, identity_of
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.load.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
 from weightcache.core.load.publish import publish_arenas, seal
@@ -150,35 +150,26 @@ TIERS = ("device", "host", "both")
 """Where ``publish`` keeps a model: on its device (the default), on the host tier only, or both."""
 
 
-def prepare(request: LoadRequest, plugins: Plugins | None = None, headers: "list[Header] | None" = None) -> Prepared:
-    """Find the adapter, check the options, describe the model, check its quantization and the checkpoint's headers.
+def prepare(request: LoadRequest, plugins: Plugins | None = None) -> Prepared:
+    """Find the adapter, check the options, describe the model and check its quantization method.
 
-    Reads configs and headers only: an unknown option, a checkpoint a disk load would refuse
-    (``check_checkpoint``) or an unsupported method fails here, before any weight byte is read;
-    ``headers`` are the checkpoint's where the caller checked them already. A hub id the local
-    cache does not hold (an engine's loader downloads it) has no headers to check here. The
-    fingerprint, computed on first use, needs each weight file's content digest (remembered per
-    file version: hashed on first sight, a stat per file afterwards; see
+    Reads configs only: an unknown option or an unsupported method fails here, before any weight
+    byte is read. The fingerprint, computed on first use, needs each weight file's content digest
+    (remembered per file version: hashed on first sight, a stat per file afterwards; see
     ``weightcache.core.identity.digests``).
     """
     adapter = (plugins or installed_plugins()).adapter(request.adapter)
-    where = hub.resolve(request.model, request.revision)
-    request = _resolved(request, where)
+    request = resolved(request)
     adapter.check_options(request)
     description = adapter.describe(request)
     check_quantization(description.quantization, adapter.quantization_allowlist(request))
-    if headers is None and where.cached:
-        check_checkpoint(request.model)
     return Prepared(request, adapter, description)
 
 
 def resolved(request: LoadRequest) -> LoadRequest:
     """``request`` with a hub id the local hub cache holds replaced by its snapshot directory (the revision resolved),
     else as it was."""
-    return _resolved(request, hub.resolve(request.model, request.revision))
-
-
-def _resolved(request: LoadRequest, where: hub.Resolved) -> LoadRequest:
+    where = hub.resolve(request.model, request.revision)
     if not where.cached:
         log.info("weightcache: %s is not in the local hub cache; the adapter loads it as the engine would", request.model)
         return request

@@ -9,6 +9,12 @@
   fingerprint mismatch, an entry this process cannot map — fall back to a disk
   load with one warning naming the reason, or raise with ``strict``.
 
+Both cache modes check the checkpoint's headers first (``check_checkpoint``: safetensors' own rules, before a first
+sight hashes a file or a server is started). A checkpoint the cache cannot serve — one a disk load refuses
+(overlapping offsets, a hole, a malformed header), a FIFO in a file's place, a dtype weightcache does not handle,
+``.bin`` weights only — is never published: the load falls back to the adapter's disk load with one warning, and
+that load succeeds or fails exactly as it would without weightcache.
+
 Engine integrations (vLLM's and SGLang's loader classes) call ``run`` with a
 request that carries the engine's own objects in ``request.state``; everything
 else calls ``load_model``.
@@ -28,6 +34,7 @@ from weightcache.core.errors import CheckpointNotFound, EntryNotFound, WeightCac
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.flow.loader import Prepared, load_from_disk, prepare, publish, publish_from_node
 from weightcache.core.identity import hub
+from weightcache.core.identity.safetensors_io import check_checkpoint
 from weightcache.core.request import LoadRequest
 from weightcache.core.socket_dir import SocketDir, SocketDirLike, to_socket_dir
 
@@ -181,6 +188,7 @@ def run(
 
 
 def _client(prepared: Prepared, cache: CacheOptions, timings: dict) -> LoadedModel:
+    check_checkpoint(prepared.request.model)  # before a first sight hashes it: a file the disk load refuses falls back
     try:
         return attach(prepared, cache, timings)
     except EntryNotFound:
@@ -265,6 +273,7 @@ def _from_disk(prepared: Prepared, mode: str, timings: dict, identified: bool = 
 def _daemon(prepared: Prepared, cache: CacheOptions, progress, timings: dict) -> LoadedModel:
     from weightcache.core.server.server_process import spawn_detached
 
+    check_checkpoint(prepared.request.model)  # a file the disk load refuses is neither published nor given a server
     if not server_is_running(cache.socket_dir):
         spawn_detached(cache.socket_dir)
     if prepared.remembered() is not None:  # first sight: no identity yet, the publish reads and digests in one pass

@@ -120,10 +120,11 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
 def check_checkpoint(path: str | os.PathLike) -> list[Header]:
     """Every file's header of the checkpoint at ``path``, each checked (``read_header``); no weight byte is read.
 
-    Every load checks the checkpoint here before anything else touches its files (the CLI's ``load`` before it imports
-    torch, ``loader.prepare`` for the Python API and the engines): a missing path, a directory without safetensors, a
-    FIFO or device in a weight file's place, a header a disk load would refuse or a cut-off file fails in milliseconds
-    (CheckpointNotFound, InvalidCheckpoint) instead of deep inside a load, and nothing is published.
+    The CLI's ``load`` runs it before it imports torch, the cache modes (``modes``) before a first sight hashes a file
+    or a server is started, and the reader reads every header through ``read_header`` again before it plans a byte: a
+    missing path, a directory without safetensors, a FIFO or device in a weight file's place, a header a disk load
+    would refuse or a cut-off file fails in milliseconds (CheckpointNotFound, InvalidCheckpoint) instead of deep inside
+    a load, and nothing is published.
     """
     return [read_header(file) for file in checkpoint_files(path)]
 

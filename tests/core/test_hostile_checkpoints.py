@@ -9,8 +9,10 @@ and client mode, a server's ``[[warm]]`` list, and a hub id resolved from the lo
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
 import shutil
 import socket
 import struct
@@ -24,6 +26,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.core.test_cli import cli
+from tests.core.test_hub import add_to_hub_cache
 from tests.helpers import ServerProcess, wait_until
 from weightcache.core.client.client import Connection
 from weightcache.core.errors import InvalidCheckpoint, NotRegularFile
@@ -207,16 +210,38 @@ def test_weightcache_refuses_exactly_what_safetensors_refuses(case, tmp_path):
     assert weightcache_problem(file) == problem
 
 
+def disk_load_error(checkpoint: Path) -> BaseException:
+    """What the adapter's own disk load (``mode="off"``: transformers, safetensors) raises for ``checkpoint``."""
+    with pytest.raises(Exception) as failed:
+        load_model(str(checkpoint), mode="off")
+    return failed.value
+
+
+def without_names(error: BaseException | str) -> str:
+    """``error``'s message without the tensor names safetensors quotes in backticks: of two tensors at one offset it
+    names either, as its hash map's order of the run has it."""
+    return re.sub(r"`[^`]*`", "`NAME`", str(error))
+
+
+def assert_fails_like_the_disk_load(checkpoint: Path, mode: str, socket_dir: Path, expected: str, caplog) -> None:
+    """``mode`` gives up on the cache with one warning naming ``expected``, then errors exactly as the disk load does."""
+    disk = disk_load_error(checkpoint)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="weightcache"), pytest.raises(type(disk)) as failed:
+        load_model(str(checkpoint), mode=mode, socket_dir=socket_dir)
+    assert without_names(failed.value) == without_names(disk)
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("weightcache") and r.levelno >= logging.WARNING]
+    assert said == [f"weightcache: loading {checkpoint} from disk: {expected}"], said
+
+
 @pytest.mark.parametrize("case", REFUSED)
-def test_the_cli_and_daemon_mode_refuse_it_in_one_line_and_publish_nothing(case, tmp_path, model_dir, server):
+def test_the_cli_refuses_it_in_one_line_and_daemon_mode_fails_like_the_disk_load(case, tmp_path, model_dir, server, caplog):
     checkpoint = checkpoint_with(tmp_path / "ckpt", case, model_dir("llama"))
     file = checkpoint / "model.safetensors"
     expected = f"{file}: {CASES[case][2]}; {DAMAGED}"
     run = cli("load", "--model", str(checkpoint), "--socket-dir", str(server.socket_dir), fork=True, timeout=120)
     assert run.code == 1 and run.stderr == [f"weightcache: error: {expected}"]
-    with pytest.raises(InvalidCheckpoint) as refused:
-        load_model(str(checkpoint), mode="daemon", socket_dir=server.socket_dir)
-    assert str(refused.value) == expected
+    assert_fails_like_the_disk_load(checkpoint, "daemon", server.socket_dir, expected, caplog)
     with Connection(server.socket_dir) as connection:
         assert connection.status()["entries"] == []
 
@@ -245,30 +270,36 @@ def _overlapping_copy(source: Path, target: Path) -> tuple[str, str]:
     o = q.replace("q_proj", "o_proj")
     assert header[q]["shape"] == header[o]["shape"] and header[q]["dtype"] == header[o]["dtype"]
     header[q]["data_offsets"] = header[o]["data_offsets"]
-    text = json.dumps(header).encode()
+    text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (size - len(text))  # the same length: every other tensor keeps its bytes and place
     assert len(text) == size
     file.write_bytes(raw[:8] + text + raw[8 + size :])
     return q, o
 
 
-def test_q_proj_pointing_at_o_proj_is_never_published_nor_served(tmp_path, model_dir, server):
+def test_q_proj_pointing_at_o_proj_is_never_published_nor_served(tmp_path, model_dir, server, caplog):
     good = model_dir("llama")
     bad = tmp_path / "bad"
     q, o = _overlapping_copy(good, bad)
     assert not safetensors_accepts(bad / "model.safetensors")
-    published = load_model(str(good), mode="daemon", socket_dir=server.socket_dir)  # the good one is held
+    published = load_model(str(good), mode="daemon", socket_dir=server.socket_dir)  # the server holds the good one
     try:
         with Connection(server.socket_dir) as connection:
             held = [entry["digest"] for entry in connection.status()["entries"]]
-        assert len(held) == 1
+        assert len(held) == 1 and published.source == "cache"
 
         run = cli("load", "--model", str(bad), "--socket-dir", str(server.socket_dir), fork=True, timeout=120)
-        assert run.code == 1 and len(run.stderr) == 1 and "their offsets overlap" in run.first, run.stderr
-        assert f"tensor {q!r}" in run.first and f"inside tensor {o!r}" in run.first
-        for mode in ("client", "daemon", "off"):  # as a disk load errors, every mode errors: nothing to fall back to
-            with pytest.raises(InvalidCheckpoint, match="their offsets overlap"):
-                load_model(str(bad), mode=mode, socket_dir=server.socket_dir)
+        file = bad / "model.safetensors"
+        data = 8 + struct.unpack("<Q", file.read_bytes()[:8])[0]
+        assert run.code == 1 and len(run.stderr) == 1, run.stderr
+        (problem,) = run.stderr
+        assert (
+            problem.startswith(f"weightcache: error: {file}: tensor {q!r} starts at byte ") and "their offsets overlap" in problem
+        )
+        assert f"inside tensor {o!r}" in problem and data > 0
+        expected = problem.removeprefix("weightcache: error: ")
+        for mode in ("client", "daemon"):  # the attach a client would make finds nothing; the disk load errors
+            assert_fails_like_the_disk_load(bad, mode, server.socket_dir, expected, caplog)
         with Connection(server.socket_dir) as connection:
             assert [entry["digest"] for entry in connection.status()["entries"]] == held, "nothing more was published"
     finally:
@@ -343,7 +374,7 @@ def test_the_warm_list_fails_a_fifo_and_a_malformed_checkpoint_and_loads_the_nex
         assert wait_until(lambda: warm()[2]["state"] == "done", timeout=180), warm()
         rows = warm()
         assert rows[0]["state"] == "failed" and "it is a FIFO (named pipe), not a regular file" in rows[0]["detail"], rows
-        assert rows[1]["state"] == "failed" and "their offsets overlap" in rows[1]["detail"], rows
+        assert rows[1]["state"] == "failed" and "self_attn.q_proj.weight' starts at byte" in rows[1]["detail"], rows
         with Connection(socket_dir) as connection:
             assert len(connection.status()["entries"]) == 1, "only the good checkpoint is published"
     finally:
@@ -354,36 +385,26 @@ def test_the_warm_list_fails_a_fifo_and_a_malformed_checkpoint_and_loads_the_nex
 # --- hub ids: the snapshot the local hub cache holds is checked like a directory -------------------------------------
 
 
-def _hub_cache(root: Path, repo: str, source: Path) -> Path:
-    """A local Hugging Face hub cache under ``root`` holding ``source``'s files as ``repo`` at a made-up commit."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo_dir = root / f"models--{repo.replace('/', '--')}"
-    (repo_dir / "refs").mkdir(parents=True)
-    (repo_dir / "refs" / "main").write_text(commit)
-    shutil.copytree(source, repo_dir / "snapshots" / commit)
-    return repo_dir / "snapshots" / commit
-
-
 _API_CHILD = """
-import sys
-from weightcache.core.errors import WeightCacheError
+import logging, sys
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 from weightcache.core.flow.modes import load_model
 try:
     load_model(sys.argv[1], mode=sys.argv[2], socket_dir=sys.argv[3])
-except WeightCacheError as exc:
-    print(f"weightcache: error: {exc}", file=sys.stderr)
-    sys.exit(1)
+except Exception as exc:
+    print(type(exc).__name__, exc)
 """
 
 
 def test_a_hub_id_whose_cached_snapshot_is_malformed_is_refused_on_every_path(tmp_path, model_dir, server):
     hub = tmp_path / "hub"
     q, _ = _overlapping_copy(model_dir("llama"), tmp_path / "bad")
-    snapshot = _hub_cache(hub, "org/bad", tmp_path / "bad")
+    snapshot = add_to_hub_cache(hub, "org/bad", tmp_path / "bad")
     env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
     run = cli("load", "--model", "org/bad", "--socket-dir", str(server.socket_dir), env=env, timeout=120)
     assert run.code == 1 and len(run.stderr) == 1 and f"tensor {q!r}" in run.first and str(snapshot) in run.first
-    for mode in ("daemon", "client"):
+    outcomes = {}
+    for mode in ("off", "daemon", "client"):
         child = subprocess.run(
             [sys.executable, "-c", _API_CHILD, "org/bad", mode, str(server.socket_dir)],
             capture_output=True,
@@ -391,7 +412,11 @@ def test_a_hub_id_whose_cached_snapshot_is_malformed_is_refused_on_every_path(tm
             timeout=300,
             env=env,
         )
-        assert child.returncode == 1 and child.stderr.splitlines() == run.stderr, child.stderr
+        outcomes[mode] = without_names(child.stdout.strip())
+        ours = [line for line in child.stderr.splitlines() if line.startswith("WARNING weightcache")]
+        said = run.first.removeprefix("weightcache: error: ")
+        assert ours == ([] if mode == "off" else [f"WARNING weightcache: loading {snapshot} from disk: {said}"]), child.stderr
+    assert outcomes["off"].startswith("SafetensorError") and outcomes["daemon"] == outcomes["client"] == outcomes["off"]
     with Connection(server.socket_dir) as connection:
         assert connection.status()["entries"] == []
 
