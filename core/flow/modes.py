@@ -9,8 +9,8 @@
   fingerprint mismatch, an entry this process cannot map — fall back to a disk
   load with one warning naming the reason, or raise with ``strict``.
 
-Both cache modes check the checkpoint's headers first (``check_checkpoint``: safetensors' own rules, before a first
-sight hashes a file or a server is started). A checkpoint the cache cannot serve — one a disk load refuses
+Both cache modes check the checkpoint's headers (``check_checkpoint``: safetensors' own rules) before a first sight
+hashes a file or anything is published. A checkpoint the cache cannot serve — one a disk load refuses
 (overlapping offsets, a hole, a malformed header), a FIFO in a file's place, a dtype weightcache does not handle,
 ``.bin`` weights only — is never published: the load falls back to the adapter's disk load with one warning, and
 that load succeeds or fails exactly as it would without weightcache.
@@ -273,9 +273,9 @@ def _from_disk(prepared: Prepared, mode: str, timings: dict, identified: bool = 
 def _daemon(prepared: Prepared, cache: CacheOptions, progress, timings: dict) -> LoadedModel:
     from weightcache.core.server.server_process import spawn_detached
 
-    check_checkpoint(prepared.request.model)  # a file the disk load refuses is neither published nor given a server
     if not server_is_running(cache.socket_dir):
-        spawn_detached(cache.socket_dir)
+        spawn_detached(cache.socket_dir)  # first: a checkpoint the cache cannot serve is a fallback the server counts
+    check_checkpoint(prepared.request.model)  # before a first sight hashes it: a file the disk load refuses falls back
     if prepared.remembered() is not None:  # first sight: no identity yet, the publish reads and digests in one pass
         try:
             return attach(prepared, cache, timings)

@@ -194,7 +194,7 @@ def _object(pairs: list[tuple[str, typing.Any]]) -> dict:
         return found
     repeated = _Repeated(found)
     seen: set[str] = set()
-    twice = set()
+    twice: set[str] = set()
     for key, _ in pairs:
         (twice if key in seen else seen).add(key)
     repeated.twice = frozenset(twice)

@@ -121,7 +121,7 @@ def check_checkpoint(path: str | os.PathLike) -> list[Header]:
     """Every file's header of the checkpoint at ``path``, each checked (``read_header``); no weight byte is read.
 
     The CLI's ``load`` runs it before it imports torch, the cache modes (``modes``) before a first sight hashes a file
-    or a server is started, and the reader reads every header through ``read_header`` again before it plans a byte: a
+    or anything is published, and the reader reads every header through ``read_header`` again before it plans a byte: a
     missing path, a directory without safetensors, a FIFO or device in a weight file's place, a header a disk load
     would refuse or a cut-off file fails in milliseconds (CheckpointNotFound, InvalidCheckpoint) instead of deep inside
     a load, and nothing is published.
