@@ -324,6 +324,16 @@ class InvalidCheckpoint(WeightCacheError, ValueError):
         super().__init__(f"{self.file}: {problem}; {fix}")
 
 
+class NotRegularFile(InvalidCheckpoint):
+    """A weights file that is a FIFO, a device, a socket or a directory: reading it could block or never end."""
+
+    def __init__(self, file: "str | os.PathLike", kind: str):
+        self.kind = kind
+        super().__init__(
+            file, f"it is {kind}, not a regular file", fix="put the weights file itself there (a symlink to one is fine)"
+        )
+
+
 class DeviceUnavailable(WeightCacheError):
     """A load asked for a GPU this process cannot use (no CUDA, or not that index or UUID)."""
 

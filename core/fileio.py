@@ -5,7 +5,11 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import stat
 import typing
+
+from weightcache.core import envvars
+from weightcache.core.errors import NotRegularFile
 
 DIRECT_ALIGN = 4096
 """O_DIRECT's alignment of offsets, lengths and buffers (the largest logical block size in use)."""
@@ -16,6 +20,41 @@ Buffer = typing.Any
 HUGE_PAGE = 2 << 20
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 HUGE_STAGING_ENV = "WEIGHTCACHE_READ_HUGE_PAGES"
+
+
+READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+"""How weight files are opened: O_NONBLOCK, so that a FIFO put in a file's place never waits for a writer (reads of a
+regular file ignore the flag)."""
+
+_KINDS = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+}
+
+
+def check_regular(path: str | os.PathLike, mode: int) -> None:
+    """NotRegularFile unless ``mode`` (``st_mode`` of ``path``) is a regular file's."""
+    if not stat.S_ISREG(mode):
+        raise NotRegularFile(path, _KINDS.get(stat.S_IFMT(mode), "no regular file"))
+
+
+def open_regular(path: str | os.PathLike, flags: int = 0) -> int:
+    """A descriptor of the regular file ``path`` (symlinks followed), opened with ``READ_FLAGS | flags``.
+
+    NotRegularFile for a FIFO, a device, a socket or a directory: it is refused from ``os.stat`` before any open (no
+    device is opened, no FIFO waited on), and checked again on the open descriptor (the path may be swapped between).
+    """
+    check_regular(path, os.stat(path).st_mode)
+    fd = os.open(path, READ_FLAGS | flags)
+    try:
+        check_regular(path, os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def huge_pages_offered(setting: str = THP_SETTING) -> bool:
@@ -31,8 +70,8 @@ def huge_pages_offered(setting: str = THP_SETTING) -> bool:
 
 def switch_setting(name: str) -> bool | None:
     """The read setting ``$name`` as a switch: True for 1, False for 0, None where it is unset or anything else (then
-    the caller's default decides)."""
-    return {"1": True, "0": False}.get(os.environ.get(name, ""))
+    the caller's default decides; anything else is warned about once, ``envvars.switch``)."""
+    return envvars.switch(name)
 
 
 def huge_staging_setting() -> bool | None:

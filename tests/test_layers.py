@@ -20,6 +20,7 @@ FOUNDATION = frozenset(
         "cuda_driver",
         "device",
         "dtypes",
+        "envvars",
         "errors",
         "fileio",
         "fingerprint",

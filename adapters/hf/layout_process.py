@@ -20,12 +20,12 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import os
 import subprocess
 import sys
 import threading
 import typing
 
+from weightcache.core import envvars
 from weightcache.core.cpus import usable_cpus
 
 if typing.TYPE_CHECKING:
@@ -44,10 +44,8 @@ WAIT_S = 300.0
 
 def wanted() -> bool:
     """``$WEIGHTCACHE_LAYOUT_PROCESS`` where it is 0 or 1, else whether this process may run on ``MIN_CPUS`` or more."""
-    configured = os.environ.get(ENV, "")
-    if configured in ("0", "1"):
-        return configured == "1"
-    return usable_cpus() >= MIN_CPUS
+    configured = envvars.switch(ENV)
+    return usable_cpus() >= MIN_CPUS if configured is None else configured
 
 
 class LayoutProcess:

@@ -22,6 +22,7 @@ from weightcache.core.errors import (
     EntryNotFound,
     EntryUnusable,
     InvalidCheckpoint,
+    NotRegularFile,
     ServerError,
     ServerUnavailable,
     WeightCacheError,
@@ -270,11 +271,13 @@ def fallback_kind(exc: BaseException) -> str | None:
     entry (or one not verified since a crash), an entry this process cannot use, one whose bytes
     failed their checksums here, or a checkpoint the cache cannot serve: each only
     costs the disk load, whose own errors are the engine's as without weightcache. Anything
-    else (a rebind that does not fit, a bug) raises. The kinds are the server's fallback
+    else (a rebind that does not fit, a FIFO or device in a weight file's place, a bug) raises. The kinds are the server's fallback
     metric's reasons (``weightcache.core.server.metrics.FALLBACK_KINDS``) where a server is told.
     """
     if isinstance(exc, ServerError) and exc.code != "busy":
         return None
+    if isinstance(exc, NotRegularFile):
+        return None  # the disk load would wait on a FIFO for ever: raise, in one line
     return next((kind for cls, kind in _FALLBACKS if isinstance(exc, cls)), None)
 
 

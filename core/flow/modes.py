@@ -9,6 +9,12 @@
   fingerprint mismatch, an entry this process cannot map — fall back to a disk
   load with one warning naming the reason, or raise with ``strict``.
 
+Both cache modes check the checkpoint's headers (``check_checkpoint``: safetensors' own rules) before a first sight
+hashes a file or anything is published. A checkpoint the cache cannot serve — one a disk load refuses
+(overlapping offsets, a hole, a malformed header), a FIFO in a file's place, a dtype weightcache does not handle,
+``.bin`` weights only — is never published: the load falls back to the adapter's disk load with one warning, and
+that load succeeds or fails exactly as it would without weightcache.
+
 Engine integrations (vLLM's and SGLang's loader classes) call ``run`` with a
 request that carries the engine's own objects in ``request.state``; everything
 else calls ``load_model``.
@@ -27,6 +33,8 @@ from weightcache.core.client.client import Connection, server_is_running
 from weightcache.core.errors import CheckpointNotFound, EntryNotFound, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.flow.loader import Prepared, load_from_disk, prepare, publish, publish_from_node
+from weightcache.core.identity import hub
+from weightcache.core.identity.safetensors_io import check_checkpoint
 from weightcache.core.request import LoadRequest
 from weightcache.core.socket_dir import SocketDir, SocketDirLike, to_socket_dir
 
@@ -143,18 +151,19 @@ def load_model(
     """Load ``model`` (a checkpoint directory or a hub id, ``revision`` its hub revision) for one engine rank in
     ``mode`` (see the module docstring).
 
-    ``options`` are the adapter's own (``model_class`` for hf); an option the
-    adapter does not declare is refused before anything is read.
+    A hub id is looked up in the local hub cache only, as ``weightcache load`` does: one the cache does not hold
+    raises ModelNotCached at once (nothing is downloaded). ``options`` are the adapter's own (``model_class`` for hf);
+    an option the adapter does not declare is refused before anything is read.
     """
+    where = hub.require_cached(hub.resolve(model, revision))
     request = LoadRequest(
-        model=model,
+        model=where.path,
         adapter=adapter,
         dtype=dtype,
         device=device,
         quantization=quantization,
         parallel=parallel or ParallelSpec(),
         options=options,
-        revision=revision,
     )
     cache = CacheOptions(mode=mode, socket_dir=socket_dir, strict=strict, republish=republish, timeout_s=timeout_s)
     return run(request, cache, plugins=plugins, progress=progress)
@@ -179,6 +188,7 @@ def run(
 
 
 def _client(prepared: Prepared, cache: CacheOptions, timings: dict) -> LoadedModel:
+    check_checkpoint(prepared.request.model)  # before a first sight hashes it: a file the disk load refuses falls back
     try:
         return attach(prepared, cache, timings)
     except EntryNotFound:
@@ -264,7 +274,8 @@ def _daemon(prepared: Prepared, cache: CacheOptions, progress, timings: dict) ->
     from weightcache.core.server.server_process import spawn_detached
 
     if not server_is_running(cache.socket_dir):
-        spawn_detached(cache.socket_dir)
+        spawn_detached(cache.socket_dir)  # first: a checkpoint the cache cannot serve is a fallback the server counts
+    check_checkpoint(prepared.request.model)  # before a first sight hashes it: a file the disk load refuses falls back
     if prepared.remembered() is not None:  # first sight: no identity yet, the publish reads and digests in one pass
         try:
             return attach(prepared, cache, timings)

@@ -34,6 +34,7 @@ from typing import Protocol
 import attrs
 
 from weightcache.core.cpus import usable_cpus
+from weightcache.core.fileio import READ_FLAGS
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def _hash_piece(path: Path, offset: int, length: int) -> bytes:
     buffer = bytearray(min(READ_BYTES, length))
     view = memoryview(buffer)
     done = 0
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, READ_FLAGS)
     try:
         while done < length:
             count = os.preadv(fd, [view[: min(len(buffer), length - done)]], offset + done)

@@ -4,34 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
+import stat
 import struct
 from pathlib import Path
 
 import attrs
 
-from weightcache.core.dtypes import item_size
 from weightcache.core.errors import CheckpointNotFound, InvalidCheckpoint
+from weightcache.core.fileio import check_regular, open_regular
+from weightcache.core.identity import safetensors_header
 from weightcache.core.identity.digests import SCHEME, DigestStore, FileKey, ProgressLike, checkpoint_digests
-
-MAX_HEADER_BYTES = 100 << 20
-
-# safetensors dtype codes -> torch dtype names
-ST_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
+from weightcache.core.identity.safetensors_header import MAX_HEADER_BYTES, HeaderProblem
+from weightcache.core.identity.safetensors_header import ST_DTYPES as ST_DTYPES  # its old home: the name stays here
 
 
 @attrs.frozen
@@ -59,78 +44,58 @@ class Header:
 
 
 def read_header(file: str | os.PathLike) -> Header:
-    """Parse and check the header of one safetensors file (reads only the header).
+    """Read and check the header of one safetensors file against safetensors' own rules (no weight byte is read).
 
-    Raises InvalidCheckpoint when the header is not safetensors or a tensor's record is
-    malformed or has a dtype weightcache does not handle. The data region is not checked
-    here (``check_checkpoint`` compares it with the file's length).
+    InvalidCheckpoint (NotRegularFile for a FIFO, a device or a socket, which is never opened to wait on) names the
+    file and the first rule broken (``safetensors_header``): whatever a disk load would refuse, and a tensor named twice
+    or a dtype weightcache does not handle. The last tensor must end where the file ends (``check_length``).
     """
     file = Path(file)
-    with open(file, "rb") as fh:
-        key = FileKey.of_fd(fh.fileno())
+    fd = open_regular(file)
+    with open(fd, "rb") as fh:
+        key = FileKey.of_fd(fd)
         length = key.st_size
         prefix = fh.read(8)
         if len(prefix) != 8:
             raise InvalidCheckpoint(file, f"{length} bytes long, too short for a safetensors file")
         (size,) = struct.unpack("<Q", prefix)
-        if size > MAX_HEADER_BYTES or 8 + size > length:
+        if size > MAX_HEADER_BYTES:
+            raise InvalidCheckpoint(
+                file,
+                f"it declares a {size:,}-byte header, more than safetensors reads ({MAX_HEADER_BYTES:,}): not a safetensors file",
+            )
+        if 8 + size > length:
             raise InvalidCheckpoint(
                 file, f"it declares a {size:,}-byte header but is {length:,} bytes long: not a safetensors file"
             )
         raw = fh.read(size)
     try:
-        header = json.loads(raw)
-    except ValueError:
-        header = None
-    if not isinstance(header, dict):
-        raise InvalidCheckpoint(file, "its header is not a safetensors JSON object")
+        parsed = safetensors_header.parse(raw)
+    except HeaderProblem as exc:
+        raise InvalidCheckpoint(file, exc.problem, *([exc.fix] if exc.fix else [])) from None
     data_start = 8 + size
-    metadata = header.pop("__metadata__", None) or {}
-    tensors = [_tensor_info(file, name, info, data_start) for name, info in header.items()]
-    return Header(file=file, raw=prefix + raw, tensors=tuple(sorted(tensors, key=lambda t: t.start)), metadata=metadata, key=key)
-
-
-def _tensor_info(file: Path, name: str, info, data_start: int) -> TensorInfo:
-    """One header record as a TensorInfo; InvalidCheckpoint names the tensor and what is wrong with its record."""
-    try:
-        stored, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        valid = all(isinstance(n, int) and n >= 0 for n in (*shape, begin, end)) and begin <= end
-    except (KeyError, TypeError, ValueError):
-        valid = False
-    if not valid:
-        raise InvalidCheckpoint(
-            file, f"the header's record of tensor {name!r:.120} is malformed (it needs dtype, shape and data_offsets)"
-        )
-    dtype = ST_DTYPES.get(stored)
-    if dtype is None:
-        raise InvalidCheckpoint(
-            file,
-            f"tensor {name!r:.120} has dtype {stored!r:.40}, which weightcache does not handle",
-            fix=f"use a checkpoint whose tensors are {', '.join(sorted(ST_DTYPES))}",
-        )
-    expected = math.prod(shape) * item_size(dtype)
-    if end - begin != expected:
-        raise InvalidCheckpoint(
-            file, f"tensor {name!r:.120} spans {end - begin:,} bytes but its dtype and shape need {expected:,}"
-        )
-    return TensorInfo(name, dtype, shape, file, data_start + begin, end - begin)
+    tensors = tuple(TensorInfo(r.name, r.dtype, r.shape, file, data_start + r.begin, r.end - r.begin) for r in parsed.records)
+    header = Header(file=file, raw=prefix + raw, tensors=tensors, metadata=parsed.metadata, key=key)
+    check_length(header)
+    return header
 
 
 def checkpoint_files(path: str | os.PathLike) -> list[Path]:
     """The safetensors files of a checkpoint directory (sharded via index.json, or every *.safetensors).
 
     Raises CheckpointNotFound when ``path`` does not exist, holds no safetensors file or
-    lacks a shard its index names.
+    lacks a shard its index names; NotRegularFile when a weight file is a FIFO, a device, a socket or a directory.
     """
     path = Path(path)
-    if path.is_file():
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise CheckpointNotFound(path, "no such file or directory") from None
+    if not stat.S_ISDIR(mode):
         if path.suffix != ".safetensors":
             raise CheckpointNotFound(path, "a file, but not a *.safetensors file")
+        check_regular(path, mode)
         return [path]
-    if not path.exists():
-        raise CheckpointNotFound(path, "no such file or directory")
-    if not path.is_dir():
-        raise CheckpointNotFound(path, "not a file or directory")
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -139,28 +104,29 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
         except (ValueError, KeyError, TypeError, AttributeError):
             raise InvalidCheckpoint(index, "not a safetensors index (a JSON object with a weight_map)") from None
         files = [path / name for name in names]
-        missing = [file.name for file in files if not file.is_file()]
+        missing = [file.name for file in files if not file.exists()]
         if missing:
             raise CheckpointNotFound(path, f"{len(missing)} shards its index names are missing ({', '.join(missing[:3])})")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        contents = "it is empty" if not any(path.iterdir()) else "it holds no *.safetensors file"
-        raise CheckpointNotFound(path, f"{contents} (weightcache reads safetensors checkpoints only)")
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            contents = "it is empty" if not any(path.iterdir()) else "it holds no *.safetensors file"
+            raise CheckpointNotFound(path, f"{contents} (weightcache reads safetensors checkpoints only)")
+    for file in files:
+        check_regular(file, file.stat().st_mode)
     return files
 
 
 def check_checkpoint(path: str | os.PathLike) -> list[Header]:
-    """Every file's header of the checkpoint at ``path``, each checked against the file's length; no weight byte is read.
+    """Every file's header of the checkpoint at ``path``, each checked (``read_header``); no weight byte is read.
 
-    Run it before loading: a missing path, a directory without safetensors, a damaged
-    header or a cut-off file fails here in milliseconds (CheckpointNotFound,
-    InvalidCheckpoint) instead of deep inside a load.
+    The CLI's ``load`` runs it before it imports torch, the cache modes (``modes``) before a first sight hashes a file
+    or anything is published, and the reader reads every header through ``read_header`` again before it plans a byte: a
+    missing path, a directory without safetensors, a FIFO or device in a weight file's place, a header a disk load
+    would refuse or a cut-off file fails in milliseconds (CheckpointNotFound, InvalidCheckpoint) instead of deep inside
+    a load, and nothing is published.
     """
-    headers = [read_header(file) for file in checkpoint_files(path)]
-    for header in headers:
-        check_length(header)
-    return headers
+    return [read_header(file) for file in checkpoint_files(path)]
 
 
 def check_length(header: Header) -> None:

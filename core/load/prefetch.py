@@ -18,6 +18,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from weightcache.core.fileio import READ_FLAGS
+
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 16 << 20
@@ -116,7 +118,7 @@ class Prefetch:
                 file, offset, length = chunk
                 fd = fds.get(file)
                 if fd is None:
-                    fd = fds[file] = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+                    fd = fds[file] = os.open(file, READ_FLAGS)
                 got = os.preadv(fd, [buffer[:length]], offset)
                 with self._lock:
                     self.done += got

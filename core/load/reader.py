@@ -37,11 +37,12 @@ if typing.TYPE_CHECKING:
 
 import attrs
 
+from weightcache.core import envvars
 from weightcache.core.errors import CheckpointChanged, ReaderFailed
 from weightcache.core.fileio import DIRECT_ALIGN as ALIGN
-from weightcache.core.fileio import DirectBuffer, huge_staging_wanted, read_block, resident_pages
+from weightcache.core.fileio import READ_FLAGS, DirectBuffer, huge_staging_wanted, open_regular, read_block, resident_pages
 from weightcache.core.identity.digests import PIECE_BYTES, FileDigest, FileKey, combine, piece_offsets
-from weightcache.core.identity.safetensors_io import Header, TensorInfo, check_length, checkpoint_files, read_header
+from weightcache.core.identity.safetensors_io import Header, TensorInfo, checkpoint_files, read_header
 from weightcache.core.load import importing, read_process
 from weightcache.core.load.export import ArenaBuilder, Slot
 from weightcache.core.load.prefetch import stop_prefetches
@@ -60,10 +61,7 @@ def default_threads() -> int:
 
 
 def _configured_threads() -> int | None:
-    configured = os.environ.get(THREADS_ENV, "")
-    if configured.isdigit() and 0 < int(configured) <= 256:
-        return int(configured)
-    return None
+    return envvars.integer(THREADS_ENV, 1, 256)
 
 
 WARM_SHARE = 0.5
@@ -73,12 +71,8 @@ WARM_SHARE = 0.5
 def _configured_block() -> int | None:
     """``$WEIGHTCACHE_READ_BLOCK_KIB`` in bytes (a multiple of 4 KiB up to a piece; 0: whole pieces per thread), else
     None: ``choose_mode`` decides per read."""
-    configured = os.environ.get(BLOCK_ENV, "")
-    if configured == "0":
-        return 0
-    if configured.isdigit() and 0 < int(configured) << 10 <= PIECE_BYTES and (int(configured) << 10) % ALIGN == 0:
-        return int(configured) << 10
-    return None
+    configured = envvars.integer(BLOCK_ENV, ALIGN >> 10, PIECE_BYTES >> 10, step=ALIGN >> 10, also=(0,))
+    return None if configured is None else configured << 10
 
 
 BLOCK_BYTES = 512 << 10
@@ -137,7 +131,7 @@ def choose_mode(threads: int | None, cached_share: float) -> ReadMode:
 
 def default_direct() -> bool:
     """Pieces not in the page cache are read with O_DIRECT (bypassing it) unless ``$WEIGHTCACHE_READ_DIRECT=0``."""
-    return os.environ.get(DIRECT_ENV, "") != "0"
+    return envvars.switch(DIRECT_ENV) is not False
 
 
 def cached_pieces(fd: int, size: int) -> set[int]:
@@ -208,7 +202,7 @@ def read_checkpoint(
     direct_fds: list[int] = []
     try:
         for file in files:
-            fds.append(os.open(file, os.O_RDONLY | os.O_CLOEXEC))
+            fds.append(open_regular(file))
             os.posix_fadvise(fds[-1], 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
         keys = [FileKey.of_fd(fd) for fd in fds]
         pieces = [piece for number, header in enumerate(headers) for piece in _pieces(number, header, keys[number], placed)]
@@ -295,7 +289,6 @@ def _pieces(number: int, header: Header, key: FileKey, placed: dict) -> list[Pie
     """The digest scheme's pieces of one file, each with the tensor bytes that fall into it."""
     if key != header.key:
         raise CheckpointChanged(str(header.file.parent), str(header.file))  # not the version whose header was read
-    check_length(header)
     starts = [info.start for info in header.tensors]
     pieces = []
     for index, start in enumerate(piece_offsets(key.st_size)):
@@ -340,7 +333,7 @@ def _read_piece(reader: "_HostReader | _GpuReader", piece: Piece, fd: int, direc
 def _direct_fd(file: Path, key: FileKey) -> int:
     """``file`` opened again with O_DIRECT, or -1 where its file system refuses that; CheckpointChanged if it is another file now."""
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        fd = os.open(file, READ_FLAGS | os.O_DIRECT)
     except OSError:
         return -1  # e.g. tmpfs: EINVAL; the buffered descriptor reads it
     if FileKey.of_fd(fd) != key:
@@ -403,9 +396,9 @@ SLOTS_ENV = "WEIGHTCACHE_READ_SLOTS"
 def _slots(mode: ReadMode) -> int:
     """Whole-piece buffers a block read keeps: ``$WEIGHTCACHE_READ_SLOTS`` (2 to 64), else its front's pieces, one per
     hash thread, two to spare."""
-    configured = os.environ.get(SLOTS_ENV, "")
-    if configured.isdigit() and 2 <= int(configured) <= 64:
-        return int(configured)
+    configured = envvars.integer(SLOTS_ENV, 2, 64)
+    if configured is not None:
+        return configured
     return -(-mode.threads * mode.block // PIECE_BYTES) + HASH_THREADS + 2
 
 

@@ -9,11 +9,11 @@ reading the disk when the entry is held) and reports each item's state in ``stat
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import threading
 
+from weightcache.core import envvars
 from weightcache.core.server.serve_config import WarmItem
 from weightcache.core.socket_dir import SocketDir
 
@@ -111,7 +111,7 @@ def scrub_in_background(socket_dir: SocketDir) -> threading.Thread:
     is logged."""
 
     def run() -> None:
-        pause = float(os.environ.get(SCRUB_PAUSE_ENV) or 0)
+        pause = envvars.seconds(SCRUB_PAUSE_ENV)
         if pause > 0:
             log.warning("the scrub of the entries from systemd's fd store waits %g s (%s is set)", pause, SCRUB_PAUSE_ENV)
             threading.Event().wait(pause)

@@ -41,6 +41,7 @@ from collections.abc import Iterable
 
 import attrs
 
+from weightcache.core import envvars
 from weightcache.core.cli.cli_options import add_timeout, help_text
 from weightcache.core.errors import StandbyError, WeightCacheError
 from weightcache.core.flow.example_inputs import run_with_inputs, to_device
@@ -475,7 +476,7 @@ def run(args: argparse.Namespace) -> int:
         then=then,
         requests=sys.stdin,
         timeout_s=args.timeout,
-        use_pidfd=not args.no_pidfd and os.environ.get("WEIGHTCACHE_STANDBY_PIDFD", "1") != "0",
+        use_pidfd=not args.no_pidfd and envvars.switch("WEIGHTCACHE_STANDBY_PIDFD") is not False,
     )
     try:
         print(json.dumps(standby.start()), flush=True)

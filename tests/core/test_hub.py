@@ -11,7 +11,10 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -120,19 +123,57 @@ def test_client_mode_attaches_a_hub_id_the_loader_published(hub_cache, server):
     assert proc.stdout.split() == ["cache", "False", "LlamaForCausalLM"], proc.stderr
 
 
-def test_a_hub_id_the_cache_lacks_raises_what_transformers_raises_without_weightcache(hub_cache, server):
-    plain = run_python(
-        "import transformers\ntry:\n    transformers.AutoModelForCausalLM.from_pretrained('org/absent')\n"
-        "except Exception as exc:\n    print(type(exc).__name__)",
-        env=hub_env(hub_cache),
+_OFFLINE_CHILD = """
+import json, socket, sys, time
+attempts = []
+def refuse(*args, **kwargs):
+    attempts.append(repr(args)[:80])
+    raise OSError("this test allows no network access")
+_connect = socket.socket.connect
+def connect(self, address):
+    if self.family in (socket.AF_INET, socket.AF_INET6):
+        refuse(address)
+    return _connect(self, address)
+socket.socket.connect = connect
+socket.getaddrinfo = refuse
+import huggingface_hub  # its import is no part of the answer's time
+from weightcache.core.flow.modes import load_model
+began = time.monotonic()
+try:
+    load_model(sys.argv[1], mode=sys.argv[2], socket_dir=sys.argv[3])
+except Exception as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - began, "attempts": attempts}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["off", "client", "daemon"])
+def test_load_model_of_a_hub_id_an_empty_cache_lacks_is_the_clis_one_line_at_once_offline(mode, tmp_path, socket_dir):
+    """HOME and HF_HOME empty, no HF_HUB_OFFLINE: still no request, no retry, no huggingface_hub traceback."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "TRANSFORMERS_", "HUGGINGFACE"))}
+    env.update(HOME=str(tmp_path / "home"), HF_HOME=str(tmp_path / "hf"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "hf").mkdir()
+    began = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _OFFLINE_CHILD, "org/absent", mode, str(socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
-    ours = run_python(
-        "from weightcache.core.flow.modes import load_model\ntry:\n"
-        f"    load_model('org/absent', mode='client', socket_dir={str(server.socket_dir)!r})\n"
-        "except Exception as exc:\n    print(type(exc).__name__)",
-        env=hub_env(hub_cache),
-    )
-    assert ours.stdout.strip() == plain.stdout.strip() == "OSError"
+    assert proc.stdout, proc.stderr
+    outcome = json.loads(proc.stdout)
+    line = subprocess.run(
+        [sys.executable, "-m", "weightcache.core.cli.cli", "load", "--model", "org/absent", "--socket-dir", str(socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    ).stderr.splitlines()
+    assert line == [f"weightcache: error: {outcome['message']}"] and outcome["error"] == "ModelNotCached"
+    assert f"({tmp_path / 'hf' / 'hub'})" in outcome["message"], outcome["message"]
+    assert outcome["attempts"] == [] and "Traceback" not in proc.stderr, proc.stderr
+    assert outcome["seconds"] < 3.0 and time.monotonic() - began < 60, outcome
 
 
 @pytest.mark.parametrize("mode", ["client", "daemon"])
