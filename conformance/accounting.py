@@ -37,15 +37,23 @@ def unaccounted(
     checkpoint_names: "typing.Iterable[tuple[str, str]]", published: set[str], conventions: "CheckpointConventions"
 ) -> list[str]:
     """One problem per checkpoint tensor ``(name, where)`` not accounted for, naming it and what to do."""
-    consumed = [(re.compile(pattern), replacement) for pattern, replacement in conventions.consumed_tensors]
+    holder_of = consumer(conventions.consumed_tensors)
     unused = [re.compile(pattern) for pattern, _ in conventions.unused_tensors]
     problems = []
     for name, where in checkpoint_names:
         if name in published or any(pattern.fullmatch(name) for pattern in unused):
             continue
-        holder = next((pattern.sub(replacement, name) for pattern, replacement in consumed if pattern.fullmatch(name)), None)
+        holder = holder_of(name)
         if holder is None:
             problems.append(f"{name} ({where}) is neither published, nor consumed by a published tensor, nor declared unused")
         elif holder not in published:
             problems.append(f"{name} ({where}) is declared consumed by {holder}, which is not published")
     return problems
+
+
+def consumer(declared: typing.Any) -> "typing.Callable[[str], str | None]":
+    """``f(checkpoint_name)`` -> the published tensor holding it, or None: the adapter's function, or its regex pairs applied."""
+    if callable(declared):
+        return declared
+    rules = [(re.compile(pattern), replacement) for pattern, replacement in declared]
+    return lambda name: next((pattern.sub(replacement, name) for pattern, replacement in rules if pattern.fullmatch(name)), None)

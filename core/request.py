@@ -110,6 +110,11 @@ def _groups(value) -> tuple:
     return tuple(tuple(str(name) for name in group) for group in value or ())
 
 
+def _pairs_or_function(value) -> typing.Any:
+    """A function as it is, else ``_pairs(value)``."""
+    return value if callable(value) else _pairs(value)
+
+
 def _pairs(value) -> tuple:
     """``(pattern, text)`` pairs from pairs or a mapping, each checked to be two strings."""
     items = value.items() if isinstance(value, typing.Mapping) else (value or ())
@@ -134,7 +139,9 @@ class CheckpointConventions:
     :param consumed_tensors: checkpoint tensors a published tensor of another name holds, as
         ``(pattern, replacement)`` pairs: a checkpoint name matching the regular expression ``pattern``
         (whole name) is held by the published tensor ``re.sub(pattern, replacement, name)``, e.g. a fused
-        projection ``(("(.*)[.][qkv]_proj[.]weight", "\\1.qkv_proj.weight"),)``.
+        projection ``(("(.*)[.][qkv]_proj[.]weight", "\\1.qkv_proj.weight"),)``; or a function
+        ``f(checkpoint_name)`` giving that published name, None where it names none (the hf adapter
+        asks transformers' own renaming).
     :param unused_tensors: checkpoint tensors no published tensor holds, as ``(pattern, reason)`` pairs
         (the model class never reads them; an engine's own loader maps them into its parameters).
         The kit accounts for every tensor of the checkpoint's files: published under its own name,
@@ -147,7 +154,7 @@ class CheckpointConventions:
 
     quantization_declaration: typing.Any = "hf-config"
     tied: tuple = attrs.field(default=(), converter=_groups)
-    consumed_tensors: tuple = attrs.field(default=(), converter=_pairs)
+    consumed_tensors: typing.Any = attrs.field(default=(), converter=_pairs_or_function)
     unused_tensors: tuple = attrs.field(default=(), converter=_pairs)
     unused_config: tuple = attrs.field(default=(), converter=_pairs)
 

@@ -145,6 +145,30 @@ def test_a_forward_less_run_never_says_plain_passed(planted_env, checkpoint, tmp
     assert "weightcache conformance: PASSED without forward checks (no forward pass for this model here" in proc.stdout
 
 
+def test_a_suite_subclassing_the_kit_ends_with_the_verdict_without_naming_the_plugin(planted_env, checkpoint, tmp_path):
+    """The kit's pytest11 entry point loads it in every run: no ``-p weightcache.conformance``, still the verdict line."""
+    import importlib.metadata
+
+    assert "weightcache.conformance" in {entry.name for entry in importlib.metadata.entry_points(group="pytest11")}
+    (tmp_path / "test_planted.py").write_text(kit_subclass_module("ForwardLess", checkpoint))
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "test_planted.py",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "tensor_parity or bit_identical",
+    ]
+    proc = _run(argv, planted_env, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "weightcache conformance: PASSED without forward checks (no forward pass for this model here" in proc.stdout, (
+        proc.stdout
+    )
+
+
 def test_the_adapter_supplies_its_conventions_so_the_cli_needs_no_flags(planted_env, checkpoint, tmp_path):
     """Tied groups and how a checkpoint declares a method come from weightcache_checkpoint_conventions."""
     proc, results = kit_cli(planted_env, tmp_path, "planted-scale-in-extra", checkpoint, select="tied or declared_method")
