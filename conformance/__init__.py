@@ -1,15 +1,17 @@
 """The weightcache conformance kit: prove that an adapter's mapped weights give exactly a disk load's outputs.
 
-An opt-in pytest plugin plus abstract test classes, in the manner of fsspec's
-abstract tests. Two ways to run it:
+A pytest plugin plus abstract test classes, in the manner of fsspec's
+abstract tests. pytest loads the plugin in every run (a ``pytest11`` entry point):
+it adds the ``--weightcache-*`` options and, after any run that collected a check
+of the kit, prints the verdict line. Two ways to run it:
 
 - On one model from the command line (the built-in suite)::
 
       pytest -p weightcache.conformance --weightcache-adapter NAME --weightcache-model PATH [--weightcache-quant fp8-block]
       weightcache conformance --adapter NAME --model PATH [--quant fp8-block] [--json FILE]
 
-- In your own test suite: ``pytest_plugins = ["weightcache.conformance"]`` in
-  your top-level conftest (optional: it adds the command-line options), then
+- In your own test suite (``pytest_plugins = ["weightcache.conformance"]`` in your
+  top-level conftest is needed only where entry-point plugins are disabled), then
   subclass the kit::
 
       from weightcache.conformance import ConformanceFixtures, ConformanceTests

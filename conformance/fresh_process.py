@@ -99,6 +99,15 @@ def adapter_spec(plugins: "Plugins | None", adapter: str) -> str | None:
     return name
 
 
+def plain(value: typing.Any) -> typing.Any:
+    """``value`` with every mapping a dict and every list or tuple a plain one (what ``torch.load(weights_only=True)`` reads)."""
+    if isinstance(value, typing.Mapping):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(item) for item in value) if type(value) in (list, tuple) else [plain(item) for item in value]
+    return value
+
+
 def child_seed() -> str:
     """A ``PYTHONHASHSEED`` other than this process's (the next one when it is fixed, else 1)."""
     own = os.environ.get("PYTHONHASHSEED", "")
@@ -120,7 +129,7 @@ def run_fresh_load(
     workdir.mkdir(parents=True, exist_ok=True)
     forward = not isinstance(inputs, ForwardUnavailable)
     if forward:
-        torch.save(inputs, workdir / INPUTS)
+        torch.save(plain(inputs), workdir / INPUTS)
     spec = {
         "request": {
             "model": request.model,

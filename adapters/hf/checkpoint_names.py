@@ -36,7 +36,7 @@ class TransformersNames:
 def renamer(request: "LoadRequest") -> Callable[[str], str]:
     """transformers' renaming of checkpoint keys for the model ``request`` loads (its meta skeleton's conversion mapping)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, rename_source_key
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     from weightcache.adapters.hf.identity import load_dtype, read_config
     from weightcache.adapters.hf.loading import skeleton
@@ -44,7 +44,7 @@ def renamer(request: "LoadRequest") -> Callable[[str], str]:
     model = skeleton(request, True, load_dtype(request, read_config(request.model, request.revision)))
     transforms = get_model_conversion_mapping(model)
     converters = [transform for transform in transforms if isinstance(transform, WeightConverter)]
-    renamings = [transform for transform in transforms if not isinstance(transform, WeightConverter)]
+    renamings = [transform for transform in transforms if isinstance(transform, WeightRenaming)]
     names = dict.fromkeys(model.state_dict())
     prefix = model.base_model_prefix or None
     return lambda name: rename_source_key(name, renamings, converters, prefix, names)[0]
