@@ -8,6 +8,7 @@
 - ``refuse_reload``, ``lazy_class``, ``entry_bytes``: the engines' loader classes.
 - ``PrivateName``: an engine's private name an adapter relies on, looked up with
   an error that names it when a newer engine dropped it.
+- ``ENGINE_LOADED_TENSORS``: what the engine adapters tell the conformance kit of their checkpoints' tensors.
 
 The modes themselves (off, daemon, client, fallback, publish) are the core's
 (``weightcache.core.flow.modes``). No engine is imported here.
@@ -38,6 +39,17 @@ if typing.TYPE_CHECKING:
     from weightcache.core.request import ModelDescription
 
 log = logging.getLogger(__name__)
+
+ENGINE_LOADED_TENSORS = (
+    (
+        ".*",
+        "the engine's own load_weights maps each checkpoint tensor into its parameters (fusing projections and experts "
+        "under its own names) and refuses one it does not know",
+    ),
+)
+"""``CheckpointConventions.unused_tensors`` of the engine adapters: the kit cannot match checkpoint names to the
+engine's fused parameters one by one, so it leaves that to the engine's loader (the parity checks still compare every
+published tensor with the engine's own disk load)."""
 
 EngineModelConfig = typing.Any
 """vLLM's ``vllm.config.ModelConfig`` or SGLang's ``ModelConfig``: neither engine is imported here."""

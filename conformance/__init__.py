@@ -1,15 +1,17 @@
 """The weightcache conformance kit: prove that an adapter's mapped weights give exactly a disk load's outputs.
 
-An opt-in pytest plugin plus abstract test classes, in the manner of fsspec's
-abstract tests. Two ways to run it:
+A pytest plugin plus abstract test classes, in the manner of fsspec's
+abstract tests. pytest loads the plugin in every run (a ``pytest11`` entry point):
+it adds the ``--weightcache-*`` options and, after any run that collected a check
+of the kit, prints the verdict line. Two ways to run it:
 
 - On one model from the command line (the built-in suite)::
 
       pytest -p weightcache.conformance --weightcache-adapter NAME --weightcache-model PATH [--weightcache-quant fp8-block]
       weightcache conformance --adapter NAME --model PATH [--quant fp8-block] [--json FILE]
 
-- In your own test suite: ``pytest_plugins = ["weightcache.conformance"]`` in
-  your top-level conftest (optional: it adds the command-line options), then
+- In your own test suite (``pytest_plugins = ["weightcache.conformance"]`` in your
+  top-level conftest is needed only where entry-point plugins are disabled), then
   subclass the kit::
 
       from weightcache.conformance import ConformanceFixtures, ConformanceTests
@@ -29,6 +31,7 @@ See docs/adapter-guide.md.
 
 from __future__ import annotations
 
+import functools
 import typing
 from pathlib import Path
 
@@ -36,11 +39,13 @@ __all__ = [
     "REFUSED_METHODS",
     "AdapterTests",
     "ArchitectureTests",
+    "ConfigTests",
     "ConformanceFixtures",
     "ConformanceTests",
     "CrashTests",
     "FingerprintTests",
     "FlipTests",
+    "FreshProcessTests",
     "ModeTests",
     "ParityTests",
     "QuantizationTests",
@@ -49,11 +54,13 @@ __all__ = [
 _LAZY = {
     "AdapterTests": "weightcache.conformance.checks",
     "ArchitectureTests": "weightcache.conformance.checks",
+    "ConfigTests": "weightcache.conformance.checks",
     "ConformanceFixtures": "weightcache.conformance.fixtures",
     "ConformanceTests": "weightcache.conformance.checks",
     "CrashTests": "weightcache.conformance.checks",
     "FingerprintTests": "weightcache.conformance.checks",
     "FlipTests": "weightcache.conformance.checks",
+    "FreshProcessTests": "weightcache.conformance.checks",
     "ModeTests": "weightcache.conformance.checks",
     "ParityTests": "weightcache.conformance.checks",
     "QuantizationTests": "weightcache.conformance.checks",
@@ -129,10 +136,46 @@ def pytest_configure(config) -> None:
         config.args = [str(SUITE)]
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    """The kit's verdict when its forward checks did not run: never a plain pass."""
-    from weightcache.conformance.verdict import PASSED_WITHOUT_FORWARD, forward_skip, skip_reason, verdict
+KIT_MODULE = "weightcache.conformance.checks"
+"""Where the kit's test classes live: a collected test whose class derives from one of them is a check of the kit."""
 
-    no_forward = forward_skip(skip_reason(report) for report in terminalreporter.stats.get("skipped", []))
-    if verdict(int(exitstatus), no_forward) == PASSED_WITHOUT_FORWARD:
-        terminalreporter.write_line(f"weightcache conformance: {PASSED_WITHOUT_FORWARD} ({no_forward})", yellow=True, bold=True)
+
+def pytest_collection_finish(session) -> None:
+    """Remember which tests to run are the kit's checks (their class derives from one of the kit's classes)."""
+    session.config.stash[_kit_checks()] = {
+        item.nodeid
+        for item in session.items
+        if any(base.__module__ == KIT_MODULE for base in getattr(getattr(item, "cls", None), "__mro__", ()))
+    }
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The kit's verdict after every run that collected a check of it: PASSED, PASSED without forward checks, FAILED."""
+    from weightcache.conformance.verdict import PASSED, PASSED_WITHOUT_FORWARD, forward_skip, skip_reason, verdict
+
+    checks = config.stash.get(_kit_checks(), set())
+    if not checks:
+        return
+    stats = terminalreporter.stats
+
+    def reports(*outcomes: str) -> list:
+        return [report for outcome in outcomes for report in stats.get(outcome, []) if getattr(report, "nodeid", None) in checks]
+
+    failed = bool(reports("failed", "error")) or int(exitstatus) not in (0, 1, 5)  # interrupted, usage or internal error
+    no_forward = forward_skip(skip_reason(report) for report in reports("skipped"))
+    said = verdict(1 if failed else 0, no_forward)
+    detail = f" ({no_forward})" if said == PASSED_WITHOUT_FORWARD else ""
+    colour = {
+        "green": said == PASSED,
+        "yellow": said == PASSED_WITHOUT_FORWARD,
+        "red": said not in (PASSED, PASSED_WITHOUT_FORWARD),
+    }
+    terminalreporter.write_line(f"weightcache conformance: {said}{detail}", bold=True, **colour)
+
+
+@functools.cache
+def _kit_checks() -> typing.Any:
+    """The stash key of the kit's collected checks (made on first use: importing this module imports no pytest)."""
+    import pytest
+
+    return pytest.StashKey[set]()

@@ -11,11 +11,14 @@
   and device flipped on a published entry: a miss, or exactly the client's own disk load.
 - :class:`QuantizationTests`: refused methods fail before any weight is read.
 - :class:`CrashTests`: a SIGKILLed server leaves an attached model's outputs unchanged.
+- :class:`FreshProcessTests`: a load in a fresh process with another hash seed publishes the same
+  fingerprint, bytes and outputs.
+- :class:`ConfigTests`: every scalar of config.json changed on a copy: another fingerprint, or the same model.
 - :class:`ConformanceTests`: all of them.
 
 Grouped by what their outcome depends on, for a suite that runs the kit on many models of one adapter:
 
-- :class:`ArchitectureTests` (parity, modes, flips, crash): the model's architecture decides the outcome
+- :class:`ArchitectureTests` (parity, modes, flips, crash, fresh process, config): the model's architecture decides the outcome
   (its layers, tied weights, post-processing): run them on every architecture the adapter supports.
 - :class:`AdapterTests` (fingerprint, quantization refusals): the core's and the adapter's identity rules,
   which no architecture changes (each check perturbs the fingerprint or the declared method, not the
@@ -215,6 +218,22 @@ class ParityTests:
     def test_forward_outputs_bit_identical(self, mapped_model, run_model, example_inputs, disk_outputs):
         outputs = flatten_outputs(run_model(mapped_model.model, example_inputs))
         assert_same_outputs(outputs, disk_outputs, "mapped model")
+
+    def test_long_forward_outputs_bit_identical(self, mapped_model, run_model, long_inputs, long_disk_outputs):
+        """The same on the second, longer input: code a short input never reaches may read tensors left behind."""
+        outputs = flatten_outputs(run_model(mapped_model.model, long_inputs))
+        assert_same_outputs(outputs, long_disk_outputs, "mapped model, long input")
+
+    def test_every_checkpoint_tensor_is_accounted_for(self, load_request, published, conventions):
+        """Each tensor of the checkpoint's files is published, consumed by a published tensor, or declared unused."""
+        from weightcache.conformance.accounting import ADVICE, published_names, unaccounted
+        from weightcache.core.flow.loader import resolved
+        from weightcache.core.identity.safetensors_io import checkpoint_tensors
+
+        model = resolved(load_request).model
+        names = [(info.name, f"{info.dtype} {list(info.shape)} in {info.file.name}") for info in checkpoint_tensors(model)]
+        problems = unaccounted(names, published_names(published.manifest), conventions)
+        assert not problems, failures(f"checkpoint tensors a client never gets; {ADVICE}", problems)
 
 
 class FingerprintTests:
@@ -468,7 +487,76 @@ class FlipTests:
         assert not problems, failures("adapter options flipped on a published entry", problems)
 
 
-class ArchitectureTests(ParityTests, ModeTests, FlipTests, CrashTests):
+class FreshProcessTests:
+    """A load in a fresh process with another string-hash seed gives the published fingerprint, bytes and outputs."""
+
+    def test_fresh_process_publishes_the_same_model(
+        self, load_request, plugins, published, mapped_model, run_model, example_inputs, tmp_path
+    ):
+        from weightcache.conformance.fresh_process import HASH_PROBE, first_differing_tensor, run_fresh_load
+        from weightcache.core.request import ForwardUnavailable
+
+        child = run_fresh_load(load_request, plugins, example_inputs, run_model, tmp_path / "fresh")
+        assert child.hash_probe != hash(HASH_PROBE), (
+            f"the fresh process (PYTHONHASHSEED={child.seed}) hashes strings as this one does: set PYTHONHASHSEED to "
+            "another value (or unset it) for the kit's own process"
+        )
+        where = f"a fresh process (PYTHONHASHSEED={child.seed})"
+        mismatched = published.fingerprint.mismatched_fields(child.fingerprint)
+        assert not mismatched, (
+            f"{where} computes another fingerprint, differing in {list(mismatched)}: a client in another process "
+            "never finds the entry; the fingerprint must not depend on the process (hash(), id(), set order, time)"
+        )
+        problems = first_differing_tensor(child, model_tensors(mapped_model.model))
+        assert not problems, failures(
+            f"{where} loads other tensors than this process published, first {problems[0].split(' ')[0]}: "
+            "post-processing depends on the process (hash() of a string, id(), set order, unseeded randomness); "
+            "a client there attaches weights its own disk load would not give",
+            problems,
+        )
+        if isinstance(example_inputs, ForwardUnavailable):
+            return
+        assert child.forward_error is None, f"{where} could not run the forward: {child.forward_error}"
+        expected = flatten_outputs(run_model(mapped_model.model, example_inputs))
+        assert_same_outputs(child.outputs, expected, f"{where}", label="fresh process")
+
+
+class ConfigTests:
+    """Every scalar of config.json changed alone, on a copy: another fingerprint, or the same tensors and outputs."""
+
+    def test_config_fields_change_the_fingerprint_or_nothing(
+        self,
+        load_request,
+        plugins,
+        conventions,
+        disk_model,
+        run_model,
+        example_inputs,
+        long_inputs,
+        tmp_path,
+    ):
+        from weightcache.conformance.config_fields import check_config_fields
+        from weightcache.core.flow.loader import resolved
+        from weightcache.core.request import ForwardUnavailable
+
+        def same_as_disk(model: "torch.nn.Module") -> None:
+            assert_same_model(model, disk_model.model, run_model, example_inputs, "config changed")
+            if not isinstance(long_inputs, ForwardUnavailable):
+                expected = flatten_outputs(run_model(disk_model.model, long_inputs))
+                assert_same_outputs(flatten_outputs(run_model(model, long_inputs)), expected, "config changed, long input")
+
+        with refused_quantization_skips(load_request):
+            found = check_config_fields(
+                resolved(load_request), plugins, conventions.unused_config, tmp_path / "copy", same_as_disk
+            )
+        if found is None:
+            pytest.skip("the checkpoint has no config.json")
+        assert not found.problems, failures(
+            "config.json fields folded into the weights but not into the fingerprint", found.problems
+        )
+
+
+class ArchitectureTests(ParityTests, ModeTests, FlipTests, CrashTests, FreshProcessTests, ConfigTests):
     """The checks whose outcome depends on the model's architecture: run them on every architecture."""
 
 

@@ -9,7 +9,7 @@ Subclass :class:`ConformanceFixtures` together with the test classes of
 - configuration: ``quantization``, ``device``, ``dtype``, ``load_options``,
   ``plugins``;
 - capabilities: ``supports_fp8``, ``expected_tied``, ``declare_quantization``,
-  ``example_inputs``, ``run_model``.
+  ``example_inputs``, ``long_inputs``, ``run_model``.
 
 Each has a command-line form too (``--weightcache-*``, see ``weightcache.conformance.OPTIONS``),
 so ``weightcache conformance`` accepts everything a subclass can set; ``expected_tied`` and
@@ -357,6 +357,25 @@ class ConformanceFixtures:
         if not outputs:
             raise AssertionError("the model's output holds no tensor; override run_model to return tensors")
         return outputs
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def long_inputs(cls, example_inputs, disk_model):
+        """The second, longer input: the example's token sequences lengthened as far as the model's context allows,
+        capped (``weightcache.conformance.long_inputs``); ``ForwardUnavailable(reason)`` when they cannot be."""
+        from weightcache.conformance.long_inputs import context_length, lengthen
+
+        return lengthen(example_inputs, context_length(disk_model.model))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def long_disk_outputs(cls, disk_model, run_model, long_inputs, disk_outputs):
+        """The disk model's output tensors on ``long_inputs``, by path; skips when there is no longer input."""
+        from weightcache.core.request import ForwardUnavailable
+
+        if isinstance(long_inputs, ForwardUnavailable):
+            pytest.skip(f"no longer input: {long_inputs.reason}")
+        return flatten_outputs(run_model(disk_model.model, long_inputs))
 
     @pytest.fixture(scope="class")
     @classmethod

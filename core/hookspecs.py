@@ -189,8 +189,11 @@ def weightcache_checkpoint_conventions(request: "LoadRequest") -> "CheckpointCon
     """How this adapter's checkpoints declare a quantization method and which tensors they tie, for the conformance kit.
 
     ``weightcache conformance --adapter NAME --model PATH`` then needs no
-    ``--declare-quantization`` or ``--tied`` flag. Default: ``CheckpointConventions()``
-    (transformers' ``quantization_config`` in config.json, no tied group required).
+    ``--declare-quantization`` or ``--tied`` flag. It also says which checkpoint tensors a
+    published tensor of another name holds or the model never reads (``consumed_tensors``,
+    ``unused_tensors``) and which config.json fields cannot change the weights (``unused_config``).
+    Default: ``CheckpointConventions()`` (transformers' ``quantization_config`` in config.json,
+    no tied group required, nothing declared).
     Stops at first non-None result.
 
     :param request: the kit's load request (``request.model`` is the checkpoint).

@@ -110,6 +110,21 @@ def _groups(value) -> tuple:
     return tuple(tuple(str(name) for name in group) for group in value or ())
 
 
+def _pairs_or_function(value) -> typing.Any:
+    """A function as it is, else ``_pairs(value)``."""
+    return value if callable(value) else _pairs(value)
+
+
+def _pairs(value) -> tuple:
+    """``(pattern, text)`` pairs from pairs or a mapping, each checked to be two strings."""
+    items = value.items() if isinstance(value, typing.Mapping) else (value or ())
+    pairs = tuple(tuple(item) for item in items)
+    for pair in pairs:
+        if len(pair) != 2 or not all(isinstance(part, str) for part in pair):
+            raise ValueError(f"expected (pattern, text) pairs of strings, got {pair!r}")
+    return pairs
+
+
 @attrs.frozen
 class CheckpointConventions:
     """What the conformance kit needs to know of an adapter's checkpoints (``weightcache_checkpoint_conventions``).
@@ -121,10 +136,27 @@ class CheckpointConventions:
         writes the declaration into the copy.
     :param tied: groups of tensor names that must share memory in every load (e.g.
         ``(("lm_head.weight", "embed.weight"),)``).
+    :param consumed_tensors: checkpoint tensors a published tensor of another name holds, as
+        ``(pattern, replacement)`` pairs: a checkpoint name matching the regular expression ``pattern``
+        (whole name) is held by the published tensor ``re.sub(pattern, replacement, name)``, e.g. a fused
+        projection ``(("(.*)[.][qkv]_proj[.]weight", "\\1.qkv_proj.weight"),)``; or a function
+        ``f(checkpoint_name)`` giving that published name, None where it names none (the hf adapter
+        asks transformers' own renaming).
+    :param unused_tensors: checkpoint tensors no published tensor holds, as ``(pattern, reason)`` pairs
+        (the model class never reads them; an engine's own loader maps them into its parameters).
+        The kit accounts for every tensor of the checkpoint's files: published under its own name,
+        consumed, or unused with a reason.
+    :param unused_config: config.json fields that cannot change the published tensors, as
+        ``(pattern, reason)`` pairs; ``pattern`` is a glob over the field's path (``text_config.use_cache``,
+        ``*.use_cache``; a list item is its index: ``layer_types.0``). The kit changes every other scalar
+        of config.json and requires another fingerprint or the same tensors and outputs.
     """
 
     quantization_declaration: typing.Any = "hf-config"
     tied: tuple = attrs.field(default=(), converter=_groups)
+    consumed_tensors: typing.Any = attrs.field(default=(), converter=_pairs_or_function)
+    unused_tensors: tuple = attrs.field(default=(), converter=_pairs)
+    unused_config: tuple = attrs.field(default=(), converter=_pairs)
 
 
 ExampleInputs = typing.Union[dict, tuple, typing.Any, ForwardUnavailable]  # noqa: UP007  (X | typing.Any fails on Python 3.10)

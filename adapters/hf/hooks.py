@@ -42,6 +42,15 @@ def weightcache_describe(request):
 
 
 @hookimpl
+def weightcache_checkpoint_conventions(request):
+    from weightcache.adapters.hf.checkpoint_names import TransformersNames
+    from weightcache.core.request import CheckpointConventions
+
+    # transformers renames keys while loading (legacy names, fused experts); the kit asks it which tensor holds each.
+    return CheckpointConventions(consumed_tensors=TransformersNames(request))
+
+
+@hookimpl
 def weightcache_warm_up(request, for_publish):
     config = identity.read_config(request.model)
     if for_publish:

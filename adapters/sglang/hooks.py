@@ -11,6 +11,7 @@ sglang``) they build those objects for a single-process load (see ``engine``).
   after refusing a model whose post-processing emptied parameters;
 - rebind: SGLang's model on meta, rebound, stale views rebuilt (``loading``);
 - example_inputs: none: SGLang's forward needs its scheduler's batch;
+- checkpoint_conventions: SGLang's loader accounts for the checkpoint's tensors (``ENGINE_LOADED_TENSORS``);
 - warm_up: imports SGLang's loader and the model's class.
 
 SGLang is imported inside the hooks only.
@@ -18,10 +19,10 @@ SGLang is imported inside the hooks only.
 
 from __future__ import annotations
 
-from weightcache.adapters.engine_support import check_publishable
+from weightcache.adapters.engine_support import ENGINE_LOADED_TENSORS, check_publishable
 from weightcache.adapters.sglang import engine, identity, loading
 from weightcache.core.hookspecs import hookimpl
-from weightcache.core.request import ForwardUnavailable
+from weightcache.core.request import CheckpointConventions, ForwardUnavailable
 
 ENGINE_PACKAGES = ("sglang",)
 """Without sglang installed this adapter is not usable (``weightcache.core.flow.plugins.missing_engines``)."""
@@ -62,6 +63,11 @@ def weightcache_rebind(request, tensors, manifest):
 @hookimpl
 def weightcache_example_inputs(request, model):
     return ForwardUnavailable(NO_FORWARD)
+
+
+@hookimpl
+def weightcache_checkpoint_conventions(request):
+    return CheckpointConventions(unused_tensors=ENGINE_LOADED_TENSORS)
 
 
 @hookimpl

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import importlib
 
-from weightcache.adapters.engine_support import check_publishable
+from weightcache.adapters.engine_support import ENGINE_LOADED_TENSORS, check_publishable
 from weightcache.adapters.vllm import identity, loading
 from weightcache.adapters.vllm.engine import engine_objects
 from weightcache.core.hookspecs import hookimpl
-from weightcache.core.request import ForwardUnavailable
+from weightcache.core.request import CheckpointConventions, ForwardUnavailable
 
 ENGINE_PACKAGES = ("vllm",)
 """Without vllm installed this adapter is not usable (``weightcache.core.flow.plugins.missing_engines``)."""
@@ -80,3 +80,8 @@ def weightcache_rebind(request, tensors, manifest):
 @hookimpl
 def weightcache_example_inputs(request, model):
     return ForwardUnavailable(NO_FORWARD)
+
+
+@hookimpl
+def weightcache_checkpoint_conventions(request):
+    return CheckpointConventions(unused_tensors=ENGINE_LOADED_TENSORS)

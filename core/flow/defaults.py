@@ -47,7 +47,7 @@ def weightcache_example_inputs(request: "LoadRequest", model: "torch.nn.Module")
     """Inputs built from the model's forward signature and config (see ``core/flow/example_inputs.py``)."""
     from weightcache.core.flow.example_inputs import inputs_from_signature
 
-    return inputs_from_signature(model)
+    return inputs_from_signature(model, request.adapter)
 
 
 @hookimpl(trylast=True)

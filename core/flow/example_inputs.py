@@ -4,7 +4,8 @@ The conformance kit runs a disk-loaded and a mapped model on the same inputs
 and compares every output bit for bit. Inputs are fixed (a seeded generator),
 so two processes build the same ones. Covered: token ids (decoder-only and
 encoders), decoder ids (encoder-decoder such as T5 and BART), token types,
-attention masks, pixel values (vision), audio features and raw audio values.
+attention masks, pixel values (vision: the config's image size and channels, else 64 × 64 pixels and the
+first convolution's channels), audio features and raw audio values.
 Non-token inputs (pixels, audio) take the dtype of the model's weights (a bf16
 Whisper gets bf16 features, as its processor would give them); ``run_with_inputs``
 moves every input to the model's device.
@@ -25,11 +26,13 @@ if typing.TYPE_CHECKING:
 BATCH = 2
 TOKENS = 16
 DECODER_TOKENS = 8
+IMAGE_SIZE = 64
+"""Height and width of the pixels for an image model whose config names no ``image_size`` (a plain torch module)."""
 SEED = 20261130
 
 
-def inputs_from_signature(model: "torch.nn.Module") -> "dict | ForwardUnavailable":
-    """Keyword inputs for ``model.forward``, or ForwardUnavailable saying what is missing."""
+def inputs_from_signature(model: "torch.nn.Module", adapter: str | None = None) -> "dict | ForwardUnavailable":
+    """Keyword inputs for ``model.forward``, or ForwardUnavailable saying which hook of ``adapter`` to write instead."""
     import torch
 
     try:
@@ -51,8 +54,9 @@ def inputs_from_signature(model: "torch.nn.Module") -> "dict | ForwardUnavailabl
             inputs["token_type_ids"] = (torch.arange(TOKENS) >= TOKENS // 2).long().expand(BATCH, TOKENS).contiguous()
         if "decoder_input_ids" in parameters and _is_encoder_decoder(config):
             inputs["decoder_input_ids"] = _token_ids(vocab, DECODER_TOKENS, salt=3)
-    elif "pixel_values" in parameters and (size := _config_int(config, "image_size")):
-        channels = _config_int(config, "num_channels") or 3
+    elif "pixel_values" in parameters:
+        size = _config_int(config, "image_size") or IMAGE_SIZE
+        channels = _config_int(config, "num_channels") or _image_channels(model)
         inputs["pixel_values"] = torch.randn(BATCH, channels, size, size, generator=generator)
     elif "input_features" in parameters and (bins := _config_int(config, "num_mel_bins")):
         frames = 2 * (_config_int(config, "max_source_positions") or 1500)
@@ -66,11 +70,21 @@ def inputs_from_signature(model: "torch.nn.Module") -> "dict | ForwardUnavailabl
         inputs = {name: value.to(dtype) if value.is_floating_point() else value for name, value in inputs.items()}
     if not inputs:
         wanted = ", ".join(name for name in parameters if name not in ("kwargs", "args")) or "nothing"
+        where = f"adapter {adapter!r}" if adapter else "its adapter"
         return ForwardUnavailable(
-            f"weightcache cannot build inputs for {type(model).__name__}.forward({wanted}); implement the "
-            "weightcache_example_inputs hook in its adapter, or give the kit inputs (--inputs MODULE:FUNCTION)"
+            f"weightcache cannot build inputs for {type(model).__name__}.forward({wanted}); write the hook "
+            f"weightcache_example_inputs(request, model) in {where}, returning the inputs (a dict of keyword "
+            "arguments, a tuple of positional ones, or one tensor), or give the kit inputs (--inputs MODULE:FUNCTION)"
         )
     return inputs
+
+
+def _image_channels(model: "torch.nn.Module") -> int:
+    """The input channels of the model's first 2-D convolution (3 when it has none)."""
+    import torch
+
+    first = next((module for module in model.modules() if isinstance(module, torch.nn.Conv2d)), None)
+    return first.in_channels if first is not None else 3
 
 
 def weights_dtype(model: "torch.nn.Module") -> "torch.dtype":

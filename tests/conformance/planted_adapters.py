@@ -3,17 +3,21 @@
 ``test_planted_bugs.py`` installs them through a ``weightcache.adapters`` entry point each
 (its ``ENTRY_POINTS``) and runs the kit on them as their author would; each must fail by
 the check meant to catch its bug. ``ScaleInExtra`` is the control: the same option,
-done right, passes.
+done right, passes. The last three carry bugs no load inside one process shows: a
+post-process that depends on the process's hash seed, a config.json field folded into the weights
+but not into the fingerprint, a checkpoint tensor kept outside parameters and buffers.
 """
 
 from __future__ import annotations
 
 import attrs
 import safetensors
+import safetensors.torch
 import torch
-from weightcache_example import plugin, read_config
+from weightcache_example import TinyLM, plugin, read_config
 
 from weightcache.core.hookspecs import hookimpl
+from weightcache.core.load.rebind import rebind_module
 from weightcache.core.options import AdapterOption
 from weightcache.core.request import ModelDescription
 
@@ -144,3 +148,85 @@ class ForwardLess(Example):
     """No ``weightcache_example_inputs``: the core default cannot build inputs for TinyLM, so no forward check runs."""
 
     weightcache_example_inputs = None
+
+
+class DithersBeforeFp8ByHash(Example):
+    """Block-FP8 post-processing that dithers each weight before quantizing, seeded with ``hash(name)``.
+
+    Identical in one process, other bytes in every other (``PYTHONHASHSEED``): a client publishing in one process
+    and attaching in the next gets weights its own disk load would not give.
+    """
+
+    @staticmethod
+    @hookimpl
+    def weightcache_post_process(request, model, description):
+        if description.quantization == plugin.FP8_BLOCK:
+            with torch.no_grad():
+                for name in ("fc1.weight", "fc2.weight"):
+                    weight = model.get_parameter(name)
+                    generator = torch.Generator().manual_seed(hash(name) % 2**63)
+                    weight.add_(torch.randn(weight.shape, generator=generator) * weight.abs().mean() * 0.1)
+        return plugin.weightcache_post_process(request=request, model=model, description=description)
+
+
+CONFIG_SCALE = "residual_scale"
+"""A config.json field ``ConfigScaleLeftOutOfDescribe`` folds into fc1.weight."""
+
+
+class ConfigScaleLeftOutOfDescribe(Example):
+    """Post-processing multiplies fc1.weight by config.json's ``residual_scale``, which describe leaves out of the config.
+
+    Publish with 2.0, edit config.json to 1.0: the fingerprint stays, and a client attaches the stale entry.
+    """
+
+    @staticmethod
+    @hookimpl
+    def weightcache_describe(request):
+        description = plugin.weightcache_describe(request=request)
+        return attrs.evolve(description, config={k: v for k, v in description.config.items() if k != CONFIG_SCALE})
+
+    @staticmethod
+    @hookimpl
+    def weightcache_post_process(request, model, description):
+        with torch.no_grad():
+            model.fc1.weight.mul_(float(read_config(request.model).get(CONFIG_SCALE, 1.0)))
+        return model
+
+
+LONG_FROM = 16
+"""Positions from this one on add ``LongContextTinyLM``'s long-context bias (the kit's example has 12 tokens)."""
+
+
+class LongContextTinyLM(TinyLM):
+    """TinyLM whose positions past ``LONG_FROM`` add a bias from the checkpoint, kept in a plain dict attribute."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.long_context = {"bias": torch.zeros(self.embed.embedding_dim, device="cpu")}  # neither parameter nor buffer
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        if x.shape[1] > LONG_FROM:
+            x = torch.cat([x[:, :LONG_FROM], x[:, LONG_FROM:] + self.long_context["bias"].to(x.device)], dim=1)
+        x = x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        return self.head(x * self.norm_scale)
+
+
+class LongOnlyTensorInDict(Example):
+    """A checkpoint tensor kept in a plain dict, read only past 16 tokens: export never sees it, rebind keeps zeros."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_load(request, builder):
+        model = LongContextTinyLM.from_config(read_config(request.model))
+        state = safetensors.torch.load_file(f"{request.model}/model.safetensors")
+        model.long_context["bias"] = state.pop("long_context.bias")
+        model.load_state_dict(state, strict=False)
+        return model.to(request.device.torch()).eval()
+
+    @staticmethod
+    @hookimpl
+    def weightcache_rebind(request, tensors, manifest, description):
+        with torch.device("meta"):
+            model = LongContextTinyLM.from_config(read_config(request.model))
+        return rebind_module(model, tensors, manifest, device=request.device.torch())

@@ -202,8 +202,9 @@ def test_cli_fails_with_nonzero_exit_and_json(installed_example, example_checkpo
     assert proc.returncode != 0, proc.stdout
     results = json.loads(out.read_text())
     assert not results["passed"]
-    [check] = results["checks"]
-    assert check["outcome"] == "error" and "no_such_inputs" in check["message"]
+    checks = {check["check"]: check for check in results["checks"]}
+    assert sorted(checks) == ["test_forward_outputs_bit_identical", "test_long_forward_outputs_bit_identical"], checks
+    assert all(check["outcome"] == "error" and "no_such_inputs" in check["message"] for check in checks.values()), checks
     assert "FAIL" in proc.stdout and "failures:" in proc.stdout
 
 

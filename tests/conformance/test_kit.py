@@ -281,3 +281,63 @@ def test_every_conformance_module_is_documented():
     for info in pkgutil.iter_modules(weightcache.conformance.__path__, "weightcache.conformance."):
         module = importlib.import_module(info.name)
         assert (module.__doc__ or "").strip(), f"{info.name} has no docstring"
+
+
+def test_config_leaves_are_every_scalar_and_each_changes():
+    from weightcache.conformance.config_fields import field_name, perturbed, scalar_leaves, skip_reason, with_changes
+
+    config = {"dim": 4, "eps": 1e-6, "tie": True, "act": "gelu", "window": None, "rope": {"factor": 2.0}, "types": ["a", "b"]}
+    names = [field_name(path) for path, _ in scalar_leaves(config)]
+    assert names == ["dim", "eps", "tie", "act", "window", "rope.factor", "types.0", "types.1"]
+    for path, value in scalar_leaves(config):
+        changed = with_changes(config, [path])
+        assert changed != config and dict(scalar_leaves(changed))[path] == perturbed(value)
+    assert config["rope"] == {"factor": 2.0}, "the original stays as it was"
+    assert skip_reason("transformers_version", ()) and skip_reason("text_config.use_cache", [("*.use_cache", "why")]) == "why"
+    assert skip_reason("dim", [("*.use_cache", "why")]) is None
+
+
+def test_linked_copy_links_the_weights_and_copies_the_config(tmp_path):
+    from weightcache.conformance.config_fields import linked_copy
+
+    source = tmp_path / "ckpt"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    (source / "model.safetensors").write_bytes(b"weights")
+    copy = linked_copy(source, tmp_path / "copy")
+    assert (copy / "model.safetensors").is_symlink() and (copy / "model.safetensors").read_bytes() == b"weights"
+    assert not (copy / "config.json").is_symlink() and (copy / "config.json").read_text() == "{}"
+
+
+def test_long_inputs_repeat_token_sequences_and_leave_pixels():
+    import torch
+
+    from weightcache.conformance.long_inputs import lengthen
+    from weightcache.core.request import ForwardUnavailable
+
+    ids = torch.arange(6).reshape(2, 3)
+    longer = lengthen({"input_ids": ids, "position_ids": ids, "pixel_values": torch.zeros(2, 3, 4, 4)}, 7)
+    assert longer["input_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 0], [3, 4, 5, 3, 4, 5, 3]]
+    assert longer["position_ids"].tolist() == [list(range(7))] * 2
+    assert longer["pixel_values"].shape == (2, 3, 4, 4)
+    assert lengthen(ids, 7).shape == (2, 7) and lengthen((ids,), 7)[0].shape == (2, 7)
+    assert isinstance(lengthen({"pixel_values": torch.zeros(2, 3, 4, 4)}, 7), ForwardUnavailable)
+    assert isinstance(lengthen({"input_ids": ids}, 3), ForwardUnavailable), "no longer than the context allows"
+
+
+def test_checkpoint_tensors_are_published_consumed_or_declared_unused():
+    from weightcache.conformance.accounting import unaccounted
+    from weightcache.core.request import CheckpointConventions
+
+    conventions = CheckpointConventions(
+        consumed_tensors=[("(.*)[.][qk]_proj[.]weight", r"\1.qk_proj.weight")], unused_tensors={"rotary[.].*": "recomputed"}
+    )
+    names = [(name, "here") for name in ("a.weight", "l.q_proj.weight", "l.k_proj.weight", "rotary.inv_freq", "x.v_proj.weight")]
+    assert unaccounted(names, {"a.weight", "l.qk_proj.weight"}, conventions) == [
+        "x.v_proj.weight (here) is neither published, nor consumed by a published tensor, nor declared unused"
+    ]
+    assert unaccounted([("l.q_proj.weight", "here")], {"a.weight"}, conventions) == [
+        "l.q_proj.weight (here) is declared consumed by l.qk_proj.weight, which is not published"
+    ]
+    with pytest.raises(ValueError, match="pairs of strings"):
+        CheckpointConventions(unused_tensors=[("only a pattern",)])

@@ -30,6 +30,9 @@ ENTRY_POINTS = {
     "planted-retired-hook": "RetiredHookName",
     "planted-device": "TorchGetsWeightcacheDevice",
     "planted-forward-less": "ForwardLess",
+    "planted-dither-fp8": "DithersBeforeFp8ByHash",
+    "planted-config-scale": "ConfigScaleLeftOutOfDescribe",
+    "planted-long-only": "LongOnlyTensorInDict",
 }
 """Adapter name -> class of planted_adapters.py, registered through ``weightcache.adapters`` entry points."""
 
@@ -142,6 +145,30 @@ def test_a_forward_less_run_never_says_plain_passed(planted_env, checkpoint, tmp
     assert "weightcache conformance: PASSED without forward checks (no forward pass for this model here" in proc.stdout
 
 
+def test_a_suite_subclassing_the_kit_ends_with_the_verdict_without_naming_the_plugin(planted_env, checkpoint, tmp_path):
+    """The kit's pytest11 entry point loads it in every run: no ``-p weightcache.conformance``, still the verdict line."""
+    import importlib.metadata
+
+    assert "weightcache.conformance" in {entry.name for entry in importlib.metadata.entry_points(group="pytest11")}
+    (tmp_path / "test_planted.py").write_text(kit_subclass_module("ForwardLess", checkpoint))
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "test_planted.py",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "tensor_parity or bit_identical",
+    ]
+    proc = _run(argv, planted_env, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "weightcache conformance: PASSED without forward checks (no forward pass for this model here" in proc.stdout, (
+        proc.stdout
+    )
+
+
 def test_the_adapter_supplies_its_conventions_so_the_cli_needs_no_flags(planted_env, checkpoint, tmp_path):
     """Tied groups and how a checkpoint declares a method come from weightcache_checkpoint_conventions."""
     proc, results = kit_cli(planted_env, tmp_path, "planted-scale-in-extra", checkpoint, select="tied or declared_method")
@@ -149,6 +176,76 @@ def test_the_adapter_supplies_its_conventions_so_the_cli_needs_no_flags(planted_
     found = outcomes(results)
     assert found["test_tied_weights_stay_tied"][0] == "passed"
     assert all(outcome == "passed" for name, (outcome, _) in found.items() if name.startswith("test_declared_method")), found
+
+
+# ------------------------------------------------------------------ what one process cannot see
+
+
+def failed_checks(results: dict) -> dict[str, str]:
+    return {name: message for name, (outcome, message) in outcomes(results).items() if outcome not in ("passed", "skipped")}
+
+
+def test_a_post_process_seeded_by_the_hash_seed_fails_the_fresh_process_check_naming_the_tensor(
+    planted_env, checkpoint, tmp_path
+):
+    """Every load in one process dithers alike; a fresh process with another PYTHONHASHSEED publishes other FP8 bytes."""
+    select = "fresh_process or tensor_parity or bit_identical or sigkill"
+    proc, results = kit_cli(planted_env, tmp_path, "planted-dither-fp8", checkpoint, "--quant", "fp8-block", select=select)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    failed = failed_checks(results)
+    assert list(failed) == ["test_fresh_process_publishes_the_same_model"], failed
+    message = failed["test_fresh_process_publishes_the_same_model"]
+    assert "loads other tensors than this process published, first fc1.weight" in message, message
+    assert "fc1.weight (float8_e4m3fn on cpu): bytes differ" in proc.stdout + message, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def scaled_checkpoint(example_package, tmp_path_factory) -> str:
+    """A TinyLM checkpoint whose config.json says ``residual_scale: 2.0``."""
+    path = example_package.save_checkpoint(tmp_path_factory.mktemp("scaled"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "residual_scale": 2.0}))
+    return str(path)
+
+
+def test_a_config_field_folded_into_the_weights_but_not_described_fails_the_config_check_naming_it(
+    planted_env, scaled_checkpoint, tmp_path
+):
+    select = "config_fields or tensor_parity or bit_identical"
+    proc, results = kit_cli(planted_env, tmp_path, "planted-config-scale", scaled_checkpoint, select=select)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    failed = failed_checks(results)
+    assert list(failed) == ["test_config_fields_change_the_fingerprint_or_nothing"], failed
+    assert "config.json field 'residual_scale' changed (2.0 -> 4.0) leaves the fingerprint unchanged" in proc.stdout, proc.stdout
+    assert "fc1.weight" in proc.stdout, proc.stdout
+    for field in ("vocab_size", "dim", "hidden", "dtype"):  # in the description: another fingerprint each
+        assert f"field '{field}'" not in proc.stdout, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def long_context_checkpoint(example_package, tmp_path_factory) -> str:
+    """A TinyLM checkpoint with a ``long_context.bias`` tensor beside its weights (``planted_adapters.LongContextTinyLM``)."""
+    import safetensors.torch
+    import torch
+
+    path = example_package.save_checkpoint(tmp_path_factory.mktemp("long-context"))
+    state = safetensors.torch.load_file(str(path / "model.safetensors"))
+    state["long_context.bias"] = torch.randn(state["embed.weight"].shape[1], generator=torch.Generator().manual_seed(5))
+    safetensors.torch.save_file(state, str(path / "model.safetensors"))
+    return str(path)
+
+
+def test_a_long_input_only_tensor_kept_in_a_dict_fails_accounting_and_the_long_forward_naming_it(
+    planted_env, long_context_checkpoint, tmp_path
+):
+    """The short example's outputs agree (12 tokens never reach the dict's tensor); the long input's do not."""
+    select = "accounted or long_forward or bit_identical or tensor_parity"
+    proc, results = kit_cli(planted_env, tmp_path, "planted-long-only", long_context_checkpoint, select=select)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    failed = failed_checks(results)
+    assert sorted(failed) == ["test_every_checkpoint_tensor_is_accounted_for", "test_long_forward_outputs_bit_identical"], failed
+    assert "long_context.bias (float32 [32] in model.safetensors) is neither published" in proc.stdout, proc.stdout
+    assert outcomes(results)["test_forward_outputs_bit_identical"][0] == "passed"
 
 
 # ------------------------------------------------------------------ contract mistakes: the pre-check stops the run in one line

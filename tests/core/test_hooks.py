@@ -97,11 +97,13 @@ def test_hook_weightcache_rebind(hf, model_dir):
 
 
 def test_hook_weightcache_checkpoint_conventions(hf, model_dir):
-    """hf checkpoints declare quantization in config.json (the core default); the kit reads it instead of a flag."""
-    from weightcache.core.request import CheckpointConventions
-
+    """hf checkpoints declare quantization in config.json (the core default); the kit reads it instead of a flag; the
+    tensors transformers renames while loading (Mixtral's experts fused) are held by the names it gives them."""
     conventions = hf.checkpoint_conventions(LoadRequest(model=str(model_dir("llama"))))
-    assert conventions == CheckpointConventions(quantization_declaration="hf-config", tied=())
+    assert (conventions.quantization_declaration, conventions.tied) == ("hf-config", ())
+    assert conventions.consumed_tensors("model.layers.0.mlp.gate_proj.weight") is None, "kept under its own name"
+    experts = hf.checkpoint_conventions(LoadRequest(model=str(model_dir("mixtral")))).consumed_tensors
+    assert experts("model.layers.0.block_sparse_moe.experts.1.w1.weight") == "model.layers.0.mlp.experts.gate_up_proj"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,233 @@
+"""The kit's load in a fresh process with another string-hash seed: what no check inside one process can see.
+
+Every other load the kit makes runs in the pytest process, so post-processing that
+depends on the process (``hash()`` of a string, ``id()``, the order of a set,
+unseeded randomness) gives the same bytes every time there, and different ones in
+the next engine, which then attaches weights its own disk load would not give.
+
+The kit therefore starts ``python -m weightcache.conformance.fresh_process SPEC``
+with ``PYTHONHASHSEED`` set to another seed than its own, on the same device: the
+child loads the model from disk (mode ``off``, what it would publish), computes the
+fingerprint and runs the forward on the kit's example inputs, and writes them to a
+directory. The kit requires the same fingerprint, the same bytes for every tensor
+of its published entry, and bit-identical outputs.
+
+The child finds the adapter as the kit's process did: the installed entry points,
+or, when the kit's ``plugins`` fixture registered it in-process, by importing the
+registered module or class (``module:qualname``) with the kit's ``sys.path``; and it
+calls the model through ``run_model`` when that is an importable function, else
+through ``run_with_inputs`` (the default ``run_model``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import attrs
+
+if typing.TYPE_CHECKING:
+    from weightcache.conformance.assertions import TensorFacts
+    from weightcache.core.flow.plugins import Plugins
+    from weightcache.core.request import LoadRequest
+
+TIMEOUT_S = 1800.0
+"""How long the fresh process may take to import, load and run the model."""
+
+HASH_PROBE = "weightcache conformance hash probe"
+"""A string both processes hash: equal hashes would mean the child did not get another seed."""
+
+SPEC, RESULT, INPUTS, OUTPUTS = "spec.json", "result.json", "inputs.pt", "outputs.safetensors"
+
+
+@attrs.frozen
+class FreshLoad:
+    """What the fresh process reports: its seed, its fingerprint, its tensors' facts and its outputs."""
+
+    seed: str
+    hash_probe: int
+    fingerprint: dict
+    tensors: dict[str, list]  # name -> [kind, dtype, shape, sha256]
+    outputs: dict = attrs.field(eq=False)
+    forward_error: str | None = None
+
+
+def importable_name(value: object) -> str | None:
+    """``module:qualname`` under which ``value`` (a module, class or function) can be imported again, else None."""
+    if isinstance(value, type(sys)):
+        return value.__name__
+    module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    if not module or not qualname or "<" in qualname or module == "__main__":
+        return None
+    try:
+        found: typing.Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        return None
+    return f"{module}:{qualname}" if found is value else None
+
+
+def import_name(name: str) -> typing.Any:
+    """What :func:`importable_name` named."""
+    module, _, qualname = name.partition(":")
+    found: typing.Any = importlib.import_module(module)
+    for part in qualname.split(".") if qualname else ():
+        found = getattr(found, part)
+    return found
+
+
+def adapter_spec(plugins: "Plugins | None", adapter: str) -> str | None:
+    """How the child finds ``adapter``: None for the installed entry points, else the registered object's import name.
+
+    Raises ValueError when the kit's ``plugins`` registered something the child cannot import.
+    """
+    if plugins is None:
+        return None
+    registered = plugins.pm.get_plugin(adapter)
+    name = importable_name(registered)
+    if name is None:
+        raise ValueError(
+            f"the kit's plugins fixture registered adapter {adapter!r} as {registered!r}, which a fresh process cannot "
+            "import; register a module or a module-level class (Plugins.from_modules), or install its entry point"
+        )
+    return name
+
+
+def plain(value: typing.Any) -> typing.Any:
+    """``value`` with every mapping a dict and every list or tuple a plain one (what ``torch.load(weights_only=True)`` reads)."""
+    if isinstance(value, typing.Mapping):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(item) for item in value) if type(value) in (list, tuple) else [plain(item) for item in value]
+    return value
+
+
+def child_seed() -> str:
+    """A ``PYTHONHASHSEED`` other than this process's (the next one when it is fixed, else 1)."""
+    own = os.environ.get("PYTHONHASHSEED", "")
+    return str((int(own) + 1) % 2**32) if own.isdigit() else "1"
+
+
+def run_fresh_load(
+    request: "LoadRequest",
+    plugins: "Plugins | None",
+    inputs: typing.Any,
+    run_model: typing.Callable,
+    workdir: Path,
+) -> FreshLoad:
+    """Load ``request`` from disk in a fresh process with another hash seed; what it saw (AssertionError if it failed)."""
+    import torch
+
+    from weightcache.core.request import ForwardUnavailable
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    forward = not isinstance(inputs, ForwardUnavailable)
+    if forward:
+        torch.save(plain(inputs), workdir / INPUTS)
+    spec = {
+        "request": {
+            "model": request.model,
+            "adapter": request.adapter,
+            "dtype": request.dtype,
+            "device": str(request.device),
+            "quantization": request.quantization,
+            "options": dict(request.options),
+            "revision": request.revision,
+            "parallel": attrs.asdict(request.parallel),
+        },
+        "adapter_module": adapter_spec(plugins, request.adapter),
+        "run_model": importable_name(run_model),
+        "forward": forward,
+    }
+    (workdir / SPEC).write_text(json.dumps(spec))
+    seed = child_seed()
+    path = [entry for entry in sys.path if entry] + [os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(entry for entry in path if entry)}
+    argv = [sys.executable, "-m", "weightcache.conformance.fresh_process", str(workdir)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    if proc.returncode != 0 or not (workdir / RESULT).exists():
+        raise AssertionError(
+            f"the fresh process (PYTHONHASHSEED={seed}) could not load the model (exit {proc.returncode}): "
+            f"{_last_lines(proc.stderr or proc.stdout)}"
+        )
+    result = json.loads((workdir / RESULT).read_text())
+    outputs: dict = {}
+    if (workdir / OUTPUTS).exists():
+        import safetensors.torch
+
+        outputs = safetensors.torch.load_file(str(workdir / OUTPUTS))
+    return FreshLoad(seed=seed, outputs=outputs, **result)
+
+
+def first_differing_tensor(fresh: FreshLoad, published: "typing.Mapping[str, TensorFacts]") -> list[str]:
+    """The tensors whose kind, dtype, shape or bytes differ between the fresh load and the published entry, first by name first."""
+    problems = []
+    for name in sorted(set(published) | set(fresh.tensors)):
+        mine, theirs = published.get(name), fresh.tensors.get(name)
+        if mine is None or theirs is None:
+            where = "the published entry" if mine is None else "the fresh process's load"
+            problems.append(f"{name} is missing from {where}")
+            continue
+        kind, dtype, shape, digest = theirs
+        ours = [mine.kind, mine.dtype, list(mine.shape), mine.digest]
+        if ours != [kind, dtype, shape, digest]:
+            what = [label for label, a, b in zip(("kind", "dtype", "shape", "bytes"), ours, theirs, strict=True) if a != b]
+            problems.append(f"{name} ({mine.dtype} on {mine.device}): {', '.join(what)} differ")
+    return problems
+
+
+def _last_lines(text: str, count: int = 6) -> str:
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-count:])
+
+
+def main(workdir: str) -> None:
+    """The child: load as ``SPEC`` says, then write ``RESULT`` (and ``OUTPUTS``) into ``workdir``."""
+    import safetensors.torch
+    import torch
+
+    from weightcache.conformance.assertions import flatten_outputs, model_tensors
+    from weightcache.conformance.fixtures import fresh, load
+    from weightcache.core.fingerprint import ParallelSpec
+    from weightcache.core.flow.example_inputs import run_with_inputs
+    from weightcache.core.flow.loader import prepare
+    from weightcache.core.flow.plugins import Plugins
+    from weightcache.core.request import LoadRequest
+
+    directory = Path(workdir)
+    spec = json.loads((directory / SPEC).read_text())
+    fields = dict(spec["request"])
+    request = LoadRequest(**{**fields, "parallel": ParallelSpec(**fields["parallel"])})
+    module = spec["adapter_module"]
+    plugins = Plugins.from_modules({request.adapter: import_name(module)}) if module else None
+    fingerprint = prepare(fresh(request), plugins).fingerprint
+    loaded = load(request, "off", plugins)
+    facts = model_tensors(loaded.model)
+    result: dict[str, typing.Any] = {
+        "hash_probe": hash(HASH_PROBE),
+        "fingerprint": fingerprint.to_json(),
+        "tensors": {name: [f.kind, f.dtype, list(f.shape), f.digest] for name, f in facts.items()},
+        "forward_error": None,
+    }
+    if spec["forward"]:
+        inputs = torch.load(directory / INPUTS, weights_only=True)
+        device = request.device
+        call = import_name(spec["run_model"]) if spec["run_model"] else (lambda m, i: run_with_inputs(m, i, device))
+        try:
+            outputs = flatten_outputs(call(loaded.model, inputs))
+        except Exception as exc:
+            result["forward_error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            safetensors.torch.save_file(
+                {name: tensor.detach().to("cpu").contiguous() for name, tensor in outputs.items()}, str(directory / OUTPUTS)
+            )
+    (directory / RESULT).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
