@@ -1,4 +1,4 @@
-"""The server's metrics in Prometheus' text format over HTTP (``weightcache serve --metrics-port``).
+"""The server's metrics in Prometheus' text format, and its health probes, over HTTP (``serve --metrics-port``).
 
 Needs the optional ``metrics`` extra (``pip install 'weightcache[metrics]'``: prometheus-client, which
 imports neither torch nor CUDA). What is exported is exactly ``Metrics.snapshot`` (the ``metrics`` field
@@ -8,7 +8,12 @@ of ``weightcache status --json``), read at each scrape; names and labels are in 
 from __future__ import annotations
 
 import logging
+import socket
 import typing
+
+import attrs
+
+from weightcache.core.server.http_endpoint import HttpEndpoint, Response, check_listening
 
 if typing.TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -79,22 +84,51 @@ class _Collector:
         return _metric_families(self._snapshot())
 
 
-class Exporter:
-    """An HTTP endpoint (``/metrics``, any path) serving the snapshots of ``snapshot`` in its own thread."""
+@attrs.frozen
+class Verdict:
+    """A health answer: ``ok`` and why (the body of ``/healthz`` and ``/readyz``)."""
 
-    def __init__(self, snapshot: "Callable[[], dict]", port: int, host: str = "127.0.0.1"):
+    ok: bool
+    reason: str
+
+    def response(self) -> Response:
+        return Response.text(200 if self.ok else 503, f"{'ok' if self.ok else 'not ok'}: {self.reason}")
+
+
+class Exporter:
+    """``/metrics`` (also ``/``), ``/healthz`` and ``/readyz`` over HTTP on a listener the server bound or was handed.
+
+    ``snapshot`` gives the metrics' JSON at each scrape; ``alive`` and ``ready`` answer the probes. Construct it
+    before binding anything: it raises ImportError, with the install command, without prometheus-client.
+    """
+
+    def __init__(self, snapshot: "Callable[[], dict]", alive: "Callable[[], Verdict]", ready: "Callable[[], Verdict]"):
         try:
-            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
         except ImportError:
             raise ImportError(
                 "--metrics-port needs prometheus-client; install it with `pip install 'weightcache[metrics]'`"
             ) from None
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(snapshot))
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
-        self.host, self.port = self._server.server_address[:2]
-        log.info("metrics on http://%s:%d/metrics", self.host, self.port)
+
+        def metrics() -> Response:
+            return Response(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+
+        self.routes = {"/metrics": metrics, "/": metrics, "/healthz": lambda: alive().response()}
+        self.routes["/readyz"] = lambda: ready().response()
+        self.endpoint: HttpEndpoint | None = None
+
+    def serve(self, listener: socket.socket) -> None:
+        """Answer on ``listener`` (bound and listening) in a thread of its own."""
+        check_listening(listener, "--metrics-port")
+        self.endpoint = HttpEndpoint(listener, self.routes)
+        self.endpoint.start()
+        host, port = self.endpoint.address
+        log.info("metrics on http://%s:%d/metrics (probes: /healthz, /readyz)", host, port)
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        """Stop answering; the listener stays open (it is the server's, and may have been handed over)."""
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None

@@ -27,6 +27,7 @@ import stat
 import sys
 import threading
 import time
+import typing
 from pathlib import Path
 
 import attrs
@@ -38,10 +39,12 @@ from weightcache.core.memfd import sealed_size
 from weightcache.core.server import bounds, readiness
 from weightcache.core.server.admission import REPLY_ENVELOPE_BYTES, admit_publish
 from weightcache.core.server.connections import ConnectionState, ConnectionTable
-from weightcache.core.server.exporter import Exporter
+from weightcache.core.server.exporter import Exporter, Verdict
 from weightcache.core.server.fdstore import FdStore, adopt, passed_fds
-from weightcache.core.server.handover import Handed, Limits, send_entries
+from weightcache.core.server.handover import Handed, Limits, Listeners, send_entries
 from weightcache.core.server.handover import take_over as take_over_from
+from weightcache.core.server.http_endpoint import bind as bind_tcp
+from weightcache.core.server.http_endpoint import check_listening, listens_on
 from weightcache.core.server.metrics import Metrics
 from weightcache.core.server.reexec import spawn_successor
 from weightcache.core.server.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, OverBudget, Registry, TooManyArtifacts
@@ -68,6 +71,8 @@ _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _SHED_WHEN_OUT_OF_FDS = 4  # idle connections closed per failed accept(): room for the newcomer and its replies
 _ACCEPT_BACKOFF_S = (0.01, 0.5)
 _DEAD_PREDECESSOR_WAIT_S = 5.0  # how long a successor waits for the lock of a predecessor that died during the handover
+LIVENESS_STALL_S = 10.0
+"""``/healthz`` fails once the accept loop has not gone round for this long (it goes round every 0.2 s)."""
 _FAILURE_BURST_GAP_S = 10.0  # failed accepts closer together than this are one burst (one log line)
 
 
@@ -146,29 +151,67 @@ class Server:
         self._failed_accepts = 0  # in a row: they set the back-off
         self._last_failed_accept = float("-inf")
         self._exporter: Exporter | None = None
+        self._metrics_listener: socket.socket | None = None
+        self._bound_path = False  # the socket file is this server's to remove
+        self._heartbeat = time.monotonic()  # the accept loop's last round (liveness)
 
     @property
     def socket_path(self) -> Path:
         return self.config.socket_dir.socket
 
     def start(self, handed: Handed | None = None) -> None:
-        """Take the directory's lock, clear a dead server's socket, bind and listen; or use the ones a predecessor ``handed``."""
+        """Take the directory's lock, clear a dead server's socket, bind and listen; or use the ones a predecessor ``handed``.
+
+        Every listener (the socket, and the metrics port if set) is bound and checked before readiness is
+        announced; if one fails, ListenerUnavailable (or AccessDenied, ServerAlreadyRunning) and nothing is left
+        behind: no socket file, no lock held, no port bound.
+        """
         ensure_private_dir(self.config.socket_dir.path)
         self._size_limits(_raise_fd_limit())
-        if handed is not None and handed.complete:
-            self._lock_fd, self._listener = handed.lock_fd, socket.socket(fileno=handed.listener_fd)
-            os.ftruncate(self._lock_fd, 0)
-            os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
-            self._listener.settimeout(0.2)
-            log.info("weightcache server %s (protocol %d) took over %s", __version__, PROTOCOL_VERSION, self.socket_path)
-        else:
-            self._bind(self.config.socket_dir, waiting=handed is not None)
-        if self.config.metrics_port is not None:
-            self._exporter = Exporter(self.metrics_snapshot, self.config.metrics_port, self.config.metrics_host)
+        exporter = self._new_exporter()  # without prometheus-client: an ImportError before anything is bound
+        try:
+            if handed is not None and handed.complete:
+                self._lock_fd, self._listener = handed.lock_fd, socket.socket(fileno=handed.listener_fd)
+                os.ftruncate(self._lock_fd, 0)
+                os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+                self._listener.settimeout(0.2)
+            else:
+                self._take_lock(self.config.socket_dir, waiting=handed is not None)
+            self._metrics_listener = self._open_metrics_listener(handed)
+            if self._listener is None:
+                self._listen()
+            check_listening(typing.cast(socket.socket, self._listener), "the server's socket")
+            if exporter is not None and self._metrics_listener is not None:
+                exporter.serve(self._metrics_listener)
+                self._exporter = exporter
+        except BaseException:
+            if exporter is not None:
+                exporter.close()
+            self._release()
+            raise
+        self._heartbeat = time.monotonic()
+        self._bound_path = True  # this server's to remove when it stops (unless it hands it over)
+        took = "took over" if handed is not None and handed.complete else "serving on"
+        log.info("weightcache server %s (protocol %d) %s %s", __version__, PROTOCOL_VERSION, took, self.socket_path)
         readiness.ready(self.socket_path)
 
-    def _bind(self, socket_dir: SocketDir, waiting: bool) -> None:
-        """Take the lock (``waiting``: a moment for a predecessor that died during a handover), bind and listen."""
+    def _new_exporter(self) -> Exporter | None:
+        if self.config.metrics_port is None:
+            return None
+        return Exporter(self.metrics_snapshot, self.liveness, self.readiness)
+
+    def _open_metrics_listener(self, handed: Handed | None) -> socket.socket | None:
+        """The metrics listener: the predecessor's if it listens where this server is told to, else a new one."""
+        passed = socket.socket(fileno=handed.metrics_fd) if handed is not None and handed.metrics_fd >= 0 else None
+        host, port = self.config.metrics_host, self.config.metrics_port
+        if passed is not None and port is not None and listens_on(passed, host, port):
+            return passed
+        if passed is not None:
+            passed.close()  # this server listens elsewhere, or not at all; the predecessor's copy goes with it
+        return None if port is None else bind_tcp(host, port)
+
+    def _take_lock(self, socket_dir: SocketDir, waiting: bool) -> None:
+        """Take the lock (``waiting``: a moment for a predecessor that died during a handover)."""
         self._lock_fd = os.open(socket_dir.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         # A predecessor that died during a handover may still be tearing down (its lock goes last): wait a little.
         deadline = time.monotonic() + (_DEAD_PREDECESSOR_WAIT_S if waiting else 0)
@@ -186,18 +229,42 @@ class Server:
             ) from None
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+
+    def _listen(self) -> None:
+        """Bind the socket (the lock is held, so a socket file there is a dead server's) and listen."""
         self._remove_stale_socket()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)
         try:
             listener.bind(str(self.socket_path))
+            self._bound_path = True
+        except OSError:
+            listener.close()
+            raise
         finally:
             os.umask(old_umask)
+        self._listener = listener
         os.chmod(self.socket_path, 0o600)
         listener.listen(LISTEN_BACKLOG)
         listener.settimeout(0.2)
-        self._listener = listener
-        log.info("weightcache server %s (protocol %d) serving on %s", __version__, PROTOCOL_VERSION, self.socket_path)
+
+    def _release(self) -> None:
+        """Close every listener and the lock; remove the socket file if this server bound it (a start that failed)."""
+        if self._metrics_listener is not None:
+            self._metrics_listener.close()
+            self._metrics_listener = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._bound_path:
+            self._bound_path = False
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def _size_limits(self, open_files: int) -> None:
         """Fit the connection and in-flight fd limits to the open-file limit: half for connections, a quarter for frames."""
@@ -223,6 +290,7 @@ class Server:
             self.start()
         try:
             while not self._stopping.is_set():
+                self._heartbeat = time.monotonic()
                 if not self._accepting.wait(0.2):
                     continue  # the listener is being handed over: newcomers wait in its queue
                 listener = self._listener
@@ -258,6 +326,23 @@ class Server:
         if not self._table.shed_idle(_SHED_WHEN_OUT_OF_FDS, "to free file descriptors"):
             low, high = _ACCEPT_BACKOFF_S
             self._stopping.wait(min(high, low * 2 ** min(self._failed_accepts - 1, 10)))
+
+    def liveness(self) -> Verdict:
+        """``/healthz``: the accept loop goes round (a stuck server fails it; a busy one does not)."""
+        stalled = time.monotonic() - self._heartbeat
+        if stalled > LIVENESS_STALL_S:
+            return Verdict(False, f"the accept loop has not run for {stalled:.0f} s")
+        return Verdict(True, f"pid {os.getpid()} accepts on {self.socket_path}")
+
+    def readiness(self) -> Verdict:
+        """``/readyz`` (and the ``ready`` gauge): listening, not stopping, not handing its entries over."""
+        if self._stopping.is_set():
+            return Verdict(False, "stopping")
+        if self._frozen.is_set():
+            return Verdict(False, "handing every entry over to a successor")
+        if self._listener is None:
+            return Verdict(False, "starting")
+        return Verdict(True, f"serving {len(self.registry)} entries on {self.socket_path}")
 
     def stop(self) -> None:
         """Ask ``serve_forever`` to return (safe from a signal handler or another thread)."""
@@ -390,7 +475,8 @@ class Server:
         conn.settimeout(self.config.frame_deadline_s)
         done = False
         try:
-            done = send_entries(conn, self.registry, self._listener.fileno(), self._lock_fd, self._accepting.clear)
+            listeners = Listeners(self._listener.fileno(), self._lock_fd, _fileno(self._metrics_listener))
+            done = send_entries(conn, self.registry, listeners, self._accepting.clear)
         finally:
             if not done:
                 self._accepting.set()
@@ -640,24 +726,23 @@ class Server:
         if self._exporter is not None:
             self._exporter.close()
             self._exporter = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-            if not self._handed_over:  # else the path is the successor's now
-                try:
-                    os.unlink(self.socket_path)
-                except FileNotFoundError:
-                    pass
+        if self._handed_over:  # the path is the successor's now
+            self._bound_path = False
+        lock, self._lock_fd = self._lock_fd, -1  # the lock goes last: a successor waits for it
+        self._release()
         self._table.close_all()
         self.registry.close()
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        if lock >= 0:
+            os.close(lock)
 
 
 _OPS_WITH_FDS = frozenset({"publish", "put_artifact"})
 _OPS_THAT_CHANGE_ENTRIES = frozenset({"publish", "evict", "put_artifact"})
 _DIGEST_CHARS = frozenset("0123456789abcdef")
+
+
+def _fileno(sock: socket.socket | None) -> int:
+    return -1 if sock is None else sock.fileno()
 
 
 def _try_lock(fd: int) -> bool:
