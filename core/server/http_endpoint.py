@@ -145,7 +145,7 @@ class HttpEndpoint:
         self._connections: dict[socket.socket, _Connection] = {}  # in accept order: the first is the oldest
         self._selector = selectors.DefaultSelector()
         self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._stopping = False
+        self._grace_until: float | None = None  # set by close(): no more accepts, answer what is in flight until then
         listener.setblocking(False)
         self._selector.register(listener, selectors.EVENT_READ, "listener")
         self._selector.register(self._wake_read, selectors.EVENT_READ, "wake")
@@ -158,15 +158,19 @@ class HttpEndpoint:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop the loop and close every connection; the listener is the caller's (it may have been handed over)."""
-        self._stopping = True
+    def close(self, grace_s: float = 1.0) -> None:
+        """Stop accepting, answer the connections accepted already (for at most ``grace_s``), close them all and stop.
+
+        The listener is the caller's to close: it may have been handed over, and a successor accepting on it
+        answers whoever connects next.
+        """
+        self._grace_until = time.monotonic() + grace_s
         try:
             os.write(self._wake_write, b"x")
         except OSError:
             pass
         if self._thread.is_alive():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=grace_s + 5)
         for connection in list(self._connections.values()):
             self._drop(connection)
         self._selector.close()
@@ -174,11 +178,19 @@ class HttpEndpoint:
         os.close(self._wake_write)
 
     def _loop(self) -> None:
-        while not self._stopping:
+        while True:
+            if self._grace_until is not None:
+                if "listener" in (key.data for key in self._selector.get_map().values()):
+                    self._selector.unregister(self.listener)
+                if not self._connections or time.monotonic() > self._grace_until:
+                    return
             oldest = next(iter(self._connections.values()), None)
             timeout = 1.0 if oldest is None else max(0.0, min(1.0, oldest.deadline - time.monotonic()))
             for key, mask in self._selector.select(timeout):
                 try:
+                    if key.data == "wake":
+                        os.read(self._wake_read, 64)
+                        continue
                     if key.data == "listener":
                         self._accept()
                     elif isinstance(key.data, _Connection):

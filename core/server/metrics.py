@@ -101,11 +101,12 @@ class Metrics:
                 self.publishes += 1
             elif not ok:
                 self._refused_locked(code)
+        fields = {"op": op, "peer_pid": pid, **({"entry": reply["digest"]} if isinstance(reply.get("digest"), str) else {})}
         if op == "attach":
             what = f"attached {str(reply.get('digest', ''))[:12]}" if ok else f"attach missed ({code})"
-            log.info("%s for pid %d in %.1f ms", what, pid, seconds * 1000)
+            log.info("%s for pid %d in %.1f ms", what, pid, seconds * 1000, extra={**fields, "code": None if ok else code})
         elif not ok:
-            log.info("refused %s from pid %d: %s", op, pid, code)
+            log.info("refused %s from pid %d: %s", op, pid, code, extra={**fields, "code": code})
 
     def refused(self, code: str) -> None:
         """A connection refused before any request (too many connections, a foreign uid)."""
@@ -128,7 +129,13 @@ class Metrics:
         with self._lock:
             self.evictions[reason if reason in EVICTION_REASONS else "request"] += 1
         if pid is not None:
-            log.info("evicted %s (%s) during a request of pid %d", digest[:12], reason, pid)
+            log.info(
+                "evicted %s (%s) during a request of pid %d",
+                digest[:12],
+                reason,
+                pid,
+                extra={"entry": digest, "reason": reason, "peer_pid": pid},
+            )
 
     def snapshot(self, tiers: dict, budgets: dict, entries: int, open_connections: int) -> dict:
         """The counters as JSON, with the registry's gauges (``tiers``: bytes held and budget per tier) passed in."""

@@ -79,7 +79,14 @@ class Warmer:
             with self._lock:
                 if item in self._states:
                     self._states[item] = (state, detail)
-            log.info("warm list: %s %s (%s)", item.model, state, detail)
+            log.log(
+                logging.WARNING if state == "failed" else logging.INFO,
+                "warm list: %s %s (%s)",
+                item.model,
+                state,
+                detail,
+                extra={"model": item.model, "state": state},
+            )
 
     def _load(self, item: WarmItem) -> tuple[str, str]:
         try:

@@ -418,7 +418,9 @@ class Server:
             pid, uid, _ = peer_credentials(conn)
             state.pid = self._requester.pid = pid
             if uid != os.geteuid():
-                log.warning("refused pid %d of uid %d: the server runs as uid %d", pid, uid, os.geteuid())
+                log.warning(
+                    "refused pid %d of uid %d: the server runs as uid %d", pid, uid, os.geteuid(), extra={"peer_pid": pid}
+                )
                 self._refuse(
                     conn,
                     "access_denied",
@@ -431,14 +433,21 @@ class Server:
                 try:
                     frame = reader.read(idle_timeout=idle_timeout)
                 except IdleTimeout:
-                    log.info("closing pid %d's connection: idle for %g s with nothing attached", pid, idle_timeout)
+                    log.info(
+                        "closing pid %d's connection: idle for %g s with nothing attached",
+                        pid,
+                        idle_timeout,
+                        extra={"peer_pid": pid},
+                    )
                     return
                 except ProtocolError as exc:
-                    log.warning("refused a frame from pid %d (%s): %s", pid, exc.code, exc)
+                    log.warning(
+                        "refused a frame from pid %d (%s): %s", pid, exc.code, exc, extra={"peer_pid": pid, "code": exc.code}
+                    )
                     self._try_send(conn, error_reply(exc.code, str(exc)))
                     return
                 except (TimeoutError, OSError) as exc:
-                    log.warning("dropping pid %d's connection: %s", pid, exc or type(exc).__name__)
+                    log.warning("dropping pid %d's connection: %s", pid, exc or type(exc).__name__, extra={"peer_pid": pid})
                     return
                 if frame is None:
                     return
@@ -471,7 +480,7 @@ class Server:
             self._try_send(conn, error_reply("busy", "another successor is taking over already; wait for it"))
             return
         self._frozen.set()
-        log.info("handing every entry over to pid %d", pid)
+        log.info("handing every entry over to pid %d", pid, extra={"peer_pid": pid})
         conn.settimeout(self.config.frame_deadline_s)
         done = False
         try:
@@ -662,7 +671,7 @@ class Server:
     def _report(self, message, fds, connection_id, pid):
         """A client's report that it loaded from disk (``kind``: one of metrics.FALLBACK_KINDS); counted, never refused."""
         kind = self.metrics.fell_back(str(message.get("fallback", "other"))[:40])
-        log.info("pid %d loaded from disk instead of attaching (%s)", pid, kind)
+        log.info("pid %d loaded from disk instead of attaching (%s)", pid, kind, extra={"peer_pid": pid, "reason": kind})
         return ok_reply(counted=kind), []
 
     def _evict(self, message, fds, connection_id, pid):
@@ -718,7 +727,7 @@ class Server:
         return ok_reply(digest=digest, key=key, bytes=nbytes), [fd]
 
     def _shutdown(self) -> None:
-        log.info("server stopping")
+        log.info("server stopping" + (": a successor serves every entry" if self._handed_over else ""))
         if self.warmer is not None:
             self.warmer.stop()
         if not self._handed_over:  # else the unit goes on, with the successor as its main process
@@ -731,7 +740,7 @@ class Server:
         lock, self._lock_fd = self._lock_fd, -1  # the lock goes last: a successor waits for it
         self._release()
         self._table.close_all()
-        self.registry.close()
+        self.registry.close(handed_over=self._handed_over)
         if lock >= 0:
             os.close(lock)
 
