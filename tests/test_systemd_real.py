@@ -90,6 +90,7 @@ unit's ProtectHome= hides and its user may not read)."""
 SERVE_TOML = """\
 [server]
 max_connections = 256
+log_level = "info"
 """
 
 CLIENT = """\

@@ -8,8 +8,10 @@ import sys
 import time
 import typing
 
-LEVELS = ("debug", "info", "warning", "error")
-FORMATS = ("text", "json")
+from weightcache.core.server.serve_config import LOG_CHOICES
+
+LEVELS = LOG_CHOICES["log_level"]
+FORMATS = LOG_CHOICES["log_format"]
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 FIELDS = ("entry", "model", "bytes", "peer_pid", "op", "code", "reason", "state")
 """Structured fields a log call may pass with ``extra=`` (entry: a full digest, model: its label, peer_pid: the
@@ -47,4 +49,4 @@ def configure(level: str, form: str = "text", brief: bool = False) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s" if brief else _TEXT))
-    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)

@@ -48,6 +48,21 @@ def _metric_families(snapshot: dict) -> "Iterator":
             "tier",
         ),
         ("connections_open", "Connections open now.", snapshot["connections_open"], None),
+        (
+            "ready",
+            "1 while the server listens and is not stopping or handing over (as /readyz answers).",
+            int(snapshot["ready"]),
+            None,
+        ),
+        (
+            "unverified_entries",
+            "Entries back from a crash (the fd store) that nobody has checksummed yet.",
+            snapshot["unverified_entries"],
+            None,
+        ),
+        ("fdstore", "1 when the server keeps its entries' fds in systemd's fd store.", int(snapshot["fdstore"]), None),
+        ("fdstore_fds", "Fds the server keeps in systemd's fd store (2 + arenas per entry).", snapshot["fdstore_fds"], None),
+        ("warm_items", "Items of the warm list (--config) per state.", snapshot["warm_items"], "state"),
     ]
     if budgets.get("total"):
         gauges.append(("total_budget_bytes", "The server's byte budget over all tiers (--byte-budget).", budgets["total"], None))
@@ -59,7 +74,17 @@ def _metric_families(snapshot: dict) -> "Iterator":
         ("evictions", "Entries dropped, by reason (budget, request, stopping).", snapshot["evictions"], "reason"),
         ("refusals", "Requests and connections refused, by error code.", snapshot["refusals"], "code"),
         ("connections", "Connections accepted since the start.", snapshot["connections_total"], None),
+        (
+            "fdstore_failures",
+            "Entries the server could not keep in (or remove from) systemd's fd store.",
+            snapshot["fdstore_failures"],
+            None,
+        ),
     ]
+    build = snapshot["build"]
+    info = GaugeMetricFamily(f"{PREFIX}_build_info", "The server's version, protocol and Python; always 1.", labels=sorted(build))
+    info.add_metric([str(build[key]) for key in sorted(build)], 1)
+    yield info
     for row in gauges:
         yield family(GaugeMetricFamily, *row)
     for row in counters:
@@ -109,8 +134,11 @@ class Exporter:
             raise ImportError(
                 "--metrics-port needs prometheus-client; install it with `pip install 'weightcache[metrics]'`"
             ) from None
+        from prometheus_client import ProcessCollector
+
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(snapshot))
+        ProcessCollector(registry=registry)  # process_open_fds against process_max_fds (every arena is an fd), memory, CPU
 
         def metrics() -> Response:
             return Response(200, generate_latest(registry), CONTENT_TYPE_LATEST)

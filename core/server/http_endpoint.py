@@ -67,7 +67,7 @@ Route = Callable[[], Response]
 def bind(host: str, port: int, what: str = "--metrics-port") -> socket.socket:
     """A TCP socket listening on ``host``:``port`` (0: any free port); ListenerUnavailable, with nothing left open, if
     the name does not resolve or the address cannot be bound."""
-    family, kind, proto, address = _resolve(host, port, what)
+    family, kind, proto, address = resolve(host, port, what)
     sock = socket.socket(family, kind | socket.SOCK_CLOEXEC, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted server binds past TIME_WAIT
@@ -84,7 +84,7 @@ def bind(host: str, port: int, what: str = "--metrics-port") -> socket.socket:
     return sock
 
 
-def _resolve(host: str, port: int, what: str) -> tuple[int, int, int, tuple]:
+def resolve(host: str, port: int, what: str) -> tuple[int, int, int, tuple]:
     """The family, type, protocol and address to bind for ``host``:``port`` (ListenerUnavailable if it does not resolve)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
@@ -100,7 +100,7 @@ def _resolve(host: str, port: int, what: str) -> tuple[int, int, int, tuple]:
 def listens_on(sock: socket.socket, host: str, port: int) -> bool:
     """Whether ``sock`` (a listener handed over by a predecessor) is bound where ``host``:``port`` would bind (0: any port)."""
     try:
-        family, _, _, address = _resolve(host, port, "")
+        family, _, _, address = resolve(host, port, "")
         bound = sock.getsockname()
     except (ListenerUnavailable, OSError):
         return False

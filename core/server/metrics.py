@@ -33,6 +33,20 @@ its log line is the record."""
 EVICTION_REASONS = ("budget", "request", "stopping")
 """Why entries left the server: to make room within a budget, ``weightcache evict``, the server stopping."""
 
+REFUSAL_CODES = (
+    "access_denied",
+    "ambiguous",
+    "attached",
+    "bad_request",
+    "busy",
+    "not_found",
+    "over_budget",
+    "protocol_error",
+    "too_large",
+    "too_many",
+)
+"""The error codes the server refuses with; each is counted from 0, so every label set exists from the start."""
+
 _MAX_REFUSAL_CODES = 32  # codes come from the server's own replies; the cap only keeps a bug from growing the table
 
 
@@ -76,7 +90,7 @@ class Metrics:
     connections_total: int = 0
     fallbacks: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(FALLBACK_KINDS, 0))
     evictions: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
-    refusals: dict[str, int] = attrs.field(factory=dict)
+    refusals: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(REFUSAL_CODES, 0))
     attach_seconds: Histogram = attrs.field(factory=Histogram)
     last_attach: float | None = None
     _lock: threading.Lock = attrs.field(factory=threading.Lock, repr=False)

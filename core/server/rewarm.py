@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 64
 """Warm items a status reply lists."""
+STATES = ("pending", "loading", "done", "failed")
+"""The states of a warm item, in the order it goes through them (``done`` or ``failed`` last)."""
 _DETAIL_CHARS = 300
 SCRUB_PAUSE_ENV = "WEIGHTCACHE_SCRUB_PAUSE_S"
 """Seconds the scrub of re-adopted entries waits before it starts (a test hook: tests that verify entries themselves)."""
@@ -54,6 +56,14 @@ class Warmer:
             return [{**item.describe(), "state": state, "detail": detail} for item, (state, detail) in self._states.items()][
                 :MAX_ROWS
             ]
+
+    def counts(self) -> dict[str, int]:
+        """Items per state (every state of STATES, 0 when none)."""
+        with self._lock:
+            counted = dict.fromkeys(STATES, 0)
+            for state, _ in self._states.values():
+                counted[state] += 1
+            return counted
 
     def stop(self) -> None:
         with self._changed:

@@ -20,6 +20,7 @@ import fcntl
 import itertools
 import logging
 import os
+import platform
 import resource
 import signal
 import socket
@@ -34,7 +35,7 @@ import attrs
 
 from weightcache.core import PROTOCOL_VERSION, __version__
 from weightcache.core.errors import AccessDenied, IdleTimeout, ProtocolError
-from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.fingerprint import HOST_TIER, Fingerprint
 from weightcache.core.memfd import sealed_size
 from weightcache.core.server import bounds, readiness
 from weightcache.core.server.admission import REPLY_ENVELOPE_BYTES, admit_publish
@@ -48,6 +49,7 @@ from weightcache.core.server.http_endpoint import check_listening, listens_on
 from weightcache.core.server.metrics import Metrics
 from weightcache.core.server.reexec import spawn_successor
 from weightcache.core.server.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, OverBudget, Registry, TooManyArtifacts
+from weightcache.core.server.rewarm import STATES as WARM_STATES
 from weightcache.core.server.rewarm import Warmer, scrub_in_background
 from weightcache.core.server.serve_config import ConfigError, ServeSource
 from weightcache.core.socket_dir import SocketDir, to_socket_dir
@@ -148,6 +150,7 @@ class Server:
         self._accepting.set()
         self._handed_over = False
         self.warmer: Warmer | None = None
+        self.fdstore: FdStore | None = None  # systemd's, when the server runs under it with FileDescriptorStoreMax=
         self._failed_accepts = 0  # in a row: they set the back-off
         self._last_failed_accept = float("-inf")
         self._exporter: Exporter | None = None
@@ -355,6 +358,9 @@ class Server:
         warmer.start()
 
         def reload() -> None:
+            if source.path is None:
+                log.info("SIGHUP: the server runs without --config; nothing to re-read, nothing changed")
+                return
             try:
                 settings, items = source.read()
             except ConfigError as exc:
@@ -658,15 +664,28 @@ class Server:
         ), []
 
     def metrics_snapshot(self, rows: list[dict] | None = None) -> dict:
-        """The metrics' JSON (``Metrics.snapshot``) with the registry's gauges; also what the exporter renders."""
+        """The metrics' JSON (``Metrics.snapshot``) with the registry's, the process's and the warm list's gauges; also
+        what the exporter renders."""
         rows = self.registry.status()[0] if rows is None else rows
-        snapshot = self.metrics.snapshot(
-            self.registry.tiers(), self.registry.budgets.to_json(), len(self.registry), self._table.open_count()
-        )
+        tiers = {HOST_TIER: {"held": 0, "budget": self.registry.budgets.of(HOST_TIER)}, **self.registry.tiers()}
+        snapshot = self.metrics.snapshot(tiers, self.registry.budgets.to_json(), len(self.registry), self._table.open_count())
         by_device: dict[str, int] = {}
         for row in rows:
             by_device[row["device"]] = by_device.get(row["device"], 0) + 1
-        return {**snapshot, "entries_by_device": by_device}
+        store = self.fdstore
+        return {
+            **snapshot,
+            "entries_by_device": by_device,
+            "unverified_entries": sum(1 for row in rows if row.get("verified") is False),
+            "ready": self.readiness().ok,
+            "build": {"version": __version__, "protocol": PROTOCOL_VERSION, "python": platform.python_version()},
+            "open_fds": _open_fds(),
+            "max_fds": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            "fdstore": store is not None,
+            "fdstore_fds": sum(store.kept.values()) if store is not None else 0,
+            "fdstore_failures": store.failures if store is not None else 0,
+            "warm_items": self.warmer.counts() if self.warmer is not None else dict.fromkeys(WARM_STATES, 0),
+        }
 
     def _report(self, message, fds, connection_id, pid):
         """A client's report that it loaded from disk (``kind``: one of metrics.FALLBACK_KINDS); counted, never refused."""
@@ -750,6 +769,14 @@ _OPS_THAT_CHANGE_ENTRIES = frozenset({"publish", "evict", "put_artifact"})
 _DIGEST_CHARS = frozenset("0123456789abcdef")
 
 
+def _open_fds() -> int:
+    """Fds this process holds (every arena is one; compare ``max_fds``); -1 where /proc is not mounted."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir opened
+    except OSError:
+        return -1
+
+
 def _fileno(sock: socket.socket | None) -> int:
     return -1 if sock is None else sock.fileno()
 
@@ -803,6 +830,7 @@ def start_server(config: ServerConfig, take_over: bool = False, source: ServeSou
     store = FdStore.from_environ()
     adopted = adopt(server.registry, passed_fds(), config.max_frame_bytes)
     if store is not None:
+        server.fdstore = store
         server.registry.on_publish, server.registry.on_evict = store.keep, store.forget
         for entry in server.registry.snapshot():
             store.keep(entry)
