@@ -97,6 +97,14 @@ def test_the_sysusers_and_tmpfiles_files_make_the_units_user_and_config():
     assert ["f", config] in created, "the unit's --config file exists even without a warm list"
 
 
+def test_the_shipped_config_file_is_valid_and_names_only_keys_the_server_knows():
+    from weightcache.core.server.serve_config import ServeFile
+
+    shipped = ServeFile.load(UNIT.parent / "serve.toml")
+    assert shipped.settings["host_budget"] == 200 << 30 and shipped.logging == {"log_level": "info"}
+    assert shipped.warm == (), "the shipped file loads no model: the operator names them"
+
+
 def _dockerfile_commands(path: Path) -> dict[str, list[str]]:
     """The JSON-form CMD and HEALTHCHECK of a Dockerfile, and its FROM image."""
     found: dict[str, list[str]] = {}

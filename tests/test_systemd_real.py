@@ -87,12 +87,6 @@ PYTHON = ["env", "LD_LIBRARY_PATH=/opt/weightcache/python/lib", "/opt/weightcach
 """The installation's interpreter, as the unit's user can run it (this checkout's may live under /root, which the
 unit's ProtectHome= hides and its user may not read)."""
 
-SERVE_TOML = """\
-[server]
-max_connections = 256
-log_level = "info"
-"""
-
 CLIENT = """\
 import json, sys
 sys.path.insert(0, {root!r})
@@ -203,7 +197,7 @@ def units(tmp_path) -> Path:
     shutil.copy(UNIT, units / UNIT.name)
     for name in ("weightcache.sysusers", "weightcache.tmpfiles"):
         shutil.copy(DEPLOY / name, units / name)
-    (units / "serve.toml").write_text(SERVE_TOML)
+    shutil.copy(DEPLOY / "serve.toml", units / "serve.toml")
     (units / "weightcache").write_text(PROGRAM)
     return units
 
