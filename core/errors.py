@@ -49,6 +49,14 @@ def serve_command(socket_path: "str | os.PathLike") -> str:
     return SocketDir.of_socket(socket_path).serve_command()
 
 
+class ListenerUnavailable(WeightCacheError):
+    """The server cannot listen where it was told to (``what``: the option; ``address``: where); nothing was left bound."""
+
+    def __init__(self, what: str, address: str, reason: str):
+        self.what, self.address, self.reason = what, address, reason
+        super().__init__(f"cannot listen on {address} ({what}): {reason}")
+
+
 class AccessDenied(WeightCacheError):
     """The peer or the socket directory failed an ownership or permission check."""
 

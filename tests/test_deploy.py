@@ -66,6 +66,45 @@ def test_systemd_analyze_verifies_the_unit(tmp_path):
     assert "weightcache.service" not in proc.stderr, proc.stderr  # no warning about our unit
 
 
+MAX_EXPOSURE = 3.5
+"""The most ``systemd-analyze security`` may rate the shipped unit (0 safest, 10 unsafe)."""
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed (apt-get install systemd)")
+def test_the_unit_is_sandboxed_as_systemd_analyze_security_rates_it(tmp_path):
+    copy = tmp_path / "weightcache.service"
+    copy.write_text(UNIT.read_text())
+    proc = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", "--no-pager", str(copy)], capture_output=True, text=True, timeout=60
+    )
+    found = re.search(r"Overall exposure level for weightcache.service: ([0-9.]+)", proc.stdout + proc.stderr)
+    assert found, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert float(found[1]) <= MAX_EXPOSURE, proc.stdout
+    service = unit()["Service"]
+    for key in ("NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp", "RestrictAddressFamilies"):
+        assert key in service, f"the unit sets no {key}="
+    assert service["UMask"] == "0077" and service["ExecReload"] == "/bin/kill -HUP $MAINPID"
+
+
+def test_the_sysusers_and_tmpfiles_files_make_the_units_user_and_config():
+    user = UNIT.parent / "weightcache.sysusers"
+    tmpfiles = UNIT.parent / "weightcache.tmpfiles"
+    rows = [line.split() for line in user.read_text().splitlines() if line and not line.startswith("#")]
+    assert rows[0][:2] == ["u", unit()["Service"]["User"]]
+    argv = shlex.split(unit()["Service"]["ExecStart"])
+    config = argv[argv.index("--config") + 1]
+    created = [line.split()[:2] for line in tmpfiles.read_text().splitlines() if line and not line.startswith("#")]
+    assert ["f", config] in created, "the unit's --config file exists even without a warm list"
+
+
+def test_the_shipped_config_file_is_valid_and_names_only_keys_the_server_knows():
+    from weightcache.core.server.serve_config import ServeFile
+
+    shipped = ServeFile.load(UNIT.parent / "serve.toml")
+    assert shipped.settings["host_budget"] == 200 << 30 and shipped.logging == {"log_level": "info"}
+    assert shipped.warm == (), "the shipped file loads no model: the operator names them"
+
+
 def _dockerfile_commands(path: Path) -> dict[str, list[str]]:
     """The JSON-form CMD and HEALTHCHECK of a Dockerfile, and its FROM image."""
     found: dict[str, list[str]] = {}
@@ -93,20 +132,25 @@ def _documents(path: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
-def test_the_daemonset_probes_the_server_and_shares_its_socket_directory_with_engines():
-    [daemonset] = _documents(DEPLOY / "kubernetes" / "daemonset.yaml")
+def test_the_daemonset_probes_the_server_over_http_and_shares_its_socket_directory_with_engines():
+    daemonset, service = _documents(DEPLOY / "kubernetes" / "daemonset.yaml")
     assert daemonset["kind"] == "DaemonSet" and daemonset["apiVersion"] == "apps/v1"
     pod = daemonset["spec"]["template"]["spec"]
     [server] = pod["containers"]
     parses(server["command"])
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        command = server[probe]["exec"]["command"]
-        assert command[:2] == ["weightcache", "probe"], probe
-        parses(command)
-        timeout = float(command[command.index("--timeout") + 1])
-        assert server[probe].get("timeoutSeconds", 1) > timeout or probe == "startupProbe", (
-            f"{probe} times out before the probe does"
-        )
+    argv = server["command"]
+    port = int(argv[argv.index("--metrics-port") + 1])
+    assert argv[argv.index("--metrics-host") + 1] == "0.0.0.0", "the kubelet probes the pod's IP"
+    assert {"name": "metrics", "containerPort": port} in server["ports"]
+    paths = {probe: server[probe]["httpGet"]["path"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert paths == {"startupProbe": "/healthz", "readinessProbe": "/readyz", "livenessProbe": "/healthz"}
+    assert {server[probe]["httpGet"]["port"] for probe in paths} == {"metrics"}
+    context = server["securityContext"]
+    assert context["allowPrivilegeEscalation"] is False and context["readOnlyRootFilesystem"] is True
+    assert context["capabilities"] == {"drop": ["ALL"]} and context.get("privileged") is False
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert service["kind"] == "Service" and service["spec"]["selector"] == daemonset["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": port, "targetPort": "metrics"}]
     volumes = {volume["name"]: volume for volume in pod["volumes"]}
     mounted = {mount["mountPath"]: mount["name"] for mount in server["volumeMounts"]}
     assert volumes[mounted[SOCKET_DIR]]["hostPath"]["path"] == SOCKET_DIR

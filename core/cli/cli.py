@@ -44,6 +44,10 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose mistakes end like every other mistake: one ``weightcache: error:`` line."""
 
     def error(self, message: str) -> typing.NoReturn:
+        if message.startswith("unrecognized arguments:") and {"-v", "--verbose"} & set(message.split(":", 1)[1].split()):
+            message += (
+                "; -v (--verbose) is an option of weightcache itself: put it before the command (`weightcache -v serve ...`)"
+            )
         self.exit(2, f"weightcache: error: {message} (see `{self.prog} --help`)\n")
 
 
@@ -57,12 +61,46 @@ def add_log_options(parser: argparse.ArgumentParser, default_format: str) -> Non
         help="log messages of this level and above (default: info for serve, warning for the other commands)",
     )
     parser.add_argument(
-        "--log-format", choices=FORMATS, default=default_format, help="text (default) or json: one JSON object per line"
+        "--log-format",
+        choices=FORMATS,
+        default=None if default_format == "text" else argparse.SUPPRESS,
+        help="text (default) or json: one JSON object per line",
     )
 
 
-def _command(commands, name: str, text: str) -> argparse.ArgumentParser:
-    return commands.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+def _command(commands, name: str, text: str, epilog: str | None = None) -> argparse.ArgumentParser:
+    return commands.add_parser(
+        name,
+        help=text,
+        description=text[0].upper() + text[1:] + ".",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter if epilog else argparse.HelpFormatter,
+    )
+
+
+SERVE_EPILOG = """\
+signals:
+  SIGTERM, SIGINT  stop cleanly: entries no engine maps are dropped (engines keep their mappings)
+  SIGHUP           re-read --config: budgets and the warm list (flags still win; evicts nothing);
+                   without --config nothing changes (logged)
+  SIGUSR2          restart or upgrade in place: start `serve --take-over` with this command line, which
+                   takes every entry, the socket, the lock and the metrics port; this server then exits
+
+environment:
+  WEIGHTCACHE_SOCKET_DIR  the socket directory when neither --socket-dir nor the config file names one
+  WEIGHTCACHE_CACHE_DIR   where the warm list's loads remember checkpoint digests
+  NOTIFY_SOCKET           set by systemd (Type=notify): READY=1 once every listener listens; the fd store
+  LISTEN_FDS, LISTEN_FDNAMES, LISTEN_PID
+                          set by systemd: entries given back from its fd store after a crash or restart
+
+exit status:
+  0  stopped by SIGTERM or SIGINT, or handed every entry to a successor; --check-config: the settings are valid
+  1  could not start: a bad config file or value, a listener that cannot bind, another server on the
+     directory, a successor that refused the handover (one `weightcache: error:` line says which)
+  2  usage error (an unknown option or a bad value on the command line)
+
+metrics port (--metrics-port): /metrics (Prometheus), /healthz (the server accepts), /readyz (it listens and
+is not handing over). Details: docs/operations.md."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_options(parser, default_format="text")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = _command(commands, "serve", "run the server: it holds the arenas' fds and answers engines (never touches CUDA)")
+    serve = _command(
+        commands, "serve", "run the server: it holds the arenas' fds and answers engines (never touches CUDA)", SERVE_EPILOG
+    )
     add_socket_dir(serve)
     add_log_options(serve, default_format=argparse.SUPPRESS)  # also after `serve`, as operators write it
     serve.add_argument(
@@ -101,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=pathlib.Path,
         metavar="FILE.toml",
         help="settings and models to keep warm (docs/operations.md); flags override it; SIGHUP re-reads it",
+    )
+    serve.add_argument(
+        "--check-config",
+        action="store_true",
+        help="check the config file and flags (values, the metrics host), print the settings and the warm list, and exit "
+        "without serving: 0 valid, 1 not",
     )
     serve.add_argument(
         "--take-over",
@@ -140,7 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--metrics-host",
-        default="127.0.0.1",
         metavar="HOST",
         help="the address --metrics-port binds (default: 127.0.0.1; 0.0.0.0 exposes the model names held to the network)",
     )
@@ -258,7 +303,7 @@ def _configure_logging(args) -> None:
     """The server logs what it does (with times); the other commands print their result and log only warnings."""
     serving = args.command == "serve"
     level = "debug" if args.verbose else args.log_level or ("info" if serving else "warning")
-    configure_logging(level, args.log_format, brief=not (serving or args.verbose))
+    configure_logging(level, args.log_format or "text", brief=not (serving or args.verbose))
 
 
 def _serve(args) -> int:
@@ -279,13 +324,44 @@ def _serve(args) -> int:
     if args.idle_timeout is not None:
         flags["idle_timeout_s"] = args.idle_timeout or None  # 0: never
     source = ServeSource(args.config, flags)
-    settings, _ = source.read()
+    settings, warm = source.read()
     config = ServerConfig(**{"socket_dir": None, **settings})  # None: SocketDir's default
+    logged = source.logging()
+    log_file = args.log_file or logged.get("log_file")
+    if args.check_config:
+        return _check_config(config, warm, logged, args)
+    if (args.log_level is None and not args.verbose and "log_level" in logged) or (
+        args.log_format is None and "log_format" in logged
+    ):
+        level = args.log_level or ("debug" if args.verbose else logged.get("log_level", "info"))
+        configure_logging(level, args.log_format or logged.get("log_format", "text"))
     if args.detach:
         from weightcache.core.server.server_process import serve_detached
 
-        return serve_detached(config, args.log_file or config.socket_dir.path / DETACHED_LOG, args.take_over, source)
+        return serve_detached(config, log_file or config.socket_dir.path / DETACHED_LOG, args.take_over, source)
     serve(config, args.take_over, source)
+    return 0
+
+
+def _check_config(config, warm, logged: dict, args) -> int:
+    """``serve --check-config``: what the server would run with, checked as far as it can be without serving."""
+    from weightcache.core.server.http_endpoint import resolve
+
+    if config.metrics_port is not None:
+        resolve(config.metrics_host, config.metrics_port, "--metrics-host")  # ListenerUnavailable: one line
+    shown = {field: getattr(config, field) for field in ("socket_dir", "byte_budget", "host_budget", "gpu_budget")}
+    shown |= {field: getattr(config, field) for field in ("idle_timeout_s", "max_connections", "frame_deadline_s")}
+    shown |= {"metrics": None if config.metrics_port is None else f"{config.metrics_host}:{config.metrics_port}"}
+    shown |= {
+        "log_level": args.log_level or logged.get("log_level", "info"),
+        "log_format": args.log_format or logged.get("log_format", "text"),
+    }
+    print(f"weightcache serve: the settings are valid{f' ({args.config})' if args.config else ''}")
+    for key, value in shown.items():
+        print(f"  {key} = {value if value is not None else 'none'}")
+    print(f"  warm: {len(warm)} {'item' if len(warm) == 1 else 'items'}")
+    for item in warm:
+        print(f"    {item.model} ({item.device}, tier {item.tier}{f', {item.dtype}' if item.dtype else ''})")
     return 0
 
 

@@ -8,14 +8,19 @@ import sys
 import time
 import typing
 
-LEVELS = ("debug", "info", "warning", "error")
-FORMATS = ("text", "json")
+from weightcache.core.server.serve_config import LOG_CHOICES
+
+LEVELS = LOG_CHOICES["log_level"]
+FORMATS = LOG_CHOICES["log_format"]
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+FIELDS = ("entry", "model", "bytes", "peer_pid", "op", "code", "reason", "state")
+"""Structured fields a log call may pass with ``extra=`` (entry: a full digest, model: its label, peer_pid: the
+client's pid); ``--log-format json`` writes each one a record carries, beside the message that names them too."""
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record: ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``pid``, ``message`` and, for
-    an exception, ``exception`` (its formatted traceback)."""
+    """One JSON object per record: ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``pid``, ``message``, the
+    structured ``FIELDS`` the record carries and, for an exception, ``exception`` (its formatted traceback)."""
 
     converter = staticmethod(time.gmtime)
 
@@ -27,6 +32,10 @@ class JsonFormatter(logging.Formatter):
             "pid": record.process,
             "message": record.getMessage(),
         }
+        for name in FIELDS:
+            value = getattr(record, name, None)
+            if value is not None:
+                shown[name] = value
         if record.exc_info:
             shown["exception"] = self.formatException(record.exc_info)
         return json.dumps(shown, ensure_ascii=False)
@@ -40,4 +49,4 @@ def configure(level: str, form: str = "text", brief: bool = False) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s" if brief else _TEXT))
-    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)

@@ -1,4 +1,4 @@
-"""The server's metrics in Prometheus' text format over HTTP (``weightcache serve --metrics-port``).
+"""The server's metrics in Prometheus' text format, and its health probes, over HTTP (``serve --metrics-port``).
 
 Needs the optional ``metrics`` extra (``pip install 'weightcache[metrics]'``: prometheus-client, which
 imports neither torch nor CUDA). What is exported is exactly ``Metrics.snapshot`` (the ``metrics`` field
@@ -8,7 +8,12 @@ of ``weightcache status --json``), read at each scrape; names and labels are in 
 from __future__ import annotations
 
 import logging
+import socket
 import typing
+
+import attrs
+
+from weightcache.core.server.http_endpoint import HttpEndpoint, Response, check_listening
 
 if typing.TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -43,6 +48,21 @@ def _metric_families(snapshot: dict) -> "Iterator":
             "tier",
         ),
         ("connections_open", "Connections open now.", snapshot["connections_open"], None),
+        (
+            "ready",
+            "1 while the server listens and is not stopping or handing over (as /readyz answers).",
+            int(snapshot["ready"]),
+            None,
+        ),
+        (
+            "unverified_entries",
+            "Entries back from a crash (the fd store) that nobody has checksummed yet.",
+            snapshot["unverified_entries"],
+            None,
+        ),
+        ("fdstore", "1 when the server keeps its entries' fds in systemd's fd store.", int(snapshot["fdstore"]), None),
+        ("fdstore_fds", "Fds the server keeps in systemd's fd store (2 + arenas per entry).", snapshot["fdstore_fds"], None),
+        ("warm_items", "Items of the warm list (--config) per state.", snapshot["warm_items"], "state"),
     ]
     if budgets.get("total"):
         gauges.append(("total_budget_bytes", "The server's byte budget over all tiers (--byte-budget).", budgets["total"], None))
@@ -54,7 +74,17 @@ def _metric_families(snapshot: dict) -> "Iterator":
         ("evictions", "Entries dropped, by reason (budget, request, stopping).", snapshot["evictions"], "reason"),
         ("refusals", "Requests and connections refused, by error code.", snapshot["refusals"], "code"),
         ("connections", "Connections accepted since the start.", snapshot["connections_total"], None),
+        (
+            "fdstore_failures",
+            "Entries the server could not keep in (or remove from) systemd's fd store.",
+            snapshot["fdstore_failures"],
+            None,
+        ),
     ]
+    build = snapshot["build"]
+    info = GaugeMetricFamily(f"{PREFIX}_build_info", "The server's version, protocol and Python; always 1.", labels=sorted(build))
+    info.add_metric([str(build[key]) for key in sorted(build)], 1)
+    yield info
     for row in gauges:
         yield family(GaugeMetricFamily, *row)
     for row in counters:
@@ -79,22 +109,54 @@ class _Collector:
         return _metric_families(self._snapshot())
 
 
-class Exporter:
-    """An HTTP endpoint (``/metrics``, any path) serving the snapshots of ``snapshot`` in its own thread."""
+@attrs.frozen
+class Verdict:
+    """A health answer: ``ok`` and why (the body of ``/healthz`` and ``/readyz``)."""
 
-    def __init__(self, snapshot: "Callable[[], dict]", port: int, host: str = "127.0.0.1"):
+    ok: bool
+    reason: str
+
+    def response(self) -> Response:
+        return Response.text(200 if self.ok else 503, f"{'ok' if self.ok else 'not ok'}: {self.reason}")
+
+
+class Exporter:
+    """``/metrics`` (also ``/``), ``/healthz`` and ``/readyz`` over HTTP on a listener the server bound or was handed.
+
+    ``snapshot`` gives the metrics' JSON at each scrape; ``alive`` and ``ready`` answer the probes. Construct it
+    before binding anything: it raises ImportError, with the install command, without prometheus-client.
+    """
+
+    def __init__(self, snapshot: "Callable[[], dict]", alive: "Callable[[], Verdict]", ready: "Callable[[], Verdict]"):
         try:
-            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
         except ImportError:
             raise ImportError(
                 "--metrics-port needs prometheus-client; install it with `pip install 'weightcache[metrics]'`"
             ) from None
+        from prometheus_client import ProcessCollector
+
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(snapshot))
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
-        self.host, self.port = self._server.server_address[:2]
-        log.info("metrics on http://%s:%d/metrics", self.host, self.port)
+        ProcessCollector(registry=registry)  # process_open_fds against process_max_fds (every arena is an fd), memory, CPU
+
+        def metrics() -> Response:
+            return Response(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+
+        self.routes = {"/metrics": metrics, "/": metrics, "/healthz": lambda: alive().response()}
+        self.routes["/readyz"] = lambda: ready().response()
+        self.endpoint: HttpEndpoint | None = None
+
+    def serve(self, listener: socket.socket) -> None:
+        """Answer on ``listener`` (bound and listening) in a thread of its own."""
+        check_listening(listener, "--metrics-port")
+        self.endpoint = HttpEndpoint(listener, self.routes)
+        self.endpoint.start()
+        host, port = self.endpoint.address
+        log.info("metrics on http://%s:%d/metrics (probes: /healthz, /readyz)", host, port)
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        """Stop answering; the listener stays open (it is the server's, and may have been handed over)."""
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None

@@ -44,6 +44,8 @@ class FdStore:
     def __init__(self, address: str):
         self.address = "\0" + address[1:] if address.startswith("@") else address
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self.kept: dict[str, int] = {}  # digest -> fds this server put in the store (the ``fdstore_fds`` gauge)
+        self.failures = 0  # entries it could not keep or remove (a full store)
 
     @classmethod
     def from_environ(cls) -> FdStore | None:
@@ -63,7 +65,9 @@ class FdStore:
             self.notify(f"FDSTOREREMOVE=1\nFDNAME={_name(entry.digest, 0)}")  # a predecessor's metadata of the same entry
             for index, fd in enumerate([meta, entry.table_fd, *entry.fds]):
                 self.notify(f"FDSTORE=1\nFDNAME={_name(entry.digest, index)}", [fd])
+                self.kept[entry.digest] = index + 1
         except OSError as exc:
+            self.failures += 1
             log.warning(
                 "could not keep %s in systemd's fd store (%s); raise FileDescriptorStoreMax= in the unit",
                 entry.digest[:12],
@@ -77,7 +81,9 @@ class FdStore:
         try:
             for index in range(2 + len(entry.fds)):
                 self.notify(f"FDSTOREREMOVE=1\nFDNAME={_name(entry.digest, index)}")
+            self.kept.pop(entry.digest, None)
         except OSError as exc:
+            self.failures += 1
             log.warning("could not remove %s from systemd's fd store: %s", entry.digest[:12], exc)
 
     def close(self) -> None:

@@ -79,8 +79,8 @@ confirmation arrived. Successor: after the handover frame arrived, after its fir
 
 FAREWELL_WAIT_S = 2.0
 """How long a successor that confirmed waits for its predecessor's farewell (sent after ``MAINPID=``)."""
-MAX_PARCELS = FDS_PER_MESSAGE - 2
-"""Parcels one handover frame carries beside the listener and the lock (one sendmsg)."""
+MAX_PARCELS = FDS_PER_MESSAGE - 3
+"""Parcels one handover frame carries beside the listeners and the lock (one sendmsg)."""
 _PARCEL_OVERHEAD = 1024  # bytes of kernel bookkeeping counted per sendmsg into a parcel, beyond its data
 
 
@@ -167,10 +167,21 @@ def pack(entries: list[Entry]) -> Parcels:
     return parcels
 
 
-def send_entries(
-    sock: socket.socket, registry: Registry, listener_fd: int, lock_fd: int, pause_accepting: Callable[[], None]
-) -> bool:
-    """The predecessor's side: hand every entry of ``registry``, the listener and the lock to the successor on ``sock``.
+@attrs.frozen
+class Listeners:
+    """What a predecessor hands over beside its entries: its socket's listener, its lock and its metrics listener
+    (-1: none), so that the successor binds nothing the predecessor holds."""
+
+    listener_fd: int
+    lock_fd: int
+    metrics_fd: int = -1
+
+    def fds(self) -> list[int]:
+        return [self.listener_fd, self.lock_fd] + ([self.metrics_fd] if self.metrics_fd >= 0 else [])
+
+
+def send_entries(sock: socket.socket, registry: Registry, listeners: Listeners, pause_accepting: Callable[[], None]) -> bool:
+    """The predecessor's side: hand every entry of ``registry`` and its ``listeners`` to the successor on ``sock``.
 
     The caller has frozen the registry (no publish, evict or artifact put runs meanwhile).
     ``pause_accepting`` is called before the listener leaves (newcomers then queue for the successor).
@@ -188,8 +199,8 @@ def send_entries(
     try:
         pause_accepting()
         hello = ok_reply(entries=len(entries), artifacts=artifacts, parcels=len(parcels.read_ends))
-        hello.update(pid=os.getpid(), version=__version__)
-        send_frame(sock, hello, [listener_fd, lock_fd, *(parcel.fileno() for parcel in parcels.read_ends)])
+        hello.update(pid=os.getpid(), version=__version__, metrics=listeners.metrics_fd >= 0)
+        send_frame(sock, hello, [*listeners.fds(), *(parcel.fileno() for parcel in parcels.read_ends)])
         _step("sent")
         frame = FrameReader(sock, deadline_s=CONFIRM_DEADLINE_S).read(idle_timeout=CONFIRM_DEADLINE_S)
     except (OSError, TimeoutError, ProtocolError) as exc:
@@ -230,11 +241,12 @@ class Limits:
 
 @attrs.define
 class Handed:
-    """What a successor took over: entries (already in its registry), and the listener and lock.
+    """What a successor took over: entries (already in its registry), and the listeners and lock.
 
     ``listener_fd`` and ``lock_fd`` are -1 when no handover happened because the
     predecessor died before it: the successor then binds the socket itself once
-    the dead predecessor's lock is free.
+    the dead predecessor's lock is free. ``metrics_fd`` is -1 when the predecessor
+    served no metrics (or was too old to hand them over).
     """
 
     entries: int
@@ -242,6 +254,7 @@ class Handed:
     predecessor_pid: int
     listener_fd: int = -1
     lock_fd: int = -1
+    metrics_fd: int = -1
     _sock: socket.socket | None = None
 
     @property
@@ -317,11 +330,11 @@ def _receive(sock: socket.socket, registry: Registry, limits: Limits, pid: int) 
         )
     _step("received")
     try:
-        listener_fd, lock_fd, parcel_fds = _split(hello, fds)
+        listeners, parcel_fds = _split(hello, fds)
     except (TypeError, ValueError, OSError) as exc:
         close_fds(fds)
         raise HandoverFailed(f"the running server's handover is malformed ({exc}); it keeps serving every entry") from None
-    handed = Handed(entries=0, artifacts=0, predecessor_pid=pid, listener_fd=listener_fd, lock_fd=lock_fd, sock=sock)
+    handed = Handed(entries=0, artifacts=0, predecessor_pid=pid, sock=sock, **attrs.asdict(listeners))
     log.info(
         "taking over %s entries in %d parcels from pid %d (weightcache %s)",
         hello.get("entries"),
@@ -333,7 +346,7 @@ def _receive(sock: socket.socket, registry: Registry, limits: Limits, pid: int) 
     if (handed.entries, handed.artifacts) != (hello.get("entries"), hello.get("artifacts")) and not failures:
         failures.append(f"{handed.entries} entries and {handed.artifacts} artifacts came, not {hello.get('entries')}")
     if failures and _predecessor_serves_on(sock, failures):
-        close_fds([listener_fd, lock_fd])
+        close_fds(listeners.fds())
         raise HandoverFailed(
             f"an entry from the running server failed its check ({failures[0]:.300}); nothing was taken over "
             "and it keeps serving every entry"
@@ -351,17 +364,20 @@ def _receive(sock: socket.socket, registry: Registry, limits: Limits, pid: int) 
     return handed
 
 
-def _split(hello: dict, fds: list[int]) -> tuple[int, int, list[int]]:
-    """The listener, the lock and the parcels of a handover frame, each checked for its file type."""
-    if len(fds) != 2 + int(hello["parcels"]):
-        raise ValueError(f"{len(fds)} fds came for {hello['parcels']} parcels, a listener and a lock")
-    listener_fd, lock_fd, *parcel_fds = fds
-    for fd, what, kind in [(listener_fd, "listener", stat.S_ISSOCK), (lock_fd, "lock", stat.S_ISREG)] + [
-        (fd, "parcel", stat.S_ISSOCK) for fd in parcel_fds
-    ]:
+def _split(hello: dict, fds: list[int]) -> tuple[Listeners, list[int]]:
+    """The listeners, the lock and the parcels of a handover frame, each checked for its file type."""
+    with_metrics = hello.get("metrics") is True
+    listed = 3 if with_metrics else 2
+    if len(fds) != listed + int(hello["parcels"]):
+        raise ValueError(f"{len(fds)} fds came for {hello['parcels']} parcels, {listed - 1} listeners and a lock")
+    listeners = Listeners(fds[0], fds[1], fds[2] if with_metrics else -1)
+    parcel_fds = fds[listed:]
+    checks = [(listeners.listener_fd, "listener", stat.S_ISSOCK), (listeners.lock_fd, "lock", stat.S_ISREG)]
+    checks += [(listeners.metrics_fd, "metrics listener", stat.S_ISSOCK)] if with_metrics else []
+    for fd, what, kind in checks + [(fd, "parcel", stat.S_ISSOCK) for fd in parcel_fds]:
         if not kind(os.fstat(fd).st_mode):
             raise ValueError(f"the {what} fd is of the wrong file type")
-    return listener_fd, lock_fd, parcel_fds
+    return listeners, parcel_fds
 
 
 def _unpack(parcel_fds: list[int], registry: Registry, limits: Limits, handed: Handed) -> list[str]:

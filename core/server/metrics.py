@@ -33,6 +33,20 @@ its log line is the record."""
 EVICTION_REASONS = ("budget", "request", "stopping")
 """Why entries left the server: to make room within a budget, ``weightcache evict``, the server stopping."""
 
+REFUSAL_CODES = (
+    "access_denied",
+    "ambiguous",
+    "attached",
+    "bad_request",
+    "busy",
+    "not_found",
+    "over_budget",
+    "protocol_error",
+    "too_large",
+    "too_many",
+)
+"""The error codes the server refuses with; each is counted from 0, so every label set exists from the start."""
+
 _MAX_REFUSAL_CODES = 32  # codes come from the server's own replies; the cap only keeps a bug from growing the table
 
 
@@ -76,7 +90,7 @@ class Metrics:
     connections_total: int = 0
     fallbacks: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(FALLBACK_KINDS, 0))
     evictions: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
-    refusals: dict[str, int] = attrs.field(factory=dict)
+    refusals: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(REFUSAL_CODES, 0))
     attach_seconds: Histogram = attrs.field(factory=Histogram)
     last_attach: float | None = None
     _lock: threading.Lock = attrs.field(factory=threading.Lock, repr=False)
@@ -101,11 +115,12 @@ class Metrics:
                 self.publishes += 1
             elif not ok:
                 self._refused_locked(code)
+        fields = {"op": op, "peer_pid": pid, **({"entry": reply["digest"]} if isinstance(reply.get("digest"), str) else {})}
         if op == "attach":
             what = f"attached {str(reply.get('digest', ''))[:12]}" if ok else f"attach missed ({code})"
-            log.info("%s for pid %d in %.1f ms", what, pid, seconds * 1000)
+            log.info("%s for pid %d in %.1f ms", what, pid, seconds * 1000, extra={**fields, "code": None if ok else code})
         elif not ok:
-            log.info("refused %s from pid %d: %s", op, pid, code)
+            log.info("refused %s from pid %d: %s", op, pid, code, extra={**fields, "code": code})
 
     def refused(self, code: str) -> None:
         """A connection refused before any request (too many connections, a foreign uid)."""
@@ -128,7 +143,13 @@ class Metrics:
         with self._lock:
             self.evictions[reason if reason in EVICTION_REASONS else "request"] += 1
         if pid is not None:
-            log.info("evicted %s (%s) during a request of pid %d", digest[:12], reason, pid)
+            log.info(
+                "evicted %s (%s) during a request of pid %d",
+                digest[:12],
+                reason,
+                pid,
+                extra={"entry": digest, "reason": reason, "peer_pid": pid},
+            )
 
     def snapshot(self, tiers: dict, budgets: dict, entries: int, open_connections: int) -> dict:
         """The counters as JSON, with the registry's gauges (``tiers``: bytes held and budget per tier) passed in."""

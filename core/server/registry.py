@@ -107,6 +107,10 @@ class Entry:
             self.table_fd = -1
         close_fds([artifact.fd for artifact in self.artifacts.values()])
 
+    def log_fields(self) -> dict:
+        """The structured fields of a log line about this entry (``--log-format json`` shows them)."""
+        return {"entry": self.digest, "model": self.label, "bytes": self.nbytes, "peer_pid": self.published_by}
+
     def status(self) -> dict:
         fp = self.fingerprint
         return {
@@ -237,7 +241,14 @@ class Registry:
             self._entries[entry.digest] = entry
             if self.on_publish is not None:
                 self.on_publish(entry)
-        log.info("published %s (%s, %d bytes, %d arenas)", entry.digest[:12], entry.label, entry.nbytes, len(entry.fds))
+        log.info(
+            "published %s (%s, %d bytes, %d arenas)",
+            entry.digest[:12],
+            entry.label,
+            entry.nbytes,
+            len(entry.fds),
+            extra=entry.log_fields(),
+        )
         return True
 
     def _victims(self, needed: dict[str, int], keep: str | None = None) -> list[Entry]:
@@ -439,7 +450,7 @@ class Registry:
         if why != "stopping" and self.on_evict is not None:
             self.on_evict(entry)
         entry.close_fds()
-        log.info("dropped %s (%s): %s", digest[:12], entry.label, reason)
+        log.info("dropped %s (%s): %s", digest[:12], entry.label, reason, extra={**entry.log_fields(), "reason": why})
         if self.on_drop is not None:
             self.on_drop(digest, why)
 
@@ -478,8 +489,16 @@ class Registry:
         shown = sorted(held.items(), key=lambda item: (item[0] != HOST_TIER, -item[1]))[:MAX_TIERS_SHOWN]
         return {tier[:_TIER_CHARS]: {"held": nbytes, "budget": self.budgets.of(tier)} for tier, nbytes in shown}
 
-    def close(self) -> None:
-        """Close every fd (the server is stopping)."""
+    def close(self, handed_over: bool = False) -> None:
+        """Close every fd (the server is stopping); ``handed_over``: a successor holds every entry, so nothing is
+        dropped (no eviction is counted or logged, one line says the copies went)."""
         with self._lock:
+            if handed_over:
+                entries = list(self._entries.values())
+                self._entries.clear()
+                for entry in entries:
+                    entry.close_fds()
+                log.info("closed this server's copies of %d entries: the successor holds them", len(entries))
+                return
             for digest in list(self._entries):
                 self._drop(digest, reason="server stopping", why="stopping")

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 64
 """Warm items a status reply lists."""
+STATES = ("pending", "loading", "done", "failed")
+"""The states of a warm item, in the order it goes through them (``done`` or ``failed`` last)."""
 _DETAIL_CHARS = 300
 SCRUB_PAUSE_ENV = "WEIGHTCACHE_SCRUB_PAUSE_S"
 """Seconds the scrub of re-adopted entries waits before it starts (a test hook: tests that verify entries themselves)."""
@@ -55,6 +57,14 @@ class Warmer:
                 :MAX_ROWS
             ]
 
+    def counts(self) -> dict[str, int]:
+        """Items per state (every state of STATES, 0 when none)."""
+        with self._lock:
+            counted = dict.fromkeys(STATES, 0)
+            for state, _ in self._states.values():
+                counted[state] += 1
+            return counted
+
     def stop(self) -> None:
         with self._changed:
             self._stopping = True
@@ -79,7 +89,14 @@ class Warmer:
             with self._lock:
                 if item in self._states:
                     self._states[item] = (state, detail)
-            log.info("warm list: %s %s (%s)", item.model, state, detail)
+            log.log(
+                logging.WARNING if state == "failed" else logging.INFO,
+                "warm list: %s %s (%s)",
+                item.model,
+                state,
+                detail,
+                extra={"model": item.model, "state": state},
+            )
 
     def _load(self, item: WarmItem) -> tuple[str, str]:
         try:

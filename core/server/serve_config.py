@@ -10,6 +10,11 @@
     idle_timeout = 120            # seconds; 0: never
     max_connections = 1024
     frame_deadline = 10           # seconds
+    metrics_port = 9464           # 0: any free port; leave it out for none
+    metrics_host = "127.0.0.1"
+    log_level = "info"            # debug, info, warning, error
+    log_format = "json"           # text or json
+    log_file = "/var/log/weightcache.log"  # with --detach only (default: server.log in the socket directory)
 
     [[warm]]                      # loaded in the background, in this order, by `weightcache load`
     model = "/models/llama-8b"    # a checkpoint directory, or what the adapter accepts (a hub id)
@@ -43,7 +48,23 @@ class ConfigError(WeightCacheError):
 
 
 TIERS = ("device", "host", "both")
-_SERVER_KEYS = ("socket_dir", "byte_budget", "host_budget", "gpu_budget", "idle_timeout", "max_connections", "frame_deadline")
+_SERVER_KEYS = (
+    "socket_dir",
+    "byte_budget",
+    "host_budget",
+    "gpu_budget",
+    "idle_timeout",
+    "max_connections",
+    "frame_deadline",
+    "metrics_port",
+    "metrics_host",
+    "log_level",
+    "log_format",
+    "log_file",
+)
+LOG_KEYS = ("log_level", "log_format", "log_file")
+"""Keys of ``[server]`` that set how the command logs, not the server: ``ServeFile.logging``."""
+LOG_CHOICES = {"log_level": ("debug", "info", "warning", "error"), "log_format": ("text", "json")}
 _CONFIG_FIELD = {"idle_timeout": "idle_timeout_s", "frame_deadline": "frame_deadline_s"}  # else the key is the field
 
 
@@ -72,11 +93,13 @@ class WarmItem:
 
 @attrs.frozen
 class ServeFile:
-    """A parsed config file: ``settings`` as ServerConfig keyword arguments, and the warm list in order."""
+    """A parsed config file: ``settings`` as ServerConfig keyword arguments, ``logging`` (LOG_KEYS given), and the warm
+    list in order."""
 
     path: Path
     settings: dict
     warm: tuple[WarmItem, ...]
+    logging: dict = attrs.field(factory=dict)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ServeFile:
@@ -90,7 +113,9 @@ class ServeFile:
         except ValueError as exc:  # tomllib.TOMLDecodeError is a ValueError
             raise ConfigError(f"{path} is not valid TOML: {exc}; fix the file") from None
         _known(data, ("server", "warm"), f"{path}")
-        return cls(path, _settings(data.get("server", {}), path), _warm(data.get("warm", []), path))
+        settings = _settings(data.get("server", {}), path)
+        logging = {key: settings.pop(key) for key in LOG_KEYS if key in settings}
+        return cls(path, settings, _warm(data.get("warm", []), path), logging)
 
 
 @attrs.frozen
@@ -108,6 +133,10 @@ class ServeSource:
         """ServerConfig keyword arguments (the file's, then the flags over them) and the warm list."""
         file = ServeFile.load(self.path) if self.path is not None else None
         return {**(file.settings if file else {}), **self.flags}, (file.warm if file else ())
+
+    def logging(self) -> dict:
+        """The file's LOG_KEYS (the command line's options win over them; the caller knows which it was given)."""
+        return ServeFile.load(self.path).logging if self.path is not None else {}
 
 
 def _toml() -> types.ModuleType:
@@ -142,8 +171,14 @@ def _settings(server, path: Path) -> dict:
                 value = bounds.SECONDS.parse(str(value))
             elif key == "max_connections":
                 value = bounds.CONNECTIONS.parse(str(value))
+            elif key == "metrics_port":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError(f"{value!r} is not a port number (0 to 65535; leave the key out for none)")
+                value = bounds.PORT.parse(str(value))
+            elif key in LOG_CHOICES and value not in LOG_CHOICES[key]:
+                raise ValueError(f"{value!r} is not one of {', '.join(LOG_CHOICES[key])}")
             elif not isinstance(value, str):
-                raise ValueError(f"{value!r} is not a path")
+                raise ValueError(f"{value!r} is not a {'host' if key == 'metrics_host' else 'path'}")
         except ValueError as exc:
             raise ConfigError(f"{path} [server] {key}: {exc}") from None
         settings[_CONFIG_FIELD.get(key, key)] = value

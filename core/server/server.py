@@ -20,6 +20,7 @@ import fcntl
 import itertools
 import logging
 import os
+import platform
 import resource
 import signal
 import socket
@@ -27,24 +28,28 @@ import stat
 import sys
 import threading
 import time
+import typing
 from pathlib import Path
 
 import attrs
 
 from weightcache.core import PROTOCOL_VERSION, __version__
 from weightcache.core.errors import AccessDenied, IdleTimeout, ProtocolError
-from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.fingerprint import HOST_TIER, Fingerprint
 from weightcache.core.memfd import sealed_size
 from weightcache.core.server import bounds, readiness
 from weightcache.core.server.admission import REPLY_ENVELOPE_BYTES, admit_publish
 from weightcache.core.server.connections import ConnectionState, ConnectionTable
-from weightcache.core.server.exporter import Exporter
+from weightcache.core.server.exporter import Exporter, Verdict
 from weightcache.core.server.fdstore import FdStore, adopt, passed_fds
-from weightcache.core.server.handover import Handed, Limits, send_entries
+from weightcache.core.server.handover import Handed, Limits, Listeners, send_entries
 from weightcache.core.server.handover import take_over as take_over_from
+from weightcache.core.server.http_endpoint import bind as bind_tcp
+from weightcache.core.server.http_endpoint import check_listening, listens_on
 from weightcache.core.server.metrics import Metrics
 from weightcache.core.server.reexec import spawn_successor
 from weightcache.core.server.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, OverBudget, Registry, TooManyArtifacts
+from weightcache.core.server.rewarm import STATES as WARM_STATES
 from weightcache.core.server.rewarm import Warmer, scrub_in_background
 from weightcache.core.server.serve_config import ConfigError, ServeSource
 from weightcache.core.socket_dir import SocketDir, to_socket_dir
@@ -68,6 +73,8 @@ _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _SHED_WHEN_OUT_OF_FDS = 4  # idle connections closed per failed accept(): room for the newcomer and its replies
 _ACCEPT_BACKOFF_S = (0.01, 0.5)
 _DEAD_PREDECESSOR_WAIT_S = 5.0  # how long a successor waits for the lock of a predecessor that died during the handover
+LIVENESS_STALL_S = 10.0
+"""``/healthz`` fails once the accept loop has not gone round for this long (it goes round every 0.2 s)."""
 _FAILURE_BURST_GAP_S = 10.0  # failed accepts closer together than this are one burst (one log line)
 
 
@@ -143,32 +150,71 @@ class Server:
         self._accepting.set()
         self._handed_over = False
         self.warmer: Warmer | None = None
+        self.fdstore: FdStore | None = None  # systemd's, when the server runs under it with FileDescriptorStoreMax=
         self._failed_accepts = 0  # in a row: they set the back-off
         self._last_failed_accept = float("-inf")
         self._exporter: Exporter | None = None
+        self._metrics_listener: socket.socket | None = None
+        self._bound_path = False  # the socket file is this server's to remove
+        self._heartbeat = time.monotonic()  # the accept loop's last round (liveness)
 
     @property
     def socket_path(self) -> Path:
         return self.config.socket_dir.socket
 
     def start(self, handed: Handed | None = None) -> None:
-        """Take the directory's lock, clear a dead server's socket, bind and listen; or use the ones a predecessor ``handed``."""
+        """Take the directory's lock, clear a dead server's socket, bind and listen; or use the ones a predecessor ``handed``.
+
+        Every listener (the socket, and the metrics port if set) is bound and checked before readiness is
+        announced; if one fails, ListenerUnavailable (or AccessDenied, ServerAlreadyRunning) and nothing is left
+        behind: no socket file, no lock held, no port bound.
+        """
         ensure_private_dir(self.config.socket_dir.path)
         self._size_limits(_raise_fd_limit())
-        if handed is not None and handed.complete:
-            self._lock_fd, self._listener = handed.lock_fd, socket.socket(fileno=handed.listener_fd)
-            os.ftruncate(self._lock_fd, 0)
-            os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
-            self._listener.settimeout(0.2)
-            log.info("weightcache server %s (protocol %d) took over %s", __version__, PROTOCOL_VERSION, self.socket_path)
-        else:
-            self._bind(self.config.socket_dir, waiting=handed is not None)
-        if self.config.metrics_port is not None:
-            self._exporter = Exporter(self.metrics_snapshot, self.config.metrics_port, self.config.metrics_host)
+        exporter = self._new_exporter()  # without prometheus-client: an ImportError before anything is bound
+        try:
+            if handed is not None and handed.complete:
+                self._lock_fd, self._listener = handed.lock_fd, socket.socket(fileno=handed.listener_fd)
+                os.ftruncate(self._lock_fd, 0)
+                os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+                self._listener.settimeout(0.2)
+            else:
+                self._take_lock(self.config.socket_dir, waiting=handed is not None)
+            self._metrics_listener = self._open_metrics_listener(handed)
+            if self._listener is None:
+                self._listen()
+            check_listening(typing.cast(socket.socket, self._listener), "the server's socket")
+            if exporter is not None and self._metrics_listener is not None:
+                exporter.serve(self._metrics_listener)
+                self._exporter = exporter
+        except BaseException:
+            if exporter is not None:
+                exporter.close()
+            self._release()
+            raise
+        self._heartbeat = time.monotonic()
+        self._bound_path = True  # this server's to remove when it stops (unless it hands it over)
+        took = "took over" if handed is not None and handed.complete else "serving on"
+        log.info("weightcache server %s (protocol %d) %s %s", __version__, PROTOCOL_VERSION, took, self.socket_path)
         readiness.ready(self.socket_path)
 
-    def _bind(self, socket_dir: SocketDir, waiting: bool) -> None:
-        """Take the lock (``waiting``: a moment for a predecessor that died during a handover), bind and listen."""
+    def _new_exporter(self) -> Exporter | None:
+        if self.config.metrics_port is None:
+            return None
+        return Exporter(self.metrics_snapshot, self.liveness, self.readiness)
+
+    def _open_metrics_listener(self, handed: Handed | None) -> socket.socket | None:
+        """The metrics listener: the predecessor's if it listens where this server is told to, else a new one."""
+        passed = socket.socket(fileno=handed.metrics_fd) if handed is not None and handed.metrics_fd >= 0 else None
+        host, port = self.config.metrics_host, self.config.metrics_port
+        if passed is not None and port is not None and listens_on(passed, host, port):
+            return passed
+        if passed is not None:
+            passed.close()  # this server listens elsewhere, or not at all; the predecessor's copy goes with it
+        return None if port is None else bind_tcp(host, port)
+
+    def _take_lock(self, socket_dir: SocketDir, waiting: bool) -> None:
+        """Take the lock (``waiting``: a moment for a predecessor that died during a handover)."""
         self._lock_fd = os.open(socket_dir.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         # A predecessor that died during a handover may still be tearing down (its lock goes last): wait a little.
         deadline = time.monotonic() + (_DEAD_PREDECESSOR_WAIT_S if waiting else 0)
@@ -186,18 +232,42 @@ class Server:
             ) from None
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+
+    def _listen(self) -> None:
+        """Bind the socket (the lock is held, so a socket file there is a dead server's) and listen."""
         self._remove_stale_socket()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)
         try:
             listener.bind(str(self.socket_path))
+            self._bound_path = True
+        except OSError:
+            listener.close()
+            raise
         finally:
             os.umask(old_umask)
+        self._listener = listener
         os.chmod(self.socket_path, 0o600)
         listener.listen(LISTEN_BACKLOG)
         listener.settimeout(0.2)
-        self._listener = listener
-        log.info("weightcache server %s (protocol %d) serving on %s", __version__, PROTOCOL_VERSION, self.socket_path)
+
+    def _release(self) -> None:
+        """Close every listener and the lock; remove the socket file if this server bound it (a start that failed)."""
+        if self._metrics_listener is not None:
+            self._metrics_listener.close()
+            self._metrics_listener = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._bound_path:
+            self._bound_path = False
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def _size_limits(self, open_files: int) -> None:
         """Fit the connection and in-flight fd limits to the open-file limit: half for connections, a quarter for frames."""
@@ -223,6 +293,7 @@ class Server:
             self.start()
         try:
             while not self._stopping.is_set():
+                self._heartbeat = time.monotonic()
                 if not self._accepting.wait(0.2):
                     continue  # the listener is being handed over: newcomers wait in its queue
                 listener = self._listener
@@ -259,6 +330,23 @@ class Server:
             low, high = _ACCEPT_BACKOFF_S
             self._stopping.wait(min(high, low * 2 ** min(self._failed_accepts - 1, 10)))
 
+    def liveness(self) -> Verdict:
+        """``/healthz``: the accept loop goes round (a stuck server fails it; a busy one does not)."""
+        stalled = time.monotonic() - self._heartbeat
+        if stalled > LIVENESS_STALL_S:
+            return Verdict(False, f"the accept loop has not run for {stalled:.0f} s")
+        return Verdict(True, f"pid {os.getpid()} accepts on {self.socket_path}")
+
+    def readiness(self) -> Verdict:
+        """``/readyz`` (and the ``ready`` gauge): listening, not stopping, not handing its entries over."""
+        if self._stopping.is_set():
+            return Verdict(False, "stopping")
+        if self._frozen.is_set():
+            return Verdict(False, "handing every entry over to a successor")
+        if self._listener is None:
+            return Verdict(False, "starting")
+        return Verdict(True, f"serving {len(self.registry)} entries on {self.socket_path}")
+
     def stop(self) -> None:
         """Ask ``serve_forever`` to return (safe from a signal handler or another thread)."""
         self._stopping.set()
@@ -270,6 +358,9 @@ class Server:
         warmer.start()
 
         def reload() -> None:
+            if source.path is None:
+                log.info("SIGHUP: the server runs without --config; nothing to re-read, nothing changed")
+                return
             try:
                 settings, items = source.read()
             except ConfigError as exc:
@@ -333,7 +424,9 @@ class Server:
             pid, uid, _ = peer_credentials(conn)
             state.pid = self._requester.pid = pid
             if uid != os.geteuid():
-                log.warning("refused pid %d of uid %d: the server runs as uid %d", pid, uid, os.geteuid())
+                log.warning(
+                    "refused pid %d of uid %d: the server runs as uid %d", pid, uid, os.geteuid(), extra={"peer_pid": pid}
+                )
                 self._refuse(
                     conn,
                     "access_denied",
@@ -346,14 +439,21 @@ class Server:
                 try:
                     frame = reader.read(idle_timeout=idle_timeout)
                 except IdleTimeout:
-                    log.info("closing pid %d's connection: idle for %g s with nothing attached", pid, idle_timeout)
+                    log.info(
+                        "closing pid %d's connection: idle for %g s with nothing attached",
+                        pid,
+                        idle_timeout,
+                        extra={"peer_pid": pid},
+                    )
                     return
                 except ProtocolError as exc:
-                    log.warning("refused a frame from pid %d (%s): %s", pid, exc.code, exc)
+                    log.warning(
+                        "refused a frame from pid %d (%s): %s", pid, exc.code, exc, extra={"peer_pid": pid, "code": exc.code}
+                    )
                     self._try_send(conn, error_reply(exc.code, str(exc)))
                     return
                 except (TimeoutError, OSError) as exc:
-                    log.warning("dropping pid %d's connection: %s", pid, exc or type(exc).__name__)
+                    log.warning("dropping pid %d's connection: %s", pid, exc or type(exc).__name__, extra={"peer_pid": pid})
                     return
                 if frame is None:
                     return
@@ -386,11 +486,12 @@ class Server:
             self._try_send(conn, error_reply("busy", "another successor is taking over already; wait for it"))
             return
         self._frozen.set()
-        log.info("handing every entry over to pid %d", pid)
+        log.info("handing every entry over to pid %d", pid, extra={"peer_pid": pid})
         conn.settimeout(self.config.frame_deadline_s)
         done = False
         try:
-            done = send_entries(conn, self.registry, self._listener.fileno(), self._lock_fd, self._accepting.clear)
+            listeners = Listeners(self._listener.fileno(), self._lock_fd, _fileno(self._metrics_listener))
+            done = send_entries(conn, self.registry, listeners, self._accepting.clear)
         finally:
             if not done:
                 self._accepting.set()
@@ -563,20 +664,33 @@ class Server:
         ), []
 
     def metrics_snapshot(self, rows: list[dict] | None = None) -> dict:
-        """The metrics' JSON (``Metrics.snapshot``) with the registry's gauges; also what the exporter renders."""
+        """The metrics' JSON (``Metrics.snapshot``) with the registry's, the process's and the warm list's gauges; also
+        what the exporter renders."""
         rows = self.registry.status()[0] if rows is None else rows
-        snapshot = self.metrics.snapshot(
-            self.registry.tiers(), self.registry.budgets.to_json(), len(self.registry), self._table.open_count()
-        )
+        tiers = {HOST_TIER: {"held": 0, "budget": self.registry.budgets.of(HOST_TIER)}, **self.registry.tiers()}
+        snapshot = self.metrics.snapshot(tiers, self.registry.budgets.to_json(), len(self.registry), self._table.open_count())
         by_device: dict[str, int] = {}
         for row in rows:
             by_device[row["device"]] = by_device.get(row["device"], 0) + 1
-        return {**snapshot, "entries_by_device": by_device}
+        store = self.fdstore
+        return {
+            **snapshot,
+            "entries_by_device": by_device,
+            "unverified_entries": sum(1 for row in rows if row.get("verified") is False),
+            "ready": self.readiness().ok,
+            "build": {"version": __version__, "protocol": PROTOCOL_VERSION, "python": platform.python_version()},
+            "open_fds": _open_fds(),
+            "max_fds": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            "fdstore": store is not None,
+            "fdstore_fds": sum(store.kept.values()) if store is not None else 0,
+            "fdstore_failures": store.failures if store is not None else 0,
+            "warm_items": self.warmer.counts() if self.warmer is not None else dict.fromkeys(WARM_STATES, 0),
+        }
 
     def _report(self, message, fds, connection_id, pid):
         """A client's report that it loaded from disk (``kind``: one of metrics.FALLBACK_KINDS); counted, never refused."""
         kind = self.metrics.fell_back(str(message.get("fallback", "other"))[:40])
-        log.info("pid %d loaded from disk instead of attaching (%s)", pid, kind)
+        log.info("pid %d loaded from disk instead of attaching (%s)", pid, kind, extra={"peer_pid": pid, "reason": kind})
         return ok_reply(counted=kind), []
 
     def _evict(self, message, fds, connection_id, pid):
@@ -632,7 +746,7 @@ class Server:
         return ok_reply(digest=digest, key=key, bytes=nbytes), [fd]
 
     def _shutdown(self) -> None:
-        log.info("server stopping")
+        log.info("server stopping" + (": a successor serves every entry" if self._handed_over else ""))
         if self.warmer is not None:
             self.warmer.stop()
         if not self._handed_over:  # else the unit goes on, with the successor as its main process
@@ -640,24 +754,31 @@ class Server:
         if self._exporter is not None:
             self._exporter.close()
             self._exporter = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-            if not self._handed_over:  # else the path is the successor's now
-                try:
-                    os.unlink(self.socket_path)
-                except FileNotFoundError:
-                    pass
+        if self._handed_over:  # the path is the successor's now
+            self._bound_path = False
+        lock, self._lock_fd = self._lock_fd, -1  # the lock goes last: a successor waits for it
+        self._release()
         self._table.close_all()
-        self.registry.close()
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        self.registry.close(handed_over=self._handed_over)
+        if lock >= 0:
+            os.close(lock)
 
 
 _OPS_WITH_FDS = frozenset({"publish", "put_artifact"})
 _OPS_THAT_CHANGE_ENTRIES = frozenset({"publish", "evict", "put_artifact"})
 _DIGEST_CHARS = frozenset("0123456789abcdef")
+
+
+def _open_fds() -> int:
+    """Fds this process holds (every arena is one; compare ``max_fds``); -1 where /proc is not mounted."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir opened
+    except OSError:
+        return -1
+
+
+def _fileno(sock: socket.socket | None) -> int:
+    return -1 if sock is None else sock.fileno()
 
 
 def _try_lock(fd: int) -> bool:
@@ -709,6 +830,7 @@ def start_server(config: ServerConfig, take_over: bool = False, source: ServeSou
     store = FdStore.from_environ()
     adopted = adopt(server.registry, passed_fds(), config.max_frame_bytes)
     if store is not None:
+        server.fdstore = store
         server.registry.on_publish, server.registry.on_evict = store.keep, store.forget
         for entry in server.registry.snapshot():
             store.keep(entry)

@@ -683,3 +683,15 @@ def test_every_command_spells_its_deadline_timeout_and_still_takes_timeout_s():
     assert parser.parse_args(["standby", "--model", "m", "--timeout-s", "5"]).timeout == 5.0
     assert parser.parse_args(["standby", "--model", "m", "--timeout", "7"]).timeout == 7.0
     assert parser.parse_args(["seed", "--timeout-s", "9"]).timeout == 9.0
+
+
+def test_serve_help_lists_its_signals_environment_and_exit_codes():
+    run = cli("serve", "--help", fork=True)
+    assert run.code == 0
+    for text in ("SIGTERM", "SIGHUP", "SIGUSR2", "WEIGHTCACHE_SOCKET_DIR", "NOTIFY_SOCKET", "exit status:", "/healthz"):
+        assert text in run.stdout, text
+
+
+def test_serve_dash_v_says_that_v_goes_before_the_command():
+    run = cli("serve", "-v", fork=True)
+    assert run.code == 2 and "put it before the command (`weightcache -v serve ...`)" in run.stderr[-1], run

@@ -77,6 +77,8 @@ def test_a_sigkilled_server_under_systemd_gets_every_entry_back_from_the_fd_stor
     with Connection(socket_dir, timeout=10) as conn:
         conn.evict(entries[0].digest)
     assert wait_until(lambda: manager.digests() == published - {entries[0].digest}, timeout=10), "FDSTOREREMOVE missing"
+    metrics = _metrics(socket_dir)
+    assert metrics["fdstore"] is True and metrics["fdstore_fds"] == 4 * 3 and metrics["fdstore_failures"] == 0, metrics
 
     first.send_signal(signal.SIGKILL)  # nothing is kept by any engine: only the store holds the fds
     first.wait(timeout=10)
@@ -151,6 +153,11 @@ def test_a_successor_command_takes_over_and_never_detaches():
 
 
 # --- entries back from the fd store are verified before they are served (issue 24, criterion 2) ----------------------
+
+
+def _metrics(socket_dir) -> dict:
+    with Connection(socket_dir, timeout=10) as conn:
+        return conn.status()["metrics"]
 
 
 def _rows(socket_dir) -> dict[str, dict]:
@@ -245,6 +252,7 @@ def test_an_intact_entry_from_the_fd_store_is_served_to_a_verifying_client_and_t
         with pytest.raises(ServerError, match="not entry"):
             plain.verified(entry.digest, [f"{SCHEME}:{'0' * 32}"])
     assert _rows(socket_dir)[entry.digest]["verified"] is False
+    assert _metrics(socket_dir)["unverified_entries"] == 1
     shown = run_cli("status", "--socket-dir", str(socket_dir)).stdout
     assert "intact (unverified)" in shown, shown
 

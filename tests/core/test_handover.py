@@ -363,3 +363,80 @@ def test_a_handover_of_more_entries_than_one_parcel_holds_keeps_every_one(socket
         if successor is not None:
             _stop(successor)
         first.close()
+
+
+def _probe(port: int, path: str) -> tuple[int, str]:
+    """GET ``path`` on the metrics port: (status, body), or (0, why) when nothing answers."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError as exc:
+        return 0, str(exc)
+
+
+@pytest.mark.parametrize("how", ["take-over", "SIGUSR2"])
+def test_a_restart_with_a_metrics_port_hands_the_port_over_and_it_never_stops_answering(socket_dir, how):
+    """The successor gets the predecessor's metrics listener (it could not bind the port the predecessor holds)."""
+    pytest.importorskip("prometheus_client", reason="the metrics extra is not installed (pip install -e '.[test]')")
+    from tests.helpers import free_port
+
+    port = free_port()
+    first = ServerProcess.start(socket_dir, "--metrics-port", str(port))
+    successor = None
+    try:
+        published = _publish(socket_dir, 3)
+        assert _probe(port, "/healthz") == (200, f"ok: pid {first.pid} accepts on {socket_dir}/weightcache.sock\n")
+        answers: list[tuple[int, str]] = []
+        stop = threading.Event()
+
+        def keep_scraping() -> None:
+            while not stop.is_set():
+                code, text = _probe(port, "/metrics")
+                answers.append((code, "" if code == 200 else text))
+
+        scraper = threading.Thread(target=keep_scraping)
+        scraper.start()
+        try:
+            if how == "SIGUSR2":
+                os.kill(first.pid, signal.SIGUSR2)
+                assert wait_until(lambda: _status(socket_dir)["pid"] != first.pid, timeout=30), first.log()
+            else:
+                successor = _successor_with(socket_dir, "--metrics-port", str(port))
+                assert wait_until(lambda: _served_by(socket_dir, successor.pid), timeout=30), first.log()
+            assert first.proc.wait(timeout=10) == 0, first.log()
+        finally:
+            stop.set()
+            scraper.join(timeout=20)
+        new_pid = _status(socket_dir)["pid"]
+        assert _probe(port, "/healthz")[1].startswith(f"ok: pid {new_pid} ")
+        assert _probe(port, "/readyz")[0] == 200 and _digests(socket_dir) == published
+        assert answers and {code for code, _ in answers} == {200}, f"a scrape failed during the handover: {answers[-3:]}"
+        assert "dropped" not in first.log() and "Traceback" not in first.log(), first.log()
+    finally:
+        if successor is not None:
+            _stop(successor)
+        with contextlib.suppress(Exception):
+            os.kill(_status(socket_dir)["pid"], signal.SIGTERM)
+        first.close()
+
+
+def test_a_successor_told_another_metrics_port_listens_there_and_frees_the_old_one(socket_dir):
+    pytest.importorskip("prometheus_client", reason="the metrics extra is not installed (pip install -e '.[test]')")
+    from tests.helpers import free_port
+
+    old, new = free_port(), free_port()
+    first = ServerProcess.start(socket_dir, "--metrics-port", str(old))
+    successor = _successor_with(socket_dir, "--metrics-port", str(new))
+    try:
+        assert wait_until(lambda: _served_by(socket_dir, successor.pid), timeout=30), first.log()
+        assert first.proc.wait(timeout=10) == 0
+        assert _probe(new, "/readyz")[0] == 200
+        assert _probe(old, "/readyz")[0] == 0, "the old port must be closed with the old server"
+    finally:
+        _stop(successor)
+        first.close()

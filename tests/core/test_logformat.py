@@ -13,8 +13,9 @@ from tests.helpers import run_cli, wait_until
 from weightcache.core.client.attach import Attachment
 
 
-def _detach(socket_dir, *options: str) -> tuple[int, str]:
-    proc = run_cli(*options, "serve", "--detach", "--socket-dir", str(socket_dir))
+def _detach(socket_dir, *options: str, after: tuple[str, ...] = ()) -> tuple[int, str]:
+    """A detached server with ``options`` before ``serve`` and ``after`` it: its pid and its log file."""
+    proc = run_cli(*options, "serve", "--detach", "--socket-dir", str(socket_dir), *after)
     match = re.fullmatch(r"weightcache server pid (\d+) serving (\S+); logs: (\S+)\n", proc.stdout)
     assert match and match.group(2) == str(socket_dir), proc.stdout
     return int(match.group(1)), match.group(3)
@@ -67,7 +68,43 @@ def test_log_options_go_before_the_command_or_after_serve():
     from weightcache.core.cli.cli import build_parser
 
     parser = build_parser()
-    assert (parser.parse_args(["serve"]).log_level, parser.parse_args(["serve"]).log_format) == (None, "text")
+    # None: not given (the config file may set them; text at info for serve otherwise)
+    assert (parser.parse_args(["serve"]).log_level, parser.parse_args(["serve"]).log_format) == (None, None)
     after = parser.parse_args(["serve", "--log-level", "debug", "--log-format", "json"])
     before = parser.parse_args(["--log-level", "debug", "--log-format", "json", "serve"])
     assert (after.log_level, after.log_format) == (before.log_level, before.log_format) == ("debug", "json")
+
+
+def test_json_lines_carry_the_entry_model_bytes_and_peer_pid_as_fields(socket_dir):
+    pid, log_path = _detach(socket_dir, "--log-format", "json")
+    try:
+        entry = publish_host_entry(socket_dir, label="fielded")
+        Attachment.open(entry.fingerprint, socket_dir).close()
+        log = Path(log_path)
+        assert wait_until(lambda: "attached" in log.read_text())
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        published = next(r for r in records if r["message"].startswith("published "))
+        assert published["entry"] == entry.digest and published["model"] == "fielded", published
+        assert published["bytes"] > 0 and published["peer_pid"] == os.getpid(), published
+        attached = next(r for r in records if r["message"].startswith("attached "))
+        assert attached["entry"] == entry.digest and attached["peer_pid"] == os.getpid() and attached["op"] == "attach"
+        assert "code" not in attached, "a field without a value is left out"
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not (socket_dir / "weightcache.sock").exists())
+
+
+def test_the_config_file_sets_the_log_format_and_level_and_flags_win(socket_dir, tmp_path):
+    config = tmp_path / "serve.toml"
+    config.write_text('[server]\nlog_format = "json"\nlog_level = "warning"\n')
+    pid, log_path = _detach(socket_dir, after=("--config", str(config)))
+    try:
+        publish_host_entry(socket_dir)
+        run_cli("status", "--socket-dir", str(socket_dir))
+        lines = Path(log_path).read_text().splitlines()
+        assert all(json.loads(line)["level"] != "info" for line in lines), lines
+        proc = run_cli("serve", "--config", str(config), "--log-format", "text", "--check-config")
+        assert "log_format = text" in proc.stdout and "log_level = warning" in proc.stdout, proc.stdout
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not (socket_dir / "weightcache.sock").exists())

@@ -104,8 +104,33 @@ def test_status_json_carries_the_same_counters(metered):
     assert metrics["evictions"] == {"budget": 3, "request": 1, "stopping": 0}
     assert metrics["fallbacks"]["not_found"] == 1 and metrics["fallbacks"]["other"] == 1
     assert metrics["attach_seconds"]["count"] == 2 and metrics["entries"] == 1
-    assert metrics["refusals"].get("not_found") is None, "a miss is counted as a miss, not a refusal"
+    assert metrics["refusals"]["not_found"] == 0, "a miss is counted as a miss, not a refusal"
     assert scrape(port)["weightcache_hits_total"] == metrics["hits"]
+
+
+def test_every_gauge_and_label_set_is_there_from_the_start(metered):
+    """A fresh server: build_info, the process's fds against its limit, ready, the fd store, the warm list, and every
+    label of the counters at 0 (a dashboard or an alert needs the series before the first event)."""
+    from weightcache.core import PROTOCOL_VERSION, __version__
+    from weightcache.core.server.metrics import EVICTION_REASONS, FALLBACK_KINDS, REFUSAL_CODES
+    from weightcache.core.server.rewarm import STATES
+
+    server, port = metered
+    samples = scrape(port)
+    python = ".".join(map(str, __import__("sys").version_info[:3]))
+    assert samples[f'weightcache_build_info{{protocol="{PROTOCOL_VERSION}",python="{python}",version="{__version__}"}}'] == 1
+    assert samples["weightcache_ready"] == 1 and samples["weightcache_unverified_entries"] == 0
+    assert samples["weightcache_fdstore"] == 0 and samples["weightcache_fdstore_fds"] == 0
+    assert 0 < samples["process_open_fds"] < samples["process_max_fds"]
+    assert samples['weightcache_held_bytes{tier="host"}'] == 0
+    for label, values in [("state", STATES), ("reason", FALLBACK_KINDS), ("reason", EVICTION_REASONS), ("code", REFUSAL_CODES)]:
+        names = {"state": "warm_items", "code": "refusals_total"}.get(label)
+        for value in values:
+            found = [name for name in samples if name.endswith(f'{{{label}="{value}"}}') and (names is None or names in name)]
+            assert found and all(samples[name] == 0 for name in found), (label, value)
+    status = json.loads(run_cli("status", "--json", "--socket-dir", str(server.socket_dir)).stdout)["metrics"]
+    assert status["ready"] is True and status["open_fds"] > 0 and status["max_fds"] >= status["open_fds"]
+    assert status["warm_items"] == dict.fromkeys(STATES, 0) and status["build"]["version"] == __version__
 
 
 def test_refusals_are_counted_by_code(metered):

@@ -34,6 +34,48 @@ def test_the_file_gives_settings_and_the_warm_list_and_flags_win(tmp_path):
     assert command[command.index("--dtype") + 1] == "bfloat16" and command[command.index("--quant") + 1] == "fp8-block"
 
 
+def test_the_file_sets_everything_the_flags_set(tmp_path):
+    """Every option of ``serve`` that is a setting (not an action like --detach or --take-over) has a key."""
+    from weightcache.core.cli.cli import build_parser
+    from weightcache.core.server.serve_config import _SERVER_KEYS
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    actions = {"--detach", "--take-over", "--check-config", "--config", "--help"}
+    options = {option for action in serve._actions for option in action.option_strings if option.startswith("--")}
+    assert {option[2:].replace("-", "_") for option in options - actions} <= set(_SERVER_KEYS)
+    path = tmp_path / "serve.toml"
+    path.write_text('[server]\nmetrics_port = 9464\nmetrics_host = "0.0.0.0"\nlog_format = "json"\nlog_file = "/x.log"\n')
+    loaded = ServeFile.load(path)
+    assert loaded.settings == {"metrics_port": 9464, "metrics_host": "0.0.0.0"}
+    assert loaded.logging == {"log_format": "json", "log_file": "/x.log"}
+
+
+def test_check_config_says_valid_or_names_the_mistake_in_one_line(tmp_path):
+    from tests.core.test_cli import cli
+
+    path = tmp_path / "serve.toml"
+    path.write_text(f'[server]\nsocket_dir = "{tmp_path}/wc"\nmetrics_port = 9464\n[[warm]]\nmodel = "/models/m"\n')
+    run = cli("serve", "--config", str(path), "--check-config", fork=True)
+    assert run.code == 0 and "the settings are valid" in run.stdout and "metrics = 127.0.0.1:9464" in run.stdout, run
+    assert "/models/m (cpu, tier device)" in run.stdout and not (tmp_path / "wc").exists(), "a check serves nothing"
+    path.write_text('[server]\nbyte_budget = "lots"\n')
+    run = cli("serve", "--config", str(path), "--check-config", fork=True)
+    assert run.code == 1 and run.stderr[-1].startswith("weightcache: error: ") and "byte_budget" in run.stderr[-1], run
+    run = cli("serve", "--metrics-port", "1", "--metrics-host", "no-such-host.invalid", "--check-config", fork=True)
+    assert run.code == 1 and "no-such-host.invalid" in run.stderr[-1], run
+
+
+def test_sighup_without_a_config_file_changes_nothing_and_the_server_serves_on(socket_dir):
+    server = ServerProcess.start(socket_dir)
+    try:
+        publish_host_entry(socket_dir)
+        server.proc.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: "SIGHUP: the server runs without --config; nothing to re-read" in server.log())
+        assert server.proc.poll() is None and len(_status(socket_dir)["entries"]) == 1
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -43,6 +85,10 @@ def test_the_file_gives_settings_and_the_warm_list_and_flags_win(tmp_path):
         ("[[warm]]\nmodel = 'x'\ntier = 'disk'\n", "tier is one of device, host, both"),
         ("[server\n", "is not valid TOML"),
         ("[servers]\n", "unknown key 'servers'"),
+        ('[server]\nmetrics_port = "9464"\n', "metrics_port: '9464' is not a port number"),
+        ("[server]\nmetrics_port = 70000\n", "metrics_port: "),
+        ('[server]\nlog_format = "xml"\n', "log_format: 'xml' is not one of text, json"),
+        ('[server]\nlog_level = "loud"\n', "log_level: 'loud' is not one of debug, info, warning, error"),
     ],
 )
 def test_a_bad_file_is_refused_with_what_to_fix(tmp_path, text, message):
@@ -66,6 +112,8 @@ def test_the_server_is_ready_at_once_loads_the_warm_list_in_order_and_sighup_rer
         rows = _status(socket_dir)
         assert rows["warm"][0]["state"] == "failed" and rows["warm"][0]["detail"], rows["warm"][0]
         assert len(rows["entries"]) == 1
+        assert f"WARNING weightcache.core.server.rewarm: warm list: {missing} failed" in server.log(), server.log()
+        assert rows["metrics"]["warm_items"] == {"pending": 0, "loading": 0, "done": 1, "failed": 1}
 
         held = publish_host_entry(socket_dir, make_fingerprint(architecture="Held"))
         attachment = Attachment.open(held.fingerprint, socket_dir)
