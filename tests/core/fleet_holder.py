@@ -27,9 +27,9 @@ from weightcache.core.node.fleet.transport import Region
 
 def main(path: str) -> None:
     spec = json.loads(open(path).read())
-    config = FleetConfig((spec["etcd"],), spec["secret"].encode(), spec["node"], deadline_s=2.0)
+    config = FleetConfig((spec["etcd"],), spec["secret"].encode(), spec["node"], deadline_s=2.0, devices="lo")
     registry = FleetRegistry(config)
-    link = NixlTransport(f"{spec['node']}-{os.getpid()}")
+    link = NixlTransport(f"{spec['node']}-{os.getpid()}", config.devices)
     data = spec["manifest"].encode()
     manifest_buffer = ctypes.create_string_buffer(data, len(data))
     maps, regions = [], []

@@ -142,11 +142,13 @@ def start_holder(spec: dict, tmp_path, env: dict | None = None) -> subprocess.Po
         text=True,
         **({"env": env} if env else {}),
     )
-    line = proc.stdout.readline()
-    if line.strip() != "ready":
-        proc.kill()
-        raise AssertionError(f"the holder did not start: {line} {proc.communicate(timeout=30)[1][-3000:]}")
-    return proc
+    seen = []
+    for line in proc.stdout:  # NIXL logs its own lines on stdout first
+        if line.strip() == "ready":
+            return proc
+        seen.append(line)
+    proc.kill()
+    raise AssertionError(f"the holder did not start: {''.join(seen)[-2000:]} {proc.communicate(timeout=30)[1][-3000:]}")
 
 
 def stop(proc: subprocess.Popen) -> None:

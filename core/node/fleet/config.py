@@ -11,6 +11,7 @@ in ``daemon`` mode see the same settings as the node's sharing agent:
     WEIGHTCACHE_FLEET_WAIT_S        longest wait for another node that is filling the same entry (default 600)
     WEIGHTCACHE_FLEET_PREFIX        the registry's key prefix (default /weightcache), one per fleet sharing an etcd
     WEIGHTCACHE_FLEET_LEASE_TTL_S   how long a node's records outlive it when it dies without revoking (default 10)
+    WEIGHTCACHE_FLEET_DEVICES       network interfaces the transport may use, comma-separated (default: its choice)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ ENV_DEADLINE: typing.Final = "WEIGHTCACHE_FLEET_DEADLINE_S"
 ENV_WAIT: typing.Final = "WEIGHTCACHE_FLEET_WAIT_S"
 ENV_PREFIX: typing.Final = "WEIGHTCACHE_FLEET_PREFIX"
 ENV_LEASE_TTL: typing.Final = "WEIGHTCACHE_FLEET_LEASE_TTL_S"
+ENV_DEVICES: typing.Final = "WEIGHTCACHE_FLEET_DEVICES"
 MIN_SECRET_BYTES: typing.Final = 16
 MAX_SECRET_BYTES: typing.Final = 4096
 
@@ -45,6 +47,7 @@ class FleetConfig:
     wait_s: float = 600.0
     prefix: str = "/weightcache"
     lease_ttl_s: int = 10
+    devices: str = ""
 
     @secret.validator
     def _check_secret(self, _attribute, value: bytes) -> None:
@@ -75,6 +78,7 @@ class FleetConfig:
             wait_s=_number(environ, ENV_WAIT, 600.0),
             prefix=environ.get(ENV_PREFIX, "/weightcache").rstrip("/") or "/weightcache",
             lease_ttl_s=max(1, round(_number(environ, ENV_LEASE_TTL, 10))),
+            devices=environ.get(ENV_DEVICES, "").strip(),
         )
 
     def key(self, *parts: str) -> bytes:

@@ -59,10 +59,11 @@ class NixlTransport(Transport):
 
     name = "nixl"
 
-    def __init__(self, agent_name: str):
+    def __init__(self, agent_name: str, devices: str = ""):
         api = nixl_api()
         try:
-            self.agent = api.nixl_agent(agent_name, api.nixl_agent_config(backends=["UCX"]))
+            self.agent = api.nixl_agent(agent_name, api.nixl_agent_config(backends=[]))
+            self.agent.create_backend("UCX", {"ucx_devices": devices} if devices else {})
         except Exception as exc:  # NIXL raises its bindings' own types
             raise BackendUnavailable("nixl", f"a NIXL agent with UCX could not start: {exc}") from None
         if "UCX" not in self.agent.backends:
@@ -123,12 +124,12 @@ class NixlTransport(Transport):
         except Exception as exc:
             raise PullFailed(peer_name, f"NIXL could not prepare the read ({exc})") from None
         try:
-            state = self.agent.transfer(handle)
+            state = self._state(peer_name, lambda: self.agent.transfer(handle))
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise PullFailed(peer_name, "the read did not finish before its deadline")
                 time.sleep(POLL_S)
-                state = self.agent.check_xfer_state(handle)
+                state = self._state(peer_name, lambda: self.agent.check_xfer_state(handle))
             if state != "DONE":
                 raise PullFailed(peer_name, f"the read ended in state {state} (the peer went away or refused)")
         finally:
@@ -136,6 +137,14 @@ class NixlTransport(Transport):
                 self.agent.release_xfer_handle(handle)
             except Exception as exc:  # a handle of a failed read may refuse to go; NIXL frees it with the agent
                 log.debug("weightcache: releasing a NIXL transfer: %s", exc)
+
+    @staticmethod
+    def _state(peer_name: str, ask: typing.Callable[[], str]) -> str:
+        """A transfer's state; PullFailed when NIXL raises (``NIXL_ERR_REMOTE_DISCONNECT``: the peer died)."""
+        try:
+            return ask()
+        except Exception as exc:  # NIXL's bindings raise their own types
+            raise PullFailed(peer_name, f"the read broke off ({type(exc).__name__}: {exc})") from None
 
     def memory_kinds(self) -> frozenset[str]:
         kinds = (kind.removesuffix("_SEG") for kind in self.agent.get_backend_mem_types("UCX"))

@@ -266,8 +266,8 @@ class Filling:
 
     def _link(self, name: str) -> Transport:
         if self._transport is None:
-            node = self.config.node if self.config is not None else "node"
-            self._transport = transport(name, f"{node}-pull-{os.getpid()}-{secrets.token_hex(4)}")
+            node, devices = (self.config.node, self.config.devices) if self.config is not None else ("node", "")
+            self._transport = transport(name, f"{node}-pull-{os.getpid()}-{secrets.token_hex(4)}", devices)
         elif self._transport.name != name:
             raise PullFailed("?", f"it speaks transport {name!r}, this node {self._transport.name!r}")
         return self._transport

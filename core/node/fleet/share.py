@@ -56,7 +56,9 @@ class Sharer:
         self.config = config
         self.socket_dir = socket_dir
         self.registry = FleetRegistry(config)
-        self.link: Transport = transport(transport_name, f"{config.node}-share-{os.getpid()}-{secrets.token_hex(4)}")
+        self.link: Transport = transport(
+            transport_name, f"{config.node}-share-{os.getpid()}-{secrets.token_hex(4)}", config.devices
+        )
         self.shared: dict[str, Shared] = {}
         self.refused: set[str] = set()
         self.lease = 0

@@ -85,8 +85,9 @@ TRANSPORTS: typing.Final[dict[str, typing.Callable[[], type[Transport]]]] = {"ni
 """Every transport by name: a new one is a module and a line here."""
 
 
-def transport(name: str, agent_name: str) -> Transport:
-    """A new ``name`` transport for this process (``agent_name`` unique in the fleet); ValueError for an unknown name."""
+def transport(name: str, agent_name: str, devices: str = "") -> Transport:
+    """A new ``name`` transport for this process (``agent_name`` unique in the fleet), on the network ``devices``
+    (comma-separated interface names; empty: the backend's choice); ValueError for an unknown name."""
     if name not in TRANSPORTS:
         raise ValueError(f"unknown transport {name!r}; known: {', '.join(sorted(TRANSPORTS))}")
-    return TRANSPORTS[name]()(agent_name)  # type: ignore[call-arg]
+    return TRANSPORTS[name]()(agent_name, devices)  # type: ignore[call-arg]
