@@ -23,6 +23,8 @@ import typing
 
 import attrs
 
+from weightcache.core.node.fleet.etcd import endpoints_tuple
+
 ENV_ETCD: typing.Final = "WEIGHTCACHE_FLEET_ETCD"
 ENV_SECRET_FILE: typing.Final = "WEIGHTCACHE_FLEET_SECRET_FILE"
 ENV_SECRET: typing.Final = "WEIGHTCACHE_FLEET_SECRET"
@@ -40,7 +42,7 @@ MAX_SECRET_BYTES: typing.Final = 4096
 class FleetConfig:
     """One node's view of its fleet (see the module's docstring for the environment it is read from)."""
 
-    endpoints: tuple[str, ...] = attrs.field(converter=tuple)
+    endpoints: tuple[str, ...] = attrs.field(converter=endpoints_tuple)
     secret: bytes = attrs.field(repr=False)
     node: str
     deadline_s: float = 2.0

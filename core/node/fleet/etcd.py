@@ -22,6 +22,11 @@ MAX_REPLY_BYTES: typing.Final = 64 << 20
 """Largest gateway reply read (a range over many holders stays far below)."""
 
 
+def endpoints_tuple(endpoints: typing.Iterable[str]) -> tuple[str, ...]:
+    """The endpoints as a tuple (an attrs converter)."""
+    return tuple(endpoints)
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -49,7 +54,7 @@ class KeyValue:
 class EtcdStore:
     """The registry's store: etcd at ``endpoints`` (``http://127.0.0.1:2379``), each call bounded by ``deadline_s``."""
 
-    endpoints: tuple[str, ...] = attrs.field(converter=tuple)
+    endpoints: tuple[str, ...] = attrs.field(converter=endpoints_tuple)
     deadline_s: float = 2.0
 
     def call(self, path: str, body: dict) -> dict:
