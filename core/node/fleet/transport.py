@@ -9,6 +9,7 @@ through Python: the backend moves memory to memory.
 from __future__ import annotations
 
 import abc
+import importlib
 import typing
 
 import attrs
@@ -75,14 +76,8 @@ class Transport(abc.ABC):
         """Release the backend (every region unshared first)."""
 
 
-def _nixl() -> type[Transport]:
-    from weightcache.core.node.fleet.nixl import NixlTransport
-
-    return NixlTransport
-
-
-TRANSPORTS: typing.Final[dict[str, typing.Callable[[], type[Transport]]]] = {"nixl": _nixl}
-"""Every transport by name: a new one is a module and a line here."""
+TRANSPORTS: typing.Final[dict[str, str]] = {"nixl": "weightcache.core.node.fleet.nixl:NixlTransport"}
+"""Every transport by name, as ``module:class`` (imported on first use): a new one is a module and a line here."""
 
 
 def transport(name: str, agent_name: str, devices: str = "") -> Transport:
@@ -90,4 +85,6 @@ def transport(name: str, agent_name: str, devices: str = "") -> Transport:
     (comma-separated interface names; empty: the backend's choice); ValueError for an unknown name."""
     if name not in TRANSPORTS:
         raise ValueError(f"unknown transport {name!r}; known: {', '.join(sorted(TRANSPORTS))}")
-    return TRANSPORTS[name]()(agent_name, devices)  # type: ignore[call-arg]
+    module, _, cls = TRANSPORTS[name].partition(":")
+    found = getattr(importlib.import_module(module), cls)
+    return found(agent_name, devices)
