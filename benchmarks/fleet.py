@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -37,6 +38,17 @@ def worker(args: argparse.Namespace) -> None:
     from weightcache.core.flow.loader import prepare, publish
     from weightcache.core.request import LoadRequest
 
+    steps: dict[str, float] = {}
+
+    class PullSteps(logging.Handler):
+        """The pull's own steps, from its log line (``pulled ... (N bytes in READ s, verified in VERIFY s)``)."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.msg.startswith("weightcache: pulled") and isinstance(record.args, tuple):
+                steps.update(read_s=float(record.args[4]), verify_s=float(record.args[5]))
+
+    logging.getLogger("weightcache.core.node.fleet.pull").addHandler(PullSteps())
+    logging.getLogger("weightcache.core.node.fleet.pull").setLevel(logging.INFO)
     prepared = prepare(LoadRequest(model=args.model, device=args.device, dtype="bfloat16"))
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
@@ -44,7 +56,8 @@ def worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     published = publish(prepared, args.socket_dir)
     seconds = time.perf_counter() - start
-    print(json.dumps({"source": published.source, "seconds": seconds, "timings": published.timings}), flush=True)
+    timings = {**published.timings, **{f"pull_{k}": v for k, v in steps.items()}}
+    print(json.dumps({"source": published.source, "seconds": seconds, "timings": timings}), flush=True)
 
 
 def run_fleet(n: int, model: Path, together: bool, device: str, peer_device: str) -> dict:
@@ -85,7 +98,11 @@ def run_fleet(n: int, model: Path, together: bool, device: str, peer_device: str
             config = FleetConfig.from_env(nodes[0].env())
             assert config is not None
             registry = FleetRegistry(config)
-            wait_for(lambda: registry.store.range(config.key("holders")), 30, "node 0's agent listing its entry")
+            try:
+                wait_for(lambda: registry.store.range(config.key("holders") + b"/"), 120, "node 0's agent listing its entry")
+            except AssertionError:
+                print(nodes[0].sharer_output()[-3000:], file=sys.stderr)
+                raise
             rest_s = go(list(range(1, n)))
         size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         disk_reads = sum(1 for r in results if r["source"] == "disk")
