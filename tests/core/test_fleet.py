@@ -9,8 +9,10 @@ Each test kills every process it started.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -99,6 +101,13 @@ def test_a_node_pulls_an_entry_from_a_peer_and_verifies_it_before_publishing(fle
     assert "pulled" in caplog.text and "verified" in caplog.text
     assert_attaches_like_from_pretrained(path, b.socket_dir, "float32", None)
     wait_for(lambda: listed(etcd, content) == ["a", "b"], 20, "node b's agent listing what it pulled")
+    shown = zygote.run(
+        [sys.executable, "-m", "weightcache.core.cli.cli", "fleet", "list"], env=b.env(), capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    lines = shown.stdout.splitlines()
+    assert sum(f"/holders/{content}/" in line and "over nixl" in line for line in lines) == 2, shown.stdout
+    assert any(f"/content/{content}:" in line and "first published by node a" in line for line in lines), shown.stdout
 
 
 def _holder_spec(etcd: Etcd, node: str, source: Node, fingerprint, random_bytes: bool, tmp_path, secret: str = SECRET) -> dict:
@@ -203,9 +212,7 @@ def test_a_holder_killed_mid_transfer_costs_a_warning_and_nothing_half_published
     dying = start_holder(spec, tmp_path, env={**fleet_env(etcd.url, "dying"), "UCX_TLS": "tcp"})
     try:
         as_node(monkeypatch, b, UCX_TLS="tcp")
-        dying.send_signal(19)  # SIGSTOP: its UCX worker answers nothing, the read stalls
-        import threading
-
+        dying.send_signal(signal.SIGSTOP)  # its UCX worker answers nothing, the read stalls
         threading.Timer(1.0, dying.kill).start()  # then it dies, mid-read
         start = time.monotonic()
         caplog.set_level("INFO")

@@ -39,6 +39,7 @@ from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.records import Content, Holding, manifest_sha256
 from weightcache.core.node.fleet.registry import FleetRegistry
 from weightcache.core.node.fleet.transport import Region, Transport, transport
+from weightcache.core.node.seeding import check_sizes
 
 if typing.TYPE_CHECKING:
     from weightcache.core.load.export import ArenaBuilder
@@ -192,8 +193,6 @@ class Filling:
         return None
 
     def _pull_one(self, builder: "ArenaBuilder", holding: Holding, content: Content) -> Pulled:
-        from weightcache.core.node.seeding import check_sizes
-
         node = holding.node
         timings: dict[str, float] = {}
         if holding.manifest_sha256 != content.manifest_sha256:
