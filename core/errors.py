@@ -488,3 +488,24 @@ class NoMemory(WeightCacheError):
 
 class HandoverFailed(WeightCacheError):
     """A successor could not take a running server's entries over; the running server keeps serving every entry."""
+
+
+class FleetUnavailable(WeightCacheError):
+    """The fleet's registry (etcd) did not answer within its deadline; the caller reads the disk instead."""
+
+    def __init__(self, endpoints: "typing.Sequence[str]", reason: str):
+        self.endpoints = tuple(endpoints)
+        self.reason = reason
+        super().__init__(
+            f"the fleet registry at {', '.join(self.endpoints)} did not answer ({reason}); reading the disk instead. "
+            "Check that etcd runs there (`etcdctl endpoint health`) or unset WEIGHTCACHE_FLEET_ETCD"
+        )
+
+
+class PullFailed(WeightCacheError):
+    """Pulling an entry from another node broke off or brought other bytes; nothing was published from it."""
+
+    def __init__(self, node: str, reason: str):
+        self.node = node
+        self.reason = reason
+        super().__init__(f"pulling from node {node} failed: {reason}; nothing from it was published")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import sys
 
 from weightcache.core.cli.cli_options import add_timeout, help_text
 from weightcache.core.device import Device
@@ -18,11 +19,18 @@ from weightcache.core.errors import SeedFailed
 from weightcache.core.node import seeding
 from weightcache.core.node.seeding import first_line
 
+DEPRECATED = (
+    "weightcache: `weightcache seed` is deprecated and will be removed in the next release: run `weightcache fleet share` "
+    "beside each server and set WEIGHTCACHE_FLEET_ETCD; `weightcache load` then pulls from a peer node "
+    "(docs/operations.md, 'A fleet')"
+)
+
 
 def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "seed",
-        help="copy an entry from a peer node's server into this node's through torch.distributed (run on every rank)",
+        help="(deprecated: use `weightcache fleet`) copy an entry from a peer node's server into this node's through "
+        "torch.distributed (run on every rank)",
         description=help_text(seeding.__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -52,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from weightcache.core.flow.loader import prepare
     from weightcache.core.progress import note
 
+    print(DEPRECATED, file=sys.stderr, flush=True)
     rank, world_size = _rendezvous_environment()
     if not 0 <= args.src_rank < world_size:
         raise ValueError(f"--src-rank {args.src_rank} is not a rank of this run (WORLD_SIZE={world_size})")

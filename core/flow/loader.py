@@ -29,6 +29,7 @@ from weightcache.core.layout.manifest import Manifest
 from weightcache.core.load.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
 from weightcache.core.load.publish import publish_arenas, seal
 from weightcache.core.node import fill
+from weightcache.core.node.fleet.pull import Filling
 from weightcache.core.quantization.allowlist import check_quantization
 from weightcache.core.request import LoadRequest, ModelDescription
 from weightcache.core.socket_dir import SocketDir, SocketDirLike
@@ -240,13 +241,20 @@ def _publish(
         done = _host_copy_of_what_is_held(remembered, host_held, tier, socket_dir, label, timings)
         if done is not None:
             return done
-    with ArenaBuilder(request.device, chunk_bytes=chunk_bytes, progress=progress) as builder:
+    with (
+        ArenaBuilder(request.device, chunk_bytes=chunk_bytes, progress=progress) as builder,
+        Filling.from_env(remembered, may_claim=disk) as fleet,
+    ):
         start = time.perf_counter()
         copied = fill.copy_from_node(remembered, builder, socket_dir, on_node) if remembered and on_node else None
+        pulled = fleet.pull(builder) if copied is None else None  # another node's copy, before the disk
         fingerprint: Fingerprint
         if copied is not None and remembered is not None:
             manifest, source, fingerprint = copied.manifest, copied.source.name, remembered
             timings["fill_s"] = time.perf_counter() - start  # copied.timings has its steps
+        elif pulled is not None and remembered is not None:
+            manifest, source, fingerprint = pulled.manifest, pulled.source, remembered
+            timings["pull_s"] = time.perf_counter() - start  # pulled.timings has its steps
         elif not disk:
             return None
         else:
@@ -270,6 +278,7 @@ def _publish(
             reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
             timings["publish_s"] = time.perf_counter() - start
             digest, created, published_as = reply["digest"], bool(reply["created"]), fingerprint
+        fleet.published()  # a claimant lets the waiting nodes pull from here now
     state = "published" if created else "loaded, but the server already held"
     log.info("%s %s (%s) from %s in %.2f s", state, digest[:12], label, source, sum(timings.values()))
     return Published(digest, created, published_as, manifest, timings, source, host_digest)

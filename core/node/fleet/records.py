@@ -1,0 +1,183 @@
+"""What the fleet's registry holds, as value objects, each value signed with the fleet's shared secret.
+
+Three kinds of key, under the fleet's prefix and an entry's content digest
+(``Fingerprint.content_digest``: every field but the GPU's UUID):
+
+- ``content/<content>``: what that content's arenas are (``Content``): the sha256 of its
+  manifest and each arena's size and checksum, written once by the first node that
+  read it from the disk and published it;
+- ``holders/<content>/<node>``: a node that holds it and how to read it (``Holding``);
+- ``claims/<content>``: a node that is reading it from the disk now (``Claim``).
+
+Every value is ``{"body": ..., "mac": ...}`` with an HMAC-SHA256 over the key and the
+body's canonical JSON: a record moved to another key, changed, or written without the
+secret is refused (``unseal``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import typing
+
+import attrs
+
+from weightcache.core.arena.checksum import is_checksum
+from weightcache.core.fingerprint import Fingerprint, canonical_json
+from weightcache.core.node.fleet.transport import MAX_REGION_BYTES, Region
+from weightcache.core.wire.protocol import MAX_FRAME_BYTES
+
+MAX_RECORD_BYTES: typing.Final = 1 << 20
+"""Largest record read from the registry (a holding of thousands of arenas stays far below)."""
+MAX_ARENAS: typing.Final = 65536
+MAX_NAME_CHARS: typing.Final = 253
+
+
+def seal(key: bytes, body: dict, secret: bytes) -> bytes:
+    """The registry value for ``body`` at ``key``: the body and its HMAC under ``secret``."""
+    return json.dumps({"body": body, "mac": _mac(key, body, secret)}, separators=(",", ":")).encode()
+
+
+def unseal(key: bytes, value: bytes, secret: bytes) -> dict:
+    """The body of a value ``seal`` made for ``key`` with ``secret``; ValueError for anything else."""
+    if len(value) > MAX_RECORD_BYTES:
+        raise ValueError(f"a record of {len(value)} bytes (at most {MAX_RECORD_BYTES} are read)")
+    try:
+        data = json.loads(value)
+    except ValueError:
+        raise ValueError("a record that is not JSON") from None
+    if not isinstance(data, dict) or not isinstance(data.get("body"), dict) or not isinstance(data.get("mac"), str):
+        raise ValueError("a record without a body and a mac")
+    if not hmac.compare_digest(data["mac"], _mac(key, data["body"], secret)):
+        raise ValueError("a record not signed with this fleet's secret (another fleet's, or forged)")
+    return data["body"]
+
+
+def _mac(key: bytes, body: dict, secret: bytes) -> str:
+    return hmac.new(secret, key + b"\0" + canonical_json(body).encode(), hashlib.sha256).hexdigest()
+
+
+def _name(value: object, what: str) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS:
+        raise ValueError(f"{what} is {value!r:.40}, not a name of 1 to {MAX_NAME_CHARS} characters")
+    return value
+
+
+def _sha256(value: object, what: str) -> str:
+    if not isinstance(value, str) or len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise ValueError(f"{what} is not a sha256 in hex")
+    return value
+
+
+def manifest_sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@attrs.frozen
+class Content:
+    """What a content's arenas are, as the node that read it from the disk published them."""
+
+    fingerprint: Fingerprint
+    manifest_sha256: str
+    manifest_bytes: int
+    arenas: tuple[tuple[int, str], ...]
+    """Each arena's size and checksum, in the manifest's order."""
+    origin: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for size, _ in self.arenas)
+
+    def to_json(self) -> dict:
+        return {
+            "fingerprint": self.fingerprint.to_json(),
+            "manifest_sha256": self.manifest_sha256,
+            "manifest_bytes": self.manifest_bytes,
+            "arenas": [list(arena) for arena in self.arenas],
+            "origin": self.origin,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Content":
+        """ValueError naming the first field that is not what a node of this version writes."""
+        fingerprint = Fingerprint.from_json(data.get("fingerprint"))  # type: ignore[arg-type]
+        size = data.get("manifest_bytes")
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_FRAME_BYTES:
+            raise ValueError(f"a manifest of {size!r:.40} bytes (1 to {MAX_FRAME_BYTES})")
+        arenas = data.get("arenas")
+        if not isinstance(arenas, list) or not 0 < len(arenas) <= MAX_ARENAS:
+            raise ValueError(f"arenas must be a list of 1 to {MAX_ARENAS} [size, checksum] pairs")
+        pairs = []
+        for arena in arenas:
+            if not isinstance(arena, list) or len(arena) != 2:
+                raise ValueError("an arena is [size, checksum]")
+            nbytes, checksum = arena
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes <= MAX_REGION_BYTES:
+                raise ValueError(f"an arena of {nbytes!r:.40} bytes")
+            if not is_checksum(checksum):
+                raise ValueError(f"an arena's checksum {checksum!r:.60} is not one this version computes")
+            pairs.append((nbytes, checksum))
+        return cls(
+            fingerprint,
+            _sha256(data.get("manifest_sha256"), "manifest_sha256"),
+            size,
+            tuple(pairs),
+            _name(data.get("origin"), "origin"),
+        )
+
+
+@attrs.frozen
+class Holding:
+    """A node that holds a content and how to read it: its transport, the reach text, the manifest's and arenas' regions."""
+
+    node: str
+    fingerprint: Fingerprint
+    manifest_sha256: str
+    transport: str
+    reach: str = attrs.field(repr=False)
+    manifest: Region
+    arenas: tuple[Region, ...]
+
+    def to_json(self) -> dict:
+        return {
+            "node": self.node,
+            "fingerprint": self.fingerprint.to_json(),
+            "manifest_sha256": self.manifest_sha256,
+            "transport": self.transport,
+            "reach": self.reach,
+            "manifest": self.manifest.to_json(),
+            "arenas": [region.to_json() for region in self.arenas],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Holding":
+        arenas = data.get("arenas")
+        if not isinstance(arenas, list) or not 0 < len(arenas) <= MAX_ARENAS:
+            raise ValueError(f"arenas must be a list of 1 to {MAX_ARENAS} regions")
+        reach = data.get("reach")
+        if not isinstance(reach, str) or not 0 < len(reach) <= MAX_RECORD_BYTES:
+            raise ValueError("reach must be a non-empty string")
+        return cls(
+            _name(data.get("node"), "node"),
+            Fingerprint.from_json(data.get("fingerprint")),  # type: ignore[arg-type]
+            _sha256(data.get("manifest_sha256"), "manifest_sha256"),
+            _name(data.get("transport"), "transport"),
+            reach,
+            Region.from_json(data.get("manifest")),
+            tuple(Region.from_json(region) for region in arenas),
+        )
+
+
+@attrs.frozen
+class Claim:
+    """A node reading a content from the disk now; others wait for it instead of reading too."""
+
+    node: str
+
+    def to_json(self) -> dict:
+        return {"node": self.node}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Claim":
+        return cls(_name(data.get("node"), "node"))

@@ -1,0 +1,105 @@
+"""The fleet's registry: signed records (``records``) in etcd (``etcd``), read and written by content digest.
+
+Every read checks the signature and the shape of each record; a record that fails is
+left out and named in ``problems`` (a broken or lying node costs a warning, never a
+wrong byte). Every call is bounded by the store's deadline (FleetUnavailable).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+
+from weightcache.core.node.fleet.config import FleetConfig
+from weightcache.core.node.fleet.etcd import EtcdStore
+from weightcache.core.node.fleet.records import Claim, Content, Holding, seal, unseal
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define
+class FleetRegistry:
+    """Read and write the fleet's records for one node (``config.node``)."""
+
+    config: FleetConfig
+    store: EtcdStore = attrs.field()
+
+    @store.default
+    def _store(self) -> EtcdStore:
+        return EtcdStore(self.config.endpoints, self.config.deadline_s)
+
+    def _content_key(self, content_digest: str) -> bytes:
+        return self.config.key("content", content_digest)
+
+    def _holding_key(self, content_digest: str, node: str) -> bytes:
+        return self.config.key("holders", content_digest, node)
+
+    def _claim_key(self, content_digest: str) -> bytes:
+        return self.config.key("claims", content_digest)
+
+    def content(self, content_digest: str) -> Content | None:
+        """The content record of ``content_digest``, None if there is none; ValueError if it is not a valid one."""
+        key = self._content_key(content_digest)
+        value = self.store.get(key)
+        if value is None:
+            return None
+        content = Content.from_json(unseal(key, value, self.config.secret))
+        if content.fingerprint.content_digest != content_digest:
+            raise ValueError("the content record names another content than its key")
+        return content
+
+    def declare(self, content: Content, lease: int) -> Content:
+        """Write ``content``'s record unless one exists; returns the record in force (ours or the earlier one)."""
+        content_digest = content.fingerprint.content_digest
+        key = self._content_key(content_digest)
+        existing = self.store.create(key, seal(key, content.to_json(), self.config.secret), lease)
+        if existing is None:
+            return content
+        found = self.content(content_digest)
+        return found if found is not None else content
+
+    def holdings(self, content_digest: str) -> tuple[list[Holding], list[str]]:
+        """The valid holdings of ``content_digest`` (other nodes' only), and a line per record left out."""
+        prefix = self.config.key("holders", content_digest) + b"/"
+        found, problems = [], []
+        for item in self.store.range(prefix):
+            node = item.key[len(prefix) :].decode(errors="replace")
+            try:
+                holding = Holding.from_json(unseal(item.key, item.value, self.config.secret))
+                if holding.node != node:
+                    raise ValueError(f"it names node {holding.node!r}")
+                if holding.fingerprint.content_digest != content_digest:
+                    raise ValueError("it holds another content than its key names")
+            except ValueError as exc:
+                problems.append(f"node {node}: {exc}")
+                continue
+            if holding.node != self.config.node:
+                found.append(holding)
+        return found, problems
+
+    def hold(self, holding: Holding, lease: int) -> None:
+        key = self._holding_key(holding.fingerprint.content_digest, holding.node)
+        self.store.put(key, seal(key, holding.to_json(), self.config.secret), lease)
+
+    def drop(self, content_digest: str) -> None:
+        """Remove this node's holding of ``content_digest``."""
+        self.store.delete(self._holding_key(content_digest, self.config.node))
+
+    def claim(self, content_digest: str, lease: int) -> Claim | None:
+        """Claim the disk read of ``content_digest`` under ``lease``: None when this node now holds the claim, else the
+        claim in force (another node's; an unreadable one counts as taken)."""
+        key = self._claim_key(content_digest)
+        mine = Claim(self.config.node)
+        existing = self.store.create(key, seal(key, mine.to_json(), self.config.secret), lease)
+        if existing is None:
+            return None
+        try:
+            other = Claim.from_json(unseal(key, existing, self.config.secret))
+        except ValueError as exc:
+            log.warning("weightcache: the claim on %s is not valid (%s); waiting as if taken", content_digest[:12], exc)
+            return Claim("?")
+        return None if other == mine else other
+
+    def claimed(self, content_digest: str) -> bool:
+        return self.store.get(self._claim_key(content_digest)) is not None

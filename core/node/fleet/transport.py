@@ -1,0 +1,90 @@
+"""How arena bytes move between nodes: one interface, one module per backend, and the table that names them.
+
+A holder ``share``s regions of its memory once and publishes the ``reach`` text the
+backend returns (how a peer connects: for NIXL, the agent's metadata); a puller
+``read``s a holder's regions into its own with one-sided reads. No weight byte passes
+through Python: the backend moves memory to memory.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import typing
+
+import attrs
+
+MEMORY_KINDS: typing.Final = ("DRAM", "VRAM")
+MAX_REGION_BYTES: typing.Final = 1 << 50
+
+
+@attrs.frozen
+class Region:
+    """A span of registered memory: its address in the owner's process, its length, its GPU index, DRAM or VRAM."""
+
+    address: int
+    length: int
+    device: int = 0
+    memory: str = "DRAM"
+
+    def __attrs_post_init__(self) -> None:
+        if self.memory not in MEMORY_KINDS:
+            raise ValueError(f"a region's memory is {self.memory!r}, not one of {', '.join(MEMORY_KINDS)}")
+        for name, value, top in (("address", self.address, 1 << 64), ("length", self.length, MAX_REGION_BYTES + 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < top:
+                raise ValueError(f"a region's {name} is {value!r:.40}, not a whole number from 1 to {top - 1}")
+        if isinstance(self.device, bool) or not isinstance(self.device, int) or not 0 <= self.device < 1024:
+            raise ValueError(f"a region's device is {self.device!r:.40}, not a GPU index")
+
+    def to_json(self) -> list:
+        return [self.address, self.length, self.device, self.memory]
+
+    @classmethod
+    def from_json(cls, data: object) -> "Region":
+        if not isinstance(data, list) or len(data) != 4:
+            raise ValueError("a region is [address, length, device, memory]")
+        return cls(*data)
+
+
+class Transport(abc.ABC):
+    """One way to move registered memory between nodes (``TRANSPORTS`` names each)."""
+
+    name: typing.ClassVar[str]
+
+    @abc.abstractmethod
+    def share(self, regions: typing.Sequence[Region]) -> str:
+        """Register ``regions`` of this process for peers to read; returns the reach text peers connect with."""
+
+    @abc.abstractmethod
+    def unshare(self, regions: typing.Sequence[Region]) -> None:
+        """Stop sharing ``regions`` (before their memory is unmapped)."""
+
+    @abc.abstractmethod
+    def read(self, reach: str, remote: typing.Sequence[Region], local: typing.Sequence[Region], deadline_s: float) -> str:
+        """Copy each ``remote`` region of the peer at ``reach`` into the ``local`` region of the same length.
+
+        Returns how the bytes went (``GPU-direct``, ``host memory``, ...) for the output. Raises
+        PullFailed when the peer is gone, refuses or does not finish within ``deadline_s``.
+        """
+
+    @abc.abstractmethod
+    def memory_kinds(self) -> frozenset[str]:
+        """The memory this transport registers: ``DRAM``, and ``VRAM`` where it can read GPU memory directly."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the backend (every region unshared first)."""
+
+
+TRANSPORTS: typing.Final[dict[str, str]] = {"nixl": "weightcache.core.node.fleet.nixl:NixlTransport"}
+"""Every transport by name, as ``module:class`` (imported on first use): a new one is a module and a line here."""
+
+
+def transport(name: str, agent_name: str, devices: str = "") -> Transport:
+    """A new ``name`` transport for this process (``agent_name`` unique in the fleet), on the network ``devices``
+    (comma-separated interface names; empty: the backend's choice); ValueError for an unknown name."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}; known: {', '.join(sorted(TRANSPORTS))}")
+    module, _, cls = TRANSPORTS[name].partition(":")
+    found = getattr(importlib.import_module(module), cls)
+    return found(agent_name, devices)

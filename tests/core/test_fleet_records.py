@@ -1,0 +1,136 @@
+"""The fleet's records, settings and registry client without a fleet: signatures, shapes, deadlines, one-line errors."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import attrs
+import pytest
+
+from weightcache.core.errors import FleetUnavailable
+from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.node.fleet.config import FleetConfig
+from weightcache.core.node.fleet.etcd import EtcdStore, prefix_end
+from weightcache.core.node.fleet.records import Content, Holding, seal, unseal
+from weightcache.core.node.fleet.transport import Region, transport
+
+SECRET = b"0123456789abcdef-secret"
+CHECKSUM = "wsum64v1:" + "0" * 32
+
+
+def fingerprint(**changes) -> Fingerprint:
+    base = {f: "x" for f in ("checkpoint", "architecture", "config", "dtype", "quantization", "quantization_config")}
+    base.update(adapter="hf", adapter_version="1", engine="", engine_version="", torch_version="2", cuda_version="")
+    base.update(compute_capability="", gpu_uuid="", tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, dp_size=1)
+    base.update(ep_size=1, ep_rank=0)
+    return Fingerprint(**{**base, **changes})
+
+
+def holding() -> Holding:
+    return Holding("a", fingerprint(), "ab" * 32, "nixl", "cmVhY2g=", Region(4096, 100), (Region(8192, 4096),))
+
+
+def test_a_sealed_record_opens_only_at_its_key_with_its_secret():
+    key = b"/weightcache/holders/c/a"
+    value = seal(key, holding().to_json(), SECRET)
+    assert Holding.from_json(unseal(key, value, SECRET)) == holding()
+    for other_key, secret in ((b"/weightcache/holders/c/b", SECRET), (key, b"another-fleets-secret-xx")):
+        with pytest.raises(ValueError, match="not signed with this fleet's secret"):
+            unseal(other_key, value, secret)
+    tampered = value.replace(b'"node":"a"', b'"node":"b"')
+    with pytest.raises(ValueError, match="not signed"):
+        unseal(key, tampered, SECRET)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"arenas": []}, "arenas must be a list of 1 to"),
+        ({"arenas": [[0, CHECKSUM]]}, "an arena of 0 bytes"),
+        ({"arenas": [[4096, "crc:1"]]}, "is not one this version computes"),
+        ({"manifest_sha256": "zz"}, "manifest_sha256 is not a sha256"),
+        ({"manifest_bytes": 1 << 40}, "a manifest of"),
+        ({"origin": ""}, "origin is ''"),
+    ],
+)
+def test_a_content_record_of_the_wrong_shape_is_refused_naming_the_field(change, message):
+    good = Content(fingerprint(), "ab" * 32, 100, ((4096, CHECKSUM),), "a").to_json()
+    assert Content.from_json(good).nbytes == 4096
+    with pytest.raises(ValueError, match=message):
+        Content.from_json({**good, **change})
+
+
+@pytest.mark.parametrize(
+    ("region", "message"),
+    [
+        ([0, 10, 0, "DRAM"], "address is 0"),
+        ([4096, 0, 0, "DRAM"], "length is 0"),
+        ([4096, 10, -1, "DRAM"], "device is -1"),
+        ([4096, 10, 0, "HBM"], "not one of DRAM, VRAM"),
+        ([4096, 10], r"\[address, length, device, memory\]"),
+    ],
+)
+def test_a_region_a_holder_declares_is_checked(region, message):
+    with pytest.raises(ValueError, match=message):
+        Region.from_json(region)
+
+
+def test_the_fleet_settings_say_which_variable_to_fix(tmp_path):
+    assert FleetConfig.from_env({}) is None
+    with pytest.raises(ValueError, match="neither WEIGHTCACHE_FLEET_SECRET_FILE nor WEIGHTCACHE_FLEET_SECRET"):
+        FleetConfig.from_env({"WEIGHTCACHE_FLEET_ETCD": "http://127.0.0.1:2379"})
+    with pytest.raises(ValueError, match="is not an http:// or https:// address"):
+        FleetConfig.from_env({"WEIGHTCACHE_FLEET_ETCD": "127.0.0.1:2379", "WEIGHTCACHE_FLEET_SECRET": "s" * 16})
+    with pytest.raises(ValueError, match="the fleet secret has 5 bytes"):
+        FleetConfig.from_env({"WEIGHTCACHE_FLEET_ETCD": "http://h:1", "WEIGHTCACHE_FLEET_SECRET": "short"})
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32 + "\n")
+    secret.chmod(0o644)
+    env = {"WEIGHTCACHE_FLEET_ETCD": "http://h:1", "WEIGHTCACHE_FLEET_SECRET_FILE": str(secret)}
+    with pytest.raises(ValueError, match=r"must belong to this user and be private \(chmod 600\)"):
+        FleetConfig.from_env(env)
+    secret.chmod(0o600)
+    config = FleetConfig.from_env({**env, "WEIGHTCACHE_FLEET_NODE": "n1", "WEIGHTCACHE_FLEET_DEADLINE_S": "0.5"})
+    assert config is not None and config.secret == b"s" * 32 and config.node == "n1" and config.deadline_s == 0.5
+    assert "s" * 32 not in repr(config)  # the secret never shows in a log line
+    with pytest.raises(ValueError, match="WEIGHTCACHE_FLEET_WAIT_S='soon' is not a number of seconds"):
+        FleetConfig.from_env({**env, "WEIGHTCACHE_FLEET_WAIT_S": "soon"})
+
+
+def test_a_registry_that_does_not_answer_costs_its_deadline_and_no_more():
+    """A listener that accepts and never answers (a hung etcd): the call gives up at its deadline."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        store = EtcdStore([f"http://127.0.0.1:{silent.getsockname()[1]}"], deadline_s=0.5)
+        start = time.monotonic()
+        with pytest.raises(FleetUnavailable, match="reading the disk instead"):
+            store.range(b"/weightcache/")
+        assert time.monotonic() - start < 2
+
+
+def test_a_registry_nobody_listens_on_is_unavailable_at_once():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = EtcdStore([f"http://127.0.0.1:{port}"], deadline_s=5)
+    start = time.monotonic()
+    with pytest.raises(FleetUnavailable, match=f"127.0.0.1:{port}"):
+        store.get(b"/k")
+    assert time.monotonic() - start < 2
+
+
+def test_a_prefix_ends_where_etcd_expects():
+    assert prefix_end(b"/weightcache/holders/") == b"/weightcache/holders0"
+    assert prefix_end(b"a\xff") == b"b"
+
+
+def test_an_unknown_transport_is_named_with_the_known_ones():
+    with pytest.raises(ValueError, match="unknown transport 'rdma'; known: nixl"):
+        transport("rdma", "agent")
+
+
+def test_holdings_keep_their_fields_through_json():
+    assert Holding.from_json(holding().to_json()) == holding()
+    assert attrs.evolve(holding(), reach="x").reach == "x"
