@@ -26,11 +26,11 @@ import sys
 import threading
 import typing
 
-from weightcache.core.cpus import usable_cpus
+from weightcache import usable_cpus
 
 if typing.TYPE_CHECKING:
+    from weightcache import LoadRequest
     from weightcache.adapters.hf.layout import Layout
-    from weightcache.core.request import LoadRequest
 
 log = logging.getLogger(__name__)
 

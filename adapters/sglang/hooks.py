@@ -18,10 +18,9 @@ SGLang is imported inside the hooks only.
 
 from __future__ import annotations
 
+from weightcache import ForwardUnavailable, hookimpl
 from weightcache.adapters.engine_support import check_publishable
 from weightcache.adapters.sglang import engine, identity, loading
-from weightcache.core.hookspecs import hookimpl
-from weightcache.core.request import ForwardUnavailable
 
 ENGINE_PACKAGES = ("sglang",)
 """Without sglang installed this adapter is not usable (``weightcache.core.flow.plugins.missing_engines``)."""
