@@ -291,6 +291,7 @@ def _serve(args) -> int:
 
 def _load(args) -> int:
     """Check everything that can be checked before reading a weight, then load and publish (see docs/operations.md)."""
+    from weightcache.core.client.client import Connection
     from weightcache.core.flow import loader
     from weightcache.core.flow.plugins import installed_plugins
     from weightcache.core.identity.safetensors_io import check_checkpoint
@@ -305,17 +306,22 @@ def _load(args) -> int:
     check_quantization(request.quantization, adapter.quantization_allowlist(request))
     headers = check_checkpoint(request.model)  # files, headers, lengths: no weight byte read
     log.debug("load: options and %d weight file headers checked", len(headers))
+    with Connection(args.socket_dir) as connection:
+        connection.hello()  # no server: say so now, before a thread starts importing beside this one
+    log.debug("load: the server answered")
     # The disk starts now; the adapter imports its framework meanwhile (nothing where the hf adapter remembers the
-    # model's layout), while this thread checks the server and makes the CUDA context.
+    # model's layout), while this thread makes the CUDA context.
     with _read_ahead(headers, args.prefetch), _warming_up(adapter, request):
         return _load_checked(args, request, adapter, headers)
 
 
 @contextlib.contextmanager
 def _warming_up(adapter, request):
-    """The adapter's ``warm_up`` (its framework's and the model's imports) in a thread of its own, joined at the end.
+    """The adapter's ``warm_up`` (its framework's and the model's imports) in a thread of its own, joined at the end of
+    a load that succeeds.
 
-    A failure here is left for the load itself to report, where it happens again with its context.
+    A failure here is left for the load itself to report, where it happens again with its context. A load that fails
+    does not wait for the imports: its error is reported at once and the command exits (the thread is a daemon).
     """
 
     def warm_up() -> None:
@@ -332,10 +338,8 @@ def _warming_up(adapter, request):
 
     thread = threading.Thread(target=warm_up, name="weightcache-warm-up", daemon=True)
     thread.start()
-    try:
-        yield
-    finally:
-        thread.join()
+    yield  # an exception leaves here without the join
+    thread.join()
 
 
 def _read_ahead(headers, wanted: bool):
@@ -361,9 +365,6 @@ def _load_checked(args, request, adapter, headers) -> int:
     from weightcache.core.load import preflight
     from weightcache.core.progress import byte_progress, format_bytes, note
 
-    with Connection(args.socket_dir) as connection:
-        connection.hello()  # no server: say so now, not after the load
-    log.debug("load: the server answered")
     preflight.check_device(request.device)
     log.debug("load: %s ready", request.device)
     prepared = loader.prepare(request)  # the adapter reads the configs
