@@ -16,6 +16,9 @@ import types
 import typing
 import warnings
 
+if typing.TYPE_CHECKING:
+    import importlib.abc
+
 DEPRECATED_SINCE = "0.2.0"
 REMOVED_IN = "0.3.0"
 
@@ -85,8 +88,11 @@ FOLDED: dict[str, str] = {
 def public_import(module: str, name: str | None = None) -> str:
     """How to import ``name`` of ``module`` (or what ``module`` offers) from now on: public names from ``weightcache``,
     anything else from the private module that holds it now."""
-    public = getattr(sys.modules.get("weightcache"), "NAMES", {})
-    names = [name] if name in public else [] if name else sorted(n for n, home in public.items() if home == module)
+    public: dict[str, str] = getattr(sys.modules.get("weightcache"), "NAMES", {})
+    if name is not None:
+        names = [name] if name in public else []
+    else:
+        names = sorted(n for n, home in public.items() if home == module)
     if names:
         return f"use from weightcache import {', '.join(names)}"
     private = f"from {module} import {name}" if name else f"import {module}"
@@ -95,7 +101,8 @@ def public_import(module: str, name: str | None = None) -> str:
 
 def _warn(message: str) -> None:
     """A DeprecationWarning pointing at the code that asked for an old path, past this module and the import system."""
-    frame, level = sys._getframe(1), 2
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 2
     while frame is not None and (frame.f_code.co_filename in (__file__, importlib.__file__) or _bootstrap(frame)):
         level += not _bootstrap(frame)  # warnings skips the import system's bootstrap frames itself
         frame = frame.f_back
@@ -119,7 +126,7 @@ class OldPaths:
     def find_spec(
         self, fullname: str, path: typing.Any = None, target: typing.Any = None
     ) -> importlib.machinery.ModuleSpec | None:
-        return importlib.machinery.ModuleSpec(fullname, self) if fullname in MOVED else None
+        return importlib.machinery.ModuleSpec(fullname, typing.cast("importlib.abc.Loader", self)) if fullname in MOVED else None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
         return None  # the default module object
