@@ -120,8 +120,8 @@ def _deprecated(old: str, new: str, name: str | None = None) -> str:
 class OldPaths:
     """Imports each module path of :data:`MOVED` as a thin module that warns once and serves its new module's names.
 
-    A meta path finder and its loader in one (the import protocol's three methods; ``importlib.abc`` would cost the
-    package's import 17 ms for nothing)."""
+    A meta path finder and its loader in one: the import protocol's three methods, without ``importlib.abc``, whose own
+    imports every ``import weightcache`` would pay for."""
 
     def find_spec(
         self, fullname: str, path: typing.Any = None, target: typing.Any = None
@@ -152,7 +152,7 @@ def old_names(package: str) -> typing.Callable[[str], typing.Any]:
     module = FOLDED[package]
 
     def __getattr__(name: str) -> typing.Any:
-        import importlib.util
+        import importlib.util  # only once an attribute is missing: ``import weightcache`` stays without it
 
         if name.startswith("_") or importlib.util.find_spec(f"{package}.{name}") is not None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def all_modules() -> list[str]:
-    names = []
+    names = ["weightcache", "weightcache.__main__"]  # the public face (weightcache/)
     for package in (weightcache.core, weightcache.adapters, weightcache.conformance):
         names.append(package.__name__)
         names += [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]

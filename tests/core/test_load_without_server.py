@@ -8,7 +8,8 @@ would make every start compile weightcache again, which is not what is measured 
 
 The deadline is 2 s. On a machine that other work keeps busier still (the shared CI VM, where the test's own loops come
 on top of other sessions' tests), a bare ``weightcache status`` with no server, timed beside the same loops, says how
-slow a start is there: ``load`` may take twice that, never more. Waiting for the import thread took a minute.
+slow a start is there: ``load`` may take twice that, never more (waiting for the import thread costs a framework's
+import, far beyond either).
 """
 
 from __future__ import annotations
