@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -134,8 +135,11 @@ def test_the_kit_warns_on_an_option_declared_by_help_text_alone():
 
 @pytest.fixture(scope="module")
 def installed_010(tmp_path_factory):
-    """tests/adapter_010 pip-installed, unchanged, into a private directory (put it on PYTHONPATH)."""
+    """tests/adapter_010 pip-installed, unchanged, into a private directory (put it on PYTHONPATH); built from a copy, so
+    the build leaves nothing in the tree."""
     target = tmp_path_factory.mktemp("site")
+    source = tmp_path_factory.mktemp("adapter") / "adapter_010"
+    shutil.copytree(ADAPTER_010, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     proc = subprocess.run(
         [
             sys.executable,
@@ -148,7 +152,7 @@ def installed_010(tmp_path_factory):
             "--no-index",
             "--target",
             str(target),
-            str(ADAPTER_010),
+            str(source),
         ],
         capture_output=True,
         text=True,
