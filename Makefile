@@ -31,11 +31,13 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# mypy needs the import names: a tree of symlinks gives core/, adapters/ and conformance/ theirs (pyproject's [tool.mypy]).
+# mypy needs the import names: a tree of symlinks gives core/, adapters/ and conformance/ theirs, under the package's own
+# files from weightcache/ (pyproject's [tool.mypy]).
 typecheck: setup
 	mkdir -p $(VENV)/typecheck/weightcache
 	for part in core adapters conformance; do ln -sfn ../../../$$part $(VENV)/typecheck/weightcache/$$part; done
-	MYPYPATH=$(VENV)/typecheck $(BIN)/mypy -p weightcache.core -p weightcache.adapters -p weightcache.conformance
+	for face in weightcache/*.py weightcache/*.pyi; do ln -sfn ../../../$$face $(VENV)/typecheck/$$face; done
+	MYPYPATH=$(VENV)/typecheck $(BIN)/mypy -p weightcache
 
 # The everyday suite, everything that needs only .venv (docs/decisions.md 47, 52, 57): on TEST_WORKERS workers
 # (pytest-xdist; a module or class stays on one worker; in collection order, where

@@ -12,8 +12,7 @@ import json
 import typing
 from pathlib import Path
 
-from weightcache.core.errors import UnsupportedQuantization
-from weightcache.core.quantization.allowlist import check_quantization
+from weightcache import UnsupportedQuantization, check_quantization
 
 FP8_BLOCK = "fp8-block"
 VALIDATED_BLOCK = [128, 128]

@@ -27,16 +27,12 @@ from collections.abc import Callable, Iterator
 
 import attrs
 
-from weightcache.core.errors import AccessDenied, RebindError, ServerUnavailable
-from weightcache.core.flow.modes import ATTACHMENT_ATTR
-from weightcache.core.socket_dir import SocketDirLike
+from weightcache import ATTACHMENT_ATTR, AccessDenied, RebindError, ServerUnavailable, SocketDirLike
 
 if typing.TYPE_CHECKING:
     import torch
 
-    from weightcache.core.fingerprint import Fingerprint
-    from weightcache.core.layout.manifest import Manifest
-    from weightcache.core.request import ModelDescription
+    from weightcache import Fingerprint, Manifest, ModelDescription
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +90,7 @@ def engine_description(
     The full Hugging Face config (JSON), the architectures, the dtype the engine
     resolved, the checked quantization method and the engine's own key fields (``extra``).
     """
-    from weightcache.core import __version__
-    from weightcache.core.request import ModelDescription
+    from weightcache import ModelDescription, __version__
 
     return ModelDescription(
         architecture=",".join(getattr(model_config.hf_config, "architectures", None) or []),
@@ -289,7 +284,7 @@ def entry_bytes(fingerprint: "Fingerprint", socket_dir: SocketDirLike = None, ti
 
     An engine's memory profiler must not count these as its own allocation.
     """
-    from weightcache.core.client.client import Connection
+    from weightcache import Connection
 
     digest = fingerprint.digest
     try:

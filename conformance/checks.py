@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import shutil
 import typing
+import warnings
 
 import attrs
 import pytest
@@ -478,8 +479,10 @@ class FlipTests:
         options = adapter_facade(plugins, load_request.adapter).options()
         if not options:
             pytest.skip("the adapter declares no option (weightcache_options)")
-        flips, problems = option_flips(load_request, options)
-        problems += [
+        flips, unflippable = option_flips(load_request, options)
+        for message in unflippable:
+            warnings.warn(message, DeprecationWarning, stacklevel=1)
+        problems = [
             problem
             for flip in flips
             if (problem := judge(flip, published, plugins, weightcache_server.socket_dir, run_model, example_inputs))

@@ -27,6 +27,7 @@ import attrs
 from weightcache.conformance.assertions import assert_same_model
 from weightcache.conformance.fixtures import FP8_BLOCK, fresh, load
 from weightcache.core.errors import WeightCacheError
+from weightcache.core.old_paths import REMOVED_IN
 from weightcache.core.socket_dir import SocketDirLike
 
 if typing.TYPE_CHECKING:
@@ -71,19 +72,24 @@ def _devices() -> list[str]:
 
 
 def option_flips(request: "LoadRequest", options: "typing.Mapping[str, AdapterOption]") -> tuple[list[Flip], list[str]]:
-    """Every declared option flipped to each of its other values; and a problem for each option the kit cannot flip."""
-    flips, problems = [], []
+    """Every declared option flipped to each of its other values; and a warning for each option the kit cannot flip.
+
+    An option declared by its help text alone has no type, so no other value to flip to: the kit warns (a
+    ``DeprecationWarning``) for one minor version, and fails it from the next.
+    """
+    flips, unflippable = [], []
     for name, option in sorted(options.items()):
         if not option.typed:
-            problems.append(
-                f"option {name!r} is declared by its help text alone: declare it as AdapterOption(help, type=..., "
-                "alternatives=...) (weightcache.core.options) so the kit can flip it"
+            unflippable.append(
+                f"option {name!r} is declared by its help text alone, so the kit cannot flip it: declare it as "
+                "AdapterOption(help, type=..., alternatives=...) (from weightcache import AdapterOption); the kit "
+                f"fails an untyped option from weightcache {REMOVED_IN}"
             )
             continue
         for value in option.flips(request.option(name)):
             changed = attrs.evolve(request, options={**dict(request.options), name: value})
             flips.append(Flip(f"option {name!r} = {value!r}", changed, declared=True))
-    return flips, problems
+    return flips, unflippable
 
 
 def judge(

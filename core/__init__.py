@@ -5,5 +5,5 @@ layer above it: arena, quantization, layout, wire, identity, client, server, loa
 Importing this package loads nothing heavy; torch is imported by the modules that need it.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 PROTOCOL_VERSION = 2

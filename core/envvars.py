@@ -67,3 +67,7 @@ def seconds(name: str) -> float:
         return number
     _refuse(name, value, "a number of seconds, 0 or more")
     return 0.0
+
+
+env_switch = switch
+"""``switch`` under its public name (``weightcache.env_switch``), for adapters with a 0/1 setting of their own."""

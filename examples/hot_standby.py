@@ -24,9 +24,8 @@ from pathlib import Path
 
 PRIMARY = """
 import json, os, sys, time
-from weightcache.core.flow.modes import load_model
-from weightcache.core.request import LoadRequest
-from weightcache.core.spare.standby import first_token, fixed_prompt
+from weightcache import LoadRequest, load_model
+from weightcache.core.spare.standby import first_token, fixed_prompt  # the standby's own prompt and comparison
 
 model, device, socket_dir = sys.argv[1:4]
 loaded = load_model(model, mode="client", device=device, socket_dir=socket_dir, strict=True)
@@ -52,9 +51,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-pidfd", action="store_true", help="make the standby poll /proc even where pidfds work")
     args = parser.parse_args(argv)
 
-    from weightcache.core.flow.loader import prepare, publish
-    from weightcache.core.request import LoadRequest
-    from weightcache.core.server.server_process import ServerProcess
+    from weightcache import LoadRequest, ServerProcess, prepare, publish
 
     work = Path(tempfile.mkdtemp(prefix="wc-standby-"))
     server = ServerProcess.start(work / "sock")

@@ -27,6 +27,7 @@ FOUNDATION = frozenset(
         "gc_pause",
         "hookspecs",
         "memfd",
+        "old_paths",
         "options",
         "progress",
         "request",

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def all_modules() -> list[str]:
-    names = []
+    names = ["weightcache", "weightcache.__main__"]  # the public face (weightcache/)
     for package in (weightcache.core, weightcache.adapters, weightcache.conformance):
         names.append(package.__name__)
         names += [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
@@ -120,6 +120,8 @@ def test_a_plain_install_puts_everything_under_the_weightcache_namespace(tmp_pat
     core_packages = [str(p.parent.relative_to(ROOT)) for p in sorted((ROOT / "core").rglob("__init__.py"))]
     for package in (*core_packages, "adapters/hf", "conformance"):
         assert (target / "weightcache" / package / "__init__.py").exists(), package
+    for face in ("__init__.py", "__init__.pyi", "__main__.py"):  # the public API and its list of names
+        assert (target / "weightcache" / face).exists(), face
     entry_points = next(target.glob("weightcache-*.dist-info")).joinpath("entry_points.txt").read_text()
     assert "hf = weightcache.adapters.hf.hooks" in entry_points and "weightcache = weightcache.core.cli.cli:entry" in entry_points
 
@@ -154,9 +156,10 @@ def _unannotated(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
 
 
 def test_every_public_function_is_annotated():
-    """Every public function and method in core/, adapters/ and conformance/ annotates each parameter and its return."""
+    """Every public function and method in weightcache/, core/, adapters/ and conformance/ annotates each parameter and
+    its return."""
     found, problems = 0, []
-    for package in ("core", "adapters", "conformance"):
+    for package in ("weightcache", "core", "adapters", "conformance"):
         for path in sorted((ROOT / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_exempt(node):

@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 import typing
 
+from weightcache import AdapterOption, hookimpl
 from weightcache.adapters.hf import identity
-from weightcache.core.hookspecs import hookimpl
-from weightcache.core.options import AdapterOption
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +70,8 @@ def weightcache_warm_up(request, for_publish):
 def _has_entry(key: str) -> bool:
     """Whether the store holds an entry ``key`` (the load parses and checks it; a damaged one makes it build the
     skeleton itself)."""
+    from weightcache import default_store
     from weightcache.adapters.hf.layout_key import MAX_ENTRY_BYTES
-    from weightcache.core.identity.digests import default_store
 
     return default_store().read_entry(key, MAX_ENTRY_BYTES) is not None
 
@@ -93,7 +92,7 @@ def weightcache_post_process(request, model, description):
 
 @hookimpl
 def weightcache_manifest_extra(request, model):
-    from weightcache.core.quantization.fp8_block import Fp8BlockLinear
+    from weightcache import Fp8BlockLinear
 
     class_name = getattr(model, "weightcache_class_name", None) or type(model).__name__  # a LayoutModel names its class
     extra: dict[str, typing.Any] = {"model_class": class_name, "dtype": str(_param_dtype(model)).removeprefix("torch.")}

@@ -11,18 +11,13 @@ import typing
 from pathlib import Path
 from types import ModuleType
 
-from weightcache.core import __version__
-from weightcache.core.dtypes import dtype_name, to_dtype
-from weightcache.core.errors import UnsupportedQuantization
-from weightcache.core.identity.hub import looks_like_hub_id
-from weightcache.core.request import ModelDescription
+from weightcache import ModelDescription, UnsupportedQuantization, __version__, dtype_name, looks_like_hub_id, to_dtype
 
 if typing.TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from weightcache.core.quantization.fp8_block import Fp8BlockConfig
-    from weightcache.core.request import LoadRequest
+    from weightcache import Fp8BlockConfig, LoadRequest
 
 FP8_BLOCK = "fp8-block"
 
@@ -80,7 +75,7 @@ def fp8_config(config: dict, requested: str | None, options: dict) -> "Fp8BlockC
 
     Raises UnsupportedQuantization for a method other than block FP8.
     """
-    from weightcache.core.quantization.fp8_block import Fp8BlockConfig
+    from weightcache import Fp8BlockConfig
 
     stored = checkpoint_quantization(config)
     if stored == FP8_BLOCK:

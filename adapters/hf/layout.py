@@ -29,11 +29,11 @@ import typing
 import attrs
 import torch
 
+from weightcache import to_dtype
 from weightcache.adapters.hf.layout_key import FORMAT, MAX_ENTRY_BYTES
-from weightcache.core.dtypes import to_dtype
 
 if typing.TYPE_CHECKING:
-    from weightcache.core.identity.digests import DigestStore
+    from weightcache import DigestStore
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import json
 import typing
 
 if typing.TYPE_CHECKING:
-    from weightcache.core.request import LoadRequest
+    from weightcache import LoadRequest
 
 FORMAT = 1
 """The layout format's version: part of every key, so a change of format never reads an old entry."""

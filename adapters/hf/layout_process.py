@@ -25,12 +25,11 @@ import sys
 import threading
 import typing
 
-from weightcache.core import envvars
-from weightcache.core.cpus import usable_cpus
+from weightcache import env_switch, usable_cpus
 
 if typing.TYPE_CHECKING:
+    from weightcache import LoadRequest
     from weightcache.adapters.hf.layout import Layout
-    from weightcache.core.request import LoadRequest
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ WAIT_S = 300.0
 
 def wanted() -> bool:
     """``$WEIGHTCACHE_LAYOUT_PROCESS`` where it is 0 or 1, else whether this process may run on ``MIN_CPUS`` or more."""
-    configured = envvars.switch(ENV)
+    configured = env_switch(ENV)
     return usable_cpus() >= MIN_CPUS if configured is None else configured
 
 

@@ -8,20 +8,16 @@ import sys
 import time
 import typing
 
+from weightcache import RebindError, UnsupportedQuantization, check_no_meta, meta_parameters, to_dtype
 from weightcache.adapters.hf import identity, layout, layout_process
 from weightcache.adapters.hf.identity import load_dtype, model_class
 from weightcache.adapters.hf.layout_key import layout_key
-from weightcache.core.dtypes import to_dtype
-from weightcache.core.errors import RebindError, UnsupportedQuantization
-from weightcache.core.load.rebind import check_no_meta, meta_parameters
 
 if typing.TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from weightcache.core.layout.manifest import Manifest
-    from weightcache.core.load.export import ArenaBuilder
-    from weightcache.core.request import LoadRequest, ModelDescription
+    from weightcache import ArenaBuilder, LoadRequest, Manifest, ModelDescription
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +70,7 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
     """
     import concurrent.futures
 
-    from weightcache.core.identity.digests import default_store
-    from weightcache.core.identity.safetensors_io import checkpoint_tensors
-    from weightcache.core.load.importing import importing
-    from weightcache.core.load.reader import read_checkpoint
+    from weightcache import checkpoint_tensors, default_store, importing, read_checkpoint
 
     dtype = load_dtype(request, config)
     wanted_dtype = identity.load_dtype_name(request, config)  # the dtype's name, as the warm-up names its layout entry
@@ -208,8 +201,7 @@ def load_prequantized_fp8(request: "LoadRequest", config: dict) -> "torch.nn.Mod
     """A checkpoint that stores block-FP8 weights and ``weight_scale_inv``: bind them, never re-quantize."""
     import safetensors.torch
 
-    from weightcache.core.identity.safetensors_io import checkpoint_files
-    from weightcache.core.quantization.fp8_block import load_prequantized
+    from weightcache import checkpoint_files, load_prequantized
 
     fp8 = identity.fp8_config(config, None, dict(request.options))
     if fp8 is None:
@@ -275,7 +267,7 @@ def build_skeleton(request: "LoadRequest", manifest: "Manifest") -> "torch.nn.Mo
     """
     import torch
 
-    from weightcache.core.quantization.fp8_block import Fp8BlockLinear
+    from weightcache import Fp8BlockLinear
 
     extra = manifest.extra
     model = skeleton(request, drop_quantization=True, dtype=to_dtype(extra["dtype"]), class_name=extra.get("model_class"))
@@ -296,7 +288,7 @@ def post_process(request: "LoadRequest", model: "torch.nn.Module", description: 
     """Block-FP8 quantization while loading, where the description asks for it and the checkpoint was not stored so."""
     if description.quantization != identity.FP8_BLOCK or getattr(model, PREQUANTIZED_ATTR, False):
         return model
-    from weightcache.core.quantization.fp8_block import Fp8BlockConfig, quantize_model
+    from weightcache import Fp8BlockConfig, quantize_model
 
     converted = quantize_model(model, Fp8BlockConfig.from_json(description.quantization_config))
     if not converted:
@@ -311,7 +303,7 @@ def post_process(request: "LoadRequest", model: "torch.nn.Module", description: 
 
 def rebind(request: "LoadRequest", tensors: "dict[str, torch.Tensor]", manifest: "Manifest") -> "torch.nn.Module":
     """The meta-device model for ``manifest``, its parameters and buffers pointed at the mapped ``tensors``."""
-    from weightcache.core.load.rebind import rebind_module
+    from weightcache import rebind_module
 
     model = build_skeleton(request, manifest)
     return rebind_module(model, tensors, manifest, device=request.device.torch())

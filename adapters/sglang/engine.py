@@ -19,11 +19,11 @@ import typing
 
 import attrs
 
+from weightcache import ParallelSpec
 from weightcache.adapters import engine_quantization
-from weightcache.core.fingerprint import ParallelSpec
 
 if typing.TYPE_CHECKING:
-    from weightcache.core.request import LoadRequest
+    from weightcache import LoadRequest
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,9 @@ SGLang is imported inside the hooks only.
 
 from __future__ import annotations
 
+from weightcache import CheckpointConventions, ForwardUnavailable, hookimpl
 from weightcache.adapters.engine_support import ENGINE_LOADED_TENSORS, check_publishable
 from weightcache.adapters.sglang import engine, identity, loading
-from weightcache.core.hookspecs import hookimpl
-from weightcache.core.request import CheckpointConventions, ForwardUnavailable
 
 ENGINE_PACKAGES = ("sglang",)
 """Without sglang installed this adapter is not usable (``weightcache.core.flow.plugins.missing_engines``)."""

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import typing
 
+from weightcache import ModelDescription, UnsupportedQuantization
 from weightcache.adapters import engine_quantization, engine_support
 from weightcache.adapters.engine_support import engine_description
 from weightcache.adapters.sglang.engine import DeviceConfig, EngineObjects, LoadConfig, ModelConfig, Ranks, ServerArgs
-from weightcache.core.errors import UnsupportedQuantization
-from weightcache.core.request import ModelDescription
 
 if typing.TYPE_CHECKING:
-    from weightcache.core.request import LoadRequest
+    from weightcache import LoadRequest
 
 
 FP8_BLOCK = engine_quantization.FP8_BLOCK

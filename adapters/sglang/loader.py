@@ -27,7 +27,7 @@ if typing.TYPE_CHECKING:
     from sglang.srt.configs.model_config import ModelConfig
     from torch import nn
 
-    from weightcache.core.request import LoadRequest
+    from weightcache import LoadRequest
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def _build_class():
         """Loads through weightcache; ``model_loader_extra_config`` takes ``mode`` (off, daemon, client), ``socket_dir``, ``strict``, ``republish``, ``timeout_s``."""
 
         def __init__(self, load_config: LoadConfig):
-            from weightcache.core.flow.modes import CacheOptions
+            from weightcache import CacheOptions
 
             super().__init__(load_config)
             self.options = CacheOptions.from_mapping(load_config.model_loader_extra_config, OPTIONS_WHERE)
@@ -83,9 +83,9 @@ def load_request(load_config: LoadConfig, model_config: ModelConfig, device_conf
     downloader fetches the safetensors files first (the fingerprint reads them),
     after that refusal.
     """
+    from weightcache import LoadRequest
     from weightcache.adapters.sglang import identity
     from weightcache.adapters.sglang.engine import STATE_KEY, EngineObjects
-    from weightcache.core.request import LoadRequest
 
     identity.quantization(model_config)  # refuse before anything else (describe checks again, in the core's flow)
     configs = EngineObjects.of_engine(load_config, model_config, device_config)
@@ -104,7 +104,7 @@ def load_model(loader: typing.Any, *, model_config: ModelConfig, device_config: 
 
     ``loader`` is typed Any: its class is defined on first use (``loader_class``).
     """
-    from weightcache.core.flow.modes import run
+    from weightcache import run
 
     loader.preloaded_weights_bytes = 0
     loaded = run(load_request(loader.load_config, model_config, device_config), loader.options)

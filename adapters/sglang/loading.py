@@ -28,8 +28,8 @@ from weightcache.adapters.sglang import internals
 if typing.TYPE_CHECKING:
     import torch
 
+    from weightcache import Manifest
     from weightcache.adapters.sglang.engine import EngineObjects
-    from weightcache.core.layout.manifest import Manifest
 
 ModelLoader = typing.Any  # sglang.srt.model_loader.loader.DefaultModelLoader; SGLang is imported inside functions only
 
@@ -93,7 +93,7 @@ def rebind(
     """SGLang's model built on the meta device, every parameter, buffer and tensor attribute pointed at ``tensors``."""
     import torch
 
-    from weightcache.core.load.rebind import rebind_module
+    from weightcache import rebind_module
 
     loader = default_loader(configs)
     on_meta = copy.copy(configs.device_config)  # SGLang's DeviceConfig accepts no "meta"; its loader reads only .device

@@ -15,13 +15,13 @@ import typing
 
 import attrs
 
+from weightcache import ParallelSpec
 from weightcache.adapters.engine_support import Registrations
-from weightcache.core.fingerprint import ParallelSpec
 
 if typing.TYPE_CHECKING:
     import torch
 
-    from weightcache.core.request import LoadRequest
+    from weightcache import LoadRequest
 
 # vLLM's objects, as typing.Any: vLLM is imported inside functions only.
 VllmConfig = typing.Any  # vllm.config.VllmConfig

@@ -367,31 +367,33 @@ def _check_config(config, warm, logged: dict, args) -> int:
 
 def _load(args) -> int:
     """Check everything that can be checked before reading a weight, then load and publish (see docs/operations.md)."""
+    from weightcache.core.client.client import Connection
     from weightcache.core.flow import loader
-    from weightcache.core.flow.plugins import installed_plugins
     from weightcache.core.identity.safetensors_io import check_checkpoint
     from weightcache.core.progress import note
-    from weightcache.core.quantization.allowlist import check_quantization
 
     note(f"checking {args.model} ...")
     request = load_request(args)  # device, dtype, ranks, options; a hub id becomes its snapshot directory in the local hub cache
     loader.check_tier(args.tier, request.device)
-    adapter = installed_plugins().adapter(request.adapter)
-    adapter.check_options(request)
-    check_quantization(request.quantization, adapter.quantization_allowlist(request))
+    checked = loader.check(request)  # adapter, options, the method asked for: once, here; prepare goes on from it
     headers = check_checkpoint(request.model)  # files, headers, lengths: no weight byte read
     log.debug("load: options and %d weight file headers checked", len(headers))
+    with Connection(args.socket_dir) as connection:
+        connection.hello()  # no server: say so now, before a thread starts importing beside this one
+    log.debug("load: the server answered")
     # The disk starts now; the adapter imports its framework meanwhile (nothing where the hf adapter remembers the
-    # model's layout), while this thread checks the server and makes the CUDA context.
-    with _read_ahead(headers, args.prefetch), _warming_up(adapter, request):
-        return _load_checked(args, request, adapter, headers)
+    # model's layout), while this thread makes the CUDA context.
+    with _read_ahead(headers, args.prefetch), _warming_up(checked.adapter, checked.request):
+        return _load_checked(args, checked, headers)
 
 
 @contextlib.contextmanager
 def _warming_up(adapter, request):
-    """The adapter's ``warm_up`` (its framework's and the model's imports) in a thread of its own, joined at the end.
+    """The adapter's ``warm_up`` (its framework's and the model's imports) in a thread of its own, joined at the end of
+    a load that succeeds.
 
-    A failure here is left for the load itself to report, where it happens again with its context.
+    A failure here is left for the load itself to report, where it happens again with its context. A load that fails
+    does not wait for the imports: its error is reported at once and the command exits (the thread is a daemon).
     """
 
     def warm_up() -> None:
@@ -408,10 +410,8 @@ def _warming_up(adapter, request):
 
     thread = threading.Thread(target=warm_up, name="weightcache-warm-up", daemon=True)
     thread.start()
-    try:
-        yield
-    finally:
-        thread.join()
+    yield  # an exception leaves here without the join
+    thread.join()
 
 
 def _read_ahead(headers, wanted: bool):
@@ -428,7 +428,7 @@ def _read_ahead(headers, wanted: bool):
     return Prefetch([header.file for header in headers])
 
 
-def _load_checked(args, request, adapter, headers) -> int:
+def _load_checked(args, checked, headers) -> int:
     """``_load`` once the options and the checkpoint's headers are checked."""
     from weightcache.core.client.client import Connection
     from weightcache.core.fingerprint import HOST_TIER
@@ -437,12 +437,10 @@ def _load_checked(args, request, adapter, headers) -> int:
     from weightcache.core.load import preflight
     from weightcache.core.progress import byte_progress, format_bytes, note
 
-    with Connection(args.socket_dir) as connection:
-        connection.hello()  # no server: say so now, not after the load
-    log.debug("load: the server answered")
+    request = checked.request
     preflight.check_device(request.device)
     log.debug("load: %s ready", request.device)
-    prepared = loader.prepare(request)  # the adapter reads the configs
+    prepared = loader.prepare(checked)  # the adapter reads the configs
     log.debug("load: the adapter described the model")
     fingerprint = prepared.remembered()  # None on first sight: the load digests the bytes it reads
     with Connection(args.socket_dir) as connection:

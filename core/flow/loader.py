@@ -151,20 +151,45 @@ TIERS = ("device", "host", "both")
 """Where ``publish`` keeps a model: on its device (the default), on the host tier only, or both."""
 
 
-def prepare(request: LoadRequest, plugins: Plugins | None = None) -> Prepared:
-    """Find the adapter, check the options, describe the model and check its quantization method.
+@attrs.frozen
+class Checked:
+    """A request checked before its adapter describes the model (:func:`check`): the adapter found, a hub id resolved,
+    the options known and their values allowed, the method asked for allowed. :func:`prepare` goes on from here, so
+    a caller that checks early (the CLI, before it starts anything) does not check again."""
+
+    request: LoadRequest
+    adapter: Adapter = attrs.field(eq=False, repr=False)
+    allowlist: tuple[str, ...]
+    """The methods the adapter validated beyond the core's, for this request."""
+
+
+def check(request: LoadRequest, plugins: Plugins | None = None) -> Checked:
+    """Find the adapter, resolve a hub id, check the options and the quantization method asked for.
+
+    Reads nothing of the checkpoint: an unknown adapter or option, a value an option does not allow, or a method
+    outside the allow-list fails here.
+    """
+    adapter = (plugins or installed_plugins()).adapter(request.adapter)
+    request = resolved(request)
+    adapter.check_options(request)
+    allowlist = tuple(adapter.quantization_allowlist(request))
+    check_quantization(request.quantization, allowlist)
+    return Checked(request, adapter, allowlist)
+
+
+def prepare(request: LoadRequest | Checked, plugins: Plugins | None = None) -> Prepared:
+    """:func:`check` the request (unless it was), describe the model and check the method it describes.
 
     Reads configs only: an unknown option or an unsupported method fails here, before any weight
     byte is read. The fingerprint, computed on first use, needs each weight file's content digest
     (remembered per file version: hashed on first sight, a stat per file afterwards; see
     ``weightcache.core.identity.digests``).
     """
-    adapter = (plugins or installed_plugins()).adapter(request.adapter)
-    request = resolved(request)
-    adapter.check_options(request)
-    description = adapter.describe(request)
-    check_quantization(description.quantization, adapter.quantization_allowlist(request))
-    return Prepared(request, adapter, description)
+    checked = request if isinstance(request, Checked) else check(request, plugins)
+    description = checked.adapter.describe(checked.request)
+    if description.quantization != (checked.request.quantization or "none"):
+        check_quantization(description.quantization, checked.allowlist)  # what the checkpoint declares, unasked
+    return Prepared(checked.request, checked.adapter, description)
 
 
 def resolved(request: LoadRequest) -> LoadRequest:

@@ -17,10 +17,15 @@ from __future__ import annotations
 import safetensors.torch
 import torch
 
-from weightcache.core.hookspecs import hookimpl
-from weightcache.core.load.rebind import rebind_module
-from weightcache.core.quantization.fp8_block import Fp8BlockConfig, convert_model_to_fp8_skeleton, quantize_model
-from weightcache.core.request import CheckpointConventions, ModelDescription
+from weightcache import (
+    CheckpointConventions,
+    Fp8BlockConfig,
+    ModelDescription,
+    convert_model_to_fp8_skeleton,
+    hookimpl,
+    quantize_model,
+    rebind_module,
+)
 from weightcache_example import TinyLM, __version__, example_inputs, read_config
 
 FP8_BLOCK = "fp8-block"

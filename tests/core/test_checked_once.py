@@ -1,0 +1,84 @@
+"""A load's checks run once: ``check`` finds the adapter and checks the options and the method asked for; ``prepare`` of
+a checked request only describes the model (and checks a method the checkpoint declares that nobody asked for).
+
+Counted in an adapter's own hooks (the adapter guide's example, with counters), not in the core.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+
+from tests.helpers import EXAMPLE_SRC
+from weightcache import AdapterOption, LoadRequest, Plugins, UnsupportedQuantization, hookimpl
+from weightcache.core.flow import loader
+
+
+@pytest.fixture
+def counting(monkeypatch, tmp_path):
+    """(plugins holding a counting copy of the example adapter, its call counter, a TinyLM checkpoint)."""
+    monkeypatch.syspath_prepend(str(EXAMPLE_SRC))
+    import weightcache_example
+    from weightcache_example import plugin
+
+    calls: collections.Counter = collections.Counter()
+
+    class Counting:
+        weightcache_load = staticmethod(plugin.weightcache_load)
+        weightcache_rebind = staticmethod(plugin.weightcache_rebind)
+
+        @staticmethod
+        @hookimpl
+        def weightcache_options():
+            calls["options"] += 1
+            return {"note": AdapterOption("free text, changes nothing", type=str, alternatives=("other",))}
+
+        @staticmethod
+        @hookimpl
+        def weightcache_quantization_allowlist(request):
+            calls["allowlist"] += 1
+            return ()
+
+        @staticmethod
+        @hookimpl
+        def weightcache_describe(request):
+            calls["describe"] += 1
+            return plugin.weightcache_describe(request=request)
+
+    checkpoint = weightcache_example.save_checkpoint(tmp_path / "tinylm")
+    return Plugins.from_modules({"counting": Counting}), calls, checkpoint
+
+
+def test_prepare_of_a_checked_request_checks_nothing_again(counting):
+    plugins, calls, checkpoint = counting
+    checked = loader.check(LoadRequest(model=str(checkpoint), adapter="counting", options={"note": "hi"}), plugins)
+    assert calls == {"options": 1, "allowlist": 1}
+    prepared = loader.prepare(checked)
+    assert calls == {"options": 1, "allowlist": 1, "describe": 1}
+    assert prepared.request == checked.request and prepared.description.architecture == "TinyLM"
+
+
+def test_prepare_of_a_plain_request_checks_it_first(counting):
+    plugins, calls, checkpoint = counting
+    prepared = loader.prepare(LoadRequest(model=str(checkpoint), adapter="counting"), plugins)
+    assert calls == {"options": 1, "allowlist": 1, "describe": 1} and prepared.adapter.name == "counting"
+
+
+def test_a_method_asked_for_is_refused_before_describe(counting):
+    plugins, calls, checkpoint = counting
+    with pytest.raises(UnsupportedQuantization, match="awq"):
+        loader.check(LoadRequest(model=str(checkpoint), adapter="counting", quantization="awq"), plugins)
+    assert calls["describe"] == 0
+
+
+def test_a_method_the_checkpoint_declares_is_refused_after_describe(counting):
+    """Nobody asked for GPTQ, the checkpoint declares it: the check of the described method still runs."""
+    plugins, calls, checkpoint = counting
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    checked = loader.check(LoadRequest(model=str(checkpoint), adapter="counting"), plugins)
+    with pytest.raises(UnsupportedQuantization, match="gptq"):
+        loader.prepare(checked)
+    assert calls == {"options": 1, "allowlist": 1, "describe": 1}

@@ -1,0 +1,207 @@
+"""The public API: ``import weightcache`` stays light, every public name resolves, the adapters and examples import only
+public names, and no public name disappears or changes its signature without the snapshot saying so.
+
+The snapshot (tests/public_api.json) holds each public name with ``inspect.signature`` of it (of its constructor for a
+class) and of each public method and property a class defines. After a deliberate change, rewrite it with
+``WEIGHTCACHE_WRITE_API_SNAPSHOT=1 pytest tests/test_public_api.py`` and say what changed in CHANGELOG.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import weightcache
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAPSHOT = Path(__file__).with_name("public_api.json")
+PRIVATE = ("weightcache.core", "weightcache.conformance", "weightcache.adapters")
+
+
+def _signature(obj: object) -> str:
+    try:
+        return str(inspect.signature(obj))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return "(no signature)"
+
+
+def _describe(obj: object) -> object:
+    """What the snapshot keeps of one public name: its signature, and for a class its own public members' too."""
+    if inspect.isclass(obj):
+        members = {}
+        for cls in obj.__mro__:
+            if not cls.__module__.startswith("weightcache."):
+                continue
+            for name, member in vars(cls).items():
+                if name.startswith(("_", "test_")) or name in members:  # a kit check is no API: subclasses inherit it
+                    continue
+                if isinstance(member, property):
+                    members[name] = "property"
+                elif isinstance(member, (classmethod, staticmethod)) or inspect.isfunction(member):
+                    members[name] = _signature(getattr(obj, name))
+        return {"class": _signature(obj), "members": dict(sorted(members.items()))}
+    if callable(obj):
+        return _signature(obj)
+    return type(obj).__name__
+
+
+def current_api() -> dict[str, object]:
+    return {name: _describe(getattr(weightcache, name)) for name in sorted(weightcache.__all__)}
+
+
+def test_the_public_api_matches_its_snapshot():
+    api = current_api()
+    if os.environ.get("WEIGHTCACHE_WRITE_API_SNAPSHOT") == "1":
+        SNAPSHOT.write_text(json.dumps(api, indent=1, sort_keys=True) + "\n")
+    recorded = json.loads(SNAPSHOT.read_text())
+    gone = sorted(set(recorded) - set(api))
+    changed = [
+        f"  {name}: was {json.dumps(recorded[name])}\n{' ' * (len(name) + 4)}now {json.dumps(api[name])}"
+        for name in sorted(set(recorded) & set(api))
+        if recorded[name] != api[name]
+    ]
+    added = sorted(set(api) - set(recorded))
+    assert not (gone or changed or added), (
+        "the public API changed (a removal or a changed signature breaks adapters and engine forks: keep the old name "
+        "working, warning, for a minor version; then rewrite the snapshot with WEIGHTCACHE_WRITE_API_SNAPSHOT=1 and say "
+        f"it in CHANGELOG.md):\n  gone: {gone}\n  added: {added}\n" + "\n".join(changed)
+    )
+
+
+def test_the_snapshot_holds_no_address_or_path_of_this_machine():
+    text = SNAPSHOT.read_text()
+    assert " at 0x" not in text and str(ROOT) not in text
+
+
+def test_every_public_name_resolves_to_the_object_of_its_module():
+    import importlib
+
+    for name, module in weightcache.NAMES.items():
+        assert getattr(weightcache, name) is getattr(importlib.import_module(module), name), name
+    assert sorted(weightcache.__all__) == sorted(weightcache.NAMES)
+    assert {"load_model", "hookimpl", "AdapterOption", "rebind_module", "ConformanceTests", "Fp8BlockConfig"} <= set(
+        weightcache.__all__
+    )
+    with pytest.raises(AttributeError, match="no attribute 'load_modle'"):
+        weightcache.load_modle  # noqa: B018
+
+
+def test_importing_weightcache_stays_light():
+    """``import weightcache`` loads no framework and none of the private layers: each name loads its module on use."""
+    code = (
+        "import sys, time\nstart = time.perf_counter()\nimport weightcache\ntook = time.perf_counter() - start\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'pytest', 'numpy', 'safetensors')"
+        " or m.startswith(('weightcache.conformance', 'weightcache.adapters', 'weightcache.core.flow', 'weightcache.core.load')))\n"
+        "print(heavy, round(took * 1000, 1))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
+    heavy, took_ms = out.rsplit(" ", 1)
+    assert heavy == "[]", f"import weightcache imported {heavy}"
+    assert float(took_ms) < 500, f"import weightcache took {took_ms} ms"
+
+
+def _private_imports(path: Path, own: tuple[str, ...], root: Path = ROOT) -> list[str]:
+    """``path``'s imports of weightcache's private modules (``own``: the prefixes it may import besides the public)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found += [
+            f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}"
+            for name in names
+            if name.startswith(PRIVATE) and not name.startswith(own)
+        ]
+    return found
+
+
+def test_the_adapters_and_examples_import_only_the_public_api():
+    """An adapter under adapters/ may import its own package (weightcache.adapters.*) and ``weightcache``; an example
+    only ``weightcache``."""
+    found = [
+        line for path in sorted((ROOT / "adapters").rglob("*.py")) for line in _private_imports(path, ("weightcache.adapters",))
+    ]
+    found += [line for path in sorted((ROOT / "examples").rglob("*.py")) for line in _private_imports(path, ())]
+    assert not found, (
+        "imports of private paths (import the name from weightcache; add it to weightcache/__init__.pyi if an adapter needs it):\n"
+        + "\n".join(f"  {line}" for line in found)
+    )
+
+
+def test_a_private_import_is_caught(tmp_path):
+    """The check itself: each form of a private import is reported, the public ones are not."""
+    module = tmp_path / "adapter.py"
+    module.write_text(
+        "import weightcache\nfrom weightcache import hookimpl\nimport weightcache.core.errors\n"
+        "from weightcache.core.load.rebind import rebind_module\ndef f():\n    from weightcache.conformance import checks\n"
+    )
+    found = _private_imports(module, (), root=tmp_path)
+    assert [line.split(":")[1] for line in found] == ["3", "4", "6"], found
+
+
+def public_names_table() -> str:
+    """docs/api.md's table of public names, one row per group of the stub (its comment lines), in the stub's order."""
+    rows, group = [], None
+    for line in Path(weightcache.__file__).with_name("__init__.pyi").read_text().splitlines():
+        if line.startswith("# "):
+            group = line[2:]
+            rows.append([group, []])
+        elif line.startswith("from ") and group is not None:
+            rows[-1][1] += [name.split(" as ")[0].strip(" ()") for name in line.split(" import ", 1)[1].split(",")]
+    return "".join(f"| {title} | {', '.join(f'`{name}`' for name in names)} |\n" for title, names in rows)
+
+
+def old_paths_table() -> str:
+    """docs/api.md's table of 0.1.0's module paths: where each is now, and what to import instead."""
+    from weightcache.core import old_paths
+
+    rows = ["| 0.1.0 path | now (private) | import instead |\n", "|---|---|---|\n"]
+    for old, new in sorted({**old_paths.MOVED, **old_paths.FOLDED}.items()):
+        public = sorted(name for name, home in weightcache.NAMES.items() if home == new)
+        instead = f"`from weightcache import {', '.join(public)}`" if public else "(nothing public: its names are internal)"
+        rows.append(f"| `{old}` | `{new}` | {instead} |\n")
+    return "".join(rows)
+
+
+def _between(text: str, marker: str) -> str:
+    return text.split(f"<!-- {marker}:begin -->\n", 1)[1].split(f"<!-- {marker}:end -->", 1)[0]
+
+
+def test_docs_api_lists_every_public_name_and_every_old_path():
+    text = (ROOT / "docs" / "api.md").read_text()
+    if os.environ.get("WEIGHTCACHE_WRITE_API_SNAPSHOT") == "1":
+        for marker, table in (("public-names", public_names_table()), ("old-paths", old_paths_table())):
+            head, rest = text.split(f"<!-- {marker}:begin -->\n", 1)
+            text = f"{head}<!-- {marker}:begin -->\n{table}<!-- {marker}:end -->{rest.split(f'<!-- {marker}:end -->', 1)[1]}"
+        (ROOT / "docs" / "api.md").write_text(text)
+    assert _between(text, "public-names") == public_names_table(), (
+        "docs/api.md's public names differ from weightcache/__init__.pyi"
+    )
+    assert _between(text, "old-paths") == old_paths_table(), "docs/api.md's 0.1.0 paths differ from core/old_paths.py"
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["status", "--socket-dir", "{tmp}/no-server"], ["no-such-command"]])
+def test_python_m_weightcache_works_like_the_console_script(argv, tmp_path):
+    """Same output, same exit status, through real processes: the console script and ``python -m weightcache``."""
+    script = Path(sys.executable).with_name("weightcache")
+    args = [arg.format(tmp=tmp_path) for arg in argv]
+    by_script = subprocess.run([str(script), *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    by_module = subprocess.run(
+        [sys.executable, "-m", "weightcache", *args], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert (by_module.returncode, by_module.stdout, by_module.stderr) == (
+        by_script.returncode,
+        by_script.stdout,
+        by_script.stderr,
+    )
+    assert by_module.stdout or by_module.stderr
