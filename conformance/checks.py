@@ -493,13 +493,11 @@ class FlipTests:
 class FreshProcessTests:
     """A load in a fresh process with another string-hash seed gives the published fingerprint, bytes and outputs."""
 
-    def test_fresh_process_publishes_the_same_model(
-        self, load_request, plugins, published, mapped_model, run_model, example_inputs, tmp_path
-    ):
-        from weightcache.conformance.fresh_process import HASH_PROBE, first_differing_tensor, run_fresh_load
+    def test_fresh_process_publishes_the_same_model(self, fresh_process, published, mapped_model, run_model, example_inputs):
+        from weightcache.conformance.fresh_process import HASH_PROBE, first_differing_tensor
         from weightcache.core.request import ForwardUnavailable
 
-        child = run_fresh_load(load_request, plugins, example_inputs, run_model, tmp_path / "fresh")
+        child = fresh_process.finish(example_inputs)
         assert child.hash_probe != hash(HASH_PROBE), (
             f"the fresh process (PYTHONHASHSEED={child.seed}) hashes strings as this one does: set PYTHONHASHSEED to "
             "another value (or unset it) for the kit's own process"

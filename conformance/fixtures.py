@@ -360,6 +360,27 @@ class ConformanceFixtures:
 
     @pytest.fixture(scope="class")
     @classmethod
+    def fresh_process(cls, load_request, plugins, run_model, tmp_path_factory):
+        """A fresh process with another hash seed loading the model (``weightcache.conformance.fresh_process``)."""
+        from weightcache.conformance.fresh_process import FreshProcess
+
+        started = FreshProcess.start(load_request, plugins, run_model, tmp_path_factory.mktemp("fresh-process"))
+        try:
+            yield started
+        finally:
+            started.close()
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _weightcache_fresh_process_early(cls, request, _weightcache_precheck):
+        """Start ``fresh_process`` as the class begins when its check will run, so that its start overlaps the others."""
+        from weightcache.conformance.fresh_process import CHECK
+
+        if any(item.cls is request.cls and item.originalname == CHECK for item in request.session.items):
+            request.getfixturevalue("fresh_process")
+
+    @pytest.fixture(scope="class")
+    @classmethod
     def long_inputs(cls, example_inputs, disk_model):
         """The second, longer input: the example's token sequences lengthened as far as the model's context allows,
         capped (``weightcache.conformance.long_inputs``); ``ForwardUnavailable(reason)`` when they cannot be."""

@@ -5,11 +5,12 @@ depends on the process (``hash()`` of a string, ``id()``, the order of a set,
 unseeded randomness) gives the same bytes every time there, and different ones in
 the next engine, which then attaches weights its own disk load would not give.
 
-The kit therefore starts ``python -m weightcache.conformance.fresh_process SPEC``
-with ``PYTHONHASHSEED`` set to another seed than its own, on the same device: the
-child loads the model from disk (mode ``off``, what it would publish), computes the
-fingerprint and runs the forward on the kit's example inputs, and writes them to a
-directory. The kit requires the same fingerprint, the same bytes for every tensor
+The kit therefore starts ``python -m weightcache.conformance.fresh_process DIR``
+with ``PYTHONHASHSEED`` set to another seed than its own, on the same device, when a
+class of its checks begins (its start overlaps the other checks): the child loads
+the model from disk (mode ``off``, what it would publish) and computes the
+fingerprint; when the check runs, it runs the forward on the kit's example inputs
+and writes all of it to ``DIR``. The kit requires the same fingerprint, the same bytes for every tensor
 of its published entry, and bit-identical outputs.
 
 The child finds the adapter as the kit's process did: the installed entry points,
@@ -39,10 +40,15 @@ if typing.TYPE_CHECKING:
 TIMEOUT_S = 1800.0
 """How long the fresh process may take to import, load and run the model."""
 
+CHECK = "test_fresh_process_publishes_the_same_model"
+"""The kit's check that reads the fresh process (its class starts the process early only when it will run)."""
+
 HASH_PROBE = "weightcache conformance hash probe"
 """A string both processes hash: equal hashes would mean the child did not get another seed."""
 
 SPEC, RESULT, INPUTS, OUTPUTS = "spec.json", "result.json", "inputs.pt", "outputs.safetensors"
+GO = "forward\n"
+"""What the kit writes to the fresh process's stdin once the inputs are saved (an empty line: no forward)."""
 
 
 @attrs.frozen
@@ -114,55 +120,78 @@ def child_seed() -> str:
     return str((int(own) + 1) % 2**32) if own.isdigit() else "1"
 
 
-def run_fresh_load(
-    request: "LoadRequest",
-    plugins: "Plugins | None",
-    inputs: typing.Any,
-    run_model: typing.Callable,
-    workdir: Path,
-) -> FreshLoad:
-    """Load ``request`` from disk in a fresh process with another hash seed; what it saw (AssertionError if it failed)."""
-    import torch
+@attrs.define
+class FreshProcess:
+    """A fresh process loading the model in the background; :meth:`finish` hands it the inputs and reads what it saw.
 
-    from weightcache.core.request import ForwardUnavailable
+    It starts when a class of the kit begins, so that its interpreter start (torch's import, most of its cost)
+    overlaps the other checks; it loads, then waits on its stdin for the go to run the forward.
+    """
 
-    workdir.mkdir(parents=True, exist_ok=True)
-    forward = not isinstance(inputs, ForwardUnavailable)
-    if forward:
-        torch.save(plain(inputs), workdir / INPUTS)
-    spec = {
-        "request": {
-            "model": request.model,
-            "adapter": request.adapter,
-            "dtype": request.dtype,
-            "device": str(request.device),
-            "quantization": request.quantization,
-            "options": dict(request.options),
-            "revision": request.revision,
-            "parallel": attrs.asdict(request.parallel),
-        },
-        "adapter_module": adapter_spec(plugins, request.adapter),
-        "run_model": importable_name(run_model),
-        "forward": forward,
-    }
-    (workdir / SPEC).write_text(json.dumps(spec))
-    seed = child_seed()
-    path = [entry for entry in sys.path if entry] + [os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(entry for entry in path if entry)}
-    argv = [sys.executable, "-m", "weightcache.conformance.fresh_process", str(workdir)]
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-    if proc.returncode != 0 or not (workdir / RESULT).exists():
-        raise AssertionError(
-            f"the fresh process (PYTHONHASHSEED={seed}) could not load the model (exit {proc.returncode}): "
-            f"{_last_lines(proc.stderr or proc.stdout)}"
-        )
-    result = json.loads((workdir / RESULT).read_text())
-    outputs: dict = {}
-    if (workdir / OUTPUTS).exists():
-        import safetensors.torch
+    proc: subprocess.Popen = attrs.field(repr=False)
+    workdir: Path
+    seed: str
 
-        outputs = safetensors.torch.load_file(str(workdir / OUTPUTS))
-    return FreshLoad(seed=seed, outputs=outputs, **result)
+    @classmethod
+    def start(
+        cls, request: "LoadRequest", plugins: "Plugins | None", run_model: typing.Callable, workdir: Path
+    ) -> "FreshProcess":
+        """Start loading ``request`` from disk in a fresh process with another hash seed."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        spec = {
+            "request": {
+                "model": request.model,
+                "adapter": request.adapter,
+                "dtype": request.dtype,
+                "device": str(request.device),
+                "quantization": request.quantization,
+                "options": dict(request.options),
+                "revision": request.revision,
+                "parallel": attrs.asdict(request.parallel),
+            },
+            "adapter_module": adapter_spec(plugins, request.adapter),
+            "run_model": importable_name(run_model),
+        }
+        (workdir / SPEC).write_text(json.dumps(spec))
+        seed = child_seed()
+        path = [entry for entry in sys.path if entry] + [os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(entry for entry in path if entry)}
+        argv = [sys.executable, "-m", "weightcache.conformance.fresh_process", str(workdir)]
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return cls(proc, workdir, seed)
+
+    def finish(self, inputs: typing.Any) -> FreshLoad:
+        """Run the forward on ``inputs`` (none for ForwardUnavailable) and return what the process saw; AssertionError if it failed."""
+        import torch
+
+        from weightcache.core.request import ForwardUnavailable
+
+        forward = not isinstance(inputs, ForwardUnavailable)
+        if forward:
+            torch.save(plain(inputs), self.workdir / INPUTS)
+        try:
+            stdout, stderr = self.proc.communicate(GO if forward else "\n", timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise AssertionError(f"the fresh process (PYTHONHASHSEED={self.seed}) took over {TIMEOUT_S:.0f} s") from None
+        if self.proc.returncode != 0 or not (self.workdir / RESULT).exists():
+            raise AssertionError(
+                f"the fresh process (PYTHONHASHSEED={self.seed}) could not load the model (exit {self.proc.returncode}): "
+                f"{_last_lines(stderr or stdout)}"
+            )
+        result = json.loads((self.workdir / RESULT).read_text())
+        outputs: dict = {}
+        if (self.workdir / OUTPUTS).exists():
+            import safetensors.torch
+
+            outputs = safetensors.torch.load_file(str(self.workdir / OUTPUTS))
+        return FreshLoad(seed=self.seed, outputs=outputs, **result)
+
+    def close(self) -> None:
+        """Stop the process if it still runs (a class that never reached its check)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
 
 
 def first_differing_tensor(fresh: FreshLoad, published: "typing.Mapping[str, TensorFacts]") -> list[str]:
@@ -214,7 +243,7 @@ def main(workdir: str) -> None:
         "tensors": {name: [f.kind, f.dtype, list(f.shape), f.digest] for name, f in facts.items()},
         "forward_error": None,
     }
-    if spec["forward"]:
+    if sys.stdin.readline() == GO:
         inputs = torch.load(directory / INPUTS, weights_only=True)
         device = request.device
         call = import_name(spec["run_model"]) if spec["run_model"] else (lambda m, i: run_with_inputs(m, i, device))
