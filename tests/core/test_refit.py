@@ -1,0 +1,168 @@
+"""Refit through real processes and a real server: a version published from a state dict, engines switching in place,
+logits equal to a fresh disk load of that version, old versions freed, layouts and budgets enforced."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.helpers import assert_tensors_equal, wait_until
+from weightcache.core.client.client import Connection
+from weightcache.core.errors import LayoutMismatch, ServerError, VersionNotFound
+from weightcache.core.flow.loader import prepare, publish
+from weightcache.core.flow.modes import load_model
+from weightcache.core.refit import publish_version
+from weightcache.core.request import LoadRequest
+
+
+def outputs(model):
+    import torch
+
+    input_ids = torch.arange(32, dtype=torch.long).reshape(2, 16) * 31 % model.config.vocab_size
+    with torch.no_grad():
+        return model(input_ids=input_ids)[0]
+
+
+def trained(path, step: int) -> dict:
+    """The checkpoint's state dict after a made-up training step ``step`` (every floating tensor moved a little)."""
+    import torch
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in sorted(path.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    generator = torch.Generator().manual_seed(step)
+    return {
+        name: (t + 0.01 * torch.randn(t.shape, generator=generator).to(t.dtype)) if t.dtype.is_floating_point else t
+        for name, t in state.items()
+    }
+
+
+def saved(path, state: dict, directory):
+    """A checkpoint directory holding ``path``'s configs and ``state``: what a fresh disk load of the version reads."""
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    for file in path.iterdir():
+        if not file.name.endswith(".safetensors") and not file.name.endswith(".json.index") and file.is_file():
+            shutil.copy(file, directory / file.name)
+    (directory / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(
+        {name: t.contiguous() for name, t in state.items()}, str(directory / "model.safetensors"), metadata={"format": "pt"}
+    )
+    return directory
+
+
+def pointers(model) -> dict:
+    return {name: t.data_ptr() for name, t in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "kind,dtype,quantization", [("llama", "float32", None), ("qwen2", "bfloat16", None), ("llama", "float32", "fp8-block")]
+)
+def test_a_version_from_memory_switches_in_place_and_equals_a_fresh_disk_load(
+    server, model_dir, tmp_path, kind, dtype, quantization
+):
+    path = model_dir(kind, dtype, kind == "qwen2")
+    publish(prepare(LoadRequest(model=str(path), quantization=quantization)), server.socket_dir)
+    engine = load_model(str(path), mode="client", socket_dir=server.socket_dir, strict=True, quantization=quantization)
+    try:
+        before, was = pointers(engine.model), outputs(engine.model)
+        state = trained(path, 1)
+        published = publish_version(str(path), state, 1, socket_dir=server.socket_dir, quantization=quantization)
+        assert published.created and published.fingerprint.version == 1
+        assert_tensors_equal("logits before the switch", outputs(engine.model), was)  # nothing changes until it switches
+        assert engine.refit() is True and engine.version == 1
+        assert pointers(engine.model) == before, "a tensor moved"
+        fresh = load_model(str(saved(path, state, tmp_path / "v1")), mode="off", quantization=quantization)
+        for name, tensor in fresh.model.state_dict().items():
+            assert_tensors_equal(name, engine.model.state_dict()[name], tensor)
+        assert_tensors_equal("logits on version 1", outputs(engine.model), outputs(fresh.model))
+        assert engine.refit() is False  # the newest already
+        with Connection(server.socket_dir) as connection:
+            held = [row.version for row in connection.versions(published.fingerprint.lineage)]
+        assert held == [0, 1], held
+    finally:
+        engine.close()
+
+
+def test_the_old_version_is_freed_once_no_engine_maps_it(server, model_dir):
+    path = model_dir("llama")
+    publish(prepare(LoadRequest(model=str(path))), server.socket_dir)
+    first = load_model(str(path), mode="client", socket_dir=server.socket_dir, strict=True)
+    second = load_model(str(path), mode="client", socket_dir=server.socket_dir, strict=True)
+    try:
+        lineage = first.fingerprint.lineage
+        publish_version(str(path), trained(path, 1), 1, socket_dir=server.socket_dir)
+        assert first.refit() and second.refit()
+        publish_version(str(path), trained(path, 2), 2, socket_dir=server.socket_dir)
+        with Connection(server.socket_dir) as connection:
+            assert [row.version for row in connection.versions(lineage)] == [0, 1, 2]  # both engines still map 1
+        assert first.refit(2)
+        with Connection(server.socket_dir) as connection:
+            assert [row.version for row in connection.versions(lineage)] == [0, 1, 2]  # the second still maps 1
+        assert second.refit()
+        with Connection(server.socket_dir) as connection:  # the server frees version 1 as it sees the old session close
+            assert wait_until(lambda: [row.version for row in connection.versions(lineage)] == [0, 2])
+            assert connection.status()["metrics"]["evictions"]["superseded"] == 1
+        assert_tensors_equal("logits", outputs(first.model), outputs(second.model))
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_version_whose_layout_differs_is_refused_before_anything_changes(server, model_dir):
+    import torch
+
+    path = model_dir("llama")
+    publish(prepare(LoadRequest(model=str(path))), server.socket_dir)
+    state = trained(path, 1)
+    name = "model.layers.0.mlp.up_proj.weight"
+    cases = {
+        "shape": ({**state, name: state[name][:-1]}, f"tensor '{name}' has shape"),
+        "dtype": ({**state, name: state[name].to(torch.float16)}, f"tensor '{name}' has dtype float16 instead of float32"),
+        "extra": ({**state, "model.extra.weight": state[name]}, "tensor 'model.extra.weight' is not in the checkpoint"),
+        "missing": ({k: v for k, v in state.items() if k != name}, f"tensor '{name}' is missing"),
+    }
+    for case, (bad, message) in cases.items():
+        with pytest.raises(LayoutMismatch, match=message) as caught:
+            publish_version(str(path), bad, 1, socket_dir=server.socket_dir)
+        assert "\n" not in str(caught.value), case
+    with Connection(server.socket_dir) as connection:
+        assert len(connection.status()["entries"]) == 1
+
+
+def test_versions_are_ordered_and_need_the_model_published_first(server, model_dir):
+    path = model_dir("llama")
+    with pytest.raises(VersionNotFound, match="publish the model from disk first"):
+        publish_version(str(path), trained(path, 1), 1, socket_dir=server.socket_dir)
+    publish(prepare(LoadRequest(model=str(path))), server.socket_dir)
+    publish_version(str(path), trained(path, 1), 1, socket_dir=server.socket_dir)
+    with pytest.raises(ValueError, match="not newer than version 1"):
+        publish_version(str(path), trained(path, 2), 1, socket_dir=server.socket_dir)
+    engine = load_model(str(path), mode="client", socket_dir=server.socket_dir, strict=True)
+    try:
+        with pytest.raises(VersionNotFound, match=r"no version 5 of model .* \(it holds \[0, 1\]\)"):
+            engine.refit(5)
+        assert engine.version == 0
+    finally:
+        engine.close()
+
+
+def test_budgets_count_both_versions_while_one_replaces_the_other(server, model_dir):
+    from weightcache.core.server.server_process import ServerProcess
+
+    path = model_dir("llama")
+    size = publish(prepare(LoadRequest(model=str(path))), server.socket_dir).manifest.nbytes
+    tight = ServerProcess.start(None, "--byte-budget", str(size * 3 // 2))  # one version and a half
+    try:
+        publish(prepare(LoadRequest(model=str(path))), tight.socket_dir)
+        engine = load_model(str(path), mode="client", socket_dir=tight.socket_dir, strict=True)
+        with pytest.raises(ServerError, match="do not fit the server's budget") as caught:
+            publish_version(str(path), trained(path, 1), 1, socket_dir=tight.socket_dir)
+        assert caught.value.code == "over_budget"
+        engine.close()  # version 0 is attached by nobody now: it makes room
+        assert publish_version(str(path), trained(path, 1), 1, socket_dir=tight.socket_dir).created
+    finally:
+        tight.close()
