@@ -3,6 +3,8 @@ logits equal to a fresh disk load of that version, old versions freed, layouts a
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 
 import pytest
@@ -19,7 +21,8 @@ from weightcache.core.request import LoadRequest
 def outputs(model):
     import torch
 
-    input_ids = torch.arange(32, dtype=torch.long).reshape(2, 16) * 31 % model.config.vocab_size
+    device = next(model.parameters()).device
+    input_ids = (torch.arange(32, dtype=torch.long, device=device).reshape(2, 16) * 31) % model.config.vocab_size
     with torch.no_grad():
         return model(input_ids=input_ids)[0]
 
@@ -166,3 +169,113 @@ def test_budgets_count_both_versions_while_one_replaces_the_other(server, model_
         assert publish_version(str(path), trained(path, 1), 1, socket_dir=tight.socket_dir).created
     finally:
         tight.close()
+
+
+class Child:
+    """tests/core/refit_child.py in a process of its own, read step by step and SIGKILLed at its stop."""
+
+    def __init__(self, role: str, path, socket_dir, stop: str, version: int = 1):
+        import subprocess
+        import sys
+
+        from tests import zygote
+
+        args = [sys.executable, "-m", "tests.core.refit_child", role, "--model", str(path), "--socket-dir", str(socket_dir)]
+        args += ["--stop", stop, "--version", str(version)]
+        self.proc = zygote.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.steps: dict[str, dict] = {}
+        while stop not in self.steps:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"{role} exited ({self.proc.wait()}): {self.proc.stderr.read()[-3000:]}")
+            step = json.loads(line)
+            self.steps[step["step"]] = step
+
+    def kill(self) -> None:
+        import signal
+
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+def held_versions(socket_dir, lineage) -> list[int]:
+    with Connection(socket_dir) as connection:
+        return [row.version for row in connection.versions(lineage)]
+
+
+@pytest.mark.parametrize("stop", ["prepared", "staged", "published"])
+def test_a_trainer_killed_at_each_step_leaves_the_server_and_engines_consistent(server, model_dir, tmp_path, stop):
+    path = model_dir("llama")
+    publish(prepare(LoadRequest(model=str(path))), server.socket_dir)
+    engine = load_model(str(path), mode="client", socket_dir=server.socket_dir, strict=True)
+    try:
+        was = outputs(engine.model)
+        Child("trainer", path, server.socket_dir, stop).kill()
+        lineage = engine.fingerprint.lineage
+        assert held_versions(server.socket_dir, lineage) == ([0, 1] if stop == "published" else [0])
+        assert_tensors_equal("logits of the running engine", outputs(engine.model), was)
+        if stop != "published":  # nothing of the dead trainer's version is held: publish it again
+            publish_version(str(path), trained(path, 1), 1, socket_dir=server.socket_dir)
+        assert engine.refit()
+        fresh = load_model(str(saved(path, trained(path, 1), tmp_path / "v1")), mode="off")
+        assert_tensors_equal("logits on version 1", outputs(engine.model), outputs(fresh.model))
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("stop", ["attached", "fetched", "switched"])
+def test_an_engine_killed_at_each_step_leaves_the_server_and_other_engines_consistent(server, model_dir, stop):
+    path = model_dir("llama")
+    publish(prepare(LoadRequest(model=str(path))), server.socket_dir)
+    other = load_model(str(path), mode="client", socket_dir=server.socket_dir, strict=True)
+    try:
+        lineage = other.fingerprint.lineage
+        publish_version(str(path), trained(path, 1), 1, socket_dir=server.socket_dir)
+        child = Child("engine", path, server.socket_dir, stop)
+        child.kill()
+        assert wait_until(lambda: _attached_pids(server.socket_dir) == {os.getpid()}), "the dead engine's sessions stayed"
+        assert held_versions(server.socket_dir, lineage) == [0, 1]
+        assert other.refit() and other.version == 1
+        if stop == "switched":
+            assert float(outputs(other.model).double().sum()) == child.steps["switched"]["logits"]
+        publish_version(str(path), trained(path, 2), 2, socket_dir=server.socket_dir)
+        assert other.refit()
+        assert wait_until(lambda: held_versions(server.socket_dir, lineage) == [0, 2])  # 1 is mapped by nobody now
+    finally:
+        other.close()
+
+
+def _attached_pids(socket_dir) -> set[int]:
+    with Connection(socket_dir) as connection:
+        return {pid for row in connection.status()["entries"] for pid in row["attached_pids"]}
+
+
+def test_compiled_code_runs_the_new_version_without_recompiling(server, model_dir, tmp_path):
+    """torch.compile (dynamo and AOT autograd, which lift the parameters into the graph's inputs) keeps running after a
+    switch: no guard fails, and the outputs are the new version's (inductor's own code generation takes minutes on
+    the test machine; the GPU test checks a CUDA graph)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    path = model_dir("llama")
+    publish(prepare(LoadRequest(model=str(path))), server.socket_dir)
+    engine = load_model(str(path), mode="client", socket_dir=server.socket_dir, strict=True)
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(engine.model, backend="aot_eager")
+        was = outputs(compiled)
+        graphs = counters["stats"]["unique_graphs"]
+        state = trained(path, 1)
+        publish_version(str(path), state, 1, socket_dir=server.socket_dir)
+        assert engine.refit()
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            now = outputs(compiled)
+        assert counters["stats"]["unique_graphs"] == graphs, "the switch made dynamo compile again"
+        fresh = load_model(str(saved(path, state, tmp_path / "v1")), mode="off")
+        assert_tensors_equal("compiled logits on version 1", now, outputs(fresh.model))
+        assert not torch.equal(now, was)
+    finally:
+        torch._dynamo.reset()
+        engine.close()
