@@ -1,0 +1,215 @@
+"""Refit side by side: a new version of a served model from a trainer's tensors to the engine running on it.
+
+    python benchmarks/refit.py                                         # small Qwen3 (332 MB bf16) on the CPU
+    python benchmarks/refit.py --size 8b --device cuda:0 --json OUT.json [--keep-checkpoint DIR]
+
+One process plays the trainer (its state dict on ``--device``, in the checkpoint's naming) and the engine (a model
+attached from a ``weightcache serve`` child, ``load_model(mode="client")``); both reach the server over its socket as
+two processes would. Each row is one way to get the engine onto the new version, for the bf16 model and with block-FP8
+quantisation on publish (``--quantizations``):
+
+- ``weightcache refit``: ``publish_version`` (the adapter's load from the tensors, post-processing, export into
+  arenas placed as the previous version, checksums, one publish frame), the engine's ``fetch_version`` (map and
+  checksum the new version beside the running one) and ``switch_to`` (the new memory under the same addresses: the
+  only time the engine cannot step);
+- ``param.copy_()``: the new tensors copied into a running engine's parameters (a disk-loaded model; the engine cannot
+  step for the whole copy). With block-FP8 a user would also have to re-run the quantisation: not measured, shown n/a;
+- ``reload``: the state dict saved as a checkpoint (safetensors) and the model loaded from it (``mode="off"``); the
+  engine serves nothing while it loads.
+
+Each row's last column says whether the engine's logits after it equal those of a disk load of the saved new version,
+bit for bit. ``--runs`` refits are timed after one warm-up (versions 2, 3, ...); the table shows their medians.
+Checkpoints come from ``benchmarks/restart.py`` (``--size``: small, 1b, 8b).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import restart  # benchmarks/restart.py: checkpoints, the child environment, the machine facts
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def trainer_state(model: Path, device: str, step: int) -> dict:
+    """The checkpoint's tensors on ``device`` after a made-up training step (floating tensors scaled; exact, any dtype)."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in restart.checkpoint_files(model):
+        state.update(load_file(str(file), device=device))
+    factor = 1.0 + step / 64  # a power-of-two fraction: each step's bytes differ
+    return {name: (t * factor).to(t.dtype) if t.dtype.is_floating_point else t for name, t in state.items()}
+
+
+def logits(model, device: str):
+    import torch
+
+    ids = (torch.arange(32, device=device).reshape(2, 16) * 31) % model.config.vocab_size
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def saved(model: Path, state: dict, directory: Path) -> Path:
+    """A checkpoint of ``state`` beside ``model``'s configs (what a reload reads)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True)
+    for file in model.iterdir():
+        if file.is_file() and file.suffix == ".json" and not file.name.endswith(".index.json"):
+            shutil.copy(file, directory / file.name)
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    os.sync()
+    return directory
+
+
+def measure(model: Path, device: str, quantization: str | None, socket_dir: Path, work: Path, runs: int) -> dict:
+    import torch
+
+    from weightcache.core.flow.loader import prepare, publish
+    from weightcache.core.flow.modes import load_model
+    from weightcache.core.refit import publish_version
+    from weightcache.core.request import LoadRequest
+
+    options = {"device": device, "quantization": quantization}
+    publish(prepare(LoadRequest(model=str(model), **options)), socket_dir)
+    engine = load_model(str(model), mode="client", socket_dir=socket_dir, strict=True, **options)
+    refits = []
+    for version in range(1, runs + 2):
+        state = trainer_state(model, device, version)
+        _sync(device)
+        start = time.perf_counter()
+        published = publish_version(str(model), state, version, socket_dir=socket_dir, **options)
+        publishing = time.perf_counter()
+        pending = engine.attachment.fetch_version(version)
+        fetched = time.perf_counter()
+        engine.attachment.switch_to(pending)
+        _sync(device)
+        done = time.perf_counter()
+        refits.append(
+            {
+                "end_to_end_s": done - start,
+                "publish_s": publishing - start,
+                "fetch_s": fetched - publishing,
+                "cannot_step_s": done - fetched,
+                **{f"publish.{k}": v for k, v in published.timings.items()},
+            }
+        )
+        del state
+    timed = refits[1:]
+    row = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+    state = trainer_state(model, device, runs + 1)  # the version the engine runs now
+    reference_dir = saved(model, {n: t.cpu() for n, t in state.items()}, work / f"saved-{quantization or 'bf16'}")
+    start = time.perf_counter()
+    reloaded = load_model(str(reference_dir), mode="off", **options)
+    _sync(device)
+    reload_s = time.perf_counter() - start
+    reference = logits(reloaded.model, device)
+    result = {"refit": row, "refit_runs": refits, "refit_identical": bool(torch.equal(logits(engine.model, device), reference))}
+    engine.close()
+    # the reload baseline: save the state dict as a checkpoint, then load it (the engine is down meanwhile)
+    start = time.perf_counter()
+    shutil.rmtree(work / "reload", ignore_errors=True)
+    saved(model, {n: t.cpu() for n, t in state.items()}, work / "reload")
+    save_s = time.perf_counter() - start
+    result["reload"] = {"end_to_end_s": save_s + reload_s, "save_s": save_s, "cannot_step_s": reload_s}
+    result["reload_identical"] = True  # it is the reference
+    del reloaded
+    if quantization is None:  # param.copy_() into a running engine (a disk load of the previous version)
+        running = load_model(str(model), mode="off", **options)
+        params = dict(running.model.state_dict())
+        _sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            for name, tensor in state.items():
+                params[name].copy_(tensor)
+        _sync(device)
+        copy_s = time.perf_counter() - start
+        result["copy"] = {"end_to_end_s": copy_s, "cannot_step_s": copy_s}
+        result["copy_identical"] = bool(torch.equal(logits(running.model, device), reference))
+        del running, params
+    return result
+
+
+def table(results: dict) -> str:
+    lines = [
+        f"{'case':<10} {'way':<18} {'end to end':>11} {'cannot step':>12} {'bit-identical':>14}",
+        "-" * 69,
+    ]
+    for case, result in results.items():
+        for way, key in (("weightcache refit", "refit"), ("param.copy_()", "copy"), ("reload", "reload")):
+            if key not in result:
+                lines.append(f"{case:<10} {way:<18} {'n/a':>11} {'n/a':>12} {'-':>14}")
+                continue
+            row = result[key]
+            same = "yes" if result[f"{key}_identical"] else "NO"
+            lines.append(
+                f"{case:<10} {way:<18} {row['end_to_end_s'] * 1e3:>8.1f} ms {row['cannot_step_s'] * 1e3:>9.2f} ms {same:>14}"
+            )
+        refit = result["refit"]
+        steps = ", ".join(f"{k.removeprefix('publish.')} {v * 1e3:.1f}" for k, v in refit.items() if k.startswith("publish."))
+        lines.append(
+            f"{'':<10} refit: publish {refit['publish_s'] * 1e3:.1f} ms ({steps}), fetch {refit['fetch_s'] * 1e3:.1f} ms"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(restart.SIZES), default="small", help="8b: 16.4 GB (a GPU); small: 332 MB")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quantizations", default="none,fp8-block", help="comma-separated: none, fp8-block")
+    parser.add_argument("--runs", type=int, default=2, help="timed refits after one warm-up (default 2)")
+    parser.add_argument("--keep-checkpoint", help="keep (or reuse) the checkpoint in this directory")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="wc-refit-"))
+    server = None
+    try:
+        env = restart.weightcache_env(work)
+        model = restart.ensure_checkpoint(
+            args.size, args.device, Path(args.keep_checkpoint) if args.keep_checkpoint else work / "model", env
+        )
+        os.environ.update(env)
+        sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        from weightcache.core.server.server_process import ServerProcess
+
+        server = ServerProcess.start(work / "sock")
+        results = {}
+        for quantization in [q.strip() for q in args.quantizations.split(",") if q.strip()]:
+            case = "bf16" if quantization == "none" else quantization
+            print(f"measuring {case} ...", flush=True)
+            results[case] = measure(
+                model, args.device, None if quantization == "none" else quantization, server.socket_dir, work, args.runs
+            )
+        report = {
+            "size": args.size,
+            "machine": restart.machine(args.device, env),
+            "model": json.loads((model / restart.MARKER).read_text()),
+            "results": results,
+        }
+        print(table(results))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return 0
+    finally:
+        if server is not None:
+            server.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
