@@ -25,9 +25,14 @@ _KEPT = tuple(field.name for field in attrs.fields(TensorRecord) if field.name n
 class Stored(typing.Protocol):
     """What a checkpoint says of one tensor (``safetensors_io.TensorInfo`` is one)."""
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
 
 def state_difference(stored: "typing.Iterable[Stored]", state: "typing.Mapping[str, torch.Tensor]") -> str | None:
