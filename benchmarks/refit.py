@@ -96,15 +96,17 @@ def measure(model: Path, device: str, quantization: str | None, socket_dir: Path
         publishing = time.perf_counter()
         pending = engine.attachment.fetch_version(version)
         fetched = time.perf_counter()
-        engine.attachment.switch_to(pending)
+        engine.attachment.switch_to(pending)  # the engine's thread is in here: it cannot step
         _sync(device)
         done = time.perf_counter()
+        remap_s = engine.attachment.timings["switch_s"]
         refits.append(
             {
                 "end_to_end_s": done - start,
                 "publish_s": publishing - start,
                 "fetch_s": fetched - publishing,
                 "cannot_step_s": done - fetched,
+                "remap_s": remap_s,
                 **{f"publish.{k}": v for k, v in published.timings.items()},
             }
         )

@@ -91,6 +91,12 @@ class Arena(abc.ABC):
         """
         raise TypeError(f"a {type(self).__name__} cannot take another arena's memory; attach the new version instead")
 
+    def unmap(self) -> None:
+        """Drop this process's mapping of the memory where that is cheap to make again, keeping the memory held
+        (a host arena maps its memfd again when next viewed); other arenas keep their mapping. Views must be dropped first.
+        """
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Unmap and release this process's handles (idempotent).

@@ -108,6 +108,9 @@ class HostArena(Arena):
             os.close(old)
         self.spec = other.spec
 
+    def unmap(self) -> None:
+        self._drop_map()
+
     def make_read_only(self) -> None:
         """Drop the writable mapping (all views must be dropped first); later views map read-only."""
         self._drop_map()

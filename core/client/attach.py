@@ -250,6 +250,9 @@ class Attachment:
         except BaseException:
             pending.close()
             raise
+        pending.tensors = {}
+        for arena in pending.arenas:
+            arena.unmap()  # the switch maps the memory itself: unmapping what the checksum read costs nothing then
         return pending
 
     def switch_to(self, pending: "Attachment") -> None:
