@@ -18,8 +18,10 @@ quantisation on publish (``--quantizations``):
   engine serves nothing while it loads.
 
 Each row's last column says whether the engine's logits after it equal those of a disk load of the saved new version,
-bit for bit. ``--runs`` refits are timed after one warm-up (versions 2, 3, ...); the table shows their medians.
-Checkpoints come from ``benchmarks/restart.py`` (``--size``: small, 1b, 8b).
+bit for bit. ``--runs`` refits are timed after one warm-up (versions 2, 3, ...); the table shows their medians. Each case runs on
+a server of its own. The reload reads the file it has just written (a warm page cache: its best case). Checkpoints
+come from ``benchmarks/restart.py`` (``--size``: small, 1b, 8b); on an 8 B model a case holds up to four copies of
+the weights on the device at once (the checkpoint's version 0, the running and the new version, the trainer's tensors).
 """
 
 from __future__ import annotations
@@ -76,60 +78,67 @@ def saved(model: Path, state: dict, directory: Path) -> Path:
     return directory
 
 
-def measure(model: Path, device: str, quantization: str | None, socket_dir: Path, work: Path, runs: int) -> dict:
+def measure(model: Path, device: str, quantization: str | None, work: Path, runs: int) -> dict:
+    """One case on a server of its own (its versions are gone when it stops): the refit rows, then the baselines."""
     import torch
 
     from weightcache.core.flow.loader import prepare, publish
     from weightcache.core.flow.modes import load_model
     from weightcache.core.refit import publish_version
     from weightcache.core.request import LoadRequest
+    from weightcache.core.server.server_process import ServerProcess
 
     options = {"device": device, "quantization": quantization}
-    publish(prepare(LoadRequest(model=str(model), **options)), socket_dir)
-    engine = load_model(str(model), mode="client", socket_dir=socket_dir, strict=True, **options)
-    refits = []
-    for version in range(1, runs + 2):
-        state = trainer_state(model, device, version)
-        _sync(device)
-        start = time.perf_counter()
-        published = publish_version(str(model), state, version, socket_dir=socket_dir, **options)
-        publishing = time.perf_counter()
-        pending = engine.attachment.fetch_version(version)
-        fetched = time.perf_counter()
-        engine.attachment.switch_to(pending)  # the engine's thread is in here: it cannot step
-        _sync(device)
-        done = time.perf_counter()
-        remap_s = engine.attachment.timings["switch_s"]
-        refits.append(
-            {
-                "end_to_end_s": done - start,
-                "publish_s": publishing - start,
-                "fetch_s": fetched - publishing,
-                "cannot_step_s": done - fetched,
-                "remap_s": remap_s,
-                **{f"publish.{k}": v for k, v in published.timings.items()},
-            }
-        )
-        del state
-    timed = refits[1:]
-    row = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
-    state = trainer_state(model, device, runs + 1)  # the version the engine runs now
-    reference_dir = saved(model, {n: t.cpu() for n, t in state.items()}, work / f"saved-{quantization or 'bf16'}")
+    case = quantization or "bf16"
+    server = ServerProcess.start(work / f"sock-{case}")
+    try:
+        publish(prepare(LoadRequest(model=str(model), **options)), server.socket_dir)
+        engine = load_model(str(model), mode="client", socket_dir=server.socket_dir, strict=True, **options)
+        refits = []
+        for version in range(1, runs + 2):
+            state = trainer_state(model, device, version)
+            _sync(device)
+            start = time.perf_counter()
+            published = publish_version(str(model), state, version, socket_dir=server.socket_dir, **options)
+            publishing = time.perf_counter()
+            pending = engine.attachment.fetch_version(version)
+            fetched = time.perf_counter()
+            engine.attachment.switch_to(pending)  # the engine's thread is in here: it cannot step
+            _sync(device)
+            done = time.perf_counter()
+            refits.append(
+                {
+                    "end_to_end_s": done - start,
+                    "publish_s": publishing - start,
+                    "fetch_s": fetched - publishing,
+                    "cannot_step_s": done - fetched,
+                    "remap_s": engine.attachment.timings["switch_s"],
+                    **{f"publish.{k}": v for k, v in published.timings.items()},
+                }
+            )
+            del state
+        timed = refits[1:]
+        result: dict = {"refit": {k: statistics.median(r[k] for r in timed) for k in timed[0]}, "refit_runs": refits}
+        refitted = logits(engine.model, device)
+        engine.close()
+    finally:
+        server.close()
+    state = trainer_state(model, device, runs + 1)  # the version the engine ran last
+    # the reload baseline: the state dict saved as a checkpoint, then loaded (the engine serves nothing meanwhile)
+    directory = work / f"saved-{case}"
     start = time.perf_counter()
-    reloaded = load_model(str(reference_dir), mode="off", **options)
+    saved(model, {name: t.cpu() for name, t in state.items()}, directory)
+    save_s = time.perf_counter() - start
+    start = time.perf_counter()
+    reloaded = load_model(str(directory), mode="off", **options)
     _sync(device)
     reload_s = time.perf_counter() - start
-    reference = logits(reloaded.model, device)
-    result = {"refit": row, "refit_runs": refits, "refit_identical": bool(torch.equal(logits(engine.model, device), reference))}
-    engine.close()
-    # the reload baseline: save the state dict as a checkpoint, then load it (the engine is down meanwhile)
-    start = time.perf_counter()
-    shutil.rmtree(work / "reload", ignore_errors=True)
-    saved(model, {n: t.cpu() for n, t in state.items()}, work / "reload")
-    save_s = time.perf_counter() - start
-    result["reload"] = {"end_to_end_s": save_s + reload_s, "save_s": save_s, "cannot_step_s": reload_s}
-    result["reload_identical"] = True  # it is the reference
+    reference = logits(reloaded.model, device)  # a disk load of the new version: what every row must equal
     del reloaded
+    shutil.rmtree(directory)
+    result["refit_identical"] = bool(torch.equal(refitted, reference))
+    result["reload"] = {"end_to_end_s": save_s + reload_s, "save_s": save_s, "cannot_step_s": reload_s}
+    result["reload_identical"] = True
     if quantization is None:  # param.copy_() into a running engine (a disk load of the previous version)
         running = load_model(str(model), mode="off", **options)
         params = dict(running.model.state_dict())
@@ -179,7 +188,6 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="wc-refit-"))
-    server = None
     try:
         env = restart.weightcache_env(work)
         model = restart.ensure_checkpoint(
@@ -187,16 +195,11 @@ def main(argv=None) -> int:
         )
         os.environ.update(env)
         sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-        from weightcache.core.server.server_process import ServerProcess
-
-        server = ServerProcess.start(work / "sock")
         results = {}
         for quantization in [q.strip() for q in args.quantizations.split(",") if q.strip()]:
             case = "bf16" if quantization == "none" else quantization
             print(f"measuring {case} ...", flush=True)
-            results[case] = measure(
-                model, args.device, None if quantization == "none" else quantization, server.socket_dir, work, args.runs
-            )
+            results[case] = measure(model, args.device, None if quantization == "none" else quantization, work, args.runs)
         report = {
             "size": args.size,
             "machine": restart.machine(args.device, env),
@@ -208,8 +211,6 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(report, indent=2))
         return 0
     finally:
-        if server is not None:
-            server.close()
         shutil.rmtree(work, ignore_errors=True)
 
 

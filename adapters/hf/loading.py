@@ -205,9 +205,23 @@ def load_tensors(request: "LoadRequest", tensors: "typing.Mapping[str, torch.Ten
     if identity.checkpoint_quantization(config) == identity.FP8_BLOCK:
         return _prequantized(request, config, dict(tensors))
     dtype = load_dtype(request, config)
-    model, ties = _tied_skeleton(request, dtype)
+    known = None
+    if request.quantization in (None, "none"):  # a plain module tree stands in for the skeleton (quantization needs nn.Linear)
+        from weightcache.core.identity.digests import default_store
+
+        known = layout.remembered(default_store(), layout_key(request, config, identity.load_dtype_name(request, config)))
+    if known is not None:
+        try:
+            return _bind_tensors(known.build(), tensors, request)
+        except RebindError as exc:
+            log.debug("the remembered layout left %s; building the skeleton", exc)
+    return _bind_tensors(_model_for(None, request, dtype)[0], tensors, request)
+
+
+def _bind_tensors(model: Model, tensors: "typing.Mapping[str, torch.Tensor]", request: "LoadRequest") -> Model:
+    """``model`` (on meta, tied) holding ``tensors``, each converted to its parameter's dtype and device where it differs."""
     wanted = dict(model.state_dict(keep_vars=True))
-    tied = {name for name, _ in ties}
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {name for name, _ in model.named_parameters()}
     unknown = [name for name in tensors if name not in wanted or name in tied]
     missing = [name for name, t in wanted.items() if name not in tensors and name not in tied and t.device.type == "meta"]
     if unknown or missing:

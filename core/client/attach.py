@@ -276,22 +276,26 @@ class Attachment:
             self._switch_back(switched)
             raise
         self.timings["switch_s"] = time.perf_counter() - start
+        # The old version's fds are closed while the server still holds it (its session is open): if it is freed, its
+        # pages are freed in the server, not in this engine's thread.
+        close_fds(self.fds)
+        self.fds, pending.fds = pending.fds, []
+        pending.tensors = {}
+        for arena in pending.arenas:
+            arena.close()  # its own handle of the new version; this attachment's arenas hold the memory now
+        pending.arenas = []
         watching = self.watcher is not None
-        if self.watcher is not None:  # it reads the old connection's socket
+        if self.watcher is not None:  # it reads the old connection's socket (and shuts it down)
             self.watcher.stop()
             self.watcher = None
-        old_connection, old_fds = self.connection, self.fds
-        self.connection, pending.connection = pending.connection, None
-        self.fds, pending.fds = pending.fds, []
+        old_connection, self.connection, pending.connection = self.connection, pending.connection, None
         self.fingerprint, self.digest, self.manifest, self.label = (
             pending.fingerprint,
             pending.digest,
             pending.manifest,
             pending.label,
         )
-        pending.tensors = {}
-        pending.close()  # its own mapping of the new version goes; this attachment's arenas hold the memory
-        close_fds(old_fds)
+        pending.close()
         if old_connection is not None:
             old_connection.close()  # the server forgets this engine's session of the old version as it sees it close
         if watching:

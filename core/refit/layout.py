@@ -59,7 +59,7 @@ def place_like(
     import torch
 
     for spec in template.arenas:
-        builder.add_arena(spec.size)
+        builder.view(builder.add_arena(spec.size))  # made now: export describes every arena, even one left empty here
     placed = dict(state)
     with torch.no_grad():
         for record in template.tensors:
@@ -110,7 +110,7 @@ def conform(manifest: Manifest, builder: ArenaBuilder, template: Manifest) -> tu
     if any(found.arena < count for found, _ in moves):  # a move could overwrite a tensor not moved yet
         target = ArenaBuilder(builder.device, chunk_bytes=builder.chunk_bytes)
         for spec in template.arenas:
-            target.add_arena(spec.size)
+            target.view(target.add_arena(spec.size))
         moves = [(every[record.name], record) for record in template.tensors]
     with torch.no_grad():
         for found, record in moves:
@@ -124,8 +124,6 @@ def conform(manifest: Manifest, builder: ArenaBuilder, template: Manifest) -> tu
         builder.truncate(count)
     else:
         builder.close()
-    for index in range(count):
-        target.view(Slot(index, 0, 0))  # every arena exists, even one no tensor was copied into
     return attrs.evolve(template, arenas=target.specs()), target
 
 

@@ -62,7 +62,8 @@ def pointers(model) -> dict:
 
 
 @pytest.mark.parametrize(
-    "kind,dtype,quantization", [("llama", "float32", None), ("qwen2", "bfloat16", None), ("llama", "float32", "fp8-block")]
+    "kind,dtype,quantization",
+    [("llama", "float32", None), ("qwen2", "bfloat16", None), ("llama", "float32", "fp8-block"), ("bert", "float32", None)],
 )
 def test_a_version_from_memory_switches_in_place_and_equals_a_fresh_disk_load(
     server, model_dir, tmp_path, kind, dtype, quantization
