@@ -8,7 +8,7 @@ attached from a ``weightcache serve`` child, ``load_model(mode="client")``); bot
 two processes would. Each row is one way to get the engine onto the new version, for the bf16 model and with block-FP8
 quantisation on publish (``--quantizations``):
 
-- ``weightcache refit``: ``publish_version`` (the adapter's load from the tensors, post-processing, export into
+- ``weightcache refit``: the engine serves one step (a forward) on the running version, then ``publish_version`` (the adapter's load from the tensors, post-processing, export into
   arenas placed as the previous version, checksums, one publish frame), the engine's ``fetch_version`` (map and
   checksum the new version beside the running one) and ``switch_to`` (the new memory under the same addresses: the
   only time the engine cannot step);
@@ -97,7 +97,10 @@ def measure(model: Path, device: str, quantization: str | None, work: Path, runs
         refits = []
         for version in range(1, runs + 2):
             state = trainer_state(model, device, version)
+            begun = time.perf_counter()
+            logits(engine.model, device)  # the engine serves a step on the running version (its pages are mapped)
             _sync(device)
+            step_s = time.perf_counter() - begun
             start = time.perf_counter()
             published = publish_version(str(model), state, version, socket_dir=server.socket_dir, **options)
             publishing = time.perf_counter()
@@ -106,6 +109,9 @@ def measure(model: Path, device: str, quantization: str | None, work: Path, runs
             engine.attachment.switch_to(pending)  # the engine's thread is in here: it cannot step
             _sync(device)
             done = time.perf_counter()
+            logits(engine.model, device)
+            _sync(device)
+            first_step_s = time.perf_counter() - done
             refits.append(
                 {
                     "end_to_end_s": done - start,
@@ -113,6 +119,8 @@ def measure(model: Path, device: str, quantization: str | None, work: Path, runs
                     "fetch_s": fetched - publishing,
                     "cannot_step_s": done - fetched,
                     "remap_s": engine.attachment.timings["switch_s"],
+                    "step_before_s": step_s,
+                    "first_step_after_s": first_step_s,
                     **{f"publish.{k}": v for k, v in published.timings.items()},
                 }
             )
