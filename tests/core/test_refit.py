@@ -280,3 +280,25 @@ def test_compiled_code_runs_the_new_version_without_recompiling(server, model_di
     finally:
         torch._dynamo.reset()
         engine.close()
+
+
+def test_a_switch_that_fails_halfway_leaves_the_engine_on_its_old_version(server, model_dir):
+    """An arena that cannot take the new memory (here: the fetched version's second arena, closed) makes the switch
+    map the old memory back under the arenas switched already: the engine never runs on a mix of versions."""
+    path = model_dir("llama")
+    publish(prepare(LoadRequest(model=str(path))), server.socket_dir, chunk_bytes=64 << 10)  # several arenas
+    engine = load_model(str(path), mode="client", socket_dir=server.socket_dir, strict=True)
+    try:
+        assert len(engine.attachment.arenas) > 2
+        before, was = pointers(engine.model), outputs(engine.model)
+        publish_version(str(path), trained(path, 1), 1, socket_dir=server.socket_dir)
+        pending = engine.attachment.fetch_version()
+        pending.arenas[1].close()
+        with pytest.raises(ValueError, match="arena is closed"):
+            engine.attachment.switch_to(pending)
+        pending.close()
+        assert engine.version == 0 and pointers(engine.model) == before
+        assert_tensors_equal("logits after the failed switch", outputs(engine.model), was)
+        assert engine.refit() and engine.version == 1  # a later switch still works
+    finally:
+        engine.close()
