@@ -49,6 +49,7 @@ __all__ = [
     "ModeTests",
     "ParityTests",
     "QuantizationTests",
+    "RefitTests",
 ]
 
 _LAZY = {
@@ -65,6 +66,7 @@ _LAZY = {
     "ParityTests": "weightcache.conformance.checks",
     "QuantizationTests": "weightcache.conformance.checks",
     "REFUSED_METHODS": "weightcache.conformance.checks",
+    "RefitTests": "weightcache.conformance.refit",
 }
 
 SUITE = Path(__file__).with_name("suite.py")

@@ -509,3 +509,34 @@ class PullFailed(WeightCacheError):
         self.node = node
         self.reason = reason
         super().__init__(f"pulling from node {node} failed: {reason}; nothing from it was published")
+
+
+class VersionNotFound(WeightCacheError):
+    """The server holds no such version of the model an engine maps (refit); nothing was switched."""
+
+    def __init__(self, lineage: str, version: int | None, held: "typing.Sequence[int]"):
+        self.lineage = lineage
+        self.version = version
+        self.held = tuple(held)
+        if not self.held:
+            super().__init__(
+                f"the server holds no version of model {lineage[:12]}: publish the model from disk first (`weightcache load` "
+                "with the same options), then its versions"
+            )
+            return
+        super().__init__(
+            f"the server holds no version {version} of model {lineage[:12]} (it holds {list(self.held)}); nothing was "
+            "switched: publish it first (`publish_version`), or ask for one it holds"
+        )
+
+
+class LayoutMismatch(WeightCacheError, ValueError):
+    """A new version's tensors are not laid out as its model's (``difference`` names the first); nothing changed."""
+
+    def __init__(self, what: str, difference: str):
+        self.what = what
+        self.difference = difference
+        super().__init__(
+            f"{what} differs in layout from the model's: {difference}; nothing was published or switched. A version keeps "
+            "every name, shape and dtype of its model: give the tensors those, or publish a new model with `weightcache load`"
+        )

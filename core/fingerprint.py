@@ -48,6 +48,11 @@ class ParallelSpec:
         return f"tp{self.tp_rank}/{self.tp_size} pp{self.pp_rank}/{self.pp_size} ep{self.ep_rank}/{self.ep_size}"
 
 
+LINEAGE_KEY: typing.Final = "refit_lineage"
+"""The key of ``Fingerprint.extra`` that names a version's lineage (``Fingerprint.lineage``)."""
+VERSION_KEY: typing.Final = "refit_version"
+"""The key of ``Fingerprint.extra`` that holds a version's number (``Fingerprint.version``)."""
+
 HOST_TIER: typing.Final = "host"
 """The ``gpu_uuid`` of a GPU-made entry held in host memory (the host tier): GPUs of the same kind fill from it."""
 
@@ -133,6 +138,28 @@ class Fingerprint:
         extra_mine, extra_theirs = mine["extra"], theirs.get("extra") or {}
         fields += [f"extra.{k}" for k in sorted(set(extra_mine) | set(extra_theirs)) if extra_mine.get(k) != extra_theirs.get(k)]
         return tuple(fields)
+
+    @property
+    def lineage(self) -> str:
+        """The digest of the entry published from disk that this one is a version of (its own digest for that entry)."""
+        found = self.extra.get(LINEAGE_KEY)
+        return found if isinstance(found, str) else self.digest
+
+    @property
+    def version(self) -> int:
+        """Which version of its lineage this entry holds: 0 for the one published from disk, then 1, 2, ... (refit)."""
+        found = self.extra.get(VERSION_KEY)
+        return found if type(found) is int and found >= 0 else 0
+
+    def as_version(self, version: int, content: str) -> "Fingerprint":
+        """The fingerprint of version ``version`` of this entry's lineage, whose bytes have the identity ``content``.
+
+        Everything but the checkpoint's identity is this fingerprint's: a version differs only in its weights.
+        """
+        if type(version) is not int or version < 1:
+            raise ValueError(f"a published version is a whole number from 1 up, not {version!r:.40}")
+        extra = {**self.extra, LINEAGE_KEY: self.lineage, VERSION_KEY: version}
+        return attrs.evolve(self, checkpoint=f"version:{content}", extra=extra)
 
     @property
     def parallel(self) -> ParallelSpec:

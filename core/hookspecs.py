@@ -102,6 +102,26 @@ def weightcache_load(request: "LoadRequest", builder: "ArenaBuilder | None") -> 
 
 
 @hookspec(firstresult=True)
+def weightcache_load_tensors(
+    request: "LoadRequest", tensors: "typing.Mapping[str, torch.Tensor]", builder: "ArenaBuilder"
+) -> "torch.nn.Module":
+    """Build the model for one rank from ``tensors`` held in memory instead of the checkpoint's files (a refit's version).
+
+    ``tensors`` are named and shaped as the checkpoint stores them (a trainer's state dict); the model returned
+    must be what ``weightcache_load`` returns for files holding these tensors, so that post-processing and export
+    then run on it exactly as on files. Some tensors may already view ``builder``'s arenas (placed where the
+    previous version keeps them): bind those without a copy. The caller's tensors must stay as they are (copy or
+    view them, never free or resize them). An adapter without it cannot publish versions from memory.
+    Stops at first non-None result.
+
+    :param request: the engine's load request (``request.model`` is the checkpoint the tensors are a version of).
+    :param tensors: the new weights by checkpoint name, on any device.
+    :param builder: the arenas the version is published from.
+    :returns: the model, weights on ``request.device``.
+    """
+
+
+@hookspec(firstresult=True)
 def weightcache_post_process(
     request: "LoadRequest", model: "torch.nn.Module", description: "ModelDescription"
 ) -> "torch.nn.Module":

@@ -11,7 +11,21 @@ from tests.import_graph import Edge, cycles, edges, modules, place, upward
 
 # The core's layers, bottom first, each a folder of core/ (docs/architecture.md draws them; decision 44). A module may
 # import the foundation, its own folder and the folders listed before its own, never one listed after it.
-LAYERS = ("arena", "quantization", "layout", "wire", "identity", "client", "server", "load", "node", "flow", "cli", "spare")
+LAYERS = (
+    "arena",
+    "quantization",
+    "layout",
+    "wire",
+    "identity",
+    "client",
+    "server",
+    "load",
+    "node",
+    "flow",
+    "refit",
+    "cli",
+    "spare",
+)
 # The foundation: top-level modules of core/ that every layer may use; they import only one another (and the
 # package's own __init__). A new module goes into the folder of its layer; it joins these only if every layer needs it.
 FOUNDATION = frozenset(

@@ -64,6 +64,10 @@ from weightcache.core.spare.compile_cache import publish_artifacts as publish_ar
 from weightcache.core.spare.compile_cache import restore_artifacts as restore_artifacts
 from weightcache.core.node.seeding import send_entry as send_entry, receive_entry as receive_entry
 
+# live refit: a trainer publishes a new version of a served model from its tensors; engines switch in place
+from weightcache.core.refit.publish import publish_version as publish_version, stage_version as stage_version
+from weightcache.core.refit.publish import PublishedVersion as PublishedVersion, StagedVersion as StagedVersion
+
 # errors: each message says what to do next
 from weightcache.core.errors import WeightCacheError as WeightCacheError, ProtocolError as ProtocolError
 from weightcache.core.errors import ServerUnavailable as ServerUnavailable, AccessDenied as AccessDenied
@@ -81,13 +85,16 @@ from weightcache.core.errors import DeviceNotFound as DeviceNotFound, DeviceUnav
 from weightcache.core.errors import NoRoom as NoRoom, NoMemory as NoMemory
 from weightcache.core.errors import StandbyError as StandbyError, CompileArtifactsUnavailable as CompileArtifactsUnavailable
 from weightcache.core.errors import SeedRefused as SeedRefused, SeedFailed as SeedFailed
+from weightcache.core.errors import VersionNotFound as VersionNotFound, LayoutMismatch as LayoutMismatch
+from weightcache.core.errors import NotRegularFile as NotRegularFile
+from weightcache.core.errors import FleetUnavailable as FleetUnavailable, PullFailed as PullFailed
 
 # the conformance kit: the test classes an adapter's suite subclasses, and its tensor assertions
 from weightcache.conformance import ConformanceFixtures as ConformanceFixtures, ConformanceTests as ConformanceTests
 from weightcache.conformance import AdapterTests as AdapterTests, ArchitectureTests as ArchitectureTests
 from weightcache.conformance import ParityTests as ParityTests, ModeTests as ModeTests, FlipTests as FlipTests
 from weightcache.conformance import FingerprintTests as FingerprintTests, QuantizationTests as QuantizationTests
-from weightcache.conformance import CrashTests as CrashTests
+from weightcache.conformance import CrashTests as CrashTests, RefitTests as RefitTests
 from weightcache.conformance.assertions import assert_tensors_identical as assert_tensors_identical
 from weightcache.conformance.assertions import model_tensors as model_tensors, tensor_digest as tensor_digest
 from weightcache.conformance.assertions import tied_groups as tied_groups

@@ -84,6 +84,13 @@ def weightcache_load(request, builder):
 
 
 @hookimpl
+def weightcache_load_tensors(request, tensors, builder):
+    from weightcache.adapters.hf.loading import load_tensors
+
+    return load_tensors(request, tensors)
+
+
+@hookimpl
 def weightcache_post_process(request, model, description):
     from weightcache.adapters.hf.loading import post_process
 

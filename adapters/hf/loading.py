@@ -163,10 +163,20 @@ def _bound(model: Model, placed: dict, builder: "ArenaBuilder", request: "LoadRe
     anything is left on meta."""
     import torch
 
-    for name, (info, slot) in placed.items():
+    views = {name: builder.view(slot).view(getattr(torch, info.dtype)).view(info.shape) for name, (info, slot) in placed.items()}
+    model = _bind(model, views, request)
+    log.info("read %d tensors straight into arenas", len(placed))
+    return model
+
+
+def _bind(model: Model, tensors: "typing.Mapping[str, torch.Tensor]", request: "LoadRequest") -> Model:
+    """``model`` with each of ``tensors`` (final dtype, on the device) as its parameter or buffer of that name, tied, its
+    buffers on the device; RebindError if anything is left on meta."""
+    import torch
+
+    for name, tensor in tensors.items():
         owner_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_name)
-        tensor = builder.view(slot).view(getattr(torch, info.dtype)).view(info.shape)
         if leaf in owner._parameters:
             owner._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
         else:
@@ -174,8 +184,53 @@ def _bound(model: Model, placed: dict, builder: "ArenaBuilder", request: "LoadRe
     model.tie_weights()
     _buffers_to(model, request.device.torch())
     check_no_meta(model)
-    log.info("read %d tensors straight into arenas", len(placed))
     return model.eval()
+
+
+def load_tensors(request: "LoadRequest", tensors: "typing.Mapping[str, torch.Tensor]") -> "torch.nn.Module":
+    """The model built from ``tensors`` named as the checkpoint's (a trainer's state dict), as ``load`` builds it from files.
+
+    Each tensor is bound as it is where it already has the model's dtype and device (a view of the new version's
+    arenas, or the trainer's own tensor: export copies that one), else a converted copy is bound; the caller's
+    tensors are never changed. A block-FP8 checkpoint's tensors are bound as it stores them, never re-quantized.
+    """
+    config = identity.read_config(request.model, request.revision)
+    if identity.checkpoint_quantization(config) == identity.FP8_BLOCK:
+        return _prequantized(request, config, dict(tensors))
+    dtype = load_dtype(request, config)
+    known = None
+    if request.quantization in (None, "none"):  # a plain module tree stands in for the skeleton (quantization needs nn.Linear)
+        from weightcache.core.identity.digests import default_store
+
+        known = layout.remembered(default_store(), layout_key(request, config, identity.load_dtype_name(request, config)))
+    if known is not None:
+        try:
+            return _bind_tensors(known.build(), tensors, request)
+        except RebindError as exc:
+            log.debug("the remembered layout left %s; building the skeleton", exc)
+    return _bind_tensors(_model_for(None, request, dtype)[0], tensors, request)
+
+
+def _bind_tensors(model: Model, tensors: "typing.Mapping[str, torch.Tensor]", request: "LoadRequest") -> Model:
+    """``model`` (on meta, tied) holding ``tensors``, each converted to its parameter's dtype and device where it differs."""
+    wanted = dict(model.state_dict(keep_vars=True))
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {name for name, _ in model.named_parameters()}
+    unknown = [name for name in tensors if name not in wanted or name in tied]
+    missing = [name for name, t in wanted.items() if name not in tensors and name not in tied and t.device.type == "meta"]
+    if unknown or missing:
+        what = f"tensor {unknown[0]!r} is not one of the model's" if unknown else f"tensor {missing[0]!r} is missing"
+        raise RebindError(f"{type(model).__name__}: {what}; give the tensors as the checkpoint names them")
+    device = request.device.torch()
+    bound = {}
+    for name, tensor in tensors.items():
+        target = wanted[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise RebindError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model's {tuple(target.shape)}")
+        value = tensor.detach()
+        if value.dtype != target.dtype or value.device != device:
+            value = value.to(device=device, dtype=target.dtype if value.dtype.is_floating_point else value.dtype, copy=True)
+        bound[name] = value
+    return _bind(model, bound, request)
 
 
 def _tied_skeleton(request: "LoadRequest", dtype: "torch.dtype") -> "tuple[PreTrainedModel, list[tuple[str, str]]]":
@@ -201,16 +256,25 @@ def load_prequantized_fp8(request: "LoadRequest", config: dict) -> "torch.nn.Mod
     """A checkpoint that stores block-FP8 weights and ``weight_scale_inv``: bind them, never re-quantize."""
     import safetensors.torch
 
-    from weightcache import checkpoint_files, load_prequantized
+    from weightcache import checkpoint_files
+
+    device = request.device.torch()
+    tensors = {}
+    for file in checkpoint_files(request.model):
+        tensors.update(safetensors.torch.load_file(file, device=str(device)))  # this safetensors takes a name, not a torch.device
+    return _prequantized(request, config, tensors)
+
+
+def _prequantized(request: "LoadRequest", config: dict, tensors: "dict[str, torch.Tensor]") -> "torch.nn.Module":
+    """The model holding a block-FP8 checkpoint's ``tensors`` as they are stored (weights and ``weight_scale_inv``)."""
+    from weightcache import load_prequantized
 
     fp8 = identity.fp8_config(config, None, dict(request.options))
     if fp8 is None:
         raise ValueError(f"{request.model} declares no block-wise FP8 quantization to load as it is stored")
     model = skeleton(request, drop_quantization=True, dtype=load_dtype(request, config))
     device = request.device.torch()
-    tensors = {}
-    for file in checkpoint_files(request.model):
-        tensors.update(safetensors.torch.load_file(file, device=str(device)))  # this safetensors takes a name, not a torch.device
+    tensors = {name: tensor.detach().to(device) for name, tensor in tensors.items()}  # never the caller's own objects
     converted = load_prequantized(model, tensors, fp8)
     rest = {k: v for k, v in tensors.items() if not any(k.startswith(m + ".") for m in converted) or k.endswith(".bias")}
     rest = {k: (v.to(load_dtype(request, config)) if v.dtype.is_floating_point else v) for k, v in rest.items()}

@@ -81,6 +81,22 @@ class Arena(abc.ABC):
         """
         raise TypeError(f"a {type(self).__name__} is not a file; use export_fd() for an fd to hand on")
 
+    def take_memory_of(self, other: "Arena") -> None:
+        """Map ``other``'s memory (an arena of the same backend and size) at this arena's addresses, in place of its own.
+
+        Every tensor, CUDA graph or compiled kernel that holds this arena's addresses reads ``other``'s bytes afterwards;
+        this arena holds ``other``'s memory from now on (and lets its old memory go), ``other`` keeps a handle of its own
+        and is closed by its owner. The caller makes sure nothing reads the arena meanwhile (between two steps).
+        An arena of a backend that cannot do it raises TypeError.
+        """
+        raise TypeError(f"a {type(self).__name__} cannot take another arena's memory; attach the new version instead")
+
+    def unmap(self) -> None:
+        """Drop this process's mapping of the memory where that is cheap to make again, keeping the memory held
+        (a host arena maps its memfd again when next viewed); other arenas keep their mapping. Views must be dropped first.
+        """
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Unmap and release this process's handles (idempotent).

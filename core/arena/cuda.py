@@ -117,6 +117,47 @@ class CudaArena(Arena):
         os.set_inheritable(fd, False)
         return fd
 
+    def take_memory_of(self, other: Arena) -> None:
+        """Map ``other``'s allocation (a CUDA arena of the same size on the same GPU) under this arena's reserved range.
+
+        ``cuMemUnmap`` of this arena's range, ``cuMemMap`` of a handle of ``other``'s memory there, ``cuMemSetAccess``
+        as before: pointers, CUDA graphs and compiled kernels keep their addresses and read ``other``'s bytes. The GPU
+        is synchronised first. Where the new mapping fails, the old memory is mapped back and CudaError raised.
+        """
+        other = _own(other)
+        self._check_open()
+        if other.spec.size != self.spec.size or other.device_index != self.device_index:
+            raise ArenaError(f"{other!r} cannot replace {self!r}: the two differ in size or device")
+        size, ptr = self.spec.size, self._ptr
+        posix_fd = driver().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        own = other.export_fd()
+        try:
+            with _on_device(self.device_index) as (cu, dev):
+                handle = check(cu.cuMemImportFromShareableHandle(own, posix_fd), "cuMemImportFromShareableHandle")
+                try:
+                    check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+                    check(cu.cuMemUnmap(ptr, size), "cuMemUnmap")
+                    try:
+                        check(cu.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
+                        _set_access(cu, dev, ptr, size, writable=self.writable)
+                    except BaseException:
+                        cu.cuMemUnmap(ptr, size)
+                        cu.cuMemMap(ptr, size, 0, self._handle, 0)  # the old memory back under the same addresses
+                        _set_access(cu, dev, ptr, size, writable=self.writable)
+                        raise
+                except BaseException:
+                    cu.cuMemRelease(handle)
+                    raise
+                check(cu.cuMemRelease(self._handle), "cuMemRelease")
+        except BaseException:
+            os.close(own)
+            raise
+        self._handle = handle
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = own
+        self.spec = other.spec
+
     def close(self) -> None:
         """Wait for the GPU, unmap, free the address range and release this process's handle and fd.
 

@@ -15,7 +15,9 @@ import os
 import typing
 import warnings
 
+from weightcache.core.arena import fixed_map
 from weightcache.core.arena.base import Arena, ArenaBackend, ArenaSpec, round_up
+from weightcache.core.errors import ArenaError
 
 if typing.TYPE_CHECKING:
     import torch
@@ -30,6 +32,9 @@ class HostArena(Arena):
 
     Copies to and from a GPU read or write the memfd itself (:meth:`fileno`) and never map it:
     faulting 16 GiB of pages in and unmapping them again costs more than the copy.
+
+    A read-only mapping lies over an address range this arena reserved (``fixed_map``), so that
+    :meth:`take_memory_of` can show another memfd's bytes at the same addresses.
     """
 
     def __init__(self, fd: int, spec: ArenaSpec, writable: bool):
@@ -38,6 +43,7 @@ class HostArena(Arena):
         self._fd = fd
         self._map: mmap.mmap | None = None
         self._view: torch.Tensor | None = None
+        self._fixed_at: int | None = None  # where a read-only mapping lies over this arena's reserved range
 
     def fileno(self) -> int:
         """The memfd: ``os.preadv`` reads the arena's bytes; a new arena's are written with ``os.pwritev`` before sealing."""
@@ -67,12 +73,43 @@ class HostArena(Arena):
         return self.bytes_view().data_ptr()
 
     def _mapping(self) -> mmap.mmap:
+        if self._map is None and not self.writable:
+            owner, address = fixed_map.reserve(self.spec.size)
+            try:
+                fixed_map.map_over(address, self.spec.size, self.fileno())
+            except BaseException:
+                owner.close()
+                raise
+            self._map, self._fixed_at = owner, address
         if self._map is None:
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
             # A new arena mapped here is filled at once: populate its pages up front instead of faulting one by one.
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if self.writable else 0)
             self._map = mmap.mmap(self.fileno(), self.spec.size, flags=flags, prot=prot)
         return self._map
+
+    def take_memory_of(self, other: Arena) -> None:
+        """Show ``other``'s bytes (a host arena of the same size) at this arena's addresses from now on, and hold its memfd.
+
+        Every tensor viewing this arena reads ``other``'s bytes afterwards; this arena's old memfd is closed here (its
+        memory is freed once no process holds it). ``other`` stays usable and is closed by its owner.
+        """
+        if not isinstance(other, HostArena):
+            raise ArenaError(f"a host arena takes the memory of another host arena, not of a {type(other).__name__}")
+        if other.spec.size != self.spec.size:
+            raise ArenaError(f"arena of {other.spec.size} bytes cannot replace one of {self.spec.size}; the layouts differ")
+        if self.writable:
+            raise ArenaError("a writable arena keeps its own memory; seal it first")
+        if self._fixed_at is not None:
+            fixed_map.map_over(self._fixed_at, self.spec.size, other.fileno())
+        new = os.dup(other.fileno())
+        old, self._fd = self._fd, new
+        if old >= 0:
+            os.close(old)
+        self.spec = other.spec
+
+    def unmap(self) -> None:
+        self._drop_map()
 
     def make_read_only(self) -> None:
         """Drop the writable mapping (all views must be dropped first); later views map read-only."""
@@ -87,6 +124,7 @@ class HostArena(Arena):
             except BufferError:
                 log.warning("host arena still has live tensor views; its mapping stays until they are freed")
             self._map = None
+            self._fixed_at = None
 
     def close(self) -> None:
         self._drop_map()

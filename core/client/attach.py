@@ -22,9 +22,11 @@ from weightcache.core.errors import (
     EntryNotFound,
     EntryUnusable,
     InvalidCheckpoint,
+    LayoutMismatch,
     NotRegularFile,
     ServerError,
     ServerUnavailable,
+    VersionNotFound,
     WeightCacheError,
 )
 from weightcache.core.fingerprint import Fingerprint
@@ -218,6 +220,96 @@ class Attachment:
         if old is not None:
             old.close()
         return created
+
+    @property
+    def version(self) -> int:
+        """The version of its model this attachment maps (0: the one published from disk; see ``fetch_version``)."""
+        return self.fingerprint.version
+
+    def fetch_version(self, version: int | None = None, timeout: float = 30.0) -> "Attachment | None":
+        """Attach version ``version`` of this entry's model (None: the newest the server holds) beside this one, map it,
+        checksum every arena and check it has this entry's layout; None when it is the version mapped here already.
+
+        Nothing changes for the tensors of this attachment: ``switch_to`` does that, when the engine chooses (between
+        two steps). VersionNotFound when the server holds no such version, EntryCorrupt when its bytes fail their
+        checksums, LayoutMismatch when its layout differs (each time nothing is kept attached).
+        """
+        with Connection(self.socket_dir, timeout=timeout) as connection:
+            held = connection.versions(self.fingerprint.lineage)
+        wanted = [row for row in held if row.version == version] if version is not None else held[-1:]
+        if not wanted:
+            raise VersionNotFound(self.fingerprint.lineage, version, [row.version for row in held])
+        target = wanted[0]
+        if target.digest == self.digest:
+            return None
+        pending = Attachment.open(target.fingerprint, self.socket_dir, timeout=timeout, checked_by_caller=True)
+        try:
+            pending.verify()  # every version is checksummed where it is mapped before any engine switches to it
+            difference = self.manifest.layout_difference(pending.manifest)
+            if difference is not None:
+                raise LayoutMismatch(f"version {target.version} ({target.digest[:12]})", difference)
+        except BaseException:
+            pending.close()
+            raise
+        pending.tensors = {}
+        for arena in pending.arenas:
+            arena.unmap()  # the switch maps the memory itself: unmapping what the checksum read costs nothing then
+        return pending
+
+    def switch_to(self, pending: "Attachment") -> None:
+        """Show ``pending``'s bytes (from ``fetch_version``) at this attachment's addresses and become it.
+
+        Every tensor, CUDA graph and compiled kernel that holds this attachment's addresses reads the new version
+        afterwards; the old version's connection is closed (the server frees the version once no engine maps it, and
+        the watcher, if any, watches the new one). Call it between two
+        steps: nothing may read the weights meanwhile. If an arena cannot be switched, those switched already get their
+        old memory back and the error is raised: the engine keeps running on its old version, never on a mix.
+        """
+        if pending is self or len(pending.arenas) != len(self.arenas) or pending.connection is None:
+            raise ValueError("switch to an attachment fetch_version returned, and only once")
+        start = time.perf_counter()
+        switched = 0
+        try:
+            for mine, theirs in zip(self.arenas, pending.arenas, strict=True):
+                mine.take_memory_of(theirs)
+                switched += 1
+        except BaseException:
+            self._switch_back(switched)
+            raise
+        self.timings["switch_s"] = time.perf_counter() - start
+        # The old version's fds are closed while the server still holds it (its session is open): if it is freed, its
+        # pages are freed in the server, not in this engine's thread.
+        close_fds(self.fds)
+        self.fds, pending.fds = pending.fds, []
+        pending.tensors = {}
+        for arena in pending.arenas:
+            arena.close()  # its own handle of the new version; this attachment's arenas hold the memory now
+        pending.arenas = []
+        watching = self.watcher is not None
+        if self.watcher is not None:  # it reads the old connection's socket (and shuts it down)
+            self.watcher.stop()
+            self.watcher = None
+        old_connection, self.connection, pending.connection = self.connection, pending.connection, None
+        self.fingerprint, self.digest, self.manifest, self.label = (
+            pending.fingerprint,
+            pending.digest,
+            pending.manifest,
+            pending.label,
+        )
+        pending.close()
+        if old_connection is not None:
+            old_connection.close()  # the server forgets this engine's session of the old version as it sees it close
+        if watching:
+            self.watch()
+
+    def _switch_back(self, count: int) -> None:
+        """Map the old version (still held in ``self.fds``) back under the first ``count`` arenas after a failed switch."""
+        for arena, fd, spec in list(zip(self.arenas, self.fds, self.manifest.arenas, strict=False))[:count]:
+            old = backend(spec.backend).map(fd, spec)
+            try:
+                arena.take_memory_of(old)
+            finally:
+                old.close()
 
     def watch(self, poll_s: float = 0.2) -> None:
         """Re-publish this entry whenever the server restarts (a background thread; see ``core.watch``)."""

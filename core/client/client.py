@@ -58,6 +58,22 @@ class AttachReply:
         return Manifest.from_wire(self.wire, self.table, trusted=True)
 
 
+@attrs.frozen
+class HeldVersion:
+    """One version of a lineage the server holds (``Fingerprint.version``): its number, digest and fingerprint."""
+
+    version: int
+    digest: str
+    fingerprint: Fingerprint
+
+    @classmethod
+    def from_json(cls, data: dict) -> "HeldVersion":
+        version, digest = data["version"], data["digest"]
+        if type(version) is not int or not isinstance(digest, str):
+            raise ValueError(f"a version row holds {version!r:.20} and {digest!r:.80}")
+        return cls(version, digest, Fingerprint.from_json(data["fingerprint"]))
+
+
 class Connection:
     """One connection to a server; requests are answered in order.
 
@@ -250,6 +266,18 @@ class Connection:
                 "the server's locate reply has no list of sources; run the same weightcache version on both sides"
             )
         return sources
+
+    def versions(self, lineage: str) -> "list[HeldVersion]":
+        """The versions of ``lineage`` (``Fingerprint.lineage``) the server holds, oldest first."""
+        rows = self.request({"op": "versions", "lineage": lineage})[0].get("versions")
+        try:
+            if not isinstance(rows, list):
+                raise TypeError("no list of versions")
+            return [HeldVersion.from_json(row) for row in rows]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(
+                f"the server's versions reply is malformed ({exc!s:.120}); run the same weightcache version on both sides"
+            ) from None
 
     def evict(self, digest_prefix: str, force: bool = False) -> list[str]:
         return self.request({"op": "evict", "digest": digest_prefix, "force": force})[0]["evicted"]

@@ -120,6 +120,29 @@ class LoadedModel:
             return 0
         return self.attachment.manifest.nbytes
 
+    @property
+    def version(self) -> int:
+        """The version of the weights the model runs on (0: as published from disk; a refit switches it)."""
+        return self.attachment.version if self.attachment is not None else 0
+
+    def refit(self, version: int | None = None) -> bool:
+        """Switch the model to version ``version`` of its weights (None: the newest the server holds), in place.
+
+        Every parameter keeps its address, so CUDA graphs and compiled code run on the new weights as they are; the
+        new version's checksums are verified first. Call it between two steps. False when the model runs on that version
+        already. Raises ValueError for a model loaded from disk, VersionNotFound, EntryCorrupt or LayoutMismatch (the
+        model then runs on as before).
+        """
+        if self.attachment is None:
+            raise ValueError("only a model attached from the cache switches versions: load it with mode='client' or 'daemon'")
+        pending = self.attachment.fetch_version(version)
+        if pending is None:
+            return False
+        self.attachment.switch_to(pending)
+        self.fingerprint = self.attachment.fingerprint
+        self.timings["refit_switch_s"] = self.attachment.timings["switch_s"]
+        return True
+
     def close(self) -> None:
         """Drop the model and detach (the entry stays cached on the server)."""
         if self.model is not None and getattr(self.model, ATTACHMENT_ATTR, None) is not None:

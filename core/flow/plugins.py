@@ -247,6 +247,22 @@ class Adapter:
     def load(self, request: "LoadRequest", builder: "ArenaBuilder | None") -> "torch.nn.Module":
         return self._module("weightcache_load", request=request, builder=builder)
 
+    def load_tensors(
+        self, request: "LoadRequest", tensors: "typing.Mapping[str, torch.Tensor]", builder: "ArenaBuilder"
+    ) -> "torch.nn.Module":
+        result = self._hook("weightcache_load_tensors")(request=request, tensors=tensors, builder=builder)
+        if result is None:
+            raise self.contract_error(
+                "weightcache_load_tensors",
+                "it is not implemented, so this adapter cannot publish a version from tensors in memory; "
+                "save the tensors as a checkpoint and load that with `weightcache load`",
+            )
+        import torch
+
+        if not isinstance(result, torch.nn.Module):
+            raise self.contract_error("weightcache_load_tensors", f"it returned a {_kind(result)}; return a torch.nn.Module")
+        return result
+
     def post_process(self, request: "LoadRequest", model: "torch.nn.Module", description: ModelDescription) -> "torch.nn.Module":
         return self._module("weightcache_post_process", request=request, model=model, description=description)
 

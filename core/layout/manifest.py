@@ -363,12 +363,57 @@ class Manifest:
             extra=data.get("extra", {}),
         )
 
+    def layout_difference(self, other: "Manifest") -> str | None:
+        """The first way ``other`` lays its tensors out differently from this manifest (a sentence), or None.
+
+        Everything but the arenas' bytes counts: the records (name, kind, dtype, shape, stride, place), the arenas'
+        number, backend, size and device, the aliases and the adapter's extra state. Two manifests without a difference
+        can show each other's bytes at the same addresses (a refit's switch).
+        """
+        mine, theirs = [spec.to_json() for spec in self.arenas], [spec.to_json() for spec in other.arenas]
+        for spec in (*mine, *theirs):
+            spec.pop("checksum", None)
+        if len(mine) != len(theirs):
+            return f"{len(theirs)} arenas instead of {len(mine)}"
+        for index, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+            if a != b:
+                return f"arena {index} is {b} instead of {a}"
+        if self.table.data != other.table.data:
+            return _first_record_difference(self.tensors, other.tensors)
+        if self.aliases != other.aliases:
+            return f"tied weights {other.aliases} instead of {self.aliases}"
+        if self.extra != other.extra:
+            keys = sorted(k for k in set(self.extra) | set(other.extra) if self.extra.get(k) != other.extra.get(k))
+            return (
+                f"the adapter's state {keys[0]!r} is {other.extra.get(keys[0])!r:.80} instead of {self.extra.get(keys[0])!r:.80}"
+            )
+        return None
+
     def views(self, arenas: "typing.Sequence[Arena]") -> "MappedTensors":
         """Tensors viewing the mapped ``arenas`` (no copy), aliases included: a dict that remembers the table and arenas
         (``rebind_module`` makes its Parameters from them in batches) and makes its own tensors on its first read."""
         if len(arenas) != len(self.arenas):
             raise ValueError(f"manifest has {len(self.arenas)} arenas, {len(arenas)} were mapped")
         return UnmadeTensors.of(self.table, [arena.bytes_view() for arena in arenas], dict(self.aliases))
+
+
+def _first_record_difference(mine: Records, theirs: Records) -> str:
+    """The first record of ``theirs`` that differs from ``mine`` (same position), as a sentence."""
+    by_name = {record.name: record for record in mine}
+    for index, record in enumerate(theirs):
+        if index >= len(mine):
+            return f"tensor {record.name!r} is not in the model"
+        expected = by_name.get(record.name)
+        if expected is None:
+            return f"tensor {record.name!r} is not in the model"
+        if record != expected or mine[index].name != record.name:
+            for field in attrs.fields(TensorRecord):
+                a, b = getattr(expected, field.name), getattr(record, field.name)
+                if a != b:
+                    return f"tensor {record.name!r} has {field.name} {b!r:.80} instead of {a!r:.80}"
+            return f"tensor {record.name!r} comes at position {index} instead of {mine[index].name!r}"
+    missing = [record.name for record in mine[len(theirs) :]]
+    return f"tensor {missing[0]!r} is missing" if missing else "the tensor tables differ"
 
 
 def _arenas(data: dict) -> list[ArenaSpec]:

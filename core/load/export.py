@@ -172,6 +172,17 @@ class ArenaBuilder:
                 arena.close()
         self._arenas = [None] * len(self._arenas)
 
+    def truncate(self, count: int) -> None:
+        """Close and forget every arena after the first ``count`` (their tensors were copied elsewhere: a refit's
+        version placed as its previous version)."""
+        if self._sealed:
+            raise ArenaError("cannot drop arenas: they are sealed")
+        for arena in self._arenas[count:]:
+            if arena is not None:
+                arena.close()
+        self._sizes, self._arenas = self._sizes[:count], self._arenas[:count]
+        self._fill, self._last_is_whole = (self._sizes[-1] if self._sizes else 0), True
+
     def reset(self) -> None:
         """Close every arena and forget every plan: the builder is empty again (a failed copy starts over)."""
         self.close()

@@ -30,8 +30,9 @@ from a crash), or the checkpoint is nothing the cache serves (a hub
 id not in the local cache, ``.bin`` weights). An engine that found no server or did not trust it tells nobody:
 its log line is the record."""
 
-EVICTION_REASONS = ("budget", "request", "stopping")
-"""Why entries left the server: to make room within a budget, ``weightcache evict``, the server stopping."""
+EVICTION_REASONS = ("budget", "request", "stopping", "superseded")
+"""Why entries left the server: to make room within a budget, ``weightcache evict``, the server stopping, a newer
+version of theirs published or switched to (refit)."""
 
 REFUSAL_CODES = (
     "access_denied",

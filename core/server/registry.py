@@ -176,6 +176,10 @@ class OverBudget(Exception):
     """Publishing would exceed a byte budget even after evicting every unattached entry."""
 
 
+class VersionConflict(Exception):
+    """A version of a lineage is published with other bytes than the entry already held for that version."""
+
+
 class TooManyArtifacts(Exception):
     """An entry already holds as many artifacts as the server allows."""
 
@@ -215,9 +219,12 @@ class Registry:
         attach sessions and artifacts, and the answer is still False.
 
         Raises OverBudget, having evicted nothing, when the entry does not fit
-        even after evicting every unattached entry (with ``evict`` False: without evicting any).
+        even after evicting every unattached entry (with ``evict`` False: without evicting any), and VersionConflict
+        when another entry holds the same version of the same lineage (``Fingerprint.version``). Publishing a version
+        drops its lineage's older versions that no engine has attached (``_drop_superseded``).
         """
         with self._lock:
+            self._check_version(entry.fingerprint)
             existing = self._entries.get(entry.digest)
             if existing is not None:
                 if existing.verified or not entry.verified:
@@ -241,6 +248,7 @@ class Registry:
             self._entries[entry.digest] = entry
             if self.on_publish is not None:
                 self.on_publish(entry)
+            self._drop_superseded(entry.fingerprint.lineage)
         log.info(
             "published %s (%s, %d bytes, %d arenas)",
             entry.digest[:12],
@@ -250,6 +258,37 @@ class Registry:
             extra=entry.log_fields(),
         )
         return True
+
+    def _check_version(self, fingerprint: Fingerprint) -> None:
+        """VersionConflict if another entry holds ``fingerprint``'s version of its lineage with other bytes."""
+        if fingerprint.version < 1:
+            return
+        lineage, version, digest = fingerprint.lineage, fingerprint.version, fingerprint.digest
+        for other in self._entries.values():
+            fp = other.fingerprint
+            if fp.version == version and fp.lineage == lineage and other.digest != digest:
+                raise VersionConflict(
+                    f"version {version} of {lineage[:12]} is held already with other bytes (entry {other.digest[:12]}); "
+                    "publish the next version instead"
+                )
+
+    def _drop_superseded(self, lineage: str) -> None:
+        """Drop the versions of ``lineage`` older than its newest that no engine has attached (under the lock).
+
+        Only versions made by a refit (1 and up) go: the entry published from disk stays for restarts, under the budgets.
+        """
+        held = [e for e in self._entries.values() if e.fingerprint.lineage == lineage]
+        newest = max((e.fingerprint.version for e in held), default=0)
+        for entry in held:
+            if 1 <= entry.fingerprint.version < newest and not entry.sessions:
+                self._drop(entry.digest, reason=f"superseded by version {newest}, attached by no engine", why="superseded")
+
+    def versions(self, lineage: str) -> list[dict]:
+        """The entries of ``lineage`` (``Fingerprint.lineage``), oldest version first: ``version``, ``digest``, ``fingerprint``."""
+        with self._lock:
+            held = [e for e in self._entries.values() if e.fingerprint.lineage == lineage]
+        held.sort(key=lambda e: e.fingerprint.version)
+        return [{"version": e.fingerprint.version, "digest": e.digest, "fingerprint": e.fingerprint.to_json()} for e in held]
 
     def _victims(self, needed: dict[str, int], keep: str | None = None) -> list[Entry]:
         """The least recently used unattached entries (never ``keep``) whose eviction makes room for ``needed``
@@ -414,12 +453,17 @@ class Registry:
             entry = self._entries.get(digest)
             if entry is not None:
                 entry.sessions.pop(connection, None)
+                self._drop_superseded(entry.fingerprint.lineage)
 
     def drop_connection(self, connection: int) -> None:
         """Forget every attachment made over ``connection`` (its engine detached or died)."""
         with self._lock:
+            lineages = set()
             for entry in self._entries.values():
-                entry.sessions.pop(connection, None)
+                if entry.sessions.pop(connection, None) is not None:
+                    lineages.add(entry.fingerprint.lineage)
+            for lineage in lineages:
+                self._drop_superseded(lineage)
 
     def evict(self, prefix: str, force: bool = False) -> list[str]:
         """Evict the one entry whose digest is or starts with ``prefix``; an attached one only with ``force``.

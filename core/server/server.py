@@ -48,7 +48,14 @@ from weightcache.core.server.http_endpoint import bind as bind_tcp
 from weightcache.core.server.http_endpoint import check_listening, listens_on
 from weightcache.core.server.metrics import Metrics
 from weightcache.core.server.reexec import spawn_successor
-from weightcache.core.server.registry import MAX_ARTIFACT_KEY_CHARS, Budgets, OverBudget, Registry, TooManyArtifacts
+from weightcache.core.server.registry import (
+    MAX_ARTIFACT_KEY_CHARS,
+    Budgets,
+    OverBudget,
+    Registry,
+    TooManyArtifacts,
+    VersionConflict,
+)
 from weightcache.core.server.rewarm import STATES as WARM_STATES
 from weightcache.core.server.rewarm import Warmer, scrub_in_background
 from weightcache.core.server.serve_config import ConfigError, ServeSource
@@ -523,6 +530,7 @@ class Server:
             "put_artifact": self._put_artifact,
             "get_artifact": self._get_artifact,
             "locate": self._locate,
+            "versions": self._versions,
             "report": self._report,
             "verified": self._verified,
         }
@@ -582,6 +590,9 @@ class Server:
         except OverBudget as exc:
             close_fds(fds)
             return error_reply("over_budget", str(exc)), []
+        except VersionConflict as exc:
+            close_fds(fds)
+            return error_reply("version_conflict", str(exc)), []
         return ok_reply(digest=entry.digest, created=created), []
 
     def _attach(self, message, fds, connection_id, pid):
@@ -642,6 +653,13 @@ class Server:
         """Where else the node holds this fingerprint's content (the loader copies from there; the server copies nothing)."""
         fingerprint = Fingerprint.from_json(message["fingerprint"])
         return ok_reply(sources=self.registry.locate(fingerprint)[:MAX_SOURCES]), []
+
+    def _versions(self, message, fds, connection_id, pid):
+        """The entries of one lineage, oldest version first (an engine picks the version to switch to; refit)."""
+        lineage = message["lineage"]
+        if not isinstance(lineage, str) or len(lineage) != 64:
+            raise ValueError("lineage must be a full digest (64 hex digits)")
+        return ok_reply(versions=self.registry.versions(lineage)[-MAX_SOURCES:]), []
 
     def _detach(self, message, fds, connection_id, pid):
         self.registry.detach(str(message["digest"]), connection_id)

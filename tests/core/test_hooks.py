@@ -56,6 +56,23 @@ def test_hook_weightcache_load(hf, model_dir):
         del direct, weight
 
 
+def test_hook_weightcache_load_tensors(hf, model_dir):
+    """A state dict in the checkpoint's naming builds the model the files build; the caller's tensors stay untouched."""
+    from safetensors.torch import load_file
+
+    path = model_dir("llama")
+    request = LoadRequest(model=str(path))
+    state = load_file(str(path / "model.safetensors"))
+    before = {name: tensor.clone() for name, tensor in state.items()}
+    with ArenaBuilder("cpu") as builder:
+        model = hf.load_tensors(request, state, builder)
+    plain = hf.load(request, None)
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    assert model.lm_head.weight is not model.model.embed_tokens.weight or plain.lm_head.weight is plain.model.embed_tokens.weight
+    assert all(torch.equal(state[name], before[name]) for name in state)
+
+
 def test_hook_weightcache_post_process(hf, model_dir):
     prepared = prepare(LoadRequest(model=str(model_dir("llama")), quantization="fp8-block"))
     model = hf.load(prepared.request, None)

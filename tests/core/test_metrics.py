@@ -101,7 +101,7 @@ def test_status_json_carries_the_same_counters(metered):
     status = json.loads(run_cli("status", "--json", "--socket-dir", str(server.socket_dir)).stdout)
     metrics = status["metrics"]
     assert (metrics["hits"], metrics["misses"], metrics["publishes"]) == (2, 1, 5)
-    assert metrics["evictions"] == {"budget": 3, "request": 1, "stopping": 0}
+    assert metrics["evictions"] == {"budget": 3, "request": 1, "stopping": 0, "superseded": 0}
     assert metrics["fallbacks"]["not_found"] == 1 and metrics["fallbacks"]["other"] == 1
     assert metrics["attach_seconds"]["count"] == 2 and metrics["entries"] == 1
     assert metrics["refusals"]["not_found"] == 0, "a miss is counted as a miss, not a refusal"

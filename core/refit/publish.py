@@ -1,0 +1,194 @@
+"""The trainer's side of a refit: a new version of a published model, from tensors held in memory.
+
+The adapter builds the model from the tensors (``weightcache_load_tensors``), post-processes and exports it exactly
+as a load from files does, every tensor lands where the previous version keeps it (``layout``), the arenas get their
+checksums, and the version is published in one frame under a fingerprint of its own: the model's, with the version's
+number and a content identity derived from those checksums. Engines then switch to it between two steps.
+"""
+
+from __future__ import annotations
+
+import time
+import typing
+
+import attrs
+
+from weightcache.core.client.client import Connection, HeldVersion
+from weightcache.core.errors import LayoutMismatch, VersionNotFound
+from weightcache.core.fingerprint import Fingerprint, ParallelSpec, sha256_json
+from weightcache.core.flow.loader import Prepared, prepare
+from weightcache.core.identity.safetensors_io import checkpoint_tensors
+from weightcache.core.layout.manifest import Manifest
+from weightcache.core.load.export import ArenaBuilder
+from weightcache.core.load.publish import publish_arenas, seal
+from weightcache.core.refit.layout import conform, place_like, state_difference
+from weightcache.core.request import LoadRequest
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
+from weightcache.core.wire.protocol import close_fds
+
+if typing.TYPE_CHECKING:
+    import torch
+
+    from weightcache.core.flow.plugins import Plugins
+
+
+@attrs.frozen
+class PublishedVersion:
+    """A version the server holds now: its number, entry digest and fingerprint; ``created``: this call published it."""
+
+    version: int
+    digest: str
+    fingerprint: Fingerprint
+    created: bool
+    timings: dict = attrs.field(eq=False, factory=dict)
+
+
+class StagedVersion:
+    """A version built in arenas, checksummed and identified, not published yet: ``publish()`` or ``close()`` it."""
+
+    def __init__(self, fingerprint: Fingerprint, manifest: Manifest, builder: ArenaBuilder, socket_dir: SocketDir, label: str):
+        self.fingerprint = fingerprint
+        self.manifest = manifest
+        self.builder = builder
+        self.socket_dir = socket_dir
+        self.label = label
+        self.timings: dict[str, float] = {}
+
+    @property
+    def version(self) -> int:
+        return self.fingerprint.version
+
+    def publish(self) -> PublishedVersion:
+        """Publish the version in one frame (a trainer killed before it leaves nothing behind) and release the arenas here."""
+        steps: dict[str, float] = {}
+        try:
+            reply = publish_arenas(self.builder, self.fingerprint, self.manifest, self.socket_dir, self.label, timings=steps)
+        finally:
+            self.close()
+        self.timings["publish_s"] = sum(steps.values())
+        return PublishedVersion(self.version, str(reply["digest"]), self.fingerprint, bool(reply["created"]), self.timings)
+
+    def close(self) -> None:
+        self.builder.close()
+
+    def __enter__(self) -> "StagedVersion":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def publish_version(
+    model: str,
+    state: "typing.Mapping[str, torch.Tensor]",
+    version: int,
+    *,
+    adapter: str = "hf",
+    dtype: str | None = None,
+    device: str = "cpu",
+    quantization: str | None = None,
+    parallel: ParallelSpec | None = None,
+    revision: str | None = None,
+    socket_dir: SocketDirLike = None,
+    plugins: "Plugins | None" = None,
+    **options: typing.Any,
+) -> PublishedVersion:
+    """Publish ``state`` (tensors named, shaped and typed as the checkpoint ``model`` stores them, on any device) as
+    version ``version`` of the entry ``load_model`` publishes for the same arguments.
+
+    The adapter's load, post-processing (block-FP8 quantisation included) and export run on the tensors as on files.
+    ``version`` must be newer than every version the server holds of the model (the one from disk is 0). Raises
+    LayoutMismatch naming the first difference, VersionNotFound when the server holds no version of the model, before
+    anything is published; ServerError ``over_budget`` when the budgets cannot hold this version beside the ones engines
+    still map.
+    """
+    request = LoadRequest(
+        model=model,
+        adapter=adapter,
+        dtype=dtype,
+        device=device,
+        quantization=quantization,
+        parallel=parallel or ParallelSpec(),
+        options=options,
+        revision=revision,
+    )
+    with stage_version(prepare(request, plugins), state, version, socket_dir) as staged:
+        return staged.publish()
+
+
+def stage_version(
+    prepared: Prepared, state: "typing.Mapping[str, torch.Tensor]", version: int, socket_dir: SocketDirLike = None
+) -> StagedVersion:
+    """Build version ``version`` of ``prepared``'s entry from ``state`` in arenas laid out as the newest version the server
+    holds, checksum them and name the result; nothing is published (``StagedVersion.publish``). See ``publish_version``."""
+    socket_dir = SocketDir.parse(socket_dir)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    request = prepared.request
+    difference = state_difference(checkpoint_tensors(request.model), state)
+    if difference is not None:
+        raise LayoutMismatch(f"version {version}", difference)
+    base = prepared.fingerprint
+    newest, template = _newest(base, socket_dir)
+    if type(version) is not int or version <= newest.version:
+        raise ValueError(
+            f"version {version!r:.40} is not newer than version {newest.version} the server holds; publish {newest.version + 1}"
+        )
+    timings["template_s"] = time.perf_counter() - start
+    builder = ArenaBuilder(request.device)
+    try:
+        start = time.perf_counter()
+        tensors = place_like(template, builder, state)
+        timings["place_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        model = prepared.adapter.load_tensors(request, tensors, builder)
+        del tensors
+        loaded = time.perf_counter()
+        model = prepared.adapter.post_process(request, model, prepared.description)
+        processed = time.perf_counter()
+        manifest = prepared.adapter.export(request, model, builder)
+        extra = prepared.adapter.manifest_extra(request, model)
+        del model
+        manifest = attrs.evolve(manifest, extra={**manifest.extra, **extra})
+        timings.update(load_s=loaded - start, post_process_s=processed - loaded, export_s=time.perf_counter() - processed)
+        start = time.perf_counter()
+        manifest, builder = conform(manifest, builder, template)
+        timings["conform_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        seal(builder)
+        manifest = attrs.evolve(manifest, arenas=builder.specs())
+        timings["seal_s"] = time.perf_counter() - start
+    except BaseException:
+        builder.close()
+        raise
+    fingerprint = base.as_version(version, content_identity(manifest))
+    staged = StagedVersion(fingerprint, manifest, builder, socket_dir, f"{prepared.label} v{version}")
+    staged.timings.update(timings)
+    return staged
+
+
+def content_identity(manifest: Manifest) -> str:
+    """What names a version's bytes: its layout and its arenas' checksums (two versions with equal bytes share it)."""
+    import hashlib
+
+    return sha256_json(
+        {
+            "table": hashlib.sha256(manifest.table.data).hexdigest(),
+            "arenas": [spec.to_json() for spec in manifest.arenas],
+            "aliases": manifest.aliases,
+            "extra": manifest.extra,
+        }
+    )
+
+
+def _newest(base: Fingerprint, socket_dir: SocketDir) -> tuple[HeldVersion, Manifest]:
+    """The newest version the server holds of ``base``'s lineage, and its manifest (attached and let go at once)."""
+    with Connection(socket_dir) as connection:
+        held = connection.versions(base.lineage)
+        if not held:
+            raise VersionNotFound(base.lineage, None, [])
+        newest = held[-1]
+        reply = connection.attach(newest.fingerprint)
+        close_fds(reply.fds)
+        connection.detach(reply.digest)
+        return newest, reply.manifest()
