@@ -20,6 +20,8 @@ cd "$ROOT"
 SHIM=$(mktemp -d /tmp/wc-shim-XXXX)
 mkdir -p "$SHIM/weightcache" "$SHIM/weightcache-0.0.0.dist-info"
 for part in core adapters conformance; do ln -s "$ROOT/$part" "$SHIM/weightcache/$part"; done
+# The public package itself (weightcache/__init__.py and its stub) beside them: the shim is the one weightcache package.
+for file in "$ROOT"/weightcache/*; do ln -s "$file" "$SHIM/weightcache/"; done
 printf 'Metadata-Version: 2.1\nName: weightcache\nVersion: 0.0.0\n' > "$SHIM/weightcache-0.0.0.dist-info/METADATA"
 python3 - "$SHIM" <<'PY'
 import sys, tomllib
