@@ -17,8 +17,15 @@ import importlib
 import os
 import typing
 
-from weightcache.core import __version__ as __version__
-from weightcache.core import old_paths
+# In a checkout this folder holds only the public face, and the layers are its neighbours (core/, adapters/,
+# conformance/, which an install maps under this package): a checkout on sys.path before an install, as pytest's
+# rootdir or a script run from the checkout puts it, finds them there.
+_checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_checkout, "core", "hookspecs.py")) and _checkout not in __path__:
+    __path__.append(_checkout)
+
+from weightcache.core import __version__ as __version__  # noqa: E402
+from weightcache.core import old_paths  # noqa: E402
 
 
 def _public_names() -> dict[str, str]:
