@@ -108,6 +108,8 @@ def _reset_signals(request: LaunchRequest) -> None:
 
 def fresh_state(target: Target, preloaded: Preloaded) -> types.ModuleType:
     """Interpreter state as ``python`` gives it before the target runs; returns the new ``__main__``."""
+    for name, value in preloaded.set_by_imports.items():
+        os.environ.setdefault(name, value)
     _fresh_streams()
     logging.shutdown()  # flush, then forget the launcher's handlers
     root = logging.getLogger()
@@ -172,13 +174,17 @@ def _isatty(fd: int) -> bool:
 
 
 def _reseed() -> None:
-    """A fresh interpreter seeds ``random`` and numpy's global generator from the OS; a fork would share the launcher's."""
+    """A fresh interpreter seeds ``random``, numpy's global generator and torch's CPU generator from the OS; a fork
+    would share the launcher's seeds with every sibling."""
     random = sys.modules.get("random")
     if random is not None:
         random.seed()
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         numpy_random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()
 
 
 def run_target(target: Target, main: types.ModuleType) -> typing.NoReturn:
@@ -221,7 +227,7 @@ def _compile(target: Target, main: types.ModuleType) -> types.CodeType:
     try:
         return compile(source, filename, "exec", dont_inherit=True)
     except SyntaxError as exc:  # as the interpreter reports a target it cannot compile: no traceback, status 1
-        sys.excepthook(type(exc), exc, None)
+        sys.excepthook(type(exc), exc.with_traceback(None), None)
         raise SystemExit(1) from None
 
 

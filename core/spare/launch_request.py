@@ -134,9 +134,13 @@ def _executable() -> str:
 
 
 def initial_environment() -> dict[str, str]:
-    """The environment this process was exec'd with (``/proc/self/environ``), whatever it has set since."""
-    with open("/proc/self/environ", "rb") as file:
-        entries = file.read().split(b"\0")
+    """The environment this process was exec'd with (``/proc/self/environ``), whatever it has set since; where that
+    cannot be read (a process that changed its uid is not dumpable), ``os.environ``."""
+    try:
+        with open("/proc/self/environ", "rb") as file:
+            entries = file.read().split(b"\0")
+    except PermissionError:
+        return dict(os.environ)
     env = {}
     for entry in entries:
         name, sep, value = entry.partition(b"=")

@@ -118,29 +118,38 @@ class Launcher:
         ensure_private_dir(self.socket_dir.path)
         self._listen(self._predecessor())
 
-    def _predecessor(self) -> socket.socket | None:
-        """A launcher already answering on the socket: refused without ``--replace``; its connection with it."""
+    def _predecessor(self) -> bool:
+        """Whether a launcher already answers on the socket (refused without ``replace``)."""
         if not os.path.exists(self.path):
-            return None
+            return False
         try:
-            sock = connect(self.socket_dir, timeout=REQUEST_DEADLINE_S)
+            pid = self._ask({"op": "hello"}).get("pid")
         except (ConnectionRefusedError, FileNotFoundError):
-            return None  # a launcher that died left its socket: taken over below
-        send_frame(sock, {"op": "hello"})
-        reply = FrameReader(sock).read(idle_timeout=REQUEST_DEADLINE_S)
-        pid = (reply or ({}, []))[0].get("pid")
+            return False  # a launcher that died left its socket: taken over below
         if not self.replace:
-            sock.close()
             raise LauncherError(
                 f"a launcher already serves at {self.path} (pid {pid}); `weightcache launcher --replace` takes its place "
                 "(its running engines keep running)"
             )
-        return sock
+        return True
 
-    def _listen(self, predecessor: socket.socket | None) -> None:
+    def _ask(self, message: dict) -> dict:
+        """One request to the launcher on the socket, its reply."""
+        sock = connect(self.socket_dir, timeout=REQUEST_DEADLINE_S)
+        try:
+            send_frame(sock, message)
+            reply = FrameReader(sock).read(idle_timeout=REQUEST_DEADLINE_S)
+        finally:
+            sock.close()
+        return reply[0] if reply is not None else {}
+
+    def _listen(self, predecessor: bool) -> None:
         staging = f"{self.path}.{self.pid}"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        retire = None
         try:
+            if predecessor:  # connected before the socket's path changes hands
+                retire = connect(self.socket_dir, timeout=REQUEST_DEADLINE_S)
             if os.path.lexists(staging):
                 os.unlink(staging)
             listener.bind(staging)
@@ -149,16 +158,18 @@ class Launcher:
             os.replace(staging, self.path)  # one step: a caller reaches either launcher, never none
         except OSError:
             listener.close()
+            if retire is not None:
+                retire.close()
             raise
         self._listener = listener
-        if predecessor is not None:
+        if retire is not None:
             try:
-                send_frame(predecessor, {"op": "retire"})
-                FrameReader(predecessor).read(idle_timeout=REQUEST_DEADLINE_S)
+                send_frame(retire, {"op": "retire"})
+                FrameReader(retire).read(idle_timeout=REQUEST_DEADLINE_S)
             except (OSError, ProtocolError) as exc:
                 log.warning("the launcher this one replaces did not confirm it retired: %s", exc)
             finally:
-                predecessor.close()
+                retire.close()
 
     def serve(self) -> Child | None:
         """Answer requests until stopped (SIGTERM, SIGINT) or retired with no engine left: None. In a forked child:

@@ -185,6 +185,9 @@ class Preloaded:
     fresh: FreshInterpreter
     baseline_threads: int
     filters: list = attrs.field(factory=list)
+    set_by_imports: dict[str, str] = attrs.field(factory=dict)
+    """Environment names the imports set where they were missing (torch's TORCHINDUCTOR_CACHE_DIR): a caller without
+    them gets them, as its own import would have set them."""
     timings: dict[str, float] = attrs.field(factory=dict)
 
     def check_request(self, env: dict[str, str], executable: str) -> None:
@@ -248,11 +251,10 @@ def prepare(modules: Iterable[str], models: Iterable[str] = (), warm: bool = Tru
     os.environ.clear()
     os.environ.update(env)  # what the command line set (progress bars off) must not shape the imports
     timings: dict[str, float] = {}
-    filters = list(warnings.filters)
     read: set[str] = set()
     imported = []
     start = time.perf_counter()
-    with recording_environment_reads(read), warnings.catch_warnings():
+    with recording_environment_reads(read):
         for name in modules:
             try:
                 importlib.import_module(name)
@@ -262,6 +264,8 @@ def prepare(modules: Iterable[str], models: Iterable[str] = (), warm: bool = Tru
         if models:
             _import_architectures(models)
     timings["imports_s"] = time.perf_counter() - start
+    filters = list(warnings.filters)  # with what the imports added, as a fresh interpreter that imports them has
+    set_by_imports = {k: v for k, v in os.environ.items() if k not in env}
     threads = python_threads()
     if threads:
         raise LauncherError(
@@ -294,6 +298,7 @@ def prepare(modules: Iterable[str], models: Iterable[str] = (), warm: bool = Tru
         fresh=fresh,
         baseline_threads=native_threads(),
         filters=filters,
+        set_by_imports=set_by_imports,
         timings=timings,
     )
 

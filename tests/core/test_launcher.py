@@ -25,7 +25,8 @@ LAUNCHER_START_S = 600.0
 
 _STATE = r"""
 import json, logging, os, random, resource, signal, sys, threading, warnings
-import torch
+import numpy, torch, safetensors, tokenizers, transformers, transformers.modeling_utils  # as an engine (and the launcher)
+import transformers.models.auto.tokenization_auto
 def _open(fd):
     try:
         os.fstat(fd)
@@ -49,14 +50,15 @@ print(json.dumps({
     "mask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     "nofile": resource.getrlimit(resource.RLIMIT_NOFILE), "nice": os.getpriority(os.PRIO_PROCESS, 0),
     "threads": threading.active_count(),
-    "torch_threads": torch.get_num_threads(), "torch_seed": torch.initial_seed(), "torch_rand": torch.rand(3).tolist(),
+    "torch_threads": torch.get_num_threads(), "seeds": [torch.initial_seed(), random.random(), numpy.random.random()],
     "root_handlers": len(logging.getLogger().handlers), "root_level": logging.getLogger().level,
     "stdout_line_buffered": sys.stdout.line_buffering, "stderr_line_buffered": sys.stderr.line_buffering,
     "pid": os.getpid(), "ppid_is_caller": os.getppid(),
 }))
 """
-PER_PROCESS = ("pid", "ppid_is_caller")
-"""What differs between any two processes."""
+PER_PROCESS = ("pid", "ppid_is_caller", "seeds", "session_leader", "group_leader")
+"""What differs between any two processes, and what a launched engine has of its own: it leads a session (nothing sent
+to the launcher's process group reaches it; the caller forwards signals)."""
 
 
 class LauncherProcess:
@@ -140,7 +142,9 @@ def test_a_launched_engine_sees_what_an_execd_one_sees(launcher, form, tmp_path)
     assert seen["pid"] != launcher.pid and seen["ppid_is_caller"] == launcher.pid  # a fork of the launcher...
     assert {k: v for k, v in seen.items() if k not in PER_PROCESS} == {k: v for k, v in expected.items() if k not in PER_PROCESS}
     assert seen["argv"][1:] == ["one", "two words"] and seen["stdin"] == "to stdin" and seen["fds"] == [0, 1, 2, write]
-    assert seen["env"]["ANY_NAME"] == "of the caller" and seen["session_leader"]
+    assert seen["env"]["ANY_NAME"] == "of the caller" and seen["session_leader"] and seen["group_leader"]
+    again = json.loads(subprocess.run(launch_command(launcher.socket_dir, "-c", _STATE), capture_output=True, text=True, timeout=300).stdout)
+    assert all(a != b for a, b in zip(again["seeds"], seen["seeds"], strict=True)), "siblings share a random seed"
 
 
 @pytest.mark.parametrize(
@@ -257,6 +261,7 @@ def test_a_launcher_whose_code_changed_refuses_and_is_replaced_without_dropping_
         running.stdin.write("go\n")
         running.stdin.close()
         assert running.wait(timeout=120) == 4
+        running.stdout.close()
         assert first.proc.wait(timeout=60) == 0, first.output()
     finally:
         for started in (first, second):
@@ -323,14 +328,22 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_another_uid_is_refused(tmp_path, test_user):  # noqa: F811
+_LAUNCH_AS_USER = """
+import os, sys
+from weightcache.core.spare import launch
+os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[1]))
+launched = launch.start(["-c", "import os; print(os.getuid(), flush=True)"], sys.argv[3])
+print(launched.wait())
+"""
+
+
+def test_another_uid_is_refused(test_user):  # noqa: F811
     """A launcher of the test user refuses root's request by its peer credentials (root may enter the user's 0700
     directory; only SO_PEERCRED stands between), and serves its own user."""
     uid, gid = test_user
-    socket_dir = tmp_path / "sock"
-    socket_dir.mkdir(mode=0o700)
+    socket_dir = Path(tempfile.mkdtemp(prefix="wc-launcher-"))  # in /tmp: the test user may reach it
     os.chown(socket_dir, uid, gid)
-    os.chmod(tmp_path, 0o755)
+    socket_dir.chmod(0o700)
     script = f"""
 import os, sys
 from weightcache.core.spare.launcher import Launcher
@@ -345,8 +358,9 @@ if child is not None:
 """
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
     try:
-        assert proc.stdout.readline() == "ready\n", proc.stderr.read() if proc.poll() is not None else ""
-        from weightcache.core.errors import AccessDenied, LaunchRefused
+        if proc.stdout.readline() != "ready\n":
+            pytest.fail(f"the test user's launcher did not start: {proc.communicate(timeout=60)[1]}")
+        from weightcache.core.errors import AccessDenied
         from weightcache.core.spare import launch
 
         with pytest.raises(AccessDenied):  # our client will not trust another user's directory...
@@ -373,14 +387,19 @@ if child is not None:
         assert frame is not None and frame[0]["error"]["code"] == "access_denied", frame
         assert f"uid {os.geteuid()} may not use a launcher of uid {uid}" in frame[0]["error"]["message"]
         assert not os.path.exists("/tmp/wc-launched-as-root")
-        assert LaunchRefused  # the client turns such a refusal into LaunchRefused (exec instead): see launch.start
+        own = subprocess.run(
+            [sys.executable, "-c", _LAUNCH_AS_USER, str(uid), str(gid), str(socket_dir)],
+            capture_output=True, text=True, timeout=120, cwd="/",
+        )  # fmt: skip
+        assert own.returncode == 0 and own.stdout.split() == [str(uid), "0"], own
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=60)
+            proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            proc.communicate()
+        subprocess.run(["rm", "-rf", str(socket_dir)], check=False)
 
 
 def test_timing_of_a_launch_is_a_fraction_of_an_exec(launcher):
