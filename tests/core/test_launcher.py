@@ -347,7 +347,7 @@ def test_another_uid_is_refused(test_user):  # noqa: F811
     script = f"""
 import os, sys
 from weightcache.core.spare.launcher import Launcher
-launcher = Launcher({str(socket_dir)!r}, preload=["json"], warm=False)
+launcher = Launcher({str(socket_dir)!r}, preload=[], warm=False)
 launcher.prepare()  # as root: the interpreter lives where the test user may not read
 os.setgroups([]); os.setgid({gid}); os.setuid({uid})
 launcher.listen()
