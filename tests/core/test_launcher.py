@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.core.test_server import test_user  # noqa: F401  the second user, made once
+from tests.helpers import wait_until
 
 LAUNCHER_START_S = 600.0
 
@@ -143,7 +144,9 @@ def test_a_launched_engine_sees_what_an_execd_one_sees(launcher, form, tmp_path)
     assert {k: v for k, v in seen.items() if k not in PER_PROCESS} == {k: v for k, v in expected.items() if k not in PER_PROCESS}
     assert seen["argv"][1:] == ["one", "two words"] and seen["stdin"] == "to stdin" and seen["fds"] == [0, 1, 2, write]
     assert seen["env"]["ANY_NAME"] == "of the caller" and seen["session_leader"] and seen["group_leader"]
-    again = json.loads(subprocess.run(launch_command(launcher.socket_dir, "-c", _STATE), capture_output=True, text=True, timeout=300).stdout)
+    again = json.loads(
+        subprocess.run(launch_command(launcher.socket_dir, "-c", _STATE), capture_output=True, text=True, timeout=300).stdout
+    )
     assert all(a != b for a, b in zip(again["seeds"], seen["seeds"], strict=True)), "siblings share a random seed"
 
 
@@ -221,6 +224,27 @@ def test_an_engine_outlives_its_launcher_killed(tmp_path):
         _, err = client.communicate(timeout=120)
         assert marker.read_text() == "ran"  # it ran to its end
         assert client.returncode == 1 and "the launcher went away while engine pid" in err, err
+    finally:
+        started.stop()
+
+
+def test_an_engine_whose_caller_is_killed_is_killed_with_it(tmp_path):
+    """``launch`` stands for the engine: a caller killed without a chance to forward (SIGKILL, the OOM killer) takes
+    its engine along, as the engine's own death would have been."""
+    started = LauncherProcess(tmp_path / "sock", "--preload", "json", "--no-warm")
+    try:
+        assert started.ready is not None, started.output()
+        client = subprocess.Popen(
+            launch_command(started.socket_dir, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        engine = int(client.stdout.readline())
+        client.kill()
+        client.wait(timeout=30)
+        client.stdout.close()
+        assert wait_until(lambda: not _running(engine), timeout=30), "the engine outlived its caller"
+        assert started.proc.poll() is None  # the launcher serves on
     finally:
         started.stop()
 
