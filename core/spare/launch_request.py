@@ -59,6 +59,14 @@ class Target:
         return [{"module": "-m", "code": "-c", "script": self.value}[self.form], *self.args]
 
 
+def _strings(values: typing.Iterable[str]) -> tuple[str, ...]:
+    return tuple(values)
+
+
+def _numbers(values: typing.Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
 @attrs.frozen
 class LaunchRequest:
     """The caller's state that an exec'd engine would inherit.
@@ -70,13 +78,13 @@ class LaunchRequest:
     :param limits: resource limits, ``RLIMIT_* -> [soft, hard]``.
     """
 
-    argv: tuple[str, ...] = attrs.field(converter=tuple)
+    argv: tuple[str, ...] = attrs.field(converter=_strings)
     env: dict[str, str]
     cwd: str
     umask: int
-    fds: tuple[int, ...] = attrs.field(converter=tuple)
-    ignored: tuple[int, ...] = attrs.field(converter=tuple, default=())
-    blocked: tuple[int, ...] = attrs.field(converter=tuple, default=())
+    fds: tuple[int, ...] = attrs.field(converter=_numbers)
+    ignored: tuple[int, ...] = attrs.field(converter=_numbers, default=())
+    blocked: tuple[int, ...] = attrs.field(converter=_numbers, default=())
     limits: dict[str, tuple[int, int]] = attrs.field(factory=dict)
     nice: int = 0
     executable: str = ""

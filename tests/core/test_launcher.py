@@ -150,6 +150,38 @@ def test_a_launched_engine_sees_what_an_execd_one_sees(launcher, form, tmp_path)
     assert all(a != b for a, b in zip(again["seeds"], seen["seeds"], strict=True)), "siblings share a random seed"
 
 
+_TERMINAL = (
+    "import json, os, sys; print(json.dumps([os.isatty(0), sys.stdin.line_buffering, sys.stdout.line_buffering, "
+    "sys.stderr.line_buffering, sys.stdout.write_through]))"
+)
+
+
+def test_on_a_terminal_the_streams_are_those_of_an_exec(launcher):
+    """On a terminal (a pty here) the interpreter line-buffers stdin and stdout: so does a launched engine."""
+    import pty
+
+    seen = []
+    for command in (launch_command(launcher.socket_dir, "-c", _TERMINAL), [sys.executable, "-c", _TERMINAL]):
+        leader, follower = pty.openpty()
+        try:
+            proc = subprocess.Popen(command, stdin=follower, stdout=follower, stderr=follower)
+            os.close(follower)
+            output = b""
+            while True:
+                try:
+                    chunk = os.read(leader, 4096)
+                except OSError:  # EIO: the pty's other side closed
+                    break
+                if not chunk:
+                    break
+                output += chunk
+            assert proc.wait(timeout=120) == 0, output
+        finally:
+            os.close(leader)
+        seen.append(json.loads(output.decode().strip().splitlines()[-1]))
+    assert seen[0] == seen[1] == [True, True, True, True, False], seen
+
+
 @pytest.mark.parametrize(
     ("code", "returncode"),
     [
@@ -159,6 +191,8 @@ def test_a_launched_engine_sees_what_an_execd_one_sees(launcher, form, tmp_path)
         ("def f():\n    raise ValueError('boom')\nf()", 1),
         ("raise KeyboardInterrupt", -signal.SIGINT),
         ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -signal.SIGTERM),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -signal.SIGKILL),
+        ("import os; os.abort()", -signal.SIGABRT),
         ("def broken(:", 1),
         ("import atexit, threading, time; atexit.register(print, 'atexit'); "
          "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()", 0),
