@@ -155,15 +155,11 @@ def _fresh_streams() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    for name, fd in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
+    unbuffered = getattr(sys.stdout, "write_through", False)  # -u or PYTHONUNBUFFERED, the launcher's as the caller's
+    for name, fd in (("stdin", 0), ("stdout", 1)):  # stderr is line-buffered (or written through) wherever it goes
         stream = getattr(sys, name)
-        if not isinstance(stream, io.TextIOWrapper) or stream.fileno() != fd:
-            continue
-        interactive = _isatty(fd)
-        if name == "stdin":
-            stream.reconfigure(line_buffering=interactive)
-        elif name == "stdout":
-            stream.reconfigure(line_buffering=interactive and not stream.write_through)  # -u: written through
+        if isinstance(stream, io.TextIOWrapper) and stream.fileno() == fd:
+            stream.reconfigure(line_buffering=_isatty(fd) and not unbuffered)
 
 
 def _isatty(fd: int) -> bool:

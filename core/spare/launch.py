@@ -218,4 +218,8 @@ def run(args: argparse.Namespace) -> int:
     argv = list(args.python_args)
     if argv[:1] == ["--"]:
         argv = argv[1:]
+    if not argv:
+        print("weightcache launch: error: no command; give the arguments of `python` after `--`, e.g. "
+              "`weightcache launch -- -m my_engine.serve --model M`", file=sys.stderr)  # fmt: skip
+        return 2
     launch(argv, args.socket_dir, strict=args.strict)

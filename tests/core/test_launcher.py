@@ -156,30 +156,41 @@ _TERMINAL = (
 )
 
 
-def test_on_a_terminal_the_streams_are_those_of_an_exec(launcher):
-    """On a terminal (a pty here) the interpreter line-buffers stdin and stdout: so does a launched engine."""
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "PYTHONUNBUFFERED"])
+def test_on_a_terminal_the_streams_are_those_of_an_exec(tmp_path, unbuffered):
+    """On a terminal (a pty here) the interpreter line-buffers stdin and stdout, unless told to write through: so
+    does a launched engine."""
     import pty
 
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    started = LauncherProcess(tmp_path / "sock", "--preload", "json", "--no-warm", env=env)
     seen = []
-    for command in (launch_command(launcher.socket_dir, "-c", _TERMINAL), [sys.executable, "-c", _TERMINAL]):
-        leader, follower = pty.openpty()
-        try:
-            proc = subprocess.Popen(command, stdin=follower, stdout=follower, stderr=follower)
-            os.close(follower)
-            output = b""
-            while True:
-                try:
-                    chunk = os.read(leader, 4096)
-                except OSError:  # EIO: the pty's other side closed
-                    break
-                if not chunk:
-                    break
-                output += chunk
-            assert proc.wait(timeout=120) == 0, output
-        finally:
-            os.close(leader)
-        seen.append(json.loads(output.decode().strip().splitlines()[-1]))
-    assert seen[0] == seen[1] == [True, True, True, True, False], seen
+    try:
+        assert started.ready is not None, started.output()
+        for command in (launch_command(started.socket_dir, "-c", _TERMINAL), [sys.executable, "-c", _TERMINAL]):
+            leader, follower = pty.openpty()
+            try:
+                proc = subprocess.Popen(command, stdin=follower, stdout=follower, stderr=follower, env=env)
+                os.close(follower)
+                output = b""
+                while True:
+                    try:
+                        chunk = os.read(leader, 4096)
+                    except OSError:  # EIO: the pty's other side closed
+                        break
+                    if not chunk:
+                        break
+                    output += chunk
+                assert proc.wait(timeout=120) == 0, output
+            finally:
+                os.close(leader)
+            seen.append(json.loads(output.decode().strip().splitlines()[-1]))
+    finally:
+        started.stop()
+    expected = [True, False, False, False, True] if unbuffered else [True, True, True, True, False]
+    assert seen[0] == seen[1] == expected, seen
 
 
 @pytest.mark.parametrize(
