@@ -20,6 +20,7 @@ import linecache
 import logging
 import os
 import resource
+import runpy
 import signal
 import socket
 import sys
@@ -187,8 +188,6 @@ def run_target(target: Target, main: types.ModuleType) -> typing.NoReturn:
     """Run ``target`` in ``main``; never returns: a SystemExit ends the interpreter as ``python``'s own would."""
     try:
         if target.form == "module":
-            import runpy
-
             runpy._run_module_as_main(target.value, alter_argv=True)  # type: ignore[attr-defined]
         else:
             code = _compile(target, main)

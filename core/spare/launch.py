@@ -13,6 +13,7 @@ import argparse
 import fcntl
 import os
 import resource
+import select
 import signal
 import socket
 import sys
@@ -61,8 +62,6 @@ class Launched:
             close_fds(frame[1])
             self.returncode = int(frame[0]["returncode"])
             return self.returncode
-        import select
-
         select.select([self.pidfd], [], [])
         return None
 
