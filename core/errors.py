@@ -391,6 +391,19 @@ class StandbyError(WeightCacheError):
     """A warm spare could not get ready (no entry to attach, no forward to warm up with, a bad --then or --watch-pid)."""
 
 
+class LauncherError(WeightCacheError):
+    """A launcher could not start, or could not serve a request (``weightcache launcher``, ``weightcache launch``)."""
+
+
+class LaunchRefused(WeightCacheError):
+    """A launcher will not start this engine as a fork (``reason``: ``stale_code``, ``environment``, ``interpreter``,
+    ``fork_unsafe``, ``access_denied``, ``retired`` or ``target``); ``weightcache launch`` then execs the engine itself."""
+
+    def __init__(self, reason: str, message: str):
+        self.reason = reason
+        super().__init__(message)
+
+
 class SeedRefused(WeightCacheError):
     """A node cannot use the entry a peer offers it (``fields``: the environment fields that differ); nothing was published."""
 

@@ -263,13 +263,15 @@ FAST_EXIT_COMMANDS = frozenset({"load"})
 
 
 def entry() -> typing.NoReturn:
-    """The ``weightcache`` console script: ``main``, then exit.
+    """The ``weightcache`` console script: ``main``, then exit (``weightcache launch ...`` through ``launch_only``).
 
     After ``load`` (a process that imported torch and transformers only to publish) the
     interpreter's teardown of those modules is skipped: it took 1.1–1.3 s on the CPU VM and
     1.3–2.0 s on the H200 after every byte was published. Output and logs are flushed first;
     weightcache registers no exit handler, and the server already holds every fd it needs.
     """
+    if sys.argv[1:2] == [LAUNCH_COMMAND]:
+        sys.exit(launch_only(sys.argv[1:]))
     code = main()
     if _subcommand(sys.argv[1:]) in FAST_EXIT_COMMANDS:
         sys.stdout.flush()
@@ -277,6 +279,24 @@ def entry() -> typing.NoReturn:
         logging.shutdown()
         os._exit(code)
     sys.exit(code)
+
+
+LAUNCH_COMMAND = "launch"
+"""The subcommand that stands for an engine being started: its own start is on the engine's clock."""
+
+
+def launch_only(argv: Sequence[str]) -> int:
+    """``weightcache launch ...`` with only that command's parser: no other command's module is loaded, no logging is
+    configured (the engine's standard streams are the caller's, untouched)."""
+    import importlib.metadata
+
+    found = [e for e in importlib.metadata.entry_points(group=COMMANDS_GROUP) if e.name == LAUNCH_COMMAND]
+    if not found:
+        return main(argv)
+    command = found[0].load()
+    parser = argparse.ArgumentParser(prog="weightcache")
+    command.add_parser(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    return command.run(parser.parse_args(argv))
 
 
 def _subcommand(argv: Sequence[str]) -> str | None:

@@ -1,0 +1,427 @@
+"""A launcher: engines start as forks of one process that has imported the frameworks already (``weightcache launcher``).
+
+    weightcache launcher [--socket-dir DIR] [--preload MODULES] [--model DIR ...] [--no-warm] [--replace]
+    weightcache launch [--socket-dir DIR] [--strict] -- PYTHON-ARGS...
+
+The launcher imports torch, transformers, tokenizers (and vLLM or SGLang where an installed adapter names them) once,
+creates no CUDA context and no thread pool, warms torch's CPU kernels on one thread, and listens on ``launcher.sock``
+in the server's private directory (0700; peers of another uid are refused by their credentials). ``weightcache
+launch -- -m my_engine.serve --model M`` asks it for an engine: the launcher forks, and the child takes the caller's
+fds, environment, working directory, umask, signal state and limits, then runs the module, code or script as
+``python`` would. ``launch`` forwards signals to the engine and exits with its status.
+
+A launcher refuses (and ``launch`` execs the engine itself, with one line saying why) when its imported code
+changed on disk, when the caller's environment differs on a name the imports read, or when a fork would not be
+safe. ``--replace`` takes the socket over from a running launcher, which finishes its engines' waits and exits;
+engines are independent processes, so neither replacing nor killing a launcher stops them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+import typing
+
+import attrs
+
+from weightcache.core import __version__
+from weightcache.core.cli.cli_options import add_socket_dir, help_text
+from weightcache.core.errors import LauncherError, LaunchRefused, ProtocolError
+from weightcache.core.socket_dir import SocketDir, SocketDirLike
+from weightcache.core.spare.become import become, fresh_state, run_target
+from weightcache.core.spare.launch import connect
+from weightcache.core.spare.launch_request import LaunchRequest, Target, launcher_socket
+from weightcache.core.spare.preload import DEFAULT_PRELOAD, Preloaded, engine_modules, prepare
+from weightcache.core.wire.paths import ensure_private_dir, peer_credentials
+from weightcache.core.wire.protocol import FrameReader, close_fds, error_reply, ok_reply, send_frame
+
+log = logging.getLogger(__name__)
+
+REQUEST_DEADLINE_S = 10.0
+
+
+@attrs.define
+class _Engine:
+    """An engine this launcher forked: the caller's connection (None once it closed) and the engine's pidfd."""
+
+    conn: socket.socket | None
+    pidfd: int
+    returncode: int | None = None
+
+
+@attrs.define
+class Child:
+    """What ``serve`` returns in a forked child: run it (never returns)."""
+
+    target: Target
+    preloaded: Preloaded
+
+    def run(self) -> typing.NoReturn:
+        run_target(self.target, fresh_state(self.target, self.preloaded))
+
+
+class Launcher:
+    """Serves engine starts on ``launcher.sock`` in ``socket_dir``: ``start()``, then ``serve()``."""
+
+    def __init__(
+        self,
+        socket_dir: SocketDirLike = None,
+        preload: typing.Sequence[str] | None = None,
+        models: typing.Sequence[str] = (),
+        warm: bool = True,
+        replace: bool = False,
+    ):
+        self.socket_dir = SocketDir.parse(socket_dir)
+        self.path = launcher_socket(self.socket_dir)
+        self.preload = preload
+        self.models = tuple(models)
+        self.warm = warm
+        self.replace = replace
+        self.pid = os.getpid()
+        self.preloaded: Preloaded | None = None
+        self.retired = False
+        self._listener: socket.socket | None = None
+        self._engines: dict[int, _Engine] = {}
+        self._selector: selectors.BaseSelector | None = None
+        self._wakeup: tuple[int, int] | None = None
+        self._stopping = False
+
+    def start(self) -> dict:
+        """``prepare()``, then ``listen()``; returns the ``ready`` report."""
+        began = time.perf_counter()
+        preloaded = self.prepare()
+        self.listen()
+        return {
+            "event": "ready",
+            "pid": self.pid,
+            "socket": self.path,
+            "preloaded": list(preloaded.modules),
+            "models": list(self.models),
+            "timings": {**preloaded.timings, "ready_s": time.perf_counter() - began},
+        }
+
+    def prepare(self) -> Preloaded:
+        """Import and check (``preload.prepare``): LauncherError says what is not fork-safe."""
+        modules = list(self.preload) if self.preload is not None else [*DEFAULT_PRELOAD, *engine_modules()]
+        self.preloaded = prepare(modules, self.models, warm=self.warm)
+        return self.preloaded
+
+    def listen(self) -> None:
+        """Take the socket (from a running launcher only with ``replace``; it retires)."""
+        ensure_private_dir(self.socket_dir.path)
+        self._listen(self._predecessor())
+
+    def _predecessor(self) -> bool:
+        """Whether a launcher already answers on the socket (refused without ``replace``)."""
+        if not os.path.exists(self.path):
+            return False
+        try:
+            pid = self._ask({"op": "hello"}).get("pid")
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False  # a launcher that died left its socket: taken over below
+        if not self.replace:
+            raise LauncherError(
+                f"a launcher already serves at {self.path} (pid {pid}); `weightcache launcher --replace` takes its place "
+                "(its running engines keep running)"
+            )
+        return True
+
+    def _ask(self, message: dict) -> dict:
+        """One request to the launcher on the socket, its reply."""
+        sock = connect(self.socket_dir, timeout=REQUEST_DEADLINE_S)
+        try:
+            send_frame(sock, message)
+            reply = FrameReader(sock).read(idle_timeout=REQUEST_DEADLINE_S)
+        finally:
+            sock.close()
+        return reply[0] if reply is not None else {}
+
+    def _listen(self, predecessor: bool) -> None:
+        staging = f"{self.path}.{self.pid}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        retire = None
+        try:
+            if predecessor:  # connected before the socket's path changes hands
+                retire = connect(self.socket_dir, timeout=REQUEST_DEADLINE_S)
+            if os.path.lexists(staging):
+                os.unlink(staging)
+            listener.bind(staging)
+            os.chmod(staging, 0o600)
+            listener.listen(64)
+            os.replace(staging, self.path)  # one step: a caller reaches either launcher, never none
+        except OSError:
+            listener.close()
+            if retire is not None:
+                retire.close()
+            raise
+        self._listener = listener
+        if retire is not None:
+            try:
+                send_frame(retire, {"op": "retire"})
+                FrameReader(retire).read(idle_timeout=REQUEST_DEADLINE_S)
+            except (OSError, ProtocolError) as exc:
+                log.warning("the launcher this one replaces did not confirm it retired: %s", exc)
+            finally:
+                retire.close()
+
+    def serve(self) -> Child | None:
+        """Answer requests until stopped (SIGTERM, SIGINT) or retired with no engine left: None. In a forked child:
+        the Child to run."""
+        if self._listener is None or self.preloaded is None:
+            raise LauncherError("start() the launcher before serving")
+        selector = self._selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ, ("listener", None))
+        self._catch_stop_signals(selector)
+        log.info("launcher (pid %d) serving on %s", self.pid, self.path)
+        try:
+            while not self._stopping and not (self.retired and not self._engines):
+                for key, _ in selector.select():
+                    kind, pid = key.data
+                    if kind == "listener":
+                        child = self._accept()
+                        if child is not None:
+                            return child
+                    elif kind == "exit":
+                        self._exited(pid)
+                    elif kind == "conn":
+                        self._caller_closed(pid)
+                    elif kind == "stop":
+                        os.read(key.fd, 512)
+                        self._stopping = True
+            return None
+        finally:
+            if os.getpid() == self.pid:
+                self._close()
+
+    def _catch_stop_signals(self, selector: selectors.BaseSelector) -> None:
+        read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wakeup = (read_end, write_end)
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)  # the byte on the wake-up fd is what counts
+        selector.register(read_end, selectors.EVENT_READ, ("stop", None))
+
+    def _accept(self) -> Child | None:
+        assert self._listener is not None
+        conn, _ = self._listener.accept()
+        conn.setblocking(True)
+        try:
+            return self._answer(conn)
+        except (OSError, ProtocolError, TimeoutError) as exc:
+            log.warning("dropped a request: %s", exc)
+            conn.close()
+            return None
+
+    def _answer(self, conn: socket.socket) -> Child | None:
+        pid, uid, _ = peer_credentials(conn)
+        if uid != os.geteuid():
+            log.warning("refused pid %d of uid %d: the launcher runs as uid %d", pid, uid, os.geteuid())
+            _try_send(conn, error_reply("access_denied", f"uid {uid} may not use a launcher of uid {os.geteuid()}"))
+            conn.close()
+            return None
+        frame = FrameReader(conn, deadline_s=REQUEST_DEADLINE_S).read(idle_timeout=REQUEST_DEADLINE_S)
+        if frame is None:
+            conn.close()
+            return None
+        message, fds = frame
+        op = message.get("op")
+        if op == "hello":
+            close_fds(fds)
+            send_frame(conn, ok_reply(**self.hello()))
+            conn.close()
+            return None
+        if op == "retire":
+            close_fds(fds)
+            self._retire()
+            send_frame(conn, ok_reply(engines=len(self._engines)))
+            conn.close()
+            return None
+        if op != "launch":
+            close_fds(fds)
+            _try_send(conn, error_reply("unknown_op", f"unknown request {op!r}; run the same weightcache version"))
+            conn.close()
+            return None
+        try:
+            request = LaunchRequest.from_message(message, len(fds))
+            target = Target.parse(request.argv)
+            if self.retired:
+                raise LaunchRefused("retired", "this launcher was replaced and starts no more engines; ask again")
+            assert self.preloaded is not None
+            self.preloaded.check_request(request.env, request.executable)
+        except LaunchRefused as exc:
+            close_fds(fds)
+            log.info("refused a launch from pid %d: %s", pid, exc)
+            _try_send(conn, error_reply(exc.reason, str(exc)))
+            conn.close()
+            return None
+        return self._fork(conn, request, fds, target)
+
+    def _fork(self, conn: socket.socket, request: LaunchRequest, fds: list[int], target: Target) -> Child | None:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        child = os.fork()
+        if child == 0:
+            return self._in_child(conn, request, fds, target)
+        close_fds(fds)
+        pidfd = os.pidfd_open(child)
+        self._engines[child] = _Engine(conn, pidfd)
+        assert self._selector is not None
+        self._selector.register(pidfd, selectors.EVENT_READ, ("exit", child))
+        self._selector.register(conn, selectors.EVENT_READ, ("conn", child))
+        log.info("started engine pid %d: %s", child, " ".join(request.argv)[:200])
+        return None
+
+    def _in_child(self, conn: socket.socket, request: LaunchRequest, fds: list[int], target: Target) -> Child:
+        self._release_in_child(conn)
+        become(request, fds, conn)
+        assert self.preloaded is not None
+        return Child(target, self.preloaded)
+
+    def _release_in_child(self, keep: socket.socket) -> None:
+        """Close the launcher's sockets, pidfds and pipes in a forked child (``keep``: the caller's connection)."""
+        if self._selector is not None:
+            self._selector.close()
+        if self._listener is not None:
+            self._listener.close()
+        for engine in self._engines.values():
+            if engine.conn is not None and engine.conn is not keep:
+                engine.conn.close()
+            os.close(engine.pidfd)
+        self._engines.clear()
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            for fd in self._wakeup:
+                os.close(fd)
+            self._wakeup = None
+
+    def _exited(self, pid: int) -> None:
+        engine = self._engines[pid]
+        assert self._selector is not None
+        self._selector.unregister(engine.pidfd)
+        result = os.waitid(os.P_PIDFD, engine.pidfd, os.WEXITED | os.WNOWAIT)
+        code = 0
+        if result is not None:
+            code = result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
+        engine.returncode = code
+        log.info("engine pid %d exited with status %d", pid, code)
+        if engine.conn is not None:
+            _try_send(engine.conn, ok_reply(returncode=code))  # the caller closes; the zombie stays until then
+        else:
+            self._reap(pid)
+
+    def _caller_closed(self, pid: int) -> None:
+        """The caller's connection closed: after the status, reap; before it, the caller is gone, so is its engine."""
+        engine = self._engines[pid]
+        assert self._selector is not None and engine.conn is not None
+        self._selector.unregister(engine.conn)
+        engine.conn.close()
+        engine.conn = None
+        if engine.returncode is not None:
+            self._reap(pid)
+        else:
+            log.warning("the caller of engine pid %d went away; the engine is killed with it", pid)
+            signal.pidfd_send_signal(engine.pidfd, signal.SIGKILL)
+
+    def _reap(self, pid: int) -> None:
+        engine = self._engines.pop(pid)
+        os.waitpid(pid, 0)
+        os.close(engine.pidfd)
+
+    def _retire(self) -> None:
+        """Start no more engines; stop listening (the socket's path is the successor's now); exit after the last one."""
+        self.retired = True
+        if self._listener is not None:
+            assert self._selector is not None
+            self._selector.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+        log.info("launcher retired: %d engine(s) still running", len(self._engines))
+
+    def hello(self) -> dict:
+        assert self.preloaded is not None
+        return {
+            "pid": self.pid,
+            "version": __version__,
+            "executable": os.path.realpath(sys.executable),
+            "preloaded": list(self.preloaded.modules),
+            "engines": sorted(self._engines),
+            "retired": self.retired,
+            "stale": self.preloaded.stamp.changed(),
+        }
+
+    def _close(self) -> None:
+        """Stop listening: unlink the socket if it is still this launcher's. Engines keep running."""
+        if self._listener is not None:
+            try:
+                if os.stat(self.path).st_ino == os.fstat(self._listener.fileno()).st_ino:
+                    os.unlink(self.path)
+            except OSError:
+                pass
+            self._listener.close()
+            self._listener = None
+        if self._selector is not None:
+            self._selector.close()
+            self._selector = None
+        for engine in self._engines.values():
+            if engine.conn is not None:
+                engine.conn.close()
+            os.close(engine.pidfd)
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            for fd in self._wakeup:
+                os.close(fd)
+            self._wakeup = None
+
+
+def _try_send(conn: socket.socket, message: dict) -> None:
+    try:
+        conn.settimeout(1.0)
+        send_frame(conn, message)
+    except OSError:
+        pass
+
+
+# --- the `weightcache launcher` command (registered under the `weightcache.commands` entry points) ------------------
+
+
+def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "launcher",
+        help="pre-import the frameworks once; start engines as forks (`weightcache launch`)",
+        description=help_text(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_socket_dir(parser)
+    parser.add_argument(
+        "--preload",
+        metavar="MODULES",
+        help="comma-separated modules to import (default: numpy, torch, safetensors, tokenizers, transformers and the "
+        "installed engines the adapters name)",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also import this checkpoint's model module (repeatable)",
+    )
+    parser.add_argument("--no-warm", action="store_true", help="do not run torch's CPU kernels once before serving")
+    parser.add_argument("--replace", action="store_true", help="take the socket over from a running launcher")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    preload = [m.strip() for m in args.preload.split(",") if m.strip()] if args.preload is not None else None
+    launcher = Launcher(args.socket_dir, preload=preload, models=args.model, warm=not args.no_warm, replace=args.replace)
+    print(json.dumps(launcher.start()), flush=True)
+    child = launcher.serve()
+    if child is None:
+        return 0
+    child.run()

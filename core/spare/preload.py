@@ -1,0 +1,384 @@
+"""What a launcher does once before serving, and what it checks before every fork.
+
+Once: import the frameworks (recording which environment names the imports read), warm torch's CPU kernels on one
+thread, learn what a fresh ``python`` of the same environment looks like, and fork a canary that must run torch and
+numpy to the end. Before each fork: the code it imported is still the code on disk, the caller's environment agrees
+with its own on every name the imports read, and it is still as fork-safe as when it started (one Python thread, no
+native thread more than its baseline, no CUDA context).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import typing
+import warnings
+from collections.abc import Iterable, Iterator
+
+import attrs
+
+from weightcache.core.errors import LauncherError, LaunchRefused
+from weightcache.core.spare.launch_request import initial_environment
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PRELOAD = (
+    "numpy",
+    "torch",
+    "safetensors",
+    "tokenizers",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.auto.tokenization_auto",
+)
+ENGINE_MODULES = {"vllm": ("vllm",), "sglang": ("sglang",)}
+"""Engines an adapter names: preloaded where the adapter's entry point and the engine are both installed."""
+TRACKED_PACKAGES = frozenset(
+    {"torch", "transformers", "tokenizers", "safetensors", "numpy", "scipy", "huggingface_hub", "weightcache", "vllm", "sglang"}
+)
+"""Packages whose loaded files are compared with the disk before each fork: an upgrade makes the launcher refuse."""
+READ_OUTSIDE_PYTHON = (
+    "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "PYTHON", "LD_", "MALLOC_", "LANG", "LC_", "TORCH", "PYTORCH_", "TQDM_",
+    "CUDA_MODULE_LOADING",
+)  # fmt: skip
+"""Environment names (prefixes) the imports may read where recording cannot see them: in C (OpenMP, BLAS, the
+interpreter, libtorch's static initialisers) or by scanning the whole environment (tqdm's ``TQDM_``). A caller whose
+value differs from the launcher's on any of them is exec'd."""
+CANARY_TIMEOUT_S = 60.0
+CANARY_TIMEOUT_ENV = "WEIGHTCACHE_LAUNCHER_CANARY_S"
+
+
+@contextlib.contextmanager
+def recording_environment_reads(sink: set[str]) -> Iterator[None]:
+    """Add to ``sink`` every name read through ``os.environ`` (``[]``, ``get``, ``in``, ``os.getenv``) meanwhile; a scan
+    of the whole environment (``items()``, which reads every name) is not a read of each name: ``READ_OUTSIDE_PYTHON``
+    names the prefixes the scans look for."""
+    environ_type = type(os.environ)
+    original = environ_type.__getitem__
+
+    def recorded(self, key):
+        if sys._getframe(1).f_code.co_name != "__iter__":
+            sink.add(key)
+        return original(self, key)
+
+    environ_type.__getitem__ = recorded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        environ_type.__getitem__ = original  # type: ignore[method-assign]
+
+
+def python_threads() -> list[str]:
+    """Names of the Python threads other than the main one."""
+    return [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+
+
+def native_threads() -> int:
+    """How many threads this process has (``/proc/self/task``): Python's and the libraries' own."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def cuda_initialized() -> bool:
+    """Whether torch (if imported) has created a CUDA context here: a fork would copy a context it cannot use."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+@attrs.frozen
+class CodeStamp:
+    """The files of the tracked packages' loaded modules, with their modification time and size at the stamp."""
+
+    files: dict[str, tuple[int, int]]
+
+    @classmethod
+    def of_loaded(cls, packages: Iterable[str] = TRACKED_PACKAGES) -> CodeStamp:
+        tracked = frozenset(packages)
+        files = {}
+        for name, module in list(sys.modules.items()):
+            path = getattr(module, "__file__", None)
+            if path and name.partition(".")[0] in tracked:
+                files[path] = _stat(path)
+        return cls(files)
+
+    def changed(self, limit: int = 3) -> list[str]:
+        """Up to ``limit`` files that differ from the stamp (modified, replaced or removed)."""
+        changed = []
+        for path, seen in self.files.items():
+            if _stat(path) != seen:
+                changed.append(path)
+                if len(changed) >= limit:
+                    break
+        return changed
+
+
+def _stat(path: str) -> tuple[int, int]:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return (-1, -1)
+    return (info.st_mtime_ns, info.st_size)
+
+
+@attrs.frozen
+class FreshInterpreter:
+    """What ``python`` of the launcher's environment starts with: ``sys.path`` after its first entry, flags, options."""
+
+    path: tuple[str, ...]
+    flags: tuple[int, ...]
+    warnoptions: tuple[str, ...]
+    xoptions: dict
+    filters: tuple[str, ...]
+
+    PROBE: typing.ClassVar[str] = (
+        "import json, sys, warnings; print(json.dumps({'path': sys.path[1:], 'flags': list(sys.flags), "
+        "'warnoptions': sys.warnoptions, 'xoptions': {k: str(v) for k, v in sys._xoptions.items()}, "
+        "'filters': [repr(f) for f in warnings.filters]}))"
+    )
+
+    @classmethod
+    def probe(cls, executable: str, env: dict[str, str]) -> FreshInterpreter:
+        """Start ``executable`` once in ``env`` and ask it."""
+        try:
+            done = subprocess.run(
+                [executable, "-c", cls.PROBE], env=env, cwd="/", capture_output=True, text=True, timeout=120, check=True
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise LauncherError(f"cannot start {executable} to learn what a fresh interpreter looks like: {exc}") from None
+        seen = json.loads(done.stdout)
+        return cls(
+            path=tuple(seen["path"]),
+            flags=tuple(seen["flags"]),
+            warnoptions=tuple(seen["warnoptions"]),
+            xoptions=seen["xoptions"],
+            filters=tuple(seen["filters"]),
+        )
+
+    def check_matches_this_process(self) -> None:
+        """LauncherError unless this interpreter started as a plain ``python`` would (flags and options)."""
+        mine = {k: str(v) for k, v in sys._xoptions.items()}
+        if tuple(sys.flags) != self.flags or tuple(sys.warnoptions) != self.warnoptions or mine != self.xoptions:
+            raise LauncherError(
+                f"the launcher's interpreter runs with options a plain `python` does not have (flags {tuple(sys.flags)}, "
+                f"-W {sys.warnoptions}, -X {mine}); start it as `weightcache launcher`, without interpreter options"
+            )
+
+
+@attrs.define
+class Preloaded:
+    """What the launcher imported and learnt before its first request (``prepare``)."""
+
+    modules: tuple[str, ...]
+    env: dict[str, str]
+    read_at_import: frozenset[str]
+    stamp: CodeStamp
+    fresh: FreshInterpreter
+    baseline_threads: int
+    filters: list = attrs.field(factory=list)
+    set_by_imports: dict[str, str] = attrs.field(factory=dict)
+    """Environment names the imports set where they were missing (torch's TORCHINDUCTOR_CACHE_DIR): a caller without
+    them gets them, as its own import would have set them."""
+    timings: dict[str, float] = attrs.field(factory=dict)
+
+    def check_request(self, env: dict[str, str], executable: str) -> None:
+        """LaunchRefused unless a fork for a caller of ``env`` and ``executable`` would start as its exec would."""
+        if executable and executable != os.path.realpath(sys.executable):
+            raise LaunchRefused(
+                "interpreter",
+                f"the launcher runs {os.path.realpath(sys.executable)}, the caller would run {executable}; "
+                "start a launcher with the caller's interpreter",
+            )
+        changed = self.stamp.changed()
+        if changed:
+            raise LaunchRefused(
+                "stale_code",
+                f"the launcher's imported code changed on disk since it started ({', '.join(changed)}); "
+                "replace it with `weightcache launcher --replace`",
+            )
+        differ = self.environment_differences(env)
+        if differ:
+            raise LaunchRefused(
+                "environment",
+                f"the caller's environment differs from the launcher's in {', '.join(differ[:5])}, read while the "
+                "frameworks import; start a launcher with the caller's environment",
+            )
+        self.check_fork_safe()
+
+    def environment_differences(self, env: dict[str, str]) -> list[str]:
+        names = set(self.read_at_import) | {n for n in env.keys() | self.env.keys() if n.startswith(READ_OUTSIDE_PYTHON)}
+        return sorted(n for n in names if env.get(n) != self.env.get(n))
+
+    def check_fork_safe(self) -> None:
+        """LaunchRefused (``fork_unsafe``) if a fork would copy a thread or a CUDA context the child cannot use."""
+        threads = python_threads()
+        if threads:
+            raise LaunchRefused("fork_unsafe", f"the launcher runs Python threads {threads}; a fork would not copy them")
+        if cuda_initialized():
+            raise LaunchRefused(
+                "fork_unsafe", "the launcher has a CUDA context, which a forked child cannot use; restart the launcher"
+            )
+        count = native_threads()
+        if count > self.baseline_threads:
+            raise LaunchRefused(
+                "fork_unsafe",
+                f"the launcher runs {count} threads, {count - self.baseline_threads} more than when it started (an OpenMP "
+                "pool?); restart it",
+            )
+
+
+def engine_modules() -> list[str]:
+    """The engines installed adapters name, where the engine itself is installed too."""
+    import importlib.metadata
+
+    names = {entry.name for entry in importlib.metadata.entry_points(group="weightcache.adapters")}
+    return [m for name, modules in ENGINE_MODULES.items() if name in names for m in modules if importlib.util.find_spec(m)]
+
+
+def prepare(modules: Iterable[str], models: Iterable[str] = (), warm: bool = True) -> Preloaded:
+    """Import ``modules`` and the architecture modules of ``models`` in this process's initial environment, warm torch
+    on one thread, probe a fresh interpreter and fork a canary. LauncherError says what is not fork-safe."""
+    env = initial_environment()
+    os.environ.clear()
+    os.environ.update(env)  # what the command line set (progress bars off) must not shape the imports
+    timings: dict[str, float] = {}
+    read: set[str] = set()
+    imported = []
+    start = time.perf_counter()
+    with recording_environment_reads(read):
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except ImportError as exc:
+                raise LauncherError(f"cannot preload {name}: {exc}; install it or leave it out of --preload") from None
+            imported.append(name)
+        if models:
+            _import_architectures(models)
+    timings["imports_s"] = time.perf_counter() - start
+    filters = list(warnings.filters)  # with what the imports added, as a fresh interpreter that imports them has
+    set_by_imports = {k: v for k, v in os.environ.items() if k not in env}
+    threads = python_threads()
+    if threads:
+        raise LauncherError(
+            f"importing {', '.join(imported)} started Python threads {threads}; a fork would not copy them. "
+            "Leave the module that starts them out of --preload"
+        )
+    if cuda_initialized():
+        raise LauncherError("importing the preloads created a CUDA context; leave the module that does out of --preload")
+    start = time.perf_counter()
+    if warm and "torch" in sys.modules:
+        warm_cpu_kernels()
+    timings["warm_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    fresh = FreshInterpreter.probe(sys.executable, env)
+    fresh.check_matches_this_process()
+    timings["probe_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    run_canary()
+    timings["canary_s"] = time.perf_counter() - start
+    # What the imports made moves to the collector's permanent generation: an engine's collections (its exit's too)
+    # would otherwise write to every one of those objects and copy their pages. They are all reachable through
+    # sys.modules, as in a fresh interpreter, which holds them to its end as well.
+    gc.collect()
+    gc.freeze()
+    return Preloaded(
+        modules=tuple(imported),
+        env=env,
+        read_at_import=frozenset(read),
+        stamp=CodeStamp.of_loaded(TRACKED_PACKAGES | {m.partition(".")[0] for m in imported}),
+        fresh=fresh,
+        baseline_threads=native_threads(),
+        filters=filters,
+        set_by_imports=set_by_imports,
+        timings=timings,
+    )
+
+
+def _import_architectures(models: Iterable[str]) -> None:
+    """The model modules of ``models`` (checkpoint directories), through their adapter's warm-up hook."""
+    from weightcache.core.flow.plugins import installed_plugins
+    from weightcache.core.request import LoadRequest
+
+    plugins = installed_plugins()
+    for model in models:
+        request = LoadRequest(model=model)
+        plugins.adapter(request.adapter).warm_up(request)
+
+
+def warm_cpu_kernels() -> None:
+    """Run the ops of a transformer's forward once on tiny tensors, on one thread (no OpenMP pool is made), leaving
+    torch's thread count and random state as they were: the dispatcher's and the CPU kernels' first-call costs are
+    paid here, not in every engine."""
+    import torch
+    import torch.nn.functional as F
+
+    threads = torch.get_num_threads()
+    rng = torch.random.get_rng_state()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                x = torch.ones(1, 4, 8, 16, dtype=dtype)
+                w = torch.ones(32, 64, dtype=dtype)
+                h = F.linear(x.reshape(4, 128)[:, :64], w)
+                h = F.silu(h) * h
+                h = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(dtype)
+                F.scaled_dot_product_attention(x, x, x, is_causal=True)
+                torch.softmax(h.float(), dim=-1).argmax(-1)
+                F.embedding(torch.tensor([[0, 1]]), w)
+                torch.cat([x, x], dim=-1).transpose(1, 2).contiguous()
+                torch.matmul(x, x.transpose(-1, -2))
+    finally:
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(rng)
+
+
+def run_canary(timeout: float | None = None) -> None:
+    """Fork a child that runs torch's and numpy's threaded kernels to the end; LauncherError if it hangs or fails (what
+    an OpenMP pool made before the fork does to a child). ``timeout``: ``$WEIGHTCACHE_LAUNCHER_CANARY_S``, else 60 s."""
+    if timeout is None:
+        timeout = float(os.environ.get(CANARY_TIMEOUT_ENV) or CANARY_TIMEOUT_S)
+    pid = os.fork()
+    if pid == 0:  # the canary: no Python-level cleanup of the launcher's state may run here
+        code = 1
+        try:
+            signal.alarm(0)
+            _canary_work()
+            code = 0
+        finally:
+            os._exit(code)
+    pidfd = os.pidfd_open(pid)
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise LauncherError(
+                f"a child forked from the launcher hung for {timeout:g} s in torch's or numpy's threaded kernels: something "
+                "imported (or warmed) made a thread pool before the fork. Leave it out of --preload, or use --no-warm"
+            )
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(pidfd)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise LauncherError(f"a child forked from the launcher failed in torch's or numpy's kernels (status {status})")
+
+
+def _canary_work() -> None:
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        a = numpy.ones((256, 256))
+        a @ a
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        t = torch.ones(512, 512)
+        (t @ t).sum().item()

@@ -1,0 +1,484 @@
+"""The launcher (core/spare/launcher.py, launch.py, become.py, preload.py): an engine forked from it behaves as one
+started by exec, and the launcher keeps its rules (same uid, code unchanged on disk, fork-safety, replaceable,
+engines outlive it).
+
+Each comparison runs the same target twice, ``python ARGS`` by exec and ``weightcache launch -- ARGS`` through a
+real launcher, with the same fds, environment and working directory, and compares what a program can see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.core.test_server import test_user  # noqa: F401  the second user, made once
+from tests.helpers import wait_until
+
+LAUNCHER_START_S = 600.0
+
+_STATE = r"""
+import json, logging, os, random, resource, signal, sys, threading, warnings
+import numpy, torch, safetensors, tokenizers, transformers, transformers.modeling_utils  # as an engine (and the launcher)
+import transformers.models.auto.tokenization_auto
+def _open(fd):
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+def _handler(sig):
+    handler = signal.getsignal(sig)
+    return handler if handler in (signal.SIG_DFL, signal.SIG_IGN, None) else getattr(handler, "__name__", "other")
+main = sys.modules["__main__"]
+print(json.dumps({
+    "argv": sys.argv, "orig_argv": sys.orig_argv[1:], "path": sys.path, "name": __name__,
+    "file": globals().get("__file__"), "cached": globals().get("__cached__", "unset"),
+    "loader": type(main.__loader__).__name__ if not isinstance(main.__loader__, type) else main.__loader__.__name__,
+    "main_keys": sorted(k for k in vars(main) if k.startswith("__")),
+    "cwd": os.getcwd(), "env": dict(os.environ), "umask": os.umask(0),
+    "fds": [fd for fd in range(256) if _open(fd)], "session_leader": os.getsid(0) == os.getpid(),
+    "group_leader": os.getpgid(0) == os.getpid(), "stdin": sys.stdin.read(), "executable": sys.executable,
+    "flags": list(sys.flags), "warnoptions": sys.warnoptions, "filters": [repr(f) for f in warnings.filters],
+    "signals": {s.name: str(_handler(s)) for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)},
+    "mask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+    "nofile": resource.getrlimit(resource.RLIMIT_NOFILE), "nice": os.getpriority(os.PRIO_PROCESS, 0),
+    "threads": threading.active_count(),
+    "torch_threads": torch.get_num_threads(), "seeds": [torch.initial_seed(), random.random(), numpy.random.random()],
+    "root_handlers": len(logging.getLogger().handlers), "root_level": logging.getLogger().level,
+    "stdout_line_buffered": sys.stdout.line_buffering, "stderr_line_buffered": sys.stderr.line_buffering,
+    "pid": os.getpid(), "ppid_is_caller": os.getppid(),
+}))
+"""
+PER_PROCESS = ("pid", "ppid_is_caller", "seeds", "session_leader", "group_leader")
+"""What differs between any two processes, and what a launched engine has of its own: it leads a session (nothing sent
+to the launcher's process group reaches it; the caller forwards signals)."""
+
+
+class LauncherProcess:
+    """``weightcache launcher`` in its own process, on a private directory of its own."""
+
+    def __init__(self, socket_dir: Path, *args: str, env: dict | None = None):
+        self.socket_dir = socket_dir
+        self.log = tempfile.TemporaryFile()
+        command = [sys.executable, "-m", "weightcache.core.cli.cli", "launcher", "--socket-dir", str(socket_dir), *args]
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        line = self.proc.stdout.readline()
+        self.ready = json.loads(line) if line.startswith("{") else None
+        self.pid = self.proc.pid
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    """A launcher with the default preloads (torch, transformers, ...), shared by the module's comparisons."""
+    directory = Path(tempfile.mkdtemp(prefix="wc-launcher-"))
+    started = LauncherProcess(directory / "sock")
+    try:
+        assert started.ready is not None, started.output()
+        yield started
+    finally:
+        started.stop()
+        subprocess.run(["rm", "-rf", str(directory)], check=False)
+
+
+def launch_command(socket_dir: Path, *args: str, strict: bool = True) -> list[str]:
+    return [
+        sys.executable, "-m", "weightcache.core.cli.cli", "launch", "--socket-dir", str(socket_dir),
+        *(["--strict"] if strict else []), "--", *args,
+    ]  # fmt: skip
+
+
+def both(launcher: LauncherProcess, args: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    launched = subprocess.run(launch_command(launcher.socket_dir, *args), **kwargs)
+    execd = subprocess.run([sys.executable, *args], **kwargs)
+    return launched, execd
+
+
+@pytest.mark.parametrize("form", ["-c", "-m", "script"])
+def test_a_launched_engine_sees_what_an_execd_one_sees(launcher, form, tmp_path):
+    (tmp_path / "state_probe.py").write_text(_STATE)
+    args = {"-c": ["-c", _STATE], "-m": ["-m", "state_probe"], "script": [str(tmp_path / "state_probe.py")]}[form]
+    read, write = os.pipe()
+    env = {**os.environ, "WEIGHTCACHE_PROBE": "a value", "ANY_NAME": "of the caller"}
+    try:
+        launched, execd = both(
+            launcher,
+            [*args, "one", "two words"],
+            input="to stdin",
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+            pass_fds=[write],
+            timeout=300,
+        )
+    finally:
+        os.close(read)
+        os.close(write)
+    assert launched.returncode == execd.returncode == 0, launched.stderr + execd.stderr
+    assert launched.stderr == execd.stderr == ""
+    seen, expected = json.loads(launched.stdout), json.loads(execd.stdout)
+    assert seen["pid"] != launcher.pid and seen["ppid_is_caller"] == launcher.pid  # a fork of the launcher...
+    assert {k: v for k, v in seen.items() if k not in PER_PROCESS} == {k: v for k, v in expected.items() if k not in PER_PROCESS}
+    assert seen["argv"][1:] == ["one", "two words"] and seen["stdin"] == "to stdin" and seen["fds"] == [0, 1, 2, write]
+    assert seen["env"]["ANY_NAME"] == "of the caller" and seen["session_leader"] and seen["group_leader"]
+    again = json.loads(
+        subprocess.run(launch_command(launcher.socket_dir, "-c", _STATE), capture_output=True, text=True, timeout=300).stdout
+    )
+    assert all(a != b for a, b in zip(again["seeds"], seen["seeds"], strict=True)), "siblings share a random seed"
+
+
+_TERMINAL = (
+    "import json, os, sys; print(json.dumps([os.isatty(0), sys.stdin.line_buffering, sys.stdout.line_buffering, "
+    "sys.stderr.line_buffering, sys.stdout.write_through]))"
+)
+
+
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "PYTHONUNBUFFERED"])
+def test_on_a_terminal_the_streams_are_those_of_an_exec(tmp_path, unbuffered):
+    """On a terminal (a pty here) the interpreter line-buffers stdin and stdout, unless told to write through: so
+    does a launched engine."""
+    import pty
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    started = LauncherProcess(tmp_path / "sock", "--preload", "json", "--no-warm", env=env)
+    seen = []
+    try:
+        assert started.ready is not None, started.output()
+        for command in (launch_command(started.socket_dir, "-c", _TERMINAL), [sys.executable, "-c", _TERMINAL]):
+            leader, follower = pty.openpty()
+            try:
+                proc = subprocess.Popen(command, stdin=follower, stdout=follower, stderr=follower, env=env)
+                os.close(follower)
+                output = b""
+                while True:
+                    try:
+                        chunk = os.read(leader, 4096)
+                    except OSError:  # EIO: the pty's other side closed
+                        break
+                    if not chunk:
+                        break
+                    output += chunk
+                assert proc.wait(timeout=120) == 0, output
+            finally:
+                os.close(leader)
+            seen.append(json.loads(output.decode().strip().splitlines()[-1]))
+    finally:
+        started.stop()
+    expected = [True, False, False, False, True] if unbuffered else [True, True, True, True, False]
+    assert seen[0] == seen[1] == expected, seen
+
+
+@pytest.mark.parametrize(
+    ("code", "returncode"),
+    [
+        ("pass", 0),
+        ("import sys; sys.exit(3)", 3),
+        ("import sys; sys.exit('a message')", 1),
+        ("def f():\n    raise ValueError('boom')\nf()", 1),
+        ("raise KeyboardInterrupt", -signal.SIGINT),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -signal.SIGTERM),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -signal.SIGKILL),
+        ("import os; os.abort()", -signal.SIGABRT),
+        ("def broken(:", 1),
+        ("import atexit, threading, time; atexit.register(print, 'atexit'); "
+         "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()", 0),
+        ("import sys; sys.stdout.write('unflushed'); open('/dev/null', 'w').write('x')", 0),
+    ],
+)  # fmt: skip
+def test_exit_status_stdout_and_stderr_are_those_of_an_exec(launcher, code, returncode):
+    launched, execd = both(launcher, ["-c", code], capture_output=True, text=True, timeout=300)
+    assert launched.returncode == execd.returncode == returncode, (launched, execd)
+    assert launched.stdout == execd.stdout
+    assert launched.stderr == execd.stderr  # the traceback too: the launcher's frames are not in it
+
+
+_WAITS = """
+import signal, sys, time
+if sys.argv[1] == "handler":
+    signal.signal(signal.SIGTERM, lambda *_: (print("caught SIGTERM", flush=True), sys.exit(5)))
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize(("how", "sig", "returncode"), [
+    ("handler", signal.SIGTERM, 5), ("default", signal.SIGTERM, -signal.SIGTERM), ("default", signal.SIGINT, -signal.SIGINT),
+])  # fmt: skip
+def test_signals_to_the_caller_reach_the_engine_as_they_would_an_execd_one(launcher, how, sig, returncode):
+    outputs = []
+    for command in (launch_command(launcher.socket_dir, "-c", _WAITS, how), [sys.executable, "-c", _WAITS, how]):
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+        outputs.append((proc.returncode, out, err.splitlines()[-1:]))
+    assert outputs[0] == outputs[1] and outputs[0][0] == returncode, outputs
+
+
+def test_a_caller_environment_the_imports_read_differently_is_execd_with_one_line(launcher):
+    env = {**os.environ, "HF_HOME": "/nonexistent/another-hub"}  # huggingface_hub reads it at import
+    code = "import os, sys; print(os.environ['HF_HOME'], 'torch' in sys.modules)"
+    strict = subprocess.run(launch_command(launcher.socket_dir, "-c", code), env=env, capture_output=True, text=True, timeout=300)
+    assert strict.returncode == 1 and strict.stdout == ""
+    assert strict.stderr.count("\n") == 1 and "differs from the launcher's in HF_HOME" in strict.stderr, strict.stderr
+    lenient = subprocess.run(
+        launch_command(launcher.socket_dir, "-c", code, strict=False), env=env, capture_output=True, text=True, timeout=300
+    )
+    assert lenient.returncode == 0 and lenient.stdout == "/nonexistent/another-hub False\n", lenient  # exec'd: fresh
+    assert "HF_HOME" in lenient.stderr
+
+
+def test_an_engine_outlives_its_launcher_killed(tmp_path):
+    started = LauncherProcess(tmp_path / "sock", "--preload", "json", "--no-warm")
+    try:
+        assert started.ready is not None, started.output()
+        marker = tmp_path / "done"
+        code = f"import os, time; print(os.getpid(), flush=True); time.sleep(2); open({str(marker)!r}, 'w').write('ran')"
+        client = subprocess.Popen(
+            launch_command(started.socket_dir, "-c", code), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        engine = int(client.stdout.readline())
+        os.kill(started.pid, signal.SIGKILL)
+        started.proc.wait(timeout=30)
+        assert _running(engine), "the engine died with its launcher"
+        _, err = client.communicate(timeout=120)
+        assert marker.read_text() == "ran"  # it ran to its end
+        assert client.returncode == 1 and "the launcher went away while engine pid" in err, err
+    finally:
+        started.stop()
+
+
+def test_an_engine_whose_caller_is_killed_is_killed_with_it(tmp_path):
+    """``launch`` stands for the engine: a caller killed without a chance to forward (SIGKILL, the OOM killer) takes
+    its engine along, as the engine's own death would have been."""
+    started = LauncherProcess(tmp_path / "sock", "--preload", "json", "--no-warm")
+    try:
+        assert started.ready is not None, started.output()
+        client = subprocess.Popen(
+            launch_command(started.socket_dir, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        engine = int(client.stdout.readline())
+        client.kill()
+        client.wait(timeout=30)
+        client.stdout.close()
+        assert wait_until(lambda: not _running(engine), timeout=30), "the engine outlived its caller"
+        assert started.proc.poll() is None  # the launcher serves on
+    finally:
+        started.stop()
+
+
+def test_a_launcher_whose_code_changed_refuses_and_is_replaced_without_dropping_engines(tmp_path):
+    module = tmp_path / "lib" / "wc_preloaded_probe.py"
+    module.parent.mkdir()
+    module.write_text("VALUE = 1\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(module.parent), os.environ.get("PYTHONPATH")]))}
+    first = LauncherProcess(tmp_path / "sock", "--preload", "json,wc_preloaded_probe", "--no-warm", env=env)
+    second = None
+    try:
+        assert first.ready is not None, first.output()
+        waits = "import sys, time; print('up', flush=True); sys.stdin.readline(); sys.exit(4)"
+        running = subprocess.Popen(
+            launch_command(first.socket_dir, "-c", waits), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        assert running.stdout.readline() == "up\n"
+        module.write_text("VALUE = 2  # upgraded\n")
+        refused = subprocess.run(
+            launch_command(first.socket_dir, "-c", "pass"), capture_output=True, text=True, env=env, timeout=120
+        )
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+        assert "imported code changed on disk" in refused.stderr and str(module) in refused.stderr
+        assert "weightcache launcher --replace" in refused.stderr
+        # Without --replace a second launcher will not take the socket; with it, it does.
+        clash = LauncherProcess(tmp_path / "sock", "--preload", "json", "--no-warm", env=env)
+        assert clash.ready is None and clash.proc.wait(timeout=120) == 1 and "--replace" in clash.output()
+        clash.stop()
+        second = LauncherProcess(tmp_path / "sock", "--preload", "json,wc_preloaded_probe", "--no-warm", "--replace", env=env)
+        assert second.ready is not None, second.output()
+        fresh = subprocess.run(
+            launch_command(second.socket_dir, "-c", "import os, wc_preloaded_probe; print(wc_preloaded_probe.VALUE, os.getppid())"),
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert fresh.returncode == 0 and fresh.stdout.split() == ["2", str(second.pid)], fresh
+        # The engine of the replaced launcher ran on; its caller still gets its status; then the old launcher exits.
+        running.stdin.write("go\n")
+        running.stdin.close()
+        assert running.wait(timeout=120) == 4
+        running.stdout.close()
+        assert first.proc.wait(timeout=60) == 0, first.output()
+    finally:
+        for started in (first, second):
+            if started is not None:
+                started.stop()
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        (
+            "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n",
+            "started Python threads",
+        ),
+        ("import torch\ntorch.set_num_threads(2)\nx = torch.ones(512, 512)\n(x @ x).sum()\n", "hung"),
+    ],
+    ids=["python-thread", "openmp-pool"],
+)
+def test_what_is_not_fork_safe_stops_the_launcher_with_one_line(tmp_path, source, expected):
+    (tmp_path / "wc_unsafe_preload.py").write_text(source)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    env["WEIGHTCACHE_LAUNCHER_CANARY_S"] = "10"
+    started = LauncherProcess(tmp_path / "sock", "--preload", "wc_unsafe_preload", "--no-warm", env=env)
+    try:
+        assert started.ready is None and started.proc.wait(timeout=300) == 1
+        lines = [line for line in started.output().splitlines() if line.startswith("weightcache: error:")]
+        assert len(lines) == 1 and expected in lines[0], started.output()
+        assert not (tmp_path / "sock" / "launcher.sock").exists()
+    finally:
+        started.stop()
+
+
+def test_the_launcher_never_holds_a_cuda_context_nor_a_thread_pool(launcher):
+    """What a launcher keeps while it serves: one Python thread, no torch thread pool, no CUDA (CPU here; the GPU
+    test tests/gpu/test_launcher_gpu.py forks engines that create theirs)."""
+    tasks = os.listdir(f"/proc/{launcher.pid}/task")
+    hello = _hello(launcher.socket_dir)
+    assert hello["ok"] and hello["pid"] == launcher.pid and hello["stale"] == []
+    # numpy's and scipy's OpenBLAS pools (stopped and restarted around a fork by OpenBLAS itself) are all it runs.
+    assert len(tasks) <= 1 + 2 * (os.cpu_count() or 1), tasks
+    maps = Path(f"/proc/{launcher.pid}/maps").read_text()
+    assert "/dev/nvidia" not in maps
+
+
+def _hello(socket_dir: Path) -> dict:
+    from weightcache.core.spare.launch import connect
+    from weightcache.core.wire.protocol import FrameReader, send_frame
+
+    sock = connect(socket_dir)
+    try:
+        send_frame(sock, {"op": "hello"})
+        frame = FrameReader(sock).read(idle_timeout=30)
+    finally:
+        sock.close()
+    assert frame is not None
+    return frame[0]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+_LAUNCH_AS_USER = """
+import os, sys
+from weightcache.core.spare import launch
+os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[1]))
+launched = launch.start(["-c", "import os; print(os.getuid(), flush=True)"], sys.argv[3])
+print(launched.wait())
+"""
+
+
+def test_another_uid_is_refused(test_user):  # noqa: F811
+    """A launcher of the test user refuses root's request by its peer credentials (root may enter the user's 0700
+    directory; only SO_PEERCRED stands between), and serves its own user."""
+    uid, gid = test_user
+    socket_dir = Path(tempfile.mkdtemp(prefix="wc-launcher-"))  # in /tmp: the test user may reach it
+    os.chown(socket_dir, uid, gid)
+    socket_dir.chmod(0o700)
+    script = f"""
+import os, sys
+from weightcache.core.spare.launcher import Launcher
+launcher = Launcher({str(socket_dir)!r}, preload=[], warm=False)
+launcher.prepare()  # as root: the interpreter lives where the test user may not read
+os.setgroups([]); os.setgid({gid}); os.setuid({uid})
+launcher.listen()
+print("ready", flush=True)
+child = launcher.serve()
+if child is not None:
+    child.run()
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    try:
+        if proc.stdout.readline() != "ready\n":
+            pytest.fail(f"the test user's launcher did not start: {proc.communicate(timeout=60)[1]}")
+        from weightcache.core.errors import AccessDenied
+        from weightcache.core.spare import launch
+
+        with pytest.raises(AccessDenied):  # our client will not trust another user's directory...
+            launch.connect(socket_dir)
+        import socket as socket_module
+
+        from weightcache.core.socket_dir import SocketDir
+        from weightcache.core.spare.launch_request import LaunchRequest, launcher_socket
+        from weightcache.core.wire.protocol import FrameReader, send_frame
+
+        sock = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+        sock.connect(launcher_socket(SocketDir.parse(socket_dir)))  # ...so speak to it directly
+        try:
+            try:
+                request = LaunchRequest.of_this_process(
+                    ["-c", "open('/tmp/wc-launched-as-root', 'w')"], dict(os.environ), [0, 1, 2]
+                )
+                send_frame(sock, request.to_message(), [0, 1, 2])
+            except BrokenPipeError:
+                pass
+            frame = FrameReader(sock).read(idle_timeout=30)
+        finally:
+            sock.close()
+        assert frame is not None and frame[0]["error"]["code"] == "access_denied", frame
+        assert f"uid {os.geteuid()} may not use a launcher of uid {uid}" in frame[0]["error"]["message"]
+        assert not os.path.exists("/tmp/wc-launched-as-root")
+        own = subprocess.run(
+            [sys.executable, "-c", _LAUNCH_AS_USER, str(uid), str(gid), str(socket_dir)],
+            capture_output=True, text=True, timeout=120, cwd="/",
+        )  # fmt: skip
+        assert own.returncode == 0 and own.stdout.split() == [str(uid), "0"], own
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        subprocess.run(["rm", "-rf", str(socket_dir)], check=False)
+
+
+def test_timing_of_a_launch_is_a_fraction_of_an_exec(launcher):
+    """The point of it all: a launched engine runs its first line long before an exec'd one has imported torch."""
+    code = "import time, torch, transformers; print(time.monotonic(), flush=True)"
+    began = time.monotonic()
+    launched = subprocess.run(launch_command(launcher.socket_dir, "-c", code), capture_output=True, text=True, timeout=300)
+    launched_s = float(launched.stdout) - began
+    began = time.monotonic()
+    execd = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    execd_s = float(execd.stdout) - began
+    assert launched.returncode == execd.returncode == 0
+    assert launched_s < execd_s / 2, (launched_s, execd_s)

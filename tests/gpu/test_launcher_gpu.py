@@ -1,0 +1,61 @@
+"""The launcher on a GPU machine: it imports torch's CUDA build and holds no CUDA context, and every engine forked
+from it creates its own and computes on the GPU (the CPU half: tests/core/test_launcher.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tests.core.test_launcher import LauncherProcess, launch_command
+from weightcache.core.arena.cuda import unavailable_reason
+
+_REASON = unavailable_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no CUDA GPU: {_REASON}")
+
+_ENGINE = """
+import json, time
+began = time.perf_counter()
+import torch
+context = time.perf_counter()
+torch.zeros(1, device="cuda")
+torch.cuda.synchronize()
+context = time.perf_counter() - context
+start = time.perf_counter()
+a = torch.ones(4096, 4096, device="cuda", dtype=torch.bfloat16)
+value = float((a @ a)[0, 0])
+torch.cuda.synchronize()
+print(json.dumps({"context_s": context, "first_matmul_s": time.perf_counter() - start, "value": value}))
+"""
+
+
+def test_engines_forked_from_a_cuda_free_launcher_create_their_own_context():
+    directory = Path(tempfile.mkdtemp(prefix="wc-launcher-gpu-"))
+    launcher = LauncherProcess(directory / "sock")
+    try:
+        assert launcher.ready is not None, launcher.output()
+        reports = []
+        for _ in range(3):
+            done = subprocess.run(launch_command(launcher.socket_dir, "-c", _ENGINE), capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr
+            reports.append(json.loads(done.stdout))
+        assert all(r["value"] == 4096.0 for r in reports), reports
+        print(
+            "forked engines, CUDA context / first bf16 4096² matmul (s):",
+            [(r["context_s"], r["first_matmul_s"]) for r in reports],
+        )
+        maps = Path(f"/proc/{launcher.pid}/maps").read_text()
+        fds = [os.readlink(f"/proc/{launcher.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{launcher.pid}/fd")]
+        assert "/dev/nvidia" not in maps and not [fd for fd in fds if "nvidia" in fd], "the launcher opened the GPU"
+        fresh = subprocess.run([sys.executable, "-c", _ENGINE], capture_output=True, text=True, timeout=300)
+        print("exec'd engine, CUDA context / first matmul (s):", fresh.stdout.strip())
+    finally:
+        launcher.stop()
+        subprocess.run(["rm", "-rf", str(directory)], check=False)
