@@ -42,8 +42,8 @@ def weightcache_describe(request):
 
 @hookimpl
 def weightcache_checkpoint_conventions(request):
+    from weightcache import CheckpointConventions
     from weightcache.adapters.hf.checkpoint_names import TransformersNames
-    from weightcache.core.request import CheckpointConventions
 
     # transformers renames keys while loading (legacy names, fused experts); the kit asks it which tensor holds each.
     return CheckpointConventions(consumed_tensors=TransformersNames(request))

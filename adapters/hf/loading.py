@@ -200,7 +200,7 @@ def load_tensors(request: "LoadRequest", tensors: "typing.Mapping[str, torch.Ten
     dtype = load_dtype(request, config)
     known = None
     if request.quantization in (None, "none"):  # a plain module tree stands in for the skeleton (quantization needs nn.Linear)
-        from weightcache.core.identity.digests import default_store
+        from weightcache import default_store
 
         known = layout.remembered(default_store(), layout_key(request, config, identity.load_dtype_name(request, config)))
     if known is not None:
