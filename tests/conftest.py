@@ -28,11 +28,11 @@ SERIAL_PATHS = ("tests/gpu/", "tests/test_systemd_real.py")
 
 FIRST = ("tests/core/test_compile_cache.py", "tests/core/test_fuzz.py")
 """The modules with the longest single tests (a torch.compile round trip, ~1 CPU-minute; 3,000 fuzz cases): first, so
-that neither runs alone at the end (docs/decisions.md 57)."""
+that neither runs alone at the end."""
 
 
 def pytest_collection_modifyitems(config, items):
-    """``make test`` runs the suite on several workers, then the ``serial`` tests alone (docs/decisions.md, 47)."""
+    """``make test`` runs the suite on several workers, then the ``serial`` tests alone."""
     for item in items:
         if item.nodeid.startswith(SERIAL_PATHS):
             item.add_marker(pytest.mark.serial)

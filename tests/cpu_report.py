@@ -1,6 +1,6 @@
 """Where the suite's CPU goes: each test's CPU seconds, its children's included (tests/conftest.py loads this).
 
-Opt-in, for measuring (docs/decisions.md 57): ``WEIGHTCACHE_TEST_CPU_REPORT=DIR make test`` (or pytest) writes one
+Opt-in, for measuring: ``WEIGHTCACHE_TEST_CPU_REPORT=DIR make test`` (or pytest) writes one
 JSON line per test to ``DIR/<worker>.jsonl``: the node id, the CPU seconds (user and system) of this process and of the
 children it waited for, the zygote children's (tests/zygote.py counts them as it reads their status) and the zygotes'
 own (read from ``/proc`` while they live), and the wall seconds, over the test's setup, call and teardown, and when it

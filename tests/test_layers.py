@@ -9,7 +9,7 @@ import attrs
 from tests import import_graph
 from tests.import_graph import Edge, cycles, edges, modules, place, upward
 
-# The core's layers, bottom first, each a folder of core/ (docs/architecture.md draws them; decision 44). A module may
+# The core's layers, bottom first, each a folder of core/ (docs/architecture.md draws them). A module may
 # import the foundation, its own folder and the folders listed before its own, never one listed after it.
 LAYERS = (
     "arena",

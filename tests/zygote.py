@@ -3,7 +3,7 @@
 A test that runs ``python -c CODE`` or ``python -m MODULE`` calls ``popen`` or ``run`` here, with subprocess's own
 arguments. Where the child would start exactly as the zygote did, it is forked from the zygote (tests/zygote_server.py),
 which saves it importing torch, numpy, safetensors and transformers (~1.5-4 CPU-s a child on CI's machine); anywhere
-else it is a real exec. The rules (docs/decisions.md 52):
+else it is a real exec. The rules:
 
 1. Same interpreter (``sys.executable``), the form ``-c`` or ``-m`` with no interpreter option, no ``shell``,
    ``executable``, ``preexec_fn``, ``close_fds=False``, user, group or process group, and an environment equal to the
@@ -40,7 +40,7 @@ PYTEST_PRELOAD = ("numpy", "torch", "safetensors")
 ALLOWED = ("WEIGHTCACHE_", "WC_", "PYTEST_CURRENT_TEST", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 """Environment names (or prefixes, ending in ``_``) a child may have other than its zygote: ours, pytest's per-test
 name and torch.distributed's rendezvous (read at ``init_process_group``). None is read while the preloads import, in
-Python (tests/test_zygote.py records it) or in C (getenv under gdb; docs/decisions.md 52)."""
+Python (tests/test_zygote.py records it) or in C (getenv under gdb)."""
 START_TIMEOUT_S = 180.0
 SERVER = Path(__file__).with_name("zygote_server.py")
 

@@ -8,7 +8,7 @@ child as it finishes any ``python -c``/``-m`` (threads joined, atexit, the exit 
 a KeyboardInterrupt's SIGINT). The child stays unreaped until its caller has read its status and closed its channel,
 so a pid the caller signals is never a recycled one (subprocess.Popen's guarantee). Single-threaded: one selector
 over the control socket, the children's pidfds and channels, and the parent's pidfd (the server exits with its
-parent). docs/decisions.md 52 gives the rules that decide which children come from here.
+parent).
 """
 
 import os

@@ -15,7 +15,7 @@ The layout is remembered in the digest store's directory under a key of everythi
 on: the config.json content, the requested class, the dtype, transformers' and torch's versions
 and this format's version. A different config or version is another key, so a stale layout is
 never read; an entry that is not one of ours is a miss (``DigestStore.read_entry``), and a miss
-builds the skeleton as before (docs/decisions.md 50).
+builds the skeleton as before.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ mentions a package this process refuses (``REFUSED``), anything else on an error
 builds the skeleton itself.
 
 It builds the skeleton with the very function a load in the parent would use (``loading.skeleton_and_layout``), and is
-made faster only by what a one-shot process may skip (docs/decisions.md 59), set up in :func:`prepare` before torch
+made faster only by what a one-shot process may skip, set up in :func:`prepare` before torch
 is imported:
 
 - the cyclic garbage collector is off: importing ~3,000 modules runs thousands of collections that find next to

@@ -9,7 +9,7 @@ builds the module tree from it as from a remembered layout, and this process nev
 transformers. The layout is checked as any remembered one (``Layout.from_json``, then one to one
 against the checkpoint's tensors), and it is remembered only after the load bound the checkpoint to
 it. Where the child fails, is slow or is not wanted, the load builds the skeleton itself, as before
-(docs/decisions.md 55).
+.
 
 Used where the process may run on 4 CPUs or more (a child on a 2-core machine would take the
 cores the load needs); ``$WEIGHTCACHE_LAYOUT_PROCESS`` = 1 or 0 forces it on or off.

@@ -11,7 +11,7 @@ mod 2**64, so any change of a single word changes A; a swap of two words at
 ``i`` and ``j`` changes A by ``2*(w_j - w_i)*(i - j)``, zero only when that
 product is a multiple of 2**64. It catches corruption and bytes that do not
 belong to a manifest; it is not a cryptographic hash and does not stop a sender
-who forges both the bytes and their checksum (docs/decisions.md, decision 31).
+who forges both the bytes and their checksum.
 
 Both sums are exact in int64 arithmetic, which wraps mod 2**64 in torch on the
 CPU and on CUDA, and neither depends on the order of the additions: the CPU and

@@ -1,8 +1,8 @@
 """Copies between host arenas and GPU memory at DMA speed, through small page-locked bounce buffers.
 
 Copying from pageable memory runs at a fraction of the link's speed, and
-page-locking a host arena in place (``cuMemHostRegister``) runs at ~10 GB/s on an
-H200 host whatever the number of threads: 16 GiB took 1.6 s. So the bytes go
+page-locking a host arena in place (``cuMemHostRegister``) is slow and does not scale
+with threads. So the bytes go
 through a few page-locked buffers instead: ``WORKERS`` threads each take every
 ``WORKERS``-th chunk, move it between the host arena's memfd and their own
 buffer with ``preadv``/``pwritev`` (the GIL released) and let the DMA engine move

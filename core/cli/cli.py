@@ -439,7 +439,7 @@ def _read_ahead(headers, wanted: bool):
 
     Also where the digests are remembered: whether the server already holds the entry is known only once torch
     is imported and the CUDA context made (the fingerprint names the GPU and the CUDA version), seconds in which
-    the disk would otherwise sit idle before a restart's read (decision 50).
+    the disk would otherwise sit idle before a restart's read.
     """
     from weightcache.core.load.prefetch import Prefetch
 

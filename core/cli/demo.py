@@ -4,7 +4,7 @@ Every step runs in its own process, as in production: a server, a loader that
 publishes, an engine that loads from disk and an engine that attaches. Each
 worker imports its libraries and the model's module before its clock starts, so
 the table compares loading alone; the loader digests the weight files in the
-same pass that reads them (decision 29), and the row for the content digest
+same pass that reads them, and the row for the content digest
 shows what identifying the bytes read cost on top.
 """
 

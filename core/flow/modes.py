@@ -253,7 +253,7 @@ def _fill_from_node(prepared: Prepared, cache: CacheOptions, timings: dict) -> b
     """On a GPU, publish this rank's entry from a copy the node holds (peer GPU, host tier); False when there is none.
 
     A client never reads the disk into the cache, but a copy of bytes already cached is a cache hit
-    by another road (decision 26). Whatever goes wrong here leaves the disk load to the caller.
+    by another road. Whatever goes wrong here leaves the disk load to the caller.
     """
     if not prepared.request.device.is_cuda:
         return False

@@ -4,7 +4,7 @@ A manifest's tensor records travel as this table in a sealed memfd, not as
 JSON: the server checks it once at publish (:meth:`TensorTable.check`, torch-
 and numpy-free), keeps the memfd and hands the same one to every engine that
 attaches, which reads the columns without parsing a record at a time.
-docs/protocol.md ("Tensor table") gives the layout; decisions.md #21 says why.
+docs/protocol.md ("Tensor table") gives the layout.
 
 Layout, native little-endian, after a 24-byte header ``<4sIIIII`` (magic
 ``WCT1``, records, dims, name bytes, meta bytes, 0), each section starting at a

@@ -338,8 +338,7 @@ def one_thread() -> "typing.Iterator[None]":
     The grouping runs a few dozen torch operations on columns of up to a few hundred thousand
     elements: microseconds each on one thread, but each one a fork-join over the whole pool
     otherwise. On a loaded host (an engine's node at start-up, other processes busy) that costs
-    more than the work: 1,000 records took 25 ms on two threads and 1.3 ms on one, 20,000 took
-    122 ms and 79 ms (2 shared, busy cores; out of the views of ``benchmarks/attach.py``).
+    more than the work itself.
     """
     import torch
 

@@ -3,7 +3,7 @@
 Each of the block mode's reads returns to the interpreter lock, and while a thread imports each such return waits:
 512 KiB blocks slowed a read beside transformers' imports from 8.92 s to 13.15 s, and the imports by half (decision
 49). This module imports nothing heavy, so a command that ends before its load (no server, a cached entry) has not
-imported the reader (docs/decisions.md 54).
+imported the reader.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ and making a CUDA context before its reader can run; the disk sits idle meanwhil
 ``Prefetch`` reads the weight files in file order from background threads into a
 throwaway buffer, so the reader later finds them in the page cache. Storage is still
 read once, and nothing here is trusted: the digests come from the bytes the reader
-places (decision 29). It reads at most ``limit`` bytes (by default half the memory
+places. It reads at most ``limit`` bytes (by default half the memory
 the kernel calls available), so a checkpoint larger than memory does not push its
 own first pages out before the reader gets to them.
 """

@@ -2,10 +2,10 @@
 its results.
 
 A block read in the loading process returns to its interpreter lock, which the skeleton's Python, an adapter's
-imports and the hashing threads keep busy; in a process of its own the reads stay in flight (docs/decisions.md 58).
+imports and the hashing threads keep busy; in a process of its own the reads stay in flight.
 The slots are one memfd mapped by both processes; the loader hashes and places each slot's bytes after the worker
 said it is full, and gives the slot a new job only after that. The reader uses it where another thread of the loading
-process imports while the read runs (docs/decisions.md 62); ``$WEIGHTCACHE_READ_PROCESS=1`` for every read from the
+process imports while the read runs; ``$WEIGHTCACHE_READ_PROCESS=1`` for every read from the
 disk, ``=0`` for none. A worker that cannot start (no usable ``sys.executable``, an import that fails there) leaves
 the read to the loading process, with a log line.
 """

@@ -4,7 +4,7 @@ Run as ``python -m weightcache.core.load.read_worker`` by ``read_process.ReadPro
 descriptors (the same open files the loader planned from and checks afterwards), a memfd of staging slots, a pipe of
 jobs as its standard input and a pipe of results as its standard output. It imports nothing but the standard library
 and ``core.fileio``, and never sees a tensor or a digest: the loading process checks, hashes and places the bytes of
-each slot it was told is full, so identity and bytes still come from one read (docs/decisions.md 58).
+each slot it was told is full, so identity and bytes still come from one read.
 
 Why a process: each block read returns to an interpreter lock, and in the loading process that lock is busy (the
 skeleton's Python, an adapter's imports, the hashing and copy threads' bookkeeping). Here the only Python is this

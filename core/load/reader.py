@@ -78,12 +78,11 @@ def _configured_block() -> int | None:
 BLOCK_BYTES = 512 << 10
 BLOCK_THREADS = 16
 """The block mode's geometry, in this process or the reader process: fastsafetensors' (16 reads of 512 KiB in flight
-from one queue, one sequential front of 8 MiB). On the H200 machine, a first-sight publish of 16 GB with it on
-threads of this process, no import beside, read into the pinned pieces with no copy: 9.52 s (median of 3, rotated),
-against 10.16 s through the reader process and fastsafetensors' 10.08 s (2026-12-03 10:44, decision 62)."""
+from one queue, one sequential front of 8 MiB), which keeps a datacentre NVMe's queue full without a copy between the
+read and the pinned pieces; docs/benchmarks.md has the cold-path figures."""
 HASH_THREADS = 4
-"""The block mode's threads that check, place and hash the pieces read, apart from the readers: at 2.6 GB/s
-(fastsafetensors' rate on one H200 machine) a 64 MiB piece arrives every 26 ms and sha256 takes ~40 ms of a core."""
+"""The block mode's threads that check, place and hash the pieces read, apart from the readers: enough that hashing
+(sha256 takes longer per piece than a fast disk needs to read it) never holds the reads back."""
 
 
 @attrs.frozen
@@ -371,8 +370,8 @@ def _read_in_blocks(
 
     Each piece is read into a whole-piece buffer from a small pool (in the reader process: its shared slots); once
     its last block is in, one of ``HASH_THREADS`` threads checks its header bytes, places its tensor bytes, hashes it
-    and gives the buffer back, so the reads never stop for hashing (at 2.6 GB/s a 64 MiB piece arrives every 26 ms
-    and takes ~40 ms to hash). The dispatcher (this generator) waits for a free buffer holding no lock, and stops at
+    and gives the buffer back, so the reads never stop for hashing (a piece takes longer to hash than to
+    read). The dispatcher (this generator) waits for a free buffer holding no lock, and stops at
     the first error. ``direct_for[i]`` is the O_DIRECT descriptor to read ``pieces[i]`` through, or -1 (buffered).
     Yields ``(piece, sha256)`` as pieces finish.
     """

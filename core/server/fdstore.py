@@ -12,7 +12,7 @@ restart of the unit.
 On start, ``adopt`` takes the fds systemd passes (``$LISTEN_FDS`` from fd 3, ``$LISTEN_FDNAMES``),
 puts each entry back together and admits it with the publish check, marked not verified: it is served
 only to clients that checksum it before use, until one of them or the scrub says it matched
-(docs/decisions.md, 38).
+.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ instant leaves the predecessor serving every entry. A successor that cannot
 admit an entry (the publish check, ``core/server/admission.py``, or its budgets)
 refuses the lot if the predecessor acknowledges the refusal; if the predecessor
 died meanwhile, nobody else holds the entries, so it serves those that passed
-(docs/decisions.md, 37 and 39).
+.
 """
 
 from __future__ import annotations

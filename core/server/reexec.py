@@ -4,7 +4,7 @@ The successor is the server's child, so under systemd it runs in the unit's cgro
 confirmed the handover, the old server tells systemd ``MAINPID=<successor>`` and exits, and the unit
 stays active with the successor as its main process (no restart, the fd store kept). A successor
 started from a shell instead is outside the unit: systemd restarts the unit when the old server
-exits, and the restarted server finds the lock taken (docs/decisions.md, 40). The successor runs
+exits, and the restarted server finds the lock taken. The successor runs
 ``sys.executable``, so a virtual environment upgraded in place serves the new code: an upgrade.
 """
 

@@ -75,7 +75,7 @@ class Entry:
     tier_bytes: dict = attrs.field(factory=dict)  # tier (HOST_TIER or a GPU's UUID) -> arena bytes held there
     verified: bool = True
     """False for an entry that came back after a crash (systemd's fd store) and whose bytes nobody has checksummed
-    since: it is served only to clients that verify it (docs/decisions.md, 38), until one says it matched."""
+    since: it is served only to clients that verify it, until one says it matched."""
 
     @property
     def digest(self) -> str:

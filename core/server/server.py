@@ -488,7 +488,7 @@ class Server:
 
     def _hand_over(self, conn: socket.socket, pid: int) -> None:
         """Send every entry, the listener and the lock to the successor pid ``pid``; stop once it confirmed
-        (docs/decisions.md, 37). Until then entries stay unchanged here and this server keeps every one."""
+        . Until then entries stay unchanged here and this server keeps every one."""
         if self._frozen.is_set() or self._listener is None:
             self._try_send(conn, error_reply("busy", "another successor is taking over already; wait for it"))
             return
@@ -597,7 +597,7 @@ class Server:
 
     def _attach(self, message, fds, connection_id, pid):
         # A client that "verifies" checksums an unverified entry's arenas before use and says so (`verified`);
-        # any other client misses such an entry and loads from disk (docs/decisions.md, 38).
+        # any other client misses such an entry and loads from disk.
         verifies = message.get("verifies") is True
         if "fingerprint" not in message:  # by full digest: a scrub (`weightcache verify`) that knows entries from status
             digest = _full_digest(message["digest"])

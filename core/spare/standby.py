@@ -411,7 +411,7 @@ def exit_begun(stat: bytes) -> bool:
 
     Any of: the state is zombie or dead; the ``PF_EXITING`` flag (Linux sets it the moment a SIGKILL is acted on); no
     memory map (``vsize`` 0: every user process has mappings until its exit releases them). A primary killed while it
-    maps GPU memory spends ~100 ms tearing its mappings down before it turns zombie; the flag and the empty map come
+    maps GPU memory spends a long while tearing its mappings down before it turns zombie; the flag and the empty map come
     before. gVisor reports no flags (the field is always 0) and no zombie until the teardown is done: there the empty
     map is the early sign (its leader thread drops its map first). A line that cannot be read counts as exited.
     """

@@ -1,4 +1,4 @@
-"""The layout child's fast start (docs/decisions.md 59): the layout it learns with the garbage collector off and
+"""The layout child's fast start: the layout it learns with the garbage collector off and
 scikit-learn and scipy refused is the layout this process learns, record for record, for every architecture the tests build; a
 model whose code mentions a refused package is refused, not learned; where the child cannot learn a layout the load
 builds the skeleton itself, as before.

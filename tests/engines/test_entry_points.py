@@ -48,7 +48,7 @@ from tests.engines.support import (
 )
 
 pytestmark = pytest.mark.engine_entry
-"""Real engine starts: ``make test-engines`` runs this file, ``make test`` leaves it out (docs/decisions.md, 47)."""
+"""Real engine starts: ``make test-engines`` runs this file, ``make test`` leaves it out."""
 
 ERROR_BOUND_S = 120
 """An engine start that must fail has this long to fail (the engines start in 20-60 s on 2 busy cores)."""

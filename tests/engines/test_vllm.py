@@ -96,7 +96,7 @@ class VllmKit(ConformanceFixtures):
     The whole kit on Llama; on the other families the checks their architecture decides (``ArchitectureTests``):
     the fingerprint and quantization-refusal checks perturb the fingerprint (whose ``extra`` holds the fields of
     vLLM's ``WeightCacheKey``, the same keys for every model) or the requested method, not the model, so another
-    family would repeat them with the same outcome (docs/decisions.md, 47).
+    family would repeat them with the same outcome.
     """
 
     @pytest.fixture(scope="class")
