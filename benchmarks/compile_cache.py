@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -122,12 +121,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="wc-compile-"))
     server = None
     try:
-        env = restart.weightcache_env(work)
-        model = restart.ensure_checkpoint(
-            args.size, args.device, Path(args.keep_checkpoint) if args.keep_checkpoint else work / "model", env
-        )
-        os.environ.update(env)
-        sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        env, model = restart.checkpoint_here(args.size, args.device, args.keep_checkpoint, work)
         from weightcache.core.server.server_process import ServerProcess
 
         server = ServerProcess.start(work / "sock")

@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -197,12 +196,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="wc-refit-"))
     try:
-        env = restart.weightcache_env(work)
-        model = restart.ensure_checkpoint(
-            args.size, args.device, Path(args.keep_checkpoint) if args.keep_checkpoint else work / "model", env
-        )
-        os.environ.update(env)
-        sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        env, model = restart.checkpoint_here(args.size, args.device, args.keep_checkpoint, work)
         results = {}
         for quantization in [q.strip() for q in args.quantizations.split(",") if q.strip()]:
             case = "bf16" if quantization == "none" else quantization

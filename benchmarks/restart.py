@@ -228,6 +228,16 @@ def make_checkpoint(args) -> None:
     print(json.dumps(marker), flush=True)
 
 
+def checkpoint_here(size: str, device: str, keep: str | None, work: Path) -> tuple[dict, Path]:
+    """The environment weightcache's children run with, and the checkpoint (kept in ``keep`` or made in ``work``),
+    with this process set up to import weightcache as those children do."""
+    env = weightcache_env(work)
+    model = ensure_checkpoint(size, device, Path(keep) if keep else work / "model", env)
+    os.environ.update(env)
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    return env, model
+
+
 def ensure_checkpoint(size: str, device: str, model: Path, env: dict) -> Path:
     """The checkpoint of ``size`` in ``model``: reused when its marker says so, else built there (in a child process)."""
     model = model.resolve()
