@@ -32,20 +32,19 @@ import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import attrs
 import pytest
 
 from weightcache.conformance.assertions import flatten_outputs
+from weightcache.conformance.kit_loads import fresh as fresh
+from weightcache.conformance.kit_loads import load as load
 from weightcache.conformance.precheck import PrecheckFailed, precheck
 from weightcache.conformance.verdict import NO_FORWARD
 from weightcache.conformance.weightless import copy_without_weights
 from weightcache.core.flow.example_inputs import run_with_inputs
-from weightcache.core.socket_dir import SocketDirLike
 
 if typing.TYPE_CHECKING:
     import torch
 
-    from weightcache.core.flow.modes import LoadedModel
     from weightcache.core.flow.plugins import Adapter, Plugins
     from weightcache.core.request import CheckpointConventions, ExampleInputs, LoadRequest
 
@@ -68,24 +67,6 @@ def declare_hf_quantization(checkpoint: Path, method: str) -> None:
     config = json.loads(path.read_text())
     config["quantization_config"] = dict(HF_DECLARATIONS.get(method) or {"quant_method": method})
     path.write_text(json.dumps(config, indent=2))
-
-
-def load(
-    request: "LoadRequest",
-    mode: str,
-    plugins: "Plugins | None" = None,
-    socket_dir: SocketDirLike = None,
-    strict: bool = False,
-) -> "LoadedModel":
-    """``request`` through the core's mode runner in ``mode`` (what every engine integration calls)."""
-    from weightcache.core.flow.modes import CacheOptions, run
-
-    return run(fresh(request), CacheOptions(mode=mode, socket_dir=socket_dir, strict=strict), plugins=plugins)
-
-
-def fresh(request: "LoadRequest") -> "LoadRequest":
-    """``request`` with scratch space of its own: every load the kit makes starts like a new engine's."""
-    return attrs.evolve(request, state={})
 
 
 def inputs_from_spec(spec: str, model: "torch.nn.Module") -> "ExampleInputs":

@@ -221,7 +221,7 @@ def main(workdir: str) -> None:
     import torch
 
     from weightcache.conformance.assertions import flatten_outputs, model_tensors
-    from weightcache.conformance.fixtures import fresh, load
+    from weightcache.conformance.kit_loads import fresh, load
     from weightcache.core.fingerprint import ParallelSpec
     from weightcache.core.flow.example_inputs import run_with_inputs
     from weightcache.core.flow.loader import prepare

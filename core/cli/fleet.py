@@ -27,7 +27,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
         description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    actions = parser.add_subparsers(dest="fleet_command", required=True, metavar="ACTION")
+    actions = parser.add_subparsers(dest="fleet_command", required=True, metavar="ACTION", help="what to do")
     share = actions.add_parser("share", help="share this node's entries until the server stops (run beside the server)")
     add_socket_dir(share)
     share.add_argument("--transport", default="nixl", help="how peers read the arenas (default: nixl)")

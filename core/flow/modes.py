@@ -9,8 +9,8 @@
   fingerprint mismatch, an entry this process cannot map — fall back to a disk
   load with one warning naming the reason, or raise with ``strict``.
 
-Both cache modes check the checkpoint's headers (``check_checkpoint``: safetensors' own rules) before a first sight
-hashes a file or anything is published. A checkpoint the cache cannot serve — one a disk load refuses
+Both cache modes check the headers of every checkpoint file the digest store does not remember
+(``check_first_sight``: safetensors' own rules) before a first sight hashes it or anything is published. A checkpoint the cache cannot serve — one a disk load refuses
 (overlapping offsets, a hole, a malformed header), a FIFO in a file's place, a dtype weightcache does not handle,
 ``.bin`` weights only — is never published: the load falls back to the adapter's disk load with one warning, and
 that load succeeds or fails exactly as it would without weightcache.
@@ -34,7 +34,7 @@ from weightcache.core.errors import CheckpointNotFound, EntryNotFound, WeightCac
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.flow.loader import Prepared, load_from_disk, prepare, publish, publish_from_node
 from weightcache.core.identity import hub
-from weightcache.core.identity.safetensors_io import check_checkpoint
+from weightcache.core.identity.safetensors_io import check_first_sight
 from weightcache.core.request import LoadRequest
 from weightcache.core.socket_dir import SocketDir, SocketDirLike, to_socket_dir
 
@@ -211,7 +211,7 @@ def run(
 
 
 def _client(prepared: Prepared, cache: CacheOptions, timings: dict) -> LoadedModel:
-    check_checkpoint(prepared.request.model)  # before a first sight hashes it: a file the disk load refuses falls back
+    check_first_sight(prepared.request.model)  # before a first sight hashes it: a file the disk load refuses falls back
     try:
         return attach(prepared, cache, timings)
     except EntryNotFound:
@@ -298,7 +298,7 @@ def _daemon(prepared: Prepared, cache: CacheOptions, progress, timings: dict) ->
 
     if not server_is_running(cache.socket_dir):
         spawn_detached(cache.socket_dir)  # first: a checkpoint the cache cannot serve is a fallback the server counts
-    check_checkpoint(prepared.request.model)  # before a first sight hashes it: a file the disk load refuses falls back
+    check_first_sight(prepared.request.model)  # before a first sight hashes it: a file the disk load refuses falls back
     if prepared.remembered() is not None:  # first sight: no identity yet, the publish reads and digests in one pass
         try:
             return attach(prepared, cache, timings)

@@ -129,6 +129,20 @@ def check_checkpoint(path: str | os.PathLike) -> list[Header]:
     return [read_header(file) for file in checkpoint_files(path)]
 
 
+def check_first_sight(path: str | os.PathLike, store: DigestStore | None = None) -> None:
+    """``read_header`` for each file of the checkpoint whose digest ``store`` does not remember (stat only for the rest).
+
+    A remembered file was checked before it was first hashed, and its key (size, times, inode) still matches: a
+    restart's attach opens no checkpoint file, while a file never seen, a changed one or a FIFO is checked first.
+    """
+    from weightcache.core.identity.digests import default_store
+
+    store = store if store is not None else default_store()
+    for file in checkpoint_files(path):
+        if store.get(FileKey.of(file)) is None:
+            read_header(file)
+
+
 def check_length(header: Header) -> None:
     """InvalidCheckpoint unless the file ends where its last tensor's data ends (a cut-off download or copy does not)."""
     expected = max((t.start + t.nbytes for t in header.tensors), default=len(header.raw))

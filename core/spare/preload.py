@@ -67,7 +67,7 @@ def recording_environment_reads(sink: set[str]) -> Iterator[None]:
     environ_type = type(os.environ)
     original = environ_type.__getitem__
 
-    def recorded(self, key):
+    def recorded(self: typing.Any, key: typing.Any) -> typing.Any:
         if sys._getframe(1).f_code.co_name != "__iter__":
             sink.add(key)
         return original(self, key)

@@ -84,6 +84,7 @@ def checkpoint(model_dir, tmp_path):
     return path
 
 
+@pytest.mark.serial  # a wall-clock bound: it runs alone, not beside the parallel workers
 def test_load_without_a_server_fails_in_two_seconds_under_cpu_load(checkpoint, tmp_path, busy_cpus):
     _, bare, _ = _without_server(["status"], tmp_path)
     proc, took, cpu = _without_server(["load", "--model", str(checkpoint)], tmp_path)
