@@ -54,18 +54,16 @@ def vllm_tokens(model: str, extra: dict | None, tp: int, engine_args: dict) -> l
     from vllm.inputs import TokensPrompt
 
     options = {} if extra is None else {"load_format": "weightcache", "model_loader_extra_config": extra}
-    llm = LLM(
-        model=model,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=128,
-        max_num_seqs=4,
-        gpu_memory_utilization=0.2,  # on the CPU: the share of memory that must be free at start-up
-        tensor_parallel_size=tp,
-        **options,
-        **engine_args,
-    )
+    defaults = {
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16",
+        "enforce_eager": True,
+        "max_model_len": 128,
+        "max_num_seqs": 4,
+        "gpu_memory_utilization": 0.2,  # on the CPU: the share of memory that must be free at start-up
+        "tensor_parallel_size": tp,
+    }
+    llm = LLM(model=model, **(defaults | options | engine_args))
     try:
         outputs = llm.generate(
             [TokensPrompt(prompt_token_ids=ids) for ids in PROMPTS],

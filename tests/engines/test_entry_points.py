@@ -220,14 +220,22 @@ def test_an_error_reaches_the_user_in_bounded_time_with_weightcaches_line(engine
 
 
 def test_vllms_packing_cpu_kernels_are_refused_with_weightcaches_line(engine, models, tmp_path):
-    """With oneDNN (and AMX) on, vLLM's CPU post-processing empties every linear weight: daemon mode refuses to publish."""
+    """With oneDNN (and AMX) on, vLLM's CPU post-processing empties every linear weight: daemon mode refuses to publish.
+
+    The engine runs in float32: oneDNN packs float32 weights on every x86 CPU, bfloat16 only where the CPU has
+    AVX-512-BF16 or AMX (on an AVX2-only CPU vLLM falls back to ``F.linear``, keeps the weights and publishing is right).
+    """
     from tests.engines.shims import CPU_KERNELS_ENV
 
     if engine != "vllm":
         pytest.skip("vLLM's CPU linear kernels only")
     socket_dir = private_dir("wc-kernels-")
     try:
-        run = {"model": str(models["llama"]), "extra": {"mode": "daemon", "socket_dir": str(socket_dir)}}
+        run = {
+            "model": str(models["llama"]),
+            "extra": {"mode": "daemon", "socket_dir": str(socket_dir)},
+            "engine_args": {"dtype": "float32"},
+        }
         done = run_entry_points(engine, [run], timeout=ERROR_BOUND_S, env={CPU_KERNELS_ENV: "1"})
     finally:
         stop_spawned_server(socket_dir)
