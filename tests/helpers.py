@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +20,23 @@ EXAMPLE = Path(__file__).parents[1] / "examples" / "tinylm-adapter"
 EXAMPLE_SRC = EXAMPLE / "src"
 PLANTED_DIR = Path(__file__).parent / "conformance"
 """Where ``planted_adapters.py`` lies: the example adapter with one planted bug per class."""
+
+EXIT_CASES = [
+    ("pass", 0),
+    ("import sys; sys.exit(3)", 3),
+    ("import sys; sys.exit('a message')", 1),
+    ("def f():\n    raise ValueError('boom')\nf()", 1),
+    ("raise KeyboardInterrupt", -signal.SIGINT),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -signal.SIGTERM),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -signal.SIGKILL),
+    ("import os; os.abort()", -signal.SIGABRT),
+    ("def broken(:", 1),
+    ("import atexit, threading, time; atexit.register(print, 'atexit'); "
+     "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()", 0),
+    ("import sys; sys.stdout.write('unflushed'); open('/dev/null', 'w').write('x')", 0),
+]  # fmt: skip
+"""``python -c`` programs and the exit status an exec gives each: a process started another way (the test zygote's
+fork, the launcher's) must end the same."""
 
 KIT_SUBCLASS = """
 import pytest

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests import zygote
-from tests.helpers import wait_until
+from tests.helpers import EXIT_CASES, wait_until
 
 needs_zygote = pytest.mark.skipif(os.environ.get(zygote.OFF) == "1", reason=f"{zygote.OFF}=1: every child is exec'd")
 
@@ -47,21 +47,7 @@ def both(args: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, subpro
 
 
 @needs_zygote
-@pytest.mark.parametrize(
-    ("code", "returncode"),
-    [
-        ("pass", 0),
-        ("import sys; sys.exit(3)", 3),
-        ("import sys; sys.exit('a message')", 1),
-        ("raise ValueError('boom')", 1),
-        ("raise KeyboardInterrupt", -signal.SIGINT),
-        ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -signal.SIGTERM),
-        ("def broken(:", 1),
-        ("import atexit, threading, time; atexit.register(print, 'atexit'); "
-         "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()", 0),
-        ("import sys; sys.stdout.write('unflushed'); open('/dev/null', 'w').write('x')", 0),
-    ],
-)  # fmt: skip
+@pytest.mark.parametrize(("code", "returncode"), EXIT_CASES)
 def test_exit_status_and_output_are_those_of_an_exec(code, returncode):
     forked, execd = both([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert forked.returncode == execd.returncode == returncode, (forked, execd)

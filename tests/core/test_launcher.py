@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.core.test_server import test_user  # noqa: F401  the second user, made once
-from tests.helpers import wait_until
+from tests.helpers import EXIT_CASES, wait_until
 
 LAUNCHER_START_S = 600.0
 
@@ -193,23 +193,7 @@ def test_on_a_terminal_the_streams_are_those_of_an_exec(tmp_path, unbuffered):
     assert seen[0] == seen[1] == expected, seen
 
 
-@pytest.mark.parametrize(
-    ("code", "returncode"),
-    [
-        ("pass", 0),
-        ("import sys; sys.exit(3)", 3),
-        ("import sys; sys.exit('a message')", 1),
-        ("def f():\n    raise ValueError('boom')\nf()", 1),
-        ("raise KeyboardInterrupt", -signal.SIGINT),
-        ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -signal.SIGTERM),
-        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -signal.SIGKILL),
-        ("import os; os.abort()", -signal.SIGABRT),
-        ("def broken(:", 1),
-        ("import atexit, threading, time; atexit.register(print, 'atexit'); "
-         "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()", 0),
-        ("import sys; sys.stdout.write('unflushed'); open('/dev/null', 'w').write('x')", 0),
-    ],
-)  # fmt: skip
+@pytest.mark.parametrize(("code", "returncode"), EXIT_CASES)
 def test_exit_status_stdout_and_stderr_are_those_of_an_exec(launcher, code, returncode):
     launched, execd = both(launcher, ["-c", code], capture_output=True, text=True, timeout=300)
     assert launched.returncode == execd.returncode == returncode, (launched, execd)
