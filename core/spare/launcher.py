@@ -3,7 +3,8 @@
     weightcache launcher [--socket-dir DIR] [--preload MODULES] [--model DIR ...] [--no-warm] [--replace]
     weightcache launch [--socket-dir DIR] [--strict] -- PYTHON-ARGS...
 
-The launcher imports torch, transformers, tokenizers (and vLLM or SGLang where an installed adapter names them) once,
+The launcher imports torch, transformers, tokenizers, weightcache's load route and the installed adapters (and vLLM or
+SGLang where an installed adapter names them) once,
 creates no CUDA context and no thread pool, warms torch's CPU kernels on one thread, and listens on ``launcher.sock``
 in the server's private directory (0700; peers of another uid are refused by their credentials). ``weightcache
 launch -- -m my_engine.serve --model M`` asks it for an engine: the launcher forks, and the child takes the caller's
@@ -38,7 +39,7 @@ from weightcache.core.socket_dir import SocketDir, SocketDirLike
 from weightcache.core.spare.become import become, fresh_state, run_target
 from weightcache.core.spare.launch import connect
 from weightcache.core.spare.launch_request import LaunchRequest, Target, launcher_socket
-from weightcache.core.spare.preload import DEFAULT_PRELOAD, Preloaded, engine_modules, prepare
+from weightcache.core.spare.preload import DEFAULT_PRELOAD, Preloaded, adapter_modules, engine_modules, prepare
 from weightcache.core.wire.paths import ensure_private_dir, peer_credentials
 from weightcache.core.wire.protocol import FrameReader, close_fds, error_reply, ok_reply, send_frame
 
@@ -109,7 +110,7 @@ class Launcher:
 
     def prepare(self) -> Preloaded:
         """Import and check (``preload.prepare``): LauncherError says what is not fork-safe."""
-        modules = list(self.preload) if self.preload is not None else [*DEFAULT_PRELOAD, *engine_modules()]
+        modules = list(self.preload) if self.preload is not None else [*DEFAULT_PRELOAD, *adapter_modules(), *engine_modules()]
         self.preloaded = prepare(modules, self.models, warm=self.warm)
         return self.preloaded
 
@@ -402,8 +403,8 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     parser.add_argument(
         "--preload",
         metavar="MODULES",
-        help="comma-separated modules to import (default: numpy, torch, safetensors, tokenizers, transformers and the "
-        "installed engines the adapters name)",
+        help="comma-separated modules to import (default: numpy, torch, safetensors, tokenizers, transformers, "
+        "weightcache's load route, the installed adapters and the installed engines they name)",
     )
     parser.add_argument(
         "--model",

@@ -41,6 +41,10 @@ DEFAULT_PRELOAD = (
     "transformers",
     "transformers.modeling_utils",
     "transformers.models.auto.tokenization_auto",
+    # weightcache's own route from load_model to a rebound model (the adapters' modules come from their entry points)
+    "weightcache.core.flow.modes",
+    "weightcache.core.flow.plugins",
+    "weightcache.core.spare.warm",
 )
 ENGINE_MODULES = {"vllm": ("vllm",), "sglang": ("sglang",)}
 """Engines an adapter names: preloaded where the adapter's entry point and the engine are both installed."""
@@ -234,6 +238,13 @@ class Preloaded:
                 f"the launcher runs {count} threads, {count - self.baseline_threads} more than when it started (an OpenMP "
                 "pool?); restart it",
             )
+
+
+def adapter_modules() -> list[str]:
+    """The modules of the installed adapters' entry points (importing one imports no engine)."""
+    import importlib.metadata
+
+    return sorted({entry.module for entry in importlib.metadata.entry_points(group="weightcache.adapters")})
 
 
 def engine_modules() -> list[str]:
