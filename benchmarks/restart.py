@@ -160,6 +160,7 @@ def engine(args) -> None:
     start = time.perf_counter()
     token = first_token(loaded.model, fixed_prompt(request, loaded.model))
     phases["first_token_s"] = time.perf_counter() - start
+    phases["kernel_warm_in_thread_s"] = cuda.warm_seconds  # None: still warming at the first token (or on the CPU)
     phases["total_s"] = time.monotonic() - args.spawned_at
     phases["token"] = token
     phases["source"] = loaded.source

@@ -330,24 +330,14 @@ def warm_cpu_kernels() -> None:
     torch's thread count and random state as they were: the dispatcher's and the CPU kernels' first-call costs are
     paid here, not in every engine."""
     import torch
-    import torch.nn.functional as F
+
+    from weightcache.core.spare.kernel_warmup import run_transformer_ops
 
     threads = torch.get_num_threads()
     rng = torch.random.get_rng_state()
     torch.set_num_threads(1)
     try:
-        with torch.no_grad():
-            for dtype in (torch.float32, torch.bfloat16, torch.float16):
-                x = torch.ones(1, 4, 8, 16, dtype=dtype)
-                w = torch.ones(32, 64, dtype=dtype)
-                h = F.linear(x.reshape(4, 128)[:, :64], w)
-                h = F.silu(h) * h
-                h = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(dtype)
-                F.scaled_dot_product_attention(x, x, x, is_causal=True)
-                torch.softmax(h.float(), dim=-1).argmax(-1)
-                F.embedding(torch.tensor([[0, 1]]), w)
-                torch.cat([x, x], dim=-1).transpose(1, 2).contiguous()
-                torch.matmul(x, x.transpose(-1, -2))
+        run_transformer_ops(torch.device("cpu"), (torch.float32, torch.bfloat16, torch.float16), heads=4, length=8, head_dim=16)
     finally:
         torch.set_num_threads(threads)
         torch.random.set_rng_state(rng)

@@ -7,7 +7,9 @@ CUDA side needs only torch, so it can run while the framework imports:
 torch's CUDA context on the device and weightcache's own driver-binding
 set-up (the primary context, the VMM granularity, the GPU facts of the
 fingerprint), each done once per process — and ``wait()`` joins it before the
-first load. On the CPU it does nothing.
+first load. The thread then runs a transformer's ops once on small tensors on the
+device (kernel modules, cuBLAS's handle), which the model's first forward would
+otherwise pay; ``wait()`` does not wait for that part. On the CPU it does nothing.
 
     from weightcache.core.spare.warm import start_cuda_early
 
@@ -37,10 +39,13 @@ class EarlyCuda:
     how long the caller still had to wait for it, and raises what it raised.
     """
 
-    def __init__(self, device: "Device | str"):
+    def __init__(self, device: "Device | str", warm_kernels: bool = True):
         self.device = Device.parse(device)
         self.seconds = 0.0
+        self.warm_seconds: float | None = None
+        self.warm_kernels = warm_kernels
         self._error: BaseException | None = None
+        self._set = threading.Event()
         self._thread: threading.Thread | None = None
         if self.device.is_cuda:
             self._thread = threading.Thread(target=self._set_up, name="weightcache-early-cuda", daemon=True)
@@ -58,29 +63,48 @@ class EarlyCuda:
             self._error = exc
         finally:
             self.seconds = time.perf_counter() - start
+            self._set.set()
+        if self._error is None and self.warm_kernels:
+            self._warm_kernels()
+
+    def _warm_kernels(self) -> None:
+        """The first-call costs of the device's kernels, paid here while the caller attaches (never an error)."""
+        start = time.perf_counter()
+        try:
+            import torch
+
+            from weightcache.core.spare.kernel_warmup import run_transformer_ops
+
+            device = self.device.torch()
+            run_transformer_ops(device, (torch.bfloat16,), heads=8, length=32, head_dim=128)
+            torch.cuda.synchronize(device)
+            self.warm_seconds = time.perf_counter() - start
+        except Exception as exc:  # a warm-up that fails leaves the first forward to pay its costs, as without it
+            log.debug("warming %s's kernels failed: %s", self.device, exc)
 
     @property
     def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
+        """The set-up (not the kernels' warm-up after it) has finished."""
+        return self._thread is None or self._set.is_set()
 
     def wait(self, timeout: float | None = None) -> float:
         """Join the set-up; returns the seconds waited here. Raises what the set-up raised (e.g. BackendUnavailable)."""
         start = time.perf_counter()
         if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
+            if not self._set.wait(timeout):
                 raise TimeoutError(f"CUDA set-up on {self.device} did not finish within {timeout} s")
         if self._error is not None:
             raise self._error
         return time.perf_counter() - start
 
 
-def start_cuda_early(device: "Device | str") -> EarlyCuda:
-    """Start creating the CUDA context and weightcache's driver set-up for ``device`` in a background thread.
+def start_cuda_early(device: "Device | str", warm_kernels: bool = True) -> EarlyCuda:
+    """Start creating the CUDA context and weightcache's driver set-up for ``device`` in a background thread, then
+    (``warm_kernels``) warming its kernels there.
 
     Call it before importing the framework; call ``wait()`` on the result before loading.
     """
-    early = EarlyCuda(device)
+    early = EarlyCuda(device, warm_kernels)
     if early.device.is_cuda:
         log.debug("setting up CUDA on %s in the background", early.device)
     return early

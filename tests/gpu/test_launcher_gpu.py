@@ -59,3 +59,25 @@ def test_engines_forked_from_a_cuda_free_launcher_create_their_own_context():
     finally:
         launcher.stop()
         subprocess.run(["rm", "-rf", str(directory)], check=False)
+
+
+_EARLY = """
+import json, time
+import torch
+from weightcache.core.spare.warm import start_cuda_early
+early = start_cuda_early("cuda:0")
+waited = early.wait(timeout=120)
+for _ in range(600):  # the kernels' warm-up goes on after the set-up
+    if early.warm_seconds is not None:
+        break
+    time.sleep(0.05)
+a = torch.full((64, 64), 0.5, device="cuda", dtype=torch.bfloat16)
+print(json.dumps({"warm_s": early.warm_seconds, "value": float((a @ a)[0, 0]), "set_up_s": early.seconds}))
+"""
+
+
+def test_early_cuda_warms_the_devices_kernels_after_its_set_up_and_computes_right():
+    done = subprocess.run([sys.executable, "-c", _EARLY], capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["warm_s"] is not None, f"the kernels' warm-up did not finish: {done.stderr[-2000:]}"
+    assert report["value"] == 16.0, report  # 64 products of 0.5 × 0.5
