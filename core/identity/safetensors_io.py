@@ -216,9 +216,10 @@ def checkpoint_identity(path: str | os.PathLike, store: DigestStore | None = Non
 def identity_of(path: str | os.PathLike, files: "list[Path]", digests: "list[str]") -> str:
     """The checkpoint identity of ``path`` from its weight ``files`` and their content digests, in the same order."""
     path = Path(path)
+    single = path.is_file()
     digest = hashlib.sha256(SCHEME.encode())
     for file, content in zip(files, digests, strict=True):
-        relative = file.name if path.is_file() else str(file.relative_to(path))
+        relative = file.name if single else str(file.relative_to(path))
         for part in (relative.encode(), content.encode()):
             digest.update(struct.pack("<Q", len(part)) + part)
     return digest.hexdigest()

@@ -54,10 +54,7 @@ class TierCopy(CopyBackend):
         returns once every byte arrived."""
 
 
-B = typing.TypeVar("B", bound=CopyBackend)
-
-
-def backend_class(name: str, kind: type[B]) -> type[B]:
+def backend_class(name: str, kind: type) -> typing.Any:
     """The class ``BACKENDS`` names ``name``, which must be a ``kind`` (``TierCopy``, ``Transport``, ...); ValueError
     naming the backends of that kind for an unknown name or one of another kind."""
     found = _imported(BACKENDS[name]) if name in BACKENDS else None
@@ -67,9 +64,9 @@ def backend_class(name: str, kind: type[B]) -> type[B]:
             f"unknown copy backend {name!r}" if found is None else f"{name!r} is a {found.reach} copy, not a {kind.__name__}"
         )
         raise ValueError(f"{problem}; the {kind.__name__} backends are {', '.join(known) or 'none'} (BACKENDS in {__name__})")
-    return typing.cast("type[B]", found)
+    return found
 
 
-def _imported(where: str) -> type:
+def _imported(where: str) -> type[CopyBackend]:
     module, _, cls = where.partition(":")
     return getattr(importlib.import_module(module), cls)

@@ -180,7 +180,7 @@ def copy_from_node(
     for source in sources(fingerprint, socket_dir) if candidates is None else candidates:
         if source.tier == own_uuid:
             continue  # this GPU's own entry of another fingerprint: not a copy to make
-        copier = backend_class(source.backend, TierCopy)()
+        copier: TierCopy = backend_class(source.backend, TierCopy)()
         why_not = copier.unusable(source.tier, index)
         if why_not is not None:
             log.info("weightcache: %s: %s; trying the next source", source.name, why_not)

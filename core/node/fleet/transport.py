@@ -81,4 +81,5 @@ def transport(name: str, agent_name: str, devices: str = "") -> Transport:
     """A new ``name`` transport for this process (``agent_name`` unique in the fleet), on the network ``devices``
     (comma-separated interface names; empty: the backend's choice); ValueError for a name ``BACKENDS`` has no
     transport of."""
-    return backend_class(name, Transport)(agent_name, devices)  # type: ignore[call-arg]
+    found: Transport = backend_class(name, Transport)(agent_name, devices)
+    return found
