@@ -95,7 +95,7 @@ def fill_gpu1(fingerprint, socket_dir, tier: str) -> dict:
         reply = publish_arenas(builder, fingerprint, copied.manifest, socket_dir, fingerprint.architecture)
     ready = time.perf_counter()
     nbytes = sum(spec.size for spec in copied.manifest.arenas)
-    return {"ready_s": ready - start, "publish_s": ready - filled, "bytes": nbytes, "digest": reply["digest"], **copied.timings}
+    return {"ready_s": ready - start, "publish_s": ready - filled, "bytes": nbytes, "digest": reply.digest, **copied.timings}
 
 
 def evict(socket_dir, fingerprint) -> None:

@@ -233,7 +233,7 @@ def publish_case(specs, device: str, max_bytes: int, socket_dir, anchor: Path, l
         timings.update(seal_s=published["seal_s"], publish_s=published["request_s"])
         pool, region, bytes_ = [], None, None  # no view outlives the arenas (a CUDA arena closed under one warns)
         del manifest
-    timings["digest"] = reply["digest"]
+    timings["digest"] = reply.digest
     return {"fingerprint": fingerprint.to_json(), **timings}
 
 

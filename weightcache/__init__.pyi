@@ -12,6 +12,7 @@ from weightcache.core.flow.modes import load_model as load_model, LoadedModel as
 from weightcache.core.flow.modes import CacheOptions as CacheOptions, ATTACHMENT_ATTR as ATTACHMENT_ATTR
 from weightcache.core.flow.loader import prepare as prepare, Prepared as Prepared
 from weightcache.core.flow.loader import publish as publish, Published as Published
+from weightcache.core.flow.loader import Origin as Origin, Tier as Tier
 from weightcache.core.flow.plugins import Plugins as Plugins
 
 # engine forks that own their model code: fingerprint, publish, attach, rebind

@@ -34,7 +34,7 @@ from weightcache.core.server.bounds import CONNECTIONS, IDLE_SECONDS, PORT, SECO
 log = logging.getLogger(__name__)
 
 if typing.TYPE_CHECKING:
-    pass
+    from weightcache.core.flow.loader import Checked, Tier
 
 DETACHED_LOG = "server.log"
 """Where ``serve --detach`` logs unless ``--log-file`` says otherwise: this file in the socket directory."""
@@ -394,7 +394,7 @@ def _load(args) -> int:
 
     note(f"checking {args.model} ...")
     request = load_request(args)  # device, dtype, ranks, options; a hub id becomes its snapshot directory in the local hub cache
-    loader.check_tier(args.tier, request.device)
+    tier = loader.Tier(args.tier, request.device)  # checked once, here; publish takes it as it is
     checked = loader.check(request)  # adapter, options, the method asked for: once, here; prepare goes on from it
     headers = check_checkpoint(request.model)  # files, headers, lengths: no weight byte read
     log.debug("load: options and %d weight file headers checked", len(headers))
@@ -404,7 +404,7 @@ def _load(args) -> int:
     # The disk starts now; the adapter imports its framework meanwhile (nothing where the hf adapter remembers the
     # model's layout), while this thread makes the CUDA context.
     with _read_ahead(headers, args.prefetch), _warming_up(checked.adapter, checked.request):
-        return _load_checked(args, checked, headers)
+        return _load_checked(args, checked, tier, headers)
 
 
 @contextlib.contextmanager
@@ -448,9 +448,10 @@ def _read_ahead(headers, wanted: bool):
     return Prefetch([header.file for header in headers])
 
 
-def _load_checked(args, checked, headers) -> int:
-    """``_load`` once the options and the checkpoint's headers are checked."""
+def _load_checked(args, checked: "Checked", tier: "Tier", headers) -> int:
+    """``_load`` once the options, the tier and the checkpoint's headers are checked."""
     from weightcache.core.client.client import Connection
+    from weightcache.core.client.replies import ServerStatus
     from weightcache.core.fingerprint import HOST_TIER
     from weightcache.core.flow import loader
     from weightcache.core.identity.identity import Environment
@@ -461,42 +462,42 @@ def _load_checked(args, checked, headers) -> int:
     preflight.check_device(request.device)
     log.debug("load: %s ready", request.device)
     prepared = loader.prepare(checked)  # the adapter reads the configs
+    prepared.check_first_sight(headers)  # checked above: their versions identify the checkpoint, no stat again
     log.debug("load: the adapter described the model")
     fingerprint = prepared.remembered()  # None on first sight: the load digests the bytes it reads
     with Connection(args.socket_dir) as connection:
-        status = connection.status()
-    tiers = _tiers(args.tier, Environment.of(request.device).gpu_uuid)
+        status = ServerStatus.from_json(connection.status())
+    tiers = _tiers(tier, Environment.of(request.device).gpu_uuid)
     if fingerprint is not None:
         wanted = {where: (fingerprint.on_device(HOST_TIER) if where else fingerprint).digest for where in tiers}
-        held = {entry["digest"]: entry for entry in status["entries"] if entry["digest"] in wanted.values()}
+        held = status.held(wanted.values())
         if len(held) == len(wanted):
             for where, digest in wanted.items():
                 entry = held[digest]
-                print(
-                    f"already cached{where}: {digest[:12]}  {entry['label']}, {format_bytes(entry['bytes'])}; nothing was loaded"
-                )
+                print(f"already cached{where}: {digest[:12]}  {entry.label}, {format_bytes(entry.nbytes)}; nothing was loaded")
             return 0
-        tiers = {where: tier for where, tier in tiers.items() if wanted[where] not in held}
+        tiers = {where: kept_on for where, kept_on in tiers.items() if wanted[where] not in held}
     else:
         note("first sight of these weight files: their digests are computed from the bytes read, in the same pass")
     needed = preflight.estimated_bytes(headers, prepared.description)
-    for tier in tiers.values():
-        preflight.check_room(status, needed, tier=tier)
+    for kept_on in tiers.values():
+        preflight.check_room(status, needed, tier=kept_on)
     note(f"loading {prepared.label} ({format_bytes(needed)} or more) into {request.device} arenas ...")
-    published = loader.publish(prepared, args.socket_dir, progress=byte_progress("loading", total=needed), tier=args.tier)
+    published = loader.publish(prepared, args.socket_dir, progress=byte_progress("loading", total=needed), tier=tier)
     log.debug("load: published; its steps (s): %s", {key: round(value, 3) for key, value in published.timings.items()})
     manifest = published.manifest
-    source = "" if published.source == "disk" else f", copied from {published.source}"
-    host = f"; kept on the host tier as {published.host_digest[:12]}" if published.host_digest and args.tier == "both" else ""
+    source = "" if published.origin.kind == "disk" else f", copied from {published.origin}"
+    both = tier.on_device and tier.on_host
+    host = f"; kept on the host tier as {published.host_digest[:12]}" if published.host_digest and both else ""
     if not published.created:
-        if host and published.host_digest and published.source == "this GPU's entry":
+        if host and published.host_digest and published.origin.kind == "this_gpu":
             print(f"kept {published.host_digest[:12]}  {prepared.label} on the host tier, copied from this GPU's entry")
         else:
             why = "another loader published it meanwhile" if fingerprint is not None else "it held these bytes already"
             print(f"already cached: {published.digest[:12]}  {prepared.label} ({why})")
         return 0
     arenas = len(manifest.arenas)
-    where = " on the host tier" if args.tier == "host" else ""
+    where = "" if tier.on_device else " on the host tier"
     print(
         f"published {published.digest[:12]}  {prepared.label}{where}: {len(manifest.tensors)} tensors, "
         f"{format_bytes(manifest.nbytes)} in {arenas} arena{'s' if arenas != 1 else ''}, "
@@ -505,15 +506,15 @@ def _load_checked(args, checked, headers) -> int:
     return 0
 
 
-def _tiers(tier: str, gpu_uuid: str) -> dict[str, str]:
+def _tiers(tier: "Tier", gpu_uuid: str) -> dict[str, str]:
     """Where the entries ``weightcache load --tier`` makes live, by how messages say it ('' the device, ' on the host
     tier'): a GPU's UUID or ``HOST_TIER`` (a CPU device's entries count against the host budget too)."""
     from weightcache.core.fingerprint import HOST_TIER
 
     wanted = {}
-    if tier in ("device", "both"):
+    if tier.on_device:
         wanted[""] = gpu_uuid or HOST_TIER
-    if tier in ("host", "both"):
+    if tier.on_host:
         wanted[" on the host tier"] = HOST_TIER
     return wanted
 

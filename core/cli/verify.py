@@ -30,6 +30,7 @@ from weightcache.core.arena.checksum import mismatched
 from weightcache.core.cli.cli_options import help_text
 from weightcache.core.client.attach import Attachment
 from weightcache.core.client.client import Connection
+from weightcache.core.client.replies import HeldEntry, ServerStatus
 from weightcache.core.errors import AmbiguousDigest, ServerError, WeightCacheError
 from weightcache.core.progress import ByteProgress, NoProgress, byte_progress, format_bytes
 from weightcache.core.socket_dir import SocketDir, SocketDirLike
@@ -85,12 +86,12 @@ def verify_entries(
     """
     socket_dir = SocketDir.parse(socket_dir)
     with Connection(socket_dir) as connection:
-        rows = connection.status()["entries"]
-    rows = [row for row in rows if row["digest"].startswith(prefix)]
+        held = ServerStatus.from_json(connection.status()).entries
+    rows = [row for row in held if row.digest.startswith(prefix)]
     if prefix and not rows:
         raise ValueError(f"no entry's digest starts with {prefix!r}; `weightcache status` lists them")
     if prefix and len(rows) > 1:
-        raise AmbiguousDigest(prefix, sorted(row["digest"] for row in rows))
+        raise AmbiguousDigest(prefix, sorted(row.digest for row in rows))
     progress = progress or NoProgress()
     verdicts = []
     for row in rows:
@@ -104,10 +105,10 @@ def verify_entries(
     return verdicts
 
 
-def _verify(row: dict, socket_dir: SocketDir, progress) -> Verdict:
-    verdict = Verdict(row["digest"], row.get("label", ""), int(row["bytes"]))
+def _verify(row: HeldEntry, socket_dir: SocketDir, progress) -> Verdict:
+    verdict = Verdict(row.digest, row.label, row.nbytes)
     try:
-        attachment = Attachment.by_digest(row["digest"], socket_dir)
+        attachment = Attachment.by_digest(row.digest, socket_dir)
     except ServerError as exc:
         if exc.code == "not_found":  # evicted since the status
             return attrs.evolve(verdict, skipped="evicted meanwhile")
@@ -123,7 +124,7 @@ def _verify(row: dict, socket_dir: SocketDir, progress) -> Verdict:
     finally:
         attachment.close()
     for index in corrupt:
-        log.error("entry %s (%s): arena %d does not match its checksum", row["digest"][:12], verdict.label, index)
+        log.error("entry %s (%s): arena %d does not match its checksum", row.digest[:12], verdict.label, index)
     return attrs.evolve(verdict, corrupt=corrupt)
 
 
@@ -167,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
     if args.force and not args.drop:
         raise ValueError("--force only goes with --drop")
     with Connection(args.socket_dir) as connection:
-        rows = connection.status()["entries"]
-    total = sum(int(row["bytes"]) for row in rows if row["digest"].startswith(args.id))
+        held = ServerStatus.from_json(connection.status()).entries
+    total = sum(row.nbytes for row in held if row.digest.startswith(args.id))
     verdicts = verify_entries(
         args.socket_dir,
         args.id,

@@ -14,6 +14,7 @@ import typing
 from weightcache.core.arena import backend
 from weightcache.core.arena.checksum import check_mapped, mismatched
 from weightcache.core.client.client import Connection
+from weightcache.core.client.replies import PublishReply
 from weightcache.core.errors import (
     AccessDenied,
     ArenaError,
@@ -210,7 +211,9 @@ class Attachment:
                 "this engine's mapping",
                 "The mapped bytes changed since they were published: restart this engine from disk (`weightcache load`)",
             )
-            created = bool(connection.publish(self.fingerprint, self.manifest, self.fds, label=self.label).get("created"))
+            created = PublishReply.from_json(
+                connection.publish(self.fingerprint, self.manifest, self.fds, label=self.label)
+            ).created
             reply = connection.attach(self.fingerprint)
             close_fds(reply.fds)  # this engine keeps the fds it already holds
         except BaseException:

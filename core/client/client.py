@@ -16,6 +16,7 @@ from pathlib import Path
 
 import attrs
 
+from weightcache.core.client.replies import ServerStatus
 from weightcache.core.errors import (
     AccessDenied,
     EntryNotFound,
@@ -251,8 +252,8 @@ class Connection:
                 return None  # evicted meanwhile: gone all the same
             if exc.code != "attached":
                 raise
-            rows = [row for row in self.status()["entries"] if row["digest"] == digest]
-            return tuple(rows[0]["attached_pids"]) if rows else None
+            held = ServerStatus.from_json(self.status()).held([digest])
+            return held[digest].attached_pids if held else None
         return None
 
     def status(self) -> dict:

@@ -15,10 +15,9 @@ from __future__ import annotations
 import os
 import typing
 
-import attrs
-
 from weightcache.core.client.attach import Attachment
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
+from weightcache.core.flow.loader import DISK, Origin, Published
 from weightcache.core.identity.digests import ProgressLike
 from weightcache.core.identity.identity import fingerprint_for
 from weightcache.core.layout.manifest import Manifest, TensorRecord
@@ -34,8 +33,11 @@ if typing.TYPE_CHECKING:
 
     from weightcache.core.device import Device
 
+IN_MEMORY = Origin("memory")
+
 __all__ = [
     "Attachment",
+    "Published",
     "PublishedState",
     "attach",
     "fingerprint",
@@ -83,13 +85,8 @@ def fingerprint(
     return fingerprint_for(request, description)
 
 
-@attrs.frozen
-class PublishedState:
-    """The server's digest for the entry, whether this call created it, and its manifest."""
-
-    digest: str
-    created: bool
-    manifest: Manifest = attrs.field(eq=False)
+PublishedState = Published
+"""The name 0.1.0 gave these functions' result: it is ``Published`` now, the one type of a publish's result."""
 
 
 def publish_model(
@@ -101,7 +98,7 @@ def publish_model(
     label: str = "",
     extra: dict | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> PublishedState:
+) -> Published:
     """Copy every parameter and buffer of ``model`` (non-persistent buffers too; tied weights once) into arenas and publish.
 
     The model keeps its own tensors (nothing is freed); prefer this to
@@ -110,7 +107,7 @@ def publish_model(
     with ArenaBuilder(device, chunk_bytes=chunk_bytes) as builder:
         manifest = export_module(model, builder, extra, release=False)
         reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
-    return PublishedState(reply["digest"], bool(reply["created"]), manifest)
+    return Published(reply.digest, reply.created, fingerprint, manifest, origin=IN_MEMORY)
 
 
 def publish_state(
@@ -122,7 +119,7 @@ def publish_state(
     label: str = "",
     extra: dict | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> PublishedState:
+) -> Published:
     """Copy ``state`` (final tensors, any dtype and stride) into arenas on ``device`` and publish it.
 
     The same tensor object under two names is stored once, as an alias.
@@ -130,7 +127,7 @@ def publish_state(
     with ArenaBuilder(device, chunk_bytes=chunk_bytes) as builder:
         manifest = export_state(state, builder, extra)
         reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
-    return PublishedState(reply["digest"], bool(reply["created"]), manifest)
+    return Published(reply.digest, reply.created, fingerprint, manifest, origin=IN_MEMORY)
 
 
 def publish_checkpoint(
@@ -142,7 +139,7 @@ def publish_checkpoint(
     label: str = "",
     progress: ProgressLike | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> PublishedState:
+) -> Published:
     """Read a safetensors checkpoint's bytes straight into arenas on ``device`` (no second copy) and publish it.
 
     Tensors keep the names, dtypes and shapes of the files.
@@ -166,7 +163,7 @@ def publish_checkpoint(
         manifest = Manifest(tensors=records, arenas=builder.specs())
         builder.progress.close()
         reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
-    return PublishedState(reply["digest"], bool(reply["created"]), manifest)
+    return Published(reply.digest, reply.created, fingerprint, manifest, origin=DISK)
 
 
 def attach(fingerprint: Fingerprint, socket_dir: SocketDirLike = None, timeout: float = 30.0) -> Attachment:

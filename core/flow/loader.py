@@ -22,9 +22,8 @@ from weightcache.core.identity.digests import (
     checkpoint_digests,
     default_store,
     remember,
-    remembered_digests,
 )
-from weightcache.core.identity.safetensors_io import checkpoint_files, checkpoint_identity, identity_of
+from weightcache.core.identity.safetensors_io import Sighting, check_first_sight, checkpoint_files, identity_of
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.load.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
 from weightcache.core.load.publish import publish_arenas, seal
@@ -38,6 +37,7 @@ if typing.TYPE_CHECKING:
     import torch
 
     from weightcache.core.device import Device
+    from weightcache.core.identity.safetensors_io import Header
 
 log = logging.getLogger(__name__)
 
@@ -56,28 +56,40 @@ class Prepared:
     adapter: Adapter = attrs.field(eq=False, repr=False)
     description: ModelDescription
     _fingerprint: Fingerprint | None = attrs.field(default=None, eq=False, repr=False)
+    _sighting: Sighting | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
     @property
     def fingerprint(self) -> Fingerprint:
         return self.identify()
 
+    def check_first_sight(self, headers: "typing.Sequence[Header] | None" = None) -> None:
+        """Check the header of every weight file seen for the first time (``check_first_sight``), or take ``headers``
+        read and checked already (``check_checkpoint``); what was seen then identifies the checkpoint, with no stat again."""
+        if headers is None:
+            self._sighting = check_first_sight(self.request.model)
+        else:
+            self._sighting = Sighting.of(self.request.model, headers=headers)
+
     def identify(self, progress: ProgressLike | None = None) -> Fingerprint:
         """The fingerprint; a weight file seen for the first time is hashed, ``progress`` counting its bytes."""
         if self._fingerprint is None:
-            checkpoint = checkpoint_identity(self.request.model, progress=progress)
+            checkpoint = self._seen().identify(progress=progress)
             self._fingerprint = identity.fingerprint_for(self.request, self.description, checkpoint)
         return self._fingerprint
 
     def remembered(self) -> Fingerprint | None:
         """The fingerprint if every weight file's digest is known without reading it, else None (first sight)."""
         if self._fingerprint is None:
-            files = checkpoint_files(self.request.model)
-            digests = remembered_digests(FileKey.of(file) for file in files)
-            if any(digest is None for digest in digests):
+            checkpoint = self._seen().identity
+            if checkpoint is None:
                 return None
-            checkpoint = identity_of(self.request.model, files, typing.cast("list[str]", digests))
             self._fingerprint = identity.fingerprint_for(self.request, self.description, checkpoint)
         return self._fingerprint
+
+    def _seen(self) -> Sighting:
+        if self._sighting is None:
+            self._sighting = Sighting.of(self.request.model)
+        return self._sighting
 
     def settle(self, files: "list[Path]", digests: "list[str]") -> Fingerprint:
         """The fingerprint of the bytes a load read (``digests`` of ``files``); it replaces a remembered one.
@@ -132,23 +144,86 @@ def checkpoint_name(path: str | os.PathLike) -> str:
     return name[:_NAME_CHARS]
 
 
+ORIGINS = ("disk", "memory", "peer_gpu", "host_tier", "this_gpu", "node")
+"""Where a publish's bytes may come from: the checkpoint, the caller's tensors, a peer GPU's entry, the host tier,
+this GPU's own entry (a host-tier copy of it), another node of the fleet."""
+
+
+@attrs.frozen
+class Origin:
+    """Where a publish's bytes came from: its ``kind`` (one of ``ORIGINS``) and what names the place (a GPU, a node).
+
+    Compare ``kind``; ``str()`` is how messages say it (``peer GPU GPU-8f3e2a1b``).
+    """
+
+    kind: str = attrs.field(validator=attrs.validators.in_(ORIGINS))
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return {
+            "disk": "disk",
+            "memory": "this process's tensors",
+            "peer_gpu": f"peer GPU {self.detail[:12]}",
+            "host_tier": "the host tier",
+            "this_gpu": "this GPU's entry",
+            "node": f"node {self.detail}",
+        }[self.kind]
+
+
+DISK = Origin("disk")
+
+
 @attrs.frozen
 class Published:
-    """What ``publish`` did: the entry's digest, whether this call created it, its manifest and the timings."""
+    """What a publish did (``publish``, ``publish_model``, ``publish_state``, ``publish_checkpoint``): the entry's
+    digest, whether this call created it, its fingerprint, its manifest, the timings and where its bytes came from."""
 
     digest: str
     created: bool
     fingerprint: Fingerprint
     manifest: Manifest = attrs.field(eq=False)
-    timings: dict = attrs.field(eq=False)
-    source: str = "disk"
-    """Where the bytes came from: ``disk``, ``peer GPU GPU-...`` or ``the host tier``."""
+    timings: dict = attrs.field(eq=False, factory=dict)
+    source: str = ""
+    """How messages name ``origin`` (``disk``, ``peer GPU GPU-...``, ``the host tier``): prose, not to compare."""
     host_digest: str | None = None
     """The host-tier copy's digest when one was kept (``tier`` ``host`` or ``both``)."""
+    origin: Origin = DISK
+    """Where the bytes came from, typed: compare ``origin.kind``."""
+
+    def __attrs_post_init__(self) -> None:
+        if not self.source:
+            object.__setattr__(self, "source", str(self.origin))
 
 
 TIERS = ("device", "host", "both")
 """Where ``publish`` keeps a model: on its device (the default), on the host tier only, or both."""
+
+
+@attrs.frozen
+class Tier:
+    """Where a publish keeps a model (``name``, one of ``TIERS``), checked once, when made, against the ``device`` it
+    loads on: the host tier keeps a GPU's weights, so ``host`` and ``both`` need a CUDA device (ValueError)."""
+
+    name: str
+    device: "Device" = attrs.field(eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.name not in TIERS:
+            raise ValueError(f"unknown tier {self.name!r}; expected one of {', '.join(TIERS)}")
+        if self.name != "device" and not self.device.is_cuda:
+            raise ValueError(
+                f"the host tier keeps a GPU's weights in host memory: --tier {self.name} needs a CUDA --device, not {self.device}"
+            )
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the entry on the device is published (``device``, ``both``)."""
+        return self.name != "host"
+
+    @property
+    def on_host(self) -> bool:
+        """Whether a host-tier copy is kept (``host``, ``both``)."""
+        return self.name != "device"
 
 
 @attrs.frozen
@@ -222,15 +297,16 @@ def publish(
     progress: ProgressLike | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     label: str | None = None,
-    tier: str = "device",
+    tier: "str | Tier" = "device",
 ) -> Published:
     """Load ``prepared`` into arenas and publish it in one frame (atomic: a crash before leaves nothing).
 
     On a GPU the bytes come from the fastest copy the node holds (a peer GPU's
     entry, the host tier: ``weightcache.core.node.fill``), else from the disk. ``tier``
-    (``TIERS``): ``host`` publishes a host-tier copy of the GPU-made weights
+    (``TIERS``, or a ``Tier`` checked already): ``host`` publishes a host-tier copy of the GPU-made weights
     instead of the GPU entry, ``both`` publishes the two.
     """
+    tier = tier if isinstance(tier, Tier) else Tier(tier, prepared.request.device)
     published = _publish(prepared, SocketDir.parse(socket_dir), progress, chunk_bytes, label, tier, disk=True)
     if published is None:  # _publish returns None only where it may not read the disk
         raise RuntimeError("publish read neither the node's copies nor the disk")
@@ -242,7 +318,8 @@ def publish_from_node(prepared: Prepared, socket_dir: SocketDirLike = None) -> P
 
     Never reads the disk: a client fills its GPU this way before it falls back.
     """
-    return _publish(prepared, SocketDir.parse(socket_dir), None, DEFAULT_CHUNK_BYTES, None, "device", disk=False)
+    tier = Tier("device", prepared.request.device)
+    return _publish(prepared, SocketDir.parse(socket_dir), None, DEFAULT_CHUNK_BYTES, None, tier, disk=False)
 
 
 def _publish(
@@ -251,18 +328,17 @@ def _publish(
     progress: ProgressLike | None,
     chunk_bytes: int,
     label: str | None,
-    tier: str,
+    tier: Tier,
     disk: bool,
 ) -> Published | None:
     """The one publish sequence behind ``publish`` and ``publish_from_node`` (``disk``: whether it may read the disk)."""
     request = prepared.request
-    check_tier(tier, request.device)
     timings: dict[str, float] = {}
     label = label or prepared.label
     remembered = prepared.remembered()  # None on first sight: the load derives it from the bytes it reads
     on_node = fill.sources(remembered, socket_dir) if remembered is not None and request.device.is_cuda else []
     host_held = next((s.fingerprint.digest for s in on_node if s.tier == HOST_TIER), None)
-    if tier != "device" and remembered is not None:
+    if tier.on_host and remembered is not None:
         done = _host_copy_of_what_is_held(remembered, host_held, tier, socket_dir, label, timings)
         if done is not None:
             return done
@@ -275,26 +351,28 @@ def _publish(
         pulled = fleet.pull(builder) if copied is None else None  # another node's copy, before the disk
         fingerprint: Fingerprint
         if copied is not None and remembered is not None:
-            manifest, source, fingerprint = copied.manifest, copied.source.name, remembered
+            manifest, fingerprint = copied.manifest, remembered
+            origin = Origin("host_tier") if copied.source.tier == HOST_TIER else Origin("peer_gpu", copied.source.tier)
             timings["fill_s"] = time.perf_counter() - start  # copied.timings has its steps
         elif pulled is not None and remembered is not None:
-            manifest, source, fingerprint = pulled.manifest, pulled.source, remembered
+            manifest, fingerprint = pulled.manifest, remembered
+            origin = Origin("node", f"{pulled.node} over {pulled.path}")
             timings["pull_s"] = time.perf_counter() - start  # pulled.timings has its steps
         elif not disk:
             return None
         else:
             manifest, fingerprint = _load_and_export(prepared, builder, timings)
-            source = "disk"
+            origin = DISK
         builder.progress.close()
         host_digest, host_created = host_held, False
-        if tier != "device" and not host_held:
+        if tier.on_host and not host_held:
             seal(builder)  # the GPU arenas' checksums: the host copy is checked against them
             manifest = attrs.evolve(manifest, arenas=builder.specs())
             start = time.perf_counter()
             kept = fill.keep_on_host(fingerprint, manifest, builder.arenas, socket_dir, label)
-            host_digest, host_created = kept["digest"], bool(kept["created"])
+            host_digest, host_created = kept.digest, kept.created
             timings["host_copy_s"] = time.perf_counter() - start
-        if tier == "host":
+        if not tier.on_device:
             if host_digest is None:
                 raise RuntimeError("the host tier's copy was neither found nor kept")
             digest, created, published_as = host_digest, host_created, fingerprint.on_device(HOST_TIER)
@@ -302,40 +380,33 @@ def _publish(
             start = time.perf_counter()
             reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
             timings["publish_s"] = time.perf_counter() - start
-            digest, created, published_as = reply["digest"], bool(reply["created"]), fingerprint
+            digest, created, published_as = reply.digest, reply.created, fingerprint
         fleet.published()  # a claimant lets the waiting nodes pull from here now
     state = "published" if created else "loaded, but the server already held"
-    log.info("%s %s (%s) from %s in %.2f s", state, digest[:12], label, source, sum(timings.values()))
-    return Published(digest, created, published_as, manifest, timings, source, host_digest)
-
-
-def check_tier(tier: str, device: "Device") -> None:
-    """ValueError unless ``tier`` is one of ``TIERS`` and fits ``device`` (the host tier holds a GPU's weights)."""
-    if tier not in TIERS:
-        raise ValueError(f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
-    if tier != "device" and not device.is_cuda:
-        raise ValueError(f"the host tier keeps a GPU's weights in host memory: --tier {tier} needs a CUDA --device, not {device}")
+    log.info("%s %s (%s) from %s in %.2f s", state, digest[:12], label, origin, sum(timings.values()))
+    return Published(digest, created, published_as, manifest, timings, host_digest=host_digest, origin=origin)
 
 
 def _host_copy_of_what_is_held(
-    fingerprint: Fingerprint, host_held: str | None, tier: str, socket_dir: SocketDir | None, label: str, timings: dict
+    fingerprint: Fingerprint, host_held: str | None, tier: Tier, socket_dir: SocketDir | None, label: str, timings: dict
 ) -> Published | None:
     """``tier`` host or both when the node already holds what is asked: the host copy, or this GPU's entry to copy."""
     host = fingerprint.on_device(HOST_TIER)
-    if host_held and tier == "host":
+    if host_held and not tier.on_device:
         log.info("the host tier already holds %s (%s)", host_held[:12], label)
-        return Published(host_held, False, host, Manifest([], []), timings, "the host tier", host_held)
+        return Published(host_held, False, host, Manifest([], []), timings, host_digest=host_held, origin=Origin("host_tier"))
     if host_held:
         return None
     start = time.perf_counter()
     kept = fill.keep_entry_on_host(fingerprint, socket_dir, label)  # this GPU's entry exists: copy it, not the disk
     if kept is None:
         return None
-    (reply, manifest), source = kept, "this GPU's entry"
+    reply, manifest = kept
     timings["host_copy_s"] = time.perf_counter() - start
-    if tier == "host":
-        return Published(reply["digest"], bool(reply["created"]), host, manifest, timings, source, reply["digest"])
-    return Published(fingerprint.digest, False, fingerprint, manifest, timings, source, reply["digest"])
+    this_gpu = Origin("this_gpu")
+    if not tier.on_device:
+        return Published(reply.digest, reply.created, host, manifest, timings, host_digest=reply.digest, origin=this_gpu)
+    return Published(fingerprint.digest, False, fingerprint, manifest, timings, host_digest=reply.digest, origin=this_gpu)
 
 
 def _load_and_export(prepared: Prepared, builder: ArenaBuilder, timings: dict) -> tuple[Manifest, Fingerprint]:

@@ -34,7 +34,6 @@ from weightcache.core.errors import CheckpointNotFound, EntryNotFound, WeightCac
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec
 from weightcache.core.flow.loader import Prepared, load_from_disk, prepare, publish, publish_from_node
 from weightcache.core.identity import hub
-from weightcache.core.identity.safetensors_io import check_first_sight
 from weightcache.core.request import LoadRequest
 from weightcache.core.socket_dir import SocketDir, SocketDirLike, to_socket_dir
 
@@ -211,7 +210,7 @@ def run(
 
 
 def _client(prepared: Prepared, cache: CacheOptions, timings: dict) -> LoadedModel:
-    check_first_sight(prepared.request.model)  # before a first sight hashes it: a file the disk load refuses falls back
+    prepared.check_first_sight()  # before a first sight hashes it: a file the disk load refuses falls back
     try:
         return attach(prepared, cache, timings)
     except EntryNotFound:
@@ -298,7 +297,7 @@ def _daemon(prepared: Prepared, cache: CacheOptions, progress, timings: dict) ->
 
     if not server_is_running(cache.socket_dir):
         spawn_detached(cache.socket_dir)  # first: a checkpoint the cache cannot serve is a fallback the server counts
-    check_first_sight(prepared.request.model)  # before a first sight hashes it: a file the disk load refuses falls back
+    prepared.check_first_sight()  # before a first sight hashes it: a file the disk load refuses falls back
     if prepared.remembered() is not None:  # first sight: no identity yet, the publish reads and digests in one pass
         try:
             return attach(prepared, cache, timings)

@@ -27,7 +27,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -314,17 +314,21 @@ def default_store() -> DigestStore:
 
 
 def checkpoint_digests(
-    files: Iterable[str | os.PathLike], store: DigestStore | None = None, progress: ProgressLike | None = None
+    files: Iterable[str | os.PathLike],
+    store: DigestStore | None = None,
+    progress: ProgressLike | None = None,
+    keys: "Sequence[FileKey] | None" = None,
 ) -> list[str]:
     """The content digest of each of ``files``, in order: remembered ones from ``store``, the others hashed now.
 
-    ``store`` defaults to ``default_store()``. Hashing logs one INFO line and
+    ``store`` defaults to ``default_store()``; ``keys`` are the files' versions where the caller has them already
+    (else each file is stat'ed here). Hashing logs one INFO line and
     reports bytes to ``progress`` (an object with ``update(nbytes)`` and ``close()``).
     """
     checkpoint = [Path(file) for file in files]
     store = default_store() if store is None else store
     started = time.time_ns()
-    keys = [FileKey.of(file) for file in checkpoint]
+    keys = list(keys) if keys is not None else [FileKey.of(file) for file in checkpoint]
     digests = remembered_digests(keys, store)
     unknown = [index for index, digest in enumerate(digests) if digest is None]
     if unknown:

@@ -7,6 +7,8 @@ import json
 import os
 import stat
 import struct
+import typing
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -14,7 +16,14 @@ import attrs
 from weightcache.core.errors import CheckpointNotFound, InvalidCheckpoint
 from weightcache.core.fileio import check_regular, open_regular
 from weightcache.core.identity import safetensors_header
-from weightcache.core.identity.digests import SCHEME, DigestStore, FileKey, ProgressLike, checkpoint_digests
+from weightcache.core.identity.digests import (
+    SCHEME,
+    DigestStore,
+    FileKey,
+    ProgressLike,
+    checkpoint_digests,
+    remembered_digests,
+)
 from weightcache.core.identity.safetensors_header import MAX_HEADER_BYTES, HeaderProblem
 from weightcache.core.identity.safetensors_header import ST_DTYPES as ST_DTYPES  # its old home: the name stays here
 
@@ -129,18 +138,54 @@ def check_checkpoint(path: str | os.PathLike) -> list[Header]:
     return [read_header(file) for file in checkpoint_files(path)]
 
 
-def check_first_sight(path: str | os.PathLike, store: DigestStore | None = None) -> None:
-    """``read_header`` for each file of the checkpoint whose digest ``store`` does not remember (stat only for the rest).
+@attrs.frozen
+class Sighting:
+    """A checkpoint's weight files seen once: each file, its version (one stat, or the header read's) and the digest
+    the store remembers for that version (None: first sight). What identifies the checkpoint comes from here, so
+    the files are stat'ed once per load, not once per question asked of them."""
+
+    path: Path
+    files: tuple[Path, ...]
+    keys: tuple[FileKey, ...]
+    remembered: tuple[str | None, ...]
+
+    @classmethod
+    def of(cls, path: str | os.PathLike, store: DigestStore | None = None, headers: "Sequence[Header] | None" = None) -> Sighting:
+        """``path``'s files as they are now (``headers``: as ``check_checkpoint`` read them, not stat'ed again)."""
+        if headers is None:
+            files = checkpoint_files(path)
+            keys = [FileKey.of(file) for file in files]
+        else:
+            files = [header.file for header in headers]
+            keys = [header.key if header.key is not None else FileKey.of(header.file) for header in headers]
+        return cls(Path(path), tuple(files), tuple(keys), tuple(remembered_digests(keys, store)))
+
+    @property
+    def identity(self) -> str | None:
+        """The checkpoint identity when every file's digest is remembered, else None (no file is read for it)."""
+        if any(digest is None for digest in self.remembered):
+            return None
+        return identity_of(self.path, list(self.files), typing.cast("list[str]", list(self.remembered)))
+
+    def identify(self, store: DigestStore | None = None, progress: ProgressLike | None = None) -> str:
+        """The checkpoint identity; the files seen for the first time are hashed (``progress`` counts their bytes)."""
+        return self.identity or identity_of(
+            self.path, list(self.files), checkpoint_digests(self.files, store, progress, keys=self.keys)
+        )
+
+
+def check_first_sight(path: str | os.PathLike, store: DigestStore | None = None) -> Sighting:
+    """``read_header`` for each file of the checkpoint whose digest ``store`` does not remember (stat only for the rest);
+    returns what it saw, for the checkpoint's identity.
 
     A remembered file was checked before it was first hashed, and its key (size, times, inode) still matches: a
     restart's attach opens no checkpoint file, while a file never seen, a changed one or a FIFO is checked first.
     """
-    from weightcache.core.identity.digests import default_store
-
-    store = store if store is not None else default_store()
-    for file in checkpoint_files(path):
-        if store.get(FileKey.of(file)) is None:
+    sighting = Sighting.of(path, store)
+    for file, digest in zip(sighting.files, sighting.remembered, strict=True):
+        if digest is None:
             read_header(file)
+    return sighting
 
 
 def check_length(header: Header) -> None:
@@ -165,16 +210,16 @@ def checkpoint_identity(path: str | os.PathLike, store: DigestStore | None = Non
     user's ``DigestStore``) while a file is unchanged, else the file is hashed once
     (see ``weightcache.core.identity.digests``; ``progress`` counts the bytes hashed).
     """
-    files = checkpoint_files(path)
-    return identity_of(path, files, checkpoint_digests(files, store, progress))
+    return Sighting.of(path, store).identify(store, progress)
 
 
 def identity_of(path: str | os.PathLike, files: "list[Path]", digests: "list[str]") -> str:
     """The checkpoint identity of ``path`` from its weight ``files`` and their content digests, in the same order."""
     path = Path(path)
+    single = path.is_file()
     digest = hashlib.sha256(SCHEME.encode())
     for file, content in zip(files, digests, strict=True):
-        relative = file.name if path.is_file() else str(file.relative_to(path))
+        relative = file.name if single else str(file.relative_to(path))
         for part in (relative.encode(), content.encode()):
             digest.update(struct.pack("<Q", len(part)) + part)
     return digest.hexdigest()

@@ -15,6 +15,7 @@ from weightcache.core.load.prefetch import available_memory
 from weightcache.core.request import ModelDescription
 
 if typing.TYPE_CHECKING:
+    from weightcache.core.client.replies import ServerStatus
     from weightcache.core.identity.safetensors_io import Header
 
 
@@ -53,21 +54,21 @@ def estimated_bytes(headers: "typing.Sequence[Header]", description: ModelDescri
     )
 
 
-def check_room(status: dict, needed: int, tier: str = "host") -> None:
+def check_room(status: "ServerStatus", needed: int, tier: str = "host") -> None:
     """Raise NoRoom when a server whose ``status`` reply this is could not hold ``needed`` more bytes on ``tier``.
 
     ``tier`` is ``host`` or a GPU's UUID; the total budget and the tier's own both count.
     Conservative: it refuses only when the entry cannot fit even after the server evicts
     every idle entry (those no engine has attached); the server has the last word at publish.
     """
-    budgets = status.get("budgets") or {"total": status.get("byte_budget")}
-    attached = [entry for entry in status.get("entries", ()) if entry.get("attached_pids")]
+    budgets = status.budgets
+    attached = [entry for entry in status.entries if entry.attached_pids]
     key, which, flag = (
         ("host", "host budget", "--host-budget") if tier == "host" else ("per_gpu", "per-GPU budget", "--gpu-budget")
     )
     checks = [
-        (budgets.get("total"), sum(e["bytes"] for e in attached), "budget", "--byte-budget"),
-        (budgets.get(key), sum(e["bytes"] for e in attached if e.get("tier") == tier), which, flag),
+        (budgets.get("total"), sum(e.nbytes for e in attached), "budget", "--byte-budget"),
+        (budgets.get(key), sum(e.nbytes for e in attached if e.tier == tier), which, flag),
     ]
     for budget, held, which, flag in checks:
         if budget and needed > budget - held:

@@ -11,6 +11,7 @@ import time
 import attrs
 
 from weightcache.core.client.client import Connection
+from weightcache.core.client.replies import PublishReply
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.load.export import ArenaBuilder
@@ -26,7 +27,7 @@ def publish_arenas(
     label: str = "",
     copied_from: str | None = None,
     timings: dict | None = None,
-) -> dict:
+) -> PublishReply:
     """Seal ``builder``'s arenas, checksum them, and publish them with ``manifest`` in one frame; returns the server's reply.
 
     The one publish sequence: the loader above, the Python API and the engine adapters all end here.
@@ -49,7 +50,7 @@ def publish_arenas(
     sealed = time.perf_counter()
     try:
         with Connection(socket_dir) as connection:
-            reply = connection.publish(fingerprint, manifest, fds, label=label)
+            reply = PublishReply.from_json(connection.publish(fingerprint, manifest, fds, label=label))
     finally:
         close_fds(fds)
     if timings is not None:

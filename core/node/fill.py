@@ -28,8 +28,13 @@ from weightcache.core.errors import ProtocolError, ServerError, ServerUnavailabl
 from weightcache.core.fingerprint import HOST_TIER, Fingerprint
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.load.export import ArenaBuilder
+from weightcache.core.node.backends import TierCopy, backend_class
+from weightcache.core.node.host_tier import HostTierCopy
 from weightcache.core.socket_dir import SocketDir
 from weightcache.core.wire.protocol import MAX_SOURCES
+
+if typing.TYPE_CHECKING:
+    from weightcache.core.client.replies import PublishReply
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,11 @@ class Source:
     def name(self) -> str:
         """``the host tier`` or ``peer GPU GPU-8f3e2a1b``: how logs and reports name it."""
         return "the host tier" if self.tier == HOST_TIER else f"peer GPU {self.tier[:12]}"
+
+    @property
+    def backend(self) -> str:
+        """The ``BACKENDS`` entry that copies from it: ``host_tier`` or ``peer_gpu``."""
+        return "host_tier" if self.tier == HOST_TIER else "peer_gpu"
 
     @classmethod
     def from_row(cls, row: object, wanted: Fingerprint) -> "Source":
@@ -163,33 +173,27 @@ def copy_from_node(
     """
     if not builder.device.is_cuda:
         return None
-    from weightcache.core.arena.cuda import can_access_peer
-    from weightcache.core.device import cuda_index, gpu_uuid, visible_gpu_uuids
+    from weightcache.core.device import cuda_index, gpu_uuid
 
     index = cuda_index(builder.device)
     own_uuid = gpu_uuid(index)
-    visible = visible_gpu_uuids()
     for source in sources(fingerprint, socket_dir) if candidates is None else candidates:
         if source.tier == own_uuid:
             continue  # this GPU's own entry of another fingerprint: not a copy to make
-        if source.tier != HOST_TIER:
-            if source.tier not in visible:
-                log.info("weightcache: %s is not visible in this process; trying the next source", source.name)
-                continue
-            if not can_access_peer(index, visible.index(source.tier)):
-                log.info("weightcache: cuda:%d has no peer access to %s; trying the next source", index, source.name)
-                continue
+        copier: TierCopy = backend_class(source.backend, TierCopy)()
+        why_not = copier.unusable(source.tier, index)
+        if why_not is not None:
+            log.info("weightcache: %s: %s; trying the next source", source.name, why_not)
+            continue
         try:
-            return _copy(source, builder, socket_dir, index)
+            return _copy(source, copier, builder, socket_dir, index)
         except (WeightCacheError, OSError, ValueError, RuntimeError) as exc:
             log.warning("weightcache: filling cuda:%d from %s failed (%s); trying the next source", index, source.name, exc)
             builder.reset()
     return None
 
 
-def _copy(source: Source, builder: ArenaBuilder, socket_dir: SocketDir | None, index: int) -> Copied:
-    from weightcache.core.arena.transfer import Pair, host_to_device
-
+def _copy(source: Source, copier: TierCopy, builder: ArenaBuilder, socket_dir: SocketDir | None, index: int) -> Copied:
     timings: dict[str, float] = {}
     start = time.perf_counter()
     # An unverified source (back from a crash) is not checksummed where it lies: its copy is, below, on this GPU.
@@ -199,15 +203,7 @@ def _copy(source: Source, builder: ArenaBuilder, socket_dir: SocketDir | None, i
         slots = [builder.add_arena(spec.size) for spec in attachment.manifest.arenas]
         targets = [builder.view(slot) for slot in slots]
         start = time.perf_counter()
-        if source.tier == HOST_TIER:
-            pairs = [Pair(arena.fileno(), target) for arena, target in zip(attachment.arenas, targets, strict=True)]
-            host_to_device(pairs)
-        else:
-            for arena, target in zip(attachment.arenas, targets, strict=True):
-                target.copy_(arena.bytes_view(), non_blocking=True)
-            import torch
-
-            torch.cuda.synchronize(index)
+        copier.fill(attachment.arenas, targets, index)
         timings["copy_s"] = time.perf_counter() - start
         del targets
         start = time.perf_counter()
@@ -227,27 +223,24 @@ def keep_on_host(
     arenas: typing.Sequence,
     socket_dir: SocketDir | None = None,
     label: str = "",
-) -> dict:
+) -> "PublishReply":
     """Publish a host-tier copy of ``arenas`` (sealed GPU arenas holding ``manifest``'s bytes: a builder's or an attachment's).
 
     The copy's fingerprint is ``fingerprint.on_device(HOST_TIER)``; returns the server's reply.
     ``manifest.arenas`` carry the GPU arenas' checksums: the host copy is published only if
     its bytes, checksummed on the CPU, match them (ChecksumMismatch otherwise).
     """
-    from weightcache.core.arena.transfer import Pair, device_to_host
     from weightcache.core.load.publish import publish_arenas
 
     with ArenaBuilder("cpu") as host:
         slots = [host.add_arena(arena.spec.size) for arena in arenas]
-        pairs = [Pair(host.arena(slot).fileno(), arena.bytes_view()) for slot, arena in zip(slots, arenas, strict=True)]
-        transfer = device_to_host(pairs)
-        del pairs
+        transfer = backend_class("host_tier", HostTierCopy)().keep(arenas, [host.arena(slot) for slot in slots])
         start = time.perf_counter()
         reply = publish_arenas(host, fingerprint.on_device(HOST_TIER), manifest, socket_dir, label, copied_from="the GPU entry")
         verify_s = time.perf_counter() - start  # the host copy's checksum, on the CPU, compared with the GPU's; and the publish
     log.info(
         "weightcache: kept %s on the host tier (%d bytes in %.2f s, checked and published in %.2f s)",
-        reply.get("digest", "")[:12],
+        reply.digest[:12],
         transfer.nbytes,
         transfer.copy_s,
         verify_s,
@@ -257,7 +250,7 @@ def keep_on_host(
 
 def keep_entry_on_host(
     fingerprint: Fingerprint, socket_dir: SocketDir | None = None, label: str = ""
-) -> tuple[dict, Manifest] | None:
+) -> "tuple[PublishReply, Manifest] | None":
     """Publish a host-tier copy of ``fingerprint``'s own GPU entry, if the server holds it (else None).
 
     Returns the server's reply and the entry's manifest.

@@ -44,6 +44,7 @@ from weightcache.core.device import Device
 from weightcache.core.errors import InvalidManifest, SeedFailed, SeedRefused
 from weightcache.core.fingerprint import HOST_TIER, Fingerprint
 from weightcache.core.load import preflight
+from weightcache.core.node.backends import CopyBackend, backend_class
 from weightcache.core.socket_dir import SocketDir
 from weightcache.core.wire.protocol import MAX_FRAME_BYTES
 
@@ -133,7 +134,7 @@ def send_entry(
     """
     from weightcache.core.client.attach import Attachment
 
-    link = _Link(group, src, timeout_s)
+    link = backend_class("torch_distributed", TorchDistributedLink)(group, src, timeout_s)
     if link.rank != src:
         raise ValueError(f"send_entry runs on rank {src} (src), not on rank {link.rank}")
     start = time.perf_counter()
@@ -184,7 +185,7 @@ def receive_entry(
     from weightcache.core.load.publish import publish_arenas
 
     device = Device.parse(device)
-    link = _Link(group, src, timeout_s)
+    link = backend_class("torch_distributed", TorchDistributedLink)(group, src, timeout_s)
     start = time.perf_counter()
     header = link.receive_json()
     if "error" in header:  # the sender stopped before the verdict: no rank votes
@@ -211,12 +212,13 @@ def receive_entry(
         # The sender's manifest declares each arena's checksum: what arrived must match it, else nothing is published.
         reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label, copied_from=f"rank {src}")
     seconds = time.perf_counter() - start
-    return SeedReport("receiver", reply["digest"], link.moved, seconds, created=bool(reply["created"]))
+    return SeedReport("receiver", reply.digest, link.moved, seconds, created=reply.created)
 
 
 def _accept(header: dict, device: Device, socket_dir: SocketDir | None, src: int):
     """The fingerprint (for this node), manifest and label of a header this node can use; raises why it cannot."""
     from weightcache.core.client.client import Connection
+    from weightcache.core.client.replies import ServerStatus
     from weightcache.core.layout.manifest import Manifest
 
     if header.get("format") != SEED_FORMAT:
@@ -231,7 +233,7 @@ def _accept(header: dict, device: Device, socket_dir: SocketDir | None, src: int
     check_sizes(manifest, fingerprint.digest)
     needed = manifest.nbytes
     with Connection(socket_dir) as connection:
-        status = connection.status()  # no server here: refuse now, not after the transfer
+        status = ServerStatus.from_json(connection.status())  # no server here: refuse now, not after the transfer
     preflight.check_room(status, needed, tier=HOST_TIER if not device.is_cuda else fingerprint.gpu_uuid)
     preflight.check_memory(device, needed)
     return fingerprint, manifest, str(header.get("label") or "")
@@ -255,7 +257,7 @@ def check_sizes(manifest: "Manifest", digest: str) -> None:
             raise SeedRefused(digest, f"the sender declares no checksum for arena {index}; its bytes could not be checked")
 
 
-def _agree(link: "_Link", refusal: BaseException | None) -> None:
+def _agree(link: "TorchDistributedLink", refusal: BaseException | None) -> None:
     """Every rank says whether it takes the entry; SeedFailed on the others when one refuses (the refuser raises its own error)."""
     refused = link.verdict(refusal is not None)
     if refusal is not None:
@@ -265,8 +267,12 @@ def _agree(link: "_Link", refusal: BaseException | None) -> None:
         raise SeedFailed(link.src, f"rank {names} refused the entry (its own output says why); no weights were sent")
 
 
-class _Link:
-    """The collectives of one seeding: broadcasts from ``src`` that each wait at most ``timeout_s``."""
+class TorchDistributedLink(CopyBackend):
+    """The collectives of one seeding: broadcasts from ``src`` to every rank of ``group``, each waiting at most
+    ``timeout_s`` (NCCL between GPUs, gloo between hosts)."""
+
+    name: typing.ClassVar[str] = "torch_distributed"
+    reach: typing.ClassVar[str] = "group"
 
     def __init__(self, group, src: int, timeout_s: float):
         import torch

@@ -66,7 +66,7 @@ class StagedVersion:
         finally:
             self.close()
         self.timings["publish_s"] = sum(steps.values())
-        return PublishedVersion(self.version, str(reply["digest"]), self.fingerprint, bool(reply["created"]), self.timings)
+        return PublishedVersion(self.version, reply.digest, self.fingerprint, reply.created, self.timings)
 
     def close(self) -> None:
         self.builder.close()

@@ -41,26 +41,26 @@ def die_after(arenas: int) -> None:
 
 def flip_a_byte() -> None:
     """Send other bytes than the declared checksums say: one byte in the middle of every arena flipped."""
-    real = seeding._Link.broadcast_arena
+    real = seeding.TorchDistributedLink.broadcast_arena
 
     def broadcast_arena(self, view):
         other = view.clone()
         other[other.numel() // 2] ^= 0xFF
         real(self, other)
 
-    seeding._Link.broadcast_arena = broadcast_arena
+    seeding.TorchDistributedLink.broadcast_arena = broadcast_arena
 
 
 def change_header(change) -> None:
     """Declare another manifest than the entry's: ``change(manifest_json)`` edits it before it is sent."""
-    real = seeding._Link.send_json
+    real = seeding.TorchDistributedLink.send_json
 
     def send_json(self, value):
         if "manifest" in value:
             change(value["manifest"])
         real(self, value)
 
-    seeding._Link.send_json = send_json
+    seeding.TorchDistributedLink.send_json = send_json
 
 
 def _inflate(manifest: dict) -> None:

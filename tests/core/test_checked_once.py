@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import collections
 import json
+import time
 
 import pytest
 
 from tests.helpers import EXAMPLE_SRC
 from weightcache import AdapterOption, LoadRequest, Plugins, UnsupportedQuantization, hookimpl
 from weightcache.core.flow import loader
+from weightcache.core.identity.digests import RACY_WINDOW_NS
 
 
 @pytest.fixture
@@ -82,3 +84,67 @@ def test_a_method_the_checkpoint_declares_is_refused_after_describe(counting):
     with pytest.raises(UnsupportedQuantization, match="gptq"):
         loader.prepare(checked)
     assert calls == {"options": 1, "allowlist": 1, "describe": 1}
+
+
+def test_a_tier_is_checked_once_when_made_and_publish_takes_it_as_it_is(counting):
+    plugins, _, checkpoint = counting
+    prepared = loader.prepare(LoadRequest(model=str(checkpoint), adapter="counting"), plugins)
+    with pytest.raises(ValueError, match="--tier host needs a CUDA --device, not cpu"):
+        loader.Tier("host", prepared.request.device)
+    with pytest.raises(ValueError, match="unknown tier 'gpu'; expected one of device, host, both"):
+        loader.Tier("gpu", prepared.request.device)
+    with pytest.raises(ValueError, match="--tier both needs a CUDA --device"):  # a caller's string is checked the same way
+        loader.publish(prepared, tier="both")
+    tier = loader.Tier("device", prepared.request.device)
+    assert (tier.on_device, tier.on_host) == (True, False)
+
+
+def _aged(checkpoint) -> None:
+    """Wait until the checkpoint's files are old enough for their digests to be remembered."""
+    newest = max(max(p.stat().st_mtime_ns, p.stat().st_ctime_ns) for p in checkpoint.glob("*.safetensors"))
+    time.sleep(max(0.0, (newest + RACY_WINDOW_NS - time.time_ns()) / 1e9 + 0.01))
+
+
+def _counting_stats(monkeypatch) -> collections.Counter:
+    """A count of the weight-file versions taken (``FileKey.of``: one stat each), by file name."""
+    from weightcache.core.identity.digests import FileKey
+
+    seen: collections.Counter = collections.Counter()
+    real = FileKey.of.__func__  # type: ignore[attr-defined]
+
+    def of(cls, path):
+        seen[str(path).rsplit("/", 1)[-1]] += 1
+        return real(cls, path)
+
+    monkeypatch.setattr(FileKey, "of", classmethod(of))
+    return seen
+
+
+def test_a_cache_load_stats_each_weight_file_once(counting, monkeypatch):
+    """What ``check_first_sight`` saw identifies the checkpoint: ``remembered`` and ``identify`` stat nothing again."""
+    plugins, _, checkpoint = counting
+    request = LoadRequest(model=str(checkpoint), adapter="counting")
+    _aged(checkpoint)
+    first = loader.prepare(request, plugins)
+    first.check_first_sight()
+    expected = first.identify()  # first sight: hashed, and remembered from now on
+    seen = _counting_stats(monkeypatch)
+    prepared = loader.prepare(request, plugins)
+    prepared.check_first_sight()
+    assert prepared.remembered() == expected and prepared.identify() == expected
+    files = sorted(path.name for path in checkpoint.glob("*.safetensors"))
+    assert sorted(seen) == files and set(seen.values()) == {1}, seen
+
+
+def test_the_cli_passes_the_headers_it_read_so_nothing_is_stat_ed_again(counting, monkeypatch):
+    from weightcache.core.identity.safetensors_io import check_checkpoint
+
+    plugins, _, checkpoint = counting
+    request = LoadRequest(model=str(checkpoint), adapter="counting")
+    _aged(checkpoint)
+    expected = loader.prepare(request, plugins).identify()
+    headers = check_checkpoint(checkpoint)
+    seen = _counting_stats(monkeypatch)
+    prepared = loader.prepare(request, plugins)
+    prepared.check_first_sight(headers)
+    assert prepared.remembered() == expected and not seen, seen

@@ -115,7 +115,7 @@ def test_publish_computes_each_arenas_checksum_from_its_sealed_bytes_and_attach_
     assert len(sealed) > 1 and all(is_checksum(spec.checksum) for spec in sealed)
     attachment = Attachment.open(make_fingerprint(), server.socket_dir)
     try:
-        assert attachment.digest == reply["digest"]
+        assert attachment.digest == reply.digest
         assert list(attachment.manifest.arenas) == sealed
         for arena, spec in zip(attachment.arenas, sealed, strict=True):
             assert checksum(arena.bytes_view()) == spec.checksum

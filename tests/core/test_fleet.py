@@ -90,7 +90,7 @@ def test_a_node_pulls_an_entry_from_a_peer_and_verifies_it_before_publishing(fle
     a, b, _ = node("a"), node("b"), node("c")
     path = model_dir("llama")
     first = load(a, path)  # no fleet in this process yet: a reads the disk
-    assert first.source == "disk"
+    assert first.origin.kind == "disk"
     content = first.fingerprint.content_digest
     wait_for(lambda: listed(etcd, content) == ["a"], 20, "node a's agent listing its entry")
     as_node(monkeypatch, b)
@@ -180,7 +180,7 @@ def test_a_lying_node_is_caught_by_the_checksums_and_the_disk_is_read(fleet, mod
         published = load(b, path)
     finally:
         stop(liar)
-    assert published.source == "disk"
+    assert published.origin.kind == "disk"
     assert "pulling" in caplog.text and "from node liar failed" in caplog.text and "checksum" in caplog.text
     assert_attaches_like_from_pretrained(path, b.socket_dir, "float32", None)
 
@@ -197,7 +197,7 @@ def test_records_without_the_fleets_secret_are_left_out_with_one_line(fleet, mod
         published = load(b, path)
     finally:
         stop(stranger)
-    assert published.source == "disk"
+    assert published.origin.kind == "disk"
     lines = [r.getMessage() for r in caplog.records if "left out a holder" in r.getMessage()]
     assert len(lines) == 1 and "not signed with this fleet's secret" in lines[0], lines
 
@@ -220,7 +220,7 @@ def test_a_holder_killed_mid_transfer_costs_a_warning_and_nothing_half_published
         elapsed = time.monotonic() - start
     finally:
         stop(dying)
-    assert published.source == "disk", published.source
+    assert published.origin.kind == "disk", published.origin
     assert "from node dying failed" in caplog.text, caplog.text[-3000:]
     assert elapsed < 60, f"the puller took {elapsed:.1f} s to leave a dead holder"
     (entry,) = entries(b)
@@ -240,7 +240,7 @@ def test_etcd_stalled_or_killed_mid_lookup_costs_one_warning_and_the_disk(fleet,
         stalled_s = time.monotonic() - start
     finally:
         etcd.resume()
-    assert published.source == "disk"
+    assert published.origin.kind == "disk"
     warnings = [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
     assert len(warnings) == 1 and "reading the disk instead" in warnings[0], warnings
     assert stalled_s < 30, f"a stalled registry held the load {stalled_s:.1f} s"

@@ -1,4 +1,4 @@
-"""How arena bytes move between nodes: one interface, one module per backend, and the table that names them.
+"""How arena bytes move between nodes: the interface of a transport (``BACKENDS`` of ``node.backends`` names each).
 
 A holder ``share``s regions of its memory once and publishes the ``reach`` text the
 backend returns (how a peer connects: for NIXL, the agent's metadata); a puller
@@ -9,10 +9,11 @@ through Python: the backend moves memory to memory.
 from __future__ import annotations
 
 import abc
-import importlib
 import typing
 
 import attrs
+
+from weightcache.core.node.backends import CopyBackend, backend_class
 
 MEMORY_KINDS: typing.Final = ("DRAM", "VRAM")
 MAX_REGION_BYTES: typing.Final = 1 << 50
@@ -46,10 +47,10 @@ class Region:
         return cls(*data)
 
 
-class Transport(abc.ABC):
-    """One way to move registered memory between nodes (``TRANSPORTS`` names each)."""
+class Transport(CopyBackend):
+    """One way to move registered memory between nodes (``BACKENDS`` names each)."""
 
-    name: typing.ClassVar[str]
+    reach: typing.ClassVar[str] = "nodes"
 
     @abc.abstractmethod
     def share(self, regions: typing.Sequence[Region]) -> str:
@@ -76,15 +77,9 @@ class Transport(abc.ABC):
         """Release the backend (every region unshared first)."""
 
 
-TRANSPORTS: typing.Final[dict[str, str]] = {"nixl": "weightcache.core.node.fleet.nixl:NixlTransport"}
-"""Every transport by name, as ``module:class`` (imported on first use): a new one is a module and a line here."""
-
-
 def transport(name: str, agent_name: str, devices: str = "") -> Transport:
     """A new ``name`` transport for this process (``agent_name`` unique in the fleet), on the network ``devices``
-    (comma-separated interface names; empty: the backend's choice); ValueError for an unknown name."""
-    if name not in TRANSPORTS:
-        raise ValueError(f"unknown transport {name!r}; known: {', '.join(sorted(TRANSPORTS))}")
-    module, _, cls = TRANSPORTS[name].partition(":")
-    found = getattr(importlib.import_module(module), cls)
-    return found(agent_name, devices)
+    (comma-separated interface names; empty: the backend's choice); ValueError for a name ``BACKENDS`` has no
+    transport of."""
+    found: Transport = backend_class(name, Transport)(agent_name, devices)
+    return found
