@@ -13,7 +13,7 @@ from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.etcd import EtcdStore, prefix_end
 from weightcache.core.node.fleet.records import Content, Holding, seal, unseal
-from weightcache.core.node.fleet.transport import Region, transport
+from weightcache.core.node.fleet.transport import Region
 
 SECRET = b"0123456789abcdef-secret"
 CHECKSUM = "wsum64v1:" + "0" * 32
@@ -124,11 +124,6 @@ def test_a_registry_nobody_listens_on_is_unavailable_at_once():
 def test_a_prefix_ends_where_etcd_expects():
     assert prefix_end(b"/weightcache/holders/") == b"/weightcache/holders0"
     assert prefix_end(b"a\xff") == b"b"
-
-
-def test_an_unknown_transport_is_named_with_the_known_ones():
-    with pytest.raises(ValueError, match="unknown transport 'rdma'; known: nixl"):
-        transport("rdma", "agent")
 
 
 def test_holdings_keep_their_fields_through_json():
