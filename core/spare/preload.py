@@ -42,8 +42,19 @@ DEFAULT_PRELOAD = (
     "transformers.modeling_utils",
     "transformers.models.auto.tokenization_auto",
 )
-ENGINE_MODULES = {"vllm": ("vllm",), "sglang": ("sglang",)}
-"""Engines an adapter names: preloaded where the adapter's entry point and the engine are both installed."""
+ENGINE_MODULES = {
+    "vllm": ("vllm", "vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor"),
+    "sglang": (
+        "sglang",
+        "sglang.srt.entrypoints.engine",
+        "sglang.srt.managers.scheduler",
+        "sglang.srt.managers.detokenizer_manager",
+        "sglang.srt.model_executor.model_runner",
+    ),
+}
+"""Engines an adapter names: preloaded where the adapter's entry point and the engine are both installed. Beyond the
+package (which imports little by itself): the modules its entry point and its own processes (vLLM's engine core and
+workers, SGLang's scheduler and detokenizer) import first, on every platform."""
 TRACKED_PACKAGES = frozenset(
     {"torch", "transformers", "tokenizers", "safetensors", "numpy", "scipy", "huggingface_hub", "weightcache", "vllm", "sglang"}
 )
@@ -139,11 +150,13 @@ class FreshInterpreter:
     warnoptions: tuple[str, ...]
     xoptions: dict
     filters: tuple[str, ...]
+    set_at_startup: dict[str, str] = attrs.field(factory=dict)
+    """Environment names its start-up (a ``.pth`` file, ``sitecustomize``) set or changed."""
 
     PROBE: typing.ClassVar[str] = (
-        "import json, sys, warnings; print(json.dumps({'path': sys.path[1:], 'flags': list(sys.flags), "
+        "import json, os, sys, warnings; print(json.dumps({'path': sys.path[1:], 'flags': list(sys.flags), "
         "'warnoptions': sys.warnoptions, 'xoptions': {k: str(v) for k, v in sys._xoptions.items()}, "
-        "'filters': [repr(f) for f in warnings.filters]}))"
+        "'filters': [repr(f) for f in warnings.filters], 'environ': dict(os.environ)}))"
     )
 
     @classmethod
@@ -162,6 +175,7 @@ class FreshInterpreter:
             warnoptions=tuple(seen["warnoptions"]),
             xoptions=seen["xoptions"],
             filters=tuple(seen["filters"]),
+            set_at_startup={k: v for k, v in seen["environ"].items() if env.get(k) != v},
         )
 
     def check_matches_this_process(self) -> None:
@@ -216,7 +230,11 @@ class Preloaded:
 
     def environment_differences(self, env: dict[str, str]) -> list[str]:
         names = set(self.read_at_import) | {n for n in env.keys() | self.env.keys() if n.startswith(READ_OUTSIDE_PYTHON)}
-        return sorted(n for n in names if env.get(n) != self.env.get(n))
+        # a name the start-up or the imports set is the caller's too once it has started (an engine's own child has it)
+        return sorted(n for n in names if env.get(n) != self.env.get(n) and not self._set_here(n, env.get(n)))
+
+    def _set_here(self, name: str, value: str | None) -> bool:
+        return name in self.set_by_imports and name not in self.env and value == self.set_by_imports[name]
 
     def check_fork_safe(self) -> None:
         """LaunchRefused (``fork_unsafe``) if a fork would copy a thread or a CUDA context the child cannot use."""
@@ -244,17 +262,25 @@ def engine_modules() -> list[str]:
     return [m for name, modules in ENGINE_MODULES.items() if name in names for m in modules if importlib.util.find_spec(m)]
 
 
-def prepare(modules: Iterable[str], models: Iterable[str] = (), warm: bool = True) -> Preloaded:
-    """Import ``modules`` and the architecture modules of ``models`` in this process's initial environment, warm torch
-    on one thread, probe a fresh interpreter and fork a canary. LauncherError says what is not fork-safe."""
+def prepare(modules: Iterable[str] | None, models: Iterable[str] = (), warm: bool = True) -> Preloaded:
+    """Import ``modules`` (None: ``DEFAULT_PRELOAD`` and the installed engines the adapters name) and the architecture
+    modules of ``models`` in this process's initial environment, warm torch on one thread, probe a fresh interpreter
+    and fork a canary. LauncherError says what is not fork-safe."""
     env = initial_environment()
-    os.environ.clear()
-    os.environ.update(env)  # what the command line set (progress bars off) must not shape the imports
     timings: dict[str, float] = {}
+    start = time.perf_counter()
+    fresh = FreshInterpreter.probe(sys.executable, env)
+    fresh.check_matches_this_process()
+    timings["probe_s"] = time.perf_counter() - start
+    os.environ.clear()
+    os.environ.update(env)  # what the command line set (progress bars off) must not shape the imports,
+    os.environ.update(fresh.set_at_startup)  # what the interpreter's start-up set must
     read: set[str] = set()
     imported = []
     start = time.perf_counter()
     with recording_environment_reads(read):
+        if modules is None:  # looking for an engine may run an import hook: after the environment is the initial one
+            modules = [*DEFAULT_PRELOAD, *engine_modules()]
         for name in modules:
             try:
                 importlib.import_module(name)
@@ -265,7 +291,7 @@ def prepare(modules: Iterable[str], models: Iterable[str] = (), warm: bool = Tru
             _import_architectures(models)
     timings["imports_s"] = time.perf_counter() - start
     filters = list(warnings.filters)  # with what the imports added, as a fresh interpreter that imports them has
-    set_by_imports = {k: v for k, v in os.environ.items() if k not in env}
+    set_by_imports = {k: v for k, v in os.environ.items() if k not in env}  # start-up's too
     threads = python_threads()
     if threads:
         raise LauncherError(
@@ -278,10 +304,6 @@ def prepare(modules: Iterable[str], models: Iterable[str] = (), warm: bool = Tru
     if warm and "torch" in sys.modules:
         warm_cpu_kernels()
     timings["warm_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    fresh = FreshInterpreter.probe(sys.executable, env)
-    fresh.check_matches_this_process()
-    timings["probe_s"] = time.perf_counter() - start
     start = time.perf_counter()
     run_canary()
     timings["canary_s"] = time.perf_counter() - start
