@@ -76,7 +76,9 @@ class Nursery:
 
     @classmethod
     def open(cls, preloaded: Preloaded) -> Nursery:
-        """Fork the nursery from this (still clean) process; it serves until this process ends."""
+        """Fork the nursery from this (still clean) process; it serves until this process ends. In a child the nursery
+        forked, this never returns: the child runs its target from here and ends as ``python`` ends (through the
+        frames above, as the engine's own target does)."""
         address = f"\0weightcache-nursery-{os.getpid()}-{secrets.token_hex(8)}"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         listener.bind(address)
@@ -84,12 +86,14 @@ class Nursery:
         engine = os.getpid()
         pid = os.fork()
         if pid == 0:
-            code = 1
             try:
-                _serve(listener, engine, preloaded)
-                code = 0
-            finally:
-                os._exit(code)
+                target = _serve(listener, engine, preloaded)
+            except BaseException:
+                os._exit(1)
+            if target is None:
+                os._exit(0)
+            cls.open(preloaded).install()  # the child's own spawn children (vLLM's workers) are forked too
+            run_target(target, fresh_state(target, preloaded))
         listener.close()
         return cls(address, pid)
 
@@ -152,11 +156,12 @@ class Nursery:
         return int(message["pid"])
 
 
-def _serve(listener: socket.socket, engine: int, preloaded: Preloaded) -> None:
-    """The nursery: dies with the engine, holds no fd of it, answers the engine's requests one at a time."""
+def _serve(listener: socket.socket, engine: int, preloaded: Preloaded) -> Target | None:
+    """The nursery: dies with the engine, holds no fd of it, answers the engine's requests one at a time. Returns
+    only in a child it forked (the target to run, its state taken already), or when the engine is gone (None)."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != engine:
-        return
+        return None
     keep = listener.fileno()
     os.closerange(0, keep)
     os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
@@ -170,22 +175,25 @@ def _serve(listener: socket.socket, engine: int, preloaded: Preloaded) -> None:
     while True:
         conn, _ = listener.accept()
         try:
-            _answer(conn, listener, engine, preloaded)
+            target = _answer(conn, listener, engine, preloaded)
         except (OSError, WeightCacheError):
-            pass
+            target = None
         finally:
             conn.close()
+        if target is not None:
+            return target
 
 
-def _answer(conn: socket.socket, listener: socket.socket, engine: int, preloaded: Preloaded) -> None:
+def _answer(conn: socket.socket, listener: socket.socket, engine: int, preloaded: Preloaded) -> Target | None:
+    """One request; the target in the child it forked, None in the nursery."""
     pid, _, _ = peer_credentials(conn)
     if pid != engine:
         send_frame(conn, error_reply("access_denied", f"pid {pid} is not the engine (pid {engine}) of this nursery"))
-        return
+        return None
     conn.settimeout(REQUEST_DEADLINE_S)
     frame = FrameReader(conn, deadline_s=REQUEST_DEADLINE_S).read(idle_timeout=REQUEST_DEADLINE_S)
     if frame is None:
-        return
+        return None
     message, fds = frame
     try:
         request = LaunchRequest.from_message(message, len(fds))
@@ -194,24 +202,25 @@ def _answer(conn: socket.socket, listener: socket.socket, engine: int, preloaded
     except LaunchRefused as exc:
         close_fds(fds)
         send_frame(conn, error_reply(exc.reason, str(exc)))
-        return
+        return None
     between = os.fork()
     if between == 0:  # forks the child and exits: the child, orphaned, goes to the engine (a subreaper now)
-        code = 1
         try:
-            if os.fork() == 0:
-                listener.close()
-                _child(request, fds, conn, engine, target, preloaded)
-            code = 0
-        finally:
-            os._exit(code)
+            child = os.fork()
+        except BaseException:
+            os._exit(1)
+        if child != 0:
+            os._exit(0)
+        listener.close()
+        _adopted(request, fds, conn, engine)
+        return target
     close_fds(fds)
     os.waitpid(between, 0)
+    return None
 
 
-def _child(
-    request: LaunchRequest, fds: list[int], conn: socket.socket, engine: int, target: Target, preloaded: Preloaded
-) -> typing.NoReturn:
+def _adopted(request: LaunchRequest, fds: list[int], conn: socket.socket, engine: int) -> None:
+    """In the child: wait to be the engine's, then take the request's state and tell the engine its pid."""
     deadline = time.monotonic() + ADOPTION_DEADLINE_S
     while os.getppid() != engine:
         if time.monotonic() > deadline:
@@ -219,4 +228,3 @@ def _child(
             os._exit(255)
         time.sleep(0.001)
     become(request, fds, conn, session=False)
-    run_target(target, fresh_state(target, preloaded))

@@ -259,7 +259,7 @@ def engine_modules() -> list[str]:
     import importlib.metadata
 
     names = {entry.name for entry in importlib.metadata.entry_points(group="weightcache.adapters")}
-    return [m for name, modules in ENGINE_MODULES.items() if name in names for m in modules if importlib.util.find_spec(m)]
+    return [m for name, modules in ENGINE_MODULES.items() if name in names and importlib.util.find_spec(name) for m in modules]
 
 
 def prepare(modules: Iterable[str] | None, models: Iterable[str] = (), warm: bool = True) -> Preloaded:
