@@ -39,12 +39,13 @@ _DEFAULT_IGNORED = (signal.SIGPIPE, signal.SIGXFSZ)
 """What the interpreter itself ignores at start."""
 
 
-def become(request: LaunchRequest, fds: list[int], channel: socket.socket) -> None:
+def become(request: LaunchRequest, fds: list[int], channel: socket.socket, session: bool = True) -> None:
     """Take the caller's process state and tell the caller on ``channel`` (then closed); a child that cannot take it
-    says why there and exits with status 255."""
+    says why there and exits with status 255. ``session``: lead a session of its own (an engine); without it, stay in
+    the parent's (an engine's own child, as its exec'd children stay)."""
     channel_fd = channel.detach()
     try:
-        channel_fd = _take_state(request, fds, channel_fd)
+        channel_fd = _take_state(request, fds, channel_fd, session)
         reply = ok_reply(pid=os.getpid(), started=True)
     except OSError as exc:
         reply = error_reply("start_failed", f"the engine could not take the caller's state: {exc}", errno=exc.errno)
@@ -59,9 +60,10 @@ def become(request: LaunchRequest, fds: list[int], channel: socket.socket) -> No
         os._exit(255)
 
 
-def _take_state(request: LaunchRequest, fds: list[int], channel_fd: int) -> int:
+def _take_state(request: LaunchRequest, fds: list[int], channel_fd: int, session: bool) -> int:
     """Session, umask, cwd, fds, environment, limits, niceness and signals of the caller; returns the channel's fd."""
-    os.setsid()
+    if session:
+        os.setsid()
     os.umask(request.umask)
     os.chdir(request.cwd)
     targets = list(request.fds)
@@ -123,6 +125,7 @@ def fresh_state(target: Target, preloaded: Preloaded) -> types.ModuleType:
     importlib.invalidate_caches()
     linecache.clearcache()
     _reseed()
+    _fresh_module_state()
     if target.form == "code":
         first = ""
     elif target.form == "module":
@@ -182,6 +185,14 @@ def _reseed() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.default_generator.seed()
+
+
+def _fresh_module_state() -> None:
+    """Module globals the preloads computed from the launcher's process at import: multiprocessing's start directory
+    (spawn resolves a relative main script against it) is the engine's, as its own import would have found it."""
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None:
+        process.ORIGINAL_DIR = os.path.abspath(os.getcwd())  # type: ignore[attr-defined]
 
 
 def run_target(target: Target, main: types.ModuleType) -> typing.NoReturn:

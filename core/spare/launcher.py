@@ -37,9 +37,10 @@ from weightcache.core.cli.cli_options import add_socket_dir, help_text
 from weightcache.core.errors import LauncherError, LaunchRefused, ProtocolError
 from weightcache.core.socket_dir import SocketDir, SocketDirLike
 from weightcache.core.spare.become import become, fresh_state, run_target
+from weightcache.core.spare.children import Nursery
 from weightcache.core.spare.launch import connect
 from weightcache.core.spare.launch_request import LaunchRequest, Target, launcher_socket
-from weightcache.core.spare.preload import DEFAULT_PRELOAD, Preloaded, adapter_modules, engine_modules, prepare
+from weightcache.core.spare.preload import Preloaded, prepare
 from weightcache.core.wire.paths import ensure_private_dir, peer_credentials
 from weightcache.core.wire.protocol import FrameReader, close_fds, error_reply, ok_reply, send_frame
 
@@ -63,8 +64,12 @@ class Child:
 
     target: Target
     preloaded: Preloaded
+    nursery: bool = True
+    """Whether the engine's ``spawn`` children are forked from a nursery (core/spare/children.py), not exec'd."""
 
     def run(self) -> typing.NoReturn:
+        if self.nursery:
+            Nursery.open(self.preloaded).install()
         run_target(self.target, fresh_state(self.target, self.preloaded))
 
 
@@ -78,6 +83,7 @@ class Launcher:
         models: typing.Sequence[str] = (),
         warm: bool = True,
         replace: bool = False,
+        nursery: bool = True,
     ):
         self.socket_dir = SocketDir.parse(socket_dir)
         self.path = launcher_socket(self.socket_dir)
@@ -85,6 +91,7 @@ class Launcher:
         self.models = tuple(models)
         self.warm = warm
         self.replace = replace
+        self.nursery = nursery
         self.pid = os.getpid()
         self.preloaded: Preloaded | None = None
         self.retired = False
@@ -110,8 +117,7 @@ class Launcher:
 
     def prepare(self) -> Preloaded:
         """Import and check (``preload.prepare``): LauncherError says what is not fork-safe."""
-        modules = list(self.preload) if self.preload is not None else [*DEFAULT_PRELOAD, *adapter_modules(), *engine_modules()]
-        self.preloaded = prepare(modules, self.models, warm=self.warm)
+        self.preloaded = prepare(self.preload, self.models, warm=self.warm)
         return self.preloaded
 
     def listen(self) -> None:
@@ -283,7 +289,7 @@ class Launcher:
         self._release_in_child(conn)
         become(request, fds, conn)
         assert self.preloaded is not None
-        return Child(target, self.preloaded)
+        return Child(target, self.preloaded, self.nursery)
 
     def _release_in_child(self, keep: socket.socket) -> None:
         """Close the launcher's sockets, pidfds and pipes in a forked child (``keep``: the caller's connection)."""
@@ -415,12 +421,25 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     )
     parser.add_argument("--no-warm", action="store_true", help="do not run torch's CPU kernels once before serving")
     parser.add_argument("--replace", action="store_true", help="take the socket over from a running launcher")
+    parser.add_argument(
+        "--exec-children",
+        action="store_true",
+        help="engines exec their multiprocessing spawn children (vLLM's engine core, SGLang's scheduler) as `python` "
+        "would, instead of forking them from a nursery of the launcher's state",
+    )
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     preload = [m.strip() for m in args.preload.split(",") if m.strip()] if args.preload is not None else None
-    launcher = Launcher(args.socket_dir, preload=preload, models=args.model, warm=not args.no_warm, replace=args.replace)
+    launcher = Launcher(
+        args.socket_dir,
+        preload=preload,
+        models=args.model,
+        warm=not args.no_warm,
+        replace=args.replace,
+        nursery=not args.exec_children,
+    )
     print(json.dumps(launcher.start()), flush=True)
     child = launcher.serve()
     if child is None:

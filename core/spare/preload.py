@@ -46,8 +46,19 @@ DEFAULT_PRELOAD = (
     "weightcache.core.flow.plugins",
     "weightcache.core.spare.warm",
 )
-ENGINE_MODULES = {"vllm": ("vllm",), "sglang": ("sglang",)}
-"""Engines an adapter names: preloaded where the adapter's entry point and the engine are both installed."""
+ENGINE_MODULES = {
+    "vllm": ("vllm", "vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor"),
+    "sglang": (
+        "sglang",
+        "sglang.srt.entrypoints.engine",
+        "sglang.srt.managers.scheduler",
+        "sglang.srt.managers.detokenizer_manager",
+        "sglang.srt.model_executor.model_runner",
+    ),
+}
+"""Engines an adapter names: preloaded where the adapter's entry point and the engine are both installed. Beyond the
+package (which imports little by itself): the modules its entry point and its own processes (vLLM's engine core and
+workers, SGLang's scheduler and detokenizer) import first, on every platform."""
 TRACKED_PACKAGES = frozenset(
     {"torch", "transformers", "tokenizers", "safetensors", "numpy", "scipy", "huggingface_hub", "weightcache", "vllm", "sglang"}
 )
@@ -143,11 +154,13 @@ class FreshInterpreter:
     warnoptions: tuple[str, ...]
     xoptions: dict
     filters: tuple[str, ...]
+    set_at_startup: dict[str, str] = attrs.field(factory=dict)
+    """Environment names its start-up (a ``.pth`` file, ``sitecustomize``) set or changed."""
 
     PROBE: typing.ClassVar[str] = (
-        "import json, sys, warnings; print(json.dumps({'path': sys.path[1:], 'flags': list(sys.flags), "
+        "import json, os, sys, warnings; print(json.dumps({'path': sys.path[1:], 'flags': list(sys.flags), "
         "'warnoptions': sys.warnoptions, 'xoptions': {k: str(v) for k, v in sys._xoptions.items()}, "
-        "'filters': [repr(f) for f in warnings.filters]}))"
+        "'filters': [repr(f) for f in warnings.filters], 'environ': dict(os.environ)}))"
     )
 
     @classmethod
@@ -166,6 +179,7 @@ class FreshInterpreter:
             warnoptions=tuple(seen["warnoptions"]),
             xoptions=seen["xoptions"],
             filters=tuple(seen["filters"]),
+            set_at_startup={k: v for k, v in seen["environ"].items() if env.get(k) != v},
         )
 
     def check_matches_this_process(self) -> None:
@@ -220,7 +234,11 @@ class Preloaded:
 
     def environment_differences(self, env: dict[str, str]) -> list[str]:
         names = set(self.read_at_import) | {n for n in env.keys() | self.env.keys() if n.startswith(READ_OUTSIDE_PYTHON)}
-        return sorted(n for n in names if env.get(n) != self.env.get(n))
+        # a name the start-up or the imports set is the caller's too once it has started (an engine's own child has it)
+        return sorted(n for n in names if env.get(n) != self.env.get(n) and not self._set_here(n, env.get(n)))
+
+    def _set_here(self, name: str, value: str | None) -> bool:
+        return name in self.set_by_imports and name not in self.env and value == self.set_by_imports[name]
 
     def check_fork_safe(self) -> None:
         """LaunchRefused (``fork_unsafe``) if a fork would copy a thread or a CUDA context the child cannot use."""
@@ -240,32 +258,37 @@ class Preloaded:
             )
 
 
-def adapter_modules() -> list[str]:
-    """The modules of the installed adapters' entry points (importing one imports no engine)."""
+def installed_modules() -> list[str]:
+    """The installed adapters' entry-point modules (importing one imports no engine) and the modules of the engines they
+    name where the engine itself is installed: one scan of the entry points."""
     import importlib.metadata
 
-    return sorted({entry.module for entry in importlib.metadata.entry_points(group="weightcache.adapters")})
+    entries = importlib.metadata.entry_points(group="weightcache.adapters")
+    adapters = sorted({entry.module for entry in entries})
+    names = {entry.name for entry in entries}
+    engines = [m for name, modules in ENGINE_MODULES.items() if name in names and importlib.util.find_spec(name) for m in modules]
+    return [*adapters, *engines]
 
 
-def engine_modules() -> list[str]:
-    """The engines installed adapters name, where the engine itself is installed too."""
-    import importlib.metadata
-
-    names = {entry.name for entry in importlib.metadata.entry_points(group="weightcache.adapters")}
-    return [m for name, modules in ENGINE_MODULES.items() if name in names for m in modules if importlib.util.find_spec(m)]
-
-
-def prepare(modules: Iterable[str], models: Iterable[str] = (), warm: bool = True) -> Preloaded:
-    """Import ``modules`` and the architecture modules of ``models`` in this process's initial environment, warm torch
-    on one thread, probe a fresh interpreter and fork a canary. LauncherError says what is not fork-safe."""
+def prepare(modules: Iterable[str] | None, models: Iterable[str] = (), warm: bool = True) -> Preloaded:
+    """Import ``modules`` (None: ``DEFAULT_PRELOAD``, the installed adapters and the engines they name) and the architecture
+    modules of ``models`` in this process's initial environment, warm torch on one thread, probe a fresh interpreter
+    and fork a canary. LauncherError says what is not fork-safe."""
     env = initial_environment()
-    os.environ.clear()
-    os.environ.update(env)  # what the command line set (progress bars off) must not shape the imports
     timings: dict[str, float] = {}
+    start = time.perf_counter()
+    fresh = FreshInterpreter.probe(sys.executable, env)
+    fresh.check_matches_this_process()
+    timings["probe_s"] = time.perf_counter() - start
+    os.environ.clear()
+    os.environ.update(env)  # what the command line set (progress bars off) must not shape the imports,
+    os.environ.update(fresh.set_at_startup)  # what the interpreter's start-up set must
     read: set[str] = set()
     imported = []
     start = time.perf_counter()
     with recording_environment_reads(read):
+        if modules is None:  # looking for an engine may run an import hook: after the environment is the initial one
+            modules = [*DEFAULT_PRELOAD, *installed_modules()]
         for name in modules:
             try:
                 importlib.import_module(name)
@@ -276,7 +299,7 @@ def prepare(modules: Iterable[str], models: Iterable[str] = (), warm: bool = Tru
             _import_architectures(models)
     timings["imports_s"] = time.perf_counter() - start
     filters = list(warnings.filters)  # with what the imports added, as a fresh interpreter that imports them has
-    set_by_imports = {k: v for k, v in os.environ.items() if k not in env}
+    set_by_imports = {k: v for k, v in os.environ.items() if k not in env}  # start-up's too
     threads = python_threads()
     if threads:
         raise LauncherError(
@@ -289,10 +312,6 @@ def prepare(modules: Iterable[str], models: Iterable[str] = (), warm: bool = Tru
     if warm and "torch" in sys.modules:
         warm_cpu_kernels()
     timings["warm_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    fresh = FreshInterpreter.probe(sys.executable, env)
-    fresh.check_matches_this_process()
-    timings["probe_s"] = time.perf_counter() - start
     start = time.perf_counter()
     run_canary()
     timings["canary_s"] = time.perf_counter() - start

@@ -466,3 +466,70 @@ def test_timing_of_a_launch_is_a_fraction_of_an_exec(launcher):
     execd_s = float(execd.stdout) - began
     assert launched.returncode == execd.returncode == 0
     assert launched_s < execd_s / 2, (launched_s, execd_s)
+
+
+_SPAWNING = r"""
+import json, multiprocessing, multiprocessing.util, os, signal, sys, threading, warnings
+import numpy, torch, safetensors, tokenizers, transformers, transformers.modeling_utils  # as an engine (and the launcher)
+import transformers.models.auto.tokenization_auto
+def _handler(sig):
+    handler = signal.getsignal(sig)
+    return handler if handler in (signal.SIG_DFL, signal.SIG_IGN, None) else getattr(handler, "__name__", "other")
+def state(queue):
+    queue.put({
+        "argv": sys.argv, "path": sys.path, "name": __name__, "main": sys.modules["__main__"].__name__,
+        "cwd": os.getcwd(), "env": dict(os.environ), "umask": os.umask(0), "flags": list(sys.flags),
+        "signals": {s.name: str(_handler(s)) for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)},
+        "mask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])), "threads": threading.active_count(),
+        "filters": [repr(f) for f in warnings.filters], "executable": sys.executable,
+        "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgid(0),
+    })
+if __name__ == "__main__":
+    os.chdir(sys.argv[1])
+    os.environ["SET_BY_THE_ENGINE"] = "before its spawn"
+    os.environ.update(json.loads(sys.argv[2]))
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+    os.umask(0o027)
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=state, args=(queue,))
+    child.start()
+    seen = queue.get(timeout=120)
+    child.join()
+    nursery = getattr(multiprocessing.util.spawnv_passfds, "__self__", None)
+    seen.update(
+        parent_is_engine=seen["ppid"] == os.getpid(), same_session=seen.pop("sid") == os.getsid(0),
+        same_group=seen.pop("pgid") == os.getpgid(0), exitcode=child.exitcode,
+        forked=None if nursery is None else len(nursery.forked), refused=None if nursery is None else nursery.refused,
+    )
+    del seen["ppid"]
+    print(json.dumps(seen))
+"""
+
+
+def _spawning(launcher: LauncherProcess, tmp_path: Path, set_in_engine: dict) -> tuple[dict, dict]:
+    script = tmp_path / "spawning.py"
+    script.write_text(_SPAWNING)
+    (tmp_path / "elsewhere").mkdir(exist_ok=True)
+    args = [str(script), str(tmp_path / "elsewhere"), json.dumps(set_in_engine)]
+    launched, execd = both(launcher, args, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert launched.returncode == execd.returncode == 0, launched.stderr + execd.stderr
+    return json.loads(launched.stdout), json.loads(execd.stdout)
+
+
+def test_an_engines_spawn_children_are_forked_by_its_nursery_and_see_what_execd_children_see(launcher, tmp_path):
+    seen, expected = _spawning(launcher, tmp_path, {})
+    assert seen.pop("forked") >= 1 and seen.pop("refused") == [], seen  # the child (and the resource tracker)
+    assert expected.pop("forked") is None and expected.pop("refused") is None
+    assert seen == expected
+    assert seen["parent_is_engine"] and seen["same_session"] and seen["same_group"] and seen["exitcode"] == 0
+    assert seen["cwd"] == str(tmp_path / "elsewhere") and seen["env"]["SET_BY_THE_ENGINE"] == "before its spawn"
+    assert seen["signals"]["SIGUSR1"] == str(signal.SIG_IGN) and int(signal.SIGUSR2) in seen["mask"]
+
+
+def test_a_child_whose_environment_the_imports_read_differently_is_execd(launcher, tmp_path):
+    seen, expected = _spawning(launcher, tmp_path, {"HF_HOME": "/nonexistent/another-hub"})  # read at import
+    assert seen.pop("forked") == 0 and all("HF_HOME" in reason for reason in seen["refused"]) and seen.pop("refused")
+    expected.pop("forked"), expected.pop("refused")
+    assert seen == expected and seen["env"]["HF_HOME"] == "/nonexistent/another-hub"

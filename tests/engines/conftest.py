@@ -11,7 +11,13 @@ import importlib.util
 
 ENGINES = ("vllm", "sglang")
 ENGINES_HERE = all(importlib.util.find_spec(name) is not None for name in ENGINES)
-ENGINE_TESTS = ["test_vllm.py", "test_sglang.py", "test_engine_hub_ids.py", "test_entry_points.py"]
+ENGINE_TESTS = [
+    "test_vllm.py",
+    "test_sglang.py",
+    "test_engine_hub_ids.py",
+    "test_entry_points.py",
+    "test_launched_engines.py",
+]
 
 collect_ignore = ["test_engine_venv.py"] if ENGINES_HERE else ENGINE_TESTS
 

