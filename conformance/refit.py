@@ -3,8 +3,9 @@
 :class:`RefitTests` takes the published model's checkpoint, makes a new version of every floating tensor (negated:
 exact in every dtype, block-FP8 included), publishes it from memory (``publish_version``'s steps), switches the
 attached model to it (``LoadedModel.refit``) and compares every tensor and output with a disk load of a checkpoint
-holding the new version. An adapter whose post-processing is not re-run on the tensors fails it; so does one that
-cannot build its model from tensors (``weightcache_load_tensors``). Combine it with ``ConformanceFixtures``.
+holding the new version. An adapter whose post-processing is not re-run on the tensors fails it. One that does not
+implement ``weightcache_load_tensors`` (written before refits existed) cannot serve refits at all: the check is skipped
+with that reason. ``ConformanceTests`` includes it; alone, combine it with ``ConformanceFixtures``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import typing
 from pathlib import Path
 
 import attrs
+import pytest
 
 from weightcache.conformance.assertions import assert_same_model
-from weightcache.conformance.fixtures import fresh, load
+from weightcache.conformance.fixtures import adapter_facade, fresh, load
 
 if typing.TYPE_CHECKING:
     import torch
@@ -45,6 +47,11 @@ class RefitTests:
         from weightcache.core.flow.loader import prepare
         from weightcache.core.refit import stage_version
 
+        if not adapter_facade(plugins, load_request.adapter).implements("weightcache_load_tensors"):
+            pytest.skip(
+                f"adapter {load_request.adapter!r} does not implement weightcache_load_tensors, so it cannot serve "
+                "refits; implement it to build the model from tensors as weightcache_load does from files"
+            )
         socket_dir = weightcache_server.socket_dir
         directory = tmp_path_factory.mktemp("refit") / "next-version"
         state = next_version(Path(load_request.model), directory)

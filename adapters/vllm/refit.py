@@ -1,0 +1,46 @@
+"""vLLM's workers switching to a new weight version, driven as RL frameworks drive vLLM: a worker extension.
+
+    llm = LLM(model, load_format="weightcache", model_loader_extra_config={"mode": "client"},
+              worker_extension_cls="weightcache.adapters.vllm.refit.WeightcacheWorkerExtension")
+    llm.collective_rpc("weightcache_update_weights", args=(state_dict, 1))  # build v1 on every rank, switch
+    llm.collective_rpc("weightcache_refit", args=(1,))  # or: switch to v1 as a trainer published it
+    llm.reset_prefix_cache()  # keys and values cached on the old weights
+
+Each worker (every TP and PP rank) switches its own rank's entry in place
+(``weightcache.adapters.engine_refit``); vLLM calls the methods between two
+steps. vLLM is not imported here.
+"""
+
+from __future__ import annotations
+
+import typing
+
+from weightcache.adapters import engine_refit
+
+if typing.TYPE_CHECKING:
+    import torch
+
+EXTENSION = "weightcache.adapters.vllm.refit.WeightcacheWorkerExtension"
+"""What to pass as ``worker_extension_cls`` (``--worker-extension-cls`` of ``vllm serve``)."""
+
+
+class WeightcacheWorkerExtension:
+    """Methods vLLM mixes into its worker class; ``LLM.collective_rpc`` calls them on every worker."""
+
+    model_runner: typing.Any  # the worker's; vLLM sets it
+
+    def weightcache_update_weights(self, named_tensors: engine_refit.NamedTensors, version: int | None = None) -> int:
+        """Build version ``version`` (None: the next) of this rank's entry from ``named_tensors`` (every tensor of the
+        checkpoint, in its naming), publish it and switch to it; returns the version this rank runs on now."""
+        return engine_refit.update_weights(self._weightcache_model(), named_tensors, version)
+
+    def weightcache_refit(self, version: int | None = None) -> int:
+        """Switch to version ``version`` (None: the newest) as the server holds it; returns the version now served."""
+        return engine_refit.update_weights(self._weightcache_model(), None, version)
+
+    def weightcache_version(self) -> int:
+        """The version of the weights this rank serves (0: as published from the checkpoint)."""
+        return engine_refit.attachment_of(self._weightcache_model()).version
+
+    def _weightcache_model(self) -> "torch.nn.Module":
+        return self.model_runner.get_model()
