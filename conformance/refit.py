@@ -1,11 +1,12 @@
 """The kit's refit check: a version published from tensors in memory, switched to in place, is a disk load of it.
 
 :class:`RefitTests` takes the published model's checkpoint, makes a new version of every floating tensor (negated:
-exact in every dtype, block-FP8 included), publishes it from memory (``publish_version``'s steps), switches the
-attached model to it (``LoadedModel.refit``) and compares every tensor and output with a disk load of a checkpoint
-holding the new version. An adapter whose post-processing is not re-run on the tensors fails it. One that does not
-implement ``weightcache_load_tensors`` (written before refits existed) cannot serve refits at all: the check is skipped
-with that reason. ``ConformanceTests`` includes it; alone, combine it with ``ConformanceFixtures``.
+exact in every dtype; a block-FP8 checkpoint's weights come to mean their negation through their negated scales),
+publishes it from memory (``publish_version``'s steps), switches the attached model to it (``LoadedModel.refit``) and
+compares every tensor and output with a disk load of a checkpoint holding the new version. An adapter whose
+post-processing is not re-run on the tensors fails it. One that does not implement ``weightcache_load_tensors``
+(written before refits existed) cannot serve refits at all: the check is skipped with that reason.
+``ConformanceTests`` includes it; alone, combine it with ``ConformanceFixtures``.
 """
 
 from __future__ import annotations
@@ -25,16 +26,23 @@ if typing.TYPE_CHECKING:
 
 
 def next_version(checkpoint: Path, directory: Path) -> "dict[str, torch.Tensor]":
-    """A copy of ``checkpoint`` in ``directory`` whose floating tensors are negated, and those tensors by name."""
+    """A copy of ``checkpoint`` in ``directory`` whose floating tensors are negated (``_negated``), and its tensors by name."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(checkpoint, directory)
     state: dict[str, torch.Tensor] = {}
     for file in sorted(directory.glob("*.safetensors")):
-        tensors = {name: (t.neg() if t.dtype.is_floating_point else t) for name, t in load_file(str(file)).items()}
+        tensors = {name: _negated(t) for name, t in load_file(str(file)).items()}
         save_file(tensors, str(file), metadata={"format": "pt"})
         state.update(tensors)
     return state
+
+
+def _negated(tensor: "torch.Tensor") -> "torch.Tensor":
+    """A floating tensor negated; an FP8 one (no CPU arithmetic) as it is: its negated scales negate what it means."""
+    if not tensor.dtype.is_floating_point or tensor.element_size() == 1:
+        return tensor
+    return tensor.neg()
 
 
 class RefitTests:

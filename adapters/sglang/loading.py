@@ -74,7 +74,9 @@ def load_tensors(configs: "EngineObjects", tensors: "typing.Mapping[str, torch.T
     return _build(configs, lambda loader, model: iter(tensors.items()))
 
 
-def _build(configs: "EngineObjects", weights: "typing.Callable[[ModelLoader, torch.nn.Module], typing.Iterable]") -> "torch.nn.Module":
+def _build(
+    configs: "EngineObjects", weights: "typing.Callable[[ModelLoader, torch.nn.Module], typing.Iterable]"
+) -> "torch.nn.Module":
     """SGLang's model built on its device, ``weights(loader, model)`` (name, tensor) pairs loaded into it."""
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 

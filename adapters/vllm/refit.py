@@ -2,17 +2,22 @@
 
     llm = LLM(model, load_format="weightcache", model_loader_extra_config={"mode": "client"},
               worker_extension_cls="weightcache.adapters.vllm.refit.WeightcacheWorkerExtension")
-    llm.collective_rpc("weightcache_update_weights", args=(state_dict, 1))  # build v1 on every rank, switch
+    llm.collective_rpc("weightcache_update_weights", args=(shared(state_dict), 1))  # build v1 on every rank, switch
     llm.collective_rpc("weightcache_refit", args=(1,))  # or: switch to v1 as a trainer published it
     llm.reset_prefix_cache()  # keys and values cached on the old weights
 
 Each worker (every TP and PP rank) switches its own rank's entry in place
 (``weightcache.adapters.engine_refit``); vLLM calls the methods between two
-steps. vLLM is not imported here.
+steps. vLLM's RPC carries control messages (its msgpack turns tensors into
+lists), so the tensors travel as ``shared`` makes them: handles to their
+memory (shared memory on the CPU, CUDA IPC on a GPU), as SGLang's
+``update_weights_from_tensor`` sends them; the caller keeps them alive until
+the call returns. vLLM is not imported here.
 """
 
 from __future__ import annotations
 
+import io
 import typing
 
 from weightcache.adapters import engine_refit
@@ -24,15 +29,37 @@ EXTENSION = "weightcache.adapters.vllm.refit.WeightcacheWorkerExtension"
 """What to pass as ``worker_extension_cls`` (``--worker-extension-cls`` of ``vllm serve``)."""
 
 
+def shared(named_tensors: engine_refit.NamedTensors) -> bytes:
+    """``named_tensors`` as handles to their memory, for ``collective_rpc`` (torch's multiprocessing pickler)."""
+    from torch.multiprocessing.reductions import ForkingPickler
+
+    items = list(named_tensors.items() if isinstance(named_tensors, typing.Mapping) else named_tensors)
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(items)
+    return buffer.getvalue()
+
+
+def received(payload: "bytes | engine_refit.NamedTensors") -> engine_refit.NamedTensors:
+    """The tensors ``shared`` sent (as given where an in-process executor passed them as they are)."""
+    if not isinstance(payload, bytes | bytearray):
+        return payload
+    import pickle
+
+    import torch.multiprocessing  # noqa: F401  (registers the reductions that rebuild shared tensors)
+
+    return pickle.loads(payload)  # the engine's own RPC brought it, from the process that drives the engine
+
+
 class WeightcacheWorkerExtension:
     """Methods vLLM mixes into its worker class; ``LLM.collective_rpc`` calls them on every worker."""
 
     model_runner: typing.Any  # the worker's; vLLM sets it
 
-    def weightcache_update_weights(self, named_tensors: engine_refit.NamedTensors, version: int | None = None) -> int:
+    def weightcache_update_weights(self, named_tensors: "bytes | engine_refit.NamedTensors", version: int | None = None) -> int:
         """Build version ``version`` (None: the next) of this rank's entry from ``named_tensors`` (every tensor of the
-        checkpoint, in its naming), publish it and switch to it; returns the version this rank runs on now."""
-        return engine_refit.update_weights(self._weightcache_model(), named_tensors, version)
+        checkpoint, in its naming; ``shared`` makes them), publish it and switch to it; returns the version this rank
+        runs on now."""
+        return engine_refit.update_weights(self._weightcache_model(), received(named_tensors), version)
 
     def weightcache_refit(self, version: int | None = None) -> int:
         """Switch to version ``version`` (None: the newest) as the server holds it; returns the version now served."""
