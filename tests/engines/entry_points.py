@@ -86,7 +86,7 @@ def vllm_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, refi
         result: dict = {"tokens": tokens(llm)}
         if refit is not None:
             state = checkpoint_state(refit)  # kept alive while the workers read it
-            result["versions"] = llm.collective_rpc("weightcache_update_weights", args=(shared(state),))
+            result["versions"] = llm.collective_rpc("weightcache_update_weights", args=(shared(state, workers=tp),))
             llm.reset_prefix_cache()  # keys and values cached on the old weights
             result["refit_tokens"] = tokens(llm)
         return result
