@@ -35,8 +35,8 @@ def update_weights(model: "torch.nn.Module", named_tensors: NamedTensors | None 
     """Switch ``model`` in place to version ``version`` of its weights; returns the version it runs on now.
 
     With ``named_tensors`` (every tensor of the checkpoint, named, shaped and typed as it stores them), the version is
-    first built for this rank from them and published; ``version`` None then means the one after the newest the
-    server holds. Without them (None or empty), the model switches to ``version`` as published already (None: the
+    first built for this rank from them and published; ``version`` None then means the one after the version it runs
+    on (a version the server holds already is refused, naming the next free one). Without them (None or empty), the model switches to ``version`` as published already (None: the
     newest). Every parameter keeps its address (CUDA graphs and compiled code stay valid) and the new version's
     checksums are verified before the switch. Call it between two steps; drop cached keys and values (prefix caches)
     afterwards, as after any weight update.
@@ -56,7 +56,7 @@ def update_weights(model: "torch.nn.Module", named_tensors: NamedTensors | None 
                 "load it through the engine's weightcache loader, or publish the version with publish_version"
             )
         if version is None:
-            version = _newest(attachment) + 1
+            version = attachment.version + 1
         with stage_version(prepare(request), state, version, attachment.socket_dir) as staged:
             staged.publish()
     pending = attachment.fetch_version(version)
@@ -74,11 +74,3 @@ def attachment_of(model: "torch.nn.Module") -> "Attachment":
             "mode 'client' or 'daemon' in --model-loader-extra-config"
         )
     return attachment
-
-
-def _newest(attachment: "Attachment") -> int:
-    from weightcache.core.client.client import Connection
-
-    with Connection(attachment.socket_dir) as connection:
-        held = connection.versions(attachment.fingerprint.lineage)
-    return max((row.version for row in held), default=attachment.version)

@@ -8,7 +8,7 @@
 SGLang calls ``update_weights`` in every TP rank's scheduler between two
 batches, and flushes its radix cache afterwards (``flush_cache``). With tensors
 (every tensor of the checkpoint, in its naming) each rank builds the version
-after the newest its server holds, publishes it and switches; with none, each
+after the one it serves, publishes it and switches; with none, each
 switches to the newest version published (by a trainer, or by another replica).
 SGLang is not imported here.
 """
