@@ -2,8 +2,10 @@
 
     engine = sglang.Engine(model_path=..., load_format="weightcache", model_loader_extra_config='{"mode": "client"}',
                            custom_weight_loader=[UPDATE_WEIGHTS])
+    engine.begin_weight_update()
     engine.update_weights_from_tensor(list(state_dict.items()), load_format=UPDATE_WEIGHTS)  # build the next version
-    engine.update_weights_from_tensor([], load_format=UPDATE_WEIGHTS)  # or: switch to the newest one published
+    # or: engine.update_weights_from_tensor([], load_format=UPDATE_WEIGHTS)  # switch to the newest one published
+    engine.end_weight_update()
 
 SGLang calls ``update_weights`` in every TP rank's scheduler between two
 batches, and flushes its radix cache afterwards (``flush_cache``). With tensors

@@ -137,7 +137,9 @@ def sglang_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, re
     try:
         result: dict = {"tokens": tokens()}
         if refit is not None:
+            engine.begin_weight_update()  # SGLang's weight-update session
             done = engine.update_weights_from_tensor(list(checkpoint_state(refit).items()), load_format=UPDATE_WEIGHTS)
+            engine.end_weight_update()
             result["versions"] = list(done) if isinstance(done, tuple) else done
             result["refit_tokens"] = tokens()
         return result
