@@ -79,7 +79,7 @@ def load_tensors(objects: "EngineObjects", tensors: "typing.Mapping[str, torch.T
 
 def _load_all(model: "torch.nn.Module", tensors: "typing.Mapping[str, torch.Tensor]", model_config: "ModelConfig") -> None:
     """``model.load_weights`` of ``tensors``; as vLLM's default loader, an unquantized model must get every parameter."""
-    loaded = model.load_weights(iter(tensors.items()))
+    loaded = typing.cast(typing.Any, model).load_weights(iter(tensors.items()))  # every vLLM model defines it
     if loaded is None or model_config.quantization is not None:
         return
     missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
