@@ -18,7 +18,7 @@
 
 Grouped by what their outcome depends on, for a suite that runs the kit on many models of one adapter:
 
-- :class:`ArchitectureTests` (parity, modes, flips, crash, fresh process, config): the model's architecture decides the outcome
+- :class:`ArchitectureTests` (parity, modes, flips, crash, fresh process, config, refit): the model's architecture decides the outcome
   (its layers, tied weights, post-processing): run them on every architecture the adapter supports.
 - :class:`AdapterTests` (fingerprint, quantization refusals): the core's and the adapter's identity rules,
   which no architecture changes (each check perturbs the fingerprint or the declared method, not the
@@ -46,6 +46,7 @@ from weightcache.conformance.assertions import (
 )
 from weightcache.conformance.fixtures import FP8_BLOCK, adapter_facade, fresh, load, refused_quantization_skips
 from weightcache.conformance.flips import REQUEST_FIELDS, field_flips, judge, option_flips
+from weightcache.conformance.refit import RefitTests
 from weightcache.core.errors import FingerprintMismatch, UnsupportedQuantization
 from weightcache.core.fingerprint import FIELDS, Fingerprint
 from weightcache.core.server.server_process import ServerProcess
@@ -557,7 +558,7 @@ class ConfigTests:
         )
 
 
-class ArchitectureTests(ParityTests, ModeTests, FlipTests, CrashTests, FreshProcessTests, ConfigTests):
+class ArchitectureTests(ParityTests, ModeTests, FlipTests, CrashTests, FreshProcessTests, ConfigTests, RefitTests):
     """The checks whose outcome depends on the model's architecture: run them on every architecture."""
 
 

@@ -1,10 +1,12 @@
 """The kit's refit check: a version published from tensors in memory, switched to in place, is a disk load of it.
 
 :class:`RefitTests` takes the published model's checkpoint, makes a new version of every floating tensor (negated:
-exact in every dtype, block-FP8 included), publishes it from memory (``publish_version``'s steps), switches the
-attached model to it (``LoadedModel.refit``) and compares every tensor and output with a disk load of a checkpoint
-holding the new version. An adapter whose post-processing is not re-run on the tensors fails it; so does one that
-cannot build its model from tensors (``weightcache_load_tensors``). Combine it with ``ConformanceFixtures``.
+exact in every dtype; a block-FP8 checkpoint's weights come to mean their negation through their negated scales),
+publishes it from memory (``publish_version``'s steps), switches the attached model to it (``LoadedModel.refit``) and
+compares every tensor and output with a disk load of a checkpoint holding the new version. An adapter whose
+post-processing is not re-run on the tensors fails it. One that does not implement ``weightcache_load_tensors``
+(written before refits existed) cannot serve refits at all: the check is skipped with that reason.
+``ConformanceTests`` includes it; alone, combine it with ``ConformanceFixtures``.
 """
 
 from __future__ import annotations
@@ -14,25 +16,33 @@ import typing
 from pathlib import Path
 
 import attrs
+import pytest
 
 from weightcache.conformance.assertions import assert_same_model
-from weightcache.conformance.fixtures import fresh, load
+from weightcache.conformance.fixtures import adapter_facade, fresh, load
 
 if typing.TYPE_CHECKING:
     import torch
 
 
 def next_version(checkpoint: Path, directory: Path) -> "dict[str, torch.Tensor]":
-    """A copy of ``checkpoint`` in ``directory`` whose floating tensors are negated, and those tensors by name."""
+    """A copy of ``checkpoint`` in ``directory`` whose floating tensors are negated (``_negated``), and its tensors by name."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(checkpoint, directory)
     state: dict[str, torch.Tensor] = {}
     for file in sorted(directory.glob("*.safetensors")):
-        tensors = {name: (t.neg() if t.dtype.is_floating_point else t) for name, t in load_file(str(file)).items()}
+        tensors = {name: _negated(t) for name, t in load_file(str(file)).items()}
         save_file(tensors, str(file), metadata={"format": "pt"})
         state.update(tensors)
     return state
+
+
+def _negated(tensor: "torch.Tensor") -> "torch.Tensor":
+    """A floating tensor negated; an FP8 one (no CPU arithmetic) as it is: its negated scales negate what it means."""
+    if not tensor.dtype.is_floating_point or tensor.element_size() == 1:
+        return tensor
+    return tensor.neg()
 
 
 class RefitTests:
@@ -45,6 +55,11 @@ class RefitTests:
         from weightcache.core.flow.loader import prepare
         from weightcache.core.refit import stage_version
 
+        if not adapter_facade(plugins, load_request.adapter).implements("weightcache_load_tensors"):
+            pytest.skip(
+                f"adapter {load_request.adapter!r} does not implement weightcache_load_tensors, so it cannot serve "
+                "refits; implement it to build the model from tensors as weightcache_load does from files"
+            )
         socket_dir = weightcache_server.socket_dir
         directory = tmp_path_factory.mktemp("refit") / "next-version"
         state = next_version(Path(load_request.model), directory)

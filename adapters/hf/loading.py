@@ -48,11 +48,22 @@ def load(request: "LoadRequest", builder: "ArenaBuilder | None" = None) -> "torc
         model = load_into_arenas(request, config, builder)
         if model is not None:
             return model
+    return _through_transformers(request, config)
+
+
+def _through_transformers(
+    request: "LoadRequest", config: dict, state: "dict[str, torch.Tensor] | None" = None
+) -> "torch.nn.Module":
+    """transformers' own load (its renaming, fused experts, casts) of the checkpoint's files, or of ``state`` named as
+    they name their tensors."""
     cls = model_class(request, config)
     kwargs: dict[str, typing.Any] = {"dtype": load_dtype(request, config), "revision": request.revision}
     if request.is_cuda:
         kwargs["device_map"] = request.device.torch()
-    model = cls.from_pretrained(request.model, **kwargs)
+    if state is None:
+        model = cls.from_pretrained(request.model, **kwargs)
+    else:
+        model = cls.from_pretrained(None, config=_hf_config(request, drop_quantization=False), state_dict=state, **kwargs)
     return model.eval()
 
 
@@ -192,7 +203,9 @@ def load_tensors(request: "LoadRequest", tensors: "typing.Mapping[str, torch.Ten
 
     Each tensor is bound as it is where it already has the model's dtype and device (a view of the new version's
     arenas, or the trainer's own tensor: export copies that one), else a converted copy is bound; the caller's
-    tensors are never changed. A block-FP8 checkpoint's tensors are bound as it stores them, never re-quantized.
+    tensors are never changed. Tensors that do not fit the model one to one (renamed keys, experts transformers fuses,
+    buffers it ignores) go through transformers' own loading, as the files would. A block-FP8 checkpoint's tensors are
+    bound as it stores them, never re-quantized.
     """
     config = identity.read_config(request.model, request.revision)
     if identity.checkpoint_quantization(config) == identity.FP8_BLOCK:
@@ -208,7 +221,11 @@ def load_tensors(request: "LoadRequest", tensors: "typing.Mapping[str, torch.Ten
             return _bind_tensors(known.build(), tensors, request)
         except RebindError as exc:
             log.debug("the remembered layout left %s; building the skeleton", exc)
-    return _bind_tensors(_model_for(None, request, dtype)[0], tensors, request)
+    try:
+        return _bind_tensors(_model_for(None, request, dtype)[0], tensors, request)
+    except RebindError as exc:  # renamed keys, fused experts, ignored buffers: what transformers' loading resolves
+        log.debug("the tensors do not fit the model one to one (%s); loading them through transformers", exc)
+        return _through_transformers(request, config, dict(tensors))
 
 
 def _bind_tensors(model: Model, tensors: "typing.Mapping[str, torch.Tensor]", request: "LoadRequest") -> Model:

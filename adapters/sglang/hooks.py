@@ -6,7 +6,7 @@ through the core's mode runner with SGLang's own configuration objects in
 sglang``) they build those objects for a single-process load (see ``engine``).
 
 - describe: the fingerprint facts from ModelConfig, ServerArgs and the ranks (``identity``);
-- load / post_process: SGLang's ``DefaultModelLoader`` in its two steps (``loading``);
+- load, load_tensors / post_process: SGLang's ``DefaultModelLoader`` in its two steps (``loading``);
 - export: the core's copy of every parameter, buffer and tensor attribute,
   after refusing a model whose post-processing emptied parameters;
 - rebind: SGLang's model on meta, rebound, stale views rebuilt (``loading``);
@@ -41,6 +41,11 @@ def weightcache_describe(request):
 @hookimpl
 def weightcache_load(request, builder):
     return loading.load(engine.engine_objects(request))
+
+
+@hookimpl
+def weightcache_load_tensors(request, tensors, builder):
+    return loading.load_tensors(engine.engine_objects(request), tensors)
 
 
 @hookimpl

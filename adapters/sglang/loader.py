@@ -107,7 +107,11 @@ def load_model(loader: typing.Any, *, model_config: ModelConfig, device_config: 
     from weightcache import run
 
     loader.preloaded_weights_bytes = 0
-    loaded = run(load_request(loader.load_config, model_config, device_config), loader.options)
+    from weightcache.adapters import engine_refit
+
+    request = load_request(loader.load_config, model_config, device_config)
+    loaded = run(request, loader.options)
+    engine_refit.remember(loaded.model, request)  # the refit's weight loader builds versions for this rank with it
     loader.preloaded_weights_bytes = loaded.external_bytes
     log.info(
         "weightcache: %s from %s in %s",

@@ -65,15 +65,27 @@ def default_loader(configs: "EngineObjects") -> ModelLoader:
 
 def load(configs: "EngineObjects") -> "torch.nn.Module":
     """SGLang's model on its device with the checkpoint read into it, not yet post-processed."""
+    return _build(configs, lambda loader, model: internals.ALL_WEIGHTS.lookup()(loader, configs.model_config, model))
+
+
+def load_tensors(configs: "EngineObjects", tensors: "typing.Mapping[str, torch.Tensor]") -> "torch.nn.Module":
+    """SGLang's model on its device holding ``tensors`` (named as the checkpoint's), not yet post-processed: the
+    model's own ``load_weights`` takes them as it takes the checkpoint's (sharding, fusing, its fix-ups)."""
+    return _build(configs, lambda loader, model: iter(tensors.items()))
+
+
+def _build(
+    configs: "EngineObjects", weights: "typing.Callable[[ModelLoader, torch.nn.Module], typing.Iterable]"
+) -> "torch.nn.Module":
+    """SGLang's model built on its device, ``weights(loader, model)`` (name, tensor) pairs loaded into it."""
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     loader = default_loader(configs)
     model_config, device_config = configs.model_config, configs.device_config
     with own_rope_cache():
         model = loader.initialize_model_for_startup(model_config=model_config, device_config=device_config)
-    weights = internals.ALL_WEIGHTS.lookup()(loader, model_config, model)
     with set_default_torch_dtype(model_config.dtype):
-        loader.load_weights_only(model, weights, _target_device(device_config))
+        loader.load_weights_only(model, weights(loader, model), _target_device(device_config))
     return model
 
 

@@ -49,6 +49,11 @@ def weightcache_load(request, builder):
 
 
 @hookimpl
+def weightcache_load_tensors(request, tensors, builder):
+    return loading.load_tensors(engine_objects(request), tensors)
+
+
+@hookimpl
 def weightcache_post_process(request, model, description):
     return loading.post_process(engine_objects(request), model)
 

@@ -60,17 +60,46 @@ def rope_table() -> dict:
 
 def load(objects: "EngineObjects") -> "torch.nn.Module":
     """vLLM's model on the target device with the checkpoint's weights, before post-processing."""
+    plain = plain_loader(objects.vllm_config.load_config)
+    with objects.registrations.recorded():
+        return _build(objects, lambda model: plain.load_weights(model, objects.model_config))
+
+
+def load_tensors(objects: "EngineObjects", tensors: "typing.Mapping[str, torch.Tensor]") -> "torch.nn.Module":
+    """vLLM's model on the target device holding ``tensors`` (named as the checkpoint's), before post-processing.
+
+    The model's own ``load_weights`` takes them as it takes the checkpoint's (sharding for this rank, fusing q/k/v and
+    gate/up), so post-processing runs on exactly what a load from files gives it. The build registers nothing in the
+    config's forward context: it may run beside the engine's running model, whose layers hold those names.
+    """
+    forward_context = objects.vllm_config.compilation_config.static_forward_context
+    with isolated(forward_context):
+        return _build(objects, lambda model: _load_all(model, tensors, objects.model_config))
+
+
+def _load_all(model: "torch.nn.Module", tensors: "typing.Mapping[str, torch.Tensor]", model_config: "ModelConfig") -> None:
+    """``model.load_weights`` of ``tensors``; as vLLM's default loader, an unquantized model must get every parameter."""
+    loaded = typing.cast(typing.Any, model).load_weights(iter(tensors.items()))  # every vLLM model defines it
+    if loaded is None or model_config.quantization is not None:
+        return
+    missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
+    if missing:
+        raise ValueError(f"{len(missing)} parameters got no tensor, e.g. {missing[0]!r}; give every tensor the checkpoint has")
+
+
+def _build(objects: "EngineObjects", fill: "typing.Callable[[torch.nn.Module], None]") -> "torch.nn.Module":
+    """vLLM's model created on the target device (vLLM's per-layer gate for pre-processed weights passed), ``fill``ed."""
     import torch
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     plain = plain_loader(objects.vllm_config.load_config)
     model_config = objects.model_config
-    with objects.current(), isolated(rope_table()), objects.registrations.recorded():
+    with objects.current(), isolated(rope_table()):
         with set_default_torch_dtype(model_config.dtype):
             with torch.device(objects.device):
                 model = plain.create_model(vllm_config=objects.vllm_config, model_config=model_config, prefix=objects.prefix)
             check_pre_processed_support(model, model_config)
-            plain.load_weights(model, model_config)
+            fill(model)
     gc.collect()
     if objects.device.type != "cpu":
         torch.accelerator.empty_cache()  # as vLLM does before post-processing

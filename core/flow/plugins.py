@@ -194,6 +194,11 @@ class Adapter:
     def _hook(self, hook: str):
         return self._pm.subset_hook_caller(hook, remove_plugins=self._others)
 
+    def implements(self, hook: str) -> bool:
+        """Whether this adapter (not the core's defaults) implements ``hook``."""
+        core = self._pm.get_plugin(CORE_PLUGIN)
+        return any(impl.plugin is not core for impl in self._hook(hook).get_hookimpls())
+
     def contract_error(self, hook: str, problem: str) -> InvalidAdapter:
         """The error for ``hook`` breaking its contract (``problem`` says how and what to return instead)."""
         return InvalidAdapter(self.name, [problem], hook=hook)

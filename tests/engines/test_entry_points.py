@@ -245,6 +245,38 @@ def test_vllms_packing_cpu_kernels_are_refused_with_weightcaches_line(engine, mo
     assert "post-processing left" in done.output and "parameters empty" in done.output, done.output[-5000:]
 
 
+def test_a_refit_through_the_engines_weight_update_path_equals_a_fresh_start_on_the_new_version(engine, models, tmp_path):
+    """TP=2: an engine serving version 0 gets every tensor of version 1 the way RL frameworks hand it over (vLLM:
+    ``collective_rpc`` into the worker extension; SGLang: ``update_weights_from_tensor`` through the custom weight
+    loader); each rank builds, publishes and switches in place; its greedy tokens then equal a fresh engine started on
+    version 1's checkpoint without weightcache."""
+    from weightcache.conformance.refit import next_version
+
+    version_1 = tmp_path / "version-1"
+    next_version(models["llama"], version_1)
+    socket_dir = private_dir("wc-refit-")
+    try:
+        runs = [
+            {
+                "model": str(models["llama"]),
+                "extra": {"mode": "daemon", "socket_dir": str(socket_dir)},
+                "tp": 2,
+                "refit": str(version_1),
+            },
+            {"model": str(version_1), "extra": None, "tp": 2},
+        ]
+        done = run_entry_points(engine, runs, timeout=2 * ERROR_BOUND_S + 120)
+    finally:
+        stop_spawned_server(socket_dir)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    refitted, fresh = done.results
+    assert "error" not in refitted and "error" not in fresh, (refitted, fresh, done.output[-5000:])
+    assert refitted["tokens"] != fresh["tokens"], "the test's premise: version 1 generates other tokens than version 0"
+    assert refitted["refit_tokens"] == fresh["tokens"], (refitted, fresh)
+    # vLLM: the version each rank serves; SGLang: update_weights_from_tensor's (success, message).
+    assert refitted["versions"] == ([1, 1] if engine == "vllm" else [True, "Success"]), refitted
+
+
 # HTTP -----------------------------------------------------------------------------------------------------------------
 
 

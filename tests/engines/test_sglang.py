@@ -54,7 +54,7 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 from weightcache.adapters.sglang import engine, identity, internals, plugin  # noqa: E402
 from weightcache.adapters.sglang.engine import STATE_KEY, EngineObjects  # noqa: E402
 from weightcache.adapters.sglang.loader import loader_class  # noqa: E402
-from weightcache.conformance import ConformanceFixtures, ConformanceTests, ParityTests  # noqa: E402
+from weightcache.conformance import ConformanceFixtures, ConformanceTests, ParityTests, RefitTests  # noqa: E402
 from weightcache.core.client.client import server_is_running  # noqa: E402
 from weightcache.core.errors import UnsupportedQuantization  # noqa: E402
 from weightcache.core.flow.loader import prepare  # noqa: E402
@@ -413,11 +413,11 @@ class TestKitLlama(SGLangKit, ConformanceTests):
     family = "llama"
 
 
-class TestKitQwen3Moe(SGLangKit, ParityTests):
+class TestKitQwen3Moe(SGLangKit, ParityTests, RefitTests):
     family = "qwen3-moe"
 
 
-class TestKitDeepseekV3(SGLangKit, ParityTests):
+class TestKitDeepseekV3(SGLangKit, ParityTests, RefitTests):
     family = "deepseek-v3"
 
     def test_mla_tensor_attributes_are_mapped(self, mapped_model):
@@ -428,7 +428,7 @@ class TestKitDeepseekV3(SGLangKit, ParityTests):
             assert name in tensors and tensors[name].kind == "attribute", f"{name} is not a mapped tensor attribute"
 
 
-class TestKitFp8BlockLlama(SGLangKit, ParityTests):
+class TestKitFp8BlockLlama(SGLangKit, ParityTests, RefitTests):
     family = "llama-fp8-block"
 
     @pytest.fixture(scope="class")

@@ -1,8 +1,9 @@
-"""The weightcache adapter for TinyLM: seven hooks, registered as ``example`` in ``weightcache.adapters``.
+"""The weightcache adapter for TinyLM: eight hooks, registered as ``example`` in ``weightcache.adapters``.
 
 - ``weightcache_describe``: read config.json only; say which quantization applies.
 - ``weightcache_quantization_allowlist``: methods validated beyond the core's (none).
 - ``weightcache_load``: build the model and read its weights from disk.
+- ``weightcache_load_tensors``: build it from tensors in memory instead (a trainer's new version, for a refit).
 - ``weightcache_post_process``: block-wise FP8 with the core's helpers (optional).
 - ``weightcache_example_inputs``: inputs for the conformance kit's forward checks.
 - ``weightcache_checkpoint_conventions``: what the kit must know of TinyLM checkpoints (the tied head).
@@ -60,8 +61,16 @@ def weightcache_quantization_allowlist(request):
 
 @hookimpl
 def weightcache_load(request, builder):
+    return _build(request, safetensors.torch.load_file(f"{request.model}/model.safetensors"))
+
+
+@hookimpl
+def weightcache_load_tensors(request, tensors, builder):
+    return _build(request, tensors)
+
+
+def _build(request, state):
     model = TinyLM.from_config(read_config(request.model))
-    state = safetensors.torch.load_file(f"{request.model}/model.safetensors")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if set(missing) != {"head.weight"} or unexpected:  # head.weight is tied to embed.weight, stored once
         raise ValueError(f"{request.model} does not fit TinyLM: missing {missing}, unexpected {unexpected}")
