@@ -197,8 +197,9 @@ class ZygotePopen(subprocess.Popen):
     """A ``subprocess.Popen`` whose child is forked by the zygote: pid, pipes, wait, poll, signals and communicate
     as with exec (the child stays a zombie until this object has read its status)."""
 
-    def __init__(self, zygote: _Zygote, args, **kwargs) -> None:
+    def __init__(self, zygote: _Zygote, args, netns: str | None = None, **kwargs) -> None:
         self._zygote = zygote
+        self._netns = netns
         self._channel: socket.socket | None = None
         self._received = b""
         self._status_lock = threading.Lock()
@@ -216,6 +217,7 @@ class ZygotePopen(subprocess.Popen):
             "umask": umask,
             "start_new_session": bool(start_new_session),
             "pass_fds": list(pass_fds),
+            "netns": self._netns,
         }
         try:
             self._channel = self._zygote.spawn(request, [*stdio, *pass_fds])
@@ -280,18 +282,19 @@ class Forked(subprocess.CompletedProcess):
     """What ``run`` returns for a child forked from a zygote."""
 
 
-def popen(args, preload: tuple[str, ...] = PRELOAD, **kwargs) -> subprocess.Popen:
+def popen(args, preload: tuple[str, ...] = PRELOAD, netns: str | None = None, **kwargs) -> subprocess.Popen:
     """``subprocess.Popen(args, **kwargs)``: forked from a zygote that imported ``preload`` where the rules allow,
-    else exec'd."""
+    else exec'd; in the network namespace at path ``netns`` when given (the fork enters it, an exec goes through
+    ``nsenter``)."""
     reason = why_exec(args, kwargs)
     given = kwargs.get("env")
     zygote = _zygote(dict(os.environ if given is None else given), preload) if reason is None else None
     if zygote is not None:
         counts["forked"] = counts.get("forked", 0) + 1
-        return ZygotePopen(zygote, list(args), **kwargs)
+        return ZygotePopen(zygote, list(args), netns=netns, **kwargs)
     reason = reason or "no zygote"
     counts[reason] = counts.get(reason, 0) + 1
-    return subprocess.Popen(args, **kwargs)
+    return subprocess.Popen(["nsenter", f"--net={netns}", *args] if netns else args, **kwargs)
 
 
 def run(args, *, input=None, capture_output=False, timeout=None, check=False, **kwargs) -> subprocess.CompletedProcess:
