@@ -20,7 +20,6 @@ removes what a killed process left behind.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import subprocess
@@ -29,7 +28,6 @@ from pathlib import Path
 
 import attrs
 
-CLONE_NEWNET: typing.Final = 0x40000000
 NETNS_DIR: typing.Final = Path("/run/netns")
 ENV_MODE: typing.Final = "WEIGHTCACHE_TEST_FLEET_NETWORK"
 """``namespaces`` (fail where they cannot be made), ``ports`` (never make them), unset: namespaces where allowed."""
@@ -39,13 +37,6 @@ def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
         raise OSError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
-
-
-def _setns(fd: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, CLONE_NEWNET) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"setns: {os.strerror(errno)}")
 
 
 def _alive(pid: int) -> bool:
@@ -93,24 +84,6 @@ class NodeNetwork:
     def command(self, args: list[str]) -> list[str]:
         """``args`` run in this node's namespace (exec'd through ``nsenter``)."""
         return ["nsenter", f"--net={self.namespace}", *args] if self.namespace else args
-
-    @contextlib.contextmanager
-    def entered(self) -> typing.Iterator[None]:
-        """Run the calling thread (and the threads it starts) in this node's namespace, then back in its own."""
-        if self.namespace is None:
-            yield
-            return
-        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-        target = os.open(self.namespace, os.O_RDONLY)
-        try:
-            _setns(target)
-            try:
-                yield
-            finally:
-                _setns(home)
-        finally:
-            os.close(target)
-            os.close(home)
 
     def received_bytes(self) -> int:
         """Bytes this node's namespace received over its veth (the bridge's side sent them); 0 without one."""
