@@ -50,6 +50,7 @@ def worker(args: argparse.Namespace) -> None:
             if record.msg.startswith("weightcache: pulled") and isinstance(record.args, tuple):
                 steps.update(read_s=float(record.args[4]), verify_s=float(record.args[5]))
 
+    logging.basicConfig(level=logging.WARNING, format="worker: %(message)s")  # a failed pull says why, on stderr
     logging.getLogger("weightcache.core.node.fleet.pull").addHandler(PullSteps())
     logging.getLogger("weightcache.core.node.fleet.pull").setLevel(logging.INFO)
     prepared = prepare(LoadRequest(model=args.model, device=args.device, dtype="bfloat16"))

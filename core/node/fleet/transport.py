@@ -73,7 +73,7 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release the backend (every region unshared first)."""
+        """Release the backend (every region unshared first); no transfer writes into this process's memory after it."""
 
 
 TRANSPORTS: typing.Final[dict[str, str]] = {"nixl": "weightcache.core.node.fleet.nixl:NixlTransport"}
