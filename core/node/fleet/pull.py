@@ -183,13 +183,15 @@ class Filling:
             try:
                 return self._pull_one(builder, holding, content)
             except (WeightCacheError, OSError, ValueError, RuntimeError) as exc:
-                builder.reset()
-                log.warning(
-                    "weightcache: pulling %s from node %s failed (%s); trying the next holder",
-                    fingerprint.short,
-                    holding.node,
-                    _cut(str(exc)),
-                )
+                failure = _cut(str(exc))
+            self._drop_link()  # first: a read past its deadline may still be landing in the builder's arenas
+            builder.reset()
+            log.warning(
+                "weightcache: pulling %s from node %s failed (%s); trying the next holder",
+                fingerprint.short,
+                holding.node,
+                failure,
+            )
         return None
 
     def _pull_one(self, builder: "ArenaBuilder", holding: Holding, content: Content) -> Pulled:
@@ -271,6 +273,12 @@ class Filling:
             raise PullFailed("?", f"it speaks transport {name!r}, this node {self._transport.name!r}")
         return self._transport
 
+    def _drop_link(self) -> None:
+        """Close the transport, which stops its transfers, before the memory they wrote into is released."""
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
     def published(self) -> None:
         """After this node published what it claimed: wait (briefly) until its sharing agent lists it, then let go."""
         if not self.claimed or self.registry is None or self.fingerprint is None:
@@ -318,9 +326,7 @@ class Filling:
                 self.registry.store.revoke(self._lease)  # else it runs out by itself
         self._lease = 0
         self.claimed = False
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        self._drop_link()
 
 
 def _region_of(view: typing.Any) -> Region:

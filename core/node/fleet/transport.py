@@ -74,7 +74,7 @@ class Transport(CopyBackend):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release the backend (every region unshared first)."""
+        """Release the backend (every region unshared first); no transfer writes into this process's memory after it."""
 
 
 def transport(name: str, agent_name: str, devices: str = "") -> Transport:
