@@ -321,6 +321,27 @@ def test_a_holder_killed_mid_transfer_costs_a_warning_and_nothing_half_published
     assert_attaches_like_from_pretrained(path, b.socket_dir, "float32", None)
 
 
+def test_a_read_past_its_deadline_leaves_the_puller_alive_and_the_disk_is_read(network_fleet, model_dir):
+    """A link too slow for the read's deadline: the puller gives up and frees the arena the read was landing in. The
+    transport is closed first, so nothing more lands in freed memory (before: SIGSEGV in UCX's progress thread)."""
+    fleet, node = network_fleet
+    a, b = node("a"), node("b")
+    if b.net.host_veth is None:
+        pytest.skip(f"no network namespaces here ({fleet.network.describe()}): no veth to slow down")
+    path = model_dir("llama")
+    first = load(a, path)
+    wait_for(lambda: listed(fleet.etcd, first.fingerprint.content_digest) == ["a"], 20, "node a's agent listing its entry")
+    # 100 kbit/s into b: the manifest arrives, an arena of 1.6 MiB would take minutes, and its deadline is ~10 s.
+    shaped = ["tc", "qdisc", "add", "dev", b.net.host_veth, "root", "tbf", "rate", "100kbit", "burst", "16kb", "latency", "1s"]
+    subprocess.run(shaped, check=True, capture_output=True, timeout=30)
+    published = load_on(b, path, UCX_TLS="tcp")  # its process exits 0 and prints what it published
+    assert published.kind == "disk", published.log[-3000:]
+    failed = published.lines("from node a failed")
+    assert len(failed) == 1 and "deadline" in failed[0], published.log[-3000:]
+    (entry,) = entries(b)
+    assert entry["digest"] == first.digest
+
+
 def test_etcd_stalled_or_killed_mid_lookup_costs_one_warning_and_the_disk(fleet, model_dir):
     etcd, node = fleet
     b = node("b", share=False)
