@@ -171,7 +171,9 @@ def launch(argv: typing.Sequence[str], socket_dir: SocketDirLike = None, strict:
         else:
             launched.send_signal(sig)
 
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    # A signal the caller ignores stays ignored: not forwarded, and the request (made below) names it ignored, as an
+    # exec'd engine would inherit it (`nohup`, a background job of a script).
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED if signal.getsignal(sig) is not signal.SIG_IGN}
     env = initial_environment()
     try:
         launched = start(argv, socket_dir, env=env)

@@ -216,12 +216,30 @@ time.sleep(120)
 def test_signals_to_the_caller_reach_the_engine_as_they_would_an_execd_one(launcher, how, sig, returncode):
     outputs = []
     for command in (launch_command(launcher.socket_dir, "-c", _WAITS, how), [sys.executable, "-c", _WAITS, how]):
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: _dispositions(signal.SIG_DFL)
+        )  # a caller run in the background of a script ignores SIGINT (its engine then would too)
         assert proc.stdout.readline() == "ready\n"
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
         outputs.append((proc.returncode, out, err.splitlines()[-1:]))
     assert outputs[0] == outputs[1] and outputs[0][0] == returncode, outputs
+
+
+def _dispositions(handler) -> None:
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, handler)
+
+
+def test_signals_the_caller_ignores_stay_ignored_in_the_engine(launcher):
+    """`nohup`, a script's background job: SIGINT and SIGQUIT ignored in the caller stay so in the engine, as in an
+    exec'd one (`weightcache launch` neither forwards them nor lets the engine see its forwarding handlers)."""
+    code = "import json, signal; print(json.dumps({s.name: str(signal.getsignal(s)) for s in signal.Signals if s < 16}))"
+    launched, execd = both(
+        launcher, ["-c", code], capture_output=True, text=True, timeout=300, preexec_fn=lambda: _dispositions(signal.SIG_IGN)
+    )
+    assert launched.returncode == execd.returncode == 0, launched.stderr + execd.stderr
+    assert launched.stdout == execd.stdout and f'"SIGINT": "{signal.SIG_IGN}"' in execd.stdout, (launched, execd)
 
 
 def test_a_caller_environment_the_imports_read_differently_is_execd_with_one_line(launcher):
