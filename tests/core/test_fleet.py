@@ -414,7 +414,40 @@ def test_new_nodes_asking_at_once_read_the_disk_once_and_pull_the_rest(fleet, mo
     assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outputs]
     sources = [out.strip().splitlines()[-1] for out, _ in outputs]
     from_disk = [s for s in sources if "copied from node" not in s]
-    assert len(from_disk) == 1, sources
-    assert sum("copied from node" in s for s in sources) == 2, sources
+    assert len(from_disk) == 1, _said(outputs)
+    assert sum("copied from node" in s for s in sources) == 2, _said(outputs)
     digests = {e["digest"] for n in nodes for e in entries(n)}
     assert len(digests) == 1
+
+
+def test_a_holder_serves_fanout_nodes_at_once_and_the_rest_wait_for_a_slot(fleet, model_dir):
+    """One holder, three new nodes asking at once, one reader per holder: one pulls at a time from each holder, the
+    others wait for a slot (on it, or on a node that has finished), and none reads the disk."""
+    etcd, node = fleet
+    a = node("a")
+    path = model_dir("llama")
+    first = load(a, path)
+    wait_for(lambda: listed(etcd, first.fingerprint.content_digest) == ["a"], 20, "node a's agent listing its entry")
+    nodes = [node(name) for name in ("b", "c", "d")]
+    procs = [n.load_process(path, env=n.env(WEIGHTCACHE_FLEET_FANOUT="1")) for n in nodes]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=300))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
+    assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outputs]
+    sources = [out.strip().splitlines()[-1] for out, _ in outputs]
+    assert all("copied from node" in s for s in sources), _said(outputs)
+    waited = [err for _, err in outputs if "waiting for a free slot" in err]
+    assert waited, _said(outputs)
+    assert {e["digest"] for n in nodes for e in entries(n)} == {first.digest}
+    wait_for(lambda: listed(etcd, first.fingerprint.content_digest) == ["a", "b", "c", "d"], 20, "every node listing it")
+
+
+def _said(outputs: list[tuple[str, str]]) -> list[list[str]]:
+    """What each load logged above DEBUG, and its last line: why it pulled or read the disk."""
+    return [[line for line in err.splitlines() if " DEBUG " not in line][-12:] + out.splitlines()[-1:] for out, err in outputs]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 
@@ -96,6 +97,11 @@ def test_the_fleet_settings_say_which_variable_to_fix(tmp_path):
     assert "s" * 32 not in repr(config)  # the secret never shows in a log line
     with pytest.raises(ValueError, match="WEIGHTCACHE_FLEET_WAIT_S='soon' is not a number of seconds"):
         FleetConfig.from_env({**env, "WEIGHTCACHE_FLEET_WAIT_S": "soon"})
+    assert config.fanout == 2
+    assert FleetConfig.from_env({**env, "WEIGHTCACHE_FLEET_FANOUT": "1"}).fanout == 1  # type: ignore[union-attr]
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(ValueError, match=f"WEIGHTCACHE_FLEET_FANOUT='{re.escape(bad)}': use a whole number"):
+            FleetConfig.from_env({**env, "WEIGHTCACHE_FLEET_FANOUT": bad})
 
 
 def test_a_registry_that_does_not_answer_costs_its_deadline_and_no_more():

@@ -12,6 +12,8 @@ in ``daemon`` mode see the same settings as the node's sharing agent:
     WEIGHTCACHE_FLEET_PREFIX        the registry's key prefix (default /weightcache), one per fleet sharing an etcd
     WEIGHTCACHE_FLEET_LEASE_TTL_S   how long a node's records outlive it when it dies without revoking (default 10)
     WEIGHTCACHE_FLEET_DEVICES       network interfaces the transport may use, comma-separated (default: its choice)
+    WEIGHTCACHE_FLEET_FANOUT        how many nodes read from one holder at once (default 2); the others wait for a
+                                    slot on it or on a node that has finished (the fill spreads as a tree)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ ENV_WAIT: typing.Final = "WEIGHTCACHE_FLEET_WAIT_S"
 ENV_PREFIX: typing.Final = "WEIGHTCACHE_FLEET_PREFIX"
 ENV_LEASE_TTL: typing.Final = "WEIGHTCACHE_FLEET_LEASE_TTL_S"
 ENV_DEVICES: typing.Final = "WEIGHTCACHE_FLEET_DEVICES"
+ENV_FANOUT: typing.Final = "WEIGHTCACHE_FLEET_FANOUT"
 MIN_SECRET_BYTES: typing.Final = 16
 MAX_SECRET_BYTES: typing.Final = 4096
 
@@ -50,6 +53,7 @@ class FleetConfig:
     prefix: str = "/weightcache"
     lease_ttl_s: int = 10
     devices: str = ""
+    fanout: int = 2
 
     @secret.validator
     def _check_secret(self, _attribute, value: bytes) -> None:
@@ -81,6 +85,7 @@ class FleetConfig:
             prefix=environ.get(ENV_PREFIX, "/weightcache").rstrip("/") or "/weightcache",
             lease_ttl_s=max(1, round(_number(environ, ENV_LEASE_TTL, 10))),
             devices=environ.get(ENV_DEVICES, "").strip(),
+            fanout=_fanout(environ),
         )
 
     def key(self, *parts: str) -> bytes:
@@ -122,3 +127,12 @@ def _number(environ: typing.Mapping[str, str], name: str, default: float) -> flo
     if not value > 0:
         raise ValueError(f"{name}={text!r}: use a number of seconds above 0")
     return value
+
+
+def _fanout(environ: typing.Mapping[str, str]) -> int:
+    text = environ.get(ENV_FANOUT, "").strip()
+    if not text:
+        return 2
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{ENV_FANOUT}={text!r}: use a whole number of readers per holder, 1 or more")
+    return int(text)

@@ -10,7 +10,10 @@ transport's one-sided reads into arenas of its own, and keeps them only when
 - every arena, checksummed here (on this GPU for a GPU's arenas), matches.
 
 Anything else costs one warning line and the next holder is tried; nothing is
-published before every byte arrived and matched. With no holder, the node claims the
+published before every byte arrived and matched. A holder serves ``config.fanout``
+readers at once (reader slots under each reader's lease): a node that finds every slot
+taken waits for one, and a node that has finished pulling holds the entry and serves in
+turn, so many new nodes fill as a tree, not all from one. With no holder, the node claims the
 disk read (one claim per content, under a lease): the first claimant reads, the others
 wait for a holder to appear (its claimant, once it has published and shared the entry)
 and pull from it. A claimant that dies loses its claim with its lease; a waiter then
@@ -48,8 +51,9 @@ log = logging.getLogger(__name__)
 
 POLL_S: typing.Final = 0.25
 """How often a node waiting for a claimant looks for a holder again."""
-SHARED_WAIT_S: typing.Final = 5.0
-"""How long a claimant that published waits for its node's sharing agent to list the entry before it lets go."""
+SHARED_WAIT_S: typing.Final = 10.0
+"""How long a claimant that published waits for its node's sharing agent to list the entry before it lets go (an
+agent on a loaded 2-core machine took more than 5 s to register and list an entry)."""
 MIN_RATE_BYTES_S: typing.Final = 50 << 20
 """A read slower than this (plus ``READ_GRACE_S``) is abandoned: the holder is gone or stalled."""
 READ_GRACE_S: typing.Final = 10.0
@@ -127,13 +131,30 @@ class Filling:
         deadline = time.monotonic() + config.wait_s
         waiting_for = None
         while True:
-            pulled = self._from_holders(builder, registry, fingerprint, tried)
-            if pulled is not None or not self.may_claim:
+            pulled, busy = self._from_holders(builder, registry, fingerprint, tried)
+            if pulled is not None:
                 return pulled
-            if not self._lease:
-                self._lease = registry.store.grant(config.lease_ttl_s)
-                self._keep_alive(registry)
-            other = registry.claim(content_digest, self._lease)
+            if busy:  # holders, each serving as many nodes as it may: one finishes soon, or a reader becomes a holder
+                if waiting_for != "a slot":
+                    waiting_for = "a slot"
+                    log.info(
+                        "weightcache: every holder of %s serves %d nodes already; waiting for a free slot",
+                        fingerprint.short,
+                        config.fanout,
+                    )
+                if time.monotonic() > deadline:
+                    log.warning(
+                        "weightcache: no holder of %s had a free slot for %.0f s; reading the disk (%s)",
+                        fingerprint.short,
+                        config.wait_s,
+                        "WEIGHTCACHE_FLEET_WAIT_S sets the wait, WEIGHTCACHE_FLEET_FANOUT the readers per holder",
+                    )
+                    return None
+                time.sleep(POLL_S)
+                continue
+            if not self.may_claim:
+                return None
+            other = registry.claim(content_digest, self._leased(registry))
             if other is None:
                 self.claimed = True
                 log.info("weightcache: no node of the fleet holds %s; this node reads it from the disk", fingerprint.short)
@@ -152,9 +173,17 @@ class Filling:
                 return None
             time.sleep(POLL_S)
 
+    def _leased(self, registry: FleetRegistry) -> int:
+        """This fill's lease (granted on first use, renewed until ``close``): its claim and its reader slots."""
+        if not self._lease:
+            self._lease = registry.store.grant(registry.config.lease_ttl_s)
+            self._keep_alive(registry)
+        return self._lease
+
     def _from_holders(
         self, builder: "ArenaBuilder", registry: FleetRegistry, fingerprint: Fingerprint, tried: set[str]
-    ) -> Pulled | None:
+    ) -> tuple[Pulled | None, bool]:
+        """A pull from the first untried holder with a free slot; else None, and whether a holder was only busy."""
         content_digest = fingerprint.content_digest
         holdings, problems = registry.holdings(content_digest)
         holdings = [h for h in holdings if h.node not in tried]
@@ -163,7 +192,7 @@ class Filling:
             self._warned.update(new)
             _warn_left_out(fingerprint, new)
         if not holdings:
-            return None
+            return None, False
         try:
             content = registry.content(content_digest)
         except ValueError as exc:
@@ -176,23 +205,31 @@ class Filling:
                 fingerprint.short,
             )
             tried.update(h.node for h in holdings)
-            return None
+            return None, False
         random.shuffle(holdings)  # spread the new nodes over every holder: each one that finishes serves too
+        busy = False
         for holding in holdings:
+            slot = registry.take_slot(content_digest, holding.node, self._leased(registry))
+            if slot is None:
+                busy = True
+                continue
             tried.add(holding.node)
             try:
-                return self._pull_one(builder, holding, content)
+                return self._pull_one(builder, holding, content), False
             except (WeightCacheError, OSError, ValueError, RuntimeError) as exc:
                 failure = _cut(str(exc))
-            self._drop_link()  # first: a read past its deadline may still be landing in the builder's arenas
-            builder.reset()
+                self._drop_link()  # first: a read past its deadline may still be landing in the builder's arenas
+                builder.reset()
+            finally:
+                with contextlib.suppress(FleetUnavailable):  # else it goes with the lease
+                    registry.free_slot(slot)
             log.warning(
                 "weightcache: pulling %s from node %s failed (%s); trying the next holder",
                 fingerprint.short,
                 holding.node,
                 failure,
             )
-        return None
+        return None, busy
 
     def _pull_one(self, builder: "ArenaBuilder", holding: Holding, content: Content) -> Pulled:
         node = holding.node

@@ -38,6 +38,9 @@ class FleetRegistry:
     def _claim_key(self, content_digest: str) -> bytes:
         return self.config.key("claims", content_digest)
 
+    def _slot_key(self, content_digest: str, holder: str, index: int) -> bytes:
+        return self.config.key("readers", content_digest, holder, str(index))
+
     def content(self, content_digest: str) -> Content | None:
         """The content record of ``content_digest``, None if there is none; ValueError if it is not a valid one."""
         key = self._content_key(content_digest)
@@ -100,6 +103,18 @@ class FleetRegistry:
             log.warning("weightcache: the claim on %s is not valid (%s); waiting as if taken", content_digest[:12], exc)
             return Claim("?")
         return None if other == mine else other
+
+    def take_slot(self, content_digest: str, holder: str, lease: int) -> bytes | None:
+        """One of ``config.fanout`` reader slots on ``holder`` for this node, under ``lease`` (a node that dies frees
+        its slot with it): the slot's key, None when every slot is taken."""
+        for index in range(self.config.fanout):
+            key = self._slot_key(content_digest, holder, index)
+            if self.store.create(key, seal(key, {"node": self.config.node}, self.config.secret), lease) is None:
+                return key
+        return None
+
+    def free_slot(self, key: bytes) -> None:
+        self.store.delete(key)
 
     def claimed(self, content_digest: str) -> bool:
         return self.store.get(self._claim_key(content_digest)) is not None
