@@ -20,7 +20,6 @@ import logging
 import os
 import secrets
 import threading
-import time
 import typing
 
 import attrs
@@ -62,12 +61,14 @@ class Sharer:
         self.shared: dict[str, Shared] = {}
         self.refused: set[str] = set()
         self.lease = 0
+        self._lease_lost = threading.Event()
         self._registry_down = False
 
     def run(self, stop: threading.Event, poll_s: float = POLL_S) -> int:
         """Share until ``stop`` is set (0) or the server goes away (3); the lease is revoked either way."""
-        renew_every = max(self.config.lease_ttl_s / 3, 0.5)
-        renewed = 0.0
+        finished = threading.Event()
+        renewer = threading.Thread(target=self._renew, args=(finished,), name="weightcache-fleet-lease", daemon=True)
+        renewer.start()
         try:
             while not stop.is_set():
                 try:
@@ -77,15 +78,10 @@ class Sharer:
                     log.warning("weightcache: the server stopped answering (%s); leaving the fleet", exc)
                     return 3
                 try:
-                    if not self.lease:
+                    if not self.lease or self._lease_lost.is_set():
+                        self._lease_lost.clear()
                         self.lease = self.registry.store.grant(self.config.lease_ttl_s)
-                        renewed = time.monotonic()
                         self._hold_all()  # again, after a lease that ran out while the registry was away
-                    elif time.monotonic() - renewed >= renew_every:
-                        if self.registry.store.keepalive(self.lease) <= 0:
-                            self.lease = 0  # it ran out: its records are gone; a new lease lists them again
-                            continue
-                        renewed = time.monotonic()
                     self.sync(entries)
                     if self._registry_down:
                         log.warning("weightcache: the fleet registry answers again; sharing %d entries", len(self.shared))
@@ -97,7 +93,23 @@ class Sharer:
                 stop.wait(poll_s)
             return 0
         finally:
+            finished.set()
+            renewer.join(timeout=5)
             self.close()
+
+    def _renew(self, finished: threading.Event) -> None:
+        """Renew the lease on a thread of its own: registering a large entry with the transport, or a slow server,
+        must not hold the renewal past the lease's TTL (the node's records would vanish while it still holds them)."""
+        every = max(self.config.lease_ttl_s / 3, 0.2)
+        while not finished.wait(every):
+            lease = self.lease
+            if not lease:
+                continue
+            try:
+                if self.registry.store.keepalive(lease) <= 0 and lease == self.lease:
+                    self._lease_lost.set()  # it ran out: its records are gone; the loop lists them under a new one
+            except FleetUnavailable as exc:
+                log.debug("weightcache: renewing the agent's lease: %s", exc)
 
     def sync(self, entries: list) -> None:
         """Share every entry of ``entries`` (the server's status rows) not shared yet; unshare those gone."""
