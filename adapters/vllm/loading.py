@@ -62,7 +62,7 @@ def load(objects: "EngineObjects") -> "torch.nn.Module":
     """vLLM's model on the target device with the checkpoint's weights, before post-processing."""
     plain = plain_loader(objects.vllm_config.load_config)
     with objects.registrations.recorded():
-        return _build(objects, lambda model: plain.load_weights(model, objects.model_config))
+        return _build(objects, plain, lambda model: plain.load_weights(model, objects.model_config))
 
 
 def load_tensors(objects: "EngineObjects", tensors: "typing.Mapping[str, torch.Tensor]") -> "torch.nn.Module":
@@ -74,7 +74,9 @@ def load_tensors(objects: "EngineObjects", tensors: "typing.Mapping[str, torch.T
     """
     forward_context = objects.vllm_config.compilation_config.static_forward_context
     with isolated(forward_context):
-        return _build(objects, lambda model: _load_all(model, tensors, objects.model_config))
+        return _build(
+            objects, plain_loader(objects.vllm_config.load_config), lambda model: _load_all(model, tensors, objects.model_config)
+        )
 
 
 def _load_all(model: "torch.nn.Module", tensors: "typing.Mapping[str, torch.Tensor]", model_config: "ModelConfig") -> None:
@@ -87,12 +89,14 @@ def _load_all(model: "torch.nn.Module", tensors: "typing.Mapping[str, torch.Tens
         raise ValueError(f"{len(missing)} parameters got no tensor, e.g. {missing[0]!r}; give every tensor the checkpoint has")
 
 
-def _build(objects: "EngineObjects", fill: "typing.Callable[[torch.nn.Module], None]") -> "torch.nn.Module":
-    """vLLM's model created on the target device (vLLM's per-layer gate for pre-processed weights passed), ``fill``ed."""
+def _build(
+    objects: "EngineObjects", plain: DefaultModelLoader, fill: "typing.Callable[[torch.nn.Module], None]"
+) -> "torch.nn.Module":
+    """vLLM's model created by ``plain`` on the target device (vLLM's per-layer gate for pre-processed weights
+    passed), ``fill``ed. One loader per load: the drift check counts the loaders the replay makes."""
     import torch
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    plain = plain_loader(objects.vllm_config.load_config)
     model_config = objects.model_config
     with objects.current(), isolated(rope_table()):
         with set_default_torch_dtype(model_config.dtype):
