@@ -173,7 +173,9 @@ def _zygote(env: dict[str, str], preload: tuple[str, ...]) -> _Zygote | None:
                 return zygote
         key = (preload, _env_key(env))
         _seen[key] = _seen.get(key, 0) + 1
-        usual = _base_env is not None and not _differences(env, _base_env)
+        # The session's own environment: as it started, or as this process has it now (a test module may have set a
+        # variable in os.environ for the rest of the session).
+        usual = _base_env is not None and (not _differences(env, _base_env) or not _differences(env, dict(os.environ)))
         # The cap is for other environments (a fleet's nodes): they must not use up the session's own.
         others = [z for z in _zygotes if _base_env is None or _differences(z.env, _base_env)]
         full = not usual and len(others) >= MAX_ZYGOTES

@@ -28,7 +28,9 @@ from tests.helpers import free_port
 from weightcache.core.server.server_process import ServerProcess
 
 SECRET = "fleet-test-secret-0123456789abcdef"
-LEASE_TTL_S = 2
+LEASE_TTL_S = 5
+"""Short, so that a dead node's records leave within a test; not so short that a loaded 2-core machine (CI, engine
+starts beside) misses a renewal and a live node's records vanish (2 s did)."""
 
 
 def etcd_binary() -> Path | None:
@@ -83,6 +85,7 @@ class Etcd:
                 f"test={peer_url}",
                 "--log-level",
                 "error",
+                "--unsafe-no-fsync",  # a test's registry: a write's fsync on the loaded disk took seconds, past deadlines
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -126,7 +129,7 @@ def fleet_env(etcd_url: str, node: str, secret: str = SECRET, **extra: str) -> d
         "WEIGHTCACHE_FLEET_ETCD": etcd_url,
         "WEIGHTCACHE_FLEET_SECRET": secret,
         "WEIGHTCACHE_FLEET_NODE": node,
-        "WEIGHTCACHE_FLEET_DEADLINE_S": "1",
+        "WEIGHTCACHE_FLEET_DEADLINE_S": "3",  # 1 s: a registry call on the loaded machine timed out, the disk was read
         "WEIGHTCACHE_FLEET_WAIT_S": "120",
         "WEIGHTCACHE_FLEET_LEASE_TTL_S": str(LEASE_TTL_S),
         "WEIGHTCACHE_FLEET_DEVICES": "lo",  # UCX's TCP on loopback only

@@ -401,17 +401,7 @@ def test_new_nodes_asking_at_once_read_the_disk_once_and_pull_the_rest(fleet, mo
     time.sleep(RACY_WINDOW_NS / 1e9)  # a file written just now is hashed but not remembered
     checkpoint_digests(checkpoint_files(path))
     assert Sighting.of(path).identity is not None
-    procs = [n.load_process(path) for n in nodes]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=300))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate(timeout=30)
-    assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outputs]
+    outputs = _load_at_once(nodes, path)
     sources = [out.strip().splitlines()[-1] for out, _ in outputs]
     from_disk = [s for s in sources if "copied from node" not in s]
     assert len(from_disk) == 1, _said(outputs)
@@ -429,17 +419,7 @@ def test_a_holder_serves_fanout_nodes_at_once_and_the_rest_wait_for_a_slot(fleet
     first = load(a, path)
     wait_for(lambda: listed(etcd, first.fingerprint.content_digest) == ["a"], 20, "node a's agent listing its entry")
     nodes = [node(name) for name in ("b", "c", "d")]
-    procs = [n.load_process(path, env=n.env(WEIGHTCACHE_FLEET_FANOUT="1")) for n in nodes]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=300))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate(timeout=30)
-    assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outputs]
+    outputs = _load_at_once(nodes, path, WEIGHTCACHE_FLEET_FANOUT="1")
     sources = [out.strip().splitlines()[-1] for out, _ in outputs]
     assert all("copied from node" in s for s in sources), _said(outputs)
     waited = [err for _, err in outputs if "waiting for a free slot" in err]
@@ -451,3 +431,19 @@ def test_a_holder_serves_fanout_nodes_at_once_and_the_rest_wait_for_a_slot(fleet
 def _said(outputs: list[tuple[str, str]]) -> list[list[str]]:
     """What each load logged above DEBUG, and its last line: why it pulled or read the disk."""
     return [[line for line in err.splitlines() if " DEBUG " not in line][-12:] + out.splitlines()[-1:] for out, err in outputs]
+
+
+def _load_at_once(nodes: list[Node], path, **extra_env: str) -> list[tuple[str, str]]:
+    """``weightcache load`` of ``path`` started on every node together; each one's stdout and stderr (all exit 0)."""
+    procs = [n.load_process(path, env=n.env(**extra_env)) for n in nodes]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=300))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
+    assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outputs]
+    return outputs

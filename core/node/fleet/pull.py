@@ -91,6 +91,7 @@ class Filling:
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
         self._warned: set[str] = set()
+        self._recordless_since: float | None = None
 
     @classmethod
     def from_env(cls, fingerprint: Fingerprint | None, may_claim: bool = True) -> "Filling":
@@ -199,6 +200,10 @@ class Filling:
             log.warning("weightcache: ignoring the fleet's record of %s: %s", fingerprint.short, exc)
             content = None
         if content is None:
+            if self._recordless_since is None:  # its declarer left: a holder declares it again within a lease's TTL
+                self._recordless_since = time.monotonic()
+            if time.monotonic() - self._recordless_since < 2 * registry.config.lease_ttl_s:
+                return None, True
             log.warning(
                 "weightcache: %d nodes list %s but the fleet has no valid record of its arenas; not pulling it",
                 len(holdings),

@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 import typing
 
 import attrs
@@ -69,6 +70,7 @@ class Sharer:
         finished = threading.Event()
         renewer = threading.Thread(target=self._renew, args=(finished,), name="weightcache-fleet-lease", daemon=True)
         renewer.start()
+        listed = time.monotonic()
         try:
             while not stop.is_set():
                 try:
@@ -82,6 +84,12 @@ class Sharer:
                         self._lease_lost.clear()
                         self.lease = self.registry.store.grant(self.config.lease_ttl_s)
                         self._hold_all()  # again, after a lease that ran out while the registry was away
+                        listed = time.monotonic()
+                    elif time.monotonic() - listed >= self.config.lease_ttl_s:
+                        # A content record lives under the lease of the node that declared it first: when that node
+                        # leaves, the record goes with it, and a holder's declare puts it back under its own lease.
+                        self._hold_all()
+                        listed = time.monotonic()
                     self.sync(entries)
                     if self._registry_down:
                         log.warning("weightcache: the fleet registry answers again; sharing %d entries", len(self.shared))
