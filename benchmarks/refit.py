@@ -18,7 +18,8 @@ quantisation on publish (``--quantizations``):
   engine serves nothing while it loads.
 
 Each row's last column says whether the engine's logits after it equal those of a disk load of the saved new version,
-bit for bit. ``--runs`` refits are timed after one warm-up (versions 2, 3, ...); the table shows their medians. Each case runs on
+bit for bit. ``--runs`` refits are timed after one warm-up (versions 2, 3, ...); the table shows their medians and the
+slowest. Each case runs on
 a server of its own. The reload reads the file it has just written (a warm page cache: its best case). Checkpoints
 come from ``benchmarks/restart.py`` (``--size``: small, 1b, 8b); on an 8 B model a case holds up to four copies of
 the weights on the device at once (the checkpoint's version 0, the running and the new version, the trainer's tensors).
@@ -45,15 +46,20 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(torch.device(device))
 
 
-def trainer_state(model: Path, device: str, step: int) -> dict:
-    """The checkpoint's tensors on ``device`` after a made-up training step (floating tensors scaled; exact, any dtype)."""
+def checkpoint_state(model: Path, device: str) -> dict:
+    """The checkpoint's tensors on ``device`` (read once; each version is a step away from them)."""
     from safetensors.torch import load_file
 
     state = {}
     for file in restart.checkpoint_files(model):
         state.update(load_file(str(file), device=device))
+    return state
+
+
+def trainer_state(base: dict, step: int) -> dict:
+    """``base`` after a made-up training step (floating tensors scaled; exact, any dtype)."""
     factor = 1.0 + step / 64  # a power-of-two fraction: each step's bytes differ
-    return {name: (t * factor).to(t.dtype) if t.dtype.is_floating_point else t for name, t in state.items()}
+    return {name: (t * factor).to(t.dtype) if t.dtype.is_floating_point else t for name, t in base.items()}
 
 
 def logits(model, device: str):
@@ -94,8 +100,9 @@ def measure(model: Path, device: str, quantization: str | None, work: Path, runs
         publish(prepare(LoadRequest(model=str(model), **options)), server.socket_dir)
         engine = load_model(str(model), mode="client", socket_dir=server.socket_dir, strict=True, **options)
         refits = []
+        base = checkpoint_state(model, device)
         for version in range(1, runs + 2):
-            state = trainer_state(model, device, version)
+            state = trainer_state(base, version)
             begun = time.perf_counter()
             logits(engine.model, device)  # the engine serves a step on the running version (its pages are mapped)
             _sync(device)
@@ -125,12 +132,17 @@ def measure(model: Path, device: str, quantization: str | None, work: Path, runs
             )
             del state
         timed = refits[1:]
-        result: dict = {"refit": {k: statistics.median(r[k] for r in timed) for k in timed[0]}, "refit_runs": refits}
+        result: dict = {
+            "refit": {k: statistics.median(r[k] for r in timed) for k in timed[0]},
+            "refit_slowest": {k: max(r[k] for r in timed) for k in ("end_to_end_s", "cannot_step_s")},
+            "refit_runs": refits,
+        }
         refitted = logits(engine.model, device)
         engine.close()
     finally:
         server.close()
-    state = trainer_state(model, device, runs + 1)  # the version the engine ran last
+    state = trainer_state(base, runs + 1)  # the version the engine ran last
+    del base
     # the reload baseline: the state dict saved as a checkpoint, then loaded (the engine serves nothing meanwhile)
     directory = work / f"saved-{case}"
     start = time.perf_counter()
@@ -179,8 +191,11 @@ def table(results: dict) -> str:
             )
         refit = result["refit"]
         steps = ", ".join(f"{k.removeprefix('publish.')} {v * 1e3:.1f}" for k, v in refit.items() if k.startswith("publish."))
+        slowest = result["refit_slowest"]
         lines.append(
-            f"{'':<10} refit: publish {refit['publish_s'] * 1e3:.1f} ms ({steps}), fetch {refit['fetch_s'] * 1e3:.1f} ms"
+            f"{'':<10} refit: publish {refit['publish_s'] * 1e3:.1f} ms ({steps}), fetch {refit['fetch_s'] * 1e3:.1f} ms; "
+            f"slowest of {len(result['refit_runs']) - 1}: {slowest['end_to_end_s'] * 1e3:.1f} ms end to end, "
+            f"{slowest['cannot_step_s'] * 1e3:.2f} ms cannot step"
         )
     return "\n".join(lines)
 
@@ -190,7 +205,7 @@ def main(argv=None) -> int:
     parser.add_argument("--size", choices=sorted(restart.SIZES), default="small", help="8b: 16.4 GB (a GPU); small: 332 MB")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quantizations", default="none,fp8-block", help="comma-separated: none, fp8-block")
-    parser.add_argument("--runs", type=int, default=2, help="timed refits after one warm-up (default 2)")
+    parser.add_argument("--runs", type=int, default=5, help="timed refits after one warm-up (default 5)")
     parser.add_argument("--keep-checkpoint", help="keep (or reuse) the checkpoint in this directory")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)

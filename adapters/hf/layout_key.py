@@ -6,6 +6,7 @@ machine), so that the layout process starts at once where the entry is missing.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -30,8 +31,15 @@ def layout_key(request: "LoadRequest", config: dict, dtype: str) -> str:
         "config": config,
         "class": request.option("model_class") or architecture(config),
         "dtype": dtype,
-        "transformers": importlib.metadata.version("transformers"),
-        "torch": importlib.metadata.version("torch"),
+        "transformers": installed_version("transformers"),
+        "torch": installed_version("torch"),
     }
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
     return f"layout-{digest[:48]}.json"
+
+
+@functools.cache
+def installed_version(distribution: str) -> str:
+    """``distribution``'s version as this process first found it installed (a metadata scan costs milliseconds per call,
+    and a refit names the layout at every version; a process keeps the code it imported, whatever is installed later)."""
+    return importlib.metadata.version(distribution)

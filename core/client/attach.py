@@ -31,6 +31,7 @@ from weightcache.core.errors import (
     WeightCacheError,
 )
 from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.gc_pause import gc_paused
 from weightcache.core.socket_dir import SocketDir, SocketDirLike
 from weightcache.core.wire.protocol import close_fds
 
@@ -229,6 +230,7 @@ class Attachment:
         """The version of its model this attachment maps (0: the one published from disk; see ``fetch_version``)."""
         return self.fingerprint.version
 
+    @gc_paused()  # a full collection of an engine's heap would outlast the fetch
     def fetch_version(self, version: int | None = None, timeout: float = 30.0) -> "Attachment | None":
         """Attach version ``version`` of this entry's model (None: the newest the server holds) beside this one, map it,
         checksum every arena and check it has this entry's layout; None when it is the version mapped here already.
@@ -259,6 +261,7 @@ class Attachment:
             arena.unmap()  # the switch maps the memory itself: unmapping what the checksum read costs nothing then
         return pending
 
+    @gc_paused()  # the engine cannot step meanwhile: no full collection of its heap in between
     def switch_to(self, pending: "Attachment") -> None:
         """Show ``pending``'s bytes (from ``fetch_version``) at this attachment's addresses and become it.
 

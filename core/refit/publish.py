@@ -17,6 +17,7 @@ from weightcache.core.client.client import Connection, HeldVersion
 from weightcache.core.errors import LayoutMismatch, VersionNotFound
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec, sha256_json
 from weightcache.core.flow.loader import Prepared, prepare
+from weightcache.core.gc_pause import gc_paused
 from weightcache.core.identity.safetensors_io import checkpoint_tensors
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.load.export import ArenaBuilder
@@ -116,6 +117,7 @@ def publish_version(
         return staged.publish()
 
 
+@gc_paused()  # a full collection of a trainer's heap takes longer than the whole refit on a GPU
 def stage_version(
     prepared: Prepared, state: "typing.Mapping[str, torch.Tensor]", version: int, socket_dir: SocketDirLike = None
 ) -> StagedVersion:

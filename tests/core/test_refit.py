@@ -116,6 +116,41 @@ def test_the_old_version_is_freed_once_no_engine_maps_it(server, model_dir):
         second.close()
 
 
+def test_the_collector_waits_while_a_version_is_built_fetched_and_switched_to(server, model_dir):
+    """A full pass of the collector over a trainer's or an engine's heap takes longer than a whole refit on a GPU: the
+    collector waits until the version is staged, fetched and switched to (collections are forced between)."""
+    import gc
+    import sys
+
+    path = model_dir("llama")
+    publish(prepare(LoadRequest(model=str(path))), server.socket_dir)
+    engine = load_model(str(path), mode="client", socket_dir=server.socket_dir, strict=True)
+    watched = {"stage_version", "fetch_version", "switch_to"}
+    inside: list[str] = []
+    outside = []
+
+    def seen(phase, info):
+        if phase != "start":
+            return
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_name not in watched:
+            frame = frame.f_back
+        (outside if frame is None else inside).append(frame and frame.f_code.co_name)
+
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(seen)
+    gc.set_threshold(1, 10**6, 10**6)  # young collections only, at every allocation wherever the collector may run
+    try:
+        publish_version(str(path), trained(path, 1), 1, socket_dir=server.socket_dir)
+        assert engine.refit() is True and engine.version == 1
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(seen)
+        engine.close()
+    assert outside, "the collector never ran: the test shows nothing"
+    assert inside == [], f"collections ran inside {sorted(set(inside))}"
+
+
 def test_a_version_whose_layout_differs_is_refused_before_anything_changes(server, model_dir):
     import torch
 
