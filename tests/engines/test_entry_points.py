@@ -75,13 +75,18 @@ def vllm_cpu_reason() -> str | None:
     return None
 
 
+def runnable_engine(name: str) -> str:
+    """``name`` ("vllm" or "sglang") if this venv can start it, else the test is skipped saying why."""
+    if name == "vllm" and (reason := vllm_cpu_reason()):
+        pytest.skip(reason)
+    if importlib.util.find_spec(name) is None:
+        pytest.skip(f"{name} is not installed")
+    return name
+
+
 @pytest.fixture(scope="module", params=["vllm", "sglang"])
 def engine(request) -> str:
-    if request.param == "vllm" and (reason := vllm_cpu_reason()):
-        pytest.skip(reason)
-    if importlib.util.find_spec(request.param) is None:
-        pytest.skip(f"{request.param} is not installed")
-    return request.param
+    return runnable_engine(request.param)
 
 
 FAMILIES = ("llama", "qwen3-moe", "deepseek-v3")

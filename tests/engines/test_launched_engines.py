@@ -5,7 +5,6 @@ nursery, none exec'd: ``benchmarks/engine_start.py`` run once per engine at TP=1
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -23,13 +22,9 @@ TIMEOUT_S = 900
 
 @pytest.fixture(params=["vllm", "sglang"])
 def engine(request) -> str:
-    from tests.engines.test_entry_points import vllm_cpu_reason
+    from tests.engines.test_entry_points import runnable_engine
 
-    if request.param == "vllm" and (reason := vllm_cpu_reason()):
-        pytest.skip(reason)
-    if importlib.util.find_spec(request.param) is None:
-        pytest.skip(f"{request.param} is not installed")
-    return request.param
+    return runnable_engine(request.param)
 
 
 def test_a_launched_engine_generates_the_exec_d_engines_tokens_and_forks_its_children(engine, tmp_path):
