@@ -27,14 +27,14 @@ from weightcache.core.flow.modes import load_model
 from weightcache.core.spare import compiled_forward as cf
 
 logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(message)s")
-socket_dir, first_dir, second_dir = sys.argv[1:4]
-first = load_model(first_dir, mode="client", socket_dir=socket_dir, strict=True)
-ids = (torch.arange(32).reshape(2, 16) * 31) % first.model.config.vocab_size
+socket_dir, first_dir, second_dir, device = sys.argv[1:5]
+first = load_model(first_dir, mode="client", device=device, socket_dir=socket_dir, strict=True)
+ids = ((torch.arange(32).reshape(2, 16) * 31) % first.model.config.vocab_size).to(device)
 inputs = {"input_ids": ids}
 report = {}
 
 def digest(output):
-    return hashlib.sha256(output.logits.float().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(output.logits.float().cpu().numpy().tobytes()).hexdigest()
 
 def compiled_digest(model, inputs):
     with torch.inference_mode():
@@ -62,7 +62,7 @@ print(json.dumps(report))
 _RESTORE = (
     _COMMON
     + """
-second = load_model(second_dir, mode="client", socket_dir=socket_dir, strict=True)
+second = load_model(second_dir, mode="client", device=device, socket_dir=socket_dir, strict=True)
 
 start = time.perf_counter()
 forward = cf.restore_compiled(first, inputs, strict=True)
@@ -127,7 +127,7 @@ print(json.dumps(report))
 )
 
 
-def _fresh_process(code: str, role: str, server, first, second, tmp_path) -> tuple[dict, list[list[str]]]:
+def _fresh_process(code: str, role: str, socket_dir, first, second, device: str, tmp_path) -> tuple[dict, list[list[str]]]:
     """Run ``code`` with empty inductor and Triton caches; its JSON report and its log lines, split at each mark."""
     caches = tmp_path / role
     env = {
@@ -136,7 +136,7 @@ def _fresh_process(code: str, role: str, server, first, second, tmp_path) -> tup
         "TORCHINDUCTOR_COMPILE_THREADS": "1",
     }
     assert not caches.exists()
-    proc = run_python(code, str(server.socket_dir), str(first), str(second), env=env, timeout=900)
+    proc = run_python(code, str(socket_dir), str(first), str(second), device, env=env, timeout=900)
     sections: list[list[str]] = [[]]
     for line in proc.stderr.splitlines():
         if line == "LOG MARK":
@@ -146,24 +146,17 @@ def _fresh_process(code: str, role: str, server, first, second, tmp_path) -> tup
     return json.loads(proc.stdout.strip().splitlines()[-1]), sections
 
 
-@pytest.fixture
-def two_entries(server, model_dir, tmp_path):
-    """Two cached Llamas of one architecture with other random weights."""
-    first = model_dir("llama")
-    second = save_random_model("llama", tmp_path / "second", seed=1)
-    for model in (first, second):
-        publish(prepare(LoadRequest(model=str(model))), server.socket_dir)
-    return first, second
+def check_the_round_trip(socket_dir, first, second, device: str, tmp_path) -> tuple[dict, dict]:
+    """Publish a compiled forward of ``first`` in one fresh process, restore it in another; every check of the module.
 
-
-def test_a_restored_forward_reads_the_loading_engines_weights_and_misses_cleanly(server, two_entries, tmp_path, record_property):
-    first, second = two_entries
-    published, _ = _fresh_process(_PUBLISH, "publish", server, first, second, tmp_path)
+    Returns the two reports (compile and restore seconds among them).
+    """
+    published, _ = _fresh_process(_PUBLISH, "publish", socket_dir, first, second, device, tmp_path)
     assert published["ahead"] and published["published"] > 0, published
     assert published["digest"] == published["compiled_digest"], "the ahead-of-time forward differs from torch.compile's"
     assert "torch.compile.aot;torch=" in published["key"] and ";inputs=" in published["key"] and ";model=" in published["key"]
 
-    restored, logs = _fresh_process(_RESTORE, "restore", server, first, second, tmp_path)
+    restored, logs = _fresh_process(_RESTORE, "restore", socket_dir, first, second, device, tmp_path)
     assert restored["origin"] == "restored"
     assert restored["digest"] == published["digest"], "the restored forward differs from the one published"
     assert restored["second_digest"] == restored["second_compiled_digest"], (
@@ -179,13 +172,27 @@ def test_a_restored_forward_reads_the_loading_engines_weights_and_misses_cleanly
     assert len(dtype) == 1 and "refuses these inputs (input_ids:int32[2x16" in dtype[0], dtype
     assert restored["other_torch_restored"] is False
     assert len(version) == 1 and "does not load here" in version[0] and "PyTorch version" in version[0], version
+    return published, restored
+
+
+@pytest.fixture
+def two_entries(server, model_dir, tmp_path):
+    """Two cached Llamas of one architecture with other random weights."""
+    first = model_dir("llama")
+    second = save_random_model("llama", tmp_path / "second", seed=1)
+    for model in (first, second):
+        publish(prepare(LoadRequest(model=str(model))), server.socket_dir)
+    return first, second
+
+
+def test_a_restored_forward_reads_the_loading_engines_weights_and_misses_cleanly(server, two_entries, tmp_path, record_property):
+    published, restored = check_the_round_trip(server.socket_dir, *two_entries, "cpu", tmp_path)
     record_property("aot_compile_s", round(published["compile_s"], 2))
     record_property("aot_restore_s", round(restored["restore_s"], 2))
 
 
 def test_a_torch_without_the_ahead_of_time_compile_keeps_the_cache_artifacts_instead(server, two_entries, tmp_path):
-    first, second = two_entries
-    report, logs = _fresh_process(_FALLBACK, "fallback", server, first, second, tmp_path)
+    report, logs = _fresh_process(_FALLBACK, "fallback", server.socket_dir, *two_entries, "cpu", tmp_path)
     assert report["supported"] is False and report["ahead"] is False
     assert (report["origin"], report["again"]) == ("compiled", "restored"), "the second call restores the artifacts"
     assert report["digest"] == report["compiled_digest"]
