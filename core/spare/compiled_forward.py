@@ -69,7 +69,7 @@ _warned_fallback: list[str] = []
 Inputs = typing.Mapping[str, typing.Any]
 
 
-def _call_model(model, inputs):  # type: ignore[no-untyped-def]
+def _call_model(model: typing.Any, inputs: Inputs) -> typing.Any:
     return model(**inputs)
 
 
@@ -152,7 +152,7 @@ def compile_ahead(model: "torch.nn.Module", example_inputs: Inputs, *, mode: str
     namespace = _fresh_namespace()
     function = types.FunctionType(_call_model.__code__, namespace, _call_model.__name__)
     with torch._dynamo.config.patch(enable_aot_compile=True), torch.inference_mode():
-        compiled = torch.compile(function, fullgraph=True, mode=mode, options={"guard_filter_fn": _kept_guards})
+        compiled: typing.Any = torch.compile(function, fullgraph=True, mode=mode, options={"guard_filter_fn": _kept_guards})
         ahead = compiled.aot_compile(((model, inputs), {}))
     return CompiledForward(model, "compiled", signature, mode, ahead_function=ahead, namespace=namespace)
 
@@ -340,7 +340,7 @@ def _unpack(blob: bytes, model: "torch.nn.Module", signature: str, mode: str | N
     namespace.update({name: importlib.import_module(module) for name, module in header["modules"].items()})
     namespace.update({name: vars(importlib.import_module(module)) for name, module in header["namespaces"].items()})
     with torch.inference_mode():
-        ahead = torch.compiler.load_compiled_function(io.BytesIO(blob[start + size :]), f_globals=namespace)
+        ahead: typing.Any = torch.compiler.load_compiled_function(io.BytesIO(blob[start + size :]), f_globals=namespace)
     ahead.disable_guard_check()  # CompiledForward checks them itself, and falls back instead of raising
     return CompiledForward(model, "restored", signature, mode, ahead_function=ahead, namespace=namespace)
 
