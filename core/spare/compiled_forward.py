@@ -70,6 +70,7 @@ Inputs = typing.Mapping[str, typing.Any]
 
 
 def _call_model(model: typing.Any, inputs: Inputs) -> typing.Any:
+    """What is compiled: the model is an argument, so its parameters and buffers are inputs of the graph."""
     return model(**inputs)
 
 
@@ -95,6 +96,7 @@ class CompiledForward:
 
     @property
     def ahead(self) -> bool:
+        """Whether this is torch's ahead-of-time compiled function (False: a plain ``torch.compile``)."""
         return self._ahead is not None
 
     def matches(self, inputs: Inputs) -> bool:
