@@ -29,6 +29,7 @@ from __future__ import annotations
 import builtins
 import hashlib
 import importlib
+import inspect
 import io
 import json
 import logging
@@ -129,10 +130,13 @@ class CompiledForward:
 
 
 def supported() -> bool:
-    """Whether this torch has the ahead-of-time compile of a ``torch.compile``'d function and its loader."""
+    """Whether this torch has the ahead-of-time compile of a ``torch.compile``'d function and a loader that takes its globals."""
     import torch
 
-    return hasattr(torch.compiler, "load_compiled_function") and hasattr(torch._dynamo.config, "enable_aot_compile")
+    load = getattr(torch.compiler, "load_compiled_function", None)
+    if load is None or not hasattr(torch._dynamo.config, "enable_aot_compile"):
+        return False
+    return "f_globals" in inspect.signature(load).parameters  # the first releases could not be given the globals
 
 
 def compile_ahead(model: "torch.nn.Module", example_inputs: Inputs, *, mode: str | None = None) -> CompiledForward:
