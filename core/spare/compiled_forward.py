@@ -142,25 +142,37 @@ def supported() -> bool:
 def compile_ahead(model: "torch.nn.Module", example_inputs: Inputs, *, mode: str | None = None) -> CompiledForward:
     """Compile ``model(**example_inputs)`` now, ahead of its first call (``mode`` as ``torch.compile`` takes it).
 
-    Where this torch lacks the ahead-of-time compile (``supported``), one
-    warning, and the model is compiled by a plain ``torch.compile`` run once on
-    ``example_inputs``.
+    Where this torch lacks the ahead-of-time compile (``supported``), or the
+    model does not compile as one graph, one warning, and the model is compiled
+    by a plain ``torch.compile`` run once on ``example_inputs`` (whose
+    artifacts ``publish_compiled`` then keeps).
     """
     import torch
 
     inputs = dict(example_inputs)
-    signature = signature_of(inputs)
+    plain = CompiledForward(model, "compiled", signature_of(inputs), mode)
     if not supported():
         _warn_fallback()
-        forward = CompiledForward(model, "compiled", signature, mode)
-        forward(**inputs)
-        return forward
+        plain(**inputs)
+        return plain
     namespace = _fresh_namespace()
     function = types.FunctionType(_call_model.__code__, namespace, _call_model.__name__)
-    with torch._dynamo.config.patch(enable_aot_compile=True), torch.inference_mode():
-        compiled: typing.Any = torch.compile(function, fullgraph=True, mode=mode, options={"guard_filter_fn": _kept_guards})
-        ahead = compiled.aot_compile(((model, inputs), {}))
-    return CompiledForward(model, "compiled", signature, mode, ahead_function=ahead, namespace=namespace)
+    try:
+        with torch._dynamo.config.patch(enable_aot_compile=True), torch.inference_mode():
+            options = {"guard_filter_fn": _kept_guards}
+            compiled: typing.Any = torch.compile(function, fullgraph=True, mode=mode, options=options)
+            ahead = compiled.aot_compile(((model, inputs), {}))
+    except Exception as exc:  # a graph break, an unserialisable guard: torch.compile as usual, its artifacts kept instead
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        log.warning(
+            "weightcache: %s cannot be compiled ahead of time (%s: %s); compiling it as usual",
+            type(model).__name__,
+            type(exc).__name__,
+            first_line,
+        )
+        plain(**inputs)
+        return plain
+    return attrs.evolve(plain, ahead_function=ahead, namespace=namespace)
 
 
 def publish_compiled(

@@ -198,3 +198,37 @@ def test_a_torch_without_the_ahead_of_time_compile_keeps_the_cache_artifacts_ins
     assert report["digest"] == report["compiled_digest"]
     fallback = [line for line in logs[1] if "no ahead-of-time compile" in line]
     assert len(fallback) == 1, logs
+
+
+_GRAPH_BREAK = """
+import json, logging, torch
+from weightcache.core.spare.compiled_forward import compile_ahead
+
+logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(message)s")
+
+class Breaks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.linear(x)
+        torch._dynamo.graph_break()
+        return y * 2
+
+model = Breaks().eval()
+x = torch.arange(16, dtype=torch.float32).reshape(2, 8)
+forward = compile_ahead(model, {"x": x})
+with torch.inference_mode():
+    expected = model(x)
+print(json.dumps({"ahead": forward.ahead, "close": bool(torch.allclose(forward(x=x), expected))}))
+"""
+
+
+def test_a_model_that_does_not_compile_as_one_graph_compiles_as_usual_with_one_warning(tmp_path):
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    proc = run_python(_GRAPH_BREAK, env=env, timeout=600)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"ahead": False, "close": True}, report
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("LOG WARNING weightcache:")]
+    assert len(warnings) == 1 and "Breaks cannot be compiled ahead of time" in warnings[0], warnings
