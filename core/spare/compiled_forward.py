@@ -159,7 +159,7 @@ def compile_ahead(model: "torch.nn.Module", example_inputs: Inputs, *, mode: str
     function = types.FunctionType(_call_model.__code__, namespace, _call_model.__name__)
     try:
         with torch._dynamo.config.patch(enable_aot_compile=True), torch.inference_mode():
-            options = {"guard_filter_fn": _kept_guards}
+            options: dict[str, typing.Any] = {"guard_filter_fn": _kept_guards}
             compiled: typing.Any = torch.compile(function, fullgraph=True, mode=mode, options=options)
             ahead = compiled.aot_compile(((model, inputs), {}))
     except Exception as exc:  # a graph break, an unserialisable guard: torch.compile as usual, its artifacts kept instead
