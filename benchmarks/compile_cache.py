@@ -10,12 +10,16 @@ inductor and Triton cache directories (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CAC
   ``torch.compiler.save_cache_artifacts()`` returns, kept beside the entry as a sealed memfd);
 - restored: attach, ``restore_artifacts`` (``torch.compiler.load_cache_artifacts``), ``torch.compile``,
   first forward;
-- launched (``--launcher``): the restored engine forked from ``weightcache launcher`` (started beforehand with that
-  run's empty cache directories, which the engine shares: the launcher runs an engine only in its own environment's
-  values of names torch reads at import), timed from ``weightcache launch``'s spawn.
+- ahead: attach, ``compile_ahead`` (torch's ahead-of-time compile of ``model(**inputs)``), first forward, then
+  ``publish_compiled`` (the compiled function, kept beside the entry as a sealed memfd);
+- ahead-restored: attach, ``restore_compiled`` (``torch.compiler.load_compiled_function``: no tracing), first forward;
+- launched and ahead-launched (``--launcher``): the restored and the ahead-restored engine forked from
+  ``weightcache launcher`` (started beforehand with that run's empty cache directories, which the engine shares: the
+  launcher runs an engine only in its own environment's values of names torch reads at import), timed from
+  ``weightcache launch``'s spawn.
 
-Both report import, attach, restore, compile + first forward and publish times, inductor's
-FX-graph cache hits and misses, and a digest of the logits (the two must be equal bit for bit).
+Each reports import, attach, restore, compile + first forward and publish times, inductor's
+FX-graph cache hits and misses, the frames Dynamo traced, and a digest of the logits (all must be equal bit for bit).
 Checkpoints come from ``benchmarks/restart.py`` (``--size``: tiny, small, 1b, 8b).
 """
 
@@ -40,6 +44,7 @@ spawned_at, model, device, socket_dir, role = float(sys.argv[1]), *sys.argv[2:6]
 import torch, transformers
 from torch._dynamo.utils import counters
 from weightcache.core.spare.compile_cache import publish_artifacts, restore_artifacts
+from weightcache.core.spare.compiled_forward import compile_ahead, publish_compiled, restore_compiled
 from weightcache.core.flow.modes import load_model
 from weightcache.core.request import LoadRequest
 from weightcache.core.spare.standby import fixed_prompt
@@ -47,12 +52,22 @@ report = {"imports_s": time.monotonic() - began}
 start = time.perf_counter()
 loaded = load_model(model, mode="client", device=device, socket_dir=socket_dir, strict=True)
 report["attach_s"] = time.perf_counter() - start
+ahead = role.startswith("ahead")
 if role in ("restored", "launched"):
     restored = restore_artifacts(loaded, strict=True)
     report.update(restore_s=restored.seconds if restored else None, restored_bytes=restored.nbytes if restored else 0)
 prompt = fixed_prompt(LoadRequest(model=model, device=device), loaded.model)
-compiled = torch.compile(loaded.model)
+if role in ("ahead-restored", "ahead-launched"):
+    start = time.perf_counter()
+    compiled = restore_compiled(loaded, prompt, strict=True)
+    report.update(restore_s=time.perf_counter() - start, restored=compiled is not None)
+    if compiled is None:
+        raise SystemExit("no compiled forward was restored")
 start = time.perf_counter()
+if role == "ahead":
+    compiled = compile_ahead(loaded.model, prompt)
+elif not ahead:
+    compiled = torch.compile(loaded.model)
 with torch.inference_mode():
     logits = compiled(**prompt).logits
     digest = hashlib.sha256(logits.float().cpu().numpy().tobytes()).hexdigest()
@@ -60,6 +75,10 @@ report["compile_first_forward_s"] = time.perf_counter() - start
 if role == "cold":
     published = publish_artifacts(loaded, strict=True)
     report.update(publish_s=published.seconds, artifact_bytes=published.nbytes, key=published.key)
+if role == "ahead":
+    published = publish_compiled(loaded, compiled, strict=True)
+    report.update(publish_s=published.seconds, artifact_bytes=published.nbytes, key=published.key)
+report["dynamo_frames"] = counters["frames"]["total"]
 report.update(digest=digest, fx_hits=counters["inductor"]["fxgraph_cache_hit"], fx_misses=counters["inductor"]["fxgraph_cache_miss"],
               exec_to_first_forward_s=time.monotonic() - spawned_at)
 print(json.dumps(report), flush=True)
@@ -71,7 +90,7 @@ def engine(role: str, model: Path, device: str, socket_dir: Path, env: dict, cac
     env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton")}
     prefix = [sys.executable]
     launcher = None
-    if role == "launched":
+    if role in ("launched", "ahead-launched"):
         launcher = subprocess.Popen(
             [sys.executable, "-m", "weightcache.core.cli.cli", "launcher", "--socket-dir", str(caches / "launcher")],
             env=env,
@@ -128,20 +147,21 @@ def main(argv=None) -> int:
         restart.publish_with_cli(model, args.device, server.socket_dir, env)
         runs = []
         for run in range(args.runs):
-            cold = engine("cold", model, args.device, server.socket_dir, env, work / f"caches-{run}-cold")
-            restored = engine("restored", model, args.device, server.socket_dir, env, work / f"caches-{run}-restored")
-            runs.append({"cold": cold, "restored": restored})
-            if args.launcher:
-                runs[-1]["launched"] = engine(
-                    "launched", model, args.device, server.socket_dir, env, work / f"caches-{run}-launched"
-                )
-                print(
-                    f"run {run + 1}/{args.runs}: launched, exec -> first compiled forward {runs[-1]['launched']['exec_to_first_forward_s']:.2f} s",
-                    flush=True,
-                )
+            roles = ["cold", "restored", "ahead", "ahead-restored"] + (["launched", "ahead-launched"] if args.launcher else [])
+            runs.append(
+                {role: engine(role, model, args.device, server.socket_dir, env, work / f"caches-{run}-{role}") for role in roles}
+            )
+            report = runs[-1]
             print(
-                f"run {run + 1}/{args.runs}: compile + first forward cold {cold['compile_first_forward_s']:.1f} s, "
-                f"restored {restored['restore_s']:.2f} + {restored['compile_first_forward_s']:.1f} s",
+                f"run {run + 1}/{args.runs}: compile + first forward cold {report['cold']['compile_first_forward_s']:.1f} s, "
+                f"restored {report['restored']['restore_s']:.2f} + {report['restored']['compile_first_forward_s']:.1f} s, "
+                f"ahead-restored {report['ahead-restored']['restore_s']:.2f} + "
+                f"{report['ahead-restored']['compile_first_forward_s']:.2f} s"
+                + "".join(
+                    f"; {role}: exec -> first compiled forward {report[role]['exec_to_first_forward_s']:.2f} s"
+                    for role in ("launched", "ahead-launched")
+                    if role in report
+                ),
                 flush=True,
             )
         result = {
@@ -151,12 +171,19 @@ def main(argv=None) -> int:
             "model": json.loads((model / restart.MARKER).read_text()),
             "outputs_identical": all(r["cold"]["digest"] == r[role]["digest"] for r in runs for role in r if role != "cold"),
             "restored_from_the_cache": all(r["restored"]["fx_hits"] > 0 and r["restored"]["fx_misses"] == 0 for r in runs),
+            "ahead_restored_without_tracing": all(
+                r[role]["dynamo_frames"] == 0 and r[role]["fx_misses"] == 0
+                for r in runs
+                for role in ("ahead-restored", "ahead-launched")
+                if role in r
+            ),
         }
         result["table"] = table(result)
         print("\n" + result["table"])
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
-        return 0 if result["outputs_identical"] and result["restored_from_the_cache"] else 1
+        ok = result["outputs_identical"] and result["restored_from_the_cache"] and result["ahead_restored_without_tracing"]
+        return 0 if ok else 1
     finally:
         if server is not None:
             server.close()
@@ -165,50 +192,55 @@ def main(argv=None) -> int:
 
 def table(result: dict) -> str:
     def median(role: str, key: str) -> float:
-        return statistics.median(run[role][key] or 0.0 for run in result["runs"])
+        return statistics.median(run[role].get(key) or 0.0 for run in result["runs"])
 
-    cold_total = median("cold", "compile_first_forward_s")
-    restored_total = median("restored", "restore_s") + median("restored", "compile_first_forward_s")
+    def cells(key: str, roles: tuple[str, ...] = ("cold", "restored", "ahead", "ahead-restored")) -> list[str]:
+        return [f"{median(role, key):.2f}" if role in roles else "—" for role in ("cold", "restored", "ahead", "ahead-restored")]
+
+    def after_attach(role: str) -> float:
+        return median(role, "restore_s") + median(role, "compile_first_forward_s")
+
+    cold_total = after_attach("cold")
     rows = [
-        ("(s, median)", "cold", "restored"),
-        ("imports (torch, transformers)", f"{median('cold', 'imports_s'):.2f}", f"{median('restored', 'imports_s'):.2f}"),
-        ("attach", f"{median('cold', 'attach_s'):.2f}", f"{median('restored', 'attach_s'):.2f}"),
-        ("restore artifacts (get + load_cache_artifacts)", "—", f"{median('restored', 'restore_s'):.2f}"),
-        ("torch.compile + first forward", f"{cold_total:.2f}", f"{median('restored', 'compile_first_forward_s'):.2f}"),
-        (
+        ["(s, median)", "cold", "restored", "ahead (cold)", "ahead restored"],
+        ["imports (torch, transformers)", *cells("imports_s")],
+        ["attach", *cells("attach_s")],
+        ["restore (artifacts / compiled forward)", *cells("restore_s", ("restored", "ahead-restored"))],
+        ["compile + first forward (restored ahead: forward only)", *cells("compile_first_forward_s")],
+        [
             "attach done -> first compiled forward",
-            f"{cold_total:.2f}",
-            f"{restored_total:.2f} ({cold_total / restored_total:.1f}x faster)",
-        ),
-        (
-            "exec -> first compiled forward",
-            f"{median('cold', 'exec_to_first_forward_s'):.2f}",
-            f"{median('restored', 'exec_to_first_forward_s'):.2f}",
-        ),
-        ("publish artifacts (once, after the cold compile)", f"{median('cold', 'publish_s'):.2f}", "—"),
+            *(
+                f"{after_attach(role):.2f}" + ("" if role == "cold" else f" ({cold_total / after_attach(role):.1f}x)")
+                for role in ("cold", "restored", "ahead", "ahead-restored")
+            ),
+        ],
+        ["exec -> first compiled forward", *cells("exec_to_first_forward_s")],
+        ["publish (once, after the cold compile)", *cells("publish_s", ("cold", "ahead"))],
     ]
-    if "launched" in result["runs"][0]:
-        rows.append(("launched (launch -> first compiled forward)", "", f"{median('launched', 'exec_to_first_forward_s'):.2f}"))
-        rows.append(
-            (
-                "launched: imports / attach / restore / compile + forward",
-                "",
-                " / ".join(
-                    f"{median('launched', key):.2f}" for key in ("imports_s", "attach_s", "restore_s", "compile_first_forward_s")
-                ),
+    for role, column in (("launched", 2), ("ahead-launched", 4)):
+        if role in result["runs"][0]:
+            row = ["", "", "", "", ""]
+            row[0], row[column] = f"{role} (launch -> first compiled forward)", f"{median(role, 'exec_to_first_forward_s'):.2f}"
+            rows.append(row)
+            row = ["", "", "", "", ""]
+            row[0] = f"{role}: imports / attach / restore / forward"
+            row[column] = " / ".join(
+                f"{median(role, key):.2f}" for key in ("imports_s", "attach_s", "restore_s", "compile_first_forward_s")
             )
-        )
+            rows.append(row)
     first = result["runs"][0]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     head = (
         f"torch.compile, Qwen3 {result['size']} ({restart.parameter_count(result['model']['parameters'])} parameters), "
         f"{result['machine']['device']}, median of {len(result['runs'])} run(s); "
-        f"artifacts {first['cold']['artifact_bytes'] / 2**20:.1f} MiB"
+        f"artifacts {first['cold']['artifact_bytes'] / 2**20:.1f} MiB, compiled forward {first['ahead']['artifact_bytes'] / 2**20:.1f} MiB"
     )
     tail = (
         f"outputs identical bit for bit: {result['outputs_identical']}; restored compiles hit inductor's cache "
-        f"(FX graph hits {first['restored']['fx_hits']}, misses {first['restored']['fx_misses']}): {result['restored_from_the_cache']}"
+        f"(FX graph hits {first['restored']['fx_hits']}, misses {first['restored']['fx_misses']}): {result['restored_from_the_cache']}; "
+        f"restored ahead-of-time forwards traced nothing (Dynamo frames {first['ahead-restored']['dynamo_frames']}): "
+        f"{result['ahead_restored_without_tracing']}"
     )
     return "\n".join([head, *lines, tail])
 

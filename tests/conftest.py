@@ -26,9 +26,9 @@ SERIAL_PATHS = ("tests/gpu/", "tests/test_systemd_real.py")
 """Run alone (marked ``serial``): the GPU tests share the machine's GPUs, the systemd ones its /run/weightcache."""
 
 
-FIRST = ("tests/core/test_compile_cache.py", "tests/core/test_fuzz.py")
-"""The modules with the longest single tests (a torch.compile round trip, ~1 CPU-minute; 3,000 fuzz cases): first, so
-that neither runs alone at the end."""
+FIRST = ("tests/core/test_compile_cache.py", "tests/core/test_compiled_forward.py", "tests/core/test_fuzz.py")
+"""The modules with the longest single tests (torch.compile round trips, 1-2 CPU-minutes each; 3,000 fuzz cases):
+first, so that none runs alone at the end."""
 
 
 def pytest_collection_modifyitems(config, items):

@@ -59,10 +59,13 @@ from weightcache.core.server.server_process import ServerProcess as ServerProces
 from weightcache.core.client.client import Connection as Connection
 from weightcache.core.socket_dir import SocketDir as SocketDir, SocketDirLike as SocketDirLike
 
-# engines' fast starts: a warm spare, compile artifacts beside the weights, an entry seeded to other nodes
+# engines' fast starts: a warm spare, compile artifacts and compiled forwards beside the weights, an entry seeded to other nodes
 from weightcache.core.spare.standby import Standby as Standby
 from weightcache.core.spare.compile_cache import publish_artifacts as publish_artifacts
 from weightcache.core.spare.compile_cache import restore_artifacts as restore_artifacts
+from weightcache.core.spare.compiled_forward import CompiledForward as CompiledForward, compiled_forward as compiled_forward
+from weightcache.core.spare.compiled_forward import compile_ahead as compile_ahead, publish_compiled as publish_compiled
+from weightcache.core.spare.compiled_forward import restore_compiled as restore_compiled
 from weightcache.core.node.seeding import send_entry as send_entry, receive_entry as receive_entry
 
 # live refit: a trainer publishes a new version of a served model from its tensors; engines switch in place

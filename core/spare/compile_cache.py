@@ -83,27 +83,13 @@ def publish_artifacts(
     import torch
 
     start = time.perf_counter()
-    digest, socket_dir = _entry(loaded, socket_dir, strict)
-    if digest is None:
+    if _entry(loaded, socket_dir, strict)[0] is None:
         return None
     saved = torch.compiler.save_cache_artifacts()
     if saved is None or not saved[0]:
-        _unavailable("nothing was compiled in this process yet; publish after the first compiled forward", strict)
+        unavailable("nothing was compiled in this process yet; publish after the first compiled forward", strict)
         return None
-    blob = saved[0]
-    key = artifact_key(_device(loaded), name)
-    fd = sealed_memfd(blob)
-    try:
-        with Connection(socket_dir, timeout=timeout_s) as connection:
-            connection.put_artifact(digest, key, fd)
-    except _UNAVAILABLE as exc:
-        _unavailable(f"the server did not keep the compile artifacts: {exc}", strict)
-        return None
-    finally:
-        os.close(fd)
-    info = ArtifactInfo(digest, key, len(blob), time.perf_counter() - start)
-    log.info("published %d bytes of compile artifacts beside %s (%s)", info.nbytes, digest[:12], key)
-    return info
+    return keep_beside(loaded, artifact_key(loaded_device(loaded), name), saved[0], start, socket_dir, timeout_s, strict)
 
 
 def restore_artifacts(
@@ -123,47 +109,88 @@ def restore_artifacts(
     import torch
 
     start = time.perf_counter()
+    key = artifact_key(loaded_device(loaded), name)
+    found = fetch_beside(loaded, key, socket_dir, timeout_s, strict)
+    if found is None:
+        return None
+    blob, digest = found
+    torch.compiler.load_cache_artifacts(blob)
+    info = ArtifactInfo(digest, key, len(blob), time.perf_counter() - start)
+    log.info("restored %d bytes of compile artifacts from %s in %.3f s", info.nbytes, info.digest[:12], info.seconds)
+    return info
+
+
+def keep_beside(
+    loaded: "LoadedModel", key: str, blob: bytes, start: float, socket_dir: SocketDirLike, timeout_s: float, strict: bool
+) -> ArtifactInfo | None:
+    """Send ``blob`` to the server as a sealed memfd kept under ``key`` beside ``loaded``'s entry.
+
+    ``start`` is when the caller began (the info's seconds count from it).
+    Returns what was kept, or None (a warning; CompileArtifactsUnavailable
+    when ``strict``) when ``loaded`` has no entry or the server refused or is away.
+    """
     digest, socket_dir = _entry(loaded, socket_dir, strict)
     if digest is None:
         return None
-    key = artifact_key(_device(loaded), name)
+    fd = sealed_memfd(blob)
+    try:
+        with Connection(socket_dir, timeout=timeout_s) as connection:
+            connection.put_artifact(digest, key, fd)
+    except _UNAVAILABLE as exc:
+        unavailable(f"the server did not keep the compile artifacts: {exc}", strict)
+        return None
+    finally:
+        os.close(fd)
+    info = ArtifactInfo(digest, key, len(blob), time.perf_counter() - start)
+    log.info("published %d bytes of compile artifacts beside %s (%s)", info.nbytes, digest[:12], key)
+    return info
+
+
+def fetch_beside(
+    loaded: "LoadedModel", key: str, socket_dir: SocketDirLike, timeout_s: float, strict: bool
+) -> tuple[bytes, str] | None:
+    """The bytes kept under ``key`` beside ``loaded``'s entry, and the entry's digest; None when there are none (logged).
+
+    None with a warning (CompileArtifactsUnavailable when ``strict``) when
+    ``loaded`` has no entry or the server is away.
+    """
+    digest, socket_dir = _entry(loaded, socket_dir, strict)
+    if digest is None:
+        return None
     try:
         with Connection(socket_dir, timeout=timeout_s) as connection:
             found = connection.get_artifact(digest, key)
     except _UNAVAILABLE as exc:
-        _unavailable(f"could not ask the server for compile artifacts: {exc}", strict)
+        unavailable(f"could not ask the server for compile artifacts: {exc}", strict)
         return None
     if found is None:
         log.info("no compile artifacts beside %s for %s; torch.compile starts cold", digest[:12], key)
         return None
     fd, size = found
     try:
-        blob = read_memfd(fd, size)
+        return read_memfd(fd, size), digest
     finally:
         os.close(fd)
-    torch.compiler.load_cache_artifacts(blob)
-    info = ArtifactInfo(digest, key, size, time.perf_counter() - start)
-    log.info("restored %d bytes of compile artifacts from %s in %.3f s", size, digest[:12], info.seconds)
-    return info
 
 
 def _entry(loaded: "LoadedModel", socket_dir: SocketDirLike, strict: bool) -> tuple[str | None, SocketDirLike]:
     """The digest of ``loaded``'s entry and the socket directory to ask, or (None, None) when it has no entry."""
     if loaded.attachment is None:
-        _unavailable(
+        unavailable(
             f"the model came from {loaded.source} without a cached entry (mode {loaded.mode!r}) to keep artifacts beside", strict
         )
         return None, None
     return loaded.attachment.digest, socket_dir if socket_dir is not None else loaded.attachment.socket_dir
 
 
-def _device(loaded: "LoadedModel") -> Device:
+def loaded_device(loaded: "LoadedModel") -> Device:
     """The device ``loaded``'s weights live on, as its fingerprint names it."""
     uuid = loaded.fingerprint.gpu_uuid if loaded.fingerprint is not None else ""
     return Device.parse(uuid) if uuid else Device("cpu")
 
 
-def _unavailable(reason: str, strict: bool) -> None:
+def unavailable(reason: str, strict: bool) -> None:
+    """Raise CompileArtifactsUnavailable when ``strict``, else log ``reason`` as one warning."""
     if strict:
         raise CompileArtifactsUnavailable(reason)
     log.warning("weightcache: compile artifacts: %s", reason)

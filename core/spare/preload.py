@@ -45,6 +45,10 @@ DEFAULT_PRELOAD = (
     "weightcache.core.flow.modes",
     "weightcache.core.flow.plugins",
     "weightcache.core.spare.warm",
+    # torch.compile's front and back end, which a restored compiled forward (compiled_forward) loads into
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "weightcache.core.spare.compiled_forward",
 )
 ENGINE_MODULES = {
     "vllm": ("vllm", "vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor"),
