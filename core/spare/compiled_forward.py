@@ -65,6 +65,8 @@ AHEAD_NAME = "torch.compile.aot"
 _MAGIC = b"weightcache-aot\x00"
 _HEADER = struct.Struct("<I")
 _FRESH_GLOBALS = ("__name__", "__builtins__")
+_BUILTINS = vars(builtins)
+_NONE = object()
 _warned_fallback: list[str] = []
 
 Inputs = typing.Mapping[str, typing.Any]
@@ -318,7 +320,7 @@ def _pack(forward: CompiledForward) -> bytes:
     """The envelope kept beside the entry: a header naming the modules Dynamo bound as globals, then torch's bytes."""
     modules, namespaces = {}, {}
     for name, value in forward._namespace.items():
-        if name in _FRESH_GLOBALS or name in _provided_by_torch(forward._ahead):
+        if name in _FRESH_GLOBALS or value is _BUILTINS.get(name, _NONE) or name in _provided_by_torch(forward._ahead):
             continue
         if isinstance(value, types.ModuleType):
             modules[name] = value.__name__
@@ -364,8 +366,13 @@ def _unpack(blob: bytes, model: "torch.nn.Module", signature: str, mode: str | N
 
 
 def _fresh_namespace() -> dict[str, typing.Any]:
-    """The globals the compiled function runs in: empty, so whatever Dynamo binds there is known and can be carried."""
-    return {"__name__": __name__, "__builtins__": builtins}
+    """The globals the compiled function runs in: the builtins alone, so whatever Dynamo binds there is known and can be
+    carried (some torch releases look builtins such as ``type`` up in the globals themselves)."""
+    return {**_builtin_names(), "__name__": __name__, "__builtins__": builtins}
+
+
+def _builtin_names() -> dict[str, typing.Any]:
+    return {name: value for name, value in vars(builtins).items() if not name.startswith("__")}
 
 
 def _kept_guards(entries: typing.Sequence[typing.Any]) -> list[bool]:
