@@ -45,9 +45,9 @@ DEFAULT_PRELOAD = (
     "weightcache.core.flow.modes",
     "weightcache.core.flow.plugins",
     "weightcache.core.spare.warm",
-    # torch.compile's front and back end, which a restored compiled forward (compiled_forward) loads into
+    # torch.compile's front end, which a restored compiled forward (compiled_forward) loads into; not inductor's
+    # compile_fx, whose import asks CUDA for its devices on a GPU machine (a forked child could not use CUDA then)
     "torch._dynamo",
-    "torch._inductor.compile_fx",
     "weightcache.core.spare.compiled_forward",
 )
 ENGINE_MODULES = {
@@ -376,8 +376,9 @@ def run_canary(timeout: float | None = None) -> None:
         code = 1
         try:
             signal.alarm(0)
+            poisoned = _cuda_poisoned_by_fork()
             _canary_work()
-            code = 0
+            code = _CUDA_POISONED if poisoned else 0
         finally:
             os._exit(code)
     pidfd = os.pidfd_open(pid)
@@ -393,8 +394,25 @@ def run_canary(timeout: float | None = None) -> None:
         _, status = os.waitpid(pid, 0)
     finally:
         os.close(pidfd)
+    if os.waitstatus_to_exitcode(status) == _CUDA_POISONED:
+        raise LauncherError(
+            "something imported asked CUDA for its devices (torch.cuda.is_available(), device_count()), so a child forked "
+            "from the launcher cannot use CUDA; leave the module that does out of --preload"
+        )
     if os.waitstatus_to_exitcode(status) != 0:
         raise LauncherError(f"a child forked from the launcher failed in torch's or numpy's kernels (status {status})")
+
+
+_CUDA_POISONED = 3
+"""The canary's status when torch says CUDA cannot be used in it."""
+
+
+def _cuda_poisoned_by_fork() -> bool:
+    """Whether torch refuses CUDA in this forked child: the parent asked the CUDA runtime anything (a device count does),
+    which torch marks as not surviving a fork, without creating a context (``cuda_initialized`` sees only that)."""
+    torch = sys.modules.get("torch")
+    in_bad_fork = getattr(getattr(torch, "_C", None), "_cuda_isInBadFork", None)
+    return bool(in_bad_fork is not None and in_bad_fork())
 
 
 def _canary_work() -> None:

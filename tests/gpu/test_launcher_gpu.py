@@ -81,3 +81,17 @@ def test_early_cuda_warms_the_devices_kernels_after_its_set_up_and_computes_righ
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["warm_s"] is not None, f"the kernels' warm-up did not finish: {done.stderr[-2000:]}"
     assert report["value"] == 16.0, report  # 64 products of 0.5 × 0.5
+
+
+def test_a_preload_that_asks_cuda_for_its_devices_stops_the_launcher_with_one_line(tmp_path):
+    """torch.cuda.is_available() creates no context (the launcher's own check sees nothing) but makes every forked child
+    refuse CUDA ("Cannot re-initialize CUDA in forked subprocess"): the canary sees that and the launcher stops."""
+    (tmp_path / "wc_cuda_asking_preload.py").write_text("import torch\nassert torch.cuda.is_available()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    started = LauncherProcess(tmp_path / "sock", "--preload", "torch,wc_cuda_asking_preload", "--no-warm", env=env)
+    try:
+        assert started.ready is None and started.proc.wait(timeout=300) == 1, started.output()
+        lines = [line for line in started.output().splitlines() if line.startswith("weightcache: error:")]
+        assert len(lines) == 1 and "asked CUDA for its devices" in lines[0], started.output()
+    finally:
+        started.stop()
