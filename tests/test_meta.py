@@ -50,6 +50,7 @@ LIGHT_MODULES = {
     "weightcache.core.spare.warm": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
     "weightcache.core.spare.compile_cache": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
     "weightcache.core.spare.launch": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
+    "weightcache.core.cli.launch": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
     "weightcache.core.spare.launcher": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
 }
 

@@ -29,7 +29,7 @@ import types
 import typing
 import warnings
 
-from weightcache.core.spare.launch_request import LaunchRequest, Target
+from weightcache.core.wire.launch_request import LaunchRequest, Target
 from weightcache.core.wire.protocol import error_reply, ok_reply, send_frame
 
 if typing.TYPE_CHECKING:

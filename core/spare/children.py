@@ -29,7 +29,7 @@ import typing
 
 from weightcache.core.errors import LaunchRefused, WeightCacheError
 from weightcache.core.spare.become import become, fresh_state, run_target
-from weightcache.core.spare.launch_request import LaunchRequest, Target
+from weightcache.core.wire.launch_request import LaunchRequest, Target
 from weightcache.core.wire.paths import peer_credentials
 from weightcache.core.wire.protocol import FrameReader, close_fds, error_reply, send_frame
 

@@ -34,13 +34,13 @@ import attrs
 
 from weightcache.core import __version__
 from weightcache.core.cli.cli_options import add_socket_dir, help_text
+from weightcache.core.cli.launch import connect
 from weightcache.core.errors import LauncherError, LaunchRefused, ProtocolError
 from weightcache.core.socket_dir import SocketDir, SocketDirLike
 from weightcache.core.spare.become import become, fresh_state, run_target
 from weightcache.core.spare.children import Nursery
-from weightcache.core.spare.launch import connect
-from weightcache.core.spare.launch_request import LaunchRequest, Target, launcher_socket
 from weightcache.core.spare.preload import Preloaded, prepare
+from weightcache.core.wire.launch_request import LaunchRequest, Target, launcher_socket
 from weightcache.core.wire.paths import ensure_private_dir, peer_credentials
 from weightcache.core.wire.protocol import FrameReader, close_fds, error_reply, ok_reply, send_frame
 
