@@ -52,6 +52,11 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(errno, os.strerror(errno))
 
 
+def parent_death_signal(sig: int) -> None:
+    """``PR_SET_PDEATHSIG``: this process gets ``sig`` when the thread that forked it ends (0: nothing)."""
+    _prctl(_PR_SET_PDEATHSIG, sig)
+
+
 def _is_subreaper() -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     flag = ctypes.c_int(0)

@@ -38,7 +38,7 @@ from weightcache.core.cli.launch import connect
 from weightcache.core.errors import LauncherError, LaunchRefused, ProtocolError
 from weightcache.core.socket_dir import SocketDir, SocketDirLike
 from weightcache.core.spare.become import become, fresh_state, run_target
-from weightcache.core.spare.children import Nursery
+from weightcache.core.spare.children import Nursery, parent_death_signal
 from weightcache.core.spare.preload import Preloaded, prepare
 from weightcache.core.wire.launch_request import LaunchRequest, Target, launcher_socket
 from weightcache.core.wire.paths import ensure_private_dir, peer_credentials
@@ -59,6 +59,15 @@ class _Engine:
 
 
 @attrs.define
+class _Spare:
+    """A child forked ahead of the next request (with its nursery forked already): it waits on ``channel``."""
+
+    pid: int
+    pidfd: int
+    channel: socket.socket
+
+
+@attrs.define
 class Child:
     """What ``serve`` returns in a forked child: run it (never returns)."""
 
@@ -66,9 +75,13 @@ class Child:
     preloaded: Preloaded
     nursery: bool = True
     """Whether the engine's ``spawn`` children are forked from a nursery (core/spare/children.py), not exec'd."""
+    opened: Nursery | None = None
+    """The nursery, where a spare forked it before the request."""
 
     def run(self) -> typing.NoReturn:
-        if self.nursery:
+        if self.opened is not None:
+            self.opened.install()
+        elif self.nursery:
             Nursery.open(self.preloaded).install()
         run_target(self.target, fresh_state(self.target, self.preloaded))
 
@@ -84,6 +97,7 @@ class Launcher:
         warm: bool = True,
         replace: bool = False,
         nursery: bool = True,
+        fork_ahead: bool = True,
     ):
         self.socket_dir = SocketDir.parse(socket_dir)
         self.path = launcher_socket(self.socket_dir)
@@ -92,11 +106,13 @@ class Launcher:
         self.warm = warm
         self.replace = replace
         self.nursery = nursery
+        self.fork_ahead = fork_ahead
         self.pid = os.getpid()
         self.preloaded: Preloaded | None = None
         self.retired = False
         self._listener: socket.socket | None = None
         self._engines: dict[int, _Engine] = {}
+        self._spare: _Spare | None = None
         self._selector: selectors.BaseSelector | None = None
         self._wakeup: tuple[int, int] | None = None
         self._stopping = False
@@ -188,6 +204,9 @@ class Launcher:
         self._catch_stop_signals(selector)
         log.info("launcher (pid %d) serving on %s", self.pid, self.path)
         try:
+            child = self._fork_spare()
+            if child is not None:
+                return child
             while not self._stopping and not (self.retired and not self._engines):
                 for key, _ in selector.select():
                     kind, pid = key.data
@@ -195,6 +214,11 @@ class Launcher:
                         child = self._accept()
                         if child is not None:
                             return child
+                        child = self._fork_spare()
+                        if child is not None:
+                            return child
+                    elif kind == "spare":
+                        self._spare_exited()
                     elif kind == "exit":
                         self._exited(pid)
                     elif kind == "conn":
@@ -268,7 +292,87 @@ class Launcher:
             _try_send(conn, error_reply(exc.reason, str(exc)))
             conn.close()
             return None
+        if self._spare is not None and self._hand_over(conn, request, fds):
+            return None
         return self._fork(conn, request, fds, target)
+
+    def _fork_spare(self) -> Child | None:
+        """Fork the child that takes the next request (it forks its nursery meanwhile), unless one waits already. In
+        that child, once it has a request: the Child to run."""
+        if not self.fork_ahead or self._spare is not None or self.retired or self._stopping:
+            return None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            return self._wait_for_request(theirs)
+        theirs.close()
+        self._spare = _Spare(pid, os.pidfd_open(pid), ours)
+        assert self._selector is not None
+        self._selector.register(self._spare.pidfd, selectors.EVENT_READ, ("spare", pid))
+        return None
+
+    def _wait_for_request(self, channel: socket.socket) -> Child:
+        """In the spare: leave the launcher's session and fds, die with the launcher until a request comes, fork the
+        nursery, then take the request the launcher hands over (with the caller's connection) as a fork would."""
+        self._release_in_child(channel)
+        os.setsid()  # now, so that the nursery forked below is in the engine's session and process group
+        parent_death_signal(signal.SIGKILL)
+        if os.getppid() != self.pid:
+            os._exit(0)
+        assert self.preloaded is not None
+        opened = Nursery.open(self.preloaded) if self.nursery else None
+        frame = FrameReader(channel).read(idle_timeout=None)
+        if frame is None:
+            os._exit(0)
+        parent_death_signal(0)  # an engine outlives its launcher
+        channel.close()
+        message, fds = frame
+        conn = socket.socket(fileno=fds[0])
+        request = LaunchRequest.from_message(message, len(fds) - 1)
+        become(request, fds[1:], conn, session=False)
+        return Child(Target.parse(request.argv), self.preloaded, self.nursery, opened)
+
+    def _hand_over(self, conn: socket.socket, request: LaunchRequest, fds: list[int]) -> bool:
+        """Give the request and the caller's connection to the spare; False if it cannot take it (a fork will)."""
+        spare, self._spare = self._spare, None
+        assert spare is not None and self._selector is not None
+        self._selector.unregister(spare.pidfd)
+        try:
+            send_frame(spare.channel, request.to_message(), [conn.fileno(), *fds])
+        except OSError as exc:
+            log.warning("the spare (pid %d) could not take a request, forking instead: %s", spare.pid, exc)
+            self._end_spare(spare)
+            return False
+        finally:
+            spare.channel.close()
+        close_fds(fds)
+        self._engines[spare.pid] = _Engine(conn, spare.pidfd)
+        self._selector.register(spare.pidfd, selectors.EVENT_READ, ("exit", spare.pid))
+        self._selector.register(conn, selectors.EVENT_READ, ("conn", spare.pid))
+        log.info("started engine pid %d (forked ahead): %s", spare.pid, " ".join(request.argv)[:200])
+        return True
+
+    def _spare_exited(self) -> None:
+        """The spare ended without a request (it failed to start its nursery, or was killed): no more spares."""
+        spare, self._spare = self._spare, None
+        assert spare is not None and self._selector is not None
+        self._selector.unregister(spare.pidfd)
+        log.warning("the child forked ahead of requests (pid %d) exited; engines are forked at each request", spare.pid)
+        self.fork_ahead = False
+        self._end_spare(spare)
+
+    @staticmethod
+    def _end_spare(spare: _Spare) -> None:
+        try:
+            signal.pidfd_send_signal(spare.pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(spare.pid, 0)
+        os.close(spare.pidfd)
+        spare.channel.close()
 
     def _fork(self, conn: socket.socket, request: LaunchRequest, fds: list[int], target: Target) -> Child | None:
         for stream in (sys.stdout, sys.stderr):
@@ -302,6 +406,10 @@ class Launcher:
                 engine.conn.close()
             os.close(engine.pidfd)
         self._engines.clear()
+        if self._spare is not None:
+            os.close(self._spare.pidfd)
+            self._spare.channel.close()
+            self._spare = None
         if self._wakeup is not None:
             signal.set_wakeup_fd(-1)
             for fd in self._wakeup:
@@ -344,6 +452,11 @@ class Launcher:
     def _retire(self) -> None:
         """Start no more engines; stop listening (the socket's path is the successor's now); exit after the last one."""
         self.retired = True
+        if self._spare is not None:
+            assert self._selector is not None
+            self._selector.unregister(self._spare.pidfd)
+            self._end_spare(self._spare)
+            self._spare = None
         if self._listener is not None:
             assert self._selector is not None
             self._selector.unregister(self._listener)
@@ -359,6 +472,7 @@ class Launcher:
             "executable": os.path.realpath(sys.executable),
             "preloaded": list(self.preloaded.modules),
             "engines": sorted(self._engines),
+            "ahead": self._spare.pid if self._spare is not None else None,
             "retired": self.retired,
             "stale": self.preloaded.stamp.changed(),
         }
@@ -376,6 +490,9 @@ class Launcher:
         if self._selector is not None:
             self._selector.close()
             self._selector = None
+        if self._spare is not None:
+            self._end_spare(self._spare)
+            self._spare = None
         for engine in self._engines.values():
             if engine.conn is not None:
                 engine.conn.close()

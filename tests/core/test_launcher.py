@@ -255,19 +255,27 @@ def test_a_caller_environment_the_imports_read_differently_is_execd_with_one_lin
     assert "HF_HOME" in lenient.stderr
 
 
-def test_an_engine_outlives_its_launcher_killed(tmp_path):
+def test_an_engine_outlives_its_launcher_killed_and_the_child_forked_ahead_does_not(tmp_path):
+    """The launcher keeps a child forked ahead of the next request; the request goes to it (its pid is the engine's),
+    and the launcher forks the next. Killed, the launcher takes the waiting child along, never its engines."""
     started = LauncherProcess(tmp_path / "sock", "--preload", "json", "--no-warm")
     try:
         assert started.ready is not None, started.output()
+        ahead = _hello(started.socket_dir)["ahead"]
+        assert ahead is not None and _running(ahead)
         marker = tmp_path / "done"
         code = f"import os, time; print(os.getpid(), flush=True); time.sleep(2); open({str(marker)!r}, 'w').write('ran')"
         client = subprocess.Popen(
             launch_command(started.socket_dir, "-c", code), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         engine = int(client.stdout.readline())
+        assert engine == ahead
+        assert wait_until(lambda: _hello(started.socket_dir)["ahead"] not in (None, engine), timeout=30)
+        waiting = _hello(started.socket_dir)["ahead"]
         os.kill(started.pid, signal.SIGKILL)
         started.proc.wait(timeout=30)
         assert _running(engine), "the engine died with its launcher"
+        assert wait_until(lambda: not _running(waiting), timeout=30), "the child forked ahead outlived its launcher"
         _, err = client.communicate(timeout=120)
         assert marker.read_text() == "ran"  # it ran to its end
         assert client.returncode == 1 and "the launcher went away while engine pid" in err, err
@@ -431,8 +439,8 @@ if child is not None:
     try:
         if proc.stdout.readline() != "ready\n":
             pytest.fail(f"the test user's launcher did not start: {proc.communicate(timeout=60)[1]}")
-        from weightcache.core.errors import AccessDenied
         from weightcache.core.cli import launch
+        from weightcache.core.errors import AccessDenied
 
         with pytest.raises(AccessDenied):  # our client will not trust another user's directory...
             launch.connect(socket_dir)
