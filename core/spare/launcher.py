@@ -37,7 +37,7 @@ from weightcache.core.cli.cli_options import add_socket_dir, help_text
 from weightcache.core.cli.launch import connect
 from weightcache.core.errors import LauncherError, LaunchRefused, ProtocolError
 from weightcache.core.socket_dir import SocketDir, SocketDirLike
-from weightcache.core.spare.become import become, fresh_state, run_target
+from weightcache.core.spare.become import become, fresh_state, run_target, settle
 from weightcache.core.spare.children import Nursery, parent_death_signal
 from weightcache.core.spare.preload import Preloaded, prepare
 from weightcache.core.wire.launch_request import LaunchRequest, Target, launcher_socket
@@ -47,6 +47,9 @@ from weightcache.core.wire.protocol import FrameReader, close_fds, error_reply, 
 log = logging.getLogger(__name__)
 
 REQUEST_DEADLINE_S = 10.0
+AHEAD_DELAY_S = 1.0
+"""After starting an engine, how long the launcher waits before it forks the next child ahead: the engine that starts
+has the cores meanwhile."""
 
 
 @attrs.define
@@ -113,6 +116,8 @@ class Launcher:
         self._listener: socket.socket | None = None
         self._engines: dict[int, _Engine] = {}
         self._spare: _Spare | None = None
+        self._ahead_at = 0.0
+        """When to fork the next child ahead (``time.monotonic``)."""
         self._selector: selectors.BaseSelector | None = None
         self._wakeup: tuple[int, int] | None = None
         self._stopping = False
@@ -204,17 +209,16 @@ class Launcher:
         self._catch_stop_signals(selector)
         log.info("launcher (pid %d) serving on %s", self.pid, self.path)
         try:
-            child = self._fork_spare()
-            if child is not None:
-                return child
             while not self._stopping and not (self.retired and not self._engines):
-                for key, _ in selector.select():
+                wait = self._ahead_at - time.monotonic()
+                if wait <= 0:
+                    child = self._fork_spare()
+                    if child is not None:
+                        return child
+                for key, _ in selector.select(wait if wait > 0 and self._spare is None and self.fork_ahead else None):
                     kind, pid = key.data
                     if kind == "listener":
                         child = self._accept()
-                        if child is not None:
-                            return child
-                        child = self._fork_spare()
                         if child is not None:
                             return child
                     elif kind == "spare":
@@ -324,6 +328,7 @@ class Launcher:
             os._exit(0)
         assert self.preloaded is not None
         opened = Nursery.open(self.preloaded) if self.nursery else None
+        settle(self.preloaded)
         frame = FrameReader(channel).read(idle_timeout=None)
         if frame is None:
             os._exit(0)
@@ -349,6 +354,7 @@ class Launcher:
         finally:
             spare.channel.close()
         close_fds(fds)
+        self._ahead_at = time.monotonic() + AHEAD_DELAY_S
         self._engines[spare.pid] = _Engine(conn, spare.pidfd)
         self._selector.register(spare.pidfd, selectors.EVENT_READ, ("exit", spare.pid))
         self._selector.register(conn, selectors.EVENT_READ, ("conn", spare.pid))
@@ -381,6 +387,7 @@ class Launcher:
         if child == 0:
             return self._in_child(conn, request, fds, target)
         close_fds(fds)
+        self._ahead_at = time.monotonic() + AHEAD_DELAY_S
         pidfd = os.pidfd_open(child)
         self._engines[child] = _Engine(conn, pidfd)
         assert self._selector is not None
