@@ -9,7 +9,9 @@ creates no CUDA context and no thread pool, warms torch's CPU kernels on one thr
 in the server's private directory (0700; peers of another uid are refused by their credentials). ``weightcache
 launch -- -m my_engine.serve --model M`` asks it for an engine: the launcher forks, and the child takes the caller's
 fds, environment, working directory, umask, signal state and limits, then runs the module, code or script as
-``python`` would. ``launch`` forwards signals to the engine and exits with its status.
+``python`` would. ``launch`` forwards signals to the engine and exits with its status. The fork is made ahead: one
+child waits for the next request, its nursery forked and the request-free part of its fresh state done, and dies with
+the launcher until a request comes; the next is forked a second after an engine started.
 
 A launcher refuses (and ``launch`` execs the engine itself, with one line saying why) when its imported code
 changed on disk, when the caller's environment differs on a name the imports read, or when a fork would not be
@@ -62,7 +64,7 @@ class _Engine:
 
 
 @attrs.define
-class _Spare:
+class _Waiting:
     """A child forked ahead of the next request (with its nursery forked already): it waits on ``channel``."""
 
     pid: int
@@ -79,7 +81,7 @@ class Child:
     nursery: bool = True
     """Whether the engine's ``spawn`` children are forked from a nursery (core/spare/children.py), not exec'd."""
     opened: Nursery | None = None
-    """The nursery, where a spare forked it before the request."""
+    """The nursery, where the child was forked ahead of its request and forked it while it waited."""
 
     def run(self) -> typing.NoReturn:
         if self.opened is not None:
@@ -115,7 +117,7 @@ class Launcher:
         self.retired = False
         self._listener: socket.socket | None = None
         self._engines: dict[int, _Engine] = {}
-        self._spare: _Spare | None = None
+        self._waiting: _Waiting | None = None
         self._ahead_at = 0.0
         """When to fork the next child ahead (``time.monotonic``)."""
         self._selector: selectors.BaseSelector | None = None
@@ -212,17 +214,17 @@ class Launcher:
             while not self._stopping and not (self.retired and not self._engines):
                 wait = self._ahead_at - time.monotonic()
                 if wait <= 0:
-                    child = self._fork_spare()
+                    child = self._fork_waiting()
                     if child is not None:
                         return child
-                for key, _ in selector.select(wait if wait > 0 and self._spare is None and self.fork_ahead else None):
+                for key, _ in selector.select(wait if wait > 0 and self._waiting is None and self.fork_ahead else None):
                     kind, pid = key.data
                     if kind == "listener":
                         child = self._accept()
                         if child is not None:
                             return child
-                    elif kind == "spare":
-                        self._spare_exited()
+                    elif kind == "waiting":
+                        self._waiting_exited()
                     elif kind == "exit":
                         self._exited(pid)
                     elif kind == "conn":
@@ -296,14 +298,14 @@ class Launcher:
             _try_send(conn, error_reply(exc.reason, str(exc)))
             conn.close()
             return None
-        if self._spare is not None and self._hand_over(conn, request, fds):
+        if self._waiting is not None and self._hand_over(conn, request, fds):
             return None
         return self._fork(conn, request, fds, target)
 
-    def _fork_spare(self) -> Child | None:
+    def _fork_waiting(self) -> Child | None:
         """Fork the child that takes the next request (it forks its nursery meanwhile), unless one waits already. In
         that child, once it has a request: the Child to run."""
-        if not self.fork_ahead or self._spare is not None or self.retired or self._stopping:
+        if not self.fork_ahead or self._waiting is not None or self.retired or self._stopping:
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for stream in (sys.stdout, sys.stderr):
@@ -313,13 +315,13 @@ class Launcher:
             ours.close()
             return self._wait_for_request(theirs)
         theirs.close()
-        self._spare = _Spare(pid, os.pidfd_open(pid), ours)
+        self._waiting = _Waiting(pid, os.pidfd_open(pid), ours)
         assert self._selector is not None
-        self._selector.register(self._spare.pidfd, selectors.EVENT_READ, ("spare", pid))
+        self._selector.register(self._waiting.pidfd, selectors.EVENT_READ, ("waiting", pid))
         return None
 
     def _wait_for_request(self, channel: socket.socket) -> Child:
-        """In the spare: leave the launcher's session and fds, die with the launcher until a request comes, fork the
+        """In the child forked ahead: leave the launcher's session and fds, die with the launcher until a request comes, fork the
         nursery, then take the request the launcher hands over (with the caller's connection) as a fork would."""
         self._release_in_child(channel)
         os.setsid()  # now, so that the nursery forked below is in the engine's session and process group
@@ -341,44 +343,45 @@ class Launcher:
         return Child(Target.parse(request.argv), self.preloaded, self.nursery, opened)
 
     def _hand_over(self, conn: socket.socket, request: LaunchRequest, fds: list[int]) -> bool:
-        """Give the request and the caller's connection to the spare; False if it cannot take it (a fork will)."""
-        spare, self._spare = self._spare, None
-        assert spare is not None and self._selector is not None
-        self._selector.unregister(spare.pidfd)
+        """Give the request and the caller's connection to the child forked ahead; False if it cannot take it (a fork
+        will)."""
+        waiting, self._waiting = self._waiting, None
+        assert waiting is not None and self._selector is not None
+        self._selector.unregister(waiting.pidfd)
         try:
-            send_frame(spare.channel, request.to_message(), [conn.fileno(), *fds])
+            send_frame(waiting.channel, request.to_message(), [conn.fileno(), *fds])
         except OSError as exc:
-            log.warning("the spare (pid %d) could not take a request, forking instead: %s", spare.pid, exc)
-            self._end_spare(spare)
+            log.warning("the child forked ahead (pid %d) could not take a request, forking instead: %s", waiting.pid, exc)
+            self._end_waiting(waiting)
             return False
         finally:
-            spare.channel.close()
+            waiting.channel.close()
         close_fds(fds)
         self._ahead_at = time.monotonic() + AHEAD_DELAY_S
-        self._engines[spare.pid] = _Engine(conn, spare.pidfd)
-        self._selector.register(spare.pidfd, selectors.EVENT_READ, ("exit", spare.pid))
-        self._selector.register(conn, selectors.EVENT_READ, ("conn", spare.pid))
-        log.info("started engine pid %d (forked ahead): %s", spare.pid, " ".join(request.argv)[:200])
+        self._engines[waiting.pid] = _Engine(conn, waiting.pidfd)
+        self._selector.register(waiting.pidfd, selectors.EVENT_READ, ("exit", waiting.pid))
+        self._selector.register(conn, selectors.EVENT_READ, ("conn", waiting.pid))
+        log.info("started engine pid %d (forked ahead): %s", waiting.pid, " ".join(request.argv)[:200])
         return True
 
-    def _spare_exited(self) -> None:
-        """The spare ended without a request (it failed to start its nursery, or was killed): no more spares."""
-        spare, self._spare = self._spare, None
-        assert spare is not None and self._selector is not None
-        self._selector.unregister(spare.pidfd)
-        log.warning("the child forked ahead of requests (pid %d) exited; engines are forked at each request", spare.pid)
+    def _waiting_exited(self) -> None:
+        """The child forked ahead ended without a request (its nursery failed, or it was killed): no more are forked ahead."""
+        waiting, self._waiting = self._waiting, None
+        assert waiting is not None and self._selector is not None
+        self._selector.unregister(waiting.pidfd)
+        log.warning("the child forked ahead of requests (pid %d) exited; engines are forked at each request", waiting.pid)
         self.fork_ahead = False
-        self._end_spare(spare)
+        self._end_waiting(waiting)
 
     @staticmethod
-    def _end_spare(spare: _Spare) -> None:
+    def _end_waiting(waiting: _Waiting) -> None:
         try:
-            signal.pidfd_send_signal(spare.pidfd, signal.SIGKILL)
+            signal.pidfd_send_signal(waiting.pidfd, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        os.waitpid(spare.pid, 0)
-        os.close(spare.pidfd)
-        spare.channel.close()
+        os.waitpid(waiting.pid, 0)
+        os.close(waiting.pidfd)
+        waiting.channel.close()
 
     def _fork(self, conn: socket.socket, request: LaunchRequest, fds: list[int], target: Target) -> Child | None:
         for stream in (sys.stdout, sys.stderr):
@@ -413,10 +416,10 @@ class Launcher:
                 engine.conn.close()
             os.close(engine.pidfd)
         self._engines.clear()
-        if self._spare is not None:
-            os.close(self._spare.pidfd)
-            self._spare.channel.close()
-            self._spare = None
+        if self._waiting is not None:
+            os.close(self._waiting.pidfd)
+            self._waiting.channel.close()
+            self._waiting = None
         if self._wakeup is not None:
             signal.set_wakeup_fd(-1)
             for fd in self._wakeup:
@@ -459,11 +462,11 @@ class Launcher:
     def _retire(self) -> None:
         """Start no more engines; stop listening (the socket's path is the successor's now); exit after the last one."""
         self.retired = True
-        if self._spare is not None:
+        if self._waiting is not None:
             assert self._selector is not None
-            self._selector.unregister(self._spare.pidfd)
-            self._end_spare(self._spare)
-            self._spare = None
+            self._selector.unregister(self._waiting.pidfd)
+            self._end_waiting(self._waiting)
+            self._waiting = None
         if self._listener is not None:
             assert self._selector is not None
             self._selector.unregister(self._listener)
@@ -479,7 +482,7 @@ class Launcher:
             "executable": os.path.realpath(sys.executable),
             "preloaded": list(self.preloaded.modules),
             "engines": sorted(self._engines),
-            "ahead": self._spare.pid if self._spare is not None else None,
+            "ahead": self._waiting.pid if self._waiting is not None else None,
             "retired": self.retired,
             "stale": self.preloaded.stamp.changed(),
         }
@@ -497,9 +500,9 @@ class Launcher:
         if self._selector is not None:
             self._selector.close()
             self._selector = None
-        if self._spare is not None:
-            self._end_spare(self._spare)
-            self._spare = None
+        if self._waiting is not None:
+            self._end_waiting(self._waiting)
+            self._waiting = None
         for engine in self._engines.values():
             if engine.conn is not None:
                 engine.conn.close()
