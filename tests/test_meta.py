@@ -51,6 +51,7 @@ LIGHT_MODULES = {
     "weightcache.core.spare.compile_cache": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
     "weightcache.core.spare.compiled_forward": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
     "weightcache.core.spare.launch": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
+    "weightcache.core.cli.launch": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
     "weightcache.core.spare.launcher": ("torch", "transformers", "weightcache.conformance", "weightcache.adapters"),
 }
 

@@ -22,14 +22,10 @@ import typing
 from collections.abc import Sequence
 
 from weightcache.core import __version__
-from weightcache.core.cli.cli_options import add_request_options, add_socket_dir, bounded, load_request, parse_device, size
-from weightcache.core.cli.logformat import FORMATS, LEVELS
-from weightcache.core.cli.logformat import configure as configure_logging
-from weightcache.core.cli.probe import add_parser as probe_options
-from weightcache.core.cli.probe import run as run_probe
-from weightcache.core.cli.reporting import reporting_errors
 from weightcache.core.progress import is_terminal
-from weightcache.core.server.bounds import CONNECTIONS, IDLE_SECONDS, PORT, SECONDS, SIZE_EXAMPLE
+
+# The commands' own modules (their options, the probe's client, logging's formats) are imported where a command is
+# parsed or run: `weightcache launch` stands for an engine being started, and its start is on the engine's clock.
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +50,8 @@ class _Parser(argparse.ArgumentParser):
 def add_log_options(parser: argparse.ArgumentParser, default_format: str) -> None:
     """``--log-level`` and ``--log-format``: before the command (every command; ``default_format`` ``text``) or
     after ``serve`` (``argparse.SUPPRESS``: given there, they replace the ones before)."""
+    from weightcache.core.cli.logformat import FORMATS, LEVELS
+
     parser.add_argument(
         "--log-level",
         choices=LEVELS,
@@ -104,6 +102,10 @@ is not handing over). Details: docs/operations.md."""
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from weightcache.core.cli.cli_options import add_request_options, add_socket_dir, bounded, parse_device, size
+    from weightcache.core.cli.probe import add_parser as probe_options
+    from weightcache.core.server.bounds import CONNECTIONS, IDLE_SECONDS, PORT, SECONDS, SIZE_EXAMPLE
+
     parser = _Parser(prog="weightcache", description="Keep model weights resident outside the engine; attach them zero-copy.")
     parser.add_argument("--version", action="version", version=f"weightcache {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages; show the traceback of an error")
@@ -287,16 +289,12 @@ LAUNCH_COMMAND = "launch"
 
 def launch_only(argv: Sequence[str]) -> int:
     """``weightcache launch ...`` with only that command's parser: no other command's module is loaded, no logging is
-    configured (the engine's standard streams are the caller's, untouched)."""
-    import importlib.metadata
+    configured (the engine's standard streams are the caller's, untouched), no entry point is looked up."""
+    from weightcache.core.cli import launch
 
-    found = [e for e in importlib.metadata.entry_points(group=COMMANDS_GROUP) if e.name == LAUNCH_COMMAND]
-    if not found:
-        return main(argv)
-    command = found[0].load()
     parser = argparse.ArgumentParser(prog="weightcache")
-    command.add_parser(parser.add_subparsers(dest="command", metavar="COMMAND"))
-    return command.run(parser.parse_args(argv))
+    launch.add_parser(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    return launch.run(parser.parse_args(argv))
 
 
 def _subcommand(argv: Sequence[str]) -> str | None:
@@ -305,6 +303,8 @@ def _subcommand(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from weightcache.core.cli.reporting import reporting_errors
+
     args = build_parser().parse_args(argv)
     _configure_logging(args)
     if not is_terminal():
@@ -313,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    from weightcache.core.cli.probe import run as run_probe
+
     commands = {"serve": _serve, "load": _load, "status": _status, "evict": _evict, "demo": _demo, "probe": run_probe}
     if args.command in commands:
         return commands[args.command](args)
@@ -321,12 +323,15 @@ def _run(args) -> int:
 
 def _configure_logging(args) -> None:
     """The server logs what it does (with times); the other commands print their result and log only warnings."""
+    from weightcache.core.cli.logformat import configure as configure_logging
+
     serving = args.command == "serve"
     level = "debug" if args.verbose else args.log_level or ("info" if serving else "warning")
     configure_logging(level, args.log_format or "text", brief=not (serving or args.verbose))
 
 
 def _serve(args) -> int:
+    from weightcache.core.cli.logformat import configure as configure_logging
     from weightcache.core.server.serve_config import ServeSource
     from weightcache.core.server.server import ServerConfig, serve
 
@@ -387,6 +392,7 @@ def _check_config(config, warm, logged: dict, args) -> int:
 
 def _load(args) -> int:
     """Check everything that can be checked before reading a weight, then load and publish (see docs/operations.md)."""
+    from weightcache.core.cli.cli_options import load_request
     from weightcache.core.client.client import Connection
     from weightcache.core.flow import loader
     from weightcache.core.identity.safetensors_io import check_checkpoint

@@ -16,6 +16,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import sys
 import typing
 
 import attrs
@@ -165,13 +166,93 @@ def missing_engines(module: object) -> list[str]:
 
 
 _INSTALLED: list[Plugins] = []
+_KEPT: list[tuple[Plugins, ScanInputs]] = []
+"""A scan made before this process was forked from a launcher, and what it read."""
 
 
 def installed_plugins() -> Plugins:
-    """The installed adapters, loaded once per process."""
+    """The installed adapters, loaded once per process (in a process forked from a launcher: the launcher's scan, where
+    everything that scan read is unchanged here)."""
     if not _INSTALLED:
-        _INSTALLED.append(Plugins.installed())
+        kept = _KEPT.pop() if _KEPT else None
+        _INSTALLED.append(kept[0] if kept is not None and kept[1].still_hold() else Plugins.installed())
     return _INSTALLED[0]
+
+
+def keep_for_forks(path: typing.Sequence[str]) -> None:
+    """Scan the adapters' entry points now as a process whose ``sys.path`` is ``path`` would, for the processes forked
+    from this one: the first ``installed_plugins()`` of each takes the result where what the scan read still holds
+    there, and scans itself otherwise. A scan this process made for itself (on its own ``sys.path``) is forgotten; a
+    scan that found a broken adapter is not kept (each process reports it as its own scan would)."""
+    _INSTALLED.clear()
+    _KEPT.clear()
+    if any(not os.path.isabs(entry) and _holds_distributions(entry) for entry in path):
+        return  # a relative entry is read in each process's working directory
+    saved = sys.path[:]
+    sys.path[:] = path
+    try:
+        inputs = ScanInputs.now()  # before the scan: what changes during it shows as a difference afterwards
+        plugins = Plugins.installed()
+    finally:
+        sys.path[:] = saved
+    if not plugins.broken:
+        _KEPT.append((plugins, inputs))
+
+
+@attrs.frozen
+class ScanInputs:
+    """What a scan of the entry points reads: the path entries in order, each directory's modification time (installing
+    or removing a distribution adds or removes a directory there; a relative entry, read in the working directory, has
+    none and must hold no distribution), the finders that look for distributions, and the block-list. A scan with the
+    same inputs finds the same adapters."""
+
+    path: tuple[str, ...]
+    mtimes: tuple[int | None, ...]
+    finders: tuple[object, ...] = attrs.field(eq=False)
+    blocked: str | None
+
+    @classmethod
+    def now(cls) -> ScanInputs:
+        path = tuple(dict.fromkeys(sys.path))
+        mtimes = tuple(_mtime(entry) if os.path.isabs(entry) else None for entry in path)
+        return cls(path, mtimes, tuple(sys.meta_path), os.environ.get(ENV_BLOCK))
+
+    def still_hold(self) -> bool:
+        """Whether a scan now, on this process's ``sys.path``, finders and environment, reads what this one read: the
+        same entries in the same order with unchanged directories, and no distribution in an entry it did not read."""
+        if os.environ.get(ENV_BLOCK) != self.blocked or len(sys.meta_path) != len(self.finders):
+            return False
+        if any(mine is not theirs for mine, theirs in zip(sys.meta_path, self.finders, strict=True)):
+            return False
+        scanned = dict(zip(self.path, self.mtimes, strict=True))
+        order = []
+        for entry in dict.fromkeys(sys.path):
+            if entry in scanned:
+                order.append(entry)
+            if entry in scanned and os.path.isabs(entry):
+                if _mtime(entry) != scanned[entry]:
+                    return False
+            elif _holds_distributions(entry):
+                return False
+        return tuple(order) == self.path
+
+
+def _mtime(entry: str) -> int | None:
+    try:
+        return os.stat(entry).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _holds_distributions(entry: str) -> bool:
+    """Whether ``entry`` of ``sys.path`` may hold a distribution's metadata (a file, e.g. a zip, may)."""
+    try:
+        names = os.listdir(entry or ".")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return entry.lower().endswith(".egg") or any(name.lower().endswith((".dist-info", ".egg-info")) for name in names)
 
 
 def _kind(value: object) -> str:

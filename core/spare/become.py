@@ -29,7 +29,7 @@ import types
 import typing
 import warnings
 
-from weightcache.core.spare.launch_request import LaunchRequest, Target
+from weightcache.core.wire.launch_request import LaunchRequest, Target
 from weightcache.core.wire.protocol import error_reply, ok_reply, send_frame
 
 if typing.TYPE_CHECKING:
@@ -114,17 +114,8 @@ def fresh_state(target: Target, preloaded: Preloaded) -> types.ModuleType:
     for name, value in preloaded.set_by_imports.items():
         os.environ.setdefault(name, value)
     _fresh_streams()
-    logging.shutdown()  # flush, then forget the launcher's handlers
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    root.setLevel(logging.WARNING)
-    logging.disable(logging.NOTSET)
-    typing.cast(list, warnings.filters)[:] = preloaded.filters  # in place: the C module holds the same list
-    warnings._filters_mutated()  # type: ignore[attr-defined]
+    settle(preloaded)
     importlib.invalidate_caches()
-    linecache.clearcache()
-    _reseed()
     _fresh_module_state()
     if target.form == "code":
         first = ""
@@ -145,6 +136,22 @@ def fresh_state(target: Target, preloaded: Preloaded) -> types.ModuleType:
     )
     sys.modules["__main__"] = main
     return main
+
+
+def settle(preloaded: Preloaded) -> None:
+    """The part of ``fresh_state`` that needs no request: no logging handler of the launcher's, warning filters as the
+    imports left them, an empty line cache, seeds from the OS. A child forked ahead of a request runs it while it
+    waits (it writes to pages the fork shares, which are copied then); ``fresh_state`` runs it again, finding it done."""
+    logging.shutdown()  # flush, then forget the launcher's handlers
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
+    logging.disable(logging.NOTSET)
+    typing.cast(list, warnings.filters)[:] = preloaded.filters  # in place: the C module holds the same list
+    warnings._filters_mutated()  # type: ignore[attr-defined]
+    linecache.clearcache()
+    _reseed()
 
 
 def _python_args(target: Target) -> list[str]:

@@ -29,7 +29,7 @@ import typing
 
 from weightcache.core.errors import LaunchRefused, WeightCacheError
 from weightcache.core.spare.become import become, fresh_state, run_target
-from weightcache.core.spare.launch_request import LaunchRequest, Target
+from weightcache.core.wire.launch_request import LaunchRequest, Target
 from weightcache.core.wire.paths import peer_credentials
 from weightcache.core.wire.protocol import FrameReader, close_fds, error_reply, send_frame
 
@@ -50,6 +50,11 @@ def _prctl(option: int, value: int) -> None:
     if libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, os.strerror(errno))
+
+
+def parent_death_signal(sig: int) -> None:
+    """``PR_SET_PDEATHSIG``: this process gets ``sig`` when the thread that forked it ends (0: nothing)."""
+    _prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def _is_subreaper() -> bool:

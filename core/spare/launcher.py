@@ -9,7 +9,9 @@ creates no CUDA context and no thread pool, warms torch's CPU kernels on one thr
 in the server's private directory (0700; peers of another uid are refused by their credentials). ``weightcache
 launch -- -m my_engine.serve --model M`` asks it for an engine: the launcher forks, and the child takes the caller's
 fds, environment, working directory, umask, signal state and limits, then runs the module, code or script as
-``python`` would. ``launch`` forwards signals to the engine and exits with its status.
+``python`` would. ``launch`` forwards signals to the engine and exits with its status. The fork is made ahead: one
+child waits for the next request, its nursery forked and the request-free part of its fresh state done, and dies with
+the launcher until a request comes; the next is forked a second after an engine started.
 
 A launcher refuses (and ``launch`` execs the engine itself, with one line saying why) when its imported code
 changed on disk, when the caller's environment differs on a name the imports read, or when a fork would not be
@@ -34,19 +36,22 @@ import attrs
 
 from weightcache.core import __version__
 from weightcache.core.cli.cli_options import add_socket_dir, help_text
+from weightcache.core.cli.launch import connect
 from weightcache.core.errors import LauncherError, LaunchRefused, ProtocolError
 from weightcache.core.socket_dir import SocketDir, SocketDirLike
-from weightcache.core.spare.become import become, fresh_state, run_target
-from weightcache.core.spare.children import Nursery
-from weightcache.core.spare.launch import connect
-from weightcache.core.spare.launch_request import LaunchRequest, Target, launcher_socket
+from weightcache.core.spare.become import become, fresh_state, run_target, settle
+from weightcache.core.spare.children import Nursery, parent_death_signal
 from weightcache.core.spare.preload import Preloaded, prepare
+from weightcache.core.wire.launch_request import LaunchRequest, Target, launcher_socket
 from weightcache.core.wire.paths import ensure_private_dir, peer_credentials
 from weightcache.core.wire.protocol import FrameReader, close_fds, error_reply, ok_reply, send_frame
 
 log = logging.getLogger(__name__)
 
 REQUEST_DEADLINE_S = 10.0
+AHEAD_DELAY_S = 1.0
+"""After starting an engine, how long the launcher waits before it forks the next child ahead: the engine that starts
+has the cores meanwhile."""
 
 
 @attrs.define
@@ -59,6 +64,15 @@ class _Engine:
 
 
 @attrs.define
+class _Waiting:
+    """A child forked ahead of the next request (with its nursery forked already): it waits on ``channel``."""
+
+    pid: int
+    pidfd: int
+    channel: socket.socket
+
+
+@attrs.define
 class Child:
     """What ``serve`` returns in a forked child: run it (never returns)."""
 
@@ -66,9 +80,13 @@ class Child:
     preloaded: Preloaded
     nursery: bool = True
     """Whether the engine's ``spawn`` children are forked from a nursery (core/spare/children.py), not exec'd."""
+    opened: Nursery | None = None
+    """The nursery, where the child was forked ahead of its request and forked it while it waited."""
 
     def run(self) -> typing.NoReturn:
-        if self.nursery:
+        if self.opened is not None:
+            self.opened.install()
+        elif self.nursery:
             Nursery.open(self.preloaded).install()
         run_target(self.target, fresh_state(self.target, self.preloaded))
 
@@ -84,6 +102,7 @@ class Launcher:
         warm: bool = True,
         replace: bool = False,
         nursery: bool = True,
+        fork_ahead: bool = True,
     ):
         self.socket_dir = SocketDir.parse(socket_dir)
         self.path = launcher_socket(self.socket_dir)
@@ -92,11 +111,15 @@ class Launcher:
         self.warm = warm
         self.replace = replace
         self.nursery = nursery
+        self.fork_ahead = fork_ahead
         self.pid = os.getpid()
         self.preloaded: Preloaded | None = None
         self.retired = False
         self._listener: socket.socket | None = None
         self._engines: dict[int, _Engine] = {}
+        self._waiting: _Waiting | None = None
+        self._ahead_at = 0.0
+        """When to fork the next child ahead (``time.monotonic``)."""
         self._selector: selectors.BaseSelector | None = None
         self._wakeup: tuple[int, int] | None = None
         self._stopping = False
@@ -189,12 +212,19 @@ class Launcher:
         log.info("launcher (pid %d) serving on %s", self.pid, self.path)
         try:
             while not self._stopping and not (self.retired and not self._engines):
-                for key, _ in selector.select():
+                wait = self._ahead_at - time.monotonic()
+                if wait <= 0:
+                    child = self._fork_waiting()
+                    if child is not None:
+                        return child
+                for key, _ in selector.select(wait if wait > 0 and self._waiting is None and self.fork_ahead else None):
                     kind, pid = key.data
                     if kind == "listener":
                         child = self._accept()
                         if child is not None:
                             return child
+                    elif kind == "waiting":
+                        self._waiting_exited()
                     elif kind == "exit":
                         self._exited(pid)
                     elif kind == "conn":
@@ -268,7 +298,90 @@ class Launcher:
             _try_send(conn, error_reply(exc.reason, str(exc)))
             conn.close()
             return None
+        if self._waiting is not None and self._hand_over(conn, request, fds):
+            return None
         return self._fork(conn, request, fds, target)
+
+    def _fork_waiting(self) -> Child | None:
+        """Fork the child that takes the next request (it forks its nursery meanwhile), unless one waits already. In
+        that child, once it has a request: the Child to run."""
+        if not self.fork_ahead or self._waiting is not None or self.retired or self._stopping:
+            return None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            return self._wait_for_request(theirs)
+        theirs.close()
+        self._waiting = _Waiting(pid, os.pidfd_open(pid), ours)
+        assert self._selector is not None
+        self._selector.register(self._waiting.pidfd, selectors.EVENT_READ, ("waiting", pid))
+        return None
+
+    def _wait_for_request(self, channel: socket.socket) -> Child:
+        """In the child forked ahead: leave the launcher's session and fds, die with the launcher until a request comes, fork the
+        nursery, then take the request the launcher hands over (with the caller's connection) as a fork would."""
+        self._release_in_child(channel)
+        os.setsid()  # now, so that the nursery forked below is in the engine's session and process group
+        parent_death_signal(signal.SIGKILL)
+        if os.getppid() != self.pid:
+            os._exit(0)
+        assert self.preloaded is not None
+        opened = Nursery.open(self.preloaded) if self.nursery else None
+        settle(self.preloaded)
+        frame = FrameReader(channel).read(idle_timeout=None)
+        if frame is None:
+            os._exit(0)
+        parent_death_signal(0)  # an engine outlives its launcher
+        channel.close()
+        message, fds = frame
+        conn = socket.socket(fileno=fds[0])
+        request = LaunchRequest.from_message(message, len(fds) - 1)
+        become(request, fds[1:], conn, session=False)
+        return Child(Target.parse(request.argv), self.preloaded, self.nursery, opened)
+
+    def _hand_over(self, conn: socket.socket, request: LaunchRequest, fds: list[int]) -> bool:
+        """Give the request and the caller's connection to the child forked ahead; False if it cannot take it (a fork
+        will)."""
+        waiting, self._waiting = self._waiting, None
+        assert waiting is not None and self._selector is not None
+        self._selector.unregister(waiting.pidfd)
+        try:
+            send_frame(waiting.channel, request.to_message(), [conn.fileno(), *fds])
+        except OSError as exc:
+            log.warning("the child forked ahead (pid %d) could not take a request, forking instead: %s", waiting.pid, exc)
+            self._end_waiting(waiting)
+            return False
+        finally:
+            waiting.channel.close()
+        close_fds(fds)
+        self._ahead_at = time.monotonic() + AHEAD_DELAY_S
+        self._engines[waiting.pid] = _Engine(conn, waiting.pidfd)
+        self._selector.register(waiting.pidfd, selectors.EVENT_READ, ("exit", waiting.pid))
+        self._selector.register(conn, selectors.EVENT_READ, ("conn", waiting.pid))
+        log.info("started engine pid %d (forked ahead): %s", waiting.pid, " ".join(request.argv)[:200])
+        return True
+
+    def _waiting_exited(self) -> None:
+        """The child forked ahead ended without a request (its nursery failed, or it was killed): no more are forked ahead."""
+        waiting, self._waiting = self._waiting, None
+        assert waiting is not None and self._selector is not None
+        self._selector.unregister(waiting.pidfd)
+        log.warning("the child forked ahead of requests (pid %d) exited; engines are forked at each request", waiting.pid)
+        self.fork_ahead = False
+        self._end_waiting(waiting)
+
+    @staticmethod
+    def _end_waiting(waiting: _Waiting) -> None:
+        try:
+            signal.pidfd_send_signal(waiting.pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(waiting.pid, 0)
+        os.close(waiting.pidfd)
+        waiting.channel.close()
 
     def _fork(self, conn: socket.socket, request: LaunchRequest, fds: list[int], target: Target) -> Child | None:
         for stream in (sys.stdout, sys.stderr):
@@ -277,6 +390,7 @@ class Launcher:
         if child == 0:
             return self._in_child(conn, request, fds, target)
         close_fds(fds)
+        self._ahead_at = time.monotonic() + AHEAD_DELAY_S
         pidfd = os.pidfd_open(child)
         self._engines[child] = _Engine(conn, pidfd)
         assert self._selector is not None
@@ -302,6 +416,10 @@ class Launcher:
                 engine.conn.close()
             os.close(engine.pidfd)
         self._engines.clear()
+        if self._waiting is not None:
+            os.close(self._waiting.pidfd)
+            self._waiting.channel.close()
+            self._waiting = None
         if self._wakeup is not None:
             signal.set_wakeup_fd(-1)
             for fd in self._wakeup:
@@ -344,6 +462,11 @@ class Launcher:
     def _retire(self) -> None:
         """Start no more engines; stop listening (the socket's path is the successor's now); exit after the last one."""
         self.retired = True
+        if self._waiting is not None:
+            assert self._selector is not None
+            self._selector.unregister(self._waiting.pidfd)
+            self._end_waiting(self._waiting)
+            self._waiting = None
         if self._listener is not None:
             assert self._selector is not None
             self._selector.unregister(self._listener)
@@ -359,6 +482,7 @@ class Launcher:
             "executable": os.path.realpath(sys.executable),
             "preloaded": list(self.preloaded.modules),
             "engines": sorted(self._engines),
+            "ahead": self._waiting.pid if self._waiting is not None else None,
             "retired": self.retired,
             "stale": self.preloaded.stamp.changed(),
         }
@@ -376,6 +500,9 @@ class Launcher:
         if self._selector is not None:
             self._selector.close()
             self._selector = None
+        if self._waiting is not None:
+            self._end_waiting(self._waiting)
+            self._waiting = None
         for engine in self._engines.values():
             if engine.conn is not None:
                 engine.conn.close()

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 import attrs
 
 from weightcache.core.errors import LauncherError, LaunchRefused
-from weightcache.core.spare.launch_request import initial_environment
+from weightcache.core.wire.launch_request import initial_environment
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,24 @@ DEFAULT_PRELOAD = (
     # weightcache's own route from load_model to a rebound model (the adapters' modules come from their entry points)
     "weightcache.core.flow.modes",
     "weightcache.core.flow.plugins",
+    "weightcache.core.flow.defaults",
+    "weightcache.core.load.rebind",
     "weightcache.core.spare.warm",
+    "weightcache.core.arena.cuda",  # the early CUDA thread's (the driver's binding it imports itself, after the fork)
     # torch.compile's front end, which a restored compiled forward (compiled_forward) loads into; not inductor's
     # compile_fx, whose import asks CUDA for its devices on a GPU machine (a forked child could not use CUDA then)
     "torch._dynamo",
     "weightcache.core.spare.compiled_forward",
 )
+SHARED_MODEL_MODULES = (
+    "transformers.modeling_layers",
+    "transformers.masking_utils",
+    "transformers.generation.utils",
+    "transformers.processing_utils",
+)
+"""What every transformers model's module imports before its own code (its layers' base classes, the attention masks,
+``GenerationMixin``): preloaded with the defaults where this transformers has them, so that an engine's import of its
+model's module is that module alone."""
 ENGINE_MODULES = {
     "vllm": ("vllm", "vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor"),
     "sglang": (
@@ -274,6 +286,18 @@ def installed_modules() -> list[str]:
     return [*adapters, *engines]
 
 
+def present(modules: Iterable[str]) -> list[str]:
+    """Those of ``modules`` that this environment has (their packages are imported to look)."""
+    found = []
+    for name in modules:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                found.append(name)
+        except ModuleNotFoundError:
+            pass
+    return found
+
+
 def prepare(modules: Iterable[str] | None, models: Iterable[str] = (), warm: bool = True) -> Preloaded:
     """Import ``modules`` (None: ``DEFAULT_PRELOAD``, the installed adapters and the engines they name) and the architecture
     modules of ``models`` in this process's initial environment, warm torch on one thread, probe a fresh interpreter
@@ -292,7 +316,7 @@ def prepare(modules: Iterable[str] | None, models: Iterable[str] = (), warm: boo
     start = time.perf_counter()
     with recording_environment_reads(read):
         if modules is None:  # looking for an engine may run an import hook: after the environment is the initial one
-            modules = [*DEFAULT_PRELOAD, *installed_modules()]
+            modules = [*DEFAULT_PRELOAD, *present(SHARED_MODEL_MODULES), *installed_modules()]
         for name in modules:
             try:
                 importlib.import_module(name)
@@ -301,7 +325,11 @@ def prepare(modules: Iterable[str] | None, models: Iterable[str] = (), warm: boo
             imported.append(name)
         if models:
             _import_architectures(models)
-    timings["imports_s"] = time.perf_counter() - start
+        timings["imports_s"] = time.perf_counter() - start
+        if "weightcache.core.flow.plugins" in sys.modules:
+            start = time.perf_counter()
+            _scan_adapters_for_engines(fresh.path, read)
+            timings["adapters_s"] = time.perf_counter() - start
     filters = list(warnings.filters)  # with what the imports added, as a fresh interpreter that imports them has
     set_by_imports = {k: v for k, v in os.environ.items() if k not in env}  # start-up's too
     threads = python_threads()
@@ -335,6 +363,15 @@ def prepare(modules: Iterable[str] | None, models: Iterable[str] = (), warm: boo
         set_by_imports=set_by_imports,
         timings=timings,
     )
+
+
+def _scan_adapters_for_engines(path: Iterable[str], read: set[str]) -> None:
+    """The adapters' entry points, scanned once here for every engine (``keep_for_forks``): the engine's own scan checks
+    the block-list's value, so that name does not make the launcher refuse a caller."""
+    from weightcache.core.flow.plugins import ENV_BLOCK, keep_for_forks
+
+    keep_for_forks(list(path))
+    read.discard(ENV_BLOCK)
 
 
 def _import_architectures(models: Iterable[str]) -> None:

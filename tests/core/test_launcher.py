@@ -255,19 +255,27 @@ def test_a_caller_environment_the_imports_read_differently_is_execd_with_one_lin
     assert "HF_HOME" in lenient.stderr
 
 
-def test_an_engine_outlives_its_launcher_killed(tmp_path):
+def test_an_engine_outlives_its_launcher_killed_and_the_child_forked_ahead_does_not(tmp_path):
+    """The launcher keeps a child forked ahead of the next request; the request goes to it (its pid is the engine's),
+    and the launcher forks the next. Killed, the launcher takes the waiting child along, never its engines."""
     started = LauncherProcess(tmp_path / "sock", "--preload", "json", "--no-warm")
     try:
         assert started.ready is not None, started.output()
+        ahead = _hello(started.socket_dir)["ahead"]
+        assert ahead is not None and _running(ahead)
         marker = tmp_path / "done"
         code = f"import os, time; print(os.getpid(), flush=True); time.sleep(2); open({str(marker)!r}, 'w').write('ran')"
         client = subprocess.Popen(
             launch_command(started.socket_dir, "-c", code), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         engine = int(client.stdout.readline())
+        assert engine == ahead
+        assert wait_until(lambda: _hello(started.socket_dir)["ahead"] not in (None, engine), timeout=30)
+        waiting = _hello(started.socket_dir)["ahead"]
         os.kill(started.pid, signal.SIGKILL)
         started.proc.wait(timeout=30)
         assert _running(engine), "the engine died with its launcher"
+        assert wait_until(lambda: not _running(waiting), timeout=30), "the child forked ahead outlived its launcher"
         _, err = client.communicate(timeout=120)
         assert marker.read_text() == "ran"  # it ran to its end
         assert client.returncode == 1 and "the launcher went away while engine pid" in err, err
@@ -378,7 +386,7 @@ def test_the_launcher_never_holds_a_cuda_context_nor_a_thread_pool(launcher):
 
 
 def _hello(socket_dir: Path) -> dict:
-    from weightcache.core.spare.launch import connect
+    from weightcache.core.cli.launch import connect
     from weightcache.core.wire.protocol import FrameReader, send_frame
 
     sock = connect(socket_dir)
@@ -401,7 +409,7 @@ def _running(pid: int) -> bool:
 
 _LAUNCH_AS_USER = """
 import os, sys
-from weightcache.core.spare import launch
+from weightcache.core.cli import launch
 os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[1]))
 launched = launch.start(["-c", "import os; print(os.getuid(), flush=True)"], sys.argv[3])
 print(launched.wait())
@@ -431,15 +439,15 @@ if child is not None:
     try:
         if proc.stdout.readline() != "ready\n":
             pytest.fail(f"the test user's launcher did not start: {proc.communicate(timeout=60)[1]}")
+        from weightcache.core.cli import launch
         from weightcache.core.errors import AccessDenied
-        from weightcache.core.spare import launch
 
         with pytest.raises(AccessDenied):  # our client will not trust another user's directory...
             launch.connect(socket_dir)
         import socket as socket_module
 
         from weightcache.core.socket_dir import SocketDir
-        from weightcache.core.spare.launch_request import LaunchRequest, launcher_socket
+        from weightcache.core.wire.launch_request import LaunchRequest, launcher_socket
         from weightcache.core.wire.protocol import FrameReader, send_frame
 
         sock = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
@@ -484,6 +492,84 @@ def test_timing_of_a_launch_is_a_fraction_of_an_exec(launcher):
     execd_s = float(execd.stdout) - began
     assert launched.returncode == execd.returncode == 0
     assert launched_s < execd_s / 2, (launched_s, execd_s)
+
+
+def test_the_launch_command_imports_no_other_command_before_the_fork(tmp_path):
+    """`weightcache launch` runs on the engine's clock: it imports its own client and the wire, not the other commands'
+    modules (the server's client, the options, logging's formats), nor looks up an entry point."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", *launch_command(tmp_path / "none", "-c", "pass")[1:]],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "no launcher" in proc.stderr, proc.stderr[-2000:]
+    imported = {line.rpartition("|")[2].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "weightcache.core.cli.launch" in imported
+    others = ("weightcache.core.client", "weightcache.core.server", "weightcache.core.flow", "weightcache.core.spare")
+    others += ("weightcache.core.cli.probe", "weightcache.core.cli.cli_options", "weightcache.core.cli.logformat", "torch")
+    assert not sorted(m for m in imported if m == "importlib.metadata" or m.startswith(others))
+
+
+_ADAPTERS = r"""
+import importlib.metadata, json
+scans = []
+def counted(*args, _original=importlib.metadata.entry_points, **kwargs):
+    scans.append(kwargs.get("group"))
+    return _original(*args, **kwargs)
+importlib.metadata.entry_points = counted
+from weightcache.core.flow.plugins import installed_plugins
+names = sorted(name for name, plugin in installed_plugins().pm.list_name_plugin() if plugin is not None)
+print(json.dumps({"adapters": names, "scanned": "weightcache.adapters" in scans}))
+"""
+EXTRA_ADAPTER = {
+    "wc_extra_adapter.py": (
+        "from weightcache.core.hookspecs import hookimpl\n"
+        "@hookimpl\ndef weightcache_describe(request): ...\n"
+        "@hookimpl\ndef weightcache_load(request, builder): ...\n"
+        "@hookimpl\ndef weightcache_rebind(request, tensors, manifest): ...\n"
+    ),
+    "wc_extra_adapter-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: wc-extra-adapter\nVersion: 1.0\n",
+    "wc_extra_adapter-1.0.dist-info/entry_points.txt": "[weightcache.adapters]\nextra = wc_extra_adapter\n",
+}
+
+
+def _install(directory: Path) -> None:
+    for relative, text in EXTRA_ADAPTER.items():
+        (directory / relative).parent.mkdir(parents=True, exist_ok=True)
+        (directory / relative).write_text(text)
+
+
+def test_the_launchers_adapter_scan_serves_its_engines_until_an_adapter_is_installed_or_removed(tmp_path):
+    """The launcher scans the adapters' entry points once; an engine takes that scan (no scan of its own) while nothing
+    it read changed, and scans itself, as an exec'd engine does, once a distribution was added to or removed from a
+    path entry, where its own first path entry (its working directory) holds one, or where its block-list differs."""
+    site, project = tmp_path / "site", tmp_path / "project"
+    site.mkdir()
+    project.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    started = LauncherProcess(tmp_path / "sock", "--no-warm", env=env)
+
+    def seen(cwd: Path = tmp_path, **kwargs) -> tuple[dict, dict]:  # the checkout's root holds an egg-info
+        launched, execd = both(started, ["-c", _ADAPTERS], capture_output=True, text=True, timeout=300, cwd=cwd, **kwargs)
+        assert launched.returncode == execd.returncode == 0, launched.stderr + execd.stderr
+        return json.loads(launched.stdout), json.loads(execd.stdout)
+
+    try:
+        assert started.ready is not None, started.output()
+        launched, execd = seen(env=env)
+        assert launched == {"adapters": execd["adapters"], "scanned": False} and "hf" in execd["adapters"]
+        _install(site)
+        launched, execd = seen(env=env)
+        assert "extra" in launched["adapters"] and launched == execd == {"adapters": execd["adapters"], "scanned": True}
+        subprocess.run(["rm", "-rf", str(site / "wc_extra_adapter-1.0.dist-info")], check=True)
+        launched, execd = seen(env=env)
+        assert "extra" not in launched["adapters"] and launched == execd
+        _install(project)
+        launched, execd = seen(env=env, cwd=project)
+        assert "extra" in launched["adapters"] and launched == execd
+        launched, execd = seen(env={**env, "WEIGHTCACHE_BLOCK_ADAPTERS": "hf"})
+        assert "hf" not in launched["adapters"] and launched == execd
+    finally:
+        started.stop()
 
 
 _SPAWNING = r"""
