@@ -40,7 +40,7 @@ from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.records import Content, Holding, manifest_sha256
-from weightcache.core.node.fleet.registry import FleetRegistry
+from weightcache.core.node.fleet.registry import FleetRegistry, renew_lease
 from weightcache.core.node.fleet.transport import Region, Transport, transport
 from weightcache.core.node.seeding import check_sizes
 
@@ -178,7 +178,10 @@ class Filling:
         """This fill's lease (granted on first use, renewed until ``close``): its claim and its reader slots."""
         if not self._lease:
             self._lease = registry.store.grant(registry.config.lease_ttl_s)
-            self._keep_alive(registry)
+            self._keeper = threading.Thread(
+                target=renew_lease, args=(registry, lambda: self._lease, self._stop), name="weightcache-fleet-lease", daemon=True
+            )
+            self._keeper.start()
         return self._lease
 
     def _from_holders(
@@ -343,19 +346,6 @@ class Filling:
         except FleetUnavailable as exc:
             log.warning("weightcache: %s", exc)
         self.close()
-
-    def _keep_alive(self, registry: FleetRegistry) -> None:
-        lease, every = self._lease, max(registry.config.lease_ttl_s / 3, 0.5)
-
-        def renew() -> None:
-            while not self._stop.wait(every):
-                try:
-                    registry.store.keepalive(lease)
-                except FleetUnavailable as exc:
-                    log.debug("weightcache: renewing the claim's lease: %s", exc)
-
-        self._keeper = threading.Thread(target=renew, name="weightcache-fleet-lease", daemon=True)
-        self._keeper.start()
 
     def close(self) -> None:
         """Stop renewing and revoke the lease (releasing a claim); close the transport."""

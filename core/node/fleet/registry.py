@@ -8,9 +8,12 @@ wrong byte). Every call is bounded by the store's deadline (FleetUnavailable).
 from __future__ import annotations
 
 import logging
+import threading
+import typing
 
 import attrs
 
+from weightcache.core.errors import FleetUnavailable
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.etcd import EtcdStore
 from weightcache.core.node.fleet.records import Claim, Content, Holding, seal, unseal
@@ -118,3 +121,29 @@ class FleetRegistry:
 
     def claimed(self, content_digest: str) -> bool:
         return self.store.get(self._claim_key(content_digest)) is not None
+
+
+def renew_lease(
+    registry: FleetRegistry,
+    current: typing.Callable[[], int],
+    stop: threading.Event,
+    ran_out: typing.Callable[[int], None] | None = None,
+) -> None:
+    """Renew the lease ``current()`` names every third of the lease's TTL until ``stop`` is set (a thread's target).
+
+    A renewal that times out is logged at debug and tried again next time; a lease that had run out (its keys are
+    gone) is passed to ``ran_out``. ``current()`` is read each time, so its owner may grant a new lease meanwhile;
+    0 means none yet.
+    """
+    every = max(registry.config.lease_ttl_s / 3, 0.2)
+    while not stop.wait(every):
+        lease = current()
+        if not lease:
+            continue
+        try:
+            left = registry.store.keepalive(lease)
+        except FleetUnavailable as exc:
+            log.debug("weightcache: renewing lease %x: %s", lease, exc)
+            continue
+        if left <= 0 and ran_out is not None:
+            ran_out(lease)
