@@ -57,6 +57,8 @@ agent on a loaded 2-core machine took more than 5 s to register and list an entr
 MIN_RATE_BYTES_S: typing.Final = 50 << 20
 """A read slower than this (plus ``READ_GRACE_S``) is abandoned: the holder is gone or stalled."""
 READ_GRACE_S: typing.Final = 10.0
+WAIT_SLOT: typing.Final = "a slot"
+WAIT_RECORD: typing.Final = "the content record"
 
 
 @attrs.frozen
@@ -132,17 +134,24 @@ class Filling:
         deadline = time.monotonic() + config.wait_s
         waiting_for = None
         while True:
-            pulled, busy = self._from_holders(builder, registry, fingerprint, tried)
+            pulled, wait = self._from_holders(builder, registry, fingerprint, tried)
             if pulled is not None:
                 return pulled
-            if busy:  # holders, each serving as many nodes as it may: one finishes soon, or a reader becomes a holder
-                if waiting_for != "a slot":
-                    waiting_for = "a slot"
-                    log.info(
-                        "weightcache: every holder of %s serves %d nodes already; waiting for a free slot",
-                        fingerprint.short,
-                        config.fanout,
-                    )
+            if wait is not None:  # holders that will serve soon: a slot frees, or the content record is listed again
+                if waiting_for != wait:
+                    waiting_for = wait
+                    if wait == WAIT_SLOT:
+                        log.info(
+                            "weightcache: every holder of %s serves %d nodes already; waiting for a free slot",
+                            fingerprint.short,
+                            config.fanout,
+                        )
+                    else:
+                        log.info(
+                            "weightcache: the fleet's record of %s left with the node that wrote it; waiting while "
+                            "a holder lists it again",
+                            fingerprint.short,
+                        )
                 if time.monotonic() > deadline:
                     log.warning(
                         "weightcache: no holder of %s had a free slot for %.0f s; reading the disk (%s)",
@@ -186,8 +195,9 @@ class Filling:
 
     def _from_holders(
         self, builder: "ArenaBuilder", registry: FleetRegistry, fingerprint: Fingerprint, tried: set[str]
-    ) -> tuple[Pulled | None, bool]:
-        """A pull from the first untried holder with a free slot; else None, and whether a holder was only busy."""
+    ) -> tuple[Pulled | None, str | None]:
+        """A pull from the first untried holder with a free slot; else None, and what to wait for before asking again
+        (``WAIT_SLOT``, ``WAIT_RECORD``; None: no holder will serve)."""
         content_digest = fingerprint.content_digest
         holdings, problems = registry.holdings(content_digest)
         holdings = [h for h in holdings if h.node not in tried]
@@ -196,7 +206,7 @@ class Filling:
             self._warned.update(new)
             _warn_left_out(fingerprint, new)
         if not holdings:
-            return None, False
+            return None, None
         try:
             content = registry.content(content_digest)
         except ValueError as exc:
@@ -206,24 +216,24 @@ class Filling:
             if self._recordless_since is None:  # its declarer left: a holder declares it again within a lease's TTL
                 self._recordless_since = time.monotonic()
             if time.monotonic() - self._recordless_since < 2 * registry.config.lease_ttl_s:
-                return None, True
+                return None, WAIT_RECORD
             log.warning(
                 "weightcache: %d nodes list %s but the fleet has no valid record of its arenas; not pulling it",
                 len(holdings),
                 fingerprint.short,
             )
             tried.update(h.node for h in holdings)
-            return None, False
+            return None, None
         random.shuffle(holdings)  # spread the new nodes over every holder: each one that finishes serves too
-        busy = False
+        busy: str | None = None
         for holding in holdings:
             slot = registry.take_slot(content_digest, holding.node, self._leased(registry))
             if slot is None:
-                busy = True
+                busy = WAIT_SLOT
                 continue
             tried.add(holding.node)
             try:
-                return self._pull_one(builder, holding, content), False
+                return self._pull_one(builder, holding, content), None
             except (WeightCacheError, OSError, ValueError, RuntimeError) as exc:
                 failure = _cut(str(exc))
                 self._drop_link()  # first: a read past its deadline may still be landing in the builder's arenas
