@@ -411,15 +411,15 @@ def test_new_nodes_asking_at_once_read_the_disk_once_and_pull_the_rest(fleet, mo
 
 
 def test_a_holder_serves_fanout_nodes_at_once_and_the_rest_wait_for_a_slot(fleet, model_dir):
-    """One holder, three new nodes asking at once, one reader per holder: one pulls at a time from each holder, the
-    others wait for a slot (on it, or on a node that has finished), and none reads the disk."""
+    """One holder, three new nodes asking at once, one reader per holder, no relays: one pulls at a time from each
+    holder, the others wait for a slot (on it, or on a node that has finished), and none reads the disk."""
     etcd, node = fleet
     a = node("a")
     path = model_dir("llama")
     first = load(a, path)
     wait_for(lambda: listed(etcd, first.fingerprint.content_digest) == ["a"], 20, "node a's agent listing its entry")
     nodes = [node(name) for name in ("b", "c", "d")]
-    outputs = _load_at_once(nodes, path, WEIGHTCACHE_FLEET_FANOUT="1")
+    outputs = _load_at_once(nodes, path, WEIGHTCACHE_FLEET_FANOUT="1", WEIGHTCACHE_FLEET_RELAY="0")
     sources = [out.strip().splitlines()[-1] for out, _ in outputs]
     assert all("copied from node" in s for s in sources), _said(outputs)
     waited = [err for _, err in outputs if "waiting for a free slot" in err]

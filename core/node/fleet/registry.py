@@ -16,7 +16,7 @@ import attrs
 from weightcache.core.errors import FleetUnavailable
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.etcd import EtcdStore
-from weightcache.core.node.fleet.records import Claim, Content, Holding, seal, unseal
+from weightcache.core.node.fleet.records import Claim, Content, Holding, Relay, seal, unseal
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ class FleetRegistry:
 
     def _claim_key(self, content_digest: str) -> bytes:
         return self.config.key("claims", content_digest)
+
+    def _relay_key(self, content_digest: str, node: str) -> bytes:
+        return self.config.key("relays", content_digest, node)
 
     def _slot_key(self, content_digest: str, holder: str, index: int) -> bytes:
         return self.config.key("readers", content_digest, holder, str(index))
@@ -118,6 +121,33 @@ class FleetRegistry:
 
     def free_slot(self, key: bytes) -> None:
         self.store.delete(key)
+
+    def relay(self, relay: Relay, lease: int) -> None:
+        """List (or update) this node's relay record under ``lease``: its create revision stays the first put's."""
+        key = self._relay_key(relay.fingerprint.content_digest, relay.node)
+        self.store.put(key, seal(key, relay.to_json(), self.config.secret), lease)
+
+    def relays(self, content_digest: str) -> tuple[list[Relay], list[str]]:
+        """The valid relay records of ``content_digest`` (this node's too), oldest first, and a line per one left out."""
+        prefix = self.config.key("relays", content_digest) + b"/"
+        found, problems = [], []
+        for item in self.store.range(prefix):
+            node = item.key[len(prefix) :].decode(errors="replace")
+            try:
+                relay = Relay.from_json(unseal(item.key, item.value, self.config.secret), item.create_revision)
+                if relay.node != node:
+                    raise ValueError(f"it names node {relay.node!r}")
+                if relay.fingerprint.content_digest != content_digest:
+                    raise ValueError("it relays another content than its key names")
+            except ValueError as exc:
+                problems.append(f"relay {node}: {exc}")
+                continue
+            found.append(relay)
+        return sorted(found, key=lambda relay: relay.revision), problems
+
+    def drop_relay(self, content_digest: str) -> None:
+        """Remove this node's relay record of ``content_digest``."""
+        self.store.delete(self._relay_key(content_digest, self.config.node))
 
     def claimed(self, content_digest: str) -> bool:
         return self.store.get(self._claim_key(content_digest)) is not None

@@ -32,7 +32,7 @@ from weightcache.core.fingerprint import canonical_json
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.records import Content, Holding, manifest_sha256
 from weightcache.core.node.fleet.registry import FleetRegistry, renew_lease
-from weightcache.core.node.fleet.transport import Region, Transport, transport
+from weightcache.core.node.fleet.transport import Region, Transport, region_of_arena, transport
 from weightcache.core.socket_dir import SocketDir
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class Sharer:
             data = canonical_json(attachment.manifest.to_json()).encode()
             buffer = ctypes.create_string_buffer(data, len(data))
             manifest_region = Region(ctypes.addressof(buffer), len(data))
-            arenas = [_region_of(arena) for arena in attachment.arenas]
+            arenas = [region_of_arena(arena) for arena in attachment.arenas]
             reach = self.link.share([manifest_region, *arenas])
             sha = manifest_sha256(data)
             mine = Content(
@@ -209,11 +209,3 @@ class Sharer:
             self.link.unshare([shared.holding.manifest, *shared.holding.arenas])
             shared.attachment.close()
         self.link.close()
-
-
-def _region_of(arena: typing.Any) -> Region:
-    """The region of a mapped arena: host memory, or the GPU memory it is mapped on in this process."""
-    if arena.spec.backend == "cuda":
-        view = arena.bytes_view()
-        return Region(view.data_ptr(), arena.spec.size, view.device.index, "VRAM")
-    return Region(arena.address, arena.spec.size)
