@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -115,8 +116,9 @@ def load(node: Node, model) -> Published:
 
 
 LOAD_ON_NODE = """
-import json, logging, sys
-logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+import json, logging, os, sys
+level = os.environ.get("WEIGHTCACHE_TEST_LOG_LEVEL", "INFO")
+logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 from weightcache.core.flow.loader import prepare, publish
 from weightcache.core.request import LoadRequest
 published = publish(prepare(LoadRequest(model=sys.argv[1])), sys.argv[2])
@@ -447,3 +449,141 @@ def _load_at_once(nodes: list[Node], path, **extra_env: str) -> list[tuple[str, 
                 proc.communicate(timeout=30)
     assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outputs]
     return outputs
+
+
+CHUNK_BYTES = 256 << 10
+"""The holder's arenas in the relay tests: the test model's 1.6 MiB in several arenas, so that a chain has steps."""
+ARENA_LINE = re.compile(r"arena (\d+) of \S+ from (relay|node) (\S+)(?: \((\d+) of (\d+) checked\))?")
+
+
+@attrs.frozen
+class ArenaRead:
+    """One arena of a pull, from its log: its index, its source node, whether a relay served it, and how many arenas
+    that relay had checked then (the whole entry for a holder)."""
+
+    index: int
+    node: str
+    relay: bool
+    verified: int
+    total: int
+
+
+def arena_reads(log: str) -> list[ArenaRead]:
+    """Each arena a pull read, from its debug lines (``arena 3 of ... from relay b (4 of 7 checked)``)."""
+    reads = []
+    for line in log.splitlines():
+        found = ARENA_LINE.search(line)
+        if found and "DEBUG" in line:
+            index, kind, node, verified, total = found.groups()
+            relay = kind == "relay"
+            reads.append(ArenaRead(int(index), node, relay, int(verified or 0), int(total or 0)))
+    return reads
+
+
+def relay_records(etcd: Etcd, content: str) -> dict[str, int]:
+    """Each relay record of ``content``: node -> arenas it says it has checked."""
+    return {relay.node: relay.verified for relay in registry(etcd).relays(content)[0]}
+
+
+def keys_under(etcd: Etcd, kind: str) -> list[bytes]:
+    return [item.key for item in registry(etcd).store.range(f"/weightcache/{kind}/".encode())]
+
+
+def holder_with_arenas(node_factory, fleet, model_dir) -> tuple[Node, Published, int]:
+    """Node a, sharing the test model loaded from the disk in arenas of ``CHUNK_BYTES``, listed; and its arenas."""
+    a = node_factory("a")
+    if a.net.namespace is None:
+        pytest.skip(f"no network namespaces here ({fleet.network.describe()}): no link to slow down")
+    path = model_dir("llama")
+    first = publish(prepare(LoadRequest(model=str(path))), a.socket_dir, chunk_bytes=CHUNK_BYTES)
+    arenas = len(first.manifest.arenas)
+    assert arenas >= 4, f"the test model fills {arenas} arenas of {CHUNK_BYTES} bytes; the chain needs several"
+    wait_for(lambda: listed(fleet.etcd, first.fingerprint.content_digest) == ["a"], 20, "node a's agent listing its entry")
+    return a, first, arenas
+
+
+def slow_sending(node: Node, rate: str) -> None:
+    """Slow what ``node`` sends to ``rate`` (tc on its end of its veth, in its namespace); a short queue keeps its
+    registry calls timely."""
+    shaped = ["tc", "qdisc", "add", "dev", node.net.device, "root", "tbf", "rate", rate, "burst", "16kb", "latency", "400ms"]
+    done = subprocess.run(node.net.command(shaped), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+
+
+def test_new_nodes_at_once_pull_as_a_chain_each_from_the_relay_ahead_before_it_published(network_fleet, model_dir):
+    """Three new nodes ask at once while the holder's link is slow: one reads the holder, each of the others reads
+    arenas from the relay ahead of it while that relay is still pulling (so before it published), every arena is
+    checked, and every record of the pulls leaves with its fill's lease."""
+    fleet, node = network_fleet
+    a, first, arenas = holder_with_arenas(node, fleet, model_dir)
+    slow_sending(a, "4mbit")  # the chain's head reads about one arena a second
+    nodes = [node(name) for name in ("b", "c", "d")]
+    outputs = _load_at_once(nodes, model_dir("llama"))
+    sources = [out.strip().splitlines()[-1] for out, _ in outputs]
+    assert all("copied from node" in s for s in sources), _said(outputs)
+    reads = {n.name: arena_reads(err) for n, (_, err) in zip(nodes, outputs, strict=True)}
+    for name, read in reads.items():
+        assert sorted(r.index for r in read) == list(range(arenas)), (name, read)
+    early = [(name, r) for name, read in reads.items() for r in read if r.relay and r.verified < r.total]
+    assert early, f"no arena came from a relay that was still pulling: {reads}"
+    assert sum(all(not r.relay and r.node == "a" for r in read) for read in reads.values()) <= 1, reads
+    assert {e["digest"] for n in nodes for e in entries(n)} == {first.digest}
+    assert keys_under(fleet.etcd, "relays") == [] and keys_under(fleet.etcd, "readers") == []
+
+
+def test_a_relay_killed_mid_chain_sends_the_node_behind_it_to_the_holder_and_publishes_nothing(network_fleet, model_dir):
+    fleet, node = network_fleet
+    a, first, arenas = holder_with_arenas(node, fleet, model_dir)
+    content = first.fingerprint.content_digest
+    slow_sending(a, "2mbit")
+    b, c = node("b"), node("c")
+    path = model_dir("llama")
+    heading = b.load_process(path)
+    behind = None
+    try:
+        wait_for(lambda: relay_records(fleet.etcd, content).get("b", 0) >= 1, 60, "node b checking its first arena")
+        behind = c.load_process(path)
+        wait_for(lambda: relay_records(fleet.etcd, content).get("c", 0) >= 1, 60, "node c reading from relay b")
+        assert relay_records(fleet.etcd, content)["b"] < arenas, "node b finished before it could be killed mid-chain"
+        heading.kill()
+        out, err = behind.communicate(timeout=240)
+    finally:
+        for proc in (heading, behind):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            if proc is not None:
+                proc.communicate(timeout=30)
+    assert behind.returncode == 0 and "copied from node" in out.strip().splitlines()[-1], err[-3000:]
+    read = arena_reads(err)
+    assert sorted(r.index for r in read) == list(range(arenas)), read
+    assert read[0].relay and read[0].node == "b", read
+    assert not read[-1].relay and read[-1].node == "a", read
+    assert entries(b) == [], "node b was killed before it published: it holds nothing"
+    assert [e["digest"] for e in entries(c)] == [first.digest]
+    assert_attaches_like_from_pretrained(path, c.socket_dir, "float32", None)
+    wait_for(lambda: keys_under(fleet.etcd, "relays") == [], LEASE_TTL_S + 10, "node b's relay record leaving with its lease")
+    assert keys_under(fleet.etcd, "readers") == []
+
+
+def test_a_relay_serving_other_bytes_is_caught_by_the_checksum_and_the_holder_serves(network_fleet, model_dir, tmp_path):
+    """The liar lists a relay record ahead of the puller (every arena checked, it says) and serves the true manifest
+    with other bytes: arena 0 fails its checksum, nothing of it is kept, and the holder serves every arena."""
+    fleet, node = network_fleet
+    honest = node("honest")
+    path = model_dir("llama")
+    first = load(honest, path)
+    wait_for(lambda: listed(fleet.etcd, first.fingerprint.content_digest) == ["honest"], 20, "the honest node listed")
+    spec = {**_holder_spec(fleet.etcd, "liar", honest, first.fingerprint, True, tmp_path), "relay": True, "content": None}
+    liar = start_holder(spec, tmp_path, fleet.network.node("liar"))
+    try:
+        assert list(relay_records(fleet.etcd, first.fingerprint.content_digest)) == ["liar"]
+        b = node("b")
+        published = load_on(b, path, WEIGHTCACHE_TEST_LOG_LEVEL="DEBUG")
+    finally:
+        stop(liar)
+    assert published.kind == "node" and published.source.startswith("node honest over"), published.log[-3000:]
+    failed = published.lines("from relay liar failed")
+    assert len(failed) == 1 and "checksum" in failed[0], published.log[-3000:]
+    assert {r.node for r in arena_reads(published.log)} == {"honest"}
+    assert published.digest == first.digest
+    assert_attaches_like_from_pretrained(path, b.socket_dir, "float32", None)
