@@ -61,6 +61,7 @@ def worker(args: argparse.Namespace) -> None:
                 arenas.append(str(record.args[2]))
 
     logging.basicConfig(level=logging.WARNING, format="worker: %(message)s")  # a failed pull says why, on stderr
+    logging.getLogger().handlers[0].setLevel(logging.WARNING)  # the pull's INFO and DEBUG lines go to PullSteps only
     for name, level in (("pull", logging.INFO), ("chain", logging.DEBUG)):
         logger = logging.getLogger(f"weightcache.core.node.fleet.{name}")
         logger.addHandler(PullSteps())

@@ -261,6 +261,25 @@ def stop(proc: subprocess.Popen) -> None:
     proc.communicate(timeout=30)
 
 
+def test_a_holder_whose_content_record_left_is_waited_for_with_its_own_line(network_fleet, model_dir, tmp_path):
+    """A holder listed without a content record (its declarer left): the puller says it waits for the record, not for
+    a slot, gives the holder two lease TTLs to list it again, then reads the disk."""
+    fleet, node = network_fleet
+    honest, b = node("honest", share=False), node("b")
+    path = model_dir("llama")
+    first = load(honest, path)
+    spec = {**_holder_spec(fleet.etcd, "recordless", honest, first.fingerprint, False, tmp_path), "content": None}
+    holder = start_holder(spec, tmp_path, fleet.network.node("recordless"))
+    try:
+        published = load_on(b, path)
+    finally:
+        stop(holder)
+    assert published.kind == "disk", published.log[-3000:]
+    assert len(published.lines("waiting while a holder lists it again")) == 1, published.log[-3000:]
+    assert not published.lines("free slot"), published.log[-3000:]
+    assert published.lines("no valid record of its arenas"), published.log[-3000:]
+
+
 def test_a_lying_node_is_caught_by_the_checksums_and_the_disk_is_read(network_fleet, model_dir, tmp_path):
     """The liar lists the content, declares its true manifest, and serves other bytes: nothing of it is published."""
     fleet, node = network_fleet
