@@ -15,6 +15,7 @@ the caller reads the disk.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import json
 import logging
@@ -121,7 +122,10 @@ class ChainedPull:
                 slots = [self.builder.add_arena(spec.size) for spec in manifest.arenas]
                 landing = [staging.add_arena(spec.size) for spec in manifest.arenas] if self.staged else slots
                 for index, slot in enumerate(slots):
-                    self._step(index, lambda served, i=index, s=slot: self._read_arena(served, i, s, staging, landing[i]))
+                    self._step(
+                        index,
+                        functools.partial(self._read_arena, index=index, slot=slot, staging=staging, landing=landing[index]),
+                    )
         finally:
             self._free_slot()
         path = f"host-staged ({self.path}, then host to GPU)" if self.staged else self.path
@@ -294,7 +298,9 @@ class ChainedPull:
             old = self.builder.replace_arena(index)
             if old is not None:
                 old.close()  # the read finished: nothing writes into it any more
-            raise ChecksumMismatch(index, served.name, checksum, spec.checksum, "nothing of it was kept; another node is asked")
+            raise ChecksumMismatch(
+                index, served.name, checksum, str(spec.checksum), "nothing of it was kept; another node is asked"
+            )
         self.path = path
         source = ArenaSource(served.node, served.relay, served.verified)
         self.sources.append(source)

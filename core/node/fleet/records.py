@@ -72,6 +72,18 @@ def _sha256(value: object, what: str) -> str:
     return value
 
 
+def _reach(value: object) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_RECORD_BYTES:
+        raise ValueError("reach must be a non-empty string")
+    return value
+
+
+def _regions(value: object, least: int) -> tuple[Region, ...]:
+    if not isinstance(value, list) or not least <= len(value) <= MAX_ARENAS:
+        raise ValueError(f"arenas must be a list of {least} to {MAX_ARENAS} regions")
+    return tuple(Region.from_json(region) for region in value)
+
+
 def manifest_sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -154,20 +166,14 @@ class Holding:
 
     @classmethod
     def from_json(cls, data: dict) -> "Holding":
-        arenas = data.get("arenas")
-        if not isinstance(arenas, list) or not 0 < len(arenas) <= MAX_ARENAS:
-            raise ValueError(f"arenas must be a list of 1 to {MAX_ARENAS} regions")
-        reach = data.get("reach")
-        if not isinstance(reach, str) or not 0 < len(reach) <= MAX_RECORD_BYTES:
-            raise ValueError("reach must be a non-empty string")
         return cls(
             _name(data.get("node"), "node"),
             Fingerprint.from_json(data.get("fingerprint")),  # type: ignore[arg-type]
             _sha256(data.get("manifest_sha256"), "manifest_sha256"),
             _name(data.get("transport"), "transport"),
-            reach,
+            _reach(data.get("reach")),
             Region.from_json(data.get("manifest")),
-            tuple(Region.from_json(region) for region in arenas),
+            _regions(data.get("arenas"), 1),
         )
 
 
@@ -217,21 +223,16 @@ class Relay:
 
     @classmethod
     def from_json(cls, data: dict, revision: int = 0) -> "Relay":
-        arenas = data.get("arenas")
-        if not isinstance(arenas, list) or len(arenas) > MAX_ARENAS:
-            raise ValueError(f"arenas must be a list of at most {MAX_ARENAS} regions")
+        arenas = _regions(data.get("arenas"), 0)
         if data.get("verified") != len(arenas):
             raise ValueError(f"it says {data.get('verified')!r:.20} arenas are verified and lists {len(arenas)}")
-        reach = data.get("reach")
-        if not isinstance(reach, str) or not 0 < len(reach) <= MAX_RECORD_BYTES:
-            raise ValueError("reach must be a non-empty string")
         manifest = data.get("manifest")
         return cls(
             _name(data.get("node"), "node"),
             Fingerprint.from_json(data.get("fingerprint")),  # type: ignore[arg-type]
             _name(data.get("transport"), "transport"),
-            reach,
+            _reach(data.get("reach")),
             None if manifest is None else Region.from_json(manifest),
-            tuple(Region.from_json(region) for region in arenas),
+            arenas,
             revision,
         )

@@ -15,10 +15,12 @@ import attrs
 
 from weightcache.core.errors import FleetUnavailable
 from weightcache.core.node.fleet.config import FleetConfig
-from weightcache.core.node.fleet.etcd import EtcdStore
+from weightcache.core.node.fleet.etcd import EtcdStore, KeyValue
 from weightcache.core.node.fleet.records import Claim, Content, Holding, Relay, seal, unseal
 
 log = logging.getLogger(__name__)
+
+Record = typing.TypeVar("Record", Holding, Relay)
 
 
 @attrs.define
@@ -70,21 +72,28 @@ class FleetRegistry:
 
     def holdings(self, content_digest: str) -> tuple[list[Holding], list[str]]:
         """The valid holdings of ``content_digest`` (other nodes' only), and a line per record left out."""
-        prefix = self.config.key("holders", content_digest) + b"/"
+        found, problems = self._records("holders", content_digest, lambda body, _: Holding.from_json(body), "node")
+        return [holding for holding in found if holding.node != self.config.node], problems
+
+    def _records(
+        self, kind: str, content_digest: str, parse: typing.Callable[[dict, KeyValue], Record], label: str
+    ) -> tuple[list[Record], list[str]]:
+        """Every valid record under ``kind/<content>/<node>``, parsed by ``parse(body, item)`` and checked to name its
+        key's node and content; and a line per record left out (``label node: why``)."""
+        prefix = self.config.key(kind, content_digest) + b"/"
         found, problems = [], []
         for item in self.store.range(prefix):
             node = item.key[len(prefix) :].decode(errors="replace")
             try:
-                holding = Holding.from_json(unseal(item.key, item.value, self.config.secret))
-                if holding.node != node:
-                    raise ValueError(f"it names node {holding.node!r}")
-                if holding.fingerprint.content_digest != content_digest:
-                    raise ValueError("it holds another content than its key names")
+                record = parse(unseal(item.key, item.value, self.config.secret), item)
+                if record.node != node:
+                    raise ValueError(f"it names node {record.node!r}")
+                if record.fingerprint.content_digest != content_digest:
+                    raise ValueError("it names another content than its key")
             except ValueError as exc:
-                problems.append(f"node {node}: {exc}")
+                problems.append(f"{label} {node}: {exc}")
                 continue
-            if holding.node != self.config.node:
-                found.append(holding)
+            found.append(record)
         return found, problems
 
     def hold(self, holding: Holding, lease: int) -> None:
@@ -129,20 +138,9 @@ class FleetRegistry:
 
     def relays(self, content_digest: str) -> tuple[list[Relay], list[str]]:
         """The valid relay records of ``content_digest`` (this node's too), oldest first, and a line per one left out."""
-        prefix = self.config.key("relays", content_digest) + b"/"
-        found, problems = [], []
-        for item in self.store.range(prefix):
-            node = item.key[len(prefix) :].decode(errors="replace")
-            try:
-                relay = Relay.from_json(unseal(item.key, item.value, self.config.secret), item.create_revision)
-                if relay.node != node:
-                    raise ValueError(f"it names node {relay.node!r}")
-                if relay.fingerprint.content_digest != content_digest:
-                    raise ValueError("it relays another content than its key names")
-            except ValueError as exc:
-                problems.append(f"relay {node}: {exc}")
-                continue
-            found.append(relay)
+        found, problems = self._records(
+            "relays", content_digest, lambda body, item: Relay.from_json(body, item.create_revision), "relay"
+        )
         return sorted(found, key=lambda relay: relay.revision), problems
 
     def drop_relay(self, content_digest: str) -> None:
