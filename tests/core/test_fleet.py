@@ -598,8 +598,18 @@ def test_a_relay_serving_other_bytes_is_caught_by_the_checksum_and_the_holder_se
         assert list(relay_records(fleet.etcd, first.fingerprint.content_digest)) == ["liar"]
         b = node("b")
         published = load_on(b, path, WEIGHTCACHE_TEST_LOG_LEVEL="DEBUG")
+        shown = zygote.run(
+            [sys.executable, "-m", "weightcache.core.cli.cli", "fleet", "list"],
+            env=b.env(),
+            capture_output=True,
+            text=True,
+            **b.net.popen_args(),
+        )
     finally:
         stop(liar)
+    arenas = len(spec["sizes"])
+    relayed = f"/relays/{first.fingerprint.content_digest}/liar: node liar pulls it and serves the {arenas} arenas"
+    assert shown.returncode == 0 and any(relayed in line for line in shown.stdout.splitlines()), shown.stdout
     assert published.kind == "node" and published.source.startswith("node honest over"), published.log[-3000:]
     failed = published.lines("from relay liar failed")
     assert len(failed) == 1 and "checksum" in failed[0], published.log[-3000:]
