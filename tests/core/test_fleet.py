@@ -545,10 +545,13 @@ def test_new_nodes_at_once_pull_as_a_chain_each_from_the_relay_ahead_before_it_p
     a, first, arenas = holder_with_arenas(node, fleet, model_dir)
     slow_sending(a, "4mbit", fleet.etcd)  # the chain's head reads about one arena a second
     nodes = [node(name) for name in ("b", "c", "d")]
+    content = first.fingerprint.content_digest
+    wait_for(lambda: listed(fleet.etcd, content) == ["a"], 20, "node a listed still")  # its lease held while they started
     outputs = _load_at_once(nodes, model_dir("llama"))
     sources = [out.strip().splitlines()[-1] for out, _ in outputs]
     if not all("copied from node" in s for s in sources):  # the whole story: which node read the disk, and why
-        pytest.fail("\n\n".join("\n".join(lines) for lines in _said(outputs)))
+        agent = "\n".join(a.sharer_output().splitlines()[-40:])
+        pytest.fail("\n\n".join("\n".join(lines) for lines in _said(outputs)) + f"\n\nnode a's agent:\n{agent}")
     reads = {n.name: arena_reads(err) for n, (_, err) in zip(nodes, outputs, strict=True)}
     for name, read in reads.items():
         assert sorted(r.index for r in read) == list(range(arenas)), (name, read)
@@ -566,6 +569,7 @@ def test_a_relay_killed_mid_chain_sends_the_node_behind_it_to_the_holder_and_pub
     slow_sending(a, "2mbit", fleet.etcd)
     b, c = node("b"), node("c")
     path = model_dir("llama")
+    wait_for(lambda: listed(fleet.etcd, content) == ["a"], 20, "node a listed still")  # its lease held while they started
     heading = b.load_process(path)
     behind = None
     try:
