@@ -1,6 +1,7 @@
 """A fleet on one machine: N nodes (servers with their sharing agents, etcd from its package), one checkpoint.
 
     python3 benchmarks/fleet.py --nodes 2 4 8 --json OUT.json          # node 0 reads the disk, then the rest at once
+    python3 benchmarks/fleet.py --nodes 8 --no-relay                    # holders only (reader slots: a tree)
     python3 benchmarks/fleet.py --nodes 4 --together                    # all N start at once: the claim picks the reader
     python3 benchmarks/fleet.py --nodes 2 --device cuda:0 --peer-device cuda:1   # a checkpoint, node 1 on GPU 1
     python3 benchmarks/fleet.py --gpu-pair --gib 16 --json OUT.json     # 16 GiB GPU 0 -> GPU 1: NIXL beside peer copy
@@ -9,8 +10,11 @@ Each node's loader is a worker process that imports everything first (``ready``)
 loads on ``go``: the figures are the loads themselves (``weightcache.core.flow.loader.publish``
 with the fleet in the environment), not Python's start. For each N it prints one node's
 fill from the disk, the time for the other N-1 nodes to fill at once from their peers
-(first ``go`` to last publish), each node's source, and the checkpoint bytes read from
-storage (the nodes whose source was the disk, times the checkpoint's size). Every pull is
+(first ``go`` to last publish), each node's source, where the pullers' arenas came from
+(relays, and how many of those while the relay was still pulling; holders), and the
+checkpoint bytes read from storage (the nodes whose source was the disk, times the
+checkpoint's size). Node 0 reads the disk into arenas of ``--chunk-mib`` (every puller
+copies its layout), so that a chain of relays has arenas to pass on. Every pull is
 verified (manifest sha256 and every arena's checksum on the puller) before it is published.
 
 Each node (its server, its sharing agent, its loader) runs in a network namespace of its own
@@ -42,29 +46,38 @@ def worker(args: argparse.Namespace) -> None:
     from weightcache.core.request import LoadRequest
 
     steps: dict[str, float] = {}
+    arenas: list[str] = []
 
     class PullSteps(logging.Handler):
-        """The pull's own steps, from its log line (``pulled ... (N bytes in READ s, verified in VERIFY s)``)."""
+        """The pull's own steps, from its log lines: ``pulled ... (N bytes in READ s, verified in VERIFY s)``, and
+        ``arena I of ... from SOURCE`` for each arena."""
 
         def emit(self, record: logging.LogRecord) -> None:
-            if record.msg.startswith("weightcache: pulled") and isinstance(record.args, tuple):
+            if not isinstance(record.args, tuple):
+                return
+            if record.msg.startswith("weightcache: pulled"):
                 steps.update(read_s=float(record.args[4]), verify_s=float(record.args[5]))
+            elif record.msg.startswith("weightcache: arena %d of"):
+                arenas.append(str(record.args[2]))
 
     logging.basicConfig(level=logging.WARNING, format="worker: %(message)s")  # a failed pull says why, on stderr
-    logging.getLogger("weightcache.core.node.fleet.pull").addHandler(PullSteps())
-    logging.getLogger("weightcache.core.node.fleet.pull").setLevel(logging.INFO)
+    logging.getLogger().handlers[0].setLevel(logging.WARNING)  # the pull's INFO and DEBUG lines go to PullSteps only
+    for name, level in (("pull", logging.INFO), ("chain", logging.DEBUG)):
+        logger = logging.getLogger(f"weightcache.core.node.fleet.{name}")
+        logger.addHandler(PullSteps())
+        logger.setLevel(level)
     prepared = prepare(LoadRequest(model=args.model, device=args.device, dtype="bfloat16"))
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return
     start = time.perf_counter()
-    published = publish(prepared, args.socket_dir)
+    published = publish(prepared, args.socket_dir, chunk_bytes=args.chunk_mib << 20)
     seconds = time.perf_counter() - start
     timings = {**published.timings, **{f"pull_{k}": v for k, v in steps.items()}}
-    print(json.dumps({"source": published.source, "seconds": seconds, "timings": timings}), flush=True)
+    print(json.dumps({"source": published.source, "seconds": seconds, "timings": timings, "arenas": arenas}), flush=True)
 
 
-def run_fleet(n: int, model: Path, together: bool, device: str, peer_device: str) -> dict:
+def run_fleet(n: int, model: Path, together: bool, device: str, peer_device: str, chunk_mib: int, relay: bool) -> dict:
     from tests.core.fleet_support import Fleet, Node, wait_for
     from weightcache.core.node.fleet.config import FleetConfig
     from weightcache.core.node.fleet.registry import FleetRegistry
@@ -80,8 +93,9 @@ def run_fleet(n: int, model: Path, together: bool, device: str, peer_device: str
             nodes.append(node)
             node.share()
         for index, node in enumerate(nodes):
-            env = {**node.env(), "PYTHONPATH": str(ROOT)}
+            env = {**node.env(), "PYTHONPATH": str(ROOT), "WEIGHTCACHE_FLEET_RELAY": "1" if relay else "0"}
             command = [sys.executable, __file__, "--worker", "--model", str(model), "--socket-dir", str(node.socket_dir)]
+            command += ["--chunk-mib", str(chunk_mib)]
             command += ["--device", device if index == 0 else peer_device]
             workers.append(
                 subprocess.Popen(node.net.command(command), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -119,6 +133,8 @@ def run_fleet(n: int, model: Path, together: bool, device: str, peer_device: str
             "network": fleet.network.describe(),
             "load_average": [load_before, os.getloadavg()[0]],
             "together": together,
+            "relay": relay,
+            "chunk_mib": chunk_mib,
             "checkpoint_bytes": size,
             "first_fill_s": first_s,
             "rest_fill_s": rest_s,
@@ -178,6 +194,12 @@ def gpu_pair(gib: float, tensors: int) -> dict:
         etcd.close()
 
 
+def _still_pulling(source: str) -> bool:
+    """Whether an arena's source (``relay b (3 of 20 checked)``) had not checked every arena yet: not published."""
+    checked, _, total = source.rpartition("(")[2].removesuffix(" checked)").partition(" of ")
+    return checked.isdigit() and total.isdigit() and int(checked) < int(total)
+
+
 def _line(proc: subprocess.Popen, wanted) -> str:
     """The first line of ``proc``'s output that is ``wanted`` (NIXL logs lines of its own on stdout)."""
     for line in proc.stdout:
@@ -193,6 +215,8 @@ def main() -> None:
     parser.add_argument("--kind", default="llama-gpu", help="tests/models.py checkpoint kind (default: 161 MiB in bf16)")
     parser.add_argument("--device", default="cpu", help="node 0's device (default: cpu)")
     parser.add_argument("--peer-device", default=None, help="the other nodes' device (default: --device)")
+    parser.add_argument("--chunk-mib", type=int, default=8, help="node 0's arena size from the disk (default 8 MiB)")
+    parser.add_argument("--no-relay", action="store_true", help="pullers read from full holders only (WEIGHTCACHE_FLEET_RELAY=0)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--gpu-pair", action="store_true", help="GPU 0 -> GPU 1 through NIXL beside the CUDA peer copy")
     parser.add_argument("--gib", type=float, default=16.0, help="--gpu-pair: the synthetic entry's size (default 16)")
@@ -222,7 +246,7 @@ def main() -> None:
     save_random_model(args.kind, model, dtype="bfloat16")
     rows = []
     for n in args.nodes:
-        row = run_fleet(n, model, args.together, args.device, args.peer_device or args.device)
+        row = run_fleet(n, model, args.together, args.device, args.peer_device or args.device, args.chunk_mib, not args.no_relay)
         rows.append(row)
         sources = ", ".join(r["source"].split(" over ")[0] for r in row["per_node"])
         print(
@@ -234,6 +258,15 @@ def main() -> None:
         paths = {r["source"].split(" over ", 1)[1] for r in row["per_node"] if " over " in r["source"]}
         if paths:
             print(f"      path: {'; '.join(sorted(paths))}", flush=True)
+        served = [source for r in row["per_node"] for source in r["arenas"]]
+        if served:
+            relayed = [s for s in served if s.startswith("relay ")]
+            early = [s for s in relayed if _still_pulling(s)]
+            print(
+                f"      arenas ({len(served)} pulled): from relays {len(relayed)} ({len(early)} while the relay still "
+                f"pulled), from holders {len(served) - len(relayed)}",
+                flush=True,
+            )
         steps = [r["timings"] for r in row["per_node"] if "pull_read_s" in r["timings"]]
         if steps:
             reads, checks = [t["pull_read_s"] for t in steps], [t["pull_verify_s"] for t in steps]

@@ -1,7 +1,7 @@
 """``weightcache fleet``: a node's part in a fleet that finds entries through etcd and pulls them over NIXL.
 
     weightcache fleet share [--socket-dir S]     share this node's entries (runs beside the server)
-    weightcache fleet list                       what the registry lists: contents, holders, claims
+    weightcache fleet list                       what the registry lists: contents, holders, claims, relays, readers
 
 The fleet is named by the environment (``WEIGHTCACHE_FLEET_ETCD``, the shared secret in
 ``WEIGHTCACHE_FLEET_SECRET_FILE``, ``WEIGHTCACHE_FLEET_NODE``; docs/operations.md, "A fleet").
@@ -31,7 +31,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     share = actions.add_parser("share", help="share this node's entries until the server stops (run beside the server)")
     add_socket_dir(share)
     share.add_argument("--transport", default="nixl", help="how peers read the arenas (default: nixl)")
-    actions.add_parser("list", help="list the contents the registry knows, their holders and claims")
+    actions.add_parser("list", help="list the contents the registry knows, their holders, claims, relays and readers")
     return parser
 
 
@@ -54,11 +54,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _list(config) -> int:
-    from weightcache.core.node.fleet.records import Claim, Content, Holding, unseal
+    from weightcache.core.node.fleet.records import Claim, Content, Holding, Relay, unseal
     from weightcache.core.node.fleet.registry import FleetRegistry
 
     registry = FleetRegistry(config)
-    kinds = {"content": Content, "holders": Holding, "claims": Claim}
+    kinds = {"content": Content, "holders": Holding, "claims": Claim, "relays": Relay, "readers": Claim}
     for item in registry.store.range(config.key("")):
         name = item.key.decode(errors="replace")
         kind = name[len(config.prefix) + 1 :].split("/", 1)[0]
@@ -73,6 +73,10 @@ def _list(config) -> int:
             )
         elif isinstance(record, Content):
             print(f"{name}: {len(record.arenas)} arenas, {record.nbytes} bytes, first published by node {record.origin}")
+        elif isinstance(record, Relay):
+            print(f"{name}: node {record.node} pulls it and serves the {record.verified} arenas it has checked")
+        elif kind == "readers":
+            print(f"{name}: node {record.node} reads from this holder")
         else:
             print(f"{name}: node {record.node} reads it from the disk")
     return 0

@@ -152,11 +152,30 @@ class ArenaBuilder:
         Idempotent: an arena sealed and checksummed once is left as it is. The checksum
         runs where the arena lives (on its GPU for a CUDA arena).
         """
-        for arena in self.arenas:
-            if arena.spec.checksum is None:
-                self.backend.seal(arena)
-                arena.spec = attrs.evolve(arena.spec, checksum=checksum(arena.bytes_view()))
+        for index in range(len(self.arenas)):
+            self.seal_arena(index)
         self._sealed = True
+
+    def seal_arena(self, index: int) -> ArenaSpec:
+        """Make arena ``index`` final and checksum its bytes, alone (a copy checked arena by arena); its spec.
+
+        Idempotent like ``seal``; the other arenas stay writable. Views of this arena must be dropped by now.
+        """
+        arena = self._arenas[index]
+        if arena is None:
+            raise RuntimeError(f"arena {index} was planned but never filled")
+        if arena.spec.checksum is None:
+            self.backend.seal(arena)
+            arena.spec = attrs.evolve(arena.spec, checksum=checksum(arena.bytes_view()))
+        return arena.spec
+
+    def replace_arena(self, index: int) -> "Arena | None":
+        """Plan arena ``index`` afresh, empty and of the same size (a copy into it failed or did not match); returns
+        the arena it held, which the caller closes once nothing can write into it any more."""
+        if self._sealed:
+            raise ArenaError(f"cannot replace arena {index}: the arenas are sealed")
+        old, self._arenas[index] = self._arenas[index], None
+        return old
 
     def check_copy(self, declared: "typing.Sequence[ArenaSpec]", source: str) -> list[ArenaSpec]:
         """Seal, then the arenas' specs if their bytes are what ``source`` ``declared`` (ChecksumMismatch otherwise)."""

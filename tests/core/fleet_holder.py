@@ -4,8 +4,9 @@
 
 SPEC: ``etcd``, ``node``, ``secret``, ``fingerprint`` (JSON), ``manifest`` (the manifest's canonical JSON text it
 serves), ``arenas`` (one file per arena whose bytes it serves, or ``null`` for random bytes of ``sizes[i]``),
-``sizes``, and ``content`` (a content record to declare first, or ``null``). It registers the manifest and the arenas
-with the real NIXL transport, writes its holding under a lease it renews, prints ``ready`` and waits to be killed.
+``sizes``, ``content`` (a content record to declare first, or ``null``) and ``relay`` (optional: list a relay record
+that says every arena is checked, instead of a holding). It registers the manifest and the arenas with the real NIXL
+transport, writes its record under a lease it renews, prints ``ready`` and waits to be killed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.nixl import NixlTransport
-from weightcache.core.node.fleet.records import Content, Holding, manifest_sha256
+from weightcache.core.node.fleet.records import Content, Holding, Relay, manifest_sha256
 from weightcache.core.node.fleet.registry import FleetRegistry
 from weightcache.core.node.fleet.transport import Region
 
@@ -45,8 +46,11 @@ def main(path: str) -> None:
     fingerprint = Fingerprint.from_json(spec["fingerprint"])
     if spec.get("content"):
         registry.declare(Content.from_json(spec["content"]), lease)
-    holding = Holding(spec["node"], fingerprint, manifest_sha256(data), link.name, reach, manifest_region, tuple(regions))
-    registry.hold(holding, lease)
+    if spec.get("relay"):
+        registry.relay(Relay(spec["node"], fingerprint, link.name, reach, manifest_region, tuple(regions)), lease)
+    else:
+        holding = Holding(spec["node"], fingerprint, manifest_sha256(data), link.name, reach, manifest_region, tuple(regions))
+        registry.hold(holding, lease)
     print("ready", flush=True)
     while True:
         time.sleep(5)

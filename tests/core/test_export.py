@@ -156,3 +156,21 @@ def test_a_host_arena_is_filled_through_its_memfd_and_mapped_only_when_viewed():
         assert mapped_arenas() == before + 3
         with pytest.raises(PermissionError):
             os.pwritev(arenas[0].fileno(), [b"x"], 0)  # sealed: nobody writes a published arena again
+
+
+def test_arenas_seal_one_at_a_time_and_an_unsealed_one_is_planned_again(builder):
+    """A copy checked arena by arena: arena 0 sealed (read-only, checksummed) while arena 1 is still written; arena 1,
+    replaced, comes back empty and of the same size, and the old one is the caller's to close."""
+    first, second = builder.add_arena(4096), builder.add_arena(4096)
+    builder.view(first).fill_(1)
+    spec = builder.seal_arena(0)
+    assert spec.checksum is not None and builder.seal_arena(0) == spec  # idempotent
+    builder.view(second).fill_(2)  # the other arenas stay writable
+    old = builder.replace_arena(1)
+    assert old is not None
+    old.close()
+    assert int(builder.view(second).sum()) == 0 and builder.view(second).numel() == 4096
+    builder.seal()
+    assert builder.specs()[0] == spec
+    with pytest.raises(ArenaError, match="sealed"):
+        builder.replace_arena(0)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 
 import attrs
 import pytest
@@ -115,8 +117,9 @@ def load(node: Node, model) -> Published:
 
 
 LOAD_ON_NODE = """
-import json, logging, sys
-logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+import json, logging, os, sys
+level = os.environ.get("WEIGHTCACHE_TEST_LOG_LEVEL", "INFO")
+logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 from weightcache.core.flow.loader import prepare, publish
 from weightcache.core.request import LoadRequest
 published = publish(prepare(LoadRequest(model=sys.argv[1])), sys.argv[2])
@@ -257,6 +260,25 @@ def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.communicate(timeout=30)
+
+
+def test_a_holder_whose_content_record_left_is_waited_for_with_its_own_line(network_fleet, model_dir, tmp_path):
+    """A holder listed without a content record (its declarer left): the puller says it waits for the record, not for
+    a slot, gives the holder two lease TTLs to list it again, then reads the disk."""
+    fleet, node = network_fleet
+    honest, b = node("honest", share=False), node("b")
+    path = model_dir("llama")
+    first = load(honest, path)
+    spec = {**_holder_spec(fleet.etcd, "recordless", honest, first.fingerprint, False, tmp_path), "content": None}
+    holder = start_holder(spec, tmp_path, fleet.network.node("recordless"))
+    try:
+        published = load_on(b, path)
+    finally:
+        stop(holder)
+    assert published.kind == "disk", published.log[-3000:]
+    assert len(published.lines("waiting while a holder lists it again")) == 1, published.log[-3000:]
+    assert not published.lines("free slot"), published.log[-3000:]
+    assert published.lines("no valid record of its arenas"), published.log[-3000:]
 
 
 def test_a_lying_node_is_caught_by_the_checksums_and_the_disk_is_read(network_fleet, model_dir, tmp_path):
@@ -411,15 +433,17 @@ def test_new_nodes_asking_at_once_read_the_disk_once_and_pull_the_rest(fleet, mo
 
 
 def test_a_holder_serves_fanout_nodes_at_once_and_the_rest_wait_for_a_slot(fleet, model_dir):
-    """One holder, three new nodes asking at once, one reader per holder: one pulls at a time from each holder, the
-    others wait for a slot (on it, or on a node that has finished), and none reads the disk."""
+    """One holder, three new nodes asking at once, one reader per holder, no relays: one pulls at a time from each
+    holder, the others wait for a slot (on it, or on a node that has finished), and none reads the disk."""
     etcd, node = fleet
     a = node("a")
     path = model_dir("llama")
     first = load(a, path)
     wait_for(lambda: listed(etcd, first.fingerprint.content_digest) == ["a"], 20, "node a's agent listing its entry")
+    if a.net.namespace is not None:  # a read from a lasts seconds, so that the three overlap however they start
+        slow_sending(a, "4mbit", etcd)
     nodes = [node(name) for name in ("b", "c", "d")]
-    outputs = _load_at_once(nodes, path, WEIGHTCACHE_FLEET_FANOUT="1")
+    outputs = _load_at_once(nodes, path, WEIGHTCACHE_FLEET_FANOUT="1", WEIGHTCACHE_FLEET_RELAY="0")
     sources = [out.strip().splitlines()[-1] for out, _ in outputs]
     assert all("copied from node" in s for s in sources), _said(outputs)
     waited = [err for _, err in outputs if "waiting for a free slot" in err]
@@ -447,3 +471,163 @@ def _load_at_once(nodes: list[Node], path, **extra_env: str) -> list[tuple[str, 
                 proc.communicate(timeout=30)
     assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outputs]
     return outputs
+
+
+CHUNK_BYTES = 256 << 10
+"""The holder's arenas in the relay tests: the test model's 1.6 MiB in several arenas, so that a chain has steps."""
+ARENA_LINE = re.compile(r"arena (\d+) of \S+ from (relay|node) (\S+)(?: \((\d+) of (\d+) checked\))?")
+
+
+@attrs.frozen
+class ArenaRead:
+    """One arena of a pull, from its log: its index, its source node, whether a relay served it, and how many arenas
+    that relay had checked then (the whole entry for a holder)."""
+
+    index: int
+    node: str
+    relay: bool
+    verified: int
+    total: int
+
+
+def arena_reads(log: str) -> list[ArenaRead]:
+    """Each arena a pull read, from its debug lines (``arena 3 of ... from relay b (4 of 7 checked)``)."""
+    reads = []
+    for line in log.splitlines():
+        found = ARENA_LINE.search(line)
+        if found and "DEBUG" in line:
+            index, kind, node, verified, total = found.groups()
+            relay = kind == "relay"
+            reads.append(ArenaRead(int(index), node, relay, int(verified or 0), int(total or 0)))
+    return reads
+
+
+def relay_records(etcd: Etcd, content: str) -> dict[str, int]:
+    """Each relay record of ``content``: node -> arenas it says it has checked."""
+    return {relay.node: relay.verified for relay in registry(etcd).relays(content)[0]}
+
+
+def keys_under(etcd: Etcd, kind: str) -> list[bytes]:
+    return [item.key for item in registry(etcd).store.range(f"/weightcache/{kind}/".encode())]
+
+
+def holder_with_arenas(node_factory, fleet, model_dir) -> tuple[Node, Published, int]:
+    """Node a, sharing the test model loaded from the disk in arenas of ``CHUNK_BYTES``, listed; and its arenas."""
+    a = node_factory("a")
+    if a.net.namespace is None:
+        pytest.skip(f"no network namespaces here ({fleet.network.describe()}): no link to slow down")
+    path = model_dir("llama")
+    first = publish(prepare(LoadRequest(model=str(path))), a.socket_dir, chunk_bytes=CHUNK_BYTES)
+    arenas = len(first.manifest.arenas)
+    assert arenas >= 4, f"the test model fills {arenas} arenas of {CHUNK_BYTES} bytes; the chain needs several"
+    wait_for(lambda: listed(fleet.etcd, first.fingerprint.content_digest) == ["a"], 20, "node a's agent listing its entry")
+    return a, first, arenas
+
+
+def slow_sending(node: Node, rate: str, etcd: Etcd) -> None:
+    """Slow what ``node`` sends to the other nodes to ``rate`` (tc on its end of its veth, in its namespace); what it
+    sends to etcd goes first, unshaped, so that its agent's lease renewals stay timely behind a full queue."""
+    device, etcd_host = node.net.device, urllib.parse.urlsplit(etcd.url).hostname
+    to_etcd = ["match", "ip", "dst", f"{etcd_host}/32", "flowid", "1:10"]
+    for command in (  # HTB (this kernel has no prio qdisc): etcd's class unshaped, the rest (class 30) at ``rate``
+        ["qdisc", "add", "dev", device, "root", "handle", "1:", "htb", "default", "30"],
+        ["class", "add", "dev", device, "parent", "1:", "classid", "1:10", "htb", "rate", "1gbit"],
+        ["class", "add", "dev", device, "parent", "1:", "classid", "1:30", "htb", "rate", rate, "ceil", rate, "burst", "16kb"],
+        ["filter", "add", "dev", device, "parent", "1:", "protocol", "ip", "prio", "1", "u32", *to_etcd],
+    ):
+        done = subprocess.run(node.net.command(["tc", *command]), capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, (command, done.stderr)
+
+
+def test_new_nodes_at_once_pull_as_a_chain_each_from_the_relay_ahead_before_it_published(network_fleet, model_dir):
+    """Three new nodes ask at once while the holder's link is slow: one reads the holder, each of the others reads
+    arenas from the relay ahead of it while that relay is still pulling (so before it published), every arena is
+    checked, and every record of the pulls leaves with its fill's lease."""
+    fleet, node = network_fleet
+    a, first, arenas = holder_with_arenas(node, fleet, model_dir)
+    slow_sending(a, "4mbit", fleet.etcd)  # the chain's head reads about one arena a second
+    nodes = [node(name) for name in ("b", "c", "d")]
+    content = first.fingerprint.content_digest
+    wait_for(lambda: listed(fleet.etcd, content) == ["a"], 20, "node a listed still")  # its lease held while they started
+    outputs = _load_at_once(nodes, model_dir("llama"))
+    sources = [out.strip().splitlines()[-1] for out, _ in outputs]
+    if not all("copied from node" in s for s in sources):  # the whole story: which node read the disk, and why
+        agent = "\n".join(a.sharer_output().splitlines()[-40:])
+        pytest.fail("\n\n".join("\n".join(lines) for lines in _said(outputs)) + f"\n\nnode a's agent:\n{agent}")
+    reads = {n.name: arena_reads(err) for n, (_, err) in zip(nodes, outputs, strict=True)}
+    for name, read in reads.items():
+        assert sorted(r.index for r in read) == list(range(arenas)), (name, read)
+    early = [(name, r) for name, read in reads.items() for r in read if r.relay and r.verified < r.total]
+    assert early, f"no arena came from a relay that was still pulling: {reads}"
+    assert sum(all(not r.relay and r.node == "a" for r in read) for read in reads.values()) <= 1, reads
+    assert {e["digest"] for n in nodes for e in entries(n)} == {first.digest}
+    assert keys_under(fleet.etcd, "relays") == [] and keys_under(fleet.etcd, "readers") == []
+
+
+def test_a_relay_killed_mid_chain_sends_the_node_behind_it_to_the_holder_and_publishes_nothing(network_fleet, model_dir):
+    fleet, node = network_fleet
+    a, first, arenas = holder_with_arenas(node, fleet, model_dir)
+    content = first.fingerprint.content_digest
+    slow_sending(a, "2mbit", fleet.etcd)
+    b, c = node("b"), node("c")
+    path = model_dir("llama")
+    wait_for(lambda: listed(fleet.etcd, content) == ["a"], 20, "node a listed still")  # its lease held while they started
+    heading = b.load_process(path)
+    behind = None
+    try:
+        wait_for(lambda: relay_records(fleet.etcd, content).get("b", 0) >= 1, 60, "node b checking its first arena")
+        behind = c.load_process(path)
+        wait_for(lambda: relay_records(fleet.etcd, content).get("c", 0) >= 1, 60, "node c reading from relay b")
+        assert relay_records(fleet.etcd, content)["b"] < arenas, "node b finished before it could be killed mid-chain"
+        heading.kill()
+        out, err = behind.communicate(timeout=240)
+    finally:
+        for proc in (heading, behind):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            if proc is not None:
+                proc.communicate(timeout=30)
+    assert behind.returncode == 0 and "copied from node" in out.strip().splitlines()[-1], err[-3000:]
+    read = arena_reads(err)
+    assert sorted(r.index for r in read) == list(range(arenas)), read
+    assert read[0].relay and read[0].node == "b", read
+    assert not read[-1].relay and read[-1].node == "a", read
+    assert entries(b) == [], "node b was killed before it published: it holds nothing"
+    assert [e["digest"] for e in entries(c)] == [first.digest]
+    assert_attaches_like_from_pretrained(path, c.socket_dir, "float32", None)
+    wait_for(lambda: keys_under(fleet.etcd, "relays") == [], LEASE_TTL_S + 10, "node b's relay record leaving with its lease")
+    assert keys_under(fleet.etcd, "readers") == []
+
+
+def test_a_relay_serving_other_bytes_is_caught_by_the_checksum_and_the_holder_serves(network_fleet, model_dir, tmp_path):
+    """The liar lists a relay record ahead of the puller (every arena checked, it says) and serves the true manifest
+    with other bytes: arena 0 fails its checksum, nothing of it is kept, and the holder serves every arena."""
+    fleet, node = network_fleet
+    honest = node("honest")
+    path = model_dir("llama")
+    first = load(honest, path)
+    wait_for(lambda: listed(fleet.etcd, first.fingerprint.content_digest) == ["honest"], 20, "the honest node listed")
+    spec = {**_holder_spec(fleet.etcd, "liar", honest, first.fingerprint, True, tmp_path), "relay": True, "content": None}
+    liar = start_holder(spec, tmp_path, fleet.network.node("liar"))
+    try:
+        assert list(relay_records(fleet.etcd, first.fingerprint.content_digest)) == ["liar"]
+        b = node("b")
+        published = load_on(b, path, WEIGHTCACHE_TEST_LOG_LEVEL="DEBUG")
+        shown = zygote.run(
+            [sys.executable, "-m", "weightcache.core.cli.cli", "fleet", "list"],
+            env=b.env(),
+            capture_output=True,
+            text=True,
+            **b.net.popen_args(),
+        )
+    finally:
+        stop(liar)
+    arenas = len(spec["sizes"])
+    relayed = f"/relays/{first.fingerprint.content_digest}/liar: node liar pulls it and serves the {arenas} arenas"
+    assert shown.returncode == 0 and any(relayed in line for line in shown.stdout.splitlines()), shown.stdout
+    assert published.kind == "node" and published.source.startswith("node honest over"), published.log[-3000:]
+    failed = published.lines("from relay liar failed")
+    assert len(failed) == 1 and "checksum" in failed[0], published.log[-3000:]
+    assert {r.node for r in arena_reads(published.log)} == {"honest"}
+    assert published.digest == first.digest
+    assert_attaches_like_from_pretrained(path, b.socket_dir, "float32", None)

@@ -13,7 +13,7 @@ from weightcache.core.errors import FleetUnavailable
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.etcd import EtcdStore, prefix_end
-from weightcache.core.node.fleet.records import Content, Holding, seal, unseal
+from weightcache.core.node.fleet.records import Content, Holding, Relay, seal, unseal
 from weightcache.core.node.fleet.transport import Region
 
 SECRET = b"0123456789abcdef-secret"
@@ -102,6 +102,10 @@ def test_the_fleet_settings_say_which_variable_to_fix(tmp_path):
     for bad in ("0", "-1", "two", "1.5"):
         with pytest.raises(ValueError, match=f"WEIGHTCACHE_FLEET_FANOUT='{re.escape(bad)}': use a whole number"):
             FleetConfig.from_env({**env, "WEIGHTCACHE_FLEET_FANOUT": bad})
+    assert config.relay
+    assert not FleetConfig.from_env({**env, "WEIGHTCACHE_FLEET_RELAY": "0"}).relay  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=r"WEIGHTCACHE_FLEET_RELAY='yes': use 1 \(on\) or 0 \(off\)"):
+        FleetConfig.from_env({**env, "WEIGHTCACHE_FLEET_RELAY": "yes"})
 
 
 def test_a_registry_that_does_not_answer_costs_its_deadline_and_no_more():
@@ -135,3 +139,16 @@ def test_a_prefix_ends_where_etcd_expects():
 def test_holdings_keep_their_fields_through_json():
     assert Holding.from_json(holding().to_json()) == holding()
     assert attrs.evolve(holding(), reach="x").reach == "x"
+
+
+def test_a_relay_record_lists_exactly_the_arenas_it_says_are_verified():
+    relay = Relay("b", fingerprint(), "nixl", "cmVhY2g=", None, ())
+    assert relay.verified == 0 and Relay.from_json(relay.to_json()) == relay
+    grown = attrs.evolve(relay, manifest=Region(4096, 100), arenas=(Region(8192, 4096), Region(16384, 4096)))
+    assert Relay.from_json(grown.to_json(), revision=7) == grown and Relay.from_json(grown.to_json(), 7).revision == 7
+    claims_more = {**grown.to_json(), "verified": 3}
+    with pytest.raises(ValueError, match="it says 3 arenas are verified and lists 2"):
+        Relay.from_json(claims_more)
+    key = b"/weightcache/relays/c/b"
+    with pytest.raises(ValueError, match="not signed"):
+        unseal(key, seal(key, grown.to_json(), SECRET).replace(b'"verified":2', b'"verified":1'), SECRET)

@@ -14,6 +14,8 @@ in ``daemon`` mode see the same settings as the node's sharing agent:
     WEIGHTCACHE_FLEET_DEVICES       network interfaces the transport may use, comma-separated (default: its choice)
     WEIGHTCACHE_FLEET_FANOUT        how many nodes read from one holder at once (default 2); the others wait for a
                                     slot on it or on a node that has finished (the fill spreads as a tree)
+    WEIGHTCACHE_FLEET_RELAY         1 (default): a node serves the arenas it has checked while it pulls, and reads
+                                    from the relay ahead of it (a chain); 0: it reads from full holders only
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ ENV_PREFIX: typing.Final = "WEIGHTCACHE_FLEET_PREFIX"
 ENV_LEASE_TTL: typing.Final = "WEIGHTCACHE_FLEET_LEASE_TTL_S"
 ENV_DEVICES: typing.Final = "WEIGHTCACHE_FLEET_DEVICES"
 ENV_FANOUT: typing.Final = "WEIGHTCACHE_FLEET_FANOUT"
+ENV_RELAY: typing.Final = "WEIGHTCACHE_FLEET_RELAY"
 MIN_SECRET_BYTES: typing.Final = 16
 MAX_SECRET_BYTES: typing.Final = 4096
 
@@ -54,6 +57,7 @@ class FleetConfig:
     lease_ttl_s: int = 10
     devices: str = ""
     fanout: int = 2
+    relay: bool = True
 
     @secret.validator
     def _check_secret(self, _attribute, value: bytes) -> None:
@@ -86,6 +90,7 @@ class FleetConfig:
             lease_ttl_s=max(1, round(_number(environ, ENV_LEASE_TTL, 10))),
             devices=environ.get(ENV_DEVICES, "").strip(),
             fanout=_fanout(environ),
+            relay=_switch(environ, ENV_RELAY, True),
         )
 
     def key(self, *parts: str) -> bytes:
@@ -136,3 +141,12 @@ def _fanout(environ: typing.Mapping[str, str]) -> int:
     if not text.isdigit() or int(text) < 1:
         raise ValueError(f"{ENV_FANOUT}={text!r}: use a whole number of readers per holder, 1 or more")
     return int(text)
+
+
+def _switch(environ: typing.Mapping[str, str], name: str, default: bool) -> bool:
+    text = environ.get(name, "").strip()
+    if not text:
+        return default
+    if text not in ("0", "1"):
+        raise ValueError(f"{name}={text!r}: use 1 (on) or 0 (off)")
+    return text == "1"

@@ -43,11 +43,12 @@ def prefix_end(prefix: bytes) -> bytes:
 
 @attrs.frozen
 class KeyValue:
-    """One key of a range reply, with the lease it lives under (0: none)."""
+    """One key of a range reply, with the lease it lives under (0: none) and the revision that created it."""
 
     key: bytes
     value: bytes
     lease: int = 0
+    create_revision: int = 0
 
 
 @attrs.define
@@ -141,5 +142,8 @@ class EtcdStore:
 
 def _key_value(item: dict) -> KeyValue:
     return KeyValue(
-        base64.b64decode(item.get("key", "")), base64.b64decode(item.get("value", "")), int(item.get("lease", 0) or 0)
+        base64.b64decode(item.get("key", "")),
+        base64.b64decode(item.get("value", "")),
+        int(item.get("lease", 0) or 0),
+        int(item.get("create_revision", 0) or 0),
     )

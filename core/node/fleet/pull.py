@@ -1,20 +1,21 @@
-"""Filling an entry from another node of the fleet before reading the disk, and claiming the disk read otherwise.
+"""Filling an entry from other nodes of the fleet before reading the disk, and claiming the disk read otherwise.
 
 A node that misses locally asks the registry for holders of the content it wants
-(``Fingerprint.content_digest``). It reads a holder's manifest and arenas with the
-transport's one-sided reads into arenas of its own, and keeps them only when
+(``Fingerprint.content_digest``). It reads the manifest and then each arena with the
+transport's one-sided reads into arenas of its own (``chain``), and keeps them only when
 
-- the holder's record and the content record are signed with the fleet's secret;
+- every record it used (holding, relay, content) is signed with the fleet's secret;
 - the manifest it read has the sha256 the content record declares, and declares the
   content record's arena sizes and checksums;
 - every arena, checksummed here (on this GPU for a GPU's arenas), matches.
 
-Anything else costs one warning line and the next holder is tried; nothing is
-published before every byte arrived and matched. A holder serves ``config.fanout``
-readers at once (reader slots under each reader's lease): a node that finds every slot
-taken waits for one, and a node that has finished pulling holds the entry and serves in
-turn, so many new nodes fill as a tree, not all from one. With no holder, the node claims the
-disk read (one claim per content, under a lease): the first claimant reads, the others
+Anything else costs one warning line and another source is asked; nothing is published
+before every byte arrived and matched. While it pulls, the node is a relay (``relay``):
+it serves each arena it has checked to the node listed after it, so many new nodes
+asking at once form a chain behind one holder and fill about one arena apart, not one
+after another. A holder serves ``config.fanout`` readers at once (reader slots under each
+reader's lease); a relay serves the one node behind it. With no holder, the node claims
+the disk read (one claim per content, under a lease): the first claimant reads, the others
 wait for a holder to appear (its claimant, once it has published and shared the entry)
 and pull from it. A claimant that dies loses its claim with its lease; a waiter then
 claims in turn. The registry unreachable or slow: one warning line, and the disk.
@@ -23,11 +24,8 @@ claims in turn. The registry unreachable or slow: one warning line, and the disk
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import json
 import logging
 import os
-import random
 import secrets
 import threading
 import time
@@ -38,13 +36,14 @@ import attrs
 from weightcache.core.errors import BackendUnavailable, FleetUnavailable, PullFailed, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.layout.manifest import Manifest
+from weightcache.core.node.fleet.chain import ArenaSource, ChainedPull, cut
 from weightcache.core.node.fleet.config import FleetConfig
-from weightcache.core.node.fleet.records import Content, Holding, manifest_sha256
-from weightcache.core.node.fleet.registry import FleetRegistry
-from weightcache.core.node.fleet.transport import Region, Transport, transport
-from weightcache.core.node.seeding import check_sizes
+from weightcache.core.node.fleet.registry import FleetRegistry, renew_lease
+from weightcache.core.node.fleet.relay import Relaying
+from weightcache.core.node.fleet.transport import Transport, transport
 
 if typing.TYPE_CHECKING:
+    from weightcache.core.arena.base import Arena
     from weightcache.core.load.export import ArenaBuilder
 
 log = logging.getLogger(__name__)
@@ -54,19 +53,18 @@ POLL_S: typing.Final = 0.25
 SHARED_WAIT_S: typing.Final = 10.0
 """How long a claimant that published waits for its node's sharing agent to list the entry before it lets go (an
 agent on a loaded 2-core machine took more than 5 s to register and list an entry)."""
-MIN_RATE_BYTES_S: typing.Final = 50 << 20
-"""A read slower than this (plus ``READ_GRACE_S``) is abandoned: the holder is gone or stalled."""
-READ_GRACE_S: typing.Final = 10.0
 
 
 @attrs.frozen
 class Pulled:
-    """An entry pulled from ``node``: the manifest of this node's arenas, how the bytes went, and the seconds taken."""
+    """An entry pulled from ``node`` (the nodes, where several served it: ``b (relay, 6 arenas), a (2 arenas)``): the
+    manifest of this node's arenas, how the bytes went, the seconds taken, and where each arena came from."""
 
     node: str
     path: str
     manifest: Manifest = attrs.field(eq=False)
     timings: dict = attrs.field(eq=False)
+    sources: tuple[ArenaSource, ...] = ()
 
     @property
     def source(self) -> str:
@@ -92,6 +90,8 @@ class Filling:
         self._keeper: threading.Thread | None = None
         self._warned: set[str] = set()
         self._recordless_since: float | None = None
+        self._relaying: Relaying | None = None
+        self._quarantine: list[Arena] = []
 
     @classmethod
     def from_env(cls, fingerprint: Fingerprint | None, may_claim: bool = True) -> "Filling":
@@ -122,7 +122,7 @@ class Filling:
             log.warning("weightcache: %s", exc)
         except BackendUnavailable as exc:
             log.warning("weightcache: not pulling from the fleet: %s", exc)
-        builder.reset()
+        self._abandon(builder)
         return None
 
     def _pull(self, builder: "ArenaBuilder", registry: FleetRegistry, fingerprint: Fingerprint) -> Pulled | None:
@@ -132,25 +132,17 @@ class Filling:
         deadline = time.monotonic() + config.wait_s
         waiting_for = None
         while True:
-            pulled, busy = self._from_holders(builder, registry, fingerprint, tried)
+            pulled, record_wait = self._from_holders(builder, registry, fingerprint, tried)
             if pulled is not None:
                 return pulled
-            if busy:  # holders, each serving as many nodes as it may: one finishes soon, or a reader becomes a holder
-                if waiting_for != "a slot":
-                    waiting_for = "a slot"
+            if record_wait:  # holders whose content record left with the node that wrote it: one lists it again soon
+                if waiting_for != "the record":
+                    waiting_for = "the record"
                     log.info(
-                        "weightcache: every holder of %s serves %d nodes already; waiting for a free slot",
+                        "weightcache: the fleet's record of %s left with the node that wrote it; waiting while a "
+                        "holder lists it again",
                         fingerprint.short,
-                        config.fanout,
                     )
-                if time.monotonic() > deadline:
-                    log.warning(
-                        "weightcache: no holder of %s had a free slot for %.0f s; reading the disk (%s)",
-                        fingerprint.short,
-                        config.wait_s,
-                        "WEIGHTCACHE_FLEET_WAIT_S sets the wait, WEIGHTCACHE_FLEET_FANOUT the readers per holder",
-                    )
-                    return None
                 time.sleep(POLL_S)
                 continue
             if not self.may_claim:
@@ -178,13 +170,17 @@ class Filling:
         """This fill's lease (granted on first use, renewed until ``close``): its claim and its reader slots."""
         if not self._lease:
             self._lease = registry.store.grant(registry.config.lease_ttl_s)
-            self._keep_alive(registry)
+            self._keeper = threading.Thread(
+                target=renew_lease, args=(registry, lambda: self._lease, self._stop), name="weightcache-fleet-lease", daemon=True
+            )
+            self._keeper.start()
         return self._lease
 
     def _from_holders(
         self, builder: "ArenaBuilder", registry: FleetRegistry, fingerprint: Fingerprint, tried: set[str]
     ) -> tuple[Pulled | None, bool]:
-        """A pull from the first untried holder with a free slot; else None, and whether a holder was only busy."""
+        """A pull from the holders and relays of the content (``ChainedPull``); else None, and whether to ask again
+        soon (the content record is being listed again)."""
         content_digest = fingerprint.content_digest
         holdings, problems = registry.holdings(content_digest)
         holdings = [h for h in holdings if h.node not in tried]
@@ -211,101 +207,38 @@ class Filling:
             )
             tried.update(h.node for h in holdings)
             return None, False
-        random.shuffle(holdings)  # spread the new nodes over every holder: each one that finishes serves too
-        busy = False
-        for holding in holdings:
-            slot = registry.take_slot(content_digest, holding.node, self._leased(registry))
-            if slot is None:
-                busy = True
-                continue
-            tried.add(holding.node)
-            try:
-                return self._pull_one(builder, holding, content), False
-            except (WeightCacheError, OSError, ValueError, RuntimeError) as exc:
-                failure = _cut(str(exc))
-                self._drop_link()  # first: a read past its deadline may still be landing in the builder's arenas
-                builder.reset()
-            finally:
-                with contextlib.suppress(FleetUnavailable):  # else it goes with the lease
-                    registry.free_slot(slot)
-            log.warning(
-                "weightcache: pulling %s from node %s failed (%s); trying the next holder",
-                fingerprint.short,
-                holding.node,
-                failure,
-            )
-        return None, busy
-
-    def _pull_one(self, builder: "ArenaBuilder", holding: Holding, content: Content) -> Pulled:
-        node = holding.node
-        timings: dict[str, float] = {}
-        if holding.manifest_sha256 != content.manifest_sha256:
-            raise PullFailed(node, "it declares another manifest than the fleet's record of this content")
-        if len(holding.arenas) != len(content.arenas) or holding.manifest.length != content.manifest_bytes:
-            raise PullFailed(node, "its regions do not match the fleet's record of this content")
-        for index, (region, (size, _)) in enumerate(zip(holding.arenas, content.arenas, strict=True)):
-            if region.length != size:
-                raise PullFailed(node, f"its region for arena {index} holds {region.length} bytes, the record says {size}")
-        link = self._link(holding.transport)
-        start = time.perf_counter()
-        buffer = ctypes.create_string_buffer(content.manifest_bytes)
-        local = Region(ctypes.addressof(buffer), content.manifest_bytes)
-        link.read(holding.reach, [holding.manifest], [local], _deadline(content.manifest_bytes))
-        data = buffer.raw
-        if manifest_sha256(data) != content.manifest_sha256:
-            raise PullFailed(node, "the manifest it served is not the one the fleet's record declares (sha256 differs)")
-        manifest = Manifest.from_json(json.loads(data))
-        declared = [(spec.size, spec.checksum) for spec in manifest.arenas]
-        if declared != list(content.arenas):
-            raise PullFailed(node, "its manifest declares other arenas than the fleet's record")
-        check_sizes(manifest, holding.fingerprint.digest)
-        timings["manifest_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        path = self._read_arenas(builder, link, holding, manifest)
-        timings["read_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        specs = builder.check_copy(manifest.arenas, f"node {node}")  # checksummed here; a mismatch tries the next holder
-        timings["verify_s"] = time.perf_counter() - start
-        log.info(
-            "weightcache: pulled %s from node %s over %s (%d bytes in %.2f s, verified in %.2f s)",
-            holding.fingerprint.short,
-            node,
-            path,
-            content.nbytes,
-            timings["read_s"],
-            timings["verify_s"],
-        )
-        return Pulled(node, path, attrs.evolve(manifest, arenas=specs), timings)
-
-    def _read_arenas(self, builder: "ArenaBuilder", link: Transport, holding: Holding, manifest: Manifest) -> str:
-        """Read every arena into ``builder``: straight into its memory, or through host arenas for a GPU that the
-        transport cannot register (then copied to the GPU: host-staged)."""
-        from weightcache.core.load.export import ArenaBuilder
-
-        gpu = builder.device.is_cuda
-        if gpu and "VRAM" not in link.memory_kinds():
-            with ArenaBuilder("cpu") as staging:
-                path = self._read_into(staging, link, holding, manifest)
-                from weightcache.core.arena.transfer import Pair, host_to_device
-
-                slots = [builder.add_arena(spec.size) for spec in manifest.arenas]
-                targets = [builder.view(slot) for slot in slots]
-                host_to_device([Pair(arena.fileno(), target) for arena, target in zip(staging.arenas, targets, strict=True)])
-                del targets
-            return f"host-staged ({path}, then host to GPU)"
-        return self._read_into(builder, link, holding, manifest)
-
-    def _read_into(self, builder: "ArenaBuilder", link: Transport, holding: Holding, manifest: Manifest) -> str:
-        slots = [builder.add_arena(spec.size) for spec in manifest.arenas]
-        views = [builder.view(slot) for slot in slots]
         try:
-            local = [_region_of(view) for view in views]
-            path = ""
-            for source, target in zip(holding.arenas, local, strict=True):  # one read per arena: progress is visible
-                path = link.read(holding.reach, [source], [target], _deadline(target.length))
-            return path
-        finally:
-            del views
+            link = self._link(holdings[0].transport)
+            staged = builder.device.is_cuda and "VRAM" not in link.memory_kinds()
+            lease = self._leased(registry)
+            relay = registry.config.relay
+            if relay and not staged and self._relaying is None:
+                self._relaying = Relaying(registry, fingerprint, link, lease)
+                self._relaying.list()
+            chained = ChainedPull(
+                builder, registry, fingerprint, content, link, lease, self._relaying, tried, self._quarantine, relay, staged
+            )
+            done = chained.run()
+        except (FleetUnavailable, BackendUnavailable):
+            raise  # pull() says so once and reads the disk
+        except (WeightCacheError, OSError, ValueError, RuntimeError) as exc:
+            log.info("weightcache: not pulling %s from the fleet: %s", fingerprint.short, cut(str(exc)))
+            self._abandon(builder)
+            tried.update(h.node for h in holdings)
+            return None, False
+        nodes = _nodes_of(done.sources)
+        log.info(
+            "weightcache: pulled %s from %s over %s (%d bytes in %.2f s, verified in %.2f s)",
+            fingerprint.short,
+            nodes,
+            done.path,
+            content.nbytes,
+            done.read_s,
+            done.verify_s,
+        )
+        specs = [arena.spec for arena in builder.arenas]
+        timings = {"read_s": done.read_s, "verify_s": done.verify_s}
+        return Pulled(nodes, done.path, attrs.evolve(done.manifest, arenas=specs), timings, done.sources), False
 
     def _link(self, name: str) -> Transport:
         if self._transport is None:
@@ -322,21 +255,28 @@ class Filling:
             self._transport = None
 
     def published(self) -> None:
-        """After this node published what it claimed: wait (briefly) until its sharing agent lists it, then let go."""
-        if not self.claimed or self.registry is None or self.fingerprint is None:
+        """After this node published: wait (briefly) until its sharing agent lists the entry, then let go.
+
+        A claimant waits so that the waiting nodes pull instead of reading the disk; a relay keeps serving meanwhile
+        while a relay behind it still pulls (which then reads the rest from the holder this node has become).
+        """
+        relaying = self._relaying
+        if self.registry is None or self.fingerprint is None or not (self.claimed or relaying is not None):
             return
         content_digest = self.fingerprint.content_digest
         deadline = time.monotonic() + SHARED_WAIT_S
+        key = self.registry.config.key("holders", content_digest, self.registry.config.node)
         try:
             while time.monotonic() < deadline:
-                key = self.registry.config.key("holders", content_digest, self.registry.config.node)
                 if self.registry.store.get(key) is not None:
+                    break
+                if not self.claimed and relaying is not None and not relaying.has_downstream():
                     break
                 time.sleep(POLL_S)
             else:
                 log.info(
                     "weightcache: no sharing agent listed %s within %.0f s (run `weightcache fleet share` beside the "
-                    "server); the other nodes read the disk themselves",
+                    "server); the other nodes read it elsewhere",
                     self.fingerprint.short,
                     SHARED_WAIT_S,
                 )
@@ -344,21 +284,24 @@ class Filling:
             log.warning("weightcache: %s", exc)
         self.close()
 
-    def _keep_alive(self, registry: FleetRegistry) -> None:
-        lease, every = self._lease, max(registry.config.lease_ttl_s / 3, 0.5)
+    def _stop_relaying(self) -> None:
+        """Unlist this node's relay record and unregister its memory; then close the transport (no read lands later)."""
+        if self._relaying is not None:
+            self._relaying.close()
+            self._relaying = None
+        self._drop_link()
+        for arena in self._quarantine:
+            arena.close()
+        self._quarantine.clear()
 
-        def renew() -> None:
-            while not self._stop.wait(every):
-                try:
-                    registry.store.keepalive(lease)
-                except FleetUnavailable as exc:
-                    log.debug("weightcache: renewing the claim's lease: %s", exc)
-
-        self._keeper = threading.Thread(target=renew, name="weightcache-fleet-lease", daemon=True)
-        self._keeper.start()
+    def _abandon(self, builder: "ArenaBuilder") -> None:
+        """A pull that will not be published: stop serving it and stop every transfer, then empty ``builder``."""
+        self._stop_relaying()
+        builder.reset()
 
     def close(self) -> None:
-        """Stop renewing and revoke the lease (releasing a claim); close the transport."""
+        """Stop relaying, stop renewing and revoke the lease (releasing a claim and reader slots); close the transport."""
+        self._stop_relaying()
         self._stop.set()
         if self._keeper is not None:
             self._keeper.join(timeout=5)
@@ -368,24 +311,18 @@ class Filling:
                 self.registry.store.revoke(self._lease)  # else it runs out by itself
         self._lease = 0
         self.claimed = False
-        self._drop_link()
 
 
-def _region_of(view: typing.Any) -> Region:
-    """The region of a builder's arena view (a flat uint8 tensor on the CPU or a GPU)."""
-    if view.is_cuda:
-        return Region(view.data_ptr(), view.numel(), view.device.index, "VRAM")
-    return Region(view.data_ptr(), view.numel())
-
-
-def _deadline(nbytes: int) -> float:
-    return READ_GRACE_S + nbytes / MIN_RATE_BYTES_S
+def _nodes_of(sources: typing.Sequence[ArenaSource]) -> str:
+    """The nodes that served ``sources``, in order: ``a``, or ``b (relay, 6 arenas), a (2 arenas)``."""
+    counts: dict[tuple[str, bool], int] = {}
+    for source in sources:
+        counts[(source.node, source.relay)] = counts.get((source.node, source.relay), 0) + 1
+    if len(counts) == 1 and not next(iter(counts))[1]:
+        return next(iter(counts))[0]
+    return ", ".join(f"{node} ({'relay, ' if relay else ''}{n} arenas)" for (node, relay), n in counts.items())
 
 
 def _warn_left_out(fingerprint: Fingerprint, problems: list[str]) -> None:
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    log.warning("weightcache: left out a holder of %s: %s%s", fingerprint.short, _cut(problems[0]), more)
-
-
-def _cut(text: str, limit: int = 300) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    log.warning("weightcache: left out a holder of %s: %s%s", fingerprint.short, cut(problems[0]), more)

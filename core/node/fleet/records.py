@@ -1,13 +1,15 @@
 """What the fleet's registry holds, as value objects, each value signed with the fleet's shared secret.
 
-Three kinds of key, under the fleet's prefix and an entry's content digest
+Four kinds of key, under the fleet's prefix and an entry's content digest
 (``Fingerprint.content_digest``: every field but the GPU's UUID):
 
 - ``content/<content>``: what that content's arenas are (``Content``): the sha256 of its
   manifest and each arena's size and checksum, written once by the first node that
   read it from the disk and published it;
 - ``holders/<content>/<node>``: a node that holds it and how to read it (``Holding``);
-- ``claims/<content>``: a node that is reading it from the disk now (``Claim``).
+- ``claims/<content>``: a node that is reading it from the disk now (``Claim``);
+- ``relays/<content>/<node>``: a node pulling it now, and the leading arenas it has read,
+  sealed and checked so far, which it serves to the node behind it (``Relay``).
 
 Every value is ``{"body": ..., "mac": ...}`` with an HMAC-SHA256 over the key and the
 body's canonical JSON: a record moved to another key, changed, or written without the
@@ -68,6 +70,18 @@ def _sha256(value: object, what: str) -> str:
     if not isinstance(value, str) or len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
         raise ValueError(f"{what} is not a sha256 in hex")
     return value
+
+
+def _reach(value: object) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_RECORD_BYTES:
+        raise ValueError("reach must be a non-empty string")
+    return value
+
+
+def _regions(value: object, least: int) -> tuple[Region, ...]:
+    if not isinstance(value, list) or not least <= len(value) <= MAX_ARENAS:
+        raise ValueError(f"arenas must be a list of {least} to {MAX_ARENAS} regions")
+    return tuple(Region.from_json(region) for region in value)
 
 
 def manifest_sha256(data: bytes) -> str:
@@ -152,20 +166,14 @@ class Holding:
 
     @classmethod
     def from_json(cls, data: dict) -> "Holding":
-        arenas = data.get("arenas")
-        if not isinstance(arenas, list) or not 0 < len(arenas) <= MAX_ARENAS:
-            raise ValueError(f"arenas must be a list of 1 to {MAX_ARENAS} regions")
-        reach = data.get("reach")
-        if not isinstance(reach, str) or not 0 < len(reach) <= MAX_RECORD_BYTES:
-            raise ValueError("reach must be a non-empty string")
         return cls(
             _name(data.get("node"), "node"),
             Fingerprint.from_json(data.get("fingerprint")),  # type: ignore[arg-type]
             _sha256(data.get("manifest_sha256"), "manifest_sha256"),
             _name(data.get("transport"), "transport"),
-            reach,
+            _reach(data.get("reach")),
             Region.from_json(data.get("manifest")),
-            tuple(Region.from_json(region) for region in arenas),
+            _regions(data.get("arenas"), 1),
         )
 
 
@@ -181,3 +189,50 @@ class Claim:
     @classmethod
     def from_json(cls, data: dict) -> "Claim":
         return cls(_name(data.get("node"), "node"))
+
+
+@attrs.frozen
+class Relay:
+    """A node pulling a content that serves what it has checked so far: the manifest (once checked) and its leading
+    ``verified`` arenas, each read, sealed and checksummed against the content record."""
+
+    node: str
+    fingerprint: Fingerprint
+    transport: str
+    reach: str = attrs.field(repr=False)
+    manifest: Region | None
+    arenas: tuple[Region, ...]
+    """The regions of its first ``verified`` arenas, in the manifest's order."""
+    revision: int = attrs.field(default=0, eq=False)
+    """etcd's create revision of its key (not signed: the store's order of the relays, which chains them)."""
+
+    @property
+    def verified(self) -> int:
+        return len(self.arenas)
+
+    def to_json(self) -> dict:
+        return {
+            "node": self.node,
+            "fingerprint": self.fingerprint.to_json(),
+            "transport": self.transport,
+            "reach": self.reach,
+            "manifest": None if self.manifest is None else self.manifest.to_json(),
+            "arenas": [region.to_json() for region in self.arenas],
+            "verified": self.verified,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict, revision: int = 0) -> "Relay":
+        arenas = _regions(data.get("arenas"), 0)
+        if data.get("verified") != len(arenas):
+            raise ValueError(f"it says {data.get('verified')!r:.20} arenas are verified and lists {len(arenas)}")
+        manifest = data.get("manifest")
+        return cls(
+            _name(data.get("node"), "node"),
+            Fingerprint.from_json(data.get("fingerprint")),  # type: ignore[arg-type]
+            _name(data.get("transport"), "transport"),
+            _reach(data.get("reach")),
+            None if manifest is None else Region.from_json(manifest),
+            arenas,
+            revision,
+        )

@@ -8,14 +8,19 @@ wrong byte). Every call is bounded by the store's deadline (FleetUnavailable).
 from __future__ import annotations
 
 import logging
+import threading
+import typing
 
 import attrs
 
+from weightcache.core.errors import FleetUnavailable
 from weightcache.core.node.fleet.config import FleetConfig
-from weightcache.core.node.fleet.etcd import EtcdStore
-from weightcache.core.node.fleet.records import Claim, Content, Holding, seal, unseal
+from weightcache.core.node.fleet.etcd import EtcdStore, KeyValue
+from weightcache.core.node.fleet.records import Claim, Content, Holding, Relay, seal, unseal
 
 log = logging.getLogger(__name__)
+
+Record = typing.TypeVar("Record", Holding, Relay)
 
 
 @attrs.define
@@ -37,6 +42,9 @@ class FleetRegistry:
 
     def _claim_key(self, content_digest: str) -> bytes:
         return self.config.key("claims", content_digest)
+
+    def _relay_key(self, content_digest: str, node: str) -> bytes:
+        return self.config.key("relays", content_digest, node)
 
     def _slot_key(self, content_digest: str, holder: str, index: int) -> bytes:
         return self.config.key("readers", content_digest, holder, str(index))
@@ -64,21 +72,28 @@ class FleetRegistry:
 
     def holdings(self, content_digest: str) -> tuple[list[Holding], list[str]]:
         """The valid holdings of ``content_digest`` (other nodes' only), and a line per record left out."""
-        prefix = self.config.key("holders", content_digest) + b"/"
+        found, problems = self._records("holders", content_digest, lambda body, _: Holding.from_json(body), "node")
+        return [holding for holding in found if holding.node != self.config.node], problems
+
+    def _records(
+        self, kind: str, content_digest: str, parse: typing.Callable[[dict, KeyValue], Record], label: str
+    ) -> tuple[list[Record], list[str]]:
+        """Every valid record under ``kind/<content>/<node>``, parsed by ``parse(body, item)`` and checked to name its
+        key's node and content; and a line per record left out (``label node: why``)."""
+        prefix = self.config.key(kind, content_digest) + b"/"
         found, problems = [], []
         for item in self.store.range(prefix):
             node = item.key[len(prefix) :].decode(errors="replace")
             try:
-                holding = Holding.from_json(unseal(item.key, item.value, self.config.secret))
-                if holding.node != node:
-                    raise ValueError(f"it names node {holding.node!r}")
-                if holding.fingerprint.content_digest != content_digest:
-                    raise ValueError("it holds another content than its key names")
+                record = parse(unseal(item.key, item.value, self.config.secret), item)
+                if record.node != node:
+                    raise ValueError(f"it names node {record.node!r}")
+                if record.fingerprint.content_digest != content_digest:
+                    raise ValueError("it names another content than its key")
             except ValueError as exc:
-                problems.append(f"node {node}: {exc}")
+                problems.append(f"{label} {node}: {exc}")
                 continue
-            if holding.node != self.config.node:
-                found.append(holding)
+            found.append(record)
         return found, problems
 
     def hold(self, holding: Holding, lease: int) -> None:
@@ -116,5 +131,47 @@ class FleetRegistry:
     def free_slot(self, key: bytes) -> None:
         self.store.delete(key)
 
+    def relay(self, relay: Relay, lease: int) -> None:
+        """List (or update) this node's relay record under ``lease``: its create revision stays the first put's."""
+        key = self._relay_key(relay.fingerprint.content_digest, relay.node)
+        self.store.put(key, seal(key, relay.to_json(), self.config.secret), lease)
+
+    def relays(self, content_digest: str) -> tuple[list[Relay], list[str]]:
+        """The valid relay records of ``content_digest`` (this node's too), oldest first, and a line per one left out."""
+        found, problems = self._records(
+            "relays", content_digest, lambda body, item: Relay.from_json(body, item.create_revision), "relay"
+        )
+        return sorted(found, key=lambda relay: relay.revision), problems
+
+    def drop_relay(self, content_digest: str) -> None:
+        """Remove this node's relay record of ``content_digest``."""
+        self.store.delete(self._relay_key(content_digest, self.config.node))
+
     def claimed(self, content_digest: str) -> bool:
         return self.store.get(self._claim_key(content_digest)) is not None
+
+
+def renew_lease(
+    registry: FleetRegistry,
+    current: typing.Callable[[], int],
+    stop: threading.Event,
+    ran_out: typing.Callable[[int], None] | None = None,
+) -> None:
+    """Renew the lease ``current()`` names every third of the lease's TTL until ``stop`` is set (a thread's target).
+
+    A renewal that times out is logged at debug and tried again next time; a lease that had run out (its keys are
+    gone) is passed to ``ran_out``. ``current()`` is read each time, so its owner may grant a new lease meanwhile;
+    0 means none yet.
+    """
+    every = max(registry.config.lease_ttl_s / 3, 0.2)
+    while not stop.wait(every):
+        lease = current()
+        if not lease:
+            continue
+        try:
+            left = registry.store.keepalive(lease)
+        except FleetUnavailable as exc:
+            log.debug("weightcache: renewing lease %x: %s", lease, exc)
+            continue
+        if left <= 0 and ran_out is not None:
+            ran_out(lease)

@@ -31,8 +31,8 @@ from weightcache.core.errors import FleetUnavailable, ServerUnavailable, WeightC
 from weightcache.core.fingerprint import canonical_json
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.records import Content, Holding, manifest_sha256
-from weightcache.core.node.fleet.registry import FleetRegistry
-from weightcache.core.node.fleet.transport import Region, Transport, transport
+from weightcache.core.node.fleet.registry import FleetRegistry, renew_lease
+from weightcache.core.node.fleet.transport import Region, Transport, region_of_arena, transport
 from weightcache.core.socket_dir import SocketDir
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,14 @@ class Sharer:
     def run(self, stop: threading.Event, poll_s: float = POLL_S) -> int:
         """Share until ``stop`` is set (0) or the server goes away (3); the lease is revoked either way."""
         finished = threading.Event()
-        renewer = threading.Thread(target=self._renew, args=(finished,), name="weightcache-fleet-lease", daemon=True)
+        # On a thread of its own: registering a large entry with the transport, or a slow server, must not hold the
+        # renewal past the lease's TTL (the node's records would vanish while it still holds them).
+        renewer = threading.Thread(
+            target=renew_lease,
+            args=(self.registry, lambda: self.lease, finished, self._ran_out),
+            name="weightcache-fleet-lease",
+            daemon=True,
+        )
         renewer.start()
         listed = time.monotonic()
         try:
@@ -105,19 +112,9 @@ class Sharer:
             renewer.join(timeout=5)
             self.close()
 
-    def _renew(self, finished: threading.Event) -> None:
-        """Renew the lease on a thread of its own: registering a large entry with the transport, or a slow server,
-        must not hold the renewal past the lease's TTL (the node's records would vanish while it still holds them)."""
-        every = max(self.config.lease_ttl_s / 3, 0.2)
-        while not finished.wait(every):
-            lease = self.lease
-            if not lease:
-                continue
-            try:
-                if self.registry.store.keepalive(lease) <= 0 and lease == self.lease:
-                    self._lease_lost.set()  # it ran out: its records are gone; the loop lists them under a new one
-            except FleetUnavailable as exc:
-                log.debug("weightcache: renewing the agent's lease: %s", exc)
+    def _ran_out(self, lease: int) -> None:
+        if lease == self.lease:
+            self._lease_lost.set()  # its records are gone; the loop lists them under a new one
 
     def sync(self, entries: list) -> None:
         """Share every entry of ``entries`` (the server's status rows) not shared yet; unshare those gone."""
@@ -145,7 +142,7 @@ class Sharer:
             data = canonical_json(attachment.manifest.to_json()).encode()
             buffer = ctypes.create_string_buffer(data, len(data))
             manifest_region = Region(ctypes.addressof(buffer), len(data))
-            arenas = [_region_of(arena) for arena in attachment.arenas]
+            arenas = [region_of_arena(arena) for arena in attachment.arenas]
             reach = self.link.share([manifest_region, *arenas])
             sha = manifest_sha256(data)
             mine = Content(
@@ -212,11 +209,3 @@ class Sharer:
             self.link.unshare([shared.holding.manifest, *shared.holding.arenas])
             shared.attachment.close()
         self.link.close()
-
-
-def _region_of(arena: typing.Any) -> Region:
-    """The region of a mapped arena: host memory, or the GPU memory it is mapped on in this process."""
-    if arena.spec.backend == "cuda":
-        view = arena.bytes_view()
-        return Region(view.data_ptr(), arena.spec.size, view.device.index, "VRAM")
-    return Region(arena.address, arena.spec.size)

@@ -47,6 +47,20 @@ class Region:
         return cls(*data)
 
 
+def region_of_view(view: typing.Any) -> Region:
+    """The region of a flat uint8 tensor on the CPU or a GPU (an arena's bytes, mapped in this process)."""
+    if view.is_cuda:
+        return Region(view.data_ptr(), view.numel(), view.device.index, "VRAM")
+    return Region(view.data_ptr(), view.numel())
+
+
+def region_of_arena(arena: typing.Any) -> Region:
+    """The region of a mapped arena: host memory, or the GPU memory it is mapped on in this process."""
+    if arena.spec.backend == "cuda":
+        return region_of_view(arena.bytes_view())
+    return Region(arena.address, arena.spec.size)
+
+
 class Transport(CopyBackend):
     """One way to move registered memory between nodes (``BACKENDS`` names each)."""
 
