@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -183,11 +184,18 @@ def require_transformers() -> None:
         raise ImportError(_NEEDS_TRANSFORMERS)
 
 
+@functools.cache
+def installed_version(distribution: str) -> str:
+    """``distribution``'s version as this process first found it installed (a metadata scan costs milliseconds, and a
+    refit describes the model and names its layout at every version; a process keeps the code it imported)."""
+    return importlib.metadata.version(distribution)
+
+
 def transformers_version() -> str:
     """The installed transformers' version, without importing it (seconds in a fresh process: ``weightcache load``
     describes the model while its warm-up thread imports transformers and the model's module, and reads meanwhile)."""
     try:
-        return importlib.metadata.version("transformers")
+        return installed_version("transformers")
     except importlib.metadata.PackageNotFoundError:
         return transformers_module().__version__  # not installed as a distribution: ask the module (or say it is missing)
 

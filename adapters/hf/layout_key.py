@@ -6,9 +6,7 @@ machine), so that the layout process starts at once where the entry is missing.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import importlib.metadata
 import json
 import typing
 
@@ -24,7 +22,7 @@ MAX_ENTRY_BYTES = 256 << 20
 def layout_key(request: "LoadRequest", config: dict, dtype: str) -> str:
     """The store entry name of the layout of this checkpoint's model: a digest of everything the layout depends on
     (config.json's content, the class, the dtype, transformers' and torch's versions, the format's version)."""
-    from weightcache.adapters.hf.identity import architecture
+    from weightcache.adapters.hf.identity import architecture, installed_version
 
     parts = {
         "format": FORMAT,
@@ -36,10 +34,3 @@ def layout_key(request: "LoadRequest", config: dict, dtype: str) -> str:
     }
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
     return f"layout-{digest[:48]}.json"
-
-
-@functools.cache
-def installed_version(distribution: str) -> str:
-    """``distribution``'s version as this process first found it installed (a metadata scan costs milliseconds per call,
-    and a refit names the layout at every version; a process keeps the code it imported, whatever is installed later)."""
-    return importlib.metadata.version(distribution)
