@@ -85,6 +85,19 @@ class NodeNetwork:
         """``args`` run in this node's namespace (exec'd through ``nsenter``)."""
         return ["nsenter", f"--net={self.namespace}", *args] if self.namespace else args
 
+    def reaches(self, url: str) -> str:
+        """Whether a TCP connection from this namespace to ``url``'s host and port opens, with the neighbour table
+        (for a failure's evidence)."""
+        if self.namespace is None:
+            return "no namespace"
+        host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+        probe = f"import socket; socket.create_connection(({host!r}, {port}), timeout=3).close(); print('connects')"
+        shown = []
+        for args in (["python3", "-c", probe], ["ip", "neigh"], ["ip", "-s", "link", "show", self.device]):
+            done = subprocess.run(self.command(args), capture_output=True, text=True, timeout=30)
+            shown.append(f"$ {' '.join(args[:2])}: {(done.stdout + done.stderr).strip()[-600:]}")
+        return "\n".join(shown)
+
     def received_bytes(self) -> int:
         """Bytes this node's namespace received over its veth (the bridge's side sent them); 0 without one."""
         if self.host_veth is None:

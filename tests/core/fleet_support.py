@@ -276,12 +276,16 @@ def slow_sending(node: Node, rate: str, etcd: Etcd) -> None:
             raise RuntimeError(f"tc {' '.join(command)} failed: {done.stderr.strip()}")
 
 
-def wait_for(condition, timeout: float, what: str, poll: float = 0.1):
-    """Poll ``condition()`` until it is truthy (returns it) or ``timeout`` passes (AssertionError naming ``what``)."""
+def wait_for(condition, timeout: float, what: str, poll: float = 0.1, evidence=None):
+    """Poll ``condition()`` until it is truthy (returns it) or ``timeout`` passes.
+
+    The AssertionError names ``what`` and adds ``evidence()`` (the logs that say why) where given.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
         time.sleep(poll)
-    raise AssertionError(f"{what} did not happen within {timeout} s")
+    shown = f"\n{evidence()}" if evidence is not None else ""
+    raise AssertionError(f"{what} did not happen within {timeout} s{shown}")

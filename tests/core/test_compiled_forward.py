@@ -151,8 +151,8 @@ def check_the_round_trip(socket_dir, first, second, device: str, tmp_path) -> tu
 
     Returns the two reports (compile and restore seconds among them).
     """
-    published, _ = _fresh_process(_PUBLISH, "publish", socket_dir, first, second, device, tmp_path)
-    assert published["ahead"] and published["published"] > 0, published
+    published, publish_logs = _fresh_process(_PUBLISH, "publish", socket_dir, first, second, device, tmp_path)
+    assert published["ahead"] and published["published"] > 0, (published, publish_logs)
     assert published["digest"] == published["compiled_digest"], "the ahead-of-time forward differs from torch.compile's"
     assert "torch.compile.aot;torch=" in published["key"] and ";inputs=" in published["key"] and ";model=" in published["key"]
 

@@ -179,6 +179,22 @@ def listed(etcd: Etcd, content: str) -> list[str]:
     return sorted(h.node for h in registry(etcd).holdings(content)[0])
 
 
+def wait_listed(etcd: Etcd, content: str, holders: list[Node], what: str, timeout: float = 20) -> None:
+    """Wait until exactly ``holders`` list ``content``; a failure shows what is listed and each holder's agent log."""
+
+    def evidence() -> str:
+        agents = "\n".join(
+            f"node {n.name}'s agent:\n"
+            + "\n".join(n.sharer_output().splitlines()[-30:])
+            + f"\nits network: {n.net.reaches(etcd.url)}"
+            for n in holders
+        )
+        return f"listed: {listed(etcd, content)}\n{agents}"
+
+    names = sorted(n.name for n in holders)
+    wait_for(lambda: listed(etcd, content) == names, timeout, what, evidence=evidence)
+
+
 def entries(node: Node) -> list[dict]:
     with Connection(node.socket_dir) as connection:
         return connection.status()["entries"]
@@ -191,7 +207,7 @@ def test_a_node_pulls_an_entry_from_a_peer_and_verifies_it_before_publishing(fle
     first = load(a, path)  # no fleet in this process yet: a reads the disk
     assert first.origin.kind == "disk"
     content = first.fingerprint.content_digest
-    wait_for(lambda: listed(etcd, content) == ["a"], 20, "node a's agent listing its entry")
+    wait_listed(etcd, content, [a], "node a's agent listing its entry")
     received = b.net.received_bytes()
     pulled = load_on(b, path)
     assert pulled.kind == "node" and pulled.source == "node a over host memory to host memory (NIXL/UCX)", pulled.log[-3000:]
@@ -200,7 +216,7 @@ def test_a_node_pulls_an_entry_from_a_peer_and_verifies_it_before_publishing(fle
     assert pulled.created and pulled.digest == first.digest
     assert pulled.lines("pulled") and pulled.lines("verified")
     assert_attaches_like_from_pretrained(path, b.socket_dir, "float32", None)
-    wait_for(lambda: listed(etcd, content) == ["a", "b"], 20, "node b's agent listing what it pulled")
+    wait_listed(etcd, content, [a, b], "node b's agent listing what it pulled")
     shown = zygote.run(
         [sys.executable, "-m", "weightcache.core.cli.cli", "fleet", "list"],
         env=b.env(),
@@ -362,7 +378,7 @@ def test_a_read_past_its_deadline_leaves_the_puller_alive_and_the_disk_is_read(n
         pytest.skip(f"no network namespaces here ({fleet.network.describe()}): no veth to slow down")
     path = model_dir("llama")
     first = load(a, path)
-    wait_for(lambda: listed(fleet.etcd, first.fingerprint.content_digest) == ["a"], 20, "node a's agent listing its entry")
+    wait_listed(fleet.etcd, first.fingerprint.content_digest, [a], "node a's agent listing its entry")
     # 100 kbit/s into b: the manifest arrives, an arena of 1.6 MiB would take minutes, and its deadline is ~10 s.
     shaped = ["tc", "qdisc", "add", "dev", b.net.host_veth, "root", "tbf", "rate", "100kbit", "burst", "16kb", "latency", "1s"]
     subprocess.run(shaped, check=True, capture_output=True, timeout=30)
@@ -402,7 +418,7 @@ def test_a_dead_nodes_lease_runs_out_and_its_entries_leave_the_registry(fleet, m
     a = node("a")
     first = load(a, model_dir("llama"))
     content = first.fingerprint.content_digest
-    wait_for(lambda: listed(etcd, content) == ["a"], 20, "node a's agent listing its entry")
+    wait_listed(etcd, content, [a], "node a's agent listing its entry")
     a.stop_sharing(hard=True)  # SIGKILL: no revoke
     assert listed(etcd, content) == ["a"], "the records live on until the lease runs out"
     start = time.monotonic()
@@ -416,7 +432,7 @@ def test_a_server_that_stops_takes_its_nodes_records_with_it_at_once(fleet, mode
     a = node("a")
     first = load(a, model_dir("llama"))
     content = first.fingerprint.content_digest
-    wait_for(lambda: listed(etcd, content) == ["a"], 20, "node a's agent listing its entry")
+    wait_listed(etcd, content, [a], "node a's agent listing its entry")
     a.server.stop()
     wait_for(lambda: a.sharer is not None and a.sharer.poll() is not None, 20, "the agent leaving with its server")
     assert a.sharer is not None and a.sharer.returncode == 3
@@ -449,7 +465,7 @@ def test_a_holder_serves_fanout_nodes_at_once_and_the_rest_wait_for_a_slot(fleet
     a = node("a")
     path = model_dir("llama")
     first = load(a, path)
-    wait_for(lambda: listed(etcd, first.fingerprint.content_digest) == ["a"], 20, "node a's agent listing its entry")
+    wait_listed(etcd, first.fingerprint.content_digest, [a], "node a's agent listing its entry")
     if a.net.namespace is not None:  # a read from a lasts seconds, so that the three overlap however they start
         slow_sending(a, "4mbit", etcd)
     nodes = [node(name) for name in ("b", "c", "d")]
@@ -459,7 +475,7 @@ def test_a_holder_serves_fanout_nodes_at_once_and_the_rest_wait_for_a_slot(fleet
     waited = [err for _, err in outputs if "waiting for a free slot" in err]
     assert waited, _said(outputs)
     assert {e["digest"] for n in nodes for e in entries(n)} == {first.digest}
-    wait_for(lambda: listed(etcd, first.fingerprint.content_digest) == ["a", "b", "c", "d"], 20, "every node listing it")
+    wait_listed(etcd, first.fingerprint.content_digest, [a, *nodes], "every node listing it")
 
 
 def _said(outputs: list[tuple[str, str]]) -> list[list[str]]:
@@ -530,7 +546,7 @@ def holder_with_arenas(node_factory, fleet, model_dir) -> tuple[Node, Published,
     first = publish(prepare(LoadRequest(model=str(path))), a.socket_dir, chunk_bytes=CHUNK_BYTES)
     arenas = len(first.manifest.arenas)
     assert arenas >= 4, f"the test model fills {arenas} arenas of {CHUNK_BYTES} bytes; the chain needs several"
-    wait_for(lambda: listed(fleet.etcd, first.fingerprint.content_digest) == ["a"], 20, "node a's agent listing its entry")
+    wait_listed(fleet.etcd, first.fingerprint.content_digest, [a], "node a's agent listing its entry")
     return a, first, arenas
 
 
@@ -543,7 +559,7 @@ def test_new_nodes_at_once_pull_as_a_chain_each_from_the_relay_ahead_before_it_p
     slow_sending(a, "4mbit", fleet.etcd)  # the chain's head reads about one arena a second
     nodes = [node(name) for name in ("b", "c", "d")]
     content = first.fingerprint.content_digest
-    wait_for(lambda: listed(fleet.etcd, content) == ["a"], 20, "node a listed still")  # its lease held while they started
+    wait_listed(fleet.etcd, content, [a], "node a listed still")  # its lease held while they started
     outputs = _load_at_once(nodes, model_dir("llama"))
     sources = [out.strip().splitlines()[-1] for out, _ in outputs]
     if not all("copied from node" in s for s in sources):  # the whole story: which node read the disk, and why
@@ -566,7 +582,7 @@ def test_a_relay_killed_mid_chain_sends_the_node_behind_it_to_the_holder_and_pub
     slow_sending(a, "2mbit", fleet.etcd)
     b, c = node("b"), node("c")
     path = model_dir("llama")
-    wait_for(lambda: listed(fleet.etcd, content) == ["a"], 20, "node a listed still")  # its lease held while they started
+    wait_listed(fleet.etcd, content, [a], "node a listed still")  # its lease held while they started
     heading = b.load_process(path)
     behind = None
     try:
@@ -601,7 +617,7 @@ def test_a_relay_serving_other_bytes_is_caught_by_the_checksum_and_the_holder_se
     honest = node("honest")
     path = model_dir("llama")
     first = load(honest, path)
-    wait_for(lambda: listed(fleet.etcd, first.fingerprint.content_digest) == ["honest"], 20, "the honest node listed")
+    wait_listed(fleet.etcd, first.fingerprint.content_digest, [honest], "the honest node listed")
     spec = {**_holder_spec(fleet.etcd, "liar", honest, first.fingerprint, True, tmp_path), "relay": True, "content": None}
     liar = start_holder(spec, tmp_path, fleet.network.node("liar"))
     try:
