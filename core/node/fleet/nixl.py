@@ -13,6 +13,7 @@ import base64
 import binascii
 import importlib
 import logging
+import sys
 import time
 import typing
 
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 MODULES: typing.Final = ("nixl", "nixl_cu13", "nixl_cu12")
 """Import names of NIXL's Python API, by the PyPI package that ships it (``nixl``, ``nixl-cu13``, ``nixl-cu12``)."""
 POLL_S: typing.Final = 0.0005
+"""The first wait between two looks at a read's state; each next wait is half as long again, up to ``POLL_MAX_S``
+(a long read is not looked at thousands of times a second; a short one is seen done within half its time)."""
+POLL_MAX_S: typing.Final = 0.01
 
 
 def nixl_api() -> typing.Any:
@@ -54,6 +58,36 @@ def path_of(remote: Region, local: Region) -> str:
     return "host memory to host memory (NIXL/UCX)"
 
 
+WAKE_US: typing.Final = 5000
+"""The longest UCX's progress thread sleeps when no event wakes it (it polls its workers' event fds, NIXL's UCX
+backend with ``pthrDelay``). NIXL's Python API asks for 0, a thread that never sleeps: an idle agent took a third of
+a core here, and a fleet on one machine runs one per server's agent and per puller (docs/decisions.md 91)."""
+
+
+def _agent_that_sleeps(api: typing.Any, agent_name: str) -> typing.Any:
+    """``api.nixl_agent(agent_name)`` with no backend yet, its progress thread woken by events or after ``WAKE_US``.
+
+    The Python API fixes the delay at 0, so the agent it made is replaced by one from NIXL's bindings with the same
+    settings but the delay. Where a NIXL lacks what this needs, the agent is kept as made (its thread spins; one line
+    at debug level says so).
+    """
+    agent = api.nixl_agent(agent_name, api.nixl_agent_config(backends=[]))
+    module = sys.modules.get(type(agent).__module__)
+    bindings, sync = getattr(module, "nixlBind", None), getattr(module, "nixl_thread_sync_t", None)
+    try:
+        config = bindings.nixlAgentConfig()
+        config.useProgThread = True
+        config.useListenThread = False
+        config.syncMode = sync.NIXL_THREAD_SYNC_NONE.value
+        config.pthrDelay = WAKE_US
+        config.lthrDelay = 100_000
+        config.captureTelemetry = False
+        agent.agent = bindings.nixlAgent(agent_name, config)
+    except (AttributeError, TypeError) as exc:
+        log.debug("weightcache: NIXL's progress thread keeps its delay of 0 (%s: %s)", type(exc).__name__, exc)
+    return agent
+
+
 class NixlTransport(Transport):
     """A NIXL agent of this process, named ``agent_name`` (unique in the fleet), with the UCX backend."""
 
@@ -62,7 +96,7 @@ class NixlTransport(Transport):
     def __init__(self, agent_name: str, devices: str = ""):
         api = nixl_api()
         try:
-            self.agent = api.nixl_agent(agent_name, api.nixl_agent_config(backends=[]))
+            self.agent = _agent_that_sleeps(api, agent_name)
             self.agent.create_backend("UCX", {"ucx_devices": devices} if devices else {})
         except Exception as exc:  # NIXL raises its bindings' own types
             raise BackendUnavailable("nixl", f"a NIXL agent with UCX could not start: {exc}") from None
@@ -125,10 +159,12 @@ class NixlTransport(Transport):
             raise PullFailed(peer_name, f"NIXL could not prepare the read ({exc})") from None
         try:
             state = self._state(peer_name, lambda: self.agent.transfer(handle))
+            wait = POLL_S
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise PullFailed(peer_name, "the read did not finish before its deadline")
-                time.sleep(POLL_S)
+                time.sleep(wait)
+                wait = min(wait * 1.5, POLL_MAX_S)
                 state = self._state(peer_name, lambda: self.agent.check_xfer_state(handle))
             if state != "DONE":
                 raise PullFailed(peer_name, f"the read ended in state {state} (the peer went away or refused)")
