@@ -257,8 +257,9 @@ class Filling:
     def published(self) -> None:
         """After this node published: wait (briefly) until its sharing agent lists the entry, then let go.
 
-        A claimant waits so that the waiting nodes pull instead of reading the disk; a relay keeps serving meanwhile
-        while a relay behind it still pulls (which then reads the rest from the holder this node has become).
+        A claimant waits so that the waiting nodes pull instead of reading the disk; a relay keeps serving until the
+        node behind it has read every arena from it (its relay record says how many it checked), listed or not: a
+        relay that let go as soon as it was listed broke that node's read off mid-arena.
         """
         relaying = self._relaying
         if self.registry is None or self.fingerprint is None or not (self.claimed or relaying is not None):
@@ -266,20 +267,22 @@ class Filling:
         content_digest = self.fingerprint.content_digest
         deadline = time.monotonic() + SHARED_WAIT_S
         key = self.registry.config.key("holders", content_digest, self.registry.config.node)
+        listed = False
         try:
             while time.monotonic() < deadline:
-                if self.registry.store.get(key) is not None:
-                    break
-                if not self.claimed and relaying is not None and not relaying.has_downstream():
-                    break
+                listed = listed or self.registry.store.get(key) is not None
+                if relaying is None or relaying.downstream_done():
+                    if listed or not self.claimed:
+                        break
                 time.sleep(POLL_S)
             else:
-                log.info(
-                    "weightcache: no sharing agent listed %s within %.0f s (run `weightcache fleet share` beside the "
-                    "server); the other nodes read it elsewhere",
-                    self.fingerprint.short,
-                    SHARED_WAIT_S,
-                )
+                if not listed:  # (listed, with the node behind this relay still reading: it goes on from a holder)
+                    log.info(
+                        "weightcache: no sharing agent listed %s within %.0f s (run `weightcache fleet share` beside "
+                        "the server); the other nodes read it elsewhere",
+                        self.fingerprint.short,
+                        SHARED_WAIT_S,
+                    )
         except FleetUnavailable as exc:
             log.warning("weightcache: %s", exc)
         self.close()

@@ -76,10 +76,12 @@ class Relaying:
         self._arenas.append(region)
         self.registry.relay(self.record(), self.lease)
 
-    def has_downstream(self) -> bool:
-        """Whether a relay listed after this one still pulls (it may be reading from this node)."""
+    def downstream_done(self) -> bool:
+        """Whether no node reads from this relay any more: none is listed after it, or the next one (the only one that
+        reads from this relay) has checked as many arenas as this relay holds."""
         relays, _ = self.registry.relays(self.content_digest)
-        return any(r.revision > self.revision for r in relays)
+        later = [r for r in relays if r.revision > self.revision]
+        return not later or min(later, key=lambda r: r.revision).verified >= len(self._arenas)
 
     def close(self) -> None:
         """Remove the record, then unregister what it listed (before the memory is freed)."""
