@@ -50,6 +50,9 @@ def worker(args: argparse.Namespace) -> None:
 
     steps: dict[str, float] = {}
     arenas: list[str] = []
+    checked_at: list[float] = []
+    """When each arena was checked, in seconds after ``go`` (where a chain's hops lose their time)."""
+    went = [0.0]
 
     class PullSteps(logging.Handler):
         """The pull's own steps, from its log lines: ``pulled ... (N bytes in READ s, verified in VERIFY s)``, and
@@ -62,6 +65,7 @@ def worker(args: argparse.Namespace) -> None:
                 steps.update(read_s=float(record.args[4]), verify_s=float(record.args[5]))
             elif record.msg.startswith("weightcache: arena %d of"):
                 arenas.append(str(record.args[2]))
+                checked_at.append(round(record.created - went[0], 3))
 
     logging.basicConfig(level=logging.WARNING, format="worker: %(message)s")  # a failed pull says why, on stderr
     logging.getLogger().handlers[0].setLevel(logging.WARNING)  # the pull's INFO and DEBUG lines go to PullSteps only
@@ -73,11 +77,16 @@ def worker(args: argparse.Namespace) -> None:
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return
-    start = time.perf_counter()
+    start, went[0] = time.perf_counter(), time.time()
     published = publish(prepared, args.socket_dir, chunk_bytes=args.chunk_mib << 20)
     seconds = time.perf_counter() - start
     timings = {**published.timings, **{f"pull_{k}": v for k, v in steps.items()}}
-    print(json.dumps({"source": published.source, "seconds": seconds, "timings": timings, "arenas": arenas}), flush=True)
+    print(
+        json.dumps(
+            {"source": published.source, "seconds": seconds, "timings": timings, "arenas": arenas, "checked_at": checked_at}
+        ),
+        flush=True,
+    )
 
 
 def run_fleet(
@@ -100,7 +109,7 @@ def run_fleet(
             if link_mbit is not None:  # each node's own NIC: what it sends to the others at this rate, etcd unshaped
                 if node.net.namespace is None:
                     raise SystemExit("--link-mbit needs each node in a network namespace (run as root where unshare works)")
-                slow_sending(node, f"{link_mbit}mbit", fleet.etcd)
+                slow_sending(node, f"{link_mbit}mbit", fleet.etcd, nic=True)
         for index, node in enumerate(nodes):
             env = {**node.env(), "PYTHONPATH": str(ROOT), "WEIGHTCACHE_FLEET_RELAY": "1" if relay else "0"}
             command = [sys.executable, __file__, "--worker", "--model", str(model), "--socket-dir", str(node.socket_dir)]

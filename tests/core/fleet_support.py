@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 import urllib.request
 from pathlib import Path
 
@@ -260,20 +261,64 @@ class Node:
             self.server.kill()
 
 
-def slow_sending(node: Node, rate: str, etcd: Etcd) -> None:
+TCP_PURE_ACK: typing.Final = (
+    *("match", "ip", "protocol", "6", "0xff"),  # TCP
+    *("match", "u8", "0x05", "0x0f", "at", "0"),  # a 20-byte IP header
+    *("match", "u16", "0x0000", "0xffc0", "at", "2"),  # shorter than 64 bytes
+    *("match", "u8", "0x10", "0xff", "at", "33"),  # flags: ACK alone
+)
+"""tc u32 matches of a TCP acknowledgement that carries no data."""
+
+
+def slow_sending(node: Node, rate: str, etcd: Etcd, nic: bool = False) -> None:
     """Slow what ``node`` sends to the other nodes to ``rate`` (tc on its end of its veth, in its namespace); what it
-    sends to etcd goes first, unshaped, so that its agent's lease renewals stay timely behind a full queue."""
+    sends to etcd goes first, unshaped, so that its agent's lease renewals stay timely behind a full queue.
+
+    ``nic``: behave as a NIC of that rate, full duplex: the acknowledgements of what the node receives go first too,
+    and at most 25 ms of data waits in the queue. Without it a node that both sends and receives (a relay) receives
+    slower: the veth's queue of 1,000 (GSO) packets held its acknowledgements behind seconds of its own data, which
+    a NIC's egress does not (benchmarks/fleet.py ``--link-mbit``).
+    """
     device, etcd_host = node.net.device, urllib.parse.urlsplit(etcd.url).hostname
     to_etcd = ["match", "ip", "dst", f"{etcd_host}/32", "flowid", "1:10"]
-    for command in (  # HTB (this kernel has no prio qdisc): etcd's class unshaped, the rest (class 30) at ``rate``
+    commands = [  # HTB (this kernel has no prio qdisc): etcd's class unshaped, the rest (class 30) at ``rate``
         ["qdisc", "add", "dev", device, "root", "handle", "1:", "htb", "default", "30"],
         ["class", "add", "dev", device, "parent", "1:", "classid", "1:10", "htb", "rate", "1gbit"],
         ["class", "add", "dev", device, "parent", "1:", "classid", "1:30", "htb", "rate", rate, "ceil", rate, "burst", "16kb"],
         ["filter", "add", "dev", device, "parent", "1:", "protocol", "ip", "prio", "1", "u32", *to_etcd],
-    ):
+    ]
+    if nic:
+        queue = max(64 << 10, int(_bits_per_s(rate) / 8 * 0.025))
+        commands += [
+            [
+                "filter",
+                "add",
+                "dev",
+                device,
+                "parent",
+                "1:",
+                "protocol",
+                "ip",
+                "prio",
+                "2",
+                "u32",
+                *TCP_PURE_ACK,
+                "flowid",
+                "1:10",
+            ],
+            ["qdisc", "add", "dev", device, "parent", "1:30", "handle", "30:", "bfifo", "limit", str(queue)],
+        ]
+    for command in commands:
         done = subprocess.run(node.net.command(["tc", *command]), capture_output=True, text=True, timeout=30)
         if done.returncode != 0:
             raise RuntimeError(f"tc {' '.join(command)} failed: {done.stderr.strip()}")
+
+
+def _bits_per_s(rate: str) -> float:
+    """tc's rate (``80mbit``, ``1gbit``, ``500kbit``) in bits a second."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    unit = next(u for u in units if rate.endswith(u))
+    return float(rate.removesuffix(unit)) * units[unit]
 
 
 def wait_for(condition, timeout: float, what: str, poll: float = 0.1, evidence=None):
