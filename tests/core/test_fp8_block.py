@@ -166,6 +166,64 @@ def test_quantized_bytes_are_pinned():
     assert digest == "03b67936db647e427d4e40dd48c05efa27fcabb7df1539982fc60efd478bfab1"
 
 
+def float32_form(weight: torch.Tensor, block_size=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantization as its docstring states it, step by step in float32 (the implementation before 2026-12-04):
+    what ``quantize_weight``'s fewer passes must give byte for byte."""
+    rows, cols = -(-weight.shape[0] // block_size[0]), -(-weight.shape[1] // block_size[1])
+    buf = torch.zeros(rows * block_size[0], cols * block_size[1], dtype=torch.float32)
+    buf[: weight.shape[0], : weight.shape[1]].copy_(weight)
+    tiles = buf.view(rows, block_size[0], cols, block_size[1])
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, 448.0 / amax.clamp(min=2.0**-100), torch.ones_like(amax))
+    tiles.mul_(scale[:, None, :, None]).clamp_(-448.0, 448.0)
+    return buf[: weight.shape[0], : weight.shape[1]].to(FP8_DTYPE).contiguous(), (1.0 / scale).to(torch.float32)
+
+
+def every_finite_value(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of a 16-bit float type, shuffled, as a (256, 256) weight (four 128x128 tiles)."""
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    values = values[torch.isfinite(values)]
+    values = values[torch.randperm(len(values), generator=torch.Generator().manual_seed(7))]
+    return torch.cat([values, values[: 2**16 - len(values)]]).reshape(256, 256)
+
+
+def edge_weights() -> list[torch.Tensor]:
+    """Weights whose tiles sit at the edges: every finite bfloat16 and float16 value, tiles of one huge or one tiny
+    value among zeros, tiny tiles below the scale's floor, values one step below their tile's maximum, -0.0,
+    partial tiles, float64 and a transposed (non-contiguous) weight."""
+    generator = torch.Generator().manual_seed(11)
+    found = [every_finite_value(torch.bfloat16), every_finite_value(torch.float16)]
+    spread = torch.randn(300, 200, generator=generator) * torch.logspace(-30, 30, 200)
+    narrow = torch.randn(300, 200, generator=generator) * torch.logspace(-7, 4, 200)  # within float16's range
+    found += [spread, spread.to(torch.bfloat16), narrow.to(torch.float16), spread.double(), spread.t()]
+    lone = torch.zeros(256, 256)
+    lone[0, 0], lone[130, 3], lone[5, 200], lone[140, 140] = 3.0e38, -1.0e-38, 2.0**-110, -0.0
+    found.append(lone)
+    below = torch.rand(256, 256, generator=generator) * 1000
+    below[:128, :128] = torch.nextafter(below[:128, :128].amax(), torch.tensor(0.0))  # a tile of one value, near max
+    found += [below, below.to(torch.bfloat16)]
+    return found
+
+
+def test_the_fewer_passes_give_the_float32_forms_bytes():
+    for index, weight in enumerate(edge_weights()):
+        qweight, scale_inv = quantize_weight(weight)
+        expected_q, expected_s = float32_form(weight)
+        assert_same_bytes(f"qweight of edge weight {index}", qweight, expected_q)
+        assert_same_bytes(f"weight_scale_inv of edge weight {index}", scale_inv, expected_s)
+
+
+def test_the_clamp_changes_no_cast_for_any_tile_maximum():
+    """The largest ``|w * scale|`` a tile can give is ``amax * fl(448 / amax)``: over a million maxima spread over
+    float32 from the floor of 2**-100 (the scale of a tile below it is that of 2**-100), it casts to float8 as its clamp to 448 does."""
+    generator = torch.Generator().manual_seed(5)
+    amax = torch.exp2(torch.rand(1_000_000, generator=generator) * 227 - 100) * (1 + torch.rand(1_000_000, generator=generator))
+    scaled = amax * (448.0 / amax)
+    assert float(scaled.max()) < 464.0
+    for signed in (scaled, -scaled):
+        assert_same_bytes("the cast", signed.to(FP8_DTYPE), signed.clamp(-448, 448).to(FP8_DTYPE))
+
+
 def test_quantize_does_not_touch_its_input():
     weight = torch.randn(130, 130)
     before = weight.clone()
@@ -285,6 +343,18 @@ def test_quantize_model_refuses_meta_weights_and_names_the_layer():
     with pytest.raises(ValueError, match="convert_model_to_fp8_skeleton") as info:
         quantize_model(model, Fp8BlockConfig(exclude=()))
     assert "while quantizing 0.weight" in info.value.__notes__
+
+
+def test_quantize_model_names_the_first_layer_holding_inf_or_nan():
+    """The layers' counts are read once all are quantized (one wait for the device); the error still names the first
+    bad one."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    with torch.no_grad():
+        model[1].weight[2, 3] = float("inf")
+        model[2].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"weight of shape \(8, 8\) holds inf or nan in 1 tiles") as info:
+        quantize_model(model, Fp8BlockConfig(exclude=()))
+    assert info.value.__notes__ == ["while quantizing 1.weight"]
 
 
 def test_gpt2_conv1d_is_left_unquantized():
