@@ -138,8 +138,12 @@ class Network:
         bridge = f"wcb{pid:x}"
         subnet = f"10.{200 + pid % 50}.{(pid // 50) % 256}"
         network = cls("namespaces", "", f"{subnet}.1", bridge, subnet)
+        # A bridge whose address nobody set takes the lowest of its ports' MACs, so it changes as nodes join; a node
+        # that resolved the bridge's address before then keeps sending to a port's MAC, which the bridge does not
+        # take for its own: every new connection to etcd timed out until the node's neighbour entry went stale.
+        mac = f"02:77:{pid >> 24 & 0xFF:02x}:{pid >> 16 & 0xFF:02x}:{pid >> 8 & 0xFF:02x}:{pid & 0xFF:02x}"
         try:
-            _ip("link", "add", bridge, "type", "bridge")
+            _ip("link", "add", bridge, "address", mac, "type", "bridge")
             _ip("addr", "add", f"{subnet}.1/24", "dev", bridge)
             _ip("link", "set", bridge, "up")
         except OSError:
