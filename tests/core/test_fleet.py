@@ -38,6 +38,7 @@ from tests.core.fleet_support import (
     slow_sending,
     wait_for,
 )
+from tests.helpers import run_python
 from weightcache.core.client.attach import Attachment
 from weightcache.core.client.client import Connection
 from weightcache.core.fingerprint import canonical_json
@@ -86,6 +87,35 @@ def fleet(network_fleet):
     """etcd, and a factory of nodes on it."""
     yielded, node = network_fleet
     return yielded.etcd, node
+
+
+IDLE_AGENT = """
+import os, sys, time
+from weightcache.core.node.fleet.nixl import NixlTransport
+
+def cpu_s(exclude):  # every thread but ``exclude``: NIXL's and UCX's
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != exclude:
+            fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+link = NixlTransport(f"idle-{os.getpid()}")
+time.sleep(0.5)
+before = cpu_s(os.getpid())
+time.sleep(2.0)
+print(cpu_s(os.getpid()) - before)
+link.close()
+"""
+
+
+def test_an_idle_nixl_agent_sleeps_instead_of_spinning():
+    """NIXL's Python API starts UCX's progress thread with a delay of 0, a thread that never sleeps (a third of a core
+    or more, per agent); the transport's agent waits for events instead (decision 91)."""
+    done = run_python(IDLE_AGENT, timeout=120)
+    used = float(done.stdout.strip().splitlines()[-1])
+    assert used < 0.1, f"an idle NIXL agent's threads used {used:.2f} CPU-s in 2 s: its progress thread spins"
 
 
 def test_the_fleet_runs_in_network_namespaces(network_fleet):
