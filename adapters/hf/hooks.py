@@ -100,8 +100,9 @@ def weightcache_post_process(request, model, description):
 @hookimpl
 def weightcache_manifest_extra(request, model):
     from weightcache import Fp8BlockLinear
+    from weightcache.adapters.hf.layout import class_name_of
 
-    class_name = getattr(model, "weightcache_class_name", None) or type(model).__name__  # a LayoutModel names its class
+    class_name = class_name_of(model)
     extra: dict[str, typing.Any] = {"model_class": class_name, "dtype": str(_param_dtype(model)).removeprefix("torch.")}
     fp8 = next((m for m in model.modules() if isinstance(m, Fp8BlockLinear)), None)
     if fp8 is not None:

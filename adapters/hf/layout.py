@@ -65,11 +65,13 @@ class Slot:
 
 @attrs.frozen
 class Module:
-    """One name of ``named_modules(remove_duplicate=False)``: a module of its own, or ``same_as`` an earlier name."""
+    """One name of ``named_modules(remove_duplicate=False)``: a module of its own, or ``same_as`` an earlier name;
+    ``linear`` where it is exactly a ``torch.nn.Linear`` (block-FP8 quantisation converts those, and only those)."""
 
     name: str
     slots: tuple[Slot, ...] = ()
     same_as: str | None = None
+    linear: bool = False
 
 
 @attrs.frozen
@@ -132,7 +134,7 @@ class Layout:
                         return None
                     persistent = kind != "buffer" or leaf not in module._non_persistent_buffers_set
                     slots.append(Slot(leaf, kind, index, persistent))
-            modules.append(Module(name, tuple(slots)))
+            modules.append(Module(name, tuple(slots), linear=type(module) is torch.nn.Linear))
         if value_bytes > MAX_VALUE_BYTES:
             return None
         return cls(type(model).__name__, tuple(modules), tuple(tensors), tuple(ties))
@@ -161,7 +163,7 @@ class Layout:
             if module.same_as is not None:
                 target = built[module.same_as]
             else:
-                target = root if not module.name else torch.nn.Module()
+                target = root if not module.name else _linear(module, self) if module.linear else torch.nn.Module()
                 for slot in module.slots:
                     if slot.kind == "parameter":
                         target._parameters[slot.leaf] = (
@@ -184,7 +186,9 @@ class Layout:
             {
                 "format": FORMAT,
                 "class_name": self.class_name,
-                "modules": [[m.name, m.same_as, [[s.leaf, s.kind, s.ref, s.persistent] for s in m.slots]] for m in self.modules],
+                "modules": [
+                    [m.name, m.same_as, [[s.leaf, s.kind, s.ref, s.persistent] for s in m.slots], m.linear] for m in self.modules
+                ],
                 "tensors": [
                     [t.dtype, list(t.shape), None if t.value is None else base64.b64encode(t.value).decode()]
                     for t in self.tensors
@@ -211,7 +215,7 @@ class Layout:
                 tensors.append(tensor)
             modules: list[Module] = []
             names = {""}
-            for name, same_as, slots in raw["modules"]:
+            for name, same_as, slots, linear in raw["modules"]:
                 parent = name.rpartition(".")[0]
                 if (name and parent not in names) or (same_as is not None and same_as not in names) or (not name and modules):
                     raise ValueError(f"module {name!r} comes before its parent or the module it is")
@@ -220,12 +224,30 @@ class Layout:
                     if kind not in KINDS or not isinstance(ref, int) or not -1 <= ref < len(tensors):
                         raise ValueError(f"slot {leaf!r} of {name!r}: kind {kind!r}, reference {ref!r}")
                     checked.append(Slot(str(leaf), kind, ref, bool(persistent)))
-                modules.append(Module(str(name), tuple(checked), same_as))
+                if linear and not _linear_slots(checked, tensors):
+                    raise ValueError(f"module {name!r} is marked Linear without a 2-D weight")
+                modules.append(Module(str(name), tuple(checked), same_as, bool(linear)))
                 names.add(name)
             ties = tuple((str(name), str(target)) for name, target in raw["ties"])
             return cls(str(raw["class_name"]), tuple(modules), tuple(tensors), ties)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a weightcache model layout: {exc}") from None
+
+
+def _linear_slots(slots: typing.Sequence[Slot], tensors: typing.Sequence[Tensor]) -> bool:
+    """Whether ``slots`` hold what a ``torch.nn.Linear`` holds: a 2-D weight parameter (and a bias, or None)."""
+    weight = next((s for s in slots if s.leaf == "weight" and s.kind == "parameter"), None)
+    return weight is not None and weight.ref >= 0 and len(tensors[weight.ref].shape) == 2
+
+
+def _linear(module: Module, layout: Layout) -> torch.nn.Module:
+    """An empty ``torch.nn.Linear`` (no parameter made) whose features are those of ``module``'s weight; ``build``
+    puts the parameters in."""
+    weight = next(s for s in module.slots if s.leaf == "weight" and s.kind == "parameter")
+    linear = torch.nn.Linear.__new__(torch.nn.Linear)
+    torch.nn.Module.__init__(linear)
+    linear.out_features, linear.in_features = layout.tensors[weight.ref].shape
+    return linear
 
 
 def _check_value(tensor: Tensor) -> None:
@@ -248,6 +270,11 @@ class LayoutModel(torch.nn.Module):
         for name, target in self.__dict__["weightcache_layout"].ties:
             owner_name, _, leaf = name.rpartition(".")
             self.get_submodule(owner_name)._parameters[leaf] = self.get_parameter(target)
+
+
+def class_name_of(model: torch.nn.Module) -> str:
+    """The transformers class ``model`` is or stands for (a ``LayoutModel`` names the class whose layout it has)."""
+    return getattr(model, "weightcache_class_name", None) or type(model).__name__
 
 
 def remembered(store: "DigestStore", key: str) -> Layout | None:

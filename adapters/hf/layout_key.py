@@ -13,8 +13,9 @@ import typing
 if typing.TYPE_CHECKING:
     from weightcache import LoadRequest
 
-FORMAT = 1
-"""The layout format's version: part of every key, so a change of format never reads an old entry."""
+FORMAT = 2
+"""The layout format's version: part of every key, so a change of format never reads an old entry (2: which modules
+are exactly ``torch.nn.Linear``)."""
 MAX_ENTRY_BYTES = 256 << 20
 """The largest layout entry read back (a 200,000-tensor model's names and shapes, with room)."""
 

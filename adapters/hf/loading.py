@@ -210,19 +210,23 @@ def load_tensors(request: "LoadRequest", tensors: "typing.Mapping[str, torch.Ten
     config = identity.read_config(request.model, request.revision)
     if identity.checkpoint_quantization(config) == identity.FP8_BLOCK:
         return _prequantized(request, config, dict(tensors))
-    dtype = load_dtype(request, config)
-    known = None
-    if request.quantization in (None, "none"):  # a plain module tree stands in for the skeleton (quantization needs nn.Linear)
-        from weightcache import default_store
+    from weightcache import default_store
 
-        known = layout.remembered(default_store(), layout_key(request, config, identity.load_dtype_name(request, config)))
+    dtype = load_dtype(request, config)
+    store = default_store()
+    key = layout_key(request, config, identity.load_dtype_name(request, config))
+    known = layout.remembered(store, key)  # a plain module tree stands in for the skeleton (its Linear layers are Linear)
     if known is not None:
         try:
             return _bind_tensors(known.build(), tensors, request)
         except RebindError as exc:
             log.debug("the remembered layout left %s; building the skeleton", exc)
     try:
-        return _bind_tensors(_model_for(None, request, dtype)[0], tensors, request)
+        model, learned = _model_for(None, request, dtype)
+        bound = _bind_tensors(model, tensors, request)
+        if known is None and learned is not None:
+            store.write_entry(key, learned.to_json())  # the next version of this model needs no skeleton
+        return bound
     except RebindError as exc:  # renamed keys, fused experts, ignored buffers: what transformers' loading resolves
         log.debug("the tensors do not fit the model one to one (%s); loading them through transformers", exc)
         return _through_transformers(request, config, dict(tensors))
@@ -375,7 +379,7 @@ def post_process(request: "LoadRequest", model: "torch.nn.Module", description: 
     if not converted:
         raise UnsupportedQuantization(
             identity.FP8_BLOCK,
-            f"no layer of {type(model).__name__} can be quantized: only untied nn.Linear layers outside the excluded "
+            f"no layer of {layout.class_name_of(model)} can be quantized: only untied nn.Linear layers outside the excluded "
             "modules hold block-FP8 weights (GPT-2's Conv1D layers do not)",
         )
     log.info("quantized %d linear layers to block-wise FP8", len(converted))

@@ -63,6 +63,53 @@ def layout_entries(directory) -> list[str]:
     return sorted(name for name in os.listdir(directory) if name.startswith("layout-"))
 
 
+def version_view(request, tensors):
+    """What a version built from ``tensors`` with ``request``'s quantization publishes: every record, alias and the
+    adapter's extra, and the bytes of every tensor (the quantised weights and their scales among them); plus the class
+    the model was built as. An adapter's refusal (a model with nothing to quantise) is the view instead."""
+    from weightcache.adapters.hf.hooks import weightcache_describe
+    from weightcache.adapters.hf.loading import load_tensors, post_process
+    from weightcache.core.errors import UnsupportedQuantization
+
+    model = load_tensors(request, tensors)
+    built_as = type(model).__name__
+    try:
+        model = post_process(request, model, weightcache_describe(request))
+    except UnsupportedQuantization as exc:
+        return str(exc), built_as
+    items, _ = collect_tensors(model)
+    with ArenaBuilder(Device.parse("cpu")) as builder:
+        manifest = export_module(model, builder)
+        records = [(r.name, r.kind, r.dtype, r.shape, r.stride, r.arena, r.offset, r.nbytes) for r in manifest.tensors]
+        view = {
+            "records": records,
+            "aliases": manifest.aliases,
+            "extra": weightcache_manifest_extra(request, model),
+            "bytes": {item.name: _bytes(item.tensor) for item in items},
+        }
+    return view, built_as
+
+
+@pytest.mark.parametrize("kind", SMALL)
+def test_a_quantised_version_from_the_remembered_layout_is_the_one_from_the_skeleton(store_dir, model_dir, kind):
+    """A version from a trainer's tensors with block-FP8 on publish: the first is built on the skeleton, which leaves
+    the layout behind; the next on the layout (its Linear layers are ``torch.nn.Linear``, which quantisation converts),
+    with the same records and the same bytes."""
+    from safetensors.torch import load_file
+
+    path = model_dir(kind, "bfloat16")
+    tensors = {name: t for file in sorted(path.glob("*.safetensors")) for name, t in load_file(file).items()}
+    request = LoadRequest(model=str(path), quantization="fp8-block")
+    first, built_first = version_view(request, tensors)
+    again, built_again = version_view(request, tensors)
+    assert again == first
+    if built_first == "LayoutModel" or layout_entries(store_dir) or built_again == "LayoutModel":
+        assert built_first != "LayoutModel" and built_again == "LayoutModel", "the second version uses the layout"
+        assert len(layout_entries(store_dir)) == 1, "the first version remembers the layout"
+    if isinstance(first, dict):  # else both refused alike: GPT-2's Conv1D layers hold nothing block-FP8 can quantise
+        assert any(r[2] == "float8_e4m3fn" for r in first["records"]), "nothing was quantised"
+
+
 @pytest.mark.parametrize("stored", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", SMALL)
 def test_a_publish_from_the_remembered_layout_is_the_publish_from_the_skeleton(store_dir, model_dir, kind, stored):
