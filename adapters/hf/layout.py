@@ -6,7 +6,8 @@ than reading a 16 GB checkpoint. Yet a publish that reads the checkpoint straigh
 uses the model only as a layout: which tensors exist where (parameters, buffers, tensor
 attributes, their shapes and dtypes, which are shared), the values of the buffers its
 ``__init__`` computes (rotary frequencies), and its class name. ``Layout`` records exactly that
-from a meta skeleton, and ``Layout.build`` makes a plain ``torch.nn.Module`` tree with the same
+from a meta skeleton, and ``Layout.build`` makes a plain ``torch.nn.Module`` tree (its exact
+``torch.nn.Linear`` layers as ``torch.nn.Linear``, which block-FP8 quantisation converts) with the same
 names in the same order, the same sharing and the same buffer values: what export and the
 manifest see of it is what they see of the skeleton (tests/adapters/test_hf_layout.py checks
 the manifests are equal for every architecture the tests build).
