@@ -73,7 +73,8 @@ def _agent_that_sleeps(api: typing.Any, agent_name: str) -> typing.Any:
     """
     agent = api.nixl_agent(agent_name, api.nixl_agent_config(backends=[]))
     module = sys.modules.get(type(agent).__module__)
-    bindings, sync = getattr(module, "nixlBind", None), getattr(module, "nixl_thread_sync_t", None)
+    bindings: typing.Any = getattr(module, "nixlBind", None)
+    sync: typing.Any = getattr(module, "nixl_thread_sync_t", None)
     try:
         config = bindings.nixlAgentConfig()
         config.useProgThread = True
