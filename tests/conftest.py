@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from tests import zygote
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, past_the_racy_window
 from tests.models import save_random_model
-from weightcache.core.identity.digests import RACY_WINDOW_NS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -94,13 +92,6 @@ def model_dir(tmp_path_factory):
         return cache[key]
 
     return make
-
-
-def past_the_racy_window(directory: Path) -> None:
-    """Wait until every file of ``directory`` is older than the racy window: a load of files written just now hashes
-    them but does not remember their digests (core/identity/digests.py), so a second process would not know them."""
-    newest = max(entry.stat().st_mtime_ns for entry in directory.iterdir())
-    time.sleep(max(0.0, (newest + RACY_WINDOW_NS - time.time_ns()) / 1e9 + 0.01))
 
 
 @pytest.fixture(scope="session")

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import collections
 import json
-import time
 
 import pytest
 
-from tests.helpers import EXAMPLE_SRC
+from tests.helpers import EXAMPLE_SRC, past_the_racy_window
 from weightcache import AdapterOption, LoadRequest, Plugins, UnsupportedQuantization, hookimpl
 from weightcache.core.flow import loader
-from weightcache.core.identity.digests import RACY_WINDOW_NS
 
 
 @pytest.fixture
@@ -99,12 +97,6 @@ def test_a_tier_is_checked_once_when_made_and_publish_takes_it_as_it_is(counting
     assert (tier.on_device, tier.on_host) == (True, False)
 
 
-def _aged(checkpoint) -> None:
-    """Wait until the checkpoint's files are old enough for their digests to be remembered."""
-    newest = max(max(p.stat().st_mtime_ns, p.stat().st_ctime_ns) for p in checkpoint.glob("*.safetensors"))
-    time.sleep(max(0.0, (newest + RACY_WINDOW_NS - time.time_ns()) / 1e9 + 0.01))
-
-
 def _counting_stats(monkeypatch) -> collections.Counter:
     """A count of the weight-file versions taken (``FileKey.of``: one stat each), by file name."""
     from weightcache.core.identity.digests import FileKey
@@ -124,7 +116,7 @@ def test_a_cache_load_stats_each_weight_file_once(counting, monkeypatch):
     """What ``check_first_sight`` saw identifies the checkpoint: ``remembered`` and ``identify`` stat nothing again."""
     plugins, _, checkpoint = counting
     request = LoadRequest(model=str(checkpoint), adapter="counting")
-    _aged(checkpoint)
+    past_the_racy_window(checkpoint)
     first = loader.prepare(request, plugins)
     first.check_first_sight()
     expected = first.identify()  # first sight: hashed, and remembered from now on
@@ -141,7 +133,7 @@ def test_the_cli_passes_the_headers_it_read_so_nothing_is_stat_ed_again(counting
 
     plugins, _, checkpoint = counting
     request = LoadRequest(model=str(checkpoint), adapter="counting")
-    _aged(checkpoint)
+    past_the_racy_window(checkpoint)
     expected = loader.prepare(request, plugins).identify()
     headers = check_checkpoint(checkpoint)
     seen = _counting_stats(monkeypatch)

@@ -12,30 +12,23 @@ import logging
 import os
 import shutil
 import stat
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_tensors_equal, run_python
+from tests.helpers import assert_tensors_equal, past_the_racy_window, run_python
 from tests.models import save_random_model
 from weightcache.core.client.client import Connection
 from weightcache.core.flow.loader import prepare, publish
 from weightcache.core.flow.modes import load_model
-from weightcache.core.identity.digests import RACY_WINDOW_NS, DigestStore, FileKey, checkpoint_digests, file_digest
+from weightcache.core.identity.digests import DigestStore, FileKey, checkpoint_digests, file_digest
 from weightcache.core.identity.safetensors_io import checkpoint_files, checkpoint_identity, read_header
 from weightcache.core.request import LoadRequest
 
 
-def _settle(path: Path) -> None:
-    """Wait until every file of ``path`` is older than the racy window, so that its digest is remembered."""
-    newest = max(max(f.stat().st_mtime_ns, f.stat().st_ctime_ns) for f in checkpoint_files(path))
-    time.sleep(max(0.0, (newest + RACY_WINDOW_NS - time.time_ns()) / 1e9 + 0.01))
-
-
 def _publish_remembered(path: Path, socket_dir) -> str:
     """Publish ``path`` and check its digests were remembered (so a stale store entry would show)."""
-    _settle(path)
+    past_the_racy_window(path)
     published = publish(prepare(LoadRequest(model=str(path))), socket_dir)
     store = DigestStore.open()
     assert all(store.get(FileKey.of(f)) for f in checkpoint_files(path)), "the published checkpoint's digests were not remembered"
@@ -157,7 +150,7 @@ def test_a_copy_in_another_directory_with_one_data_byte_flipped(server, model_di
 
 def test_an_unchanged_checkpoint_opens_no_weight_file(model_dir):
     path = model_dir("llama", "float32", True)
-    _settle(path)
+    past_the_racy_window(path)
     identity = checkpoint_identity(path)  # first sight (in this session): hashed and remembered
     code = """
 import json, sys
@@ -176,7 +169,7 @@ print(json.dumps({"identity": identity, "opened": [p for p in opened if p.endswi
 
 def test_a_corrupt_store_entry_is_ignored_and_rewritten(model_dir, tmp_path):
     files = checkpoint_files(model_dir("llama", "float32", True))
-    _settle(files[0].parent)
+    past_the_racy_window(files[0].parent)
     store = DigestStore.open(tmp_path / "store")
     expected = [file_digest(f) for f in files]
     assert checkpoint_digests(files, store) == expected
@@ -240,7 +233,7 @@ def test_first_sight_logs_one_line_and_counts_every_byte(model_dir, tmp_path, ca
 
     path = model_dir("llama", "float32", True)
     files = checkpoint_files(path)
-    _settle(path)
+    past_the_racy_window(path)
     store = DigestStore.open(tmp_path / "store")
 
     def run() -> tuple[list[str], int]:
@@ -303,8 +296,8 @@ def test_a_file_swapped_after_its_identity_was_known_is_published_under_the_new_
     kept = Path(shutil.copytree(path, tmp_path / "kept"))  # another engine's copy of the first version
     other = save_random_model("llama", tmp_path / "other", seed=2)
     _same_headers(path, other)
-    _settle(path)
-    _settle(kept)
+    past_the_racy_window(path)
+    past_the_racy_window(kept)
     prepared = prepare(LoadRequest(model=str(path)))
     remembered = prepared.fingerprint  # the identity, known before a weight is loaded
     assert remembered.checkpoint == checkpoint_identity(kept)
@@ -321,15 +314,15 @@ def test_a_remembered_digest_gone_stale_through_a_shared_mapping_is_replaced_by_
     path = save_random_model("llama", tmp_path / "model", seed=1)
     kept = Path(shutil.copytree(path, tmp_path / "kept"))
     file = path / "model.safetensors"
-    _settle(path)
-    _settle(kept)
+    past_the_racy_window(path)
+    past_the_racy_window(kept)
     store = DigestStore.open()
     old_digest = checkpoint_digests([file], store)[0]
     with open(file, "r+b") as fh, mmap.mmap(fh.fileno(), 0) as mapping:  # another process writes through a mapping
         position = len(mapping) // 2 // 4 * 4
         mapping[position] ^= 1
         mapping.flush()
-    _settle(path)
+    past_the_racy_window(path)
     store.put(FileKey.of(file), old_digest)  # where the filesystem kept the times, the store still says the old content
     prepared = prepare(LoadRequest(model=str(path)))
     assert prepared.remembered().checkpoint == checkpoint_identity(kept), "the case needs a stale remembered digest"
