@@ -225,7 +225,7 @@ class Layout:
                     if kind not in KINDS or not isinstance(ref, int) or not -1 <= ref < len(tensors):
                         raise ValueError(f"slot {leaf!r} of {name!r}: kind {kind!r}, reference {ref!r}")
                     checked.append(Slot(str(leaf), kind, ref, bool(persistent)))
-                if linear and not _linear_slots(checked, tensors):
+                if linear and _linear_weight(checked, tensors) is None:
                     raise ValueError(f"module {name!r} is marked Linear without a 2-D weight")
                 modules.append(Module(str(name), tuple(checked), same_as, bool(linear)))
                 names.add(name)
@@ -235,19 +235,19 @@ class Layout:
             raise ValueError(f"not a weightcache model layout: {exc}") from None
 
 
-def _linear_slots(slots: typing.Sequence[Slot], tensors: typing.Sequence[Tensor]) -> bool:
-    """Whether ``slots`` hold what a ``torch.nn.Linear`` holds: a 2-D weight parameter (and a bias, or None)."""
-    weight = next((s for s in slots if s.leaf == "weight" and s.kind == "parameter"), None)
-    return weight is not None and weight.ref >= 0 and len(tensors[weight.ref].shape) == 2
+def _linear_weight(slots: typing.Sequence[Slot], tensors: typing.Sequence[Tensor]) -> Tensor | None:
+    """The 2-D weight parameter ``slots`` hold where they hold what a ``torch.nn.Linear`` holds (and a bias, or None)."""
+    slot = next((s for s in slots if s.leaf == "weight" and s.kind == "parameter" and s.ref >= 0), None)
+    return tensors[slot.ref] if slot is not None and len(tensors[slot.ref].shape) == 2 else None
 
 
 def _linear(module: Module, layout: Layout) -> torch.nn.Module:
     """An empty ``torch.nn.Linear`` (no parameter made) whose features are those of ``module``'s weight; ``build``
     puts the parameters in."""
-    weight = next(s for s in module.slots if s.leaf == "weight" and s.kind == "parameter")
+    weight = typing.cast(Tensor, _linear_weight(module.slots, layout.tensors))  # a linear module has one (from_json)
     linear = torch.nn.Linear.__new__(torch.nn.Linear)
     torch.nn.Module.__init__(linear)
-    linear.out_features, linear.in_features = layout.tensors[weight.ref].shape
+    linear.out_features, linear.in_features = weight.shape
     return linear
 
 

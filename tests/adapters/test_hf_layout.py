@@ -183,8 +183,9 @@ def _shrink_first_tensor(raw) -> None:
         lambda raw: raw["modules"][1].__setitem__(2, [["weight", "parameter", 10**9, True]]),
         lambda raw: raw.pop("ties"),
         _shrink_first_tensor,
+        lambda raw: raw["modules"][1].__setitem__(3, True),  # GPT-2's `transformer`, marked Linear: it has no weight
     ],
-    ids=["other-format", "value-size", "dangling-reference", "missing-field", "checkpoint-does-not-fit"],
+    ids=["other-format", "value-size", "dangling-reference", "missing-field", "checkpoint-does-not-fit", "linear-without-weight"],
 )
 def test_a_damaged_layout_entry_is_a_miss_and_the_publish_is_the_skeletons(store_dir, model_dir, damage):
     path = model_dir("gpt2")
