@@ -52,7 +52,7 @@ def worker(args: argparse.Namespace) -> None:
     arenas: list[str] = []
     checked_at: list[float] = []
     """When each arena was checked, in seconds after ``go`` (where a chain's hops lose their time)."""
-    went = [0.0]
+    went = 0.0
 
     class PullSteps(logging.Handler):
         """The pull's own steps, from its log lines: ``pulled ... (N bytes in READ s, verified in VERIFY s)``, and
@@ -65,7 +65,7 @@ def worker(args: argparse.Namespace) -> None:
                 steps.update(read_s=float(record.args[4]), verify_s=float(record.args[5]))
             elif record.msg.startswith("weightcache: arena %d of"):
                 arenas.append(str(record.args[2]))
-                checked_at.append(round(record.created - went[0], 3))
+                checked_at.append(round(record.created - went, 3))
 
     logging.basicConfig(level=logging.WARNING, format="worker: %(message)s")  # a failed pull says why, on stderr
     logging.getLogger().handlers[0].setLevel(logging.WARNING)  # the pull's INFO and DEBUG lines go to PullSteps only
@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return
-    start, went[0] = time.perf_counter(), time.time()
+    start, went = time.perf_counter(), time.time()
     published = publish(prepared, args.socket_dir, chunk_bytes=args.chunk_mib << 20)
     seconds = time.perf_counter() - start
     timings = {**published.timings, **{f"pull_{k}": v for k, v in steps.items()}}
