@@ -35,6 +35,7 @@ import json
 import logging
 import platform
 import struct
+import sys
 import tempfile
 import time
 import types
@@ -309,7 +310,72 @@ def model_digest(model: "torch.nn.Module") -> str:
         described.append(str(getattr(config, "_attn_implementation", None)))
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         described.append(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:{tensor.device.type}")
+    described += _code_of(model)
+    described += _replaced_forwards(model)
     return _short("\n".join(described))
+
+
+def _code_of(model: "torch.nn.Module") -> list[str]:
+    """The code the trace ran: each file defining one of the model's classes or their forwards, by content, with the
+    version of the package it belongs to.
+
+    An engine on another transformers or ``kernels`` release, or a patched
+    checkout, runs other code under the same class names; its forward must be
+    compiled anew.
+    """
+    files: dict[str, str] = {}
+    for kind in {type(module) for _, module in _modules_and_wrappers(model)}:
+        source = sys.modules.get(kind.__module__)
+        files.setdefault(getattr(source, "__file__", None) or kind.__module__, kind.__module__)
+        code = getattr(getattr(kind, "forward", None), "__code__", None)
+        if code is not None:
+            files.setdefault(code.co_filename, _module_of_file(code.co_filename) or kind.__module__)
+    described = []
+    for path, module_name in sorted(files.items()):
+        package = sys.modules.get(module_name.partition(".")[0])
+        try:
+            with open(path, "rb") as file:
+                content = hashlib.sha256(file.read()).hexdigest()
+        except OSError:
+            content = "unreadable"
+        described.append(f"code:{module_name}:{getattr(package, '__version__', None)}:{content}")
+    return described
+
+
+def _module_of_file(path: str) -> str | None:
+    """The name of the imported module loaded from ``path``, if one was."""
+    for name, module in list(sys.modules.items()):
+        if getattr(module, "__file__", None) == path:
+            return name
+    return None
+
+
+def _replaced_forwards(model: "torch.nn.Module") -> list[str]:
+    """Forwards set on instances rather than on their classes (``kernels.kernelize`` sets them)."""
+    described = []
+    for label, module in _modules_and_wrappers(model):
+        forward = vars(module).get("forward")
+        if forward is not None:
+            described.append(
+                f"forward:{label}:{getattr(forward, '__module__', None)}.{getattr(forward, '__qualname__', forward)}"
+            )
+    return described
+
+
+def _modules_and_wrappers(model: "torch.nn.Module") -> list[tuple[str, "torch.nn.Module"]]:
+    """The model's modules, and the modules they keep in a dict attribute of their own rather than as submodules
+    (``kernels``' per-module function wrappers, ``_kernel_funcs``), each with its name."""
+    import torch
+
+    found = []
+    for name, module in model.named_modules():
+        found.append((name, module))
+        for attribute, value in vars(module).items():
+            if isinstance(value, dict) and attribute not in ("_modules", "_parameters", "_buffers"):
+                found += [
+                    (f"{name}.{attribute}[{key}]", item) for key, item in value.items() if isinstance(item, torch.nn.Module)
+                ]
+    return found
 
 
 class _Unportable(Exception):
@@ -381,18 +447,31 @@ def _kept_guards(entries: typing.Sequence[typing.Any]) -> list[bool]:
     Dropped, as torch's own default for the ahead-of-time compile drops them:
     guards on globals and on object identities, which mean nothing in
     another process; the key covers what they stood for (versions, the model).
+    Dropped too: guards on an object whose class was made inside a function,
+    and on everything reached through it (transformers with the ``kernels``
+    package wraps functions such as ``apply_rotary_pos_emb`` so), which torch
+    cannot rebuild in another process; the key's digest of the model's code
+    and of its replaced forwards stands for them (``model_digest``).
     """
     from torch._dynamo.guards import CheckFunctionManager
 
     unserializable = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    made_locally = [entry.name for entry in entries if entry.has_value and _made_in_a_function(entry.value)]
     return [
         not (
             entry.is_global
             or entry.guard_type in unserializable
             or unserializable.intersection(getattr(entry, "derived_guard_types", None) or ())
+            or any(name in entry.name for name in made_locally)
         )
         for entry in entries
     ]
+
+
+def _made_in_a_function(value: typing.Any) -> bool:
+    """Whether ``value`` is, or is an instance of, a class defined in a function's local scope."""
+    kind = value if inspect.isclass(value) else type(value)
+    return "<locals>" in kind.__qualname__
 
 
 def _warn_fallback() -> None:
