@@ -33,6 +33,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -213,10 +214,19 @@ def gpu_pair(gib: float, tensors: int) -> dict:
         etcd.close()
 
 
+_RELAYED = re.compile(r"\((\d+) of (\d+) checked(?:, (\d+) pieces as they landed)?\)")
+
+
 def _still_pulling(source: str) -> bool:
     """Whether an arena's source (``relay b (3 of 20 checked)``) had not checked every arena yet: not published."""
-    checked, _, total = source.rpartition("(")[2].removesuffix(" checked)").partition(" of ")
-    return checked.isdigit() and total.isdigit() and int(checked) < int(total)
+    found = _RELAYED.search(source)
+    return found is not None and int(found.group(1)) < int(found.group(2))
+
+
+def _while_landing(source: str) -> bool:
+    """Whether pieces of an arena were read while it still landed at its relay (``..., 4 pieces as they landed)``)."""
+    found = _RELAYED.search(source)
+    return found is not None and found.group(3) is not None
 
 
 def _line(proc: subprocess.Popen, wanted) -> str:
@@ -296,9 +306,10 @@ def main() -> None:
         if served:
             relayed = [s for s in served if s.startswith("relay ")]
             early = [s for s in relayed if _still_pulling(s)]
+            landing = [s for s in relayed if _while_landing(s)]
             print(
                 f"      arenas ({len(served)} pulled): from relays {len(relayed)} ({len(early)} while the relay still "
-                f"pulled), from holders {len(served) - len(relayed)}",
+                f"pulled, {len(landing)} of them in pieces as they landed), from holders {len(served) - len(relayed)}",
                 flush=True,
             )
         steps = [r["timings"] for r in row["per_node"] if "pull_read_s" in r["timings"]]

@@ -74,7 +74,9 @@ def _list(config) -> int:
         elif isinstance(record, Content):
             print(f"{name}: {len(record.arenas)} arenas, {record.nbytes} bytes, first published by node {record.origin}")
         elif isinstance(record, Relay):
-            print(f"{name}: node {record.node} pulls it and serves the {record.verified} arenas it has checked")
+            landing = record.landing
+            landed = "" if landing is None else f", and arena {landing.arena} as it lands ({landing.landed} bytes so far)"
+            print(f"{name}: node {record.node} pulls it and serves the {record.verified} arenas it has checked{landed}")
         elif kind == "readers":
             print(f"{name}: node {record.node} reads from this holder")
         else:

@@ -5,7 +5,8 @@
 SPEC: ``etcd``, ``node``, ``secret``, ``fingerprint`` (JSON), ``manifest`` (the manifest's canonical JSON text it
 serves), ``arenas`` (one file per arena whose bytes it serves, or ``null`` for random bytes of ``sizes[i]``),
 ``sizes``, ``content`` (a content record to declare first, or ``null``) and ``relay`` (optional: list a relay record
-that says every arena is checked, instead of a holding). It registers the manifest and the arenas with the real NIXL
+that says every arena is checked, instead of a holding; ``"landing"``: one that has checked none and lists all of
+arena 0 as landed). It registers the manifest and the arenas with the real NIXL
 transport, writes its record under a lease it renews, prints ``ready`` and waits to be killed.
 """
 
@@ -21,7 +22,7 @@ import time
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.nixl import NixlTransport
-from weightcache.core.node.fleet.records import Content, Holding, Relay, manifest_sha256
+from weightcache.core.node.fleet.records import Content, Holding, Landing, Relay, manifest_sha256
 from weightcache.core.node.fleet.registry import FleetRegistry
 from weightcache.core.node.fleet.transport import Region
 
@@ -46,7 +47,10 @@ def main(path: str) -> None:
     fingerprint = Fingerprint.from_json(spec["fingerprint"])
     if spec.get("content"):
         registry.declare(Content.from_json(spec["content"]), lease)
-    if spec.get("relay"):
+    if spec.get("relay") == "landing":
+        landing = Landing(0, regions[0].length, regions[0])
+        registry.relay(Relay(spec["node"], fingerprint, link.name, reach, manifest_region, (), landing), lease)
+    elif spec.get("relay"):
         registry.relay(Relay(spec["node"], fingerprint, link.name, reach, manifest_region, tuple(regions)), lease)
     else:
         holding = Holding(spec["node"], fingerprint, manifest_sha256(data), link.name, reach, manifest_region, tuple(regions))

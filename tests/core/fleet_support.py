@@ -134,6 +134,7 @@ def fleet_env(etcd_url: str, node: str, secret: str = SECRET, **extra: str) -> d
         "WEIGHTCACHE_FLEET_WAIT_S": "120",
         "WEIGHTCACHE_FLEET_LEASE_TTL_S": str(LEASE_TTL_S),
         "WEIGHTCACHE_FLEET_DEVICES": "lo",  # UCX's TCP on loopback only
+        "WEIGHTCACHE_FLEET_PIECE_BYTES": "65536",  # the relay tests' arenas (256 KiB) land in several pieces
         **extra,
     }
     env.pop("WEIGHTCACHE_FLEET_SECRET_FILE", None)

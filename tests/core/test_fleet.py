@@ -412,7 +412,8 @@ def test_a_read_past_its_deadline_leaves_the_puller_alive_and_the_disk_is_read(n
     # 100 kbit/s into b: the manifest arrives, an arena of 1.6 MiB would take minutes, and its deadline is ~10 s.
     shaped = ["tc", "qdisc", "add", "dev", b.net.host_veth, "root", "tbf", "rate", "100kbit", "burst", "16kb", "latency", "1s"]
     subprocess.run(shaped, check=True, capture_output=True, timeout=30)
-    published = load_on(b, path, UCX_TLS="tcp")  # its process exits 0 and prints what it published
+    # One piece, the whole arena: the read outlives its deadline (pieces of 64 KiB would each arrive in time).
+    published = load_on(b, path, UCX_TLS="tcp", WEIGHTCACHE_FLEET_PIECE_BYTES=str(16 << 20))
     assert published.kind == "disk", published.log[-3000:]
     failed = published.lines("from node a failed")
     assert len(failed) == 1 and "deadline" in failed[0], published.log[-3000:]
@@ -531,7 +532,9 @@ def _load_at_once(nodes: list[Node], path, **extra_env: str) -> list[tuple[str, 
 
 CHUNK_BYTES = 256 << 10
 """The holder's arenas in the relay tests: the test model's 1.6 MiB in several arenas, so that a chain has steps."""
-ARENA_LINE = re.compile(r"arena (\d+) of \S+ from (relay|node) (\S+)(?: \((\d+) of (\d+) checked\))?")
+ARENA_LINE = re.compile(
+    r"arena (\d+) of \S+ from (relay|node) (\S+)(?: \((\d+) of (\d+) checked(?:, (\d+) pieces as they landed)?\))?"
+)
 
 
 @attrs.frozen
@@ -544,6 +547,8 @@ class ArenaRead:
     relay: bool
     verified: int
     total: int
+    landing_pieces: int = 0
+    """Pieces read from the relay's landing buffer, before it had checked the arena."""
 
 
 def arena_reads(log: str) -> list[ArenaRead]:
@@ -552,9 +557,9 @@ def arena_reads(log: str) -> list[ArenaRead]:
     for line in log.splitlines():
         found = ARENA_LINE.search(line)
         if found and "DEBUG" in line:
-            index, kind, node, verified, total = found.groups()
+            index, kind, node, verified, total, pieces = found.groups()
             relay = kind == "relay"
-            reads.append(ArenaRead(int(index), node, relay, int(verified or 0), int(total or 0)))
+            reads.append(ArenaRead(int(index), node, relay, int(verified or 0), int(total or 0), int(pieces or 0)))
     return reads
 
 
@@ -600,6 +605,8 @@ def test_new_nodes_at_once_pull_as_a_chain_each_from_the_relay_ahead_before_it_p
         assert sorted(r.index for r in read) == list(range(arenas)), (name, read)
     early = [(name, r) for name, read in reads.items() for r in read if r.relay and r.verified < r.total]
     assert early, f"no arena came from a relay that was still pulling: {reads}"
+    while_landing = [(name, r) for name, read in reads.items() for r in read if r.relay and r.landing_pieces]
+    assert while_landing, f"no arena was read in pieces while it landed at its relay (one arena later each hop): {reads}"
     assert sum(all(not r.relay and r.node == "a" for r in read) for read in reads.values()) <= 1, reads
     assert {e["digest"] for n in nodes for e in entries(n)} == {first.digest}
     assert keys_under(fleet.etcd, "relays") == [] and keys_under(fleet.etcd, "readers") == []
@@ -640,15 +647,18 @@ def test_a_relay_killed_mid_chain_sends_the_node_behind_it_to_the_holder_and_pub
     assert keys_under(fleet.etcd, "readers") == []
 
 
-def test_a_relay_serving_other_bytes_is_caught_by_the_checksum_and_the_holder_serves(network_fleet, model_dir, tmp_path):
-    """The liar lists a relay record ahead of the puller (every arena checked, it says) and serves the true manifest
-    with other bytes: arena 0 fails its checksum, nothing of it is kept, and the holder serves every arena."""
+@pytest.mark.parametrize("lie", ["checked", "landing"])
+def test_a_relay_serving_other_bytes_is_caught_by_the_checksum_and_the_holder_serves(network_fleet, model_dir, tmp_path, lie):
+    """The liar lists a relay record ahead of the puller (every arena checked, it says; or arena 0 landed whole, not
+    checked yet) and serves the true manifest with other bytes: arena 0 fails its checksum, nothing of it is kept, and
+    the holder serves every arena."""
     fleet, node = network_fleet
     honest = node("honest")
     path = model_dir("llama")
     first = load(honest, path)
     wait_listed(fleet.etcd, first.fingerprint.content_digest, [honest], "the honest node listed")
-    spec = {**_holder_spec(fleet.etcd, "liar", honest, first.fingerprint, True, tmp_path), "relay": True, "content": None}
+    relay = True if lie == "checked" else "landing"
+    spec = {**_holder_spec(fleet.etcd, "liar", honest, first.fingerprint, True, tmp_path), "relay": relay, "content": None}
     liar = start_holder(spec, tmp_path, fleet.network.node("liar"))
     try:
         assert list(relay_records(fleet.etcd, first.fingerprint.content_digest)) == ["liar"]
@@ -663,7 +673,7 @@ def test_a_relay_serving_other_bytes_is_caught_by_the_checksum_and_the_holder_se
         )
     finally:
         stop(liar)
-    arenas = len(spec["sizes"])
+    arenas = len(spec["sizes"]) if lie == "checked" else 0
     relayed = f"/relays/{first.fingerprint.content_digest}/liar: node liar pulls it and serves the {arenas} arenas"
     assert shown.returncode == 0 and any(relayed in line for line in shown.stdout.splitlines()), shown.stdout
     assert published.kind == "node" and published.source.startswith("node honest over"), published.log[-3000:]

@@ -13,7 +13,7 @@ from weightcache.core.errors import FleetUnavailable
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.etcd import EtcdStore, prefix_end
-from weightcache.core.node.fleet.records import Content, Holding, Relay, seal, unseal
+from weightcache.core.node.fleet.records import Content, Holding, Landing, Relay, seal, unseal
 from weightcache.core.node.fleet.transport import Region
 
 SECRET = b"0123456789abcdef-secret"
@@ -106,6 +106,11 @@ def test_the_fleet_settings_say_which_variable_to_fix(tmp_path):
     assert not FleetConfig.from_env({**env, "WEIGHTCACHE_FLEET_RELAY": "0"}).relay  # type: ignore[union-attr]
     with pytest.raises(ValueError, match=r"WEIGHTCACHE_FLEET_RELAY='yes': use 1 \(on\) or 0 \(off\)"):
         FleetConfig.from_env({**env, "WEIGHTCACHE_FLEET_RELAY": "yes"})
+    assert config.piece_bytes == 1 << 20
+    assert FleetConfig.from_env({**env, "WEIGHTCACHE_FLEET_PIECE_BYTES": "65536"}).piece_bytes == 65536  # type: ignore[union-attr]
+    for bad in ("4095", "1MiB", "-4096"):
+        with pytest.raises(ValueError, match=f"WEIGHTCACHE_FLEET_PIECE_BYTES='{re.escape(bad)}': use a whole number of bytes"):
+            FleetConfig.from_env({**env, "WEIGHTCACHE_FLEET_PIECE_BYTES": bad})
 
 
 def test_a_registry_that_does_not_answer_costs_its_deadline_and_no_more():
@@ -152,3 +157,30 @@ def test_a_relay_record_lists_exactly_the_arenas_it_says_are_verified():
     key = b"/weightcache/relays/c/b"
     with pytest.raises(ValueError, match="not signed"):
         unseal(key, seal(key, grown.to_json(), SECRET).replace(b'"verified":2', b'"verified":1'), SECRET)
+
+
+def test_a_relay_record_lands_only_the_arena_after_its_verified_ones_within_its_buffer():
+    checked = Relay("b", fingerprint(), "nixl", "cmVhY2g=", Region(4096, 100), (Region(8192, 4096),))
+    landing = attrs.evolve(checked, landing=Landing(1, 1024, Region(1 << 20, 4096)))
+    assert Relay.from_json(landing.to_json()) == landing and Relay.from_json(checked.to_json()).landing is None
+    body = landing.to_json()
+    for bad, error in [
+        ({**body["landing"], "arena": 0}, "it lands arena 0 with 1 verified"),
+        ({**body["landing"], "arena": 2}, "it lands arena 2 with 1 verified"),
+        ({**body["landing"], "landed": 4097}, "4097 bytes landed in a region of 4096"),
+        ({**body["landing"], "landed": -1}, "-1 bytes landed"),
+        ({**body["landing"], "landed": True}, "True bytes landed"),
+        ({**body["landing"], "arena": "1"}, "not an arena's index"),
+        ({**body["landing"], "region": [0, 4096, 0, "DRAM"]}, "address"),
+        ([1, 1024], "landing must be an object"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            Relay.from_json({**body, "landing": bad})
+
+
+def test_a_region_part_stays_within_the_region():
+    region = Region(4096, 100, 1, "VRAM")
+    assert region.part(10, 90) == Region(4106, 90, 1, "VRAM")
+    for offset, length in [(0, 101), (-1, 10), (50, 0), (100, 1)]:
+        with pytest.raises(ValueError, match="not within a region of 100"):
+            region.part(offset, length)

@@ -10,6 +10,12 @@ the content record before the next is read; a source that fails (gone, stalled, 
 that breaks, bytes that do not match) costs one warning and is never asked again by
 this pull: the node asks again (the relay before it, a holder), and with nothing left
 the caller reads the disk.
+
+A node that relays reads each arena in pieces and lists them as they land (``Relaying``);
+the node behind it reads those pieces as they are listed, before its upstream has
+checked the arena, so each hop lags its upstream by a piece, not by an arena. It still
+checks the whole arena itself before it serves it as checked or publishes it. A piece
+takes about ``PIECE_S`` at the rate the last one came (at least ``FleetConfig.piece_bytes``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import functools
 import gc
 import json
 import logging
+import mmap
 import random
 import time
 import typing
@@ -44,18 +51,27 @@ POLL_S: typing.Final = 0.1
 """How often a node waiting for its upstream relay reads the relay's record again."""
 MANIFEST: typing.Final = -1
 """The step that reads the manifest (arenas are steps 0, 1, ...)."""
+PIECE_S: typing.Final = 0.05
+"""How long one piece of an arena takes to read, at the rate the last piece came (a relay lists each as it lands)."""
+_MORE = object()
+"""What a read of part of an arena returns: more of it is still to come."""
 
 
 @attrs.frozen
 class ArenaSource:
-    """Where one arena came from: the node, whether it served as a relay, and how many arenas it had checked then."""
+    """Where one arena came from: the node, whether it served as a relay, how many arenas it had checked then, and how
+    many pieces were read while it was still landing there (before it had checked the arena)."""
 
     node: str
     relay: bool
     verified: int
+    landing_pieces: int = 0
 
     def describe(self, total: int) -> str:
-        return f"relay {self.node} ({self.verified} of {total} checked)" if self.relay else f"node {self.node}"
+        if not self.relay:
+            return f"node {self.node}"
+        landing = f", {self.landing_pieces} pieces as they landed" if self.landing_pieces else ""
+        return f"relay {self.node} ({self.verified} of {total} checked{landing})"
 
 
 @attrs.frozen
@@ -82,7 +98,7 @@ class ChainedPull:
         lease: int,
         relaying: Relaying | None,
         failed: set[str],
-        quarantine: "list[Arena]",
+        quarantine: "list[Arena | mmap.mmap]",
         use_relays: bool = True,
         staged: bool = False,
     ):
@@ -104,7 +120,11 @@ class ChainedPull:
         self.slot: bytes | None = None
         self.left: str | None = None
         """The last relay that left: it published, and its holding is the first one asked."""
-        self._progress = (-1, 0.0)
+        self._progress: tuple[tuple[int, int], float] = ((-1, -1), 0.0)
+        self._partial: _Partial | None = None
+        """The arena read in part so far (pieces of it): from whom, into what, how far."""
+        self._rate = 0.0
+        """Bytes per second of the last read, which sizes the next piece."""
         self._waiting_for_slot = False
         self._deadline = time.monotonic() + registry.config.wait_s
         self.sources: list[ArenaSource] = []
@@ -136,7 +156,7 @@ class ChainedPull:
         while True:
             served = self._source(step)
             try:
-                return read(served)
+                result = read(served)
             except (WeightCacheError, OSError, ValueError, RuntimeError) as exc:
                 log.warning(
                     "weightcache: reading %s of %s from %s failed (%s); asking another node",
@@ -148,6 +168,9 @@ class ChainedPull:
                 self.failed.add(served.node)
                 self.current = None
                 self._free_slot()
+                continue
+            if result is not _MORE:
+                return result
 
     # Where each step's bytes come from.
 
@@ -181,9 +204,16 @@ class ChainedPull:
         self.current = fresh
         if (fresh.manifest is not None) if step == MANIFEST else fresh.verified > step:
             return Served.of(fresh, step, self.content)
+        landing = fresh.landing
+        if self.relaying is not None and landing is not None and landing.arena == step:
+            if landing.landed > self._done_from(fresh.node, landing.region, step):
+                return Served.landing_of(fresh, step, self.content)
         now = time.monotonic()
-        if fresh.verified != self._progress[0]:
-            self._progress = (fresh.verified, now)
+        if self.relaying is not None:
+            self.relaying.list_landed()  # (the node behind this one may wait for the pieces this one has)
+        progress = (fresh.verified, -1 if landing is None else landing.landed)
+        if progress != self._progress[0]:
+            self._progress = (progress, now)
         elif now - self._progress[1] > self._stall_s(step):
             log.warning(
                 "weightcache: relay %s checked no arena of %s for %.0f s; asking another node",
@@ -210,7 +240,7 @@ class ChainedPull:
         relays = self.registry.relays(content_digest)[0] if self.use_relays else []
         ahead = [r for r in relays if r.node != node and r.node not in self.failed and (mine is None or r.revision < mine)]
         if ahead:
-            self.current, self._progress = ahead[-1], (-1, time.monotonic())
+            self.current, self._progress = ahead[-1], ((-1, -1), time.monotonic())
             log.debug("weightcache: reading %s from relay %s", self.fingerprint.short, ahead[-1].node)
             return
         holdings, _ = self.registry.holdings(content_digest)
@@ -263,30 +293,55 @@ class ChainedPull:
             self.relaying.manifest_checked(data)
         return manifest
 
-    def _read_arena(self, served: "Served", index: int, slot: typing.Any, staging: "ArenaBuilder", landing: typing.Any) -> None:
-        """Read arena ``index`` into ``landing`` (``slot`` of the builder, or of ``staging`` when staged), seal and
-        checksum it here; then serve it as a relay."""
+    def _read_arena(
+        self, served: "Served", index: int, slot: typing.Any, staging: "ArenaBuilder", landing: typing.Any
+    ) -> typing.Any:
+        """Read (more of) arena ``index``: the next piece, or all that is left; ``_MORE`` while some is still to come.
+
+        It lands in this relay's landing buffer, or in ``landing`` (``slot`` of the builder, or of ``staging`` when
+        staged). Once all of it is here it goes to ``slot``, is sealed and checksummed here, then served as a relay.
+        """
         size, checksum = self.content.arenas[index]
-        into = staging if self.staged else self.builder
-        view = into.view(landing)
-        local = region_of_view(view)
+        part = self._partial
+        if part is None or not part.continues(index, served):
+            part = self._partial = self._start(index, served, staging if self.staged else self.builder, landing, part)
+        if served.landed is not None:
+            part.pieces_region = served.region
+        available = size if served.landed is None else served.landed
+        piecewise = self.relaying is not None or served.landed is not None
+        nbytes = available - part.done
+        if piecewise:
+            nbytes = min(nbytes, max(self.registry.config.piece_bytes, int(self._rate * PIECE_S)))
+        remote = served.region.part(part.done, nbytes)
         start = time.perf_counter()
         try:
-            path = self.link.read(served.reach, [served.region], [local], read_deadline(size))
+            path = self.link.read(served.reach, [remote], [part.target.part(part.done, nbytes)], read_deadline(nbytes))
         except BaseException:
-            del view
-            old = into.replace_arena(index)
-            if old is not None:
-                self.quarantine.append(old)
+            self._partial = None
+            self._set_aside(part, index)
             raise
-        del view
+        elapsed = time.perf_counter() - start
+        self.read_s += elapsed
+        self._rate = nbytes / max(elapsed, 1e-6)
+        part.done += nbytes
+        part.landing_pieces += served.landed is not None
+        if part.done < size:
+            if part.in_landing_buffer and self.relaying is not None:
+                self.relaying.landed(index, part.done)
+            return _MORE
+        self._partial = None
+        into = staging if self.staged else self.builder
+        if part.in_landing_buffer:
+            view = into.view(landing)
+            ctypes.memmove(region_of_view(view).address, part.target.address, size)
+            del view
         if self.staged:
             from weightcache.core.arena.transfer import Pair, host_to_device
 
             target = self.builder.view(slot)
             host_to_device([Pair(staging.arena(landing).fileno(), target)])
             del target
-        self.read_s += time.perf_counter() - start
+        self.read_s += time.perf_counter() - start - elapsed
         start = time.perf_counter()
         try:
             spec = self.builder.seal_arena(index)
@@ -298,15 +353,81 @@ class ChainedPull:
             old = self.builder.replace_arena(index)
             if old is not None:
                 old.close()  # the read finished: nothing writes into it any more
+            if part.in_landing_buffer and self.relaying is not None:
+                self.relaying.landing_failed(index)  # (the node behind checks what it read of it, and fails it)
             raise ChecksumMismatch(
                 index, served.name, checksum, str(spec.checksum), "nothing of it was kept; another node is asked"
             )
         self.path = path
-        source = ArenaSource(served.node, served.relay, served.verified)
+        source = ArenaSource(served.node, served.relay, served.verified, part.landing_pieces)
         self.sources.append(source)
         log.debug("weightcache: arena %d of %s from %s", index, self.fingerprint.short, source.describe(len(self.content.arenas)))
         if self.relaying is not None:
             self.relaying.arena_checked(region_of_arena(self.builder.arena(slot)))
+        return None
+
+    def _start(
+        self, index: int, served: "Served", into: "ArenaBuilder", landing: typing.Any, before: "_Partial | None"
+    ) -> "_Partial":
+        """Begin arena ``index`` from ``served``: in a fresh landing buffer of this relay, else in the arena itself.
+
+        ``before``, this arena's reading from another source (or from a landing buffer its relay gave up), is dropped:
+        its bytes are read again.
+        """
+        if before is not None and before.index == index:
+            self._set_aside(before, index, broke_off=False)
+        size = self.content.arenas[index][0]
+        if self.relaying is not None and not into.device.is_cuda:  # (a GPU arena is served once checked, whole)
+            region = self.relaying.landing_buffer(index, size)
+            if region is not None:
+                return _Partial(index, served.node, region, None)
+        view = into.view(landing)
+        target = region_of_view(view)
+        del view
+        return _Partial(index, served.node, target, into)
+
+    def _set_aside(self, part: "_Partial", index: int, broke_off: bool = True) -> None:
+        """Drop what ``part`` read: a landing buffer is unlisted, an arena a read broke off in is replaced (a late write
+        may still land in it: it is freed once the transport has closed)."""
+        if part.into is None:
+            if self.relaying is not None:
+                self.relaying.landing_failed(index)
+        elif broke_off:
+            old = part.into.replace_arena(index)
+            if old is not None:
+                self.quarantine.append(old)
+
+    def _done_from(self, node: str, region: Region, index: int) -> int:
+        """How much of arena ``index`` was read already from ``node``'s landing ``region`` (0: none, or from elsewhere)."""
+        part = self._partial
+        if part is None or part.index != index or part.node != node or part.pieces_region not in (None, region):
+            return 0
+        return part.done
+
+
+@attrs.define
+class _Partial:
+    """An arena read in part: from which node, into which region of this process, how many bytes so far."""
+
+    index: int
+    node: str
+    target: Region
+    into: "ArenaBuilder | None" = attrs.field(repr=False)
+    """The builder whose arena it lands in (None: this relay's landing buffer)."""
+    done: int = 0
+    pieces_region: Region | None = None
+    """The landing buffer of the relay that served pieces of it (None: all from checked arenas)."""
+    landing_pieces: int = 0
+
+    @property
+    def in_landing_buffer(self) -> bool:
+        return self.into is None
+
+    def continues(self, index: int, served: "Served") -> bool:
+        """Whether ``served`` carries on this reading (the same node, the same landing buffer or the checked arena)."""
+        if (self.index, self.node) != (index, served.node):
+            return False
+        return served.landed is None or self.pieces_region in (None, served.region)
 
 
 @attrs.frozen
@@ -318,6 +439,8 @@ class Served:
     verified: int
     reach: str = attrs.field(repr=False)
     region: Region
+    landed: int | None = None
+    """For an arena still landing at a relay, the bytes of ``region`` that have landed (None: all of it is checked)."""
 
     @property
     def name(self) -> str:
@@ -338,6 +461,17 @@ class Served:
             raise PullFailed(source.node, "it declares another manifest than the fleet's record of this content")
         verified = source.verified if isinstance(source, Relay) else len(content.arenas)
         return cls(source.node, relay, verified, source.reach, region)
+
+    @classmethod
+    def landing_of(cls, relay: Relay, step: int, content: Content) -> "Served":
+        """What has landed of arena ``step`` at ``relay`` so far; PullFailed when its buffer is not the arena's size."""
+        landing = relay.landing
+        size = content.arenas[step][0]
+        if landing is None or landing.arena != step or landing.region.length != size:
+            raise PullFailed(
+                relay.node, f"its landing buffer for arena {step} does not hold the {size} bytes the fleet's record says"
+            )
+        return cls(relay.node, True, relay.verified, relay.reach, landing.region, landing.landed)
 
 
 MIN_RATE_BYTES_S: typing.Final = 50 << 20

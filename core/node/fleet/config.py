@@ -16,6 +16,9 @@ in ``daemon`` mode see the same settings as the node's sharing agent:
                                     slot on it or on a node that has finished (the fill spreads as a tree)
     WEIGHTCACHE_FLEET_RELAY         1 (default): a node serves the arenas it has checked while it pulls, and reads
                                     from the relay ahead of it (a chain); 0: it reads from full holders only
+    WEIGHTCACHE_FLEET_PIECE_BYTES   the least a relaying node reads of an arena at once (default 1048576); it lists
+                                    each piece as it lands, for the node behind it to read (larger pieces on fast
+                                    links: a piece takes about 50 ms at the rate the last one came)
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ ENV_LEASE_TTL: typing.Final = "WEIGHTCACHE_FLEET_LEASE_TTL_S"
 ENV_DEVICES: typing.Final = "WEIGHTCACHE_FLEET_DEVICES"
 ENV_FANOUT: typing.Final = "WEIGHTCACHE_FLEET_FANOUT"
 ENV_RELAY: typing.Final = "WEIGHTCACHE_FLEET_RELAY"
+ENV_PIECE_BYTES: typing.Final = "WEIGHTCACHE_FLEET_PIECE_BYTES"
+MIN_PIECE_BYTES: typing.Final = 4096
 MIN_SECRET_BYTES: typing.Final = 16
 MAX_SECRET_BYTES: typing.Final = 4096
 
@@ -58,6 +63,7 @@ class FleetConfig:
     devices: str = ""
     fanout: int = 2
     relay: bool = True
+    piece_bytes: int = 1 << 20
 
     @secret.validator
     def _check_secret(self, _attribute, value: bytes) -> None:
@@ -91,6 +97,7 @@ class FleetConfig:
             devices=environ.get(ENV_DEVICES, "").strip(),
             fanout=_fanout(environ),
             relay=_switch(environ, ENV_RELAY, True),
+            piece_bytes=_piece_bytes(environ),
         )
 
     def key(self, *parts: str) -> bytes:
@@ -140,6 +147,15 @@ def _fanout(environ: typing.Mapping[str, str]) -> int:
         return 2
     if not text.isdigit() or int(text) < 1:
         raise ValueError(f"{ENV_FANOUT}={text!r}: use a whole number of readers per holder, 1 or more")
+    return int(text)
+
+
+def _piece_bytes(environ: typing.Mapping[str, str]) -> int:
+    text = environ.get(ENV_PIECE_BYTES, "").strip()
+    if not text:
+        return 1 << 20
+    if not text.isdigit() or int(text) < MIN_PIECE_BYTES:
+        raise ValueError(f"{ENV_PIECE_BYTES}={text!r}: use a whole number of bytes, {MIN_PIECE_BYTES} or more")
     return int(text)
 
 

@@ -118,6 +118,16 @@ class NixlTransport(Transport):
             if descs is not None:
                 self.agent.deregister_memory(descs)
 
+    def _covered(self, region: Region) -> bool:
+        """Whether ``region`` lies within memory this agent has registered."""
+        return any(
+            shared.memory == region.memory
+            and shared.device == region.device
+            and shared.address <= region.address
+            and region.address + region.length <= shared.address + shared.length
+            for shared in self._shared
+        )
+
     def _register(self, region: Region) -> typing.Any:
         return self.agent.register_memory([(region.address, region.length, region.device, "")], region.memory)
 
@@ -134,7 +144,8 @@ class NixlTransport(Transport):
         registered = []
         try:
             for region in local:
-                registered.append(self._register(region))
+                if not self._covered(region):  # (a relay's landing buffer is registered already)
+                    registered.append(self._register(region))
             for source, target in zip(remote, local, strict=True):
                 self._read_one(peer, peer_name, source, target, time.monotonic() + deadline_s)
         finally:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import secrets
 import threading
@@ -91,7 +92,7 @@ class Filling:
         self._warned: set[str] = set()
         self._recordless_since: float | None = None
         self._relaying: Relaying | None = None
-        self._quarantine: list[Arena] = []
+        self._quarantine: list[Arena | mmap.mmap] = []
 
     @classmethod
     def from_env(cls, fingerprint: Fingerprint | None, may_claim: bool = True) -> "Filling":
@@ -290,11 +291,11 @@ class Filling:
     def _stop_relaying(self) -> None:
         """Unlist this node's relay record and unregister its memory; then close the transport (no read lands later)."""
         if self._relaying is not None:
-            self._relaying.close()
+            self._quarantine += self._relaying.close()
             self._relaying = None
         self._drop_link()
-        for arena in self._quarantine:
-            arena.close()
+        for memory in self._quarantine:
+            memory.close()
         self._quarantine.clear()
 
     def _abandon(self, builder: "ArenaBuilder") -> None:

@@ -192,9 +192,35 @@ class Claim:
 
 
 @attrs.frozen
+class Landing:
+    """The arena a relay is reading now, as far as it has landed: the first ``landed`` bytes of ``region`` hold arena
+    ``arena`` as its source served them, not yet checked (a node that reads them checks the whole arena itself)."""
+
+    arena: int
+    landed: int
+    region: Region
+
+    def to_json(self) -> dict:
+        return {"arena": self.arena, "landed": self.landed, "region": self.region.to_json()}
+
+    @classmethod
+    def from_json(cls, data: object) -> "Landing":
+        if not isinstance(data, dict):
+            raise ValueError("landing must be an object")
+        region = Region.from_json(data.get("region"))
+        arena, landed = data.get("arena"), data.get("landed")
+        if isinstance(arena, bool) or not isinstance(arena, int) or not 0 <= arena < MAX_ARENAS:
+            raise ValueError(f"the landing arena is {arena!r:.20}, not an arena's index")
+        if isinstance(landed, bool) or not isinstance(landed, int) or not 0 <= landed <= region.length:
+            raise ValueError(f"{landed!r:.20} bytes landed in a region of {region.length}")
+        return cls(arena, landed, region)
+
+
+@attrs.frozen
 class Relay:
     """A node pulling a content that serves what it has checked so far: the manifest (once checked) and its leading
-    ``verified`` arenas, each read, sealed and checksummed against the content record."""
+    ``verified`` arenas, each read, sealed and checksummed against the content record; and, as it lands, the arena it
+    reads now (``landing``, always the one after the verified ones; None between arenas and from older releases)."""
 
     node: str
     fingerprint: Fingerprint
@@ -203,6 +229,7 @@ class Relay:
     manifest: Region | None
     arenas: tuple[Region, ...]
     """The regions of its first ``verified`` arenas, in the manifest's order."""
+    landing: Landing | None = None
     revision: int = attrs.field(default=0, eq=False)
     """etcd's create revision of its key (not signed: the store's order of the relays, which chains them)."""
 
@@ -219,6 +246,7 @@ class Relay:
             "manifest": None if self.manifest is None else self.manifest.to_json(),
             "arenas": [region.to_json() for region in self.arenas],
             "verified": self.verified,
+            **({} if self.landing is None else {"landing": self.landing.to_json()}),
         }
 
     @classmethod
@@ -227,6 +255,9 @@ class Relay:
         if data.get("verified") != len(arenas):
             raise ValueError(f"it says {data.get('verified')!r:.20} arenas are verified and lists {len(arenas)}")
         manifest = data.get("manifest")
+        landing = None if data.get("landing") is None else Landing.from_json(data.get("landing"))
+        if landing is not None and landing.arena != len(arenas):
+            raise ValueError(f"it lands arena {landing.arena} with {len(arenas)} verified (the next one lands)")
         return cls(
             _name(data.get("node"), "node"),
             Fingerprint.from_json(data.get("fingerprint")),  # type: ignore[arg-type]
@@ -234,5 +265,6 @@ class Relay:
             _reach(data.get("reach")),
             None if manifest is None else Region.from_json(manifest),
             arenas,
+            landing,
             revision,
         )

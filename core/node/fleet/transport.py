@@ -37,6 +37,12 @@ class Region:
         if isinstance(self.device, bool) or not isinstance(self.device, int) or not 0 <= self.device < 1024:
             raise ValueError(f"a region's device is {self.device!r:.40}, not a GPU index")
 
+    def part(self, offset: int, length: int) -> "Region":
+        """``length`` bytes of this region from ``offset``."""
+        if not (0 <= offset and 0 < length and offset + length <= self.length):
+            raise ValueError(f"bytes {offset} to {offset + length} are not within a region of {self.length}")
+        return attrs.evolve(self, address=self.address + offset, length=length)
+
     def to_json(self) -> list:
         return [self.address, self.length, self.device, self.memory]
 
