@@ -91,7 +91,15 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_fleet(
-    n: int, model: Path, together: bool, device: str, peer_device: str, chunk_mib: int, relay: bool, link_mbit: int | None = None
+    n: int,
+    model: Path,
+    together: bool,
+    device: str,
+    peer_device: str,
+    chunk_mib: int,
+    relay: bool,
+    link_mbit: int | None = None,
+    piece_kib: int = 1024,
 ) -> dict:
     from tests.core.fleet_support import Fleet, Node, slow_sending, wait_for
     from weightcache.core.node.fleet.config import FleetConfig
@@ -113,6 +121,7 @@ def run_fleet(
                 slow_sending(node, f"{link_mbit}mbit", fleet.etcd, nic=True)
         for index, node in enumerate(nodes):
             env = {**node.env(), "PYTHONPATH": str(ROOT), "WEIGHTCACHE_FLEET_RELAY": "1" if relay else "0"}
+            env["WEIGHTCACHE_FLEET_PIECE_BYTES"] = str(piece_kib << 10)  # (the tests' environment sets a small one)
             command = [sys.executable, __file__, "--worker", "--model", str(model), "--socket-dir", str(node.socket_dir)]
             command += ["--chunk-mib", str(chunk_mib)]
             command += ["--device", device if index == 0 else peer_device]
@@ -153,6 +162,7 @@ def run_fleet(
             "load_average": [load_before, os.getloadavg()[0]],
             "together": together,
             "relay": relay,
+            "piece_bytes": piece_kib << 10,
             "chunk_mib": chunk_mib,
             "link_mbit": link_mbit,
             "checkpoint_bytes": size,
@@ -252,6 +262,9 @@ def main() -> None:
         default=None,
         help="each node sends to the others at this rate (tc; namespaces only), as its own NIC",
     )
+    parser.add_argument(
+        "--piece-kib", type=int, default=1024, help="WEIGHTCACHE_FLEET_PIECE_BYTES in KiB (default 1024, the product's)"
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--gpu-pair", action="store_true", help="GPU 0 -> GPU 1 through NIXL beside the CUDA peer copy")
     parser.add_argument("--gib", type=float, default=16.0, help="--gpu-pair: the synthetic entry's size (default 16)")
@@ -290,6 +303,7 @@ def main() -> None:
             args.chunk_mib,
             not args.no_relay,
             args.link_mbit,
+            args.piece_kib,
         )
         rows.append(row)
         sources = ", ".join(r["source"].split(" over ")[0] for r in row["per_node"])

@@ -118,6 +118,49 @@ def test_an_idle_nixl_agent_sleeps_instead_of_spinning():
     assert used < 0.1, f"an idle NIXL agent's threads used {used:.2f} CPU-s in 2 s: its progress thread spins"
 
 
+PIECES = """
+import ctypes, json, mmap, os
+from weightcache.core.node.fleet.nixl import NixlTransport
+from weightcache.core.node.fleet.transport import Region
+
+def region(block):
+    pointer = ctypes.c_char.from_buffer(block)
+    try:
+        return Region(ctypes.addressof(pointer), len(block))
+    finally:
+        del pointer
+
+size = (5 << 20) + 12345
+source, target, again = mmap.mmap(-1, size), mmap.mmap(-1, size), mmap.mmap(-1, size)
+source.write(os.urandom(size))
+holder, puller = NixlTransport(f"holder-{os.getpid()}", "lo"), NixlTransport(f"puller-{os.getpid()}", "lo")
+reach = holder.share([region(source)])
+landed = []
+path = puller.read_in_pieces(reach, region(source), region(target), 1 << 20, 30.0, landed.append)
+connected = puller._peer
+puller.read(reach, [region(source).part(4096, 8192)], [region(again).part(4096, 8192)], 30.0)
+kept = puller._peer is connected
+# another registration changes the holder's reach: the puller connects again with the new one
+extra = mmap.mmap(-1, 4096)
+reach_after = holder.share([region(extra)])
+puller.read(reach_after, [region(source).part(0, 4096)], [region(again).part(0, 4096)], 30.0)
+print(json.dumps({"landed": landed, "same": target[:] == source[:], "path": path, "size": size, "kept": kept,
+                  "again": again[0:12288] == source[0:12288], "reconnected": puller._peer[0] == reach_after != reach}))
+puller.close()
+holder.close()
+"""
+
+
+def test_a_region_read_in_pieces_lands_in_order_and_the_peer_stays_connected():
+    """Pieces of a read are in flight two at a time and said landed in order; the peer stays added while its reach
+    text is the same (a holder that registers more memory sends another, and is connected again)."""
+    report = json.loads(run_python(PIECES, timeout=120).stdout.strip().splitlines()[-1])
+    size = report["size"]
+    assert report["landed"] == [*range(1 << 20, size, 1 << 20), size], report["landed"]
+    assert report["same"] and report["again"] and report["path"] == "host memory to host memory (NIXL/UCX)"
+    assert report["kept"] and report["reconnected"], report
+
+
 def test_the_fleet_runs_in_network_namespaces(network_fleet):
     """Each node's processes (its server, the zygote's children) run in its namespace and see only its veth."""
     fleet, node = network_fleet

@@ -14,8 +14,9 @@ the caller reads the disk.
 A node that relays reads each arena in pieces and lists them as they land (``Relaying``);
 the node behind it reads those pieces as they are listed, before its upstream has
 checked the arena, so each hop lags its upstream by a piece, not by an arena. It still
-checks the whole arena itself before it serves it as checked or publishes it. A piece
-takes about ``PIECE_S`` at the rate the last one came (at least ``FleetConfig.piece_bytes``).
+checks the whole arena itself before it serves it as checked or publishes it. A read
+(whatever is there to read) goes in pieces of at least ``FleetConfig.piece_bytes``, at
+most ``MAX_PIECES`` of them, all in flight at once; each is listed as it lands.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ POLL_S: typing.Final = 0.1
 """How often a node waiting for its upstream relay reads the relay's record again."""
 MANIFEST: typing.Final = -1
 """The step that reads the manifest (arenas are steps 0, 1, ...)."""
-PIECE_S: typing.Final = 0.05
-"""How long one piece of an arena takes to read, at the rate the last piece came (a relay lists each as it lands)."""
+MAX_PIECES: typing.Final = 64
+"""A read is split into at most this many pieces (each at least ``FleetConfig.piece_bytes``), all in flight at once."""
 _MORE = object()
 """What a read of part of an arena returns: more of it is still to come."""
 
@@ -123,8 +124,7 @@ class ChainedPull:
         self._progress: tuple[tuple[int, int], float] = ((-1, -1), 0.0)
         self._partial: _Partial | None = None
         """The arena read in part so far (pieces of it): from whom, into what, how far."""
-        self._rate = 0.0
-        """Bytes per second of the last read, which sizes the next piece."""
+
         self._waiting_for_slot = False
         self._deadline = time.monotonic() + registry.config.wait_s
         self.sources: list[ArenaSource] = []
@@ -296,7 +296,7 @@ class ChainedPull:
     def _read_arena(
         self, served: "Served", index: int, slot: typing.Any, staging: "ArenaBuilder", landing: typing.Any
     ) -> typing.Any:
-        """Read (more of) arena ``index``: the next piece, or all that is left; ``_MORE`` while some is still to come.
+        """Read (more of) arena ``index``: all that ``served`` has of it; ``_MORE`` while some is still to come.
 
         It lands in this relay's landing buffer, or in ``landing`` (``slot`` of the builder, or of ``staging`` when
         staged). Once all of it is here it goes to ``slot``, is sealed and checksummed here, then served as a relay.
@@ -308,26 +308,24 @@ class ChainedPull:
         if served.landed is not None:
             part.pieces_region = served.region
         available = size if served.landed is None else served.landed
-        piecewise = self.relaying is not None or served.landed is not None
-        nbytes = available - part.done
-        if piecewise:
-            nbytes = min(nbytes, max(self.registry.config.piece_bytes, int(self._rate * PIECE_S)))
-        remote = served.region.part(part.done, nbytes)
+        remote, local = served.region.part(part.done, available - part.done), part.target.part(part.done, available - part.done)
         start = time.perf_counter()
         try:
-            path = self.link.read(served.reach, [remote], [part.target.part(part.done, nbytes)], read_deadline(nbytes))
+            if self.relaying is None and served.landed is None:
+                path = self.link.read(served.reach, [remote], [local], read_deadline(remote.length))
+            else:  # listed as they land, for the node behind this one
+                piece = max(self.registry.config.piece_bytes, -(-remote.length // MAX_PIECES))
+                landed = functools.partial(self._landed, part, part.done)
+                path = self.link.read_in_pieces(served.reach, remote, local, piece, read_deadline(remote.length), landed)
         except BaseException:
             self._partial = None
             self._set_aside(part, index)
             raise
         elapsed = time.perf_counter() - start
         self.read_s += elapsed
-        self._rate = nbytes / max(elapsed, 1e-6)
-        part.done += nbytes
+        part.done = available
         part.landing_pieces += served.landed is not None
         if part.done < size:
-            if part.in_landing_buffer and self.relaying is not None:
-                self.relaying.landed(index, part.done)
             return _MORE
         self._partial = None
         into = staging if self.staged else self.builder
@@ -365,6 +363,11 @@ class ChainedPull:
         if self.relaying is not None:
             self.relaying.arena_checked(region_of_arena(self.builder.arena(slot)))
         return None
+
+    def _landed(self, part: "_Partial", start: int, nbytes: int) -> None:
+        """The first ``nbytes`` of this read (from ``start`` of the arena) are here: list them, in a landing buffer."""
+        if part.in_landing_buffer and self.relaying is not None:
+            self.relaying.landed(part.index, start + nbytes)
 
     def _start(
         self, index: int, served: "Served", into: "ArenaBuilder", landing: typing.Any, before: "_Partial | None"

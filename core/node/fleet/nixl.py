@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import importlib
 import logging
 import sys
@@ -28,6 +29,9 @@ POLL_S: typing.Final = 0.0005
 """The first wait between two looks at a read's state; each next wait is half as long again, up to ``POLL_MAX_S``
 (a long read is not looked at thousands of times a second; a short one is seen done within half its time)."""
 POLL_MAX_S: typing.Final = 0.01
+WINDOW: typing.Final = 2
+"""Reads of one region's pieces in flight at once: enough to keep the wire busy between two, few enough that they
+land in order (with many in flight UCX's TCP interleaves them, and all land together at the end)."""
 
 
 def nixl_api() -> typing.Any:
@@ -105,6 +109,8 @@ class NixlTransport(Transport):
             raise BackendUnavailable("nixl", "NIXL's UCX plugin did not load; reinstall nixl-cu13 (it bundles UCX)")
         self.agent_name = agent_name
         self._shared: dict[Region, typing.Any] = {}
+        self._peer: tuple[str, typing.Any, str] | None = None
+        """The peer last read from: its reach text, NIXL's handle and its name."""
 
     def share(self, regions: typing.Sequence[Region]) -> str:
         for region in regions:
@@ -132,6 +138,67 @@ class NixlTransport(Transport):
         return self.agent.register_memory([(region.address, region.length, region.device, "")], region.memory)
 
     def read(self, reach: str, remote: typing.Sequence[Region], local: typing.Sequence[Region], deadline_s: float) -> str:
+        with self._connected(reach, local) as (peer, peer_name):
+            for source, target in zip(remote, local, strict=True):
+                self._wait(peer_name, [self._post(peer, peer_name, source, target)], time.monotonic() + deadline_s)
+        return path_of(remote[0], local[0]) if remote else "nothing to read"
+
+    def read_in_pieces(
+        self, reach: str, remote: Region, local: Region, piece_bytes: int, deadline_s: float, landed: typing.Callable[[int], None]
+    ) -> str:
+        """``WINDOW`` pieces in flight at once (the next one queued on the wire while one lands), landed in order."""
+        if remote.length != local.length:
+            raise PullFailed("?", f"a remote region of {remote.length} bytes cannot fill a local one of {local.length}")
+        with self._connected(reach, [local]) as (peer, peer_name):
+            deadline = time.monotonic() + deadline_s
+            pieces = [(start, min(start + piece_bytes, remote.length)) for start in range(0, remote.length, piece_bytes)]
+            flying: list[tuple[int, typing.Any]] = []
+            try:
+                for start, end in pieces:
+                    flying.append(
+                        (end, self._post(peer, peer_name, remote.part(start, end - start), local.part(start, end - start)))
+                    )
+                    if len(flying) == WINDOW:
+                        self._land_first(peer_name, flying, deadline, landed)
+                while flying:
+                    self._land_first(peer_name, flying, deadline, landed)
+            finally:
+                self._release([handle for _, handle in flying])
+        return path_of(remote, local)
+
+    def _land_first(
+        self, peer_name: str, flying: list[tuple[int, typing.Any]], deadline: float, landed: typing.Callable[[int], None]
+    ) -> None:
+        """Wait for the oldest read in flight, release it and say how far the region has landed."""
+        end, handle = flying[0]
+        self._wait(peer_name, [handle], deadline, release=False)
+        flying.pop(0)
+        self._release([handle])
+        landed(end)
+
+    @contextlib.contextmanager
+    def _connected(self, reach: str, local: typing.Sequence[Region]) -> typing.Iterator[tuple[typing.Any, str]]:
+        """The peer at ``reach`` and ``local`` registered, for the time of a read. The peer stays added for the next
+        read with the same ``reach`` (its memory as it was: a peer that registers more sends another); a read that
+        fails forgets it."""
+        peer, peer_name = self._peer_at(reach)
+        registered = []
+        try:
+            for region in local:
+                if not self._covered(region):  # (a relay's landing buffer is registered already)
+                    registered.append(self._register(region))
+            yield peer, peer_name
+        except BaseException:
+            self._forget_peer()
+            raise
+        finally:
+            for descs in registered:
+                self.agent.deregister_memory(descs)
+
+    def _peer_at(self, reach: str) -> tuple[typing.Any, str]:
+        if self._peer is not None and self._peer[0] == reach:
+            return self._peer[1], self._peer[2]
+        self._forget_peer()
         try:
             metadata = base64.b64decode(reach, validate=True)
         except (binascii.Error, ValueError):
@@ -141,23 +208,21 @@ class NixlTransport(Transport):
         except Exception as exc:
             raise PullFailed("?", f"NIXL refused its metadata ({exc})") from None
         peer_name = peer.decode(errors="replace") if isinstance(peer, bytes) else str(peer)
-        registered = []
-        try:
-            for region in local:
-                if not self._covered(region):  # (a relay's landing buffer is registered already)
-                    registered.append(self._register(region))
-            for source, target in zip(remote, local, strict=True):
-                self._read_one(peer, peer_name, source, target, time.monotonic() + deadline_s)
-        finally:
-            for descs in registered:
-                self.agent.deregister_memory(descs)
-            try:
-                self.agent.remove_remote_agent(peer)
-            except Exception as exc:  # a peer that vanished may take its entry with it
-                log.debug("weightcache: forgetting NIXL peer %s: %s", peer_name, exc)
-        return path_of(remote[0], local[0]) if remote else "nothing to read"
+        self._peer = (reach, peer, peer_name)
+        return peer, peer_name
 
-    def _read_one(self, peer: typing.Any, peer_name: str, source: Region, target: Region, deadline: float) -> None:
+    def _forget_peer(self) -> None:
+        if self._peer is None:
+            return
+        _, peer, peer_name = self._peer
+        self._peer = None
+        try:
+            self.agent.remove_remote_agent(peer)
+        except Exception as exc:  # a peer that vanished may take its entry with it
+            log.debug("weightcache: forgetting NIXL peer %s: %s", peer_name, exc)
+
+    def _post(self, peer: typing.Any, peer_name: str, source: Region, target: Region) -> typing.Any:
+        """Start reading ``source`` of the peer into ``target``; the transfer's handle."""
         if source.length != target.length:
             raise PullFailed(peer_name, f"a remote region of {source.length} bytes cannot fill a local one of {target.length}")
         try:
@@ -171,16 +236,34 @@ class NixlTransport(Transport):
             raise PullFailed(peer_name, f"NIXL could not prepare the read ({exc})") from None
         try:
             state = self._state(peer_name, lambda: self.agent.transfer(handle))
-            wait = POLL_S
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise PullFailed(peer_name, "the read did not finish before its deadline")
-                time.sleep(wait)
-                wait = min(wait * 1.5, POLL_MAX_S)
-                state = self._state(peer_name, lambda: self.agent.check_xfer_state(handle))
-            if state != "DONE":
-                raise PullFailed(peer_name, f"the read ended in state {state} (the peer went away or refused)")
+        except BaseException:
+            self._release([handle])
+            raise
+        if state not in ("PROC", "DONE"):
+            self._release([handle])
+            raise PullFailed(peer_name, f"the read ended in state {state} (the peer went away or refused)")
+        return handle
+
+    def _wait(self, peer_name: str, handles: typing.Sequence[typing.Any], deadline: float, release: bool = True) -> None:
+        """Wait until every transfer of ``handles`` is done (PullFailed past ``deadline``, or when one fails)."""
+        try:
+            for handle in handles:
+                wait = POLL_S
+                state = self._state(peer_name, lambda: self.agent.check_xfer_state(handle))  # noqa: B023
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise PullFailed(peer_name, "the read did not finish before its deadline")
+                    time.sleep(wait)
+                    wait = min(wait * 1.5, POLL_MAX_S)
+                    state = self._state(peer_name, lambda: self.agent.check_xfer_state(handle))  # noqa: B023
+                if state != "DONE":
+                    raise PullFailed(peer_name, f"the read ended in state {state} (the peer went away or refused)")
         finally:
+            if release:
+                self._release(handles)
+
+    def _release(self, handles: typing.Sequence[typing.Any]) -> None:
+        for handle in handles:
             try:
                 self.agent.release_xfer_handle(handle)
             except Exception as exc:  # a handle of a failed read may refuse to go; NIXL frees it with the agent
@@ -201,5 +284,6 @@ class NixlTransport(Transport):
     def close(self) -> None:
         """Unregister everything and drop the agent: its UCX worker and progress thread go with it, so a read that
         outlived its deadline writes nothing more into memory that its caller then frees."""
+        self._forget_peer()
         self.unshare(list(self._shared))
         self.agent = None

@@ -9,6 +9,7 @@ through Python: the backend moves memory to memory.
 from __future__ import annotations
 
 import abc
+import time
 import typing
 
 import attrs
@@ -87,6 +88,20 @@ class Transport(CopyBackend):
         Returns how the bytes went (``GPU-direct``, ``host memory``, ...) for the output. Raises
         PullFailed when the peer is gone, refuses or does not finish within ``deadline_s``.
         """
+
+    def read_in_pieces(
+        self, reach: str, remote: Region, local: Region, piece_bytes: int, deadline_s: float, landed: typing.Callable[[int], None]
+    ) -> str:
+        """``read`` of one region in pieces of ``piece_bytes``, calling ``landed(n)`` once its first ``n`` bytes are here.
+
+        This form reads one piece after the other; a transport that can keep several reads in flight does better."""
+        path, deadline = "nothing to read", time.monotonic() + deadline_s
+        for start in range(0, remote.length, piece_bytes):
+            end = min(start + piece_bytes, remote.length)
+            left = max(deadline - time.monotonic(), 0.001)
+            path = self.read(reach, [remote.part(start, end - start)], [local.part(start, end - start)], left)
+            landed(end)
+        return path
 
     @abc.abstractmethod
     def memory_kinds(self) -> frozenset[str]:
