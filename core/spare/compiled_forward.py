@@ -310,12 +310,13 @@ def model_digest(model: "torch.nn.Module") -> str:
         described.append(str(getattr(config, "_attn_implementation", None)))
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         described.append(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:{tensor.device.type}")
-    described += _code_of(model)
-    described += _replaced_forwards(model)
+    modules = _modules_and_wrappers(model)
+    described += _code_of(modules)
+    described += _replaced_forwards(modules)
     return _short("\n".join(described))
 
 
-def _code_of(model: "torch.nn.Module") -> list[str]:
+def _code_of(modules: typing.Sequence[tuple[str, "torch.nn.Module"]]) -> list[str]:
     """The code the trace ran: each file defining one of the model's classes or their forwards, by content, with the
     version of the package it belongs to.
 
@@ -324,12 +325,12 @@ def _code_of(model: "torch.nn.Module") -> list[str]:
     compiled anew.
     """
     files: dict[str, str] = {}
-    for kind in {type(module) for _, module in _modules_and_wrappers(model)}:
+    for kind in {type(module) for _, module in modules}:
         source = sys.modules.get(kind.__module__)
         files.setdefault(getattr(source, "__file__", None) or kind.__module__, kind.__module__)
         code = getattr(getattr(kind, "forward", None), "__code__", None)
-        if code is not None:
-            files.setdefault(code.co_filename, _module_of_file(code.co_filename) or kind.__module__)
+        if code is not None and code.co_filename not in files:  # (the look through sys.modules only where needed)
+            files[code.co_filename] = _module_of_file(code.co_filename) or kind.__module__
     described = []
     for path, module_name in sorted(files.items()):
         package = sys.modules.get(module_name.partition(".")[0])
@@ -350,10 +351,10 @@ def _module_of_file(path: str) -> str | None:
     return None
 
 
-def _replaced_forwards(model: "torch.nn.Module") -> list[str]:
+def _replaced_forwards(modules: typing.Sequence[tuple[str, "torch.nn.Module"]]) -> list[str]:
     """Forwards set on instances rather than on their classes (``kernels.kernelize`` sets them)."""
     described = []
-    for label, module in _modules_and_wrappers(model):
+    for label, module in modules:
         forward = vars(module).get("forward")
         if forward is not None:
             described.append(

@@ -16,7 +16,8 @@ the node behind it reads those pieces as they are listed, before its upstream ha
 checked the arena, so each hop lags its upstream by a piece, not by an arena. It still
 checks the whole arena itself before it serves it as checked or publishes it. A read
 (whatever is there to read) goes in pieces of at least ``FleetConfig.piece_bytes``, at
-most ``MAX_PIECES`` of them, all in flight at once; each is listed as it lands.
+most ``MAX_PIECES`` of them, which the transport keeps in flight a few at a time
+(``Transport.read_in_pieces``); each is listed as it lands.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ POLL_S: typing.Final = 0.1
 MANIFEST: typing.Final = -1
 """The step that reads the manifest (arenas are steps 0, 1, ...)."""
 MAX_PIECES: typing.Final = 64
-"""A read is split into at most this many pieces (each at least ``FleetConfig.piece_bytes``), all in flight at once."""
+"""A read is split into at most this many pieces (each at least ``FleetConfig.piece_bytes``)."""
 _MORE = object()
 """What a read of part of an arena returns: more of it is still to come."""
 
@@ -124,7 +125,6 @@ class ChainedPull:
         self._progress: tuple[tuple[int, int], float] = ((-1, -1), 0.0)
         self._partial: _Partial | None = None
         """The arena read in part so far (pieces of it): from whom, into what, how far."""
-
         self._waiting_for_slot = False
         self._deadline = time.monotonic() + registry.config.wait_s
         self.sources: list[ArenaSource] = []

@@ -17,8 +17,8 @@ in ``daemon`` mode see the same settings as the node's sharing agent:
     WEIGHTCACHE_FLEET_RELAY         1 (default): a node serves the arenas it has checked while it pulls, and reads
                                     from the relay ahead of it (a chain); 0: it reads from full holders only
     WEIGHTCACHE_FLEET_PIECE_BYTES   the least a relaying node reads of an arena at once (default 1048576); it lists
-                                    each piece as it lands, for the node behind it to read (larger pieces on fast
-                                    links: a piece takes about 50 ms at the rate the last one came)
+                                    each piece as it lands, for the node behind it to read (a read of more than 64
+                                    pieces' worth goes in 64 larger ones)
 """
 
 from __future__ import annotations

@@ -140,7 +140,11 @@ class NixlTransport(Transport):
     def read(self, reach: str, remote: typing.Sequence[Region], local: typing.Sequence[Region], deadline_s: float) -> str:
         with self._connected(reach, local) as (peer, peer_name):
             for source, target in zip(remote, local, strict=True):
-                self._wait(peer_name, [self._post(peer, peer_name, source, target)], time.monotonic() + deadline_s)
+                handle = self._post(peer, peer_name, source, target)
+                try:
+                    self._wait(peer_name, handle, time.monotonic() + deadline_s)
+                finally:
+                    self._release([handle])
         return path_of(remote[0], local[0]) if remote else "nothing to read"
 
     def read_in_pieces(
@@ -171,7 +175,7 @@ class NixlTransport(Transport):
     ) -> None:
         """Wait for the oldest read in flight, release it and say how far the region has landed."""
         end, handle = flying[0]
-        self._wait(peer_name, [handle], deadline, release=False)
+        self._wait(peer_name, handle, deadline)  # (on a failure the caller releases every handle in flight)
         flying.pop(0)
         self._release([handle])
         landed(end)
@@ -244,23 +248,18 @@ class NixlTransport(Transport):
             raise PullFailed(peer_name, f"the read ended in state {state} (the peer went away or refused)")
         return handle
 
-    def _wait(self, peer_name: str, handles: typing.Sequence[typing.Any], deadline: float, release: bool = True) -> None:
-        """Wait until every transfer of ``handles`` is done (PullFailed past ``deadline``, or when one fails)."""
-        try:
-            for handle in handles:
-                wait = POLL_S
-                state = self._state(peer_name, lambda: self.agent.check_xfer_state(handle))  # noqa: B023
-                while state == "PROC":
-                    if time.monotonic() > deadline:
-                        raise PullFailed(peer_name, "the read did not finish before its deadline")
-                    time.sleep(wait)
-                    wait = min(wait * 1.5, POLL_MAX_S)
-                    state = self._state(peer_name, lambda: self.agent.check_xfer_state(handle))  # noqa: B023
-                if state != "DONE":
-                    raise PullFailed(peer_name, f"the read ended in state {state} (the peer went away or refused)")
-        finally:
-            if release:
-                self._release(handles)
+    def _wait(self, peer_name: str, handle: typing.Any, deadline: float) -> None:
+        """Wait until the transfer of ``handle`` is done (PullFailed past ``deadline``, or when it fails)."""
+        wait = POLL_S
+        state = self._state(peer_name, lambda: self.agent.check_xfer_state(handle))
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise PullFailed(peer_name, "the read did not finish before its deadline")
+            time.sleep(wait)
+            wait = min(wait * 1.5, POLL_MAX_S)
+            state = self._state(peer_name, lambda: self.agent.check_xfer_state(handle))
+        if state != "DONE":
+            raise PullFailed(peer_name, f"the read ended in state {state} (the peer went away or refused)")
 
     def _release(self, handles: typing.Sequence[typing.Any]) -> None:
         for handle in handles:
