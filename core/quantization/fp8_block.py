@@ -226,8 +226,10 @@ def _quantize(weight: torch.Tensor, block_size: BlockSize) -> tuple[torch.Tensor
 
     The same bytes as the float32 form the docstring of ``quantize_weight`` gives, with fewer passes over memory:
     a bfloat16 or float16 weight is never copied to float32 (its tile maxima are exact in its own dtype, and the
-    multiplication by a float32 scale computes in float32, as on a copy), whole tiles are read in place, and the
-    clamp is left out: ``|w| <= amax`` and ``scale = fl(448 / amax)`` give ``|fl(w * scale)| <= 448 (1 + 2**-24)**2``,
+    multiplication by a float32 scale computes in float32, as on a copy), whole tiles are read in place, the product
+    is cast to ``float8_e4m3fn`` as it is stored (``torch.mul(..., out=)``: on a GPU in the same pass, with no float32
+    product in memory; on a CPU torch fills a float32 temporary and casts it, as ``.to`` does), and the clamp is left
+    out: ``|w| <= amax`` and ``scale = fl(448 / amax)`` give ``|fl(w * scale)| <= 448 (1 + 2**-24)**2``,
     below 464, the least value that ``float8_e4m3fn``'s round-to-nearest-even takes past 448, so the cast gives what
     the clamp then the cast gave (tests/core/test_fp8_block.py compares them on edge values).
     """
@@ -245,8 +247,10 @@ def _quantize(weight: torch.Tensor, block_size: BlockSize) -> tuple[torch.Tensor
     tiles = _tiles(weight, block_size)
     amax = torch.maximum(tiles.amax(dim=(1, 3)), tiles.amin(dim=(1, 3)).neg()).to(torch.float32)
     scale = torch.where(amax > 0, FP8_MAX / amax.clamp(min=_MIN_AMAX), torch.ones_like(amax))
-    scaled = torch.mul(tiles, scale[:, None, :, None]).view(whole)  # float32: the weight's dtype promoted to it
-    qweight = scaled[:out, :into].to(FP8_DTYPE).contiguous()
+    qweight = torch.empty(whole, dtype=FP8_DTYPE, device=weight.device)
+    torch.mul(tiles, scale[:, None, :, None], out=_tiles(qweight, block_size))  # in float32, cast as it is stored
+    if (out, into) != whole:
+        qweight = qweight[:out, :into].contiguous()
     return qweight, (1.0 / scale).to(SCALE_DTYPE), (~torch.isfinite(amax)).sum()
 
 
