@@ -48,11 +48,23 @@ DEFAULT_PRELOAD = (
     "weightcache.core.load.rebind",
     "weightcache.core.spare.warm",
     "weightcache.core.arena.cuda",  # the early CUDA thread's (the driver's binding it imports itself, after the fork)
-    # torch.compile's front end, which a restored compiled forward (compiled_forward) loads into; not inductor's
-    # compile_fx, whose import asks CUDA for its devices on a GPU machine (a forked child could not use CUDA then)
+    # torch.compile's front end, which a restored compiled forward (compiled_forward) loads into; inductor's modules
+    # come after these (COMPILER_MODULES), imported with torch's device count taken from NVML
     "torch._dynamo",
     "weightcache.core.spare.compiled_forward",
 )
+COMPILER_MODULES = (
+    "torch._inductor.compile_fx",
+    "torch._inductor.codecache",
+    "torch._inductor.output_code",
+    "torch._inductor.runtime.triton_heuristics",
+)
+"""What loading a compiled forward imports (2.2 s of a launched engine's 5.1 s restore on the H200, 2026-12-04): part
+of the default preloads where torch has inductor. Their import asks ``torch.cuda.is_available()``, which on a GPU
+machine asks the CUDA runtime for its devices, and a child forked after that cannot use CUDA; they are imported with
+``PYTORCH_NVML_BASED_CUDA_CHECK=1``, torch's own switch that answers from NVML instead (no CUDA call), then NVML is shut
+down again (``nvml_based_cuda_check``). The canary still refuses a launcher whose children could not use CUDA."""
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 SHARED_MODEL_MODULES = (
     "transformers.modeling_layers",
     "transformers.masking_utils",
@@ -76,7 +88,19 @@ ENGINE_MODULES = {
 package (which imports little by itself): the modules its entry point and its own processes (vLLM's engine core and
 workers, SGLang's scheduler and detokenizer) import first, on every platform."""
 TRACKED_PACKAGES = frozenset(
-    {"torch", "transformers", "tokenizers", "safetensors", "numpy", "scipy", "huggingface_hub", "weightcache", "vllm", "sglang"}
+    {
+        "torch",
+        "transformers",
+        "tokenizers",
+        "safetensors",
+        "numpy",
+        "scipy",
+        "huggingface_hub",
+        "weightcache",
+        "vllm",
+        "sglang",
+        "triton",
+    }
 )
 """Packages whose loaded files are compared with the disk before each fork: an upgrade makes the launcher refuse."""
 READ_OUTSIDE_PYTHON = (
@@ -316,13 +340,16 @@ def prepare(modules: Iterable[str] | None, models: Iterable[str] = (), warm: boo
     start = time.perf_counter()
     with recording_environment_reads(read):
         if modules is None:  # looking for an engine may run an import hook: after the environment is the initial one
-            modules = [*DEFAULT_PRELOAD, *present(SHARED_MODEL_MODULES), *installed_modules()]
+            modules = [*DEFAULT_PRELOAD, *present(SHARED_MODEL_MODULES), *installed_modules(), *present(COMPILER_MODULES)]
         for name in modules:
             try:
-                importlib.import_module(name)
+                with nvml_based_cuda_check(name in COMPILER_MODULES):
+                    importlib.import_module(name)
             except ImportError as exc:
                 raise LauncherError(f"cannot preload {name}: {exc}; install it or leave it out of --preload") from None
             imported.append(name)
+        if any(name in COMPILER_MODULES for name in imported):
+            _hash_triton()
         if models:
             _import_architectures(models)
         timings["imports_s"] = time.perf_counter() - start
@@ -363,6 +390,45 @@ def prepare(modules: Iterable[str] | None, models: Iterable[str] = (), warm: boo
         set_by_imports=set_by_imports,
         timings=timings,
     )
+
+
+@contextlib.contextmanager
+def nvml_based_cuda_check(on: bool = True) -> Iterator[None]:
+    """Meanwhile (``on``), torch answers ``torch.cuda.is_available()`` from NVML, not from the CUDA runtime (which a
+    forked child could not use afterwards); then the environment is as it was and NVML is shut down (its handles closed)."""
+    if not on or os.environ.get(NVML_CHECK) is not None:
+        yield
+        return
+    os.environ[NVML_CHECK] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[NVML_CHECK]
+        _shut_nvml_down()
+
+
+def _shut_nvml_down() -> None:
+    """Undo every ``nvmlInit`` torch made (it never shuts NVML down): NVML counts them, and closes the driver's files at
+    the last ``nvmlShutdown``, which answers NVML_ERROR_UNINITIALIZED (1) once none is left."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return  # no NVIDIA driver: torch could not have initialised it
+    for _ in range(64):
+        if nvml.nvmlShutdown() != 0:
+            return
+
+
+def _hash_triton() -> None:
+    """Triton's key of its own sources (a hash of its files, 0.35 s on the H200's machine, cached per process), which
+    loading a compiled kernel asks for: computed once here, for every engine."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return
+    triton_key()
 
 
 def _scan_adapters_for_engines(path: Iterable[str], read: set[str]) -> None:

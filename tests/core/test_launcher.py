@@ -385,6 +385,34 @@ def test_the_launcher_never_holds_a_cuda_context_nor_a_thread_pool(launcher):
     assert "/dev/nvidia" not in maps
 
 
+def test_the_default_preloads_include_what_loading_a_compiled_forward_imports(launcher):
+    """Inductor's modules are preloaded (a restored compiled forward imports them), and the environment switch they were
+    imported under is gone again: an engine's own ``torch.cuda.is_available()`` asks CUDA as an exec'd one's does."""
+    from weightcache.core.spare.preload import COMPILER_MODULES, NVML_CHECK
+
+    assert set(COMPILER_MODULES) <= set(launcher.ready["preloaded"]), launcher.ready["preloaded"]
+    done = subprocess.run(
+        launch_command(launcher.socket_dir, "-c", f"import os, sys; print(os.environ.get({NVML_CHECK!r}), 'torch._inductor.compile_fx' in sys.modules)"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split() == ["None", "True"], done
+
+
+def test_the_nvml_based_cuda_check_is_set_only_meanwhile_and_leaves_a_callers_value(monkeypatch):
+    from weightcache.core.spare.preload import NVML_CHECK, nvml_based_cuda_check
+
+    monkeypatch.delenv(NVML_CHECK, raising=False)
+    with nvml_based_cuda_check():
+        assert os.environ[NVML_CHECK] == "1"
+    assert NVML_CHECK not in os.environ
+    with nvml_based_cuda_check(on=False):
+        assert NVML_CHECK not in os.environ
+    monkeypatch.setenv(NVML_CHECK, "0")  # the user's own choice stays, inside and after
+    with nvml_based_cuda_check():
+        assert os.environ[NVML_CHECK] == "0"
+    assert os.environ[NVML_CHECK] == "0"
+
+
 def _hello(socket_dir: Path) -> dict:
     from weightcache.core.cli.launch import connect
     from weightcache.core.wire.protocol import FrameReader, send_frame
