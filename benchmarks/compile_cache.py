@@ -16,7 +16,10 @@ inductor and Triton cache directories (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CAC
 - launched and ahead-launched (``--launcher``): the restored and the ahead-restored engine forked from
   ``weightcache launcher`` (started beforehand with that run's empty cache directories, which the engine shares: the
   launcher runs an engine only in its own environment's values of names torch reads at import), timed from
-  ``weightcache launch``'s spawn.
+  ``weightcache launch``'s spawn;
+- on a GPU, also ahead-launched-cuda (the same through ``weightcache launcher --cuda-ready DEVICE``: the child forked
+  ahead has its CUDA context) and ahead-relaunched (that, with the cache directories the ahead engine compiled into:
+  a restart on the same machine, which finds inductor's and Triton's caches on its disk).
 
 Each reports import, attach, restore, compile + first forward and publish times, inductor's
 FX-graph cache hits and misses, the frames Dynamo traced, and a digest of the logits (all must be equal bit for bit).
@@ -57,7 +60,7 @@ if role in ("restored", "launched"):
     restored = restore_artifacts(loaded, strict=True)
     report.update(restore_s=restored.seconds if restored else None, restored_bytes=restored.nbytes if restored else 0)
 prompt = fixed_prompt(LoadRequest(model=model, device=device), loaded.model)
-if role in ("ahead-restored", "ahead-launched"):
+if role.startswith("ahead-"):
     start = time.perf_counter()
     compiled = restore_compiled(loaded, prompt, strict=True)
     report.update(restore_s=time.perf_counter() - start, restored=compiled is not None)
@@ -85,19 +88,26 @@ print(json.dumps(report), flush=True)
 """
 
 
+LAUNCHED = ("launched", "ahead-launched", "ahead-launched-cuda", "ahead-relaunched")
+AHEAD_RESTORED = ("ahead-restored", "ahead-launched", "ahead-launched-cuda", "ahead-relaunched")
+CUDA_READY = ("ahead-launched-cuda", "ahead-relaunched")
+
+
 def engine(role: str, model: Path, device: str, socket_dir: Path, env: dict, caches: Path) -> dict:
-    caches.mkdir(parents=True)
+    caches.mkdir(parents=True, exist_ok=True)
     env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton")}
     prefix = [sys.executable]
     launcher = None
-    if role in ("launched", "ahead-launched"):
+    if role in LAUNCHED:
+        ready = ["--cuda-ready", device] if role in CUDA_READY else []
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "weightcache.core.cli.cli", "launcher", "--socket-dir", str(caches / "launcher")],
+            [sys.executable, "-m", "weightcache.core.cli.cli", "launcher", "--socket-dir", str(caches / "launcher"), *ready],
             env=env,
             stdout=subprocess.PIPE,
             text=True,
         )
         restart._json_line(launcher, "launcher")
+        restart._wait_ahead_ready(caches / "launcher")
         prefix = [
             sys.executable,
             "-m",
@@ -148,9 +158,11 @@ def main(argv=None) -> int:
         runs = []
         for run in range(args.runs):
             roles = ["cold", "restored", "ahead", "ahead-restored"] + (["launched", "ahead-launched"] if args.launcher else [])
-            runs.append(
-                {role: engine(role, model, args.device, server.socket_dir, env, work / f"caches-{run}-{role}") for role in roles}
-            )
+            if args.launcher and args.device.startswith("cuda"):
+                roles += list(CUDA_READY)
+            caches = {role: work / f"caches-{run}-{role}" for role in roles}
+            caches["ahead-relaunched"] = caches["ahead"]  # the caches the ahead engine compiled into, kept on this disk
+            runs.append({role: engine(role, model, args.device, server.socket_dir, env, caches[role]) for role in roles})
             report = runs[-1]
             print(
                 f"run {run + 1}/{args.runs}: compile + first forward cold {report['cold']['compile_first_forward_s']:.1f} s, "
@@ -159,7 +171,7 @@ def main(argv=None) -> int:
                 f"{report['ahead-restored']['compile_first_forward_s']:.2f} s"
                 + "".join(
                     f"; {role}: exec -> first compiled forward {report[role]['exec_to_first_forward_s']:.2f} s"
-                    for role in ("launched", "ahead-launched")
+                    for role in LAUNCHED
                     if role in report
                 ),
                 flush=True,
@@ -172,10 +184,7 @@ def main(argv=None) -> int:
             "outputs_identical": all(r["cold"]["digest"] == r[role]["digest"] for r in runs for role in r if role != "cold"),
             "restored_from_the_cache": all(r["restored"]["fx_hits"] > 0 and r["restored"]["fx_misses"] == 0 for r in runs),
             "ahead_restored_without_tracing": all(
-                r[role]["dynamo_frames"] == 0 and r[role]["fx_misses"] == 0
-                for r in runs
-                for role in ("ahead-restored", "ahead-launched")
-                if role in r
+                r[role]["dynamo_frames"] == 0 and r[role]["fx_misses"] == 0 for r in runs for role in AHEAD_RESTORED if role in r
             ),
         }
         result["table"] = table(result)
@@ -217,7 +226,7 @@ def table(result: dict) -> str:
         ["exec -> first compiled forward", *cells("exec_to_first_forward_s")],
         ["publish (once, after the cold compile)", *cells("publish_s", ("cold", "ahead"))],
     ]
-    for role, column in (("launched", 2), ("ahead-launched", 4)):
+    for role, column in (("launched", 2), ("ahead-launched", 4), ("ahead-launched-cuda", 4), ("ahead-relaunched", 4)):
         if role in result["runs"][0]:
             row = ["", "", "", "", ""]
             row[0], row[column] = f"{role} (launch -> first compiled forward)", f"{median(role, 'exec_to_first_forward_s'):.2f}"

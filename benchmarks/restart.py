@@ -14,6 +14,8 @@ Every scenario runs in fresh processes (subprocess), side by side in one run:
 - ``launcher``: ``weightcache launcher`` started beforehand (once, for no model in particular: it imports torch and
   transformers); each run is ``weightcache launch -- restart.py --role engine ...``, an attached engine forked from
   it, timed from the ``launch`` command's spawn to the first token;
+- ``launcher-cuda`` (a GPU only): the same through ``weightcache launcher --cuda-ready DEVICE``, whose child forked
+  ahead of the request has made its CUDA context on the device and warmed its kernels while it waited;
 - ``evicted-batch``: an online engine (attached, exec'd) and a batch engine (through the launcher) share the device;
   the batch engine is SIGKILLed (evicted) and asked back through the launcher: time to its first token, the online
   engine still serving.
@@ -107,8 +109,8 @@ SIZES = {
         max_position_embeddings=2048,
     ),
 }
-SCENARIOS = ("disk-cold", "disk-warm", "attach", "warm-spare", "launcher", "evicted-batch")
-LAUNCHED = ("launcher", "evicted-batch")
+SCENARIOS = ("disk-cold", "disk-warm", "attach", "warm-spare", "launcher", "launcher-cuda", "evicted-batch")
+LAUNCHED = ("launcher", "launcher-cuda", "evicted-batch")
 MARKER = "weightcache-restart-benchmark.json"
 PHASES = ("interpreter_s", "imports_s", "cuda_context_s", "plugins_s", "skeleton_s", "load_s", "first_token_s")
 
@@ -317,9 +319,9 @@ class Runner:
         self.socket_dir = socket_dir
         self.env = env
         self.tokenizer = tokenizer
-        self.launcher: subprocess.Popen | None = None
+        self.launchers: dict[str, subprocess.Popen] = {}
         self.launcher_args: list[str] = []
-        self.launcher_ready: dict | None = None
+        self.launcher_ready: dict[str, dict] = {}
 
     def command(self, *args: str) -> list[str]:
         return [sys.executable, str(Path(__file__).resolve()), *args, "--model", str(self.model), "--device", self.device]
@@ -328,48 +330,54 @@ class Runner:
         args = ["--role", "engine", "--scenario", scenario, "--socket-dir", str(self.socket_dir)] + (["--hold"] if hold else [])
         if self.tokenizer:
             args += ["--tokenizer", self.tokenizer]
-        launch = self.launch_command() if scenario in LAUNCHED else None  # the launcher's own start is paid before
+        launch = self.launch_command(scenario) if scenario in LAUNCHED else None  # the launcher's start is paid before
         command = self.command(*args, "--spawned-at", repr(time.monotonic()))
         if launch is not None:
             command = [*launch, *command[1:]]
         return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=self.env)
 
-    def launch_command(self) -> list[str]:
-        """``weightcache launch --strict --`` to the launcher, started first if it is not running (paid before)."""
-        if self.launcher is None:
+    def launch_command(self, scenario: str) -> list[str]:
+        """``weightcache launch --strict --`` to the scenario's launcher, started first if it is not running (paid before),
+        once its child forked ahead waits for the request (its CUDA context made, under ``--cuda-ready``)."""
+        kind = "cuda-ready" if scenario == "launcher-cuda" else "plain"
+        socket_dir = self.socket_dir / "cuda-ready" if kind == "cuda-ready" else self.socket_dir
+        if kind not in self.launchers:
+            extra = ["--cuda-ready", self.device] if kind == "cuda-ready" else []
             spawned = time.monotonic()
-            self.launcher = subprocess.Popen(
+            self.launchers[kind] = launcher = subprocess.Popen(
                 [
                     sys.executable,
                     "-m",
                     "weightcache.core.cli.cli",
                     "launcher",
                     "--socket-dir",
-                    str(self.socket_dir),
+                    str(socket_dir),
                     *self.launcher_args,
+                    *extra,
                 ],
                 stdout=subprocess.PIPE,
                 text=True,
                 env=self.env,
             )
-            self.launcher_ready = {**_json_line(self.launcher, "launcher"), "ready_after_spawn_s": time.monotonic() - spawned}
+            self.launcher_ready[kind] = {**_json_line(launcher, "launcher"), "ready_after_spawn_s": time.monotonic() - spawned}
+        _wait_ahead_ready(socket_dir)
         return [
             sys.executable,
             "-m",
             "weightcache.core.cli.cli",
             "launch",
             "--socket-dir",
-            str(self.socket_dir),
+            str(socket_dir),
             "--strict",
             "--",
         ]
 
     def close(self) -> None:
-        if self.launcher is not None:
-            self.launcher.terminate()
-            self.launcher.wait(timeout=60)
-            self.launcher.stdout.close()
-            self.launcher = None
+        for launcher in self.launchers.values():
+            launcher.terminate()
+            launcher.wait(timeout=60)
+            launcher.stdout.close()
+        self.launchers.clear()
 
     def evicted_batch(self) -> dict:
         """An online engine (exec'd, attached) and a batch engine (launched) on one device; the batch engine is
@@ -458,6 +466,25 @@ class Runner:
             "parameters_outside_arenas": ready["parameters_outside_arenas"],
             "private_growth_bytes": ready["private_growth_bytes"],
         }
+
+
+def _wait_ahead_ready(socket_dir: Path, timeout: float = 120.0) -> None:
+    """Until the launcher's child forked ahead waits for a request (``hello``'s ``ahead_ready``)."""
+    from weightcache.core.cli.launch import connect
+    from weightcache.core.wire.protocol import FrameReader, send_frame
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sock = connect(socket_dir)
+        try:
+            send_frame(sock, {"op": "hello"})
+            frame = FrameReader(sock).read(idle_timeout=30)
+        finally:
+            sock.close()
+        if frame is not None and frame[0].get("ahead_ready"):
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"the launcher at {socket_dir} had no child ready for a request within {timeout:g} s")
 
 
 def publish_with_cli(model: Path, device: str, socket_dir, env: dict) -> None:
@@ -622,10 +649,15 @@ def table(result: dict) -> str:
         )
     if result.get("launcher_ready"):
         ready = result["launcher_ready"]
+        ready = {"plain": ready} if "ready_after_spawn_s" in ready else ready  # a JSON of before 2026-12-04
+
+        def launcher_of(name: str) -> dict | None:
+            return ready.get("cuda-ready" if name == "launcher-cuda" else "plain") if name in LAUNCHED else None
+
         rows.append(
             (
                 "launcher: ready after its start (paid before, once)",
-                *(f"{ready['ready_after_spawn_s']:.2f}" if n in LAUNCHED else "" for n in columns),
+                *(f"{launcher_of(n)['ready_after_spawn_s']:.2f}" if launcher_of(n) else "" for n in columns),
             )
         )
     if "disk-cold" in s:
@@ -652,7 +684,10 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--runs", type=int, default=None, help="runs per scenario (default: 3 small, 1 8b)")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {', '.join(SCENARIOS)}")
+    parser.add_argument(
+        "--scenarios",
+        help=f"comma-separated subset of {', '.join(SCENARIOS)} (default: all; launcher-cuda on a CUDA --device only)",
+    )
     parser.add_argument(
         "--keep-checkpoint", metavar="DIR", help="build the checkpoint here and keep it (reused when it is there)"
     )
@@ -678,10 +713,13 @@ def main(argv=None) -> int:
     if args.role == "make":
         make_checkpoint(args)
         return 0
-    scenarios = [name.strip() for name in args.scenarios.split(",") if name.strip()]
+    default = [name for name in SCENARIOS if name != "launcher-cuda" or args.device.startswith("cuda")]
+    scenarios = [name.strip() for name in args.scenarios.split(",") if name.strip()] if args.scenarios else default
     unknown = sorted(set(scenarios) - set(SCENARIOS))
     if unknown:
         parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
+    if "launcher-cuda" in scenarios and not args.device.startswith("cuda"):
+        parser.error("the launcher-cuda scenario needs a CUDA --device (its launcher makes a CUDA context ahead)")
     runs = args.runs or (3 if args.size == "small" else 1)
     work = Path(tempfile.mkdtemp(prefix="wc-restart-"))
     server = None
@@ -737,7 +775,7 @@ def main(argv=None) -> int:
                 "median": median_of(reports),
                 **({"resident_before": reports[0]["resident_before"]} if "resident_before" in reports[0] else {}),
             }
-        if runner.launcher_ready is not None:
+        if runner.launcher_ready:
             result["launcher_ready"] = runner.launcher_ready
         tokens = {run["token"] for s in result["scenarios"].values() for run in s["runs"]}
         result["same_first_token_everywhere"] = len(tokens) == 1

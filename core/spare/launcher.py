@@ -1,6 +1,7 @@
 """A launcher: engines start as forks of one process that has imported the frameworks already (``weightcache launcher``).
 
     weightcache launcher [--socket-dir DIR] [--preload MODULES] [--model DIR ...] [--no-warm] [--replace]
+                         [--cuda-ready DEVICE]
     weightcache launch [--socket-dir DIR] [--strict] -- PYTHON-ARGS...
 
 The launcher imports torch, transformers, tokenizers, weightcache's load route and the installed adapters (and vLLM or
@@ -11,7 +12,10 @@ launch -- -m my_engine.serve --model M`` asks it for an engine: the launcher for
 fds, environment, working directory, umask, signal state and limits, then runs the module, code or script as
 ``python`` would. ``launch`` forwards signals to the engine and exits with its status. The fork is made ahead: one
 child waits for the next request, its nursery forked and the request-free part of its fresh state done, and dies with
-the launcher until a request comes; the next is forked a second after an engine started.
+the launcher until a request comes; the next is forked a second after an engine started. With ``--cuda-ready DEVICE``
+that child also makes its CUDA context on the device and warms its kernels while it waits (the launcher itself never
+does), and takes only a request whose CUDA environment (``CUDA_*``, ``NVIDIA_*``, cuBLAS, cuDNN, NCCL) is the launcher's;
+another is forked without one.
 
 A launcher refuses (and ``launch`` execs the engine itself, with one line saying why) when its imported code
 changed on disk, when the caller's environment differs on a name the imports read, or when a fork would not be
@@ -37,11 +41,13 @@ import attrs
 from weightcache.core import __version__
 from weightcache.core.cli.cli_options import add_socket_dir, help_text
 from weightcache.core.cli.launch import connect
+from weightcache.core.device import Device
 from weightcache.core.errors import LauncherError, LaunchRefused, ProtocolError
 from weightcache.core.socket_dir import SocketDir, SocketDirLike
 from weightcache.core.spare.become import become, fresh_state, run_target, settle
 from weightcache.core.spare.children import Nursery, parent_death_signal
-from weightcache.core.spare.preload import Preloaded, prepare
+from weightcache.core.spare.preload import Preloaded, nvml_based_cuda_check, prepare
+from weightcache.core.spare.warm import prepare_cuda
 from weightcache.core.wire.launch_request import LaunchRequest, Target, launcher_socket
 from weightcache.core.wire.paths import ensure_private_dir, peer_credentials
 from weightcache.core.wire.protocol import FrameReader, close_fds, error_reply, ok_reply, send_frame
@@ -52,6 +58,19 @@ REQUEST_DEADLINE_S = 10.0
 AHEAD_DELAY_S = 1.0
 """After starting an engine, how long the launcher waits before it forks the next child ahead: the engine that starts
 has the cores meanwhile."""
+CUDA_ENVIRONMENT = ("CUDA_", "NVIDIA_", "CUBLAS", "CUDNN", "NCCL_")
+"""Environment names (prefixes) a CUDA context is made under: a child forked ahead with ``--cuda-ready`` takes only a
+request that agrees with the launcher on all of them (torch's own ``PYTORCH_``/``TORCH`` names must agree for any fork)."""
+_READY = b"R"
+"""What a child forked ahead writes to its channel once it waits for a request (its CUDA context made, if asked)."""
+_CUDA_READY_FAILED = 75
+"""A child forked ahead exits with this when it cannot make the CUDA context ``--cuda-ready`` asks for."""
+
+
+def cuda_environment_differences(launcher_env: typing.Mapping[str, str], caller_env: typing.Mapping[str, str]) -> list[str]:
+    """The names of ``CUDA_ENVIRONMENT`` on which the caller's environment differs from the launcher's, sorted."""
+    names = {n for n in launcher_env.keys() | caller_env.keys() if n.startswith(CUDA_ENVIRONMENT)}
+    return sorted(n for n in names if launcher_env.get(n) != caller_env.get(n))
 
 
 @attrs.define
@@ -70,6 +89,8 @@ class _Waiting:
     pid: int
     pidfd: int
     channel: socket.socket
+    ready: bool = False
+    """It wrote ``_READY``: it waits for a request (with its CUDA context, under ``--cuda-ready``)."""
 
 
 @attrs.define
@@ -103,6 +124,7 @@ class Launcher:
         replace: bool = False,
         nursery: bool = True,
         fork_ahead: bool = True,
+        cuda_ready: str | None = None,
     ):
         self.socket_dir = SocketDir.parse(socket_dir)
         self.path = launcher_socket(self.socket_dir)
@@ -112,6 +134,10 @@ class Launcher:
         self.replace = replace
         self.nursery = nursery
         self.fork_ahead = fork_ahead
+        self.cuda_ready = Device.parse(cuda_ready) if cuda_ready else None
+        """The device on which the child forked ahead makes its CUDA context before its request (None: it makes none)."""
+        if self.cuda_ready is not None and not self.cuda_ready.is_cuda:
+            raise LauncherError(f"--cuda-ready takes a CUDA device such as cuda:0, not {cuda_ready!r}")
         self.pid = os.getpid()
         self.preloaded: Preloaded | None = None
         self.retired = False
@@ -128,6 +154,7 @@ class Launcher:
         """``prepare()``, then ``listen()``; returns the ``ready`` report."""
         began = time.perf_counter()
         preloaded = self.prepare()
+        self._check_cuda_ready()
         self.listen()
         return {
             "event": "ready",
@@ -135,6 +162,7 @@ class Launcher:
             "socket": self.path,
             "preloaded": list(preloaded.modules),
             "models": list(self.models),
+            "cuda_ready": str(self.cuda_ready) if self.cuda_ready is not None else None,
             "timings": {**preloaded.timings, "ready_s": time.perf_counter() - began},
         }
 
@@ -142,6 +170,22 @@ class Launcher:
         """Import and check (``preload.prepare``): LauncherError says what is not fork-safe."""
         self.preloaded = prepare(self.preload, self.models, warm=self.warm)
         return self.preloaded
+
+    def _check_cuda_ready(self) -> None:
+        """LauncherError unless torch sees ``--cuda-ready``'s device, asked through NVML (no CUDA call in the launcher)."""
+        if self.cuda_ready is None:
+            return
+        torch = sys.modules.get("torch")
+        if torch is None:
+            raise LauncherError("--cuda-ready needs torch among the preloads (it makes the CUDA context with torch)")
+        with nvml_based_cuda_check():
+            count = torch.cuda.device_count() if torch.backends.cuda.is_built() else 0
+        if count < (self.cuda_ready.index or 0) + 1:  # a UUID (no index) needs one device; the driver finds it later
+            raise LauncherError(
+                f"--cuda-ready {self.cuda_ready}: torch here sees {count} CUDA device(s) "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); name a device it sees, or leave "
+                "the option out on a machine without a GPU"
+            )
 
     def listen(self) -> None:
         """Take the socket (from a running launcher only with ``replace``; it retires)."""
@@ -225,6 +269,8 @@ class Launcher:
                             return child
                     elif kind == "waiting":
                         self._waiting_exited()
+                    elif kind == "ready":
+                        self._waiting_ready()
                     elif kind == "exit":
                         self._exited(pid)
                     elif kind == "conn":
@@ -298,7 +344,7 @@ class Launcher:
             _try_send(conn, error_reply(exc.reason, str(exc)))
             conn.close()
             return None
-        if self._waiting is not None and self._hand_over(conn, request, fds):
+        if self._waiting is not None and self._takes(request) and self._hand_over(conn, request, fds):
             return None
         return self._fork(conn, request, fds, target)
 
@@ -318,6 +364,7 @@ class Launcher:
         self._waiting = _Waiting(pid, os.pidfd_open(pid), ours)
         assert self._selector is not None
         self._selector.register(self._waiting.pidfd, selectors.EVENT_READ, ("waiting", pid))
+        self._selector.register(ours, selectors.EVENT_READ, ("ready", pid))
         return None
 
     def _wait_for_request(self, channel: socket.socket) -> Child:
@@ -331,6 +378,13 @@ class Launcher:
         assert self.preloaded is not None
         opened = Nursery.open(self.preloaded) if self.nursery else None
         settle(self.preloaded)
+        if self.cuda_ready is not None:  # after the nursery's fork: the engine's spawn children start without CUDA
+            try:
+                prepare_cuda(self.cuda_ready)
+            except Exception as exc:
+                print(f"weightcache launcher: cannot make a CUDA context on {self.cuda_ready} ahead: {exc}", file=sys.stderr)
+                os._exit(_CUDA_READY_FAILED)
+        channel.sendall(_READY)
         frame = FrameReader(channel).read(idle_timeout=None)
         if frame is None:
             os._exit(0)
@@ -342,12 +396,42 @@ class Launcher:
         become(request, fds[1:], conn, session=False)
         return Child(Target.parse(request.argv), self.preloaded, self.nursery, opened)
 
+    def _takes(self, request: LaunchRequest) -> bool:
+        """Whether the child forked ahead may take ``request``: under ``--cuda-ready``, only with the launcher's CUDA
+        environment (its context was made under it)."""
+        if self.cuda_ready is None:
+            return True
+        assert self.preloaded is not None
+        differ = cuda_environment_differences(self.preloaded.env, request.env)
+        if differ:
+            log.info("the child forked ahead made its CUDA context under another %s: forking one without", ", ".join(differ[:3]))
+        return not differ
+
+    def _waiting_ready(self) -> None:
+        """The child forked ahead wrote to its channel: it is ready (or it ended, and its pidfd says so next)."""
+        waiting = self._waiting
+        assert waiting is not None and self._selector is not None
+        self._selector.unregister(waiting.channel)
+        try:
+            waiting.ready = waiting.channel.recv(1) == _READY
+        except OSError:
+            waiting.ready = False
+
+    def _unregister_waiting(self, waiting: _Waiting) -> None:
+        assert self._selector is not None
+        self._selector.unregister(waiting.pidfd)
+        if not waiting.ready:
+            try:
+                self._selector.unregister(waiting.channel)
+            except (KeyError, ValueError):
+                pass  # read already: it had ended
+
     def _hand_over(self, conn: socket.socket, request: LaunchRequest, fds: list[int]) -> bool:
         """Give the request and the caller's connection to the child forked ahead; False if it cannot take it (a fork
         will)."""
         waiting, self._waiting = self._waiting, None
         assert waiting is not None and self._selector is not None
-        self._selector.unregister(waiting.pidfd)
+        self._unregister_waiting(waiting)
         try:
             send_frame(waiting.channel, request.to_message(), [conn.fileno(), *fds])
         except OSError as exc:
@@ -365,21 +449,29 @@ class Launcher:
         return True
 
     def _waiting_exited(self) -> None:
-        """The child forked ahead ended without a request (its nursery failed, or it was killed): no more are forked ahead."""
+        """The child forked ahead ended without a request. It could not make its CUDA context: the next ones make none.
+        Otherwise (its nursery failed, or it was killed): no more are forked ahead."""
         waiting, self._waiting = self._waiting, None
         assert waiting is not None and self._selector is not None
-        self._selector.unregister(waiting.pidfd)
-        log.warning("the child forked ahead of requests (pid %d) exited; engines are forked at each request", waiting.pid)
-        self.fork_ahead = False
-        self._end_waiting(waiting)
+        self._unregister_waiting(waiting)
+        _, status = os.waitpid(waiting.pid, 0)
+        if os.waitstatus_to_exitcode(status) == _CUDA_READY_FAILED:
+            log.warning("the child forked ahead could not make a CUDA context on %s; the next ones make none", self.cuda_ready)
+            self.cuda_ready = None
+            self._ahead_at = time.monotonic()
+        else:
+            log.warning("the child forked ahead of requests (pid %d) exited; engines are forked at each request", waiting.pid)
+            self.fork_ahead = False
+        self._end_waiting(waiting, reaped=True)
 
     @staticmethod
-    def _end_waiting(waiting: _Waiting) -> None:
-        try:
-            signal.pidfd_send_signal(waiting.pidfd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.waitpid(waiting.pid, 0)
+    def _end_waiting(waiting: _Waiting, reaped: bool = False) -> None:
+        if not reaped:
+            try:
+                signal.pidfd_send_signal(waiting.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(waiting.pid, 0)
         os.close(waiting.pidfd)
         waiting.channel.close()
 
@@ -483,6 +575,8 @@ class Launcher:
             "preloaded": list(self.preloaded.modules),
             "engines": sorted(self._engines),
             "ahead": self._waiting.pid if self._waiting is not None else None,
+            "ahead_ready": self._waiting is not None and self._waiting.ready,
+            "cuda_ready": str(self.cuda_ready) if self.cuda_ready is not None else None,
             "retired": self.retired,
             "stale": self.preloaded.stamp.changed(),
         }
@@ -554,6 +648,13 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
         help="engines exec their multiprocessing spawn children (vLLM's engine core, SGLang's scheduler) as `python` "
         "would, instead of forking them from a nursery of the launcher's state",
     )
+    parser.add_argument(
+        "--cuda-ready",
+        metavar="DEVICE",
+        help="the child forked ahead of the next request makes its CUDA context on DEVICE (e.g. cuda:0) and warms its "
+        "kernels while it waits; it takes only requests with the launcher's CUDA_* environment. Its engine starts with "
+        "CUDA initialised, so one that picks its GPU itself (setting CUDA_VISIBLE_DEVICES after it starts) must not use it",
+    )
     return parser
 
 
@@ -566,6 +667,7 @@ def run(args: argparse.Namespace) -> int:
         warm=not args.no_warm,
         replace=args.replace,
         nursery=not args.exec_children,
+        cuda_ready=args.cuda_ready,
     )
     print(json.dumps(launcher.start()), flush=True)
     child = launcher.serve()

@@ -54,11 +54,7 @@ class EarlyCuda:
     def _set_up(self) -> None:
         start = time.perf_counter()
         try:
-            from weightcache.core.arena.cuda import CudaArenaBackend
-            from weightcache.core.identity.identity import Environment
-
-            CudaArenaBackend().granularity(str(self.device))  # torch's context, the primary context, the granularity
-            Environment.of(self.device)  # compute capability and UUID for the fingerprint (cached per process)
+            set_up_context(self.device)
         except BaseException as exc:  # handed to the thread that waits
             self._error = exc
         finally:
@@ -71,13 +67,7 @@ class EarlyCuda:
         """The first-call costs of the device's kernels, paid here while the caller attaches (never an error)."""
         start = time.perf_counter()
         try:
-            import torch
-
-            from weightcache.core.spare.kernel_warmup import run_transformer_ops
-
-            device = self.device.torch()
-            run_transformer_ops(device, (torch.bfloat16,), heads=8, length=32, head_dim=128)
-            torch.cuda.synchronize(device)
+            warm_kernels(self.device)
             self.warm_seconds = time.perf_counter() - start
         except Exception as exc:  # a warm-up that fails leaves the first forward to pay its costs, as without it
             log.debug("warming %s's kernels failed: %s", self.device, exc)
@@ -96,6 +86,36 @@ class EarlyCuda:
         if self._error is not None:
             raise self._error
         return time.perf_counter() - start
+
+
+def set_up_context(device: Device) -> None:
+    """torch's CUDA context on ``device``, the driver's primary context, the VMM granularity and the GPU facts of the
+    fingerprint (each once per process)."""
+    from weightcache.core.arena.cuda import CudaArenaBackend
+    from weightcache.core.identity.identity import Environment
+
+    CudaArenaBackend().granularity(str(device))
+    Environment.of(device)
+
+
+def warm_kernels(device: Device) -> None:
+    """A transformer's ops once on small tensors on ``device``: its kernel modules and cuBLAS's handle."""
+    import torch
+
+    from weightcache.core.spare.kernel_warmup import run_transformer_ops
+
+    run_transformer_ops(device.torch(), (torch.bfloat16,), heads=8, length=32, head_dim=128)
+    torch.cuda.synchronize(device.torch())
+
+
+def prepare_cuda(device: "Device | str") -> float:
+    """``set_up_context`` then ``warm_kernels``, in the calling thread (a launcher's child forked ahead of its request,
+    ``weightcache launcher --cuda-ready``); the seconds it took. Raises what the set-up raised."""
+    start = time.perf_counter()
+    parsed = Device.parse(device)
+    set_up_context(parsed)
+    warm_kernels(parsed)
+    return time.perf_counter() - start
 
 
 def start_cuda_early(device: "Device | str", warm_kernels: bool = True) -> EarlyCuda:

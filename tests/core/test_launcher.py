@@ -413,6 +413,45 @@ def test_the_nvml_based_cuda_check_is_set_only_meanwhile_and_leaves_a_callers_va
     assert os.environ[NVML_CHECK] == "0"
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--preload", "json", "--cuda-ready", "cpu"], "--cuda-ready takes a CUDA device such as cuda:0, not 'cpu'"),
+        (["--preload", "json", "--cuda-ready", "cuda:0"], "--cuda-ready needs torch among the preloads"),
+        (["--preload", "torch", "--cuda-ready", "cuda:1"], "--cuda-ready cuda:1: torch here sees"),
+    ],
+    ids=["not-cuda", "no-torch", "no-such-device"],
+)
+def test_cuda_ready_on_a_device_torch_cannot_see_stops_the_launcher_with_one_line(tmp_path, args, expected):
+    """(On this CPU machine no CUDA device is seen; on a 1-GPU machine cuda:1 is not either.)"""
+    started = LauncherProcess(tmp_path / "sock", *args, "--no-warm")
+    try:
+        assert started.ready is None and started.proc.wait(timeout=300) == 1
+        lines = [line for line in started.output().splitlines() if line.startswith("weightcache: error:")]
+        assert len(lines) == 1 and expected in lines[0], started.output()
+    finally:
+        started.stop()
+
+
+def test_the_child_forked_ahead_says_when_it_waits_for_a_request(launcher):
+    deadline = time.monotonic() + 60
+    while not (hello := _hello(launcher.socket_dir))["ahead_ready"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hello["ahead_ready"] and hello["ahead"] is not None and hello["cuda_ready"] is None, hello
+
+
+def test_a_child_with_a_cuda_context_takes_only_requests_of_the_launchers_cuda_environment():
+    from weightcache.core.spare.launcher import cuda_environment_differences
+
+    mine = {"CUDA_VISIBLE_DEVICES": "0", "PATH": "/bin", "NCCL_DEBUG": "WARN"}
+    assert cuda_environment_differences(mine, {**mine, "PATH": "/usr/bin", "HOME": "/h"}) == []
+    theirs = {**mine, "CUDA_VISIBLE_DEVICES": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NVIDIA_VISIBLE_DEVICES": "all"}
+    del theirs["NCCL_DEBUG"]
+    assert cuda_environment_differences(mine, theirs) == [
+        "CUBLAS_WORKSPACE_CONFIG", "CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "NVIDIA_VISIBLE_DEVICES",
+    ]  # fmt: skip
+
+
 def _hello(socket_dir: Path) -> dict:
     from weightcache.core.cli.launch import connect
     from weightcache.core.wire.protocol import FrameReader, send_frame

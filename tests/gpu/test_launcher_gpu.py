@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,44 @@ def test_a_preload_that_asks_cuda_for_its_devices_stops_the_launcher_with_one_li
         assert len(lines) == 1 and "asked CUDA for its devices" in lines[0], started.output()
     finally:
         started.stop()
+
+
+_AT_ENTRY = """
+import json, sys, time
+began = time.perf_counter()
+import torch
+initialized = torch.cuda.is_initialized()  # before anything of the engine's own asks CUDA
+a = torch.ones(4096, 4096, device="cuda", dtype=torch.bfloat16)
+value = float((a @ a)[0, 0])
+torch.cuda.synchronize()
+print(json.dumps({"initialized_at_entry": initialized, "value": value, "to_first_matmul_s": time.perf_counter() - began}))
+"""
+
+
+def test_a_cuda_ready_child_starts_its_engine_with_a_context_and_a_request_of_another_cuda_environment_gets_none(tmp_path):
+    """``--cuda-ready cuda:0``: the child forked ahead makes its context while it waits; the launcher itself opens no
+    GPU file. A caller whose CUDA_VISIBLE_DEVICES differs from the launcher's gets a child forked without a context."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    launcher = LauncherProcess(tmp_path / "sock", "--cuda-ready", "cuda:0", env=env)
+    try:
+        assert launcher.ready is not None and launcher.ready["cuda_ready"] == "cuda:0", launcher.output()
+        from tests.core.test_launcher import _hello
+
+        reports = []
+        for caller_env in (env, env, {**env, "CUDA_VISIBLE_DEVICES": "0"}):
+            deadline = time.monotonic() + 120
+            while not _hello(launcher.socket_dir)["ahead_ready"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            done = subprocess.run(
+                launch_command(launcher.socket_dir, "-c", _AT_ENTRY), capture_output=True, text=True, timeout=300, env=caller_env
+            )
+            assert done.returncode == 0, done.stderr
+            reports.append(json.loads(done.stdout))
+        print("launched with --cuda-ready (ready, ready, another CUDA_VISIBLE_DEVICES):", reports)
+        assert [r["initialized_at_entry"] for r in reports] == [True, True, False], reports
+        assert all(r["value"] == 4096.0 for r in reports), reports
+        maps = Path(f"/proc/{launcher.pid}/maps").read_text()
+        fds = [os.readlink(f"/proc/{launcher.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{launcher.pid}/fd")]
+        assert "/dev/nvidia" not in maps and not [fd for fd in fds if "nvidia" in fd], "the launcher opened the GPU"
+    finally:
+        launcher.stop()
