@@ -39,13 +39,16 @@ _DEFAULT_IGNORED = (signal.SIGPIPE, signal.SIGXFSZ)
 """What the interpreter itself ignores at start."""
 
 
-def become(request: LaunchRequest, fds: list[int], channel: socket.socket, session: bool = True) -> None:
+def become(
+    request: LaunchRequest, fds: list[int], channel: socket.socket, session: bool = True, keep: frozenset[int] = frozenset()
+) -> None:
     """Take the caller's process state and tell the caller on ``channel`` (then closed); a child that cannot take it
     says why there and exits with status 255. ``session``: lead a session of its own (an engine); without it, stay in
-    the parent's (an engine's own child, as its exec'd children stay)."""
+    the parent's (an engine's own child, as its exec'd children stay). ``keep``: fds of the child's own that stay open
+    (a CUDA context's, made before the request: none of them is one of the request's numbers)."""
     channel_fd = channel.detach()
     try:
-        channel_fd = _take_state(request, fds, channel_fd, session)
+        channel_fd = _take_state(request, fds, channel_fd, session, keep)
         reply = ok_reply(pid=os.getpid(), started=True)
     except OSError as exc:
         reply = error_reply("start_failed", f"the engine could not take the caller's state: {exc}", errno=exc.errno)
@@ -60,7 +63,7 @@ def become(request: LaunchRequest, fds: list[int], channel: socket.socket, sessi
         os._exit(255)
 
 
-def _take_state(request: LaunchRequest, fds: list[int], channel_fd: int, session: bool) -> int:
+def _take_state(request: LaunchRequest, fds: list[int], channel_fd: int, session: bool, keep: frozenset[int]) -> int:
     """Session, umask, cwd, fds, environment, limits, niceness and signals of the caller; returns the channel's fd."""
     if session:
         os.setsid()
@@ -73,7 +76,7 @@ def _take_state(request: LaunchRequest, fds: list[int], channel_fd: int, session
     for source, target in zip(high, targets, strict=True):
         os.dup2(source, target, inheritable=True)
     low = 0
-    for fd in sorted({*targets, channel_fd}):  # everything else goes, as close_fds does
+    for fd in sorted({*targets, channel_fd, *keep}):  # everything else goes, as close_fds does
         if low < fd:  # os.closerange(n, n) would close from n upwards
             os.closerange(low, fd)
         low = fd + 1

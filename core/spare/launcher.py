@@ -65,12 +65,39 @@ _READY = b"R"
 """What a child forked ahead writes to its channel once it waits for a request (its CUDA context made, if asked)."""
 _CUDA_READY_FAILED = 75
 """A child forked ahead exits with this when it cannot make the CUDA context ``--cuda-ready`` asks for."""
+CUDA_FD_FLOOR = 256
+"""The fds a ``--cuda-ready`` child's CUDA context opens are numbered from here up (``opened_above``), and stay open
+through ``become``; a request that gives its engine an fd numbered here or above is forked without a context."""
 
 
 def cuda_environment_differences(launcher_env: typing.Mapping[str, str], caller_env: typing.Mapping[str, str]) -> list[str]:
     """The names of ``CUDA_ENVIRONMENT`` on which the caller's environment differs from the launcher's, sorted."""
     names = {n for n in launcher_env.keys() | caller_env.keys() if n.startswith(CUDA_ENVIRONMENT)}
     return sorted(n for n in names if launcher_env.get(n) != caller_env.get(n))
+
+
+def opened_above(floor: int, make: typing.Callable[[], object]) -> frozenset[int]:
+    """Run ``make`` with every free fd below ``floor`` taken meanwhile, so that what it opens is numbered ``floor`` or
+    above (none can be one of a caller's low numbers); the fds it opened and left open. OSError (EMFILE) when the
+    open-file limit is below ``floor``."""
+
+    def listed() -> set[int]:
+        return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+    before = listed()
+    taken = []
+    try:
+        while True:
+            fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)  # the lowest free number
+            if fd >= floor:
+                os.close(fd)
+                break
+            taken.append(fd)
+        make()
+    finally:
+        for fd in taken:
+            os.close(fd)
+    return frozenset(fd for fd in listed() - before if fd >= floor)
 
 
 @attrs.define
@@ -378,11 +405,13 @@ class Launcher:
         assert self.preloaded is not None
         opened = Nursery.open(self.preloaded) if self.nursery else None
         settle(self.preloaded)
+        keep: frozenset[int] = frozenset()
         if self.cuda_ready is not None:  # after the nursery's fork: the engine's spawn children start without CUDA
+            device = self.cuda_ready
             try:
-                prepare_cuda(self.cuda_ready)
+                keep = opened_above(CUDA_FD_FLOOR, lambda: prepare_cuda(device))
             except Exception as exc:
-                print(f"weightcache launcher: cannot make a CUDA context on {self.cuda_ready} ahead: {exc}", file=sys.stderr)
+                print(f"weightcache launcher: cannot make a CUDA context on {device} ahead: {exc}", file=sys.stderr)
                 os._exit(_CUDA_READY_FAILED)
         channel.sendall(_READY)
         frame = FrameReader(channel).read(idle_timeout=None)
@@ -393,7 +422,7 @@ class Launcher:
         message, fds = frame
         conn = socket.socket(fileno=fds[0])
         request = LaunchRequest.from_message(message, len(fds) - 1)
-        become(request, fds[1:], conn, session=False)
+        become(request, fds[1:], conn, session=False, keep=keep)
         return Child(Target.parse(request.argv), self.preloaded, self.nursery, opened)
 
     def _takes(self, request: LaunchRequest) -> bool:
@@ -405,7 +434,10 @@ class Launcher:
         differ = cuda_environment_differences(self.preloaded.env, request.env)
         if differ:
             log.info("the child forked ahead made its CUDA context under another %s: forking one without", ", ".join(differ[:3]))
-        return not differ
+        high = [fd for fd in request.fds if fd >= CUDA_FD_FLOOR]
+        if high:
+            log.info("the request gives its engine fd %d, where the CUDA context's are: forking one without", high[0])
+        return not differ and not high
 
     def _waiting_ready(self) -> None:
         """The child forked ahead wrote to its channel: it is ready (or it ended, and its pidfd says so next)."""

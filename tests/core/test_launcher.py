@@ -452,6 +452,22 @@ def test_a_child_with_a_cuda_context_takes_only_requests_of_the_launchers_cuda_e
     ]  # fmt: skip
 
 
+def test_what_a_cuda_ready_child_opens_ahead_is_numbered_above_every_callers_fd_and_nothing_else_stays(tmp_path):
+    """The context's fds must survive ``become``, which closes every fd but the caller's numbers: they are opened with
+    every lower number taken, so no caller's fd (below the floor; a higher one is forked without a context) lands on one."""
+    from weightcache.core.spare.launcher import CUDA_FD_FLOOR, opened_above
+
+    opened = []
+    before = set(os.listdir("/proc/self/fd"))
+    kept = opened_above(CUDA_FD_FLOOR, lambda: opened.extend(os.open(tmp_path / name, os.O_CREAT | os.O_RDWR) for name in "ab"))
+    try:
+        assert kept == frozenset(opened) and min(kept) >= CUDA_FD_FLOOR, (kept, opened)
+        assert set(os.listdir("/proc/self/fd")) - before == {str(fd) for fd in opened}  # the placeholders are closed
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
 def _hello(socket_dir: Path) -> dict:
     from weightcache.core.cli.launch import connect
     from weightcache.core.wire.protocol import FrameReader, send_frame
