@@ -413,7 +413,10 @@ class Launcher:
             except Exception as exc:
                 print(f"weightcache launcher: cannot make a CUDA context on {device} ahead: {exc}", file=sys.stderr)
                 os._exit(_CUDA_READY_FAILED)
-        channel.sendall(_READY)
+        try:
+            channel.sendall(_READY)
+        except OSError:  # the launcher handed a request over and closed its end before this: the request is still there
+            pass
         frame = FrameReader(channel).read(idle_timeout=None)
         if frame is None:
             os._exit(0)

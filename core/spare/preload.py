@@ -65,6 +65,10 @@ machine asks the CUDA runtime for its devices, and a child forked after that can
 ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, torch's own switch that answers from NVML instead (no CUDA call), then NVML is shut
 down again (``nvml_based_cuda_check``). The canary still refuses a launcher whose children could not use CUDA."""
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+COUNTED_ONLY = frozenset({"CUDA_VISIBLE_DEVICES"})
+"""Read by the NVML device count while ``COMPILER_MODULES`` import, where all that is kept of it is whether some GPU
+is visible (inductor's choice of benchmarker, used only to time kernels on a GPU the engine then sees): not a reason to
+refuse a caller that picks other GPUs, as a CUDA-free launcher never did. Read by another import, it still counts."""
 SHARED_MODEL_MODULES = (
     "transformers.modeling_layers",
     "transformers.masking_utils",
@@ -342,11 +346,14 @@ def prepare(modules: Iterable[str] | None, models: Iterable[str] = (), warm: boo
         if modules is None:  # looking for an engine may run an import hook: after the environment is the initial one
             modules = [*DEFAULT_PRELOAD, *present(SHARED_MODEL_MODULES), *installed_modules(), *present(COMPILER_MODULES)]
         for name in modules:
+            seen = set(read)
             try:
                 with nvml_based_cuda_check(name in COMPILER_MODULES):
                     importlib.import_module(name)
             except ImportError as exc:
                 raise LauncherError(f"cannot preload {name}: {exc}; install it or leave it out of --preload") from None
+            if name in COMPILER_MODULES:
+                read -= COUNTED_ONLY - seen
             imported.append(name)
         if any(name in COMPILER_MODULES for name in imported):
             _hash_triton()
