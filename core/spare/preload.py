@@ -432,7 +432,7 @@ def _hash_triton() -> None:
     """Triton's key of its own sources (a hash of its files, 0.35 s on the H200's machine, cached per process), which
     loading a compiled kernel asks for: computed once here, for every engine."""
     try:
-        from triton.runtime.cache import triton_key
+        from triton.runtime.cache import triton_key  # type: ignore[import-not-found]  # only where torch has Triton
     except ImportError:
         return
     triton_key()
