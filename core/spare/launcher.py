@@ -297,7 +297,7 @@ class Launcher:
                     elif kind == "waiting":
                         self._waiting_exited()
                     elif kind == "ready":
-                        self._waiting_ready()
+                        self._waiting_ready(pid)
                     elif kind == "exit":
                         self._exited(pid)
                     elif kind == "conn":
@@ -442,10 +442,13 @@ class Launcher:
             log.info("the request gives its engine fd %d, where the CUDA context's are: forking one without", high[0])
         return not differ and not high
 
-    def _waiting_ready(self) -> None:
-        """The child forked ahead wrote to its channel: it is ready (or it ended, and its pidfd says so next)."""
+    def _waiting_ready(self, pid: int) -> None:
+        """The child forked ahead wrote to its channel: it is ready (or it ended, and its pidfd says so next). Nothing
+        when that child is gone already (handed a request or ended, in the same round of events)."""
         waiting = self._waiting
-        assert waiting is not None and self._selector is not None
+        if waiting is None or waiting.pid != pid:
+            return
+        assert self._selector is not None
         self._selector.unregister(waiting.channel)
         try:
             waiting.ready = waiting.channel.recv(1) == _READY
