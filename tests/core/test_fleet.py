@@ -152,6 +152,37 @@ holder.close()
 """
 
 
+AVAILABLE = (
+    PIECES.split("landed = []")[0]
+    + """
+limit = [3 << 19]  # the peer has landed 1.5 MiB so far
+first = []
+puller.read_in_pieces(reach, region(source), region(target), 1 << 20, 30.0, first.append, lambda: limit[0])
+
+def landing():  # each look finds 1 MiB more landed, as a relay's record would say
+    limit[0] = min(limit[0] + (1 << 20), size)
+    return limit[0] - begin
+
+begin, rest = first[-1], []
+tail = (region(source).part(begin, size - begin), region(target).part(begin, size - begin))
+puller.read_in_pieces(reach, *tail, 1 << 20, 30.0, rest.append, landing)
+print(json.dumps({"first": first, "rest": rest, "begin": begin, "size": size, "same": target[:] == source[:]}))
+puller.close()
+holder.close()
+"""
+)
+
+
+def test_a_read_in_pieces_reads_what_is_available_and_goes_on_as_more_lands():
+    """With ``available``, a read stops where the peer's landed bytes end (nothing in flight past them) and, called
+    again, goes on piece by piece as more lands, without returning between pieces."""
+    report = json.loads(run_python(AVAILABLE, timeout=120).stdout.strip().splitlines()[-1])
+    size, begin = report["size"], report["begin"]
+    assert report["first"] == [1 << 20, 3 << 19], report["first"]
+    assert begin == 3 << 19 and report["rest"][-1] == size - begin, report
+    assert report["rest"] == sorted(report["rest"]) and report["same"], report
+
+
 def test_a_region_read_in_pieces_lands_in_order_and_the_peer_stays_connected():
     """Pieces of a read are in flight two at a time and said landed in order; the peer stays added while its reach
     text is the same (a holder that registers more memory sends another, and is connected again)."""
