@@ -797,6 +797,41 @@ def test_a_relay_killed_mid_chain_sends_the_node_behind_it_to_the_holder_and_pub
     assert keys_under(fleet.etcd, "readers") == []
 
 
+def test_etcd_killed_while_a_node_waits_on_its_relays_watch_costs_one_warning_and_the_disk(network_fleet, model_dir):
+    """Node c waits for relay b on a watch of b's record; etcd killed ends the watch and the pull at once: c reads the
+    disk with one warning (the registry's, none about the watch), and nothing waits out a timeout."""
+    fleet, node = network_fleet
+    a, first, arenas = holder_with_arenas(node, fleet, model_dir)
+    content = first.fingerprint.content_digest
+    slow_sending(a, "2mbit", fleet.etcd)
+    b, c = node("b"), node("c")
+    path = model_dir("llama")
+    wait_listed(fleet.etcd, content, [a], "node a listed still")
+    heading = b.load_process(path)
+    behind = None
+    try:
+        wait_for(lambda: relay_records(fleet.etcd, content).get("b", 0) >= 1, 60, "node b checking its first arena")
+        behind = c.load_process(path)
+        wait_for(lambda: relay_records(fleet.etcd, content).get("c", 0) >= 1, 60, "node c reading from relay b")
+        assert relay_records(fleet.etcd, content)["b"] < arenas, "node b finished before etcd could be killed"
+        fleet.etcd.kill()
+        start = time.monotonic()
+        out, err = behind.communicate(timeout=120)
+        took = time.monotonic() - start
+        heading.communicate(timeout=120)
+    finally:
+        for proc in (heading, behind):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            if proc is not None:
+                proc.communicate(timeout=30)
+    assert behind.returncode == 0 and "copied from node" not in out.strip().splitlines()[-1], err[-3000:]
+    warnings = [line for line in err.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "did not answer" in warnings[0], warnings
+    assert took < 30, f"node c took {took:.1f} s to give up on a dead etcd"
+    assert [e["digest"] for e in entries(c)] == [first.digest]
+
+
 @pytest.mark.parametrize("lie", ["checked", "landing"])
 def test_a_relay_serving_other_bytes_is_caught_by_the_checksum_and_the_holder_serves(network_fleet, model_dir, tmp_path, lie):
     """The liar lists a relay record ahead of the puller (every arena checked, it says; or arena 0 landed whole, not

@@ -18,6 +18,12 @@ checks the whole arena itself before it serves it as checked or publishes it. A 
 (whatever is there to read) goes in pieces of at least ``FleetConfig.piece_bytes``, at
 most ``MAX_PIECES`` of them, which the transport keeps in flight a few at a time
 (``Transport.read_in_pieces``); each is listed as it lands.
+
+A node waits for its upstream on an etcd watch of the relay's record (``EtcdStore.watch``),
+woken when the relay lists more, and reads the record from the watch's last event; a read of
+an arena landing there goes on as the relay lists more, without returning between pieces. A
+watch that does not start or breaks costs a poll every ``POLL_S`` (and one warning), never a
+hang; what the watch brings is checked like a record read.
 """
 
 from __future__ import annotations
