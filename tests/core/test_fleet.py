@@ -41,12 +41,13 @@ from tests.core.fleet_support import (
 from tests.helpers import run_python
 from weightcache.core.client.attach import Attachment
 from weightcache.core.client.client import Connection
-from weightcache.core.fingerprint import canonical_json
+from weightcache.core.fingerprint import Fingerprint, canonical_json
 from weightcache.core.flow.loader import Published, prepare, publish
 from weightcache.core.identity.digests import RACY_WINDOW_NS, checkpoint_digests
 from weightcache.core.identity.safetensors_io import Sighting, checkpoint_files
 from weightcache.core.node.fleet.config import FleetConfig
-from weightcache.core.node.fleet.records import Content, manifest_sha256
+from weightcache.core.node.fleet.etcd import EtcdStore
+from weightcache.core.node.fleet.records import Content, Relay, manifest_sha256, seal
 from weightcache.core.node.fleet.registry import FleetRegistry
 from weightcache.core.request import LoadRequest
 
@@ -149,6 +150,37 @@ print(json.dumps({"landed": landed, "same": target[:] == source[:], "path": path
 puller.close()
 holder.close()
 """
+
+
+AVAILABLE = (
+    PIECES.split("landed = []")[0]
+    + """
+limit = [3 << 19]  # the peer has landed 1.5 MiB so far
+first = []
+puller.read_in_pieces(reach, region(source), region(target), 1 << 20, 30.0, first.append, lambda: limit[0])
+
+def landing():  # each look finds 1 MiB more landed, as a relay's record would say
+    limit[0] = min(limit[0] + (1 << 20), size)
+    return limit[0] - begin
+
+begin, rest = first[-1], []
+tail = (region(source).part(begin, size - begin), region(target).part(begin, size - begin))
+puller.read_in_pieces(reach, *tail, 1 << 20, 30.0, rest.append, landing)
+print(json.dumps({"first": first, "rest": rest, "begin": begin, "size": size, "same": target[:] == source[:]}))
+puller.close()
+holder.close()
+"""
+)
+
+
+def test_a_read_in_pieces_reads_what_is_available_and_goes_on_as_more_lands():
+    """With ``available``, a read stops where the peer's landed bytes end (nothing in flight past them) and, called
+    again, goes on piece by piece as more lands, without returning between pieces."""
+    report = json.loads(run_python(AVAILABLE, timeout=120).stdout.strip().splitlines()[-1])
+    size, begin = report["size"], report["begin"]
+    assert report["first"] == [1 << 20, 3 << 19], report["first"]
+    assert begin == 3 << 19 and report["rest"][-1] == size - begin, report
+    assert report["rest"] == sorted(report["rest"]) and report["same"], report
 
 
 def test_a_region_read_in_pieces_lands_in_order_and_the_peer_stays_connected():
@@ -487,6 +519,81 @@ def test_etcd_stalled_or_killed_mid_lookup_costs_one_warning_and_the_disk(fleet,
     assert len(again.lines("did not answer")) == 1, again.log[-3000:]
 
 
+def test_a_watch_wakes_its_waiter_when_its_key_changes_and_never_hangs_when_etcd_stops_or_dies():
+    """A waiter on a watch returns as soon as its key changes (not at its timeout), with the value the event carried;
+    another key wakes nobody; a stopped etcd costs the waiter its timeout and ``close`` returns at once; a killed one
+    ends the watch (``broken``), and a waiter then returns at once."""
+    etcd = Etcd()
+    try:
+        store = EtcdStore([etcd.url], deadline_s=3)
+        watch = store.watch(b"/weightcache/k")
+        wait_for(lambda: watch.live, 10, "etcd confirming the watch")
+        seen = watch.changes
+        store.put(b"/weightcache/other", b"x")
+        start = time.monotonic()
+        assert watch.wait(seen, 0.5) == seen and time.monotonic() - start >= 0.45, "another key woke the waiter"
+        threading.Timer(0.3, store.put, (b"/weightcache/k", b"v1")).start()
+        start = time.monotonic()
+        assert watch.wait(seen, 20) == seen + 1
+        assert time.monotonic() - start < 5, "the waiter slept to its timeout instead of waking"
+        changes, latest = watch.last()
+        assert changes == seen + 1 and latest is not None and (latest.key, latest.value) == (b"/weightcache/k", b"v1")
+        assert latest.create_revision > 0
+        store.delete(b"/weightcache/k")
+        assert watch.wait(changes, 20) == changes + 1 and watch.last()[1] is None
+        etcd.pause()  # holds its port, answers nothing
+        start = time.monotonic()
+        assert watch.wait(watch.changes, 0.5) == changes + 1 and watch.broken is None
+        watch.close()
+        assert time.monotonic() - start < 3, "closing a watch on a stopped etcd hung"
+        etcd.resume()
+        again = store.watch(b"/weightcache/k")
+        wait_for(lambda: again.live, 10, "etcd confirming the second watch")
+        etcd.kill()
+        start = time.monotonic()
+        again.wait(again.changes, 20)
+        assert time.monotonic() - start < 5 and again.broken and not again.live, again.broken
+        dead = store.watch(b"/weightcache/k")
+        dead.wait(0, 20)
+        assert dead.broken and "refused" in dead.broken.lower(), dead.broken
+        again.close()
+        dead.close()
+    finally:
+        etcd.close()
+
+
+def test_a_relay_record_a_watch_brings_is_checked_like_one_read(fleet):
+    """What a watch delivers is a record like any read: signed with the fleet's secret, at its own node's key."""
+    etcd, _ = fleet
+    reg = registry(etcd, "b")
+    fingerprint = _some_fingerprint()
+    relay = Relay("b", fingerprint, "nixl", "cmVhY2g=", None, ())
+    watch = reg.watch_relay(fingerprint.content_digest, "b")
+    try:
+        wait_for(lambda: watch.live, 10, "etcd confirming the watch")
+        reg.relay(relay, 0)
+        watch.wait(0, 20)
+        found = reg.relay_in(watch.last()[1], fingerprint.content_digest, "b")
+        assert found is not None and found.node == "b" and found.revision > 0
+        assert reg.relay_of(fingerprint.content_digest, "b") == found
+        key = reg.config.key("relays", fingerprint.content_digest, "b")
+        forged = seal(key, attrs.evolve(relay, reach="bGll").to_json(), b"another-fleets-secret-xx")
+        seen = watch.changes
+        reg.store.put(key, forged)
+        watch.wait(seen, 20)
+        assert reg.relay_in(watch.last()[1], fingerprint.content_digest, "b") is None, "a forged record was taken"
+        assert reg.relay_in(watch.last()[1], fingerprint.content_digest, "c") is None, "another node's key was taken"
+    finally:
+        watch.close()
+
+
+def _some_fingerprint() -> Fingerprint:
+    base = {f: "x" for f in ("checkpoint", "architecture", "config", "dtype", "quantization", "quantization_config")}
+    base.update(adapter="hf", adapter_version="1", engine="", engine_version="", torch_version="2", cuda_version="")
+    base.update(compute_capability="", gpu_uuid="", tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, dp_size=1)
+    return Fingerprint(**{**base, "ep_size": 1, "ep_rank": 0})
+
+
 def test_a_dead_nodes_lease_runs_out_and_its_entries_leave_the_registry(fleet, model_dir):
     etcd, node = fleet
     a = node("a")
@@ -688,6 +795,41 @@ def test_a_relay_killed_mid_chain_sends_the_node_behind_it_to_the_holder_and_pub
     assert_attaches_like_from_pretrained(path, c.socket_dir, "float32", None)
     wait_for(lambda: keys_under(fleet.etcd, "relays") == [], LEASE_TTL_S + 10, "node b's relay record leaving with its lease")
     assert keys_under(fleet.etcd, "readers") == []
+
+
+def test_etcd_killed_while_a_node_waits_on_its_relays_watch_costs_one_warning_and_the_disk(network_fleet, model_dir):
+    """Node c waits for relay b on a watch of b's record; etcd killed ends the watch and the pull at once: c reads the
+    disk with one warning (the registry's, none about the watch), and nothing waits out a timeout."""
+    fleet, node = network_fleet
+    a, first, arenas = holder_with_arenas(node, fleet, model_dir)
+    content = first.fingerprint.content_digest
+    slow_sending(a, "2mbit", fleet.etcd)
+    b, c = node("b"), node("c")
+    path = model_dir("llama")
+    wait_listed(fleet.etcd, content, [a], "node a listed still")
+    heading = b.load_process(path)
+    behind = None
+    try:
+        wait_for(lambda: relay_records(fleet.etcd, content).get("b", 0) >= 1, 60, "node b checking its first arena")
+        behind = c.load_process(path)
+        wait_for(lambda: relay_records(fleet.etcd, content).get("c", 0) >= 1, 60, "node c reading from relay b")
+        assert relay_records(fleet.etcd, content)["b"] < arenas, "node b finished before etcd could be killed"
+        fleet.etcd.kill()
+        start = time.monotonic()
+        out, err = behind.communicate(timeout=120)
+        took = time.monotonic() - start
+        heading.communicate(timeout=120)
+    finally:
+        for proc in (heading, behind):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            if proc is not None:
+                proc.communicate(timeout=30)
+    assert behind.returncode == 0 and "copied from node" not in out.strip().splitlines()[-1], err[-3000:]
+    warnings = [line for line in err.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "did not answer" in warnings[0], warnings
+    assert took < 30, f"node c took {took:.1f} s to give up on a dead etcd"
+    assert [e["digest"] for e in entries(c)] == [first.digest]
 
 
 @pytest.mark.parametrize("lie", ["checked", "landing"])

@@ -18,6 +18,12 @@ checks the whole arena itself before it serves it as checked or publishes it. A 
 (whatever is there to read) goes in pieces of at least ``FleetConfig.piece_bytes``, at
 most ``MAX_PIECES`` of them, which the transport keeps in flight a few at a time
 (``Transport.read_in_pieces``); each is listed as it lands.
+
+A node waits for its upstream on an etcd watch of the relay's record (``EtcdStore.watch``),
+woken when the relay lists more, and reads the record from the watch's last event; a read of
+an arena landing there goes on as the relay lists more, without returning between pieces. A
+watch that does not start or breaks costs a poll every ``POLL_S`` (and one warning), never a
+hang; what the watch brings is checked like a record read.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import attrs
 from weightcache.core.errors import ChecksumMismatch, PullFailed, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.layout.manifest import Manifest
+from weightcache.core.node.fleet.etcd import Watch
 from weightcache.core.node.fleet.records import Content, Holding, Relay, manifest_sha256
 from weightcache.core.node.fleet.registry import FleetRegistry
 from weightcache.core.node.fleet.relay import Relaying
@@ -50,7 +57,9 @@ if typing.TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S: typing.Final = 0.1
-"""How often a node waiting for its upstream relay reads the relay's record again."""
+"""How often a node waiting for its upstream relay reads the relay's record again, where no etcd watch wakes it."""
+WATCHED_POLL_S: typing.Final = 1.0
+"""How often it reads the record again while a watch on it streams (the watch wakes it when the record changes)."""
 MANIFEST: typing.Final = -1
 """The step that reads the manifest (arenas are steps 0, 1, ...)."""
 MAX_PIECES: typing.Final = 64
@@ -126,6 +135,14 @@ class ChainedPull:
         self._partial: _Partial | None = None
         """The arena read in part so far (pieces of it): from whom, into what, how far."""
         self._waiting_for_slot = False
+        self._watch: Watch | None = None
+        """The watch on the upstream relay's record (``_watch_node``'s), which wakes this node when the record changes."""
+        self._watch_node = ""
+        self._watched_record: tuple[int, Relay | None] = (0, None)
+        """The record the watch last brought, parsed, by the watch's count of changes then."""
+        self._watch_broke: str | None = None
+        """Why a watch of this pull ended (then it polls, and says so once)."""
+        self._watch_warned = False
         self._deadline = time.monotonic() + registry.config.wait_s
         self.sources: list[ArenaSource] = []
         self.path = ""
@@ -148,6 +165,7 @@ class ChainedPull:
                     )
         finally:
             self._free_slot()
+            self._close_watch()
         path = f"host-staged ({self.path}, then host to GPU)" if self.staged else self.path
         return Chained(manifest, tuple(self.sources), path, self.read_s, self.verify_s)
 
@@ -195,8 +213,21 @@ class ChainedPull:
 
     def _from_relay(self, upstream: Relay, step: int) -> "Served | None":
         """``step`` from ``upstream`` once it lists it; None after one wait, or when it left or stalled."""
-        relays, _ = self.registry.relays(self.content.fingerprint.content_digest)
-        fresh = next((r for r in relays if r.node == upstream.node), None)
+        watch = self._watching(upstream.node)
+        seen = watch.changes if watch is not None else 0  # (noted before the read: no change after it is missed)
+        if watch is not None and watch.live and seen:  # the record as its last event left it: no request to etcd
+            fresh = self._watched(upstream.node)
+        else:
+            fresh = self.registry.relay_of(self.content.fingerprint.content_digest, upstream.node)
+        if self._watch_broke is not None and not self._watch_warned:  # (etcd answered: the watch alone broke)
+            self._watch_warned = True
+            log.warning(
+                "weightcache: the etcd watch on relay %s's record of %s ended (%s); reading the record every %.1f s",
+                upstream.node,
+                self.fingerprint.short,
+                cut(self._watch_broke),
+                POLL_S,
+            )
         if fresh is None:
             log.info("weightcache: relay %s of %s left (published, or gone); asking again", upstream.node, self.fingerprint.short)
             self.left, self.current = upstream.node, None
@@ -224,8 +255,30 @@ class ChainedPull:
             self.failed.add(upstream.node)
             self.current = None
             return None
-        time.sleep(POLL_S)
+        if watch is None:
+            time.sleep(POLL_S)
+        else:  # woken when the record changes; an unconfirmed watch waits no longer than a poll
+            watch.wait(seen, WATCHED_POLL_S if watch.live else POLL_S)
         return None
+
+    def _watching(self, node: str) -> Watch | None:
+        """The watch on relay ``node``'s record (a new one for a new upstream); None once a watch of this pull broke."""
+        watch = self._watch
+        if watch is not None and watch.broken is not None:
+            self._watch_broke = watch.broken
+            self._close_watch()
+        if self._watch_broke is not None:
+            return None
+        if self._watch is None or self._watch_node != node:
+            self._close_watch()
+            self._watch = self.registry.watch_relay(self.content.fingerprint.content_digest, node)
+            self._watch_node, self._watched_record = node, (0, None)
+        return self._watch
+
+    def _close_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
 
     def _stall_s(self, step: int) -> float:
         """How long a relay may check nothing: its own read of the arena from a source that fails, then another."""
@@ -305,25 +358,27 @@ class ChainedPull:
         part = self._partial
         if part is None or not part.continues(index, served):
             part = self._partial = self._start(index, served, staging if self.staged else self.builder, landing, part)
-        if served.landed is not None:
+        begin, more = part.done, None
+        if served.landed is not None:  # read on as the relay lands more (its record, as the watch brings it)
             part.pieces_region = served.region
-        available = size if served.landed is None else served.landed
-        remote, local = served.region.part(part.done, available - part.done), part.target.part(part.done, available - part.done)
+            part.available = max(part.available, served.landed)
+            more = functools.partial(self._landed_at, served, part, begin)
+        remote, local = served.region.part(begin, size - begin), part.target.part(begin, size - begin)
         start = time.perf_counter()
         try:
             if self.relaying is None and served.landed is None:
                 path = self.link.read(served.reach, [remote], [local], read_deadline(remote.length))
+                part.done = size
             else:  # listed as they land, for the node behind this one
                 piece = max(self.registry.config.piece_bytes, -(-remote.length // MAX_PIECES))
-                landed = functools.partial(self._landed, part, part.done)
-                path = self.link.read_in_pieces(served.reach, remote, local, piece, read_deadline(remote.length), landed)
+                landed = functools.partial(self._landed, part, begin)
+                path = self.link.read_in_pieces(served.reach, remote, local, piece, read_deadline(remote.length), landed, more)
         except BaseException:
             self._partial = None
             self._set_aside(part, index)
             raise
         elapsed = time.perf_counter() - start
         self.read_s += elapsed
-        part.done = available
         part.landing_pieces += served.landed is not None
         if part.done < size:
             return _MORE
@@ -366,8 +421,31 @@ class ChainedPull:
 
     def _landed(self, part: "_Partial", start: int, nbytes: int) -> None:
         """The first ``nbytes`` of this read (from ``start`` of the arena) are here: list them, in a landing buffer."""
+        part.done = start + nbytes
         if part.in_landing_buffer and self.relaying is not None:
             self.relaying.landed(part.index, start + nbytes)
+
+    def _landed_at(self, served: "Served", part: "_Partial", begin: int) -> int:
+        """How many bytes from ``begin`` of the arena ``part`` reads have landed at relay ``served``, in the buffer being
+        read: as its newest record that the watch brought says (read between two pieces; no request to etcd), else as
+        far as was known. Only a hint for when to read: every byte read is checksummed with the whole arena."""
+        record = self._watched(served.node)
+        landing = record.landing if record is not None else None
+        if landing is not None and landing.arena == part.index and landing.region == served.region:
+            if typing.cast(Relay, record).reach == served.reach:
+                part.available = max(part.available, landing.landed)
+        return part.available - begin
+
+    def _watched(self, node: str) -> Relay | None:
+        """Relay ``node``'s record as the last event of the watch on it left it (None: none, or not valid)."""
+        watch = self._watch
+        if watch is None or self._watch_node != node:
+            return None
+        changes, item = watch.last()
+        if self._watched_record[0] != changes:
+            record = self.registry.relay_in(item, self.content.fingerprint.content_digest, node)
+            self._watched_record = (changes, record)
+        return self._watched_record[1]
 
     def _start(
         self, index: int, served: "Served", into: "ArenaBuilder", landing: typing.Any, before: "_Partial | None"
@@ -418,6 +496,8 @@ class _Partial:
     into: "ArenaBuilder | None" = attrs.field(repr=False)
     """The builder whose arena it lands in (None: this relay's landing buffer)."""
     done: int = 0
+    available: int = 0
+    """How much of the relay's landing buffer has landed there, as far as this node knows (what it may read)."""
     pieces_region: Region | None = None
     """The landing buffer of the relay that served pieces of it (None: all from checked arenas)."""
     landing_pieces: int = 0

@@ -1,17 +1,29 @@
-"""A small etcd v3 client over etcd's own HTTP/JSON gateway (``/v3/kv/...``, ``/v3/lease/...``): no client package.
+"""A small etcd v3 client over etcd's own HTTP/JSON gateway (``/v3/kv/...``, ``/v3/lease/...``, ``/v3/watch``): no
+client package.
 
 Every request has a deadline: the whole call, across every endpoint tried, takes at
 most ``deadline_s``, and a store that does not answer in time raises FleetUnavailable.
 Keys and values are bytes; the gateway carries them base64-encoded.
+
+A ``Watch`` on one key is the gateway's streaming ``/v3/watch``: a thread of its own
+reads the stream and wakes whoever waits (``Watch.wait``) when the key changes. It only
+wakes: a caller reads the key itself after each wait, and every wait has a timeout, so a
+watch that never starts, breaks (etcd killed) or hangs (etcd stopped) costs the caller
+its polling interval, never a hang and never a wrong value.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import http.client
 import json
+import socket
+import threading
 import time
 import typing
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import attrs
@@ -97,9 +109,18 @@ class EtcdStore:
         return [_key_value(item) for item in answer.get("kvs", [])]
 
     def get(self, key: bytes) -> bytes | None:
+        found = self.get_item(key)
+        return found.value if found is not None else None
+
+    def get_item(self, key: bytes) -> KeyValue | None:
+        """``key`` with its value, lease and create revision; None when it does not exist."""
         answer = self.call("/v3/kv/range", {"key": _b64(key)})
         found = [_key_value(item) for item in answer.get("kvs", [])]
-        return found[0].value if found else None
+        return found[0] if found else None
+
+    def watch(self, key: bytes) -> "Watch":
+        """A watch on ``key`` (started in a thread of its own; ``Watch.close`` ends it)."""
+        return Watch(self.endpoints, key, self.deadline_s)
 
     def put(self, key: bytes, value: bytes, lease: int = 0) -> None:
         self.call("/v3/kv/put", {"key": _b64(key), "value": _b64(value), "lease": str(lease)})
@@ -138,6 +159,134 @@ class EtcdStore:
     def revoke(self, lease: int) -> None:
         """End ``lease`` now: every key put under it is deleted."""
         self.call("/v3/lease/revoke", {"ID": str(lease)})
+
+
+class Watch:
+    """Changes of one key, streamed by the gateway's ``/v3/watch``: ``changes`` counts the events seen so far.
+
+    A caller notes ``changes`` before it reads the key, and after reading calls ``wait(noted, timeout_s)``, which
+    returns as soon as an event came after the note (or the timeout passed, or the watch broke): no change is missed
+    between the read and the wait. ``live`` says whether etcd has confirmed the watch and it still streams; until
+    then, and once ``broken`` names why it ended, a caller should wait no longer than it would poll.
+    """
+
+    def __init__(self, endpoints: typing.Sequence[str], key: bytes, deadline_s: float):
+        self.endpoints = tuple(endpoints)
+        self.key = key
+        self.deadline_s = deadline_s
+        self.changes = 0
+        self.latest: KeyValue | None = None
+        """The key as the last event left it (None: deleted, or no event yet); ``last`` reads it with ``changes``."""
+        self.broken: str | None = None
+        self._created = False
+        self._closed = False
+        self._socket: socket.socket | None = None
+        self._lock = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="weightcache-etcd-watch", daemon=True)
+        self._thread.start()
+
+    @property
+    def live(self) -> bool:
+        return self._created and self.broken is None and not self._closed
+
+    def last(self) -> tuple[int, KeyValue | None]:
+        """``changes`` and ``latest``, read together."""
+        with self._lock:
+            return self.changes, self.latest
+
+    def wait(self, seen: int, timeout_s: float) -> int:
+        """Wait until an event came after ``seen`` (the value of ``changes`` noted before reading the key), the watch
+        ended, or ``timeout_s`` passed; returns ``changes``."""
+        with self._lock:
+            self._lock.wait_for(lambda: self.changes != seen or self.broken is not None or self._closed, timeout_s)
+            return self.changes
+
+    def close(self) -> None:
+        """End the stream (its thread ends with it); waiters return."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+            sock = self._socket
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=self.deadline_s)
+
+    def _run(self) -> None:
+        problems = []
+        for endpoint in self.endpoints:
+            try:
+                self._stream(endpoint)
+                return
+            except (OSError, ValueError, http.client.HTTPException) as exc:
+                problems.append(f"{endpoint}: {type(exc).__name__}: {exc}")
+                if self._created or self._closed:  # (it broke after etcd confirmed it: not another endpoint's turn)
+                    break
+        self._end("; ".join(problems) or "no endpoint configured")
+
+    def _stream(self, endpoint: str) -> None:
+        """Open the watch at ``endpoint`` and count its events until the stream ends (``_end`` with why)."""
+        url = urllib.parse.urlsplit(endpoint)
+        if url.scheme != "http" or not url.hostname:
+            raise ValueError(f"a watch needs an http:// endpoint, not {endpoint!r}")
+        connection = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=self.deadline_s)
+        try:
+            connection.connect()
+            with self._lock:
+                if self._closed:
+                    return
+                self._socket = connection.sock
+            body = json.dumps({"create_request": {"key": _b64(self.key)}})
+            connection.request("POST", "/v3/watch", body=body, headers={"Content-Type": "application/json"})
+            reply = connection.getresponse()
+            if reply.status != 200:
+                raise ValueError(f"HTTP {reply.status} for /v3/watch")
+            connection.sock.settimeout(None)  # a quiet key sends nothing for long; close() shuts the socket down
+            pending = b""
+            decoder = json.JSONDecoder()
+            while True:
+                data = reply.read1(1 << 16)
+                if not data:
+                    break
+                pending += data
+                if len(pending) > MAX_REPLY_BYTES:
+                    raise ValueError(f"a watch message of more than {MAX_REPLY_BYTES} bytes")
+                while pending.strip():
+                    text = pending.decode().lstrip()
+                    try:
+                        message, end = decoder.raw_decode(text)
+                    except ValueError:
+                        break  # (the rest of this message is still on its way)
+                    pending = text[end:].encode()
+                    self._take(message)
+        finally:
+            with self._lock:
+                self._socket = None
+            connection.close()
+        self._end("etcd ended the watch's stream")
+
+    def _take(self, message: object) -> None:
+        result = message.get("result") if isinstance(message, dict) else None
+        if not isinstance(result, dict):
+            raise ValueError(f"a watch message that is not a result: {str(message)[:200]}")
+        if result.get("canceled"):
+            raise ValueError(f"etcd canceled the watch ({result.get('cancel_reason', 'no reason given')})")
+        events = result.get("events", [])
+        if not isinstance(events, list) or not all(isinstance(event, dict) for event in events):
+            raise ValueError(f"a watch message whose events are not a list of objects: {str(events)[:200]}")
+        with self._lock:
+            if result.get("created"):
+                self._created = True
+            for event in events:
+                self.latest = None if event.get("type") == "DELETE" else _key_value(event.get("kv", {}))
+            self.changes += len(events)
+            self._lock.notify_all()
+
+    def _end(self, why: str) -> None:
+        with self._lock:
+            if self.broken is None and not self._closed:
+                self.broken = why
+            self._lock.notify_all()
 
 
 def _key_value(item: dict) -> KeyValue:

@@ -148,24 +148,37 @@ class NixlTransport(Transport):
         return path_of(remote[0], local[0]) if remote else "nothing to read"
 
     def read_in_pieces(
-        self, reach: str, remote: Region, local: Region, piece_bytes: int, deadline_s: float, landed: typing.Callable[[int], None]
+        self,
+        reach: str,
+        remote: Region,
+        local: Region,
+        piece_bytes: int,
+        deadline_s: float,
+        landed: typing.Callable[[int], None],
+        available: typing.Callable[[], int] | None = None,
     ) -> str:
-        """``WINDOW`` pieces in flight at once (the next one queued on the wire while one lands), landed in order."""
+        """``WINDOW`` pieces in flight at once (the next one queued on the wire while one lands), landed in order; with
+        ``available``, each next piece is posted as soon as the peer has it (and the deadline counts from it)."""
         if remote.length != local.length:
             raise PullFailed("?", f"a remote region of {remote.length} bytes cannot fill a local one of {local.length}")
         with self._connected(reach, [local]) as (peer, peer_name):
             deadline = time.monotonic() + deadline_s
-            pieces = [(start, min(start + piece_bytes, remote.length)) for start in range(0, remote.length, piece_bytes)]
             flying: list[tuple[int, typing.Any]] = []
+            start = 0
             try:
-                for start, end in pieces:
-                    flying.append(
-                        (end, self._post(peer, peer_name, remote.part(start, end - start), local.part(start, end - start)))
-                    )
-                    if len(flying) == WINDOW:
+                while start < remote.length or flying:
+                    limit = remote.length if available is None else min(available(), remote.length)
+                    if start < limit and len(flying) < WINDOW:
+                        end = min(start + piece_bytes, limit)
+                        part = (remote.part(start, end - start), local.part(start, end - start))
+                        flying.append((end, self._post(peer, peer_name, *part)))
+                        start = end
+                        if available is not None:
+                            deadline = time.monotonic() + deadline_s
+                    elif flying:
                         self._land_first(peer_name, flying, deadline, landed)
-                while flying:
-                    self._land_first(peer_name, flying, deadline, landed)
+                    else:
+                        break  # (nothing more there yet: the caller waits for the peer, then reads on)
             finally:
                 self._release([handle for _, handle in flying])
         return path_of(remote, local)

@@ -15,7 +15,7 @@ import attrs
 
 from weightcache.core.errors import FleetUnavailable
 from weightcache.core.node.fleet.config import FleetConfig
-from weightcache.core.node.fleet.etcd import EtcdStore, KeyValue
+from weightcache.core.node.fleet.etcd import EtcdStore, KeyValue, Watch
 from weightcache.core.node.fleet.records import Claim, Content, Holding, Relay, seal, unseal
 
 log = logging.getLogger(__name__)
@@ -85,16 +85,19 @@ class FleetRegistry:
         for item in self.store.range(prefix):
             node = item.key[len(prefix) :].decode(errors="replace")
             try:
-                record = parse(unseal(item.key, item.value, self.config.secret), item)
-                if record.node != node:
-                    raise ValueError(f"it names node {record.node!r}")
-                if record.fingerprint.content_digest != content_digest:
-                    raise ValueError("it names another content than its key")
+                found.append(self._record(item, node, content_digest, parse))
             except ValueError as exc:
                 problems.append(f"{label} {node}: {exc}")
-                continue
-            found.append(record)
         return found, problems
+
+    def _record(self, item: KeyValue, node: str, content_digest: str, parse: typing.Callable[[dict, KeyValue], Record]) -> Record:
+        """The record ``item`` (the key of ``node`` for ``content_digest``), unsealed and checked; ValueError if not."""
+        record = parse(unseal(item.key, item.value, self.config.secret), item)
+        if record.node != node:
+            raise ValueError(f"it names node {record.node!r}")
+        if record.fingerprint.content_digest != content_digest:
+            raise ValueError("it names another content than its key")
+        return record
 
     def hold(self, holding: Holding, lease: int) -> None:
         key = self._holding_key(holding.fingerprint.content_digest, holding.node)
@@ -142,6 +145,26 @@ class FleetRegistry:
             "relays", content_digest, lambda body, item: Relay.from_json(body, item.create_revision), "relay"
         )
         return sorted(found, key=lambda relay: relay.revision), problems
+
+    def relay_of(self, content_digest: str, node: str) -> Relay | None:
+        """``node``'s relay record of ``content_digest``; None when it has none, or none that is valid (left out, as
+        ``relays`` leaves it out)."""
+        return self.relay_in(self.store.get_item(self._relay_key(content_digest, node)), content_digest, node)
+
+    def relay_in(self, item: KeyValue | None, content_digest: str, node: str) -> Relay | None:
+        """The relay record ``item`` holds (``node``'s key of ``content_digest``, as read or as a watch brought it);
+        None for none, or one that is not valid."""
+        if item is None or item.key != self._relay_key(content_digest, node):
+            return None
+        try:
+            return self._record(item, node, content_digest, lambda body, kv: Relay.from_json(body, kv.create_revision))
+        except ValueError as exc:
+            log.debug("weightcache: leaving out relay %s: %s", node, exc)
+            return None
+
+    def watch_relay(self, content_digest: str, node: str) -> Watch:
+        """A watch on ``node``'s relay record of ``content_digest`` (it wakes a waiter; the record is read as before)."""
+        return self.store.watch(self._relay_key(content_digest, node))
 
     def drop_relay(self, content_digest: str) -> None:
         """Remove this node's relay record of ``content_digest``."""

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 LANDING_BUFFERS: typing.Final = 3
 """Landing buffers kept at most: the arena landing now and two that a node behind may still be reading."""
 LIST_EVERY_S: typing.Final = 0.1
-"""The record is written again as bytes land at most this often (the nodes behind read it every ``chain.POLL_S``)."""
+"""The record is written again as bytes land at most this often (the node behind wakes on each write: an etcd watch)."""
 
 
 class Relaying:

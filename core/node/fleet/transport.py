@@ -90,17 +90,34 @@ class Transport(CopyBackend):
         """
 
     def read_in_pieces(
-        self, reach: str, remote: Region, local: Region, piece_bytes: int, deadline_s: float, landed: typing.Callable[[int], None]
+        self,
+        reach: str,
+        remote: Region,
+        local: Region,
+        piece_bytes: int,
+        deadline_s: float,
+        landed: typing.Callable[[int], None],
+        available: typing.Callable[[], int] | None = None,
     ) -> str:
-        """``read`` of one region in pieces of ``piece_bytes``, calling ``landed(n)`` once its first ``n`` bytes are here.
+        """``read`` of one region in pieces of at most ``piece_bytes``, calling ``landed(n)`` once its first ``n`` bytes
+        are here.
 
-        This form reads one piece after the other; a transport that can keep several reads in flight does better."""
-        path, deadline = "nothing to read", time.monotonic() + deadline_s
-        for start in range(0, remote.length, piece_bytes):
-            end = min(start + piece_bytes, remote.length)
+        ``available()``, where given, says how many leading bytes of ``remote`` may be read so far (it grows while the
+        peer's own read lands them): the read goes on as long as it grows and stops, short of the region's end, once
+        nothing more is available and nothing is in flight (``landed`` said how far it got); ``deadline_s`` then counts
+        from the last piece started, as the peer lands the rest at its own pace. This form reads one piece after the
+        other; a transport that can keep several reads in flight does better."""
+        path, deadline, start = "nothing to read", time.monotonic() + deadline_s, 0
+        while start < remote.length:
+            end = min(start + piece_bytes, remote.length if available is None else min(available(), remote.length))
+            if end <= start:
+                break
+            if available is not None:
+                deadline = time.monotonic() + deadline_s
             left = max(deadline - time.monotonic(), 0.001)
             path = self.read(reach, [remote.part(start, end - start)], [local.part(start, end - start)], left)
             landed(end)
+            start = end
         return path
 
     @abc.abstractmethod
