@@ -470,18 +470,11 @@ class Runner:
 
 def _wait_ahead_ready(socket_dir: Path, timeout: float = 120.0) -> None:
     """Until the launcher's child forked ahead waits for a request (``hello``'s ``ahead_ready``)."""
-    from weightcache.core.cli.launch import connect
-    from weightcache.core.wire.protocol import FrameReader, send_frame
+    from weightcache.core.cli.launch import ask
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        sock = connect(socket_dir)
-        try:
-            send_frame(sock, {"op": "hello"})
-            frame = FrameReader(sock).read(idle_timeout=30)
-        finally:
-            sock.close()
-        if frame is not None and frame[0].get("ahead_ready"):
+        if ask(socket_dir, {"op": "hello"}).get("ahead_ready"):
             return
         time.sleep(0.05)
     raise SystemExit(f"the launcher at {socket_dir} had no child ready for a request within {timeout:g} s")

@@ -101,6 +101,18 @@ def connect(socket_dir: SocketDirLike, timeout: float = CONNECT_TIMEOUT_S) -> so
     return sock
 
 
+def ask(socket_dir: SocketDirLike, message: dict, timeout: float = CONNECT_TIMEOUT_S) -> dict:
+    """One request to the launcher in ``socket_dir`` (``{"op": "hello"}``: its pid, engines, the child forked ahead,
+    ``ahead_ready``); its reply, or ``{}`` when it closed without one."""
+    sock = connect(socket_dir, timeout)
+    try:
+        send_frame(sock, message)
+        reply = FrameReader(sock).read(idle_timeout=timeout)
+    finally:
+        sock.close()
+    return reply[0] if reply is not None else {}
+
+
 def start(
     argv: typing.Sequence[str],
     socket_dir: SocketDirLike = None,

@@ -40,7 +40,7 @@ import attrs
 
 from weightcache.core import __version__
 from weightcache.core.cli.cli_options import add_socket_dir, help_text
-from weightcache.core.cli.launch import connect
+from weightcache.core.cli.launch import ask, connect
 from weightcache.core.device import Device
 from weightcache.core.errors import LauncherError, LaunchRefused, ProtocolError
 from weightcache.core.socket_dir import SocketDir, SocketDirLike
@@ -236,13 +236,7 @@ class Launcher:
 
     def _ask(self, message: dict) -> dict:
         """One request to the launcher on the socket, its reply."""
-        sock = connect(self.socket_dir, timeout=REQUEST_DEADLINE_S)
-        try:
-            send_frame(sock, message)
-            reply = FrameReader(sock).read(idle_timeout=REQUEST_DEADLINE_S)
-        finally:
-            sock.close()
-        return reply[0] if reply is not None else {}
+        return ask(self.socket_dir, message, REQUEST_DEADLINE_S)
 
     def _listen(self, predecessor: bool) -> None:
         staging = f"{self.path}.{self.pid}"

@@ -469,17 +469,11 @@ def test_what_a_cuda_ready_child_opens_ahead_is_numbered_above_every_callers_fd_
 
 
 def _hello(socket_dir: Path) -> dict:
-    from weightcache.core.cli.launch import connect
-    from weightcache.core.wire.protocol import FrameReader, send_frame
+    from weightcache.core.cli.launch import ask
 
-    sock = connect(socket_dir)
-    try:
-        send_frame(sock, {"op": "hello"})
-        frame = FrameReader(sock).read(idle_timeout=30)
-    finally:
-        sock.close()
-    assert frame is not None
-    return frame[0]
+    reply = ask(socket_dir, {"op": "hello"}, timeout=30)
+    assert reply, "the launcher closed without a reply"
+    return reply
 
 
 def _running(pid: int) -> bool:
