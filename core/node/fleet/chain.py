@@ -40,7 +40,7 @@ import typing
 
 import attrs
 
-from weightcache.core.errors import ChecksumMismatch, PullFailed, WeightCacheError
+from weightcache.core.errors import ChecksumMismatch, FleetUnavailable, PullFailed, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.node.fleet.etcd import Watch
@@ -175,6 +175,8 @@ class ChainedPull:
             served = self._source(step)
             try:
                 result = read(served)
+            except FleetUnavailable:
+                raise  # the registry is away: another node cannot be asked either; the pull reads the disk, one warning
             except (WeightCacheError, OSError, ValueError, RuntimeError) as exc:
                 log.warning(
                     "weightcache: reading %s of %s from %s failed (%s); asking another node",
