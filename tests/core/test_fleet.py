@@ -11,6 +11,7 @@ and removes every namespace and veth, failed or not.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 
 import attrs
 import pytest
@@ -762,7 +764,23 @@ def test_new_nodes_at_once_pull_as_a_chain_each_from_the_relay_ahead_before_it_p
     assert keys_under(fleet.etcd, "relays") == [] and keys_under(fleet.etcd, "readers") == []
 
 
-def test_a_relay_killed_mid_chain_sends_the_node_behind_it_to_the_holder_and_publishes_nothing(network_fleet, model_dir):
+@attrs.frozen
+class MidChain:
+    """Node c reading from relay b, which reads from holder a (sending slowly) and has checked some arenas, not all."""
+
+    first: Published
+    arenas: int
+    path: typing.Any
+    b: Node
+    c: Node
+    heading: subprocess.Popen
+    behind: subprocess.Popen
+
+
+@contextlib.contextmanager
+def chain_mid_way(network_fleet, model_dir, then: str) -> typing.Iterator[MidChain]:
+    """Start ``MidChain``'s nodes and wait for it (``then``: what b must not finish before); kill b and c if still
+    running after."""
     fleet, node = network_fleet
     a, first, arenas = holder_with_arenas(node, fleet, model_dir)
     content = first.fingerprint.content_digest
@@ -776,15 +794,22 @@ def test_a_relay_killed_mid_chain_sends_the_node_behind_it_to_the_holder_and_pub
         wait_for(lambda: relay_records(fleet.etcd, content).get("b", 0) >= 1, 60, "node b checking its first arena")
         behind = c.load_process(path)
         wait_for(lambda: relay_records(fleet.etcd, content).get("c", 0) >= 1, 60, "node c reading from relay b")
-        assert relay_records(fleet.etcd, content)["b"] < arenas, "node b finished before it could be killed mid-chain"
-        heading.kill()
-        out, err = behind.communicate(timeout=240)
+        assert relay_records(fleet.etcd, content)["b"] < arenas, f"node b finished before {then}"
+        yield MidChain(first, arenas, path, b, c, heading, behind)
     finally:
         for proc in (heading, behind):
             if proc is not None and proc.poll() is None:
                 proc.kill()
             if proc is not None:
                 proc.communicate(timeout=30)
+
+
+def test_a_relay_killed_mid_chain_sends_the_node_behind_it_to_the_holder_and_publishes_nothing(network_fleet, model_dir):
+    fleet, _ = network_fleet
+    with chain_mid_way(network_fleet, model_dir, "it could be killed mid-chain") as chain:
+        first, arenas, path, b, c, behind = chain.first, chain.arenas, chain.path, chain.b, chain.c, chain.behind
+        chain.heading.kill()
+        out, err = behind.communicate(timeout=240)
     assert behind.returncode == 0 and "copied from node" in out.strip().splitlines()[-1], err[-3000:]
     read = arena_reads(err)
     assert sorted(r.index for r in read) == list(range(arenas)), read
@@ -800,31 +825,14 @@ def test_a_relay_killed_mid_chain_sends_the_node_behind_it_to_the_holder_and_pub
 def test_etcd_killed_while_a_node_waits_on_its_relays_watch_costs_one_warning_and_the_disk(network_fleet, model_dir):
     """Node c waits for relay b on a watch of b's record; etcd killed ends the watch and the pull at once: c reads the
     disk with one warning (the registry's, none about the watch), and nothing waits out a timeout."""
-    fleet, node = network_fleet
-    a, first, arenas = holder_with_arenas(node, fleet, model_dir)
-    content = first.fingerprint.content_digest
-    slow_sending(a, "2mbit", fleet.etcd)
-    b, c = node("b"), node("c")
-    path = model_dir("llama")
-    wait_listed(fleet.etcd, content, [a], "node a listed still")
-    heading = b.load_process(path)
-    behind = None
-    try:
-        wait_for(lambda: relay_records(fleet.etcd, content).get("b", 0) >= 1, 60, "node b checking its first arena")
-        behind = c.load_process(path)
-        wait_for(lambda: relay_records(fleet.etcd, content).get("c", 0) >= 1, 60, "node c reading from relay b")
-        assert relay_records(fleet.etcd, content)["b"] < arenas, "node b finished before etcd could be killed"
+    fleet, _ = network_fleet
+    with chain_mid_way(network_fleet, model_dir, "etcd could be killed") as chain:
+        first, c, behind = chain.first, chain.c, chain.behind
         fleet.etcd.kill()
         start = time.monotonic()
         out, err = behind.communicate(timeout=120)
         took = time.monotonic() - start
-        heading.communicate(timeout=120)
-    finally:
-        for proc in (heading, behind):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-            if proc is not None:
-                proc.communicate(timeout=30)
+        chain.heading.communicate(timeout=120)
     assert behind.returncode == 0 and "copied from node" not in out.strip().splitlines()[-1], err[-3000:]
     warnings = [line for line in err.splitlines() if "WARNING" in line]
     assert len(warnings) == 1 and "did not answer" in warnings[0], warnings
