@@ -642,7 +642,6 @@ def table(result: dict) -> str:
         )
     if result.get("launcher_ready"):
         ready = result["launcher_ready"]
-        ready = {"plain": ready} if "ready_after_spawn_s" in ready else ready  # a JSON of before 2026-12-04
 
         def launcher_of(name: str) -> dict | None:
             return ready.get("cuda-ready" if name == "launcher-cuda" else "plain") if name in LAUNCHED else None

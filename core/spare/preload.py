@@ -363,14 +363,15 @@ def prepare(modules: Iterable[str] | None, models: Iterable[str] = (), warm: boo
         if modules is None:  # looking for an engine may run an import hook: after the environment is the initial one
             modules = [*DEFAULT_PRELOAD, *present(SHARED_MODEL_MODULES), *installed_modules(), *present(COMPILER_MODULES)]
         for name in modules:
-            seen = set(read)
+            compiler = name in COMPILER_MODULES
+            read_before = COUNTED_ONLY & read
             try:
-                with nvml_based_cuda_check(name in COMPILER_MODULES):
+                with nvml_based_cuda_check(compiler):
                     importlib.import_module(name)
             except ImportError as exc:
                 raise LauncherError(f"cannot preload {name}: {exc}; install it or leave it out of --preload") from None
-            if name in COMPILER_MODULES:
-                read -= COUNTED_ONLY - seen
+            if compiler:
+                read -= COUNTED_ONLY - read_before
             imported.append(name)
         if any(name in COMPILER_MODULES for name in imported):
             _hash_triton()

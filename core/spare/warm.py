@@ -67,7 +67,7 @@ class EarlyCuda:
         """The first-call costs of the device's kernels, paid here while the caller attaches (never an error)."""
         start = time.perf_counter()
         try:
-            warm_kernels(self.device)
+            warm_device_kernels(self.device)
             self.warm_seconds = time.perf_counter() - start
         except Exception as exc:  # a warm-up that fails leaves the first forward to pay its costs, as without it
             log.debug("warming %s's kernels failed: %s", self.device, exc)
@@ -98,7 +98,7 @@ def set_up_context(device: Device) -> None:
     Environment.of(device)
 
 
-def warm_kernels(device: Device) -> None:
+def warm_device_kernels(device: Device) -> None:
     """A transformer's ops once on small tensors on ``device``: its kernel modules and cuBLAS's handle."""
     import torch
 
@@ -109,12 +109,12 @@ def warm_kernels(device: Device) -> None:
 
 
 def prepare_cuda(device: "Device | str") -> float:
-    """``set_up_context`` then ``warm_kernels``, in the calling thread (a launcher's child forked ahead of its request,
+    """``set_up_context`` then ``warm_device_kernels``, in the calling thread (a launcher's child forked ahead of its request,
     ``weightcache launcher --cuda-ready``); the seconds it took. Raises what the set-up raised."""
     start = time.perf_counter()
     parsed = Device.parse(device)
     set_up_context(parsed)
-    warm_kernels(parsed)
+    warm_device_kernels(parsed)
     return time.perf_counter() - start
 
 
