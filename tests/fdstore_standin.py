@@ -8,6 +8,7 @@ import socket
 import subprocess
 import threading
 
+from weightcache.core.server.entry_record import read_record
 from weightcache.core.server.server_process import serve_command
 from weightcache.core.wire.protocol import close_fds
 
@@ -51,8 +52,16 @@ class StandInManager:
                     close_fds(fds)
 
     def digests(self) -> set[str]:
+        """The entries stored whole: the record, the table and every arena the record names (the server sends them
+        one datagram each, so a test that reads the store mid-way must not take the record's arrival for the entry)."""
+        whole = set()
         with self.lock:
-            return {name.split(".")[1] for name in self.store}
+            for name, fd in self.store.items():
+                _, digest, index = name.split(".")
+                arenas = len(read_record(fd)["manifest"]["arenas"]) if index == "0" else -1
+                if arenas >= 0 and all(f"wc.{digest}.{n}" in self.store for n in range(1, 2 + arenas)):
+                    whole.add(digest)
+        return whole
 
     def start_server(self, socket_dir, log) -> subprocess.Popen:
         """Start a server as systemd restarts a unit: the stored fds from fd 3 on, named in LISTEN_FDNAMES."""
