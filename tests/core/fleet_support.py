@@ -262,23 +262,23 @@ class Node:
             self.server.kill()
 
 
-TCP_PURE_ACK: typing.Final = (
+TCP_SMALL: typing.Final = (
     *("match", "ip", "protocol", "6", "0xff"),  # TCP
-    *("match", "u8", "0x05", "0x0f", "at", "0"),  # a 20-byte IP header
-    *("match", "u16", "0x0000", "0xffc0", "at", "2"),  # shorter than 64 bytes
-    *("match", "u8", "0x10", "0xff", "at", "33"),  # flags: ACK alone
+    *("match", "u16", "0x0000", "0xff00", "at", "2"),  # shorter than 256 bytes: acknowledgements, requests
 )
-"""tc u32 matches of a TCP acknowledgement that carries no data."""
+"""tc u32 matches of a small TCP segment: an acknowledgement, or a request such as a one-sided read's."""
 
 
 def slow_sending(node: Node, rate: str, etcd: Etcd, nic: bool = False) -> None:
     """Slow what ``node`` sends to the other nodes to ``rate`` (tc on its end of its veth, in its namespace); what it
     sends to etcd goes first, unshaped, so that its agent's lease renewals stay timely behind a full queue.
 
-    ``nic``: behave as a NIC of that rate, full duplex: the acknowledgements of what the node receives go first too,
-    and at most 25 ms of data waits in the queue. Without it a node that both sends and receives (a relay) receives
-    slower: the veth's queue of 1,000 (GSO) packets held its acknowledgements behind seconds of its own data, which
-    a NIC's egress does not (benchmarks/fleet.py ``--link-mbit``).
+    ``nic``: behave as a NIC of that rate, full duplex, under Linux's default fair queueing (fq_codel): small
+    segments (the acknowledgements of what the node receives, its read requests) go first, as a sparse flow does
+    there, and at most 25 ms of data waits in the queue. Without it a node that both sends and receives (a relay)
+    receives slower: the veth's queue of 1,000 (GSO) packets held its acknowledgements behind seconds of its own
+    data, and with acknowledgements alone going first its read requests still waited 25 ms each behind its data
+    (this kernel has no fair-queueing qdisc; benchmarks/fleet.py ``--link-mbit``, decision 85).
     """
     device, etcd_host = node.net.device, urllib.parse.urlsplit(etcd.url).hostname
     to_etcd = ["match", "ip", "dst", f"{etcd_host}/32", "flowid", "1:10"]
@@ -303,7 +303,7 @@ def slow_sending(node: Node, rate: str, etcd: Etcd, nic: bool = False) -> None:
                 "prio",
                 "2",
                 "u32",
-                *TCP_PURE_ACK,
+                *TCP_SMALL,
                 "flowid",
                 "1:10",
             ],

@@ -186,13 +186,29 @@ def test_a_read_in_pieces_reads_what_is_available_and_goes_on_as_more_lands():
 
 
 def test_a_region_read_in_pieces_lands_in_order_and_the_peer_stays_connected():
-    """Pieces of a read are in flight two at a time and said landed in order; the peer stays added while its reach
-    text is the same (a holder that registers more memory sends another, and is connected again)."""
+    """Pieces of a read are in flight two at a time on this fast link and said landed in order; the peer stays added
+    while its reach text is the same (a holder that registers more memory sends another, and is connected again)."""
     report = json.loads(run_python(PIECES, timeout=120).stdout.strip().splitlines()[-1])
     size = report["size"]
     assert report["landed"] == [*range(1 << 20, size, 1 << 20), size], report["landed"]
     assert report["same"] and report["again"] and report["path"] == "host memory to host memory (NIXL/UCX)"
     assert report["kept"] and report["reconnected"], report
+
+
+def test_pieces_are_read_one_at_a_time_on_a_slow_wire_and_looked_at_in_step_with_it():
+    """A piece that held the wire longer than SLOW_PIECE_S leaves one piece in flight (two land together over UCX's
+    TCP: the node behind a relay would see its bytes two at a time); a fast one, WINDOW. A piece posted before the one
+    ahead landed is timed from that landing."""
+    from weightcache.core.node.fleet.nixl import POLL_MAX_S, POLL_S, SLOW_PIECE_S, WINDOW, _Pace
+
+    pace = _Pace(wire_free_at=10.0)
+    assert (pace.in_flight(), pace.look_every()) == (WINDOW, POLL_MAX_S)  # nothing known yet
+    pace.landed(posted_at=10.0, now=10.105)  # 1 MiB at 80 Mbit/s
+    assert pace.in_flight() == 1 and pace.look_every() == pytest.approx(0.105 / 50)
+    pace.landed(posted_at=10.1, now=10.105 + SLOW_PIECE_S / 4)  # posted early, waited for the one ahead
+    assert pace.in_flight() == WINDOW and pace.look_every() == POLL_S
+    pace.landed(posted_at=20.0, now=22.0)  # a very slow piece: looked at no less often than POLL_MAX_S
+    assert pace.in_flight() == 1 and pace.look_every() == POLL_MAX_S
 
 
 def test_the_fleet_runs_in_network_namespaces(network_fleet):
@@ -594,6 +610,68 @@ def _some_fingerprint() -> Fingerprint:
     base.update(adapter="hf", adapter_version="1", engine="", engine_version="", torch_version="2", cuda_version="")
     base.update(compute_capability="", gpu_uuid="", tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, dp_size=1)
     return Fingerprint(**{**base, "ep_size": 1, "ep_rank": 0})
+
+
+RELAY_BUFFERS = """
+import json, mmap, os, sys
+from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.node.fleet.config import FleetConfig
+from weightcache.core.node.fleet.nixl import NixlTransport
+from weightcache.core.node.fleet.registry import FleetRegistry
+from weightcache.core.node.fleet.relay import LANDING_BUFFERS, Relaying
+
+fingerprint = Fingerprint.from_json(json.loads(sys.argv[1]))
+link = NixlTransport(f"relays-{os.getpid()}", "lo")
+size = 4096
+
+def relaying(node):  # in chain order: each listed after the one before
+    config = FleetConfig.from_env({**os.environ, "WEIGHTCACHE_FLEET_NODE": node})
+    relay = Relaying(FleetRegistry(config), fingerprint, link, 0)
+    relay.list()
+    return relay
+
+def checks(relay, count):  # arenas checked (their mapping: any registered memory will do here)
+    for _ in range(count):
+        block = mmap.mmap(-1, size)
+        kept.append(block)
+        relay.arena_checked(region_of(block))
+
+def region_of(block):
+    import ctypes
+    from weightcache.core.node.fleet.transport import Region
+    pointer = ctypes.c_char.from_buffer(block)
+    try:
+        return Region(ctypes.addressof(pointer), len(block))
+    finally:
+        del pointer
+
+kept = []
+middle, following, far = relaying("middle"), relaying("following"), relaying("far")
+landed = []
+for index in range(LANDING_BUFFERS):  # three arenas land in buffers, are checked; the nodes behind check none
+    landed.append(middle.landing_buffer(index, size) is not None)
+    checks(middle, 1)
+held_back = middle.landing_buffer(LANDING_BUFFERS, size) is None  # every buffer held: the next arena lands in the entry
+checks(middle, 1)
+checks(following, LANDING_BUFFERS + 1)  # the node right behind has checked them all; the one behind it still none
+freed = middle.landing_buffer(LANDING_BUFFERS + 1, size) is not None
+print(json.dumps({"landed": landed, "held_back": held_back, "freed": freed, "buffers": sorted(middle._buffers)}))
+for relay in (middle, following, far):
+    for block in relay.close():
+        block.close()
+link.close()
+"""
+
+
+def test_a_relay_frees_a_landing_buffer_once_the_node_right_behind_it_has_checked_that_arena(fleet):
+    """Only the next relay behind reads a landing buffer while its arena lands; one further back (which would turn to
+    this relay only if the one between failed, and then reads checked arenas) does not hold the buffers: before, a
+    chain of eight held every relay's buffers for its tail, and each hop fell an arena behind."""
+    etcd, _ = fleet
+    env = fleet_env(etcd.url, "middle")
+    report = json.loads(run_python(RELAY_BUFFERS, json.dumps(_some_fingerprint().to_json()), env=env).stdout.splitlines()[-1])
+    assert report["landed"] == [True, True, True] and report["held_back"], report
+    assert report["freed"] and report["buffers"] == [4], report
 
 
 def test_a_dead_nodes_lease_runs_out_and_its_entries_leave_the_registry(fleet, model_dir):

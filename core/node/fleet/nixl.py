@@ -18,6 +18,8 @@ import sys
 import time
 import typing
 
+import attrs
+
 from weightcache.core.errors import BackendUnavailable, PullFailed
 from weightcache.core.node.fleet.transport import Region, Transport
 
@@ -30,8 +32,45 @@ POLL_S: typing.Final = 0.0005
 (a long read is not looked at thousands of times a second; a short one is seen done within half its time)."""
 POLL_MAX_S: typing.Final = 0.01
 WINDOW: typing.Final = 2
-"""Reads of one region's pieces in flight at once: enough to keep the wire busy between two, few enough that they
-land in order (with many in flight UCX's TCP interleaves them, and all land together at the end)."""
+"""Reads of one region's pieces in flight at once on a fast wire: enough to keep it busy between two, few enough that
+they land in order (with many in flight UCX's TCP interleaves them, and all land together at the end)."""
+SLOW_PIECE_S: typing.Final = 0.01
+"""A piece that held the wire longer than this (1 MiB slower than 100 MB/s) marks a slow wire, where one piece is in
+flight at a time: two interleave over UCX's TCP and land together, so the node behind a relay would see the relay's
+bytes two pieces at a time, a hop's lag; the next read's round trip is small beside such a piece (decision 85)."""
+LOOKS_PER_PIECE: typing.Final = 50
+"""On a slow wire a read is looked at about this often during a piece's time (at most every ``POLL_MAX_S``): one piece
+in flight leaves the wire idle from its landing until it is seen."""
+
+
+@attrs.frozen
+class _Flying:
+    """A piece's read in flight: where the region has landed up to once it is done, NIXL's handle, when it was posted."""
+
+    end: int
+    handle: typing.Any
+    posted_at: float
+
+
+@attrs.define
+class _Pace:
+    """How long the last piece held the wire, and what follows: how many pieces to keep in flight, how often to look."""
+
+    wire_free_at: float
+    """When the wire finished the last piece (at first: when the read began)."""
+    piece_s: float | None = None
+
+    def landed(self, posted_at: float, now: float) -> None:
+        self.piece_s = now - max(posted_at, self.wire_free_at)  # (a piece posted early waited for the one before)
+        self.wire_free_at = now
+
+    def in_flight(self) -> int:
+        return 1 if self.piece_s is not None and self.piece_s > SLOW_PIECE_S else WINDOW
+
+    def look_every(self) -> float:
+        if self.piece_s is None:
+            return POLL_MAX_S
+        return max(POLL_S, min(POLL_MAX_S, self.piece_s / LOOKS_PER_PIECE))
 
 
 def nixl_api() -> typing.Any:
@@ -111,6 +150,9 @@ class NixlTransport(Transport):
         self._shared: dict[Region, typing.Any] = {}
         self._peer: tuple[str, typing.Any, str] | None = None
         """The peer last read from: its reach text, NIXL's handle and its name."""
+        self._pace = _Pace(wire_free_at=0.0)
+        """How fast the last pieces came (carried over from read to read: a relay's reach changes with each arena it
+        lists; the first piece from a faster node sets it again)."""
 
     def share(self, regions: typing.Sequence[Region]) -> str:
         for region in regions:
@@ -157,41 +199,45 @@ class NixlTransport(Transport):
         landed: typing.Callable[[int], None],
         available: typing.Callable[[], int] | None = None,
     ) -> str:
-        """``WINDOW`` pieces in flight at once (the next one queued on the wire while one lands), landed in order; with
-        ``available``, each next piece is posted as soon as the peer has it (and the deadline counts from it)."""
+        """Up to ``WINDOW`` pieces in flight at once (the next one queued on the wire while one lands), one on a slow
+        wire (``SLOW_PIECE_S``), landed in order; with ``available``, each next piece is posted as soon as the peer has
+        it (and the deadline counts from it)."""
         if remote.length != local.length:
             raise PullFailed("?", f"a remote region of {remote.length} bytes cannot fill a local one of {local.length}")
         with self._connected(reach, [local]) as (peer, peer_name):
             deadline = time.monotonic() + deadline_s
-            flying: list[tuple[int, typing.Any]] = []
+            flying: list[_Flying] = []
+            pace = self._pace
+            pace.wire_free_at = time.monotonic()  # (the wire idled between two calls)
             start = 0
             try:
                 while start < remote.length or flying:
                     limit = remote.length if available is None else min(available(), remote.length)
-                    if start < limit and len(flying) < WINDOW:
+                    if start < limit and len(flying) < pace.in_flight():
                         end = min(start + piece_bytes, limit)
                         part = (remote.part(start, end - start), local.part(start, end - start))
-                        flying.append((end, self._post(peer, peer_name, *part)))
+                        flying.append(_Flying(end, self._post(peer, peer_name, *part), time.monotonic()))
                         start = end
                         if available is not None:
                             deadline = time.monotonic() + deadline_s
                     elif flying:
-                        self._land_first(peer_name, flying, deadline, landed)
+                        self._land_first(peer_name, flying, deadline, pace, landed)
                     else:
                         break  # (nothing more there yet: the caller waits for the peer, then reads on)
             finally:
-                self._release([handle for _, handle in flying])
+                self._release([piece.handle for piece in flying])
         return path_of(remote, local)
 
     def _land_first(
-        self, peer_name: str, flying: list[tuple[int, typing.Any]], deadline: float, landed: typing.Callable[[int], None]
+        self, peer_name: str, flying: list[_Flying], deadline: float, pace: _Pace, landed: typing.Callable[[int], None]
     ) -> None:
         """Wait for the oldest read in flight, release it and say how far the region has landed."""
-        end, handle = flying[0]
-        self._wait(peer_name, handle, deadline)  # (on a failure the caller releases every handle in flight)
+        piece = flying[0]
+        self._wait(peer_name, piece.handle, deadline, pace.look_every())  # (a failure: the caller releases them all)
+        pace.landed(piece.posted_at, time.monotonic())
         flying.pop(0)
-        self._release([handle])
-        landed(end)
+        self._release([piece.handle])
+        landed(piece.end)
 
     @contextlib.contextmanager
     def _connected(self, reach: str, local: typing.Sequence[Region]) -> typing.Iterator[tuple[typing.Any, str]]:
@@ -261,15 +307,16 @@ class NixlTransport(Transport):
             raise PullFailed(peer_name, f"the read ended in state {state} (the peer went away or refused)")
         return handle
 
-    def _wait(self, peer_name: str, handle: typing.Any, deadline: float) -> None:
-        """Wait until the transfer of ``handle`` is done (PullFailed past ``deadline``, or when it fails)."""
+    def _wait(self, peer_name: str, handle: typing.Any, deadline: float, longest_wait: float = POLL_MAX_S) -> None:
+        """Wait until the transfer of ``handle`` is done (PullFailed past ``deadline``, or when it fails), looking at
+        it at most ``longest_wait`` apart."""
         wait = POLL_S
         state = self._state(peer_name, lambda: self.agent.check_xfer_state(handle))
         while state == "PROC":
             if time.monotonic() > deadline:
                 raise PullFailed(peer_name, "the read did not finish before its deadline")
             time.sleep(wait)
-            wait = min(wait * 1.5, POLL_MAX_S)
+            wait = min(wait * 1.5, longest_wait)
             state = self._state(peer_name, lambda: self.agent.check_xfer_state(handle))
         if state != "DONE":
             raise PullFailed(peer_name, f"the read ended in state {state} (the peer went away or refused)")

@@ -13,8 +13,9 @@ registered), listed in the record as its bytes land (``Landing``), so the node b
 reads it piece by piece while it arrives instead of one whole arena later; once it is
 all there it is copied into the entry's arena, which is sealed and checked as before.
 (Not the arena itself: sealing unmaps its writable mapping, which a read still in
-flight would then read from.) A landing buffer is freed only once every relay listed
-behind this one has checked that arena; else when the transport has closed. At most
+flight would then read from.) A landing buffer is freed only once the next relay
+listed behind this one (the one that reads from it) has checked that arena; else when the
+transport has closed. At most
 ``LANDING_BUFFERS`` are kept: past that (a node behind has stalled) the next arenas
 land in the entry directly and are served once checked, as whole arenas.
 """
@@ -151,7 +152,9 @@ class Relaying:
             self.list_landed()
 
     def _free_passed(self) -> None:
-        """Free the landing buffers of arenas every relay listed behind this one has checked (none reads them now)."""
+        """Free the landing buffers of arenas the next relay behind this one has checked: only it reads a buffer while
+        the arena lands (a node that turns to this relay when the one between fails reads the arenas it lacks as
+        checked arenas, and a landing buffer only from the arena landing then)."""
         done = [index for index in self._buffers if self._landing is None or index != self._landing.arena]
         if not done:
             return
@@ -160,7 +163,8 @@ class Relaying:
         except FleetUnavailable as exc:  # kept until the next look, or until the transport has closed
             log.debug("weightcache: reading the relays behind this node: %s", exc)
             return
-        passed = min((r.verified for r in relays if r.revision > self.revision), default=len(self._arenas))
+        behind = [r for r in relays if r.revision > self.revision]
+        passed = min(behind, key=lambda r: r.revision).verified if behind else len(self._arenas)
         for index in done:
             if index < passed:
                 buffer, region = self._buffers.pop(index)
