@@ -57,7 +57,7 @@ class Relaying:
         self._arenas: list[Region] = []
         self._landing: Landing | None = None
         self._buffers: dict[int, tuple[mmap.mmap, Region]] = {}
-        """Landing buffers by arena index, registered; freed once every relay behind has checked that arena."""
+        """Landing buffers by arena index, registered; freed once the next relay behind has checked that arena."""
         self._spent: list[mmap.mmap] = []
         """Landing buffers no longer listed that a read may still reach: freed once the transport has closed."""
         self._listed_at = 0.0
