@@ -184,3 +184,17 @@ def test_a_region_part_stays_within_the_region():
     for offset, length in [(0, 101), (-1, 10), (50, 0), (100, 1)]:
         with pytest.raises(ValueError, match="not within a region of 100"):
             region.part(offset, length)
+
+
+def test_gpu_memory_to_gpu_memory_is_called_gpu_direct_only_over_an_rdma_device():
+    """On the H200 with TCP alone, UCX read VRAM through host buffers at 0.4 GB/s while the output said GPU-direct
+    (it went by the regions' kinds): the path names RDMA only where UCX has an RDMA device to read over."""
+    from weightcache.core.node.fleet.nixl import gpu_direct_possible, path_of
+
+    gpu, host = Region(1 << 20, 4096, 0, "VRAM"), Region(1 << 20, 4096)
+    assert not gpu_direct_possible("", ()) and not gpu_direct_possible("lo", ("mlx5_0",))
+    assert gpu_direct_possible("", ("mlx5_0",)) and gpu_direct_possible("eth0,mlx5_0:1", ("mlx5_0", "mlx5_1"))
+    assert path_of(gpu, gpu, gpu_direct=True).startswith("GPU-direct (NIXL/UCX over RDMA")
+    assert "through host buffers" in path_of(gpu, gpu) and "GPU-direct" not in path_of(gpu, gpu)
+    assert path_of(host, host, gpu_direct=True) == "host memory to host memory (NIXL/UCX)"
+    assert path_of(host, gpu) == "host memory to GPU (NIXL/UCX)"
