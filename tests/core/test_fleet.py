@@ -121,17 +121,24 @@ def test_an_idle_nixl_agent_sleeps_instead_of_spinning():
     assert used < 0.1, f"an idle NIXL agent's threads used {used:.2f} CPU-s in 2 s: its progress thread spins"
 
 
-PIECES = """
-import ctypes, json, mmap, os
-from weightcache.core.node.fleet.nixl import NixlTransport
+REGION_OF_MMAP = """
+import ctypes
 from weightcache.core.node.fleet.transport import Region
 
-def region(block):
+def region(block):  # an mmap's memory as a Region
     pointer = ctypes.c_char.from_buffer(block)
     try:
         return Region(ctypes.addressof(pointer), len(block))
     finally:
         del pointer
+"""
+"""The head of a script that registers anonymous memory with a transport."""
+
+PIECES = (
+    REGION_OF_MMAP
+    + """
+import json, mmap, os
+from weightcache.core.node.fleet.nixl import NixlTransport
 
 size = (5 << 20) + 12345
 source, target, again = mmap.mmap(-1, size), mmap.mmap(-1, size), mmap.mmap(-1, size)
@@ -152,6 +159,7 @@ print(json.dumps({"landed": landed, "same": target[:] == source[:], "path": path
 puller.close()
 holder.close()
 """
+)
 
 
 AVAILABLE = (
@@ -612,7 +620,9 @@ def _some_fingerprint() -> Fingerprint:
     return Fingerprint(**{**base, "ep_size": 1, "ep_rank": 0})
 
 
-RELAY_BUFFERS = """
+RELAY_BUFFERS = (
+    REGION_OF_MMAP
+    + """
 import json, mmap, os, sys
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.node.fleet.config import FleetConfig
@@ -634,16 +644,7 @@ def checks(relay, count):  # arenas checked (their mapping: any registered memor
     for _ in range(count):
         block = mmap.mmap(-1, size)
         kept.append(block)
-        relay.arena_checked(region_of(block))
-
-def region_of(block):
-    import ctypes
-    from weightcache.core.node.fleet.transport import Region
-    pointer = ctypes.c_char.from_buffer(block)
-    try:
-        return Region(ctypes.addressof(pointer), len(block))
-    finally:
-        del pointer
+        relay.arena_checked(region(block))
 
 kept = []
 middle, following, far = relaying("middle"), relaying("following"), relaying("far")
@@ -661,6 +662,7 @@ for relay in (middle, following, far):
         block.close()
 link.close()
 """
+)
 
 
 def test_a_relay_frees_a_landing_buffer_once_the_node_right_behind_it_has_checked_that_arena(fleet):
