@@ -650,13 +650,17 @@ kept = []
 middle, following, far = relaying("middle"), relaying("following"), relaying("far")
 landed = []
 for index in range(LANDING_BUFFERS):  # three arenas land in buffers, are checked; the nodes behind check none
-    landed.append(middle.landing_buffer(index, size) is not None)
+    buffer = middle.landing_buffer(index, size)
+    landed.append(buffer is not None)
+    ctypes.memset(buffer.address, 0x5A, size)  # the arena's bytes land
     checks(middle, 1)
 held_back = middle.landing_buffer(LANDING_BUFFERS, size) is None  # every buffer held: the next arena lands in the entry
 checks(middle, 1)
 checks(following, LANDING_BUFFERS + 1)  # the node right behind has checked them all; the one behind it still none
 freed = middle.landing_buffer(LANDING_BUFFERS + 1, size) is not None
-print(json.dumps({"landed": landed, "held_back": held_back, "freed": freed, "buffers": sorted(middle._buffers)}))
+zeros = [block[:] == bytes(size) for block in middle._spent]  # their memory gone, their mappings kept
+print(json.dumps({"landed": landed, "held_back": held_back, "freed": freed, "buffers": sorted(middle._buffers),
+                  "zeros": zeros}))
 for relay in (middle, following, far):
     for block in relay.close():
         block.close()
@@ -674,6 +678,7 @@ def test_a_relay_frees_a_landing_buffer_once_the_node_right_behind_it_has_checke
     report = json.loads(run_python(RELAY_BUFFERS, json.dumps(_some_fingerprint().to_json()), env=env).stdout.splitlines()[-1])
     assert report["landed"] == [True, True, True] and report["held_back"], report
     assert report["freed"] and report["buffers"] == [4], report
+    assert report["zeros"] == [True, True, True], "a freed buffer must stay mapped (zeros) until the transport closes"
 
 
 def test_a_dead_nodes_lease_runs_out_and_its_entries_leave_the_registry(fleet, model_dir):

@@ -13,9 +13,9 @@ registered), listed in the record as its bytes land (``Landing``), so the node b
 reads it piece by piece while it arrives instead of one whole arena later; once it is
 all there it is copied into the entry's arena, which is sealed and checked as before.
 (Not the arena itself: sealing unmaps its writable mapping, which a read still in
-flight would then read from.) A landing buffer is freed only once the next relay
-listed behind this one (the one that reads from it) has checked that arena; else when the
-transport has closed. At most
+flight would then read from.) A landing buffer's memory is freed once the next relay
+listed behind this one (the one that reads from it) has checked that arena, and its mapping
+(zeros by then) only when the transport has closed. At most
 ``LANDING_BUFFERS`` are kept: past that (a node behind has stalled) the next arenas
 land in the entry directly and are served once checked, as whole arenas.
 """
@@ -59,7 +59,7 @@ class Relaying:
         self._buffers: dict[int, tuple[mmap.mmap, Region]] = {}
         """Landing buffers by arena index, registered; freed once the next relay behind has checked that arena."""
         self._spent: list[mmap.mmap] = []
-        """Landing buffers no longer listed that a read may still reach: freed once the transport has closed."""
+        """Landing buffers no longer listed that a read may still reach: unmapped once the transport has closed."""
         self._listed_at = 0.0
         self._unlisted = False
 
@@ -154,7 +154,9 @@ class Relaying:
     def _free_passed(self) -> None:
         """Free the landing buffers of arenas the next relay behind this one has checked: only it reads a buffer while
         the arena lands (a node that turns to this relay when the one between fails reads the arenas it lacks as
-        checked arenas, and a landing buffer only from the arena landing then)."""
+        checked arenas, and a landing buffer only from the arena landing then). Their memory goes at once; their
+        mappings stay until the transport has closed, so a read that comes late anyway (a node behind that says it
+        checked more than it did) reads zeros, which its checksum refuses, and never unmapped memory in this process."""
         done = [index for index in self._buffers if self._landing is None or index != self._landing.arena]
         if not done:
             return
@@ -169,7 +171,8 @@ class Relaying:
             if index < passed:
                 buffer, region = self._buffers.pop(index)
                 self.link.unshare([region])
-                buffer.close()
+                buffer.madvise(mmap.MADV_REMOVE)  # its memory goes now; its mapping when the transport has closed
+                self._spent.append(buffer)
 
     def _list(self) -> None:
         self.registry.relay(self.record(), self.lease)
