@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import types
 import typing
@@ -397,6 +398,7 @@ def test_a_reader_process_killed_during_the_read_fails_the_load_in_one_line(larg
     monkeypatch.setenv("WEIGHTCACHE_READ_BLOCK_KIB", "512")
     monkeypatch.setenv("WEIGHTCACHE_READ_THREADS", "1")
     monkeypatch.setenv("WEIGHTCACHE_READ_PROCESS", "1")
+    monkeypatch.setenv("WEIGHTCACHE_READ_SLOTS", "2")  # the third piece goes to the worker only once the first is in
     monkeypatch.setattr(reader, "WARM_SHARE", 2.0)
     monkeypatch.setattr(reader, "HASH_THREADS", 1)
 
@@ -411,10 +413,20 @@ def test_a_reader_process_killed_during_the_read_fails_the_load_in_one_line(larg
         def close(self) -> None:
             pass
 
-    with ArenaBuilder("cpu", progress=KillTheWorker()) as builder:
-        with pytest.raises(ReaderFailed, match=r"exited with status -9.*WEIGHTCACHE_READ_PROCESS=0"):
-            read_checkpoint(large_checkpoint, builder)
-        assert killed and builder.read_digests == {}
+    for _ in range(3):
+        killed.clear()
+        with ArenaBuilder("cpu", progress=KillTheWorker()) as builder:
+            try:
+                read_checkpoint(large_checkpoint, builder)
+            except ReaderFailed as exc:
+                assert re.search(r"exited with status -9.*WEIGHTCACHE_READ_PROCESS=0", str(exc), re.S), str(exc)
+                assert killed and builder.read_digests == {}
+                break
+        # Under load the worker can deliver the last piece before the first one's hash lets the kill come: every
+        # byte is in and checked, so the load rightly succeeds (make test at 17a4288); the kill is tried again.
+        assert killed, "the worker was never found to kill"
+    else:
+        pytest.fail("in three tries the worker was killed only after it had delivered every piece")
     assert _worker_pids() == []
 
 
