@@ -95,7 +95,6 @@ if [ "$PART" = cold ] || [ "$PART" = cold-8b ]; then
       --json "$OUT/cold-8b.json" 2>&1 | tee "$OUT/cold-8b.log" || status=1
   fi
 fi
-rm -rf "$SHIM"
 if [ "$PART" = fleet ]; then
   # The fleet on the GPU (issue 42): node 1 pulls node 0's GPU entry through etcd and NIXL into its own CUDA arenas
   # (both on GPU 0), then, with two GPUs, the 16 GiB GPU 0 -> GPU 1 pair beside the CUDA peer copy. nixl-cu13 (59 MB)
@@ -116,4 +115,5 @@ if [ "$PART" = fleet ]; then
     status=1
   fi
 fi
+rm -rf "$SHIM"
 exit $status
