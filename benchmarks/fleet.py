@@ -120,7 +120,8 @@ def run_fleet(
                     raise SystemExit("--link-mbit needs each node in a network namespace (run as root where unshare works)")
                 slow_sending(node, f"{link_mbit}mbit", fleet.etcd, nic=True)
         for index, node in enumerate(nodes):
-            env = {**node.env(), "PYTHONPATH": str(ROOT), "WEIGHTCACHE_FLEET_RELAY": "1" if relay else "0"}
+            path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # run_gpu.sh's shim and .site too
+            env = {**node.env(), "PYTHONPATH": path, "WEIGHTCACHE_FLEET_RELAY": "1" if relay else "0"}
             env["WEIGHTCACHE_FLEET_PIECE_BYTES"] = str(piece_kib << 10)  # (the tests' environment sets a small one)
             command = [sys.executable, __file__, "--worker", "--model", str(model), "--socket-dir", str(node.socket_dir)]
             command += ["--chunk-mib", str(chunk_mib)]
