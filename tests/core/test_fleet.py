@@ -726,6 +726,67 @@ def test_new_nodes_asking_at_once_read_the_disk_once_and_pull_the_rest(fleet, mo
     assert len(digests) == 1
 
 
+def test_a_node_waiting_for_a_claimant_starts_its_transport_before_the_entry_is_listed(fleet, model_dir):
+    """While another node holds the claim (it reads the disk), a waiting node starts its transport (UCX took 1.39 s on
+    the H200), and pulls with it once the claimant lists the entry: the start is not part of the pull."""
+    etcd, node = fleet
+    a, b = node("a"), node("b")
+    path = model_dir("llama")
+    time.sleep(RACY_WINDOW_NS / 1e9)  # (remembered, as in the test above: a first sight has nothing to ask for)
+    checkpoint_digests(checkpoint_files(path))
+    remembered = prepare(LoadRequest(model=str(path))).remembered()
+    assert remembered is not None
+    claimant = registry(etcd, "a")
+    lease = claimant.store.grant(60)
+    assert claimant.claim(remembered.content_digest, lease) is None  # node a "reads the disk"
+    proc = b.load_process(path)
+    stderr = _Lines(proc.stderr)
+    try:
+        stderr.wait_for("transport started while waiting", 120, proc)
+        first = load(a, path)
+        wait_listed(etcd, first.fingerprint.content_digest, [a], "node a's agent listing its entry")
+        claimant.store.revoke(lease)
+        out = proc.stdout.read()
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        stderr.close()
+        proc.stdout.close()
+    said = stderr.lines
+    assert proc.returncode == 0 and "copied from node a" in out.strip().splitlines()[-1], said[-20:]
+    steps = ["is reading", "transport started while waiting", "pulled"]
+    at = [next((i for i, line in enumerate(said) if step in line), -1) for step in steps]
+    assert -1 not in at and at == sorted(at), (at, said[-20:])
+
+
+class _Lines:
+    """The lines of a process's stream, read on a thread as they come."""
+
+    def __init__(self, stream: typing.IO[str]):
+        self.lines: list[str] = []
+        self._stream = stream
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: typing.IO[str]) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, timeout: float, proc: subprocess.Popen) -> None:
+        def seen() -> bool:
+            assert proc.poll() is None, f"the process ended: {self.lines[-20:]}"
+            return any(text in line for line in list(self.lines))
+
+        wait_for(seen, timeout, f"a line with {text!r}", evidence=lambda: "".join(self.lines[-20:]))
+
+    def close(self) -> None:
+        """Wait for the stream's end (the process has ended), then close it."""
+        self._thread.join(timeout=30)
+        self._stream.close()
+
+
 def test_a_holder_serves_fanout_nodes_at_once_and_the_rest_wait_for_a_slot(fleet, model_dir):
     """One holder, three new nodes asking at once, one reader per holder, no relays: one pulls at a time from each
     holder, the others wait for a slot (on it, or on a node that has finished), and none reads the disk."""

@@ -32,7 +32,7 @@ from weightcache.core.fingerprint import canonical_json
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.records import Content, Holding, manifest_sha256
 from weightcache.core.node.fleet.registry import FleetRegistry, renew_lease
-from weightcache.core.node.fleet.transport import Region, Transport, region_of_arena, transport
+from weightcache.core.node.fleet.transport import DEFAULT_TRANSPORT, Region, Transport, region_of_arena, transport
 from weightcache.core.socket_dir import SocketDir
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Shared:
 class Sharer:
     """Shares the entries of the server at ``socket_dir`` with the fleet ``config`` names, over ``transport_name``."""
 
-    def __init__(self, config: FleetConfig, socket_dir: SocketDir | None, transport_name: str = "nixl"):
+    def __init__(self, config: FleetConfig, socket_dir: SocketDir | None, transport_name: str = DEFAULT_TRANSPORT):
         self.config = config
         self.socket_dir = socket_dir
         self.registry = FleetRegistry(config)

@@ -17,6 +17,8 @@ import attrs
 from weightcache.core.node.backends import CopyBackend, backend_class
 
 MEMORY_KINDS: typing.Final = ("DRAM", "VRAM")
+DEFAULT_TRANSPORT: typing.Final = "nixl"
+"""The transport a sharing agent uses unless told otherwise (``weightcache fleet share --transport``)."""
 MAX_REGION_BYTES: typing.Final = 1 << 50
 
 
