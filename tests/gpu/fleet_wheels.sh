@@ -22,7 +22,15 @@ slim() {  # slim WHEEL PATH...: the wheel again in $DIR without PATHs (folders o
   local wheel=$1; shift
   local unpacked="$WORK/unpacked/$(basename "$wheel")"
   mkdir -p "$unpacked"
-  python3 -m zipfile -e "$wheel" "$unpacked"
+  python3 - "$wheel" "$unpacked" <<'PY'
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:  # (zipfile's own -e drops the mode bits: etcd would not run)
+    for info in wheel.infolist():
+        path = wheel.extract(info, sys.argv[2])
+        mode = info.external_attr >> 16 & 0o777
+        if mode:
+            os.chmod(path, mode)
+PY
   for path in "$@"; do
     [ -e "$unpacked/$path" ] || { echo "fleet_wheels: $(basename "$wheel") has no $path any more: look again at what to drop" >&2; exit 1; }
     rm -rf "${unpacked:?}/$path"
