@@ -740,22 +740,21 @@ def test_a_node_waiting_for_a_claimant_starts_its_transport_before_the_entry_is_
     lease = claimant.store.grant(60)
     assert claimant.claim(remembered.content_digest, lease) is None  # node a "reads the disk"
     proc = b.load_process(path)
-    stderr = _Lines(proc.stderr)
+    stdout, stderr = _Lines(proc.stdout), _Lines(proc.stderr)
     try:
         stderr.wait_for("transport started while waiting", 120, proc)
         first = load(a, path)
         wait_listed(etcd, first.fingerprint.content_digest, [a], "node a's agent listing its entry")
-        claimant.store.revoke(lease)
-        out = proc.stdout.read()
         proc.wait(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+        stdout.close()
         stderr.close()
-        proc.stdout.close()
+        claimant.store.revoke(lease)
     said = stderr.lines
-    assert proc.returncode == 0 and "copied from node a" in out.strip().splitlines()[-1], said[-20:]
+    assert proc.returncode == 0 and "copied from node a" in "".join(stdout.lines).strip().splitlines()[-1], said[-20:]
     steps = ["is reading", "transport started while waiting", "pulled"]
     at = [next((i for i, line in enumerate(said) if step in line), -1) for step in steps]
     assert -1 not in at and at == sorted(at), (at, said[-20:])

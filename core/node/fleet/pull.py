@@ -154,6 +154,7 @@ class Filling:
             if other is None:
                 self.claimed = True
                 log.info("weightcache: no node of the fleet holds %s; this node reads it from the disk", fingerprint.short)
+                self._drop_unused_link()
                 return None
             if waiting_for != other.node:
                 waiting_for = other.node
@@ -167,6 +168,7 @@ class Filling:
                     config.wait_s,
                     "WEIGHTCACHE_FLEET_WAIT_S sets the wait",
                 )
+                self._drop_unused_link()
                 return None
             time.sleep(POLL_S)
 
@@ -257,15 +259,29 @@ class Filling:
 
     def _link_ahead(self) -> None:
         """Start the default transport while another node reads the disk, so that the pull after it does not wait for
-        it (NIXL's UCX backend took 1.39 s to start on the H200, 0.44 s on a 2-core VM). A transport that cannot
-        start raises BackendUnavailable: nothing could be pulled, and ``pull`` reads the disk."""
-        if self._transport is None:
-            start = time.perf_counter()
+        it (NIXL's UCX backend took 1.39 s to start on the H200, 0.44 s on a 2-core VM). A transport that is not
+        installed or cannot start raises BackendUnavailable: nothing could be pulled, and ``pull`` reads the disk; any
+        other failure here is left to the pull, which starts it again and handles what it raises."""
+        if self._transport is not None:
+            return
+        start = time.perf_counter()
+        try:
             self._link(DEFAULT_TRANSPORT)
-            self._ahead = True
-            log.debug(
-                "weightcache: %s transport started while waiting, in %.2f s", DEFAULT_TRANSPORT, time.perf_counter() - start
-            )
+        except BackendUnavailable:
+            raise
+        except Exception as exc:  # (only a head start: the pull's own start reports it)
+            log.debug("weightcache: starting the %s transport ahead failed: %s: %s", DEFAULT_TRANSPORT, type(exc).__name__, exc)
+            self._drop_link()
+            return
+        self._ahead = True
+        log.debug("weightcache: %s transport started while waiting, in %.2f s", DEFAULT_TRANSPORT, time.perf_counter() - start)
+
+    def _drop_unused_link(self) -> None:
+        """Close a transport started ahead that read nothing: this node reads the disk, and UCX's worker and thread
+        need not live through it."""
+        if self._ahead:
+            self._drop_link()
+            self._ahead = False
 
     def _drop_link(self) -> None:
         """Close the transport, which stops its transfers, before the memory they wrote into is released."""
