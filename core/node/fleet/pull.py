@@ -34,7 +34,7 @@ import typing
 
 import attrs
 
-from weightcache.core.errors import BackendUnavailable, FleetUnavailable, PullFailed, WeightCacheError
+from weightcache.core.errors import BackendUnavailable, FleetUnavailable, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.node.fleet.chain import ArenaSource, ChainedPull, cut
@@ -87,8 +87,6 @@ class Filling:
         self.claimed = False
         self._lease = 0
         self._transport: Transport | None = None
-        self._ahead = False
-        """Whether the transport was started while waiting for a claimant and has read nothing yet."""
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
         self._warned: set[str] = set()
@@ -154,7 +152,7 @@ class Filling:
             if other is None:
                 self.claimed = True
                 log.info("weightcache: no node of the fleet holds %s; this node reads it from the disk", fingerprint.short)
-                self._drop_unused_link()
+                self._drop_link()  # (one started ahead: UCX's worker and thread need not live through the disk read)
                 return None
             if waiting_for != other.node:
                 waiting_for = other.node
@@ -168,7 +166,7 @@ class Filling:
                     config.wait_s,
                     "WEIGHTCACHE_FLEET_WAIT_S sets the wait",
                 )
-                self._drop_unused_link()
+                self._drop_link()
                 return None
             time.sleep(POLL_S)
 
@@ -247,14 +245,13 @@ class Filling:
         return Pulled(nodes, done.path, attrs.evolve(done.manifest, arenas=specs), timings, done.sources), False
 
     def _link(self, name: str) -> Transport:
-        if self._transport is not None and self._ahead and self._transport.name != name:
-            self._drop_link()  # (started ahead for the default; the holder speaks another)
-        self._ahead = False
+        """This fill's transport ``name``. One that exists here was started ahead and has read nothing (a pull that
+        fails drops its own), so one of another name is replaced."""
+        if self._transport is not None and self._transport.name != name:
+            self._drop_link()
         if self._transport is None:
             node, devices = (self.config.node, self.config.devices) if self.config is not None else ("node", "")
             self._transport = transport(name, f"{node}-pull-{os.getpid()}-{secrets.token_hex(4)}", devices)
-        elif self._transport.name != name:
-            raise PullFailed("?", f"it speaks transport {name!r}, this node {self._transport.name!r}")
         return self._transport
 
     def _link_ahead(self) -> None:
@@ -271,17 +268,8 @@ class Filling:
             raise
         except Exception as exc:  # (only a head start: the pull's own start reports it)
             log.debug("weightcache: starting the %s transport ahead failed: %s: %s", DEFAULT_TRANSPORT, type(exc).__name__, exc)
-            self._drop_link()
             return
-        self._ahead = True
         log.debug("weightcache: %s transport started while waiting, in %.2f s", DEFAULT_TRANSPORT, time.perf_counter() - start)
-
-    def _drop_unused_link(self) -> None:
-        """Close a transport started ahead that read nothing: this node reads the disk, and UCX's worker and thread
-        need not live through it."""
-        if self._ahead:
-            self._drop_link()
-            self._ahead = False
 
     def _drop_link(self) -> None:
         """Close the transport, which stops its transfers, before the memory they wrote into is released."""
