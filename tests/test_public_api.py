@@ -104,7 +104,8 @@ def test_importing_weightcache_stays_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
     heavy, took_ms = out.rsplit(" ", 1)
     assert heavy == "[]", f"import weightcache imported {heavy}"
-    assert float(took_ms) < 500, f"import weightcache took {took_ms} ms"
+    # an order of magnitude only (the module list above is the real check): a framework's import costs seconds
+    assert float(took_ms) < 3000, f"import weightcache took {took_ms} ms"
 
 
 def _private_imports(path: Path, own: tuple[str, ...], root: Path = ROOT) -> list[str]:

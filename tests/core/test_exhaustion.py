@@ -476,7 +476,7 @@ def test_a_full_listen_queue_is_retried_until_the_timeout(tmp_path):
         started = time.monotonic()
         with pytest.raises(ServerUnavailable, match="listen queue stayed full"):
             Connection(directory, timeout=0.5)
-        assert 0.4 <= time.monotonic() - started < 3
+        assert 0.4 <= time.monotonic() - started < 10  # its 0.5 s timeout, within an order of magnitude
         drain = threading.Timer(0.3, lambda: [listener.accept()[0].close() for _ in range(len(queued) + 1)])
         drain.start()
         with Connection(directory, timeout=10):

@@ -122,7 +122,7 @@ def test_a_registry_that_does_not_answer_costs_its_deadline_and_no_more():
         start = time.monotonic()
         with pytest.raises(FleetUnavailable, match="reading the disk instead"):
             store.range(b"/weightcache/")
-        assert time.monotonic() - start < 2
+        assert time.monotonic() - start < 5  # its 0.5 s deadline, within an order of magnitude
 
 
 def test_a_registry_nobody_listens_on_is_unavailable_at_once():

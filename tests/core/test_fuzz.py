@@ -492,7 +492,7 @@ def test_trickled_frame_is_dropped_at_the_deadline(impatient_server, name, chunk
         sock.close()
         os.close(memfd)
     assert tail == b"", "a frame that misses its deadline gets no reply: the connection just closes"
-    assert SHORT_DEADLINE_S * 0.8 <= elapsed < SHORT_DEADLINE_S + 3, f"{name}: closed after {elapsed:.2f} s"
+    assert SHORT_DEADLINE_S * 0.8 <= elapsed < SHORT_DEADLINE_S * 10, f"{name}: closed after {elapsed:.2f} s"
     assert settle_fd_count(impatient_server.pid, baseline) == baseline
     assert wait_until(lambda: "frame not complete within 0.5 s" in impatient_server.log())
     with Connection(impatient_server.socket_dir) as conn:

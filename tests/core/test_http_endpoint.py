@@ -73,7 +73,7 @@ def test_a_stalled_connection_is_closed_at_its_deadline(endpoint):
     with half_sent(endpoint.address[1]) as sock:
         started = time.monotonic()
         assert sock.recv(100) == b""  # closed by the endpoint, not answered
-        assert 0.8 < time.monotonic() - started < 3
+        assert 0.8 < time.monotonic() - started < 10  # its 1 s deadline, within an order of magnitude
     assert endpoint.expired == 1
 
 

@@ -173,7 +173,7 @@ def test_load_model_of_a_hub_id_an_empty_cache_lacks_is_the_clis_one_line_at_onc
     assert line == [f"weightcache: error: {outcome['message']}"] and outcome["error"] == "ModelNotCached"
     assert f"({tmp_path / 'hf' / 'hub'})" in outcome["message"], outcome["message"]
     assert outcome["attempts"] == [] and "Traceback" not in proc.stderr, proc.stderr
-    assert outcome["seconds"] < 3.0 and time.monotonic() - began < 60, outcome
+    assert outcome["seconds"] < 10 and time.monotonic() - began < 60, outcome  # at once: no retries, no timeouts
 
 
 @pytest.mark.parametrize("mode", ["client", "daemon"])

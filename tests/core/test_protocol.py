@@ -298,7 +298,7 @@ def test_trickled_frame_hits_the_deadline(pair):
         elapsed = time.monotonic() - started
         stop.set()
         sender.join()
-    assert 0.25 <= elapsed < 2.0, f"the deadline of 0.3 s fired after {elapsed:.2f} s"
+    assert 0.25 <= elapsed < 3.0, f"the deadline of 0.3 s fired after {elapsed:.2f} s"
 
 
 def test_idle_timeout_and_eof_between_frames(pair):

@@ -254,7 +254,9 @@ def test_a_killed_primary_is_seen_within_a_few_milliseconds_long_before_it_is_a_
             primary.wait()
             primary.stdout.close()
     figures = f"kill -> seen {[round(s * 1000, 1) for s in seen]} ms, -> zombie {[round(z * 1000, 1) for z in zombie]} ms"
-    assert sorted(seen)[2] < 0.010, figures
+    # an order of magnitude, not a timing (benchmarks/standby.py --detection measures it): the watcher polls every
+    # millisecond, so a median of a tenth of a second is a watcher that waited for something else
+    assert sorted(seen)[2] < 0.1, figures
 
 
 @pytest.mark.parametrize(
@@ -280,7 +282,9 @@ def test_early_cuda_set_up_does_nothing_on_the_cpu_and_hands_its_error_to_the_wa
     from weightcache.core.errors import ArenaError
     from weightcache.core.spare.warm import start_cuda_early
 
-    assert start_cuda_early("cpu").wait() < 0.01
+    on_cpu = start_cuda_early("cpu")
+    assert on_cpu.done and on_cpu._thread is None, "no thread: nothing to set up on the CPU"
+    on_cpu.wait(timeout=0)  # returns without waiting (a thread would need its timeout)
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the set-up would succeed")
     early = start_cuda_early("cuda:0")
