@@ -173,3 +173,33 @@ def load_request(args: argparse.Namespace) -> "LoadRequest":
         parallel=ParallelSpec(tp_size=args.tp_size, tp_rank=args.tp_rank),
         options=options,
     )
+
+
+def add_log_options(parser: argparse.ArgumentParser, default_format: str) -> None:
+    """``--log-level`` and ``--log-format``: before the command (every command; ``default_format`` ``text``) or
+    after ``serve`` (``argparse.SUPPRESS``: given there, they replace the ones before)."""
+    from weightcache.core.cli.logformat import FORMATS, LEVELS
+
+    parser.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        default=None if default_format == "text" else argparse.SUPPRESS,
+        help="log messages of this level and above (default: info for serve, warning for the other commands)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default=None if default_format == "text" else argparse.SUPPRESS,
+        help="text (default) or json: one JSON object per line",
+    )
+
+
+def add_command(commands, name: str, text: str, epilog: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand's parser: ``text`` is its one-line help and, capitalised, its description."""
+    return commands.add_parser(
+        name,
+        help=text,
+        description=text[0].upper() + text[1:] + ".",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter if epilog else argparse.HelpFormatter,
+    )

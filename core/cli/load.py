@@ -1,0 +1,171 @@
+"""``weightcache load``: check what can be checked before a weight is read, then load and publish."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import typing
+
+from weightcache.core.cli.cli_options import add_command, add_request_options
+
+if typing.TYPE_CHECKING:
+    from weightcache.core.flow.loader import Checked, Tier
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(commands) -> None:
+    """``load`` and its options."""
+    load = add_command(commands, "load", "load a checkpoint into arenas and publish it to the server (once per model and rank)")
+    add_request_options(load)
+    load.add_argument(
+        "--tier",
+        choices=("device", "host", "both"),
+        default="device",
+        help="keep the model on --device (default), on the host tier only (GPU-made weights in host memory, "
+        "from which a GPU fills again in about a second), or both; host and both need a CUDA --device",
+    )
+    load.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        help="do not read the weight files into the page cache while Python imports (by default at most half the "
+        "available memory is read ahead, until the load reads them or finds them cached)",
+    )
+
+
+def run(args) -> int:
+    """Check everything that can be checked before reading a weight, then load and publish (see docs/operations.md)."""
+    from weightcache.core.cli.cli_options import load_request
+    from weightcache.core.client.client import Connection
+    from weightcache.core.flow import loader
+    from weightcache.core.identity.safetensors_io import check_checkpoint
+    from weightcache.core.progress import note
+
+    note(f"checking {args.model} ...")
+    request = load_request(args)  # device, dtype, ranks, options; a hub id becomes its snapshot directory in the local hub cache
+    tier = loader.Tier(args.tier, request.device)  # checked once, here; publish takes it as it is
+    checked = loader.check(request)  # adapter, options, the method asked for: once, here; prepare goes on from it
+    headers = check_checkpoint(request.model)  # files, headers, lengths: no weight byte read
+    log.debug("load: options and %d weight file headers checked", len(headers))
+    with Connection(args.socket_dir) as connection:
+        connection.hello()  # no server: say so now, before a thread starts importing beside this one
+    log.debug("load: the server answered")
+    # The disk starts now; the adapter imports its framework meanwhile (nothing where the hf adapter remembers the
+    # model's layout), while this thread makes the CUDA context.
+    with _read_ahead(headers, args.prefetch), _warming_up(checked.adapter, checked.request):
+        return _load_checked(args, checked, tier, headers)
+
+
+@contextlib.contextmanager
+def _warming_up(adapter, request):
+    """The adapter's ``warm_up`` (its framework's and the model's imports) in a thread of its own, joined at the end of
+    a load that succeeds.
+
+    A failure here is left for the load itself to report, where it happens again with its context. A load that fails
+    does not wait for the imports: its error is reported at once and the command exits (the thread is a daemon).
+    """
+
+    def warm_up() -> None:
+        from weightcache.core.load.importing import importing
+
+        began = time.monotonic()
+        try:
+            with importing():  # a read that starts meanwhile takes whole pieces (few returns to the interpreter lock)
+                adapter.warm_up(request, for_publish=True)
+        except Exception as exc:  # the load raises it again, with its context
+            log.debug("warming up the %s adapter failed: %s", request.adapter, exc, exc_info=True)
+        else:
+            log.debug("load: the %s adapter warmed up (its imports) in %.2f s", request.adapter, time.monotonic() - began)
+
+    thread = threading.Thread(target=warm_up, name="weightcache-warm-up", daemon=True)
+    thread.start()
+    yield  # an exception leaves here without the join
+    thread.join()
+
+
+def _read_ahead(headers, wanted: bool):
+    """A ``Prefetch`` of the weight files (unless ``--no-prefetch``), stopped when the load ends or finds the entry held.
+
+    Also where the digests are remembered: whether the server already holds the entry is known only once torch
+    is imported and the CUDA context made (the fingerprint names the GPU and the CUDA version), seconds in which
+    the disk would otherwise sit idle before a restart's read.
+    """
+    from weightcache.core.load.prefetch import Prefetch
+
+    if not wanted:
+        return contextlib.nullcontext()
+    return Prefetch([header.file for header in headers])
+
+
+def _load_checked(args, checked: "Checked", tier: "Tier", headers) -> int:
+    """``_load`` once the options, the tier and the checkpoint's headers are checked."""
+    from weightcache.core.client.client import Connection
+    from weightcache.core.client.replies import ServerStatus
+    from weightcache.core.fingerprint import HOST_TIER
+    from weightcache.core.flow import loader
+    from weightcache.core.identity.identity import Environment
+    from weightcache.core.load import preflight
+    from weightcache.core.progress import byte_progress, format_bytes, note
+
+    request = checked.request
+    preflight.check_device(request.device)
+    log.debug("load: %s ready", request.device)
+    prepared = loader.prepare(checked)  # the adapter reads the configs
+    prepared.check_first_sight(headers)  # checked above: their versions identify the checkpoint, no stat again
+    log.debug("load: the adapter described the model")
+    fingerprint = prepared.remembered()  # None on first sight: the load digests the bytes it reads
+    with Connection(args.socket_dir) as connection:
+        status = ServerStatus.from_json(connection.status())
+    tiers = _tiers(tier, Environment.of(request.device).gpu_uuid)
+    if fingerprint is not None:
+        wanted = {where: (fingerprint.on_device(HOST_TIER) if where else fingerprint).digest for where in tiers}
+        held = status.held(wanted.values())
+        if len(held) == len(wanted):
+            for where, digest in wanted.items():
+                entry = held[digest]
+                print(f"already cached{where}: {digest[:12]}  {entry.label}, {format_bytes(entry.nbytes)}; nothing was loaded")
+            return 0
+        tiers = {where: kept_on for where, kept_on in tiers.items() if wanted[where] not in held}
+    else:
+        note("first sight of these weight files: their digests are computed from the bytes read, in the same pass")
+    needed = preflight.estimated_bytes(headers, prepared.description)
+    for kept_on in tiers.values():
+        preflight.check_room(status, needed, tier=kept_on)
+    note(f"loading {prepared.label} ({format_bytes(needed)} or more) into {request.device} arenas ...")
+    published = loader.publish(prepared, args.socket_dir, progress=byte_progress("loading", total=needed), tier=tier)
+    log.debug("load: published; its steps (s): %s", {key: round(value, 3) for key, value in published.timings.items()})
+    manifest = published.manifest
+    source = "" if published.origin.kind == "disk" else f", copied from {published.origin}"
+    both = tier.on_device and tier.on_host
+    host = f"; kept on the host tier as {published.host_digest[:12]}" if published.host_digest and both else ""
+    if not published.created:
+        if host and published.host_digest and published.origin.kind == "this_gpu":
+            print(f"kept {published.host_digest[:12]}  {prepared.label} on the host tier, copied from this GPU's entry")
+        else:
+            why = "another loader published it meanwhile" if fingerprint is not None else "it held these bytes already"
+            print(f"already cached: {published.digest[:12]}  {prepared.label} ({why})")
+        return 0
+    arenas = len(manifest.arenas)
+    where = "" if tier.on_device else " on the host tier"
+    print(
+        f"published {published.digest[:12]}  {prepared.label}{where}: {len(manifest.tensors)} tensors, "
+        f"{format_bytes(manifest.nbytes)} in {arenas} arena{'s' if arenas != 1 else ''}, "
+        f"{sum(published.timings.values()):.2f} s{source}{host}"
+    )
+    return 0
+
+
+def _tiers(tier: "Tier", gpu_uuid: str) -> dict[str, str]:
+    """Where the entries ``weightcache load --tier`` makes live, by how messages say it ('' the device, ' on the host
+    tier'): a GPU's UUID or ``HOST_TIER`` (a CPU device's entries count against the host budget too)."""
+    from weightcache.core.fingerprint import HOST_TIER
+
+    wanted = {}
+    if tier.on_device:
+        wanted[""] = gpu_uuid or HOST_TIER
+    if tier.on_host:
+        wanted[" on the host tier"] = HOST_TIER
+    return wanted
