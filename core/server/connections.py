@@ -9,6 +9,7 @@ open for as long as the engine keeps it (docs/decisions.md #2).
 
 from __future__ import annotations
 
+import errno
 import logging
 import select
 import socket
@@ -20,6 +21,11 @@ import attrs
 from weightcache.core.wire.protocol import FrameReader
 
 log = logging.getLogger(__name__)
+
+OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+"""accept() or a request failing with one of these is never fatal: idle connections are shed and it is tried again."""
+SHED_WHEN_OUT_OF_FDS = 4
+"""Idle connections closed when fds run out: room for the newcomer and its replies."""
 
 
 @attrs.define(eq=False)

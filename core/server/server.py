@@ -34,50 +34,31 @@ from pathlib import Path
 import attrs
 
 from weightcache.core import PROTOCOL_VERSION, __version__
-from weightcache.core.errors import AccessDenied, IdleTimeout, ProtocolError
-from weightcache.core.fingerprint import HOST_TIER, Fingerprint
-from weightcache.core.memfd import sealed_size
+from weightcache.core.errors import AccessDenied
+from weightcache.core.fingerprint import HOST_TIER
 from weightcache.core.server import bounds, readiness
-from weightcache.core.server.admission import REPLY_ENVELOPE_BYTES, admit_publish
-from weightcache.core.server.connections import ConnectionState, ConnectionTable
+from weightcache.core.server.connections import OUT_OF_RESOURCES, SHED_WHEN_OUT_OF_FDS, ConnectionTable
 from weightcache.core.server.exporter import Exporter, Verdict
 from weightcache.core.server.fdstore import FdStore, adopt, passed_fds
-from weightcache.core.server.handover import Handed, Limits, Listeners, send_entries
+from weightcache.core.server.handover import Handed, Limits
 from weightcache.core.server.handover import take_over as take_over_from
 from weightcache.core.server.http_endpoint import bind as bind_tcp
 from weightcache.core.server.http_endpoint import check_listening, listens_on
 from weightcache.core.server.metrics import Metrics
 from weightcache.core.server.reexec import spawn_successor
-from weightcache.core.server.registry import (
-    MAX_ARTIFACT_KEY_CHARS,
-    Budgets,
-    OverBudget,
-    Registry,
-    TooManyArtifacts,
-    VersionConflict,
-)
+from weightcache.core.server.registry import Budgets, Registry
+from weightcache.core.server.requests import Requests
 from weightcache.core.server.rewarm import STATES as WARM_STATES
 from weightcache.core.server.rewarm import Warmer, scrub_in_background
 from weightcache.core.server.serve_config import ConfigError, ServeSource
+from weightcache.core.server.sessions import Sessions
 from weightcache.core.socket_dir import SocketDir, to_socket_dir
-from weightcache.core.wire.paths import ensure_private_dir, peer_credentials
-from weightcache.core.wire.protocol import (
-    FRAME_DEADLINE_S,
-    MAX_FRAME_BYTES,
-    MAX_SOURCES,
-    FrameReader,
-    InFlight,
-    close_fds,
-    error_reply,
-    ok_reply,
-    send_frame,
-)
+from weightcache.core.wire.paths import ensure_private_dir
+from weightcache.core.wire.protocol import FRAME_DEADLINE_S, MAX_FRAME_BYTES, InFlight
 
 log = logging.getLogger(__name__)
 
 LISTEN_BACKLOG = max(socket.SOMAXCONN, 4096)  # the kernel caps it at net.core.somaxconn
-_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
-_SHED_WHEN_OUT_OF_FDS = 4  # idle connections closed per failed accept(): room for the newcomer and its replies
 _ACCEPT_BACKOFF_S = (0.01, 0.5)
 _DEAD_PREDECESSOR_WAIT_S = 5.0  # how long a successor waits for the lock of a predecessor that died during the handover
 LIVENESS_STALL_S = 10.0
@@ -134,7 +115,7 @@ class ServerAlreadyRunning(AccessDenied):
     """Another server holds the lock of this socket directory."""
 
 
-class Server:
+class Server(Sessions, Requests):
     """A running server; ``start()`` binds, ``serve_forever()`` answers until ``stop()``."""
 
     def __init__(self, config: ServerConfig):
@@ -313,7 +294,7 @@ class Server:
                 except OSError as exc:
                     if self._stopping.is_set():
                         break
-                    if exc.errno in _OUT_OF_RESOURCES:
+                    if exc.errno in OUT_OF_RESOURCES:
                         self._accept_failed(exc)
                         continue
                     if exc.errno in (errno.ECONNABORTED, errno.EPROTO):
@@ -333,7 +314,7 @@ class Server:
             )
         self._last_failed_accept = now
         self._failed_accepts += 1
-        if not self._table.shed_idle(_SHED_WHEN_OUT_OF_FDS, "to free file descriptors"):
+        if not self._table.shed_idle(SHED_WHEN_OUT_OF_FDS, "to free file descriptors"):
             low, high = _ACCEPT_BACKOFF_S
             self._stopping.wait(min(high, low * 2 ** min(self._failed_accepts - 1, 10)))
 
@@ -375,7 +356,8 @@ class Server:
                 return
             self.change_budgets(**{key: settings.get(key) for key in ("byte_budget", "host_budget", "gpu_budget")})
             warmer.replace(items)
-            log.info("SIGHUP: re-read %s: budgets %s, %d models to keep warm", source.path, self.registry.budgets, len(items))
+            warm = f"{len(items)} model{'s' if len(items) != 1 else ''} to keep warm" if items else "nothing to keep warm"
+            log.info("SIGHUP: re-read %s: budgets %s; %s", source.path, self.registry.budgets.describe(), warm)
 
         signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=reload, daemon=True).start())
 
@@ -399,287 +381,6 @@ class Server:
             spawn_successor(sys.argv[1:])
         except (OSError, ValueError) as exc:
             log.warning("SIGUSR2: could not start a successor (%s); serving on", exc)
-
-    def _spawn(self, conn: socket.socket) -> None:
-        state = ConnectionState(next(self._ids), conn)
-        self.metrics.connected()
-        if not self._table.admit(state):
-            log.warning("refusing a connection: %d connections open and none idle", self._table.limit)
-            self._refuse(conn, "busy", "too many connections, none of them idle; try again shortly")
-            conn.close()
-            return
-        try:
-            threading.Thread(target=self._serve_connection, args=(state,), daemon=True).start()
-        except RuntimeError as exc:  # no more threads
-            self._table.remove(state)
-            log.warning("refusing a connection: %s", exc)
-            self._refuse(conn, "busy", "the server cannot start another thread; try again shortly")
-            conn.close()
-
-    def _refuse(self, conn: socket.socket, code: str, message: str) -> None:
-        """Tell the peer why it is refused (the caller closes the connection)."""
-        self.metrics.refused(code)
-        try:
-            conn.settimeout(1.0)
-            send_frame(conn, error_reply(code, message))
-        except OSError:
-            pass
-
-    def _serve_connection(self, state: ConnectionState) -> None:
-        conn = state.sock
-        try:
-            pid, uid, _ = peer_credentials(conn)
-            state.pid = self._requester.pid = pid
-            if uid != os.geteuid():
-                log.warning(
-                    "refused pid %d of uid %d: the server runs as uid %d", pid, uid, os.geteuid(), extra={"peer_pid": pid}
-                )
-                self._refuse(
-                    conn,
-                    "access_denied",
-                    f"uid {uid} may not use a server of uid {os.geteuid()}; run the engine as the server's user",
-                )
-                return
-            state.reader = reader = FrameReader(conn, self.config.max_frame_bytes, self.config.frame_deadline_s, self._in_flight)
-            while not self._stopping.is_set():
-                idle_timeout = None if state.attached else self.config.idle_timeout_s
-                try:
-                    frame = reader.read(idle_timeout=idle_timeout)
-                except IdleTimeout:
-                    log.info(
-                        "closing pid %d's connection: idle for %g s with nothing attached",
-                        pid,
-                        idle_timeout,
-                        extra={"peer_pid": pid},
-                    )
-                    return
-                except ProtocolError as exc:
-                    log.warning(
-                        "refused a frame from pid %d (%s): %s", pid, exc.code, exc, extra={"peer_pid": pid, "code": exc.code}
-                    )
-                    self._try_send(conn, error_reply(exc.code, str(exc)))
-                    return
-                except (TimeoutError, OSError) as exc:
-                    log.warning("dropping pid %d's connection: %s", pid, exc or type(exc).__name__, extra={"peer_pid": pid})
-                    return
-                if frame is None:
-                    return
-                message, fds = frame
-                if message.get("op") == "handover":
-                    close_fds(fds)
-                    self._hand_over(conn, pid)
-                    return
-                started = time.perf_counter()
-                reply, reply_fds = self._dispatch(message, fds, state.id, pid)
-                self.metrics.answered(str(message.get("op")), reply, time.perf_counter() - started, pid)
-                state.note_reply(message, reply)
-                try:
-                    if not self._try_send(conn, reply, reply_fds):
-                        return
-                finally:
-                    close_fds(reply_fds)  # our own duplicates, made for this reply
-        except Exception:
-            log.exception("unexpected error serving connection %d", state.id)
-        finally:
-            self.registry.drop_connection(state.id)
-            self._table.remove(state)
-            conn.close()
-            state.closed.set()
-
-    def _hand_over(self, conn: socket.socket, pid: int) -> None:
-        """Send every entry, the listener and the lock to the successor pid ``pid``; stop once it confirmed
-        . Until then entries stay unchanged here and this server keeps every one."""
-        if self._frozen.is_set() or self._listener is None:
-            self._try_send(conn, error_reply("busy", "another successor is taking over already; wait for it"))
-            return
-        self._frozen.set()
-        log.info("handing every entry over to pid %d", pid, extra={"peer_pid": pid})
-        conn.settimeout(self.config.frame_deadline_s)
-        done = False
-        try:
-            listeners = Listeners(self._listener.fileno(), self._lock_fd, _fileno(self._metrics_listener))
-            done = send_entries(conn, self.registry, listeners, self._accepting.clear)
-        finally:
-            if not done:
-                self._accepting.set()
-                self._frozen.clear()
-        if done:
-            self._handed_over = True
-            readiness.notify(f"MAINPID={pid}")  # under systemd the successor is the unit's main process from now on
-            self._try_send(conn, ok_reply(farewell=True))  # after MAINPID=: the successor's notifications come later
-            self.stop()
-
-    def _try_send(self, conn: socket.socket, reply: dict, fds=()) -> bool:
-        try:
-            conn.settimeout(self.config.frame_deadline_s)
-            send_frame(conn, reply, fds)
-            return True
-        except OSError as exc:
-            log.warning("could not reply: %s", exc)
-            return False
-
-    def _dispatch(self, message: dict, fds: list[int], connection_id: int, pid: int) -> tuple[dict, list[int]]:
-        op = message.get("op")
-        handlers = {
-            "hello": self._hello,
-            "publish": self._publish,
-            "attach": self._attach,
-            "detach": self._detach,
-            "status": self._status,
-            "evict": self._evict,
-            "put_artifact": self._put_artifact,
-            "get_artifact": self._get_artifact,
-            "locate": self._locate,
-            "versions": self._versions,
-            "report": self._report,
-            "verified": self._verified,
-        }
-        handler = handlers.get(op) if isinstance(op, str) else None
-        if handler is None:
-            close_fds(fds)
-            return error_reply("bad_request", f"unknown op {op!r:.80}; expected one of {', '.join(handlers)}"), []
-        if self._frozen.is_set() and op in _OPS_THAT_CHANGE_ENTRIES:
-            close_fds(fds)
-            return error_reply(
-                "busy", "the server is handing its entries to a successor; try again in a second", retry_after_s=0.05
-            ), []
-        if op not in _OPS_WITH_FDS and fds:
-            close_fds(fds)
-            return error_reply("bad_request", f"op {op!r} takes no fds; {len(fds)} were closed"), []
-        # A handler that raises has kept none of the fds (publish hands them over only on success).
-        try:
-            return self._handle(handler, message, fds, connection_id, pid)
-        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
-            close_fds(fds)
-            return error_reply("bad_request", f"malformed {op} request: {exc!s:.300}"), []
-        except OSError as exc:
-            close_fds(fds)
-            if exc.errno not in _OUT_OF_RESOURCES:
-                raise
-            log.warning("could not answer %s: %s", op, exc.strerror or exc)
-            return error_reply("busy", f"the server is out of file descriptors or memory ({exc.strerror}); try again shortly"), []
-        except BaseException:
-            close_fds(fds)
-            raise
-
-    def _handle(self, handler, message, fds, connection_id, pid):
-        """Run ``handler``; out of fds (an attach duplicates its entry's), shed idle connections and try once more.
-
-        Only requests that brought no fds are tried again: a handler that raised has closed none of its own.
-        """
-        try:
-            return handler(message, fds, connection_id, pid)
-        except OSError as exc:
-            if fds or exc.errno not in _OUT_OF_RESOURCES:
-                raise
-            if not self._table.shed_idle(_SHED_WHEN_OUT_OF_FDS, "to free file descriptors"):
-                raise
-        return handler(message, fds, connection_id, pid)
-
-    def _hello(self, message, fds, connection_id, pid):
-        return ok_reply(version=__version__, protocol=PROTOCOL_VERSION, pid=os.getpid(), uid=os.geteuid()), []
-
-    def _publish(self, message, fds, connection_id, pid):
-        try:
-            entry = admit_publish(message, fds, pid, self.config.max_frame_bytes)
-        except (KeyError, TypeError, ValueError, AttributeError, RecursionError, OSError) as exc:
-            close_fds(fds)
-            return error_reply("bad_request", f"malformed publish request: {exc!s:.600}"), []
-        try:
-            created = self.registry.publish(entry)
-        except OverBudget as exc:
-            close_fds(fds)
-            return error_reply("over_budget", str(exc)), []
-        except VersionConflict as exc:
-            close_fds(fds)
-            return error_reply("version_conflict", str(exc)), []
-        return ok_reply(digest=entry.digest, created=created), []
-
-    def _attach(self, message, fds, connection_id, pid):
-        # A client that "verifies" checksums an unverified entry's arenas before use and says so (`verified`);
-        # any other client misses such an entry and loads from disk.
-        verifies = message.get("verifies") is True
-        if "fingerprint" not in message:  # by full digest: a scrub (`weightcache verify`) that knows entries from status
-            digest = _full_digest(message["digest"])
-            found = self.registry.checkout(digest, connection_id, pid, verifies)
-            if found is None:
-                held = self.registry.is_unverified(digest)
-                text = (
-                    _unverified_text(f"entry {digest[:12]}")
-                    if held
-                    else f"no entry {digest[:12]}; `weightcache status` lists them"
-                )
-                return error_reply("not_found", text), []
-            entry, fds = found
-            reply = ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label, verify=not entry.verified)
-            return {**reply, "fingerprint": entry.fingerprint.to_json()}, fds
-        fingerprint = Fingerprint.from_json(message["fingerprint"])
-        found = self.registry.checkout(fingerprint.digest, connection_id, pid, verifies)
-        if found is None:
-            if self.registry.is_unverified(fingerprint.digest):
-                return error_reply(
-                    "not_found",
-                    _unverified_text(f"entry {fingerprint.short}"),
-                    digest=fingerprint.digest,
-                    fields=[],
-                    unverified=True,
-                ), []
-            closest, fields = self.registry.closest(fingerprint)
-            return error_reply(
-                "not_found",
-                f"no entry for fingerprint {fingerprint.short}",
-                digest=fingerprint.digest,
-                closest=closest,
-                fields=list(fields),
-            ), []
-        entry, fds = found
-        return ok_reply(digest=entry.digest, manifest=entry.manifest, label=entry.label, verify=not entry.verified), fds
-
-    def _verified(self, message, fds, connection_id, pid):
-        """A client that attached an unverified entry over this connection found its ``checksums`` in its bytes."""
-        digest = _full_digest(message["digest"])
-        checksums = message["checksums"]
-        if not isinstance(checksums, list):
-            raise TypeError("checksums must be a list, one per arena")
-        try:
-            cleared = self.registry.mark_verified(digest, connection_id, checksums)
-        except KeyError as exc:
-            return error_reply("not_found", exc.args[0]), []
-        except PermissionError as exc:
-            return error_reply("bad_request", str(exc)), []
-        return ok_reply(digest=digest, cleared=cleared), []
-
-    def _locate(self, message, fds, connection_id, pid):
-        """Where else the node holds this fingerprint's content (the loader copies from there; the server copies nothing)."""
-        fingerprint = Fingerprint.from_json(message["fingerprint"])
-        return ok_reply(sources=self.registry.locate(fingerprint)[:MAX_SOURCES]), []
-
-    def _versions(self, message, fds, connection_id, pid):
-        """The entries of one lineage, oldest version first (an engine picks the version to switch to; refit)."""
-        lineage = message["lineage"]
-        if not isinstance(lineage, str) or len(lineage) != 64:
-            raise ValueError("lineage must be a full digest (64 hex digits)")
-        return ok_reply(versions=self.registry.versions(lineage)[-MAX_SOURCES:]), []
-
-    def _detach(self, message, fds, connection_id, pid):
-        self.registry.detach(str(message["digest"]), connection_id)
-        return ok_reply(), []
-
-    def _status(self, message, fds, connection_id, pid):
-        # Rows are bounded (labels and shown texts are short); this bounds their count too, so the reply fits a frame.
-        entries, omitted = self.registry.status(max_bytes=self.config.max_frame_bytes - REPLY_ENVELOPE_BYTES)
-        return ok_reply(
-            entries=entries,
-            omitted=omitted,
-            held_bytes=self.registry.held_bytes(),
-            byte_budget=self.config.byte_budget,
-            tiers=self.registry.tiers(),
-            budgets=self.registry.budgets.to_json(),
-            pid=os.getpid(),
-            version=__version__,
-            warm=self.warmer.progress() if self.warmer is not None else [],
-            metrics=self.metrics_snapshot(entries),
-        ), []
 
     def metrics_snapshot(self, rows: list[dict] | None = None) -> dict:
         """The metrics' JSON (``Metrics.snapshot``) with the registry's, the process's and the warm list's gauges; also
@@ -705,64 +406,6 @@ class Server:
             "warm_items": self.warmer.counts() if self.warmer is not None else dict.fromkeys(WARM_STATES, 0),
         }
 
-    def _report(self, message, fds, connection_id, pid):
-        """A client's report that it loaded from disk (``kind``: one of metrics.FALLBACK_KINDS); counted, never refused."""
-        kind = self.metrics.fell_back(str(message.get("fallback", "other"))[:40])
-        log.info("pid %d loaded from disk instead of attaching (%s)", pid, kind, extra={"peer_pid": pid, "reason": kind})
-        return ok_reply(counted=kind), []
-
-    def _evict(self, message, fds, connection_id, pid):
-        from weightcache.core.errors import AmbiguousDigest
-
-        try:
-            evicted = self.registry.evict(str(message["digest"]), force=bool(message.get("force", False)))
-        except KeyError as exc:
-            return error_reply("not_found", exc.args[0]), []
-        except AmbiguousDigest as exc:
-            return error_reply("ambiguous", str(exc), matches=[digest[:12] for digest in exc.matches]), []
-        except PermissionError as exc:
-            return error_reply("attached", str(exc)), []
-        return ok_reply(evicted=evicted), []
-
-    def _put_artifact(self, message, fds, connection_id, pid):
-        try:
-            digest, key = _artifact_address(message)
-            if len(fds) != 1:
-                raise ValueError(f"put_artifact carries exactly one fd (a sealed memfd holding the artifact), not {len(fds)}")
-            nbytes = sealed_size(fds[0], "the artifact")
-            if nbytes == 0:
-                raise ValueError("the artifact memfd is empty")
-        except (KeyError, TypeError, ValueError, OSError) as exc:
-            close_fds(fds)
-            return error_reply("bad_request", f"malformed put_artifact request: {exc!s:.600}"), []
-        if nbytes > self.config.max_artifact_bytes:
-            close_fds(fds)
-            return error_reply(
-                "too_large",
-                f"an artifact of {nbytes} bytes exceeds the {self.config.max_artifact_bytes} bytes the server keeps "
-                "per artifact; keep it elsewhere (the engine compiles again on restart)",
-            ), []
-        try:
-            replaced = self.registry.put_artifact(digest, key, fds[0], nbytes, self.config.max_artifacts_per_entry)
-        except KeyError as exc:
-            close_fds(fds)
-            return error_reply("not_found", exc.args[0]), []
-        except TooManyArtifacts as exc:
-            close_fds(fds)
-            return error_reply("too_many", str(exc)), []
-        except OverBudget as exc:
-            close_fds(fds)
-            return error_reply("over_budget", str(exc)), []
-        return ok_reply(digest=digest, key=key, bytes=nbytes, replaced=replaced), []
-
-    def _get_artifact(self, message, fds, connection_id, pid):
-        digest, key = _artifact_address(message)
-        found = self.registry.checkout_artifact(digest, key)
-        if found is None:
-            return error_reply("not_found", f"entry {digest[:12]} holds no artifact {key!r:.80} (or there is no such entry)"), []
-        fd, nbytes = found
-        return ok_reply(digest=digest, key=key, bytes=nbytes), [fd]
-
     def _shutdown(self) -> None:
         log.info("server stopping" + (": a successor serves every entry" if self._handed_over else ""))
         if self.warmer is not None:
@@ -782,21 +425,12 @@ class Server:
             os.close(lock)
 
 
-_OPS_WITH_FDS = frozenset({"publish", "put_artifact"})
-_OPS_THAT_CHANGE_ENTRIES = frozenset({"publish", "evict", "put_artifact"})
-_DIGEST_CHARS = frozenset("0123456789abcdef")
-
-
 def _open_fds() -> int:
     """Fds this process holds (every arena is one; compare ``max_fds``); -1 where /proc is not mounted."""
     try:
         return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir opened
     except OSError:
         return -1
-
-
-def _fileno(sock: socket.socket | None) -> int:
-    return -1 if sock is None else sock.fileno()
 
 
 def _try_lock(fd: int) -> bool:
@@ -820,21 +454,6 @@ def _raise_fd_limit() -> int:
         log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
         return soft
     return target
-
-
-def _full_digest(digest) -> str:
-    """``digest`` if it is an entry's full digest (64 lower-case hex characters); ValueError otherwise."""
-    if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _DIGEST_CHARS:
-        raise ValueError(f"digest must be an entry's full digest (64 lower-case hex characters), not {digest!r:.80}")
-    return digest
-
-
-def _artifact_address(message: dict) -> tuple[str, str]:
-    """The entry digest and the artifact key of a put_artifact or get_artifact request (ValueError if malformed)."""
-    digest, key = _full_digest(message["digest"]), message["key"]
-    if not isinstance(key, str) or not 0 < len(key) <= MAX_ARTIFACT_KEY_CHARS or not key.isprintable():
-        raise ValueError(f"key must be a printable string of 1 to {MAX_ARTIFACT_KEY_CHARS} characters, not {key!r:.80}")
-    return digest, key
 
 
 def start_server(config: ServerConfig, take_over: bool = False, source: ServeSource | None = None) -> Server:
@@ -869,11 +488,3 @@ def start_server(config: ServerConfig, take_over: bool = False, source: ServeSou
 def serve(config: ServerConfig, take_over: bool = False, source: ServeSource | None = None) -> None:
     """Run a server in this process until SIGTERM or SIGINT (``take_over``, ``source``: see ``start_server``)."""
     start_server(config, take_over, source).serve_forever()
-
-
-def _unverified_text(name: str) -> str:
-    """Why an attach of ``name`` (an entry the server holds but nobody has verified since it came back) missed."""
-    return (
-        f"{name} is held but not verified since the server came back; it is served only to clients that "
-        "checksum it (weightcache's own, this version) until one of them or `weightcache verify` has"
-    )
