@@ -13,9 +13,10 @@ from weightcache.core.server.serve_config import LOG_CHOICES
 LEVELS = LOG_CHOICES["log_level"]
 FORMATS = LOG_CHOICES["log_format"]
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-FIELDS = ("entry", "model", "bytes", "peer_pid", "op", "code", "reason", "state")
-"""Structured fields a log call may pass with ``extra=`` (entry: a full digest, model: its label, peer_pid: the
-client's pid); ``--log-format json`` writes each one a record carries, beside the message that names them too."""
+FIELDS = ("entry", "model", "bytes", "peer_pid", "publisher_pid", "op", "code", "reason", "state")
+"""Structured fields a log call may pass with ``extra=`` (entry: a full digest, model: its label, peer_pid: the pid of
+the client whose request the line is about, publisher_pid: the pid that published the entry); ``--log-format json``
+writes each one a record carries, beside the message that names them too."""
 
 
 class JsonFormatter(logging.Formatter):

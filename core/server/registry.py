@@ -12,6 +12,7 @@ import attrs
 
 from weightcache.core.errors import AmbiguousDigest
 from weightcache.core.fingerprint import HOST_TIER, Fingerprint
+from weightcache.core.progress import format_bytes
 from weightcache.core.wire.protocol import close_fds, encode
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class Entry:
 
     def log_fields(self) -> dict:
         """The structured fields of a log line about this entry (``--log-format json`` shows them)."""
-        return {"entry": self.digest, "model": self.label, "bytes": self.nbytes, "peer_pid": self.published_by}
+        return {"entry": self.digest, "model": self.label, "bytes": self.nbytes, "publisher_pid": self.published_by}
 
     def status(self) -> dict:
         fp = self.fingerprint
@@ -170,6 +171,15 @@ class Budgets:
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
+
+    def describe(self) -> str:
+        """``8.0 GiB in all, no limit on the host, 40.0 GiB per GPU`` (a log line's words, not a repr)."""
+        parts = (
+            (self.total, "in all", "no limit in all"),
+            (self.host, "on the host", "no limit on the host"),
+            (self.per_gpu, "per GPU", "no limit per GPU"),
+        )
+        return ", ".join(f"{format_bytes(value)} {where}" if value is not None else none for value, where, none in parts)
 
 
 class OverBudget(Exception):
@@ -255,7 +265,7 @@ class Registry:
             entry.label,
             entry.nbytes,
             len(entry.fds),
-            extra=entry.log_fields(),
+            extra={**entry.log_fields(), "peer_pid": entry.published_by},  # the publisher made this request
         )
         return True
 

@@ -89,6 +89,13 @@ def test_json_lines_carry_the_entry_model_bytes_and_peer_pid_as_fields(socket_di
         attached = next(r for r in records if r["message"].startswith("attached "))
         assert attached["entry"] == entry.digest and attached["peer_pid"] == os.getpid() and attached["op"] == "attach"
         assert "code" not in attached, "a field without a value is left out"
+        evicter = run_cli("evict", "--socket-dir", str(socket_dir), entry.digest)  # another process: another pid
+        assert wait_until(lambda: "dropped " in log.read_text())
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        dropped = next(r for r in records if r["message"].startswith("dropped "))
+        assert dropped["publisher_pid"] == os.getpid() and "peer_pid" not in dropped, "peer_pid is a requester, always"
+        evicted = next(r for r in records if r["message"].startswith("evicted "))
+        assert evicted["peer_pid"] not in (os.getpid(), None) and evicter.returncode == 0, evicted
     finally:
         os.kill(pid, signal.SIGTERM)
         wait_until(lambda: not (socket_dir / "weightcache.sock").exists())

@@ -124,6 +124,8 @@ def test_the_server_is_ready_at_once_loads_the_warm_list_in_order_and_sighup_rer
             after = _status(socket_dir)
             assert after["budgets"] == {"total": 4096, "host": 512 << 20, "per_gpu": 1 << 30}, "the flag must still win"
             assert after["warm"] == []
+            said = f"SIGHUP: re-read {path}: budgets 4.0 KiB in all, 512.0 MiB on the host, 1.0 GiB per GPU; nothing to keep warm"
+            assert wait_until(lambda: said in server.log(), timeout=10), "the line names the budgets in words, not a repr"
             assert held.digest in {row["digest"] for row in after["entries"]}, "a reload must not evict"
             assert len(after["entries"]) == 2, "nothing is evicted by a reload"
         finally:
