@@ -12,7 +12,7 @@ import json
 import typing
 from pathlib import Path
 
-from weightcache import UnsupportedQuantization, check_quantization
+from weightcache.adapter import UnsupportedQuantization, check_quantization
 
 FP8_BLOCK = "fp8-block"
 VALIDATED_BLOCK = [128, 128]

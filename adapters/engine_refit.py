@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import typing
 
-from weightcache import ATTACHMENT_ATTR
+from weightcache.engine import ATTACHMENT_ATTR
 
 if typing.TYPE_CHECKING:
     import torch
 
-    from weightcache import Attachment, LoadRequest
+    from weightcache.adapter import LoadRequest
+    from weightcache.engine import Attachment
 
 REQUEST_ATTR = "_weightcache_request"
 """The model attribute holding the LoadRequest its rank was loaded with (engine objects in its state)."""
@@ -47,7 +48,8 @@ def update_weights(model: "torch.nn.Module", named_tensors: NamedTensors | None 
     attachment = attachment_of(model)
     state = dict(named_tensors or {})
     if state:
-        from weightcache import prepare, stage_version
+        from weightcache.engine import prepare
+        from weightcache.refit import stage_version
 
         request: LoadRequest | None = getattr(model, REQUEST_ATTR, None)
         if request is None:

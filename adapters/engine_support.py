@@ -27,12 +27,14 @@ from collections.abc import Callable, Iterator
 
 import attrs
 
-from weightcache import ATTACHMENT_ATTR, AccessDenied, RebindError, ServerUnavailable, SocketDirLike
+from weightcache import AccessDenied, ServerUnavailable, SocketDirLike
+from weightcache.adapter import RebindError
+from weightcache.engine import ATTACHMENT_ATTR
 
 if typing.TYPE_CHECKING:
     import torch
 
-    from weightcache import Fingerprint, Manifest, ModelDescription
+    from weightcache.adapter import Fingerprint, Manifest, ModelDescription
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,8 @@ def engine_description(
     The full Hugging Face config (JSON), the architectures, the dtype the engine
     resolved, the checked quantization method and the engine's own key fields (``extra``).
     """
-    from weightcache import ModelDescription, __version__
+    from weightcache import __version__
+    from weightcache.adapter import ModelDescription
 
     return ModelDescription(
         architecture=",".join(getattr(model_config.hf_config, "architectures", None) or []),
@@ -284,7 +287,7 @@ def entry_bytes(fingerprint: "Fingerprint", socket_dir: SocketDirLike = None, ti
 
     An engine's memory profiler must not count these as its own allocation.
     """
-    from weightcache import Connection
+    from weightcache.engine import Connection
 
     digest = fingerprint.digest
     try:

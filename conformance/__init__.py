@@ -25,8 +25,8 @@ of the kit, prints the verdict line. Two ways to run it:
           def model_path(self, tmp_path_factory):
               return make_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
-This module stays light (no torch): the classes load on first access.
-See docs/adapter-guide.md.
+This module is public (``__all__``; docs/api.md): the test classes an adapter's suite subclasses and the kit's tensor
+assertions. It stays light (no torch): each name loads its module on first access. See docs/adapter-guide.md.
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ __all__ = [
     "ParityTests",
     "QuantizationTests",
     "RefitTests",
+    "assert_tensors_identical",
+    "model_tensors",
+    "tensor_digest",
+    "tied_groups",
 ]
 
 _LAZY = {
@@ -67,7 +71,30 @@ _LAZY = {
     "QuantizationTests": "weightcache.conformance.checks",
     "REFUSED_METHODS": "weightcache.conformance.checks",
     "RefitTests": "weightcache.conformance.refit",
+    "assert_tensors_identical": "weightcache.conformance.assertions",
+    "model_tensors": "weightcache.conformance.assertions",
+    "tensor_digest": "weightcache.conformance.assertions",
+    "tied_groups": "weightcache.conformance.assertions",
 }
+
+if typing.TYPE_CHECKING:  # what type checkers read; at run time each name loads on first access (__getattr__)
+    from weightcache.conformance.assertions import assert_tensors_identical, model_tensors, tensor_digest, tied_groups
+    from weightcache.conformance.checks import (
+        REFUSED_METHODS,
+        AdapterTests,
+        ArchitectureTests,
+        ConfigTests,
+        ConformanceTests,
+        CrashTests,
+        FingerprintTests,
+        FlipTests,
+        FreshProcessTests,
+        ModeTests,
+        ParityTests,
+        QuantizationTests,
+    )
+    from weightcache.conformance.fixtures import ConformanceFixtures
+    from weightcache.conformance.refit import RefitTests
 
 SUITE = Path(__file__).with_name("suite.py")
 """The module that runs the kit on the model named by the command-line options."""

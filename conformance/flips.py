@@ -82,7 +82,7 @@ def option_flips(request: "LoadRequest", options: "typing.Mapping[str, AdapterOp
         if not option.typed:
             unflippable.append(
                 f"option {name!r} is declared by its help text alone, so the kit cannot flip it: declare it as "
-                "AdapterOption(help, type=..., alternatives=...) (from weightcache import AdapterOption); the kit "
+                "AdapterOption(help, type=..., alternatives=...) (from weightcache.adapter import AdapterOption); the kit "
                 f"fails an untyped option from weightcache {REMOVED_IN}"
             )
             continue

@@ -86,15 +86,26 @@ FOLDED: dict[str, str] = {
 
 
 def public_import(module: str, name: str | None = None) -> str:
-    """How to import ``name`` of ``module`` (or what ``module`` offers) from now on: public names from ``weightcache``,
-    anything else from the private module that holds it now."""
-    public: dict[str, str] = getattr(sys.modules.get("weightcache"), "NAMES", {})
+    """How to import ``name`` of ``module`` (or what ``module`` offers) from now on: public names from the public module
+    that lists them (``weightcache``, ``weightcache.adapter``, ...; the first that does), anything else from the private
+    module that holds it now. A module whose public names one public module lists whole is named alone."""
+    faces = getattr(sys.modules.get("weightcache"), "public_names", None)
+    listed = {
+        face: sorted(n for n, home in names.items() if home == module) for face, names in (faces() if faces else {}).items()
+    }
+    offered = sorted({n for names in listed.values() for n in names})
     if name is not None:
-        names = [name] if name in public else []
-    else:
-        names = sorted(n for n, home in public.items() if home == module)
-    if names:
-        return f"use from weightcache import {', '.join(names)}"
+        offered = [name] if name in offered else []
+    whole = next((face for face, names in listed.items() if offered and set(offered) <= set(names)), None)
+    if whole is not None:
+        return f"use from {whole} import {', '.join(offered)}"
+    parts, placed = [], set()
+    for face, names in listed.items():
+        if here := [n for n in names if n in offered and n not in placed]:
+            parts.append(f"from {face} import {', '.join(here)}")
+            placed.update(here)
+    if parts:
+        return "use " + "; ".join(parts)
     private = f"from {module} import {name}" if name else f"import {module}"
     return f"use {private} (a private path that may move again: ask for a public name if you need one)"
 

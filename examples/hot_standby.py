@@ -24,7 +24,8 @@ from pathlib import Path
 
 PRIMARY = """
 import json, os, sys, time
-from weightcache import LoadRequest, load_model
+from weightcache import load_model
+from weightcache.engine import LoadRequest
 from weightcache.core.spare.standby import first_token, fixed_prompt  # the standby's own prompt and comparison
 
 model, device, socket_dir = sys.argv[1:4]
@@ -51,7 +52,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-pidfd", action="store_true", help="make the standby poll /proc even where pidfds work")
     args = parser.parse_args(argv)
 
-    from weightcache import LoadRequest, ServerProcess, prepare, publish
+    from weightcache import ServerProcess
+    from weightcache.adapter import LoadRequest
+    from weightcache.engine import prepare, publish
 
     work = Path(tempfile.mkdtemp(prefix="wc-standby-"))
     server = ServerProcess.start(work / "sock")

@@ -1,7 +1,8 @@
 """0.1.0's contract keeps working for one minor version, warning: its module paths import (each warning names the new
 import), its command spelling runs, an option declared by help text alone makes the kit warn, not fail; and an adapter
-written against 0.1.0's documented API (tests/adapter_010: the adapter guide's example as 0.1.0 documented it),
-installed unchanged, passes the kit with DeprecationWarnings.
+written against 0.1.0's documented API (tests/adapter_010: the adapter guide's example as 0.1.0 documented it), or
+against 0.2.0's (tests/adapter_020: every name from ``weightcache``), installed unchanged, passes the kit with
+DeprecationWarnings.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests import zygote
 from weightcache.core import old_paths
 
 ROOT = Path(__file__).resolve().parents[1]
-ADAPTER_010 = Path(__file__).with_name("adapter_010")
+ADAPTERS = {"010": Path(__file__).with_name("adapter_010"), "020": Path(__file__).with_name("adapter_020")}
 
 
 def _fresh_import(name: str) -> tuple[object, list[warnings.WarningMessage]]:
@@ -41,8 +42,9 @@ def test_each_old_module_path_imports_warning_and_serves_the_new_module(old):
     message = str(caught[0].message)
     assert message.startswith(f"{old} is deprecated since weightcache 0.2.0 and goes in 0.3.0: use "), message
     assert caught[0].filename == __file__, "the warning points at the import that asked for the old path"
-    public = [name for name, home in importlib.import_module("weightcache").NAMES.items() if home == old_paths.MOVED[old]]
-    assert ("from weightcache import " in message) == bool(public), message
+    faces = importlib.import_module("weightcache").public_names().values()
+    public = [name for names in faces for name, home in names.items() if home == old_paths.MOVED[old]]
+    assert ("use from weightcache" in message) == bool(public), message
     for name in [n for n in vars(new) if not n.startswith("_")][:20]:
         assert getattr(module, name) is getattr(new, name), name
     with pytest.raises(AttributeError):
@@ -64,29 +66,33 @@ def test_the_documented_0_1_0_imports_work_and_name_the_public_import():
         from weightcache.core.rebind import rebind_module
         from weightcache.core.server_process import ServerProcess
     import weightcache
+    import weightcache.adapter
+    import weightcache.engine
 
     assert (load_model, run, CacheOptions, attach, Plugins, ArenaBuilder, read_checkpoint, rebind_module, Manifest) == (
         weightcache.load_model,
-        weightcache.run,
-        weightcache.CacheOptions,
-        weightcache.attach,
-        weightcache.Plugins,
-        weightcache.ArenaBuilder,
-        weightcache.read_checkpoint,
-        weightcache.rebind_module,
-        weightcache.Manifest,
+        weightcache.engine.run,
+        weightcache.engine.CacheOptions,
+        weightcache.engine.attach,
+        weightcache.engine.Plugins,
+        weightcache.adapter.ArenaBuilder,
+        weightcache.adapter.read_checkpoint,
+        weightcache.adapter.rebind_module,
+        weightcache.adapter.Manifest,
     )
     assert ServerProcess is weightcache.ServerProcess
     messages = [str(w.message) for w in caught]
     assert any("weightcache.core.modes is deprecated" in m and "load_model" in m for m in messages), messages
-    assert any("weightcache.core.rebind is deprecated" in m and "from weightcache import" in m for m in messages), messages
+    assert any("weightcache.core.rebind is deprecated" in m and "from weightcache.adapter import" in m for m in messages), (
+        messages
+    )
 
 
 @pytest.mark.parametrize(
     ("package", "name", "advice"),
     [
         ("weightcache.core.identity", "fingerprint_for", "from weightcache.core.identity.identity import fingerprint_for"),
-        ("weightcache.core.client", "Connection", "from weightcache import Connection"),
+        ("weightcache.core.client", "Connection", "from weightcache.engine import Connection"),
         ("weightcache.core.server", "ServerConfig", "from weightcache.core.server.server import ServerConfig"),
         ("weightcache.core.cli", "main", "from weightcache.core.cli.cli import main"),
     ],
@@ -121,7 +127,7 @@ def test_python_m_the_old_cli_module_runs_the_command_and_warns():
 
 
 def test_the_kit_warns_on_an_option_declared_by_help_text_alone():
-    from weightcache import AdapterOption, LoadRequest
+    from weightcache.adapter import AdapterOption, LoadRequest
     from weightcache.conformance.flips import option_flips
 
     request = LoadRequest(model="/nowhere", adapter="x", options={"flag": True})
@@ -133,13 +139,13 @@ def test_the_kit_warns_on_an_option_declared_by_help_text_alone():
     assert "from weightcache 0.3.0" in unflippable[0] and "AdapterOption(help, type=" in unflippable[0]
 
 
-@pytest.fixture(scope="module")
-def installed_010(tmp_path_factory):
-    """tests/adapter_010 pip-installed, unchanged, into a private directory (put it on PYTHONPATH); built from a copy, so
-    the build leaves nothing in the tree."""
+@pytest.fixture(scope="module", params=sorted(ADAPTERS))
+def installed(request, tmp_path_factory):
+    """tests/adapter_010 or adapter_020 pip-installed, unchanged, into a private directory (put it on PYTHONPATH); built
+    from a copy, so the build leaves nothing in the tree. Its version, and the directory."""
     target = tmp_path_factory.mktemp("site")
-    source = tmp_path_factory.mktemp("adapter") / "adapter_010"
-    shutil.copytree(ADAPTER_010, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    source = tmp_path_factory.mktemp("adapter") / ADAPTERS[request.param].name
+    shutil.copytree(ADAPTERS[request.param], source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     proc = subprocess.run(
         [
             sys.executable,
@@ -160,16 +166,17 @@ def installed_010(tmp_path_factory):
         cwd=tmp_path_factory.mktemp("build"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return target
+    return request.param, target
 
 
-def test_an_adapter_written_for_0_1_0_passes_the_kit_with_deprecation_warnings(installed_010, tmp_path):
-    """``python -m weightcache conformance`` on the 0.1.0 adapter, found through its entry point: every check passes;
-    its 0.1.0 imports and its untyped option warn."""
-    env = {**os.environ, "PYTHONPATH": str(installed_010), "PYTHONWARNINGS": "default::DeprecationWarning"}
+def test_an_adapter_written_for_0_1_0_or_0_2_0_passes_the_kit_with_deprecation_warnings(installed, tmp_path):
+    """``python -m weightcache conformance`` on the 0.1.0 or the 0.2.0 adapter, found through its entry point: every
+    check passes; the 0.1.0 adapter's module paths and untyped option warn, the 0.2.0 adapter's names do."""
+    version, site = installed
+    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONWARNINGS": "default::DeprecationWarning"}
     checkpoint = tmp_path / "tinylm"
     made = subprocess.run(
-        [sys.executable, "-c", f"import tinylm_010; tinylm_010.save_checkpoint({str(checkpoint)!r})"],
+        [sys.executable, "-c", f"import tinylm_{version}; tinylm_{version}.save_checkpoint({str(checkpoint)!r})"],
         capture_output=True,
         text=True,
         env=env,
@@ -184,11 +191,11 @@ def test_an_adapter_written_for_0_1_0_passes_the_kit_with_deprecation_warnings(i
             "weightcache",
             "conformance",
             "--adapter",
-            "tinylm-010",
+            f"tinylm-{version}",
             "--model",
             str(checkpoint),
             "--inputs",
-            "tinylm_010:example_inputs",
+            f"tinylm_{version}:example_inputs",
             "--json",
             str(results),
         ],
@@ -204,6 +211,12 @@ def test_an_adapter_written_for_0_1_0_passes_the_kit_with_deprecation_warnings(i
     assert summary["passed"] and summary["counts"]["failed"] == summary["counts"]["error"] == 0, summary["counts"]
     assert summary["counts"]["passed"] > 50, summary["counts"]
     output = proc.stdout + proc.stderr
-    assert "weightcache.core.rebind is deprecated since weightcache 0.2.0" in output, output[-6000:]
-    assert "from weightcache import check_no_meta, meta_parameters, rebind_module" in output
-    assert "option 'note' is declared by its help text alone" in output, output[-6000:]
+    if version == "010":
+        assert "weightcache.core.rebind is deprecated since weightcache 0.2.0" in output, output[-6000:]
+        assert "from weightcache.adapter import check_no_meta, meta_parameters, rebind_module" in output
+        assert "option 'note' is declared by its help text alone" in output, output[-6000:]
+    else:
+        assert (
+            "weightcache.hookimpl is deprecated since weightcache 0.3.0 and goes in 0.4.0: "
+            "use from weightcache.adapter import hookimpl" in output
+        ), output[-6000:]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import weightcache
 import weightcache.adapters
 import weightcache.conformance
 import weightcache.core
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def all_modules() -> list[str]:
-    names = ["weightcache", "weightcache.__main__"]  # the public face (weightcache/)
+    names = ["weightcache.__main__", "weightcache._faces", *weightcache.FACES]  # the public modules (weightcache/)
     for package in (weightcache.core, weightcache.adapters, weightcache.conformance):
         names.append(package.__name__)
         names += [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]

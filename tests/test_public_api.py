@@ -1,19 +1,23 @@
-"""The public API: ``import weightcache`` stays light, every public name resolves, the adapters and examples import only
-public names, and no public name disappears or changes its signature without the snapshot saying so.
+"""The public API: ``import weightcache`` stays light, every public name of every public module resolves, the adapters
+and examples import only public names, and no public name disappears or changes its signature without the snapshot
+saying so; each name 0.2.0 served from ``weightcache`` that moved still imports from there, warning.
 
-The snapshot (tests/public_api.json) holds each public name with ``inspect.signature`` of it (of its constructor for a
-class) and of each public method and property a class defines. After a deliberate change, rewrite it with
+The snapshot (tests/public_api.json) holds each public module's names, each with ``inspect.signature`` of it (of its
+constructor for a class) and of each public method and property a class defines. After a deliberate change, rewrite it with
 ``WEIGHTCACHE_WRITE_API_SNAPSHOT=1 pytest tests/test_public_api.py`` and say what changed in CHANGELOG.md.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
 import inspect
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +26,12 @@ import weightcache
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = Path(__file__).with_name("public_api.json")
-PRIVATE = ("weightcache.core", "weightcache.conformance", "weightcache.adapters")
+PRIVATE = ("weightcache.core", "weightcache.conformance.", "weightcache.adapters")
+"""Private module prefixes (``weightcache.conformance`` itself is public, its submodules are not)."""
+MODULES = (*weightcache.FACES, "weightcache.conformance")
+"""Every public module."""
+NAMES_0_2_0 = Path(__file__).with_name("public_names_0_2_0.txt").read_text().split()
+"""What 0.2.0 served from ``weightcache``: each keeps importing from there for a minor version."""
 
 
 def _signature(obj: object) -> str:
@@ -52,22 +61,29 @@ def _describe(obj: object) -> object:
     return type(obj).__name__
 
 
-def current_api() -> dict[str, object]:
-    return {name: _describe(getattr(weightcache, name)) for name in sorted(weightcache.__all__)}
+def current_api() -> dict[str, dict[str, object]]:
+    api = {}
+    for module_name in MODULES:
+        module = importlib.import_module(module_name)
+        api[module_name] = {name: _describe(getattr(module, name)) for name in sorted(module.__all__)}
+    return api
 
 
 def test_the_public_api_matches_its_snapshot():
     api = current_api()
     if os.environ.get("WEIGHTCACHE_WRITE_API_SNAPSHOT") == "1":
         SNAPSHOT.write_text(json.dumps(api, indent=1, sort_keys=True) + "\n")
-    recorded = json.loads(SNAPSHOT.read_text())
-    gone = sorted(set(recorded) - set(api))
+    recorded = {
+        f"{module}.{name}": value for module, names in json.loads(SNAPSHOT.read_text()).items() for name, value in names.items()
+    }
+    now = {f"{module}.{name}": value for module, names in api.items() for name, value in names.items()}
+    gone = sorted(set(recorded) - set(now))
     changed = [
-        f"  {name}: was {json.dumps(recorded[name])}\n{' ' * (len(name) + 4)}now {json.dumps(api[name])}"
-        for name in sorted(set(recorded) & set(api))
-        if recorded[name] != api[name]
+        f"  {name}: was {json.dumps(recorded[name])}\n{' ' * (len(name) + 4)}now {json.dumps(now[name])}"
+        for name in sorted(set(recorded) & set(now))
+        if recorded[name] != now[name]
     ]
-    added = sorted(set(api) - set(recorded))
+    added = sorted(set(now) - set(recorded))
     assert not (gone or changed or added), (
         "the public API changed (a removal or a changed signature breaks adapters and engine forks: keep the old name "
         "working, warning, for a minor version; then rewrite the snapshot with WEIGHTCACHE_WRITE_API_SNAPSHOT=1 and say "
@@ -81,16 +97,40 @@ def test_the_snapshot_holds_no_address_or_path_of_this_machine():
 
 
 def test_every_public_name_resolves_to_the_object_of_its_module():
-    import importlib
-
-    for name, module in weightcache.NAMES.items():
-        assert getattr(weightcache, name) is getattr(importlib.import_module(module), name), name
-    assert sorted(weightcache.__all__) == sorted(weightcache.NAMES)
-    assert {"load_model", "hookimpl", "AdapterOption", "rebind_module", "ConformanceTests", "Fp8BlockConfig"} <= set(
-        weightcache.__all__
+    for face, names in weightcache.public_names().items():
+        module = importlib.import_module(face)
+        for name, home in names.items():
+            assert getattr(module, name) is getattr(importlib.import_module(home), name), f"{face}.{name}"
+        assert sorted(module.__all__) == sorted(names), face
+        with pytest.raises(AttributeError, match="no attribute 'load_modle'"):
+            module.load_modle  # noqa: B018
+    kit = importlib.import_module("weightcache.conformance")
+    assert all(getattr(kit, name) is not None for name in kit.__all__)
+    assert {"load_model", "ServerProcess", "WeightCacheError"} <= set(weightcache.__all__)
+    assert len(weightcache.__all__) <= 40, (
+        "weightcache is for people who load and serve models: put the rest in a module of its audience"
     )
-    with pytest.raises(AttributeError, match="no attribute 'load_modle'"):
-        weightcache.load_modle  # noqa: B018
+
+
+def test_each_name_0_2_0_served_still_imports_from_weightcache_warning_where_it_lives_now():
+    assert set(NAMES_0_2_0) == set(weightcache.NAMES) | set(weightcache.MOVED), "a name of 0.2.0 is neither public nor moved"
+    assert not set(weightcache.NAMES) & set(weightcache.MOVED)
+    assert not set(weightcache.MOVED) & set(weightcache.__all__) and not set(weightcache.MOVED) & set(dir(weightcache))
+    for name, face in weightcache.MOVED.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            value = getattr(weightcache, name)
+        assert value is getattr(importlib.import_module(face), name), name
+        assert [str(w.message) for w in caught] == [
+            f"weightcache.{name} is deprecated since weightcache 0.3.0 and goes in 0.4.0: use from {face} import {name}"
+        ]
+        assert caught[0].filename == __file__, "the warning points at the code that asked for the old name"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from weightcache import hookimpl  # the 0.2.0 spelling
+
+    assert hookimpl is importlib.import_module("weightcache.adapter").hookimpl
+    assert caught[0].filename == __file__ and "use from weightcache.adapter import hookimpl" in str(caught[0].message)
 
 
 def test_importing_weightcache_stays_light():
@@ -114,6 +154,13 @@ def _private_imports(path: Path, own: tuple[str, ...], root: Path = ROOT) -> lis
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module == "weightcache" and node.level == 0:
+            moved = [alias.name for alias in node.names if alias.name in weightcache.MOVED]
+            found += [f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)} (moved: {', '.join(moved)})"] if moved else []
+            continue
+        elif isinstance(node, ast.ImportFrom) and node.module == "weightcache.conformance" and node.level == 0:
+            kit = importlib.import_module(node.module).__all__
+            names = [f"{node.module}.{alias.name}" for alias in node.names if alias.name not in kit]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
         else:
@@ -134,8 +181,8 @@ def test_the_adapters_and_examples_import_only_the_public_api():
     ]
     found += [line for path in sorted((ROOT / "examples").rglob("*.py")) for line in _private_imports(path, ())]
     assert not found, (
-        "imports of private paths (import the name from weightcache; add it to weightcache/__init__.pyi if an adapter needs it):\n"
-        + "\n".join(f"  {line}" for line in found)
+        "imports of private paths or moved names (import the name from its public module, weightcache.adapter for an "
+        "adapter; add it to weightcache/adapter.pyi if an adapter needs it):\n" + "\n".join(f"  {line}" for line in found)
     )
 
 
@@ -143,23 +190,32 @@ def test_a_private_import_is_caught(tmp_path):
     """The check itself: each form of a private import is reported, the public ones are not."""
     module = tmp_path / "adapter.py"
     module.write_text(
-        "import weightcache\nfrom weightcache import hookimpl\nimport weightcache.core.errors\n"
+        "import weightcache\nfrom weightcache.adapter import hookimpl\nimport weightcache.core.errors\n"
         "from weightcache.core.load.rebind import rebind_module\ndef f():\n    from weightcache.conformance import checks\n"
+        "from weightcache import load_model, hookimpl\nfrom weightcache.conformance import ConformanceTests\n"
+        "import weightcache.conformance.checks\n"
     )
     found = _private_imports(module, (), root=tmp_path)
-    assert [line.split(":")[1] for line in found] == ["3", "4", "6"], found
+    assert sorted(int(line.split(":")[1]) for line in found) == [3, 4, 6, 7, 9], found
 
 
 def public_names_table() -> str:
-    """docs/api.md's table of public names, one row per group of the stub (its comment lines), in the stub's order."""
-    rows, group = [], None
-    for line in Path(weightcache.__file__).with_name("__init__.pyi").read_text().splitlines():
-        if line.startswith("# "):
-            group = line[2:]
-            rows.append([group, []])
-        elif line.startswith("from ") and group is not None:
-            rows[-1][1] += [name.split(" as ")[0].strip(" ()") for name in line.split(" import ", 1)[1].split(",")]
-    return "".join(f"| {title} | {', '.join(f'`{name}`' for name in names)} |\n" for title, names in rows)
+    """docs/api.md's table of public names: one row per group of each public module's stub (its comment lines), in the
+    stub's order; the kit's names from its ``__all__``."""
+    rows = []
+    for face in weightcache.FACES:
+        group = None
+        for line in Path(importlib.util.find_spec(face).origin or "").with_suffix(".pyi").read_text().splitlines():
+            if line.startswith("# "):
+                group = line[2:]
+                rows.append([face, group, []])
+            elif line.startswith("from ") and group is not None:
+                rows[-1][2] += [name.split(" as ")[0].strip(" ()") for name in line.split(" import ", 1)[1].split(",")]
+    kit = importlib.import_module("weightcache.conformance")
+    rows.append(
+        ["weightcache.conformance", "the kit: test classes an adapter's suite subclasses, its tensor assertions", kit.__all__]
+    )
+    return "".join(f"| `{face}` | {title} | {', '.join(f'`{name}`' for name in names)} |\n" for face, title, names in rows)
 
 
 def old_paths_table() -> str:
@@ -168,8 +224,8 @@ def old_paths_table() -> str:
 
     rows = ["| 0.1.0 path | now (private) | import instead |\n", "|---|---|---|\n"]
     for old, new in sorted({**old_paths.MOVED, **old_paths.FOLDED}.items()):
-        public = sorted(name for name, home in weightcache.NAMES.items() if home == new)
-        instead = f"`from weightcache import {', '.join(public)}`" if public else "(nothing public: its names are internal)"
+        instead = old_paths.public_import(new)
+        instead = f"`{instead[4:]}`" if instead.startswith("use from weightcache") else "(nothing public: its names are internal)"
         rows.append(f"| `{old}` | `{new}` | {instead} |\n")
     return "".join(rows)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import attrs
 
 if typing.TYPE_CHECKING:
-    from weightcache import LoadRequest
+    from weightcache.adapter import LoadRequest
 
 
 @attrs.define(eq=False)

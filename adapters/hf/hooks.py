@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import typing
 
-from weightcache import AdapterOption, hookimpl
+from weightcache.adapter import AdapterOption, hookimpl
 from weightcache.adapters.hf import identity
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def weightcache_describe(request):
 
 @hookimpl
 def weightcache_checkpoint_conventions(request):
-    from weightcache import CheckpointConventions
+    from weightcache.adapter import CheckpointConventions
     from weightcache.adapters.hf.checkpoint_names import TransformersNames
 
     # transformers renames keys while loading (legacy names, fused experts); the kit asks it which tensor holds each.
@@ -70,7 +70,7 @@ def weightcache_warm_up(request, for_publish):
 def _has_entry(key: str) -> bool:
     """Whether the store holds an entry ``key`` (the load parses and checks it; a damaged one makes it build the
     skeleton itself)."""
-    from weightcache import default_store
+    from weightcache.adapter import default_store
     from weightcache.adapters.hf.layout_key import MAX_ENTRY_BYTES
 
     return default_store().read_entry(key, MAX_ENTRY_BYTES) is not None
@@ -99,7 +99,7 @@ def weightcache_post_process(request, model, description):
 
 @hookimpl
 def weightcache_manifest_extra(request, model):
-    from weightcache import Fp8BlockLinear
+    from weightcache.adapter import Fp8BlockLinear
     from weightcache.adapters.hf.layout import class_name_of
 
     class_name = class_name_of(model)

@@ -12,13 +12,14 @@ import typing
 from pathlib import Path
 from types import ModuleType
 
-from weightcache import ModelDescription, UnsupportedQuantization, __version__, dtype_name, looks_like_hub_id, to_dtype
+from weightcache import __version__
+from weightcache.adapter import ModelDescription, UnsupportedQuantization, dtype_name, looks_like_hub_id, to_dtype
 
 if typing.TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from weightcache import Fp8BlockConfig, LoadRequest
+    from weightcache.adapter import Fp8BlockConfig, LoadRequest
 
 FP8_BLOCK = "fp8-block"
 
@@ -76,7 +77,7 @@ def fp8_config(config: dict, requested: str | None, options: dict) -> "Fp8BlockC
 
     Raises UnsupportedQuantization for a method other than block FP8.
     """
-    from weightcache import Fp8BlockConfig
+    from weightcache.adapter import Fp8BlockConfig
 
     stored = checkpoint_quantization(config)
     if stored == FP8_BLOCK:

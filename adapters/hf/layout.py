@@ -30,11 +30,11 @@ import typing
 import attrs
 import torch
 
-from weightcache import to_dtype
+from weightcache.adapter import to_dtype
 from weightcache.adapters.hf.layout_key import FORMAT, MAX_ENTRY_BYTES
 
 if typing.TYPE_CHECKING:
-    from weightcache import DigestStore
+    from weightcache.adapter import DigestStore
 
 log = logging.getLogger(__name__)
 

@@ -79,7 +79,7 @@ def prepare(refused: typing.Iterable[str] = REFUSED) -> None:
 def learn(arguments: dict, refused: typing.Mapping[str, tuple[str, ...]] = REFUSED) -> "Layout | None":
     """The layout of the skeleton of the model ``arguments`` name (None where it cannot be remembered), built as a
     load builds it; RefusedPackage where a transformers module loaded meanwhile mentions a ``refused`` package."""
-    from weightcache import LoadRequest
+    from weightcache.adapter import LoadRequest
     from weightcache.adapters.hf import identity, loading
 
     request = LoadRequest(

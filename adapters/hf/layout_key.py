@@ -11,7 +11,7 @@ import json
 import typing
 
 if typing.TYPE_CHECKING:
-    from weightcache import LoadRequest
+    from weightcache.adapter import LoadRequest
 
 FORMAT = 2
 """The layout format's version: part of every key, so a change of format never reads an old entry (2: which modules

@@ -25,10 +25,10 @@ import sys
 import threading
 import typing
 
-from weightcache import env_switch, usable_cpus
+from weightcache.adapter import env_switch, usable_cpus
 
 if typing.TYPE_CHECKING:
-    from weightcache import LoadRequest
+    from weightcache.adapter import LoadRequest
     from weightcache.adapters.hf.layout import Layout
 
 log = logging.getLogger(__name__)

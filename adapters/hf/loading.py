@@ -8,7 +8,7 @@ import sys
 import time
 import typing
 
-from weightcache import RebindError, UnsupportedQuantization, check_no_meta, meta_parameters, to_dtype
+from weightcache.adapter import RebindError, UnsupportedQuantization, check_no_meta, meta_parameters, to_dtype
 from weightcache.adapters.hf import identity, layout, layout_process
 from weightcache.adapters.hf.identity import load_dtype, model_class
 from weightcache.adapters.hf.layout_key import layout_key
@@ -17,7 +17,7 @@ if typing.TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from weightcache import ArenaBuilder, LoadRequest, Manifest, ModelDescription
+    from weightcache.adapter import ArenaBuilder, LoadRequest, Manifest, ModelDescription
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def load_into_arenas(request: "LoadRequest", config: dict, builder: "ArenaBuilde
     """
     import concurrent.futures
 
-    from weightcache import checkpoint_tensors, default_store, importing, read_checkpoint
+    from weightcache.adapter import checkpoint_tensors, default_store, importing, read_checkpoint
 
     dtype = load_dtype(request, config)
     wanted_dtype = identity.load_dtype_name(request, config)  # the dtype's name, as the warm-up names its layout entry
@@ -210,7 +210,7 @@ def load_tensors(request: "LoadRequest", tensors: "typing.Mapping[str, torch.Ten
     config = identity.read_config(request.model, request.revision)
     if identity.checkpoint_quantization(config) == identity.FP8_BLOCK:
         return _prequantized(request, config, dict(tensors))
-    from weightcache import default_store
+    from weightcache.adapter import default_store
 
     dtype = load_dtype(request, config)
     store = default_store()
@@ -277,7 +277,7 @@ def load_prequantized_fp8(request: "LoadRequest", config: dict) -> "torch.nn.Mod
     """A checkpoint that stores block-FP8 weights and ``weight_scale_inv``: bind them, never re-quantize."""
     import safetensors.torch
 
-    from weightcache import checkpoint_files
+    from weightcache.adapter import checkpoint_files
 
     device = request.device.torch()
     tensors = {}
@@ -288,7 +288,7 @@ def load_prequantized_fp8(request: "LoadRequest", config: dict) -> "torch.nn.Mod
 
 def _prequantized(request: "LoadRequest", config: dict, tensors: "dict[str, torch.Tensor]") -> "torch.nn.Module":
     """The model holding a block-FP8 checkpoint's ``tensors`` as they are stored (weights and ``weight_scale_inv``)."""
-    from weightcache import load_prequantized
+    from weightcache.adapter import load_prequantized
 
     fp8 = identity.fp8_config(config, None, dict(request.options))
     if fp8 is None:
@@ -352,7 +352,7 @@ def build_skeleton(request: "LoadRequest", manifest: "Manifest") -> "torch.nn.Mo
     """
     import torch
 
-    from weightcache import Fp8BlockLinear
+    from weightcache.adapter import Fp8BlockLinear
 
     extra = manifest.extra
     model = skeleton(request, drop_quantization=True, dtype=to_dtype(extra["dtype"]), class_name=extra.get("model_class"))
@@ -373,7 +373,7 @@ def post_process(request: "LoadRequest", model: "torch.nn.Module", description: 
     """Block-FP8 quantization while loading, where the description asks for it and the checkpoint was not stored so."""
     if description.quantization != identity.FP8_BLOCK or getattr(model, PREQUANTIZED_ATTR, False):
         return model
-    from weightcache import Fp8BlockConfig, quantize_model
+    from weightcache.adapter import Fp8BlockConfig, quantize_model
 
     converted = quantize_model(model, Fp8BlockConfig.from_json(description.quantization_config))
     if not converted:
@@ -388,7 +388,7 @@ def post_process(request: "LoadRequest", model: "torch.nn.Module", description: 
 
 def rebind(request: "LoadRequest", tensors: "dict[str, torch.Tensor]", manifest: "Manifest") -> "torch.nn.Module":
     """The meta-device model for ``manifest``, its parameters and buffers pointed at the mapped ``tensors``."""
-    from weightcache import rebind_module
+    from weightcache.adapter import rebind_module
 
     model = build_skeleton(request, manifest)
     return rebind_module(model, tensors, manifest, device=request.device.torch())

@@ -19,11 +19,11 @@ import typing
 
 import attrs
 
-from weightcache import ParallelSpec
+from weightcache.adapter import ParallelSpec
 from weightcache.adapters import engine_quantization
 
 if typing.TYPE_CHECKING:
-    from weightcache import LoadRequest
+    from weightcache.adapter import LoadRequest
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ SGLang is imported inside the hooks only.
 
 from __future__ import annotations
 
-from weightcache import CheckpointConventions, ForwardUnavailable, hookimpl
+from weightcache.adapter import CheckpointConventions, ForwardUnavailable, hookimpl
 from weightcache.adapters.engine_support import ENGINE_LOADED_TENSORS, check_publishable
 from weightcache.adapters.sglang import engine, identity, loading
 

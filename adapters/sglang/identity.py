@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import typing
 
-from weightcache import ModelDescription, UnsupportedQuantization
+from weightcache.adapter import ModelDescription, UnsupportedQuantization
 from weightcache.adapters import engine_quantization, engine_support
 from weightcache.adapters.engine_support import engine_description
 from weightcache.adapters.sglang.engine import DeviceConfig, EngineObjects, LoadConfig, ModelConfig, Ranks, ServerArgs
 
 if typing.TYPE_CHECKING:
-    from weightcache import LoadRequest
+    from weightcache.adapter import LoadRequest
 
 
 FP8_BLOCK = engine_quantization.FP8_BLOCK

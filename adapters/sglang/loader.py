@@ -27,7 +27,7 @@ if typing.TYPE_CHECKING:
     from sglang.srt.configs.model_config import ModelConfig
     from torch import nn
 
-    from weightcache import LoadRequest
+    from weightcache.adapter import LoadRequest
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def _build_class():
         """Loads through weightcache; ``model_loader_extra_config`` takes ``mode`` (off, daemon, client), ``socket_dir``, ``strict``, ``republish``, ``timeout_s``."""
 
         def __init__(self, load_config: LoadConfig):
-            from weightcache import CacheOptions
+            from weightcache.engine import CacheOptions
 
             super().__init__(load_config)
             self.options = CacheOptions.from_mapping(load_config.model_loader_extra_config, OPTIONS_WHERE)
@@ -83,7 +83,7 @@ def load_request(load_config: LoadConfig, model_config: ModelConfig, device_conf
     downloader fetches the safetensors files first (the fingerprint reads them),
     after that refusal.
     """
-    from weightcache import LoadRequest
+    from weightcache.adapter import LoadRequest
     from weightcache.adapters.sglang import identity
     from weightcache.adapters.sglang.engine import STATE_KEY, EngineObjects
 
@@ -104,7 +104,7 @@ def load_model(loader: typing.Any, *, model_config: ModelConfig, device_config: 
 
     ``loader`` is typed Any: its class is defined on first use (``loader_class``).
     """
-    from weightcache import run
+    from weightcache.engine import run
 
     loader.preloaded_weights_bytes = 0
     from weightcache.adapters import engine_refit

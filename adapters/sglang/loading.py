@@ -28,7 +28,7 @@ from weightcache.adapters.sglang import internals
 if typing.TYPE_CHECKING:
     import torch
 
-    from weightcache import Manifest
+    from weightcache.adapter import Manifest
     from weightcache.adapters.sglang.engine import EngineObjects
 
 ModelLoader = typing.Any  # sglang.srt.model_loader.loader.DefaultModelLoader; SGLang is imported inside functions only
@@ -105,7 +105,7 @@ def rebind(
     """SGLang's model built on the meta device, every parameter, buffer and tensor attribute pointed at ``tensors``."""
     import torch
 
-    from weightcache import rebind_module
+    from weightcache.adapter import rebind_module
 
     loader = default_loader(configs)
     on_meta = copy.copy(configs.device_config)  # SGLang's DeviceConfig accepts no "meta"; its loader reads only .device

@@ -15,13 +15,13 @@ import typing
 
 import attrs
 
-from weightcache import ParallelSpec
+from weightcache.adapter import ParallelSpec
 from weightcache.adapters.engine_support import Registrations
 
 if typing.TYPE_CHECKING:
     import torch
 
-    from weightcache import LoadRequest
+    from weightcache.adapter import LoadRequest
 
 # vLLM's objects, as typing.Any: vLLM is imported inside functions only.
 VllmConfig = typing.Any  # vllm.config.VllmConfig

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-from weightcache import CheckpointConventions, ForwardUnavailable, hookimpl
+from weightcache.adapter import CheckpointConventions, ForwardUnavailable, hookimpl
 from weightcache.adapters.engine_support import ENGINE_LOADED_TENSORS, check_publishable
 from weightcache.adapters.vllm import identity, loading
 from weightcache.adapters.vllm.engine import engine_objects
@@ -61,7 +61,7 @@ def weightcache_post_process(request, model, description):
 @hookimpl
 def weightcache_export(request, model, builder):
     """The core's export (every parameter, buffer and tensor attribute), after refusing emptied parameters."""
-    from weightcache import export_module
+    from weightcache.adapter import export_module
 
     check_publishable(model)
     manifest = export_module(model, builder)

@@ -14,13 +14,13 @@ import dataclasses
 import json
 import typing
 
-from weightcache import ModelDescription, UnsupportedQuantization, check_quantization
+from weightcache.adapter import ModelDescription, UnsupportedQuantization, check_quantization
 from weightcache.adapters import engine_quantization, engine_support
 from weightcache.adapters.engine_support import engine_description
 from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, LoadConfig, ModelConfig, VllmConfig, engine_objects
 
 if typing.TYPE_CHECKING:
-    from weightcache import LoadRequest
+    from weightcache.adapter import LoadRequest
 
 COVERED_BY_CORE = ("checkpoint", "model_arch", "tp_size", "tp_rank", "pp_size", "pp_rank", "dp_size", "dtype", "vllm_version")
 """WeightCacheKey fields that the core fingerprint already holds (the checkpoint as a hash of every safetensors header)."""

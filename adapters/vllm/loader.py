@@ -19,7 +19,7 @@ from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, LoadConfi
 if typing.TYPE_CHECKING:
     import torch
 
-    from weightcache import LoadRequest
+    from weightcache.adapter import LoadRequest
     from weightcache.adapters.vllm.loading import DefaultModelLoader
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def _build_class():
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    from weightcache import CacheOptions
+    from weightcache.engine import CacheOptions
 
     class WeightcacheModelLoader(BaseModelLoader):
         """Loads through weightcache: ``--load-format weightcache --model-loader-extra-config '{"mode": "client"}'``."""
@@ -95,7 +95,7 @@ def target_device(load_config: LoadConfig, vllm_config: VllmConfig) -> "torch.de
 
 def load_request(load_config: LoadConfig, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> "LoadRequest":
     """The ``LoadRequest`` of this rank: what the ``vllm`` adapter's hooks load, with vLLM's objects in its state."""
-    from weightcache import LoadRequest
+    from weightcache.adapter import LoadRequest
 
     device = target_device(load_config, vllm_config)
     ranks = Ranks.current()
@@ -117,7 +117,7 @@ def load_model(loader: typing.Any, vllm_config: VllmConfig, model_config: ModelC
 
     ``loader`` is typed Any: its class is defined on first use (``loader_class``).
     """
-    from weightcache import run
+    from weightcache.engine import run
 
     request = load_request(loader.load_config, vllm_config, model_config, prefix)
     loaded = run(request, loader.options)
@@ -147,7 +147,7 @@ def external_weight_memory(loader: typing.Any, vllm_config: VllmConfig) -> int:
 
 
 def _entry_bytes(loader, vllm_config, model_config) -> int:
-    from weightcache import prepare
+    from weightcache.engine import prepare
 
     if loader.options.mode == "off":
         return 0

@@ -27,7 +27,7 @@ from weightcache.adapters.engine_support import HeldReferences, isolated, no_wri
 if typing.TYPE_CHECKING:
     import torch
 
-    from weightcache import Manifest
+    from weightcache.adapter import Manifest
     from weightcache.adapters.vllm.engine import EngineObjects, LoadConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def rebind(objects: "EngineObjects", tensors: "dict[str, torch.Tensor]", manifes
     from vllm.model_executor.utils import weights_already_processed
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from weightcache import check_no_meta, rebind_module
+    from weightcache.adapter import check_no_meta, rebind_module
 
     model_config, device = objects.model_config, objects.device
     with objects.current(), isolated(rope_table()), set_default_torch_dtype(model_config.dtype):
@@ -159,7 +159,7 @@ def skeleton_part(model: "torch.nn.Module", manifest: "Manifest") -> "Manifest":
     (bound only after it ran, so that it never writes into mapped memory)."""
     import attrs
 
-    from weightcache import tensor_attributes
+    from weightcache.adapter import tensor_attributes
 
     present = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     present |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
@@ -210,7 +210,7 @@ def check_pre_processed_support(model: "torch.nn.Module", model_config: "ModelCo
     """vLLM's own per-layer gate: every quant method must accept pre-processed weights."""
     from vllm.model_executor.model_loader.weight_cache.protocol import UnsupportedQuantForIPCError, check_ipc_quant_support
 
-    from weightcache import UnsupportedQuantization
+    from weightcache.adapter import UnsupportedQuantization
 
     try:
         check_ipc_quant_support(model)

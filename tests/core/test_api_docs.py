@@ -26,8 +26,8 @@ from tests.helpers import assert_tensors_equal
 
 with torch.device("meta"):
     again = model_class(config)
-second = weightcache.attach(fp)
-weightcache.rebind(again, second, device=device)
+second = weightcache.engine.attach(fp)
+weightcache.engine.rebind(again, second, device=device)
 ids = torch.arange(24).reshape(2, 12) % config.vocab_size
 inputs = {"input_ids": ids}
 if config.is_encoder_decoder:

@@ -12,8 +12,10 @@ import json
 import pytest
 
 from tests.helpers import EXAMPLE_SRC, past_the_racy_window
-from weightcache import AdapterOption, LoadRequest, Plugins, UnsupportedQuantization, hookimpl
+from weightcache import UnsupportedQuantization
+from weightcache.adapter import AdapterOption, LoadRequest, hookimpl
 from weightcache.core.flow import loader
+from weightcache.engine import Plugins
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from weightcache import usable_cpus
+from weightcache.adapter import usable_cpus
 
 DEADLINE_S = 2.0
 CPU_LIMIT_S = 1.0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import safetensors.torch
 import torch
 
-from weightcache import (
+from weightcache.adapter import (
     CheckpointConventions,
     Fp8BlockConfig,
     ModelDescription,
