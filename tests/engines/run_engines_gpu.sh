@@ -14,8 +14,10 @@
 # engine's Python (pip install cuda-bindings); curl. MODEL (default Qwen/Qwen2.5-0.5B-Instruct) must be a local
 # directory or be in the Hugging Face cache. weightcache itself is put on the path from this checkout with its
 # entry points (so both engines find their plugins), without pip. Logs and JSON go to OUTDIR.
-# Not run by CI or on the development machines (no GPU there, and neither engine installs next to the GPU machine's
-# torch 2.11): see docs/engines.md, "What was run".
+# Environment: ENGINES (default "vllm sglang"), VLLM_ARGS / SGLANG_ARGS (more arguments for every start of that
+# engine, split on spaces), PROMPTS (a JSON list of strings), PORT, MEM.
+# On the H200 machine it runs from tests/gpu/engine_gpu.sh, with vLLM 0.33.0 carried by tests/gpu/engine_wheels.sh
+# (docs/engines.md, "vLLM on the H200"). Not run by CI or on the development machines (no GPU there).
 set -uo pipefail
 OUT=${1:?usage: tests/engines/run_engines_gpu.sh OUTDIR [MODEL]}
 MODEL=${2:-${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}}
@@ -31,6 +33,8 @@ chmod 700 "$SOCK"
 SHIM=$(mktemp -d /tmp/wc-shim-XXXX)
 mkdir -p "$SHIM/weightcache" "$SHIM/weightcache-0.0.0.dist-info"
 for part in core adapters conformance; do ln -s "$ROOT/$part" "$SHIM/weightcache/$part"; done
+# The public package itself (weightcache/__init__.py and its stub) beside them: the shim is the one weightcache package.
+for file in "$ROOT"/weightcache/*; do ln -s "$file" "$SHIM/weightcache/"; done
 printf 'Metadata-Version: 2.1\nName: weightcache\nVersion: 0.0.0\n' > "$SHIM/weightcache-0.0.0.dist-info/METADATA"
 python3 - "$SHIM" "$ROOT/pyproject.toml" <<'PY'
 import sys, tomllib
@@ -41,7 +45,7 @@ for group, entries in project.get("entry-points", {}).items():
     lines += [f"{name} = {target}" for name, target in entries.items()]
 open(f"{sys.argv[1]}/weightcache-0.0.0.dist-info/entry_points.txt", "w").write("\n".join(lines) + "\n")
 PY
-export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$SHIM:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 SERVER_PID=""
 ENGINE_PID=""
@@ -53,7 +57,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-PROMPTS='["The capital of France is", "def fibonacci(n):", "Water boils at", "The three laws of robotics are", "Once upon a time"]'
+PROMPTS=${PROMPTS:-'["The capital of France is", "def fibonacci(n):", "Water boils at", "The three laws of robotics are", "Once upon a time"]'}
 
 wait_ready() {  # wait_ready LOGFILE -> prints seconds to ready, or fails after 20 minutes
   local start=$SECONDS
@@ -81,13 +85,15 @@ PY
 
 run_variant() {  # run_variant ENGINE PYTHON NAME [extra args...]
   local engine=$1 python=$2 name=$3; shift 3
-  local log="$OUT/$engine-$name.log"
+  local log="$OUT/$engine-$name.log" extra
   if [ "$engine" = vllm ]; then
+    read -r -a extra <<< "${VLLM_ARGS:-}"
     "$python" -m vllm.entrypoints.cli.main serve "$MODEL" --port "$PORT" --gpu-memory-utilization "$MEM" \
-      --max-model-len 2048 "$@" > "$log" 2>&1 &
+      --max-model-len 2048 "${extra[@]}" "$@" > "$log" 2>&1 &
   else
+    read -r -a extra <<< "${SGLANG_ARGS:-}"
     "$python" -m sglang.launch_server --model-path "$MODEL" --port "$PORT" --mem-fraction-static "$MEM" \
-      --context-length 2048 "$@" > "$log" 2>&1 &
+      --context-length 2048 "${extra[@]}" "$@" > "$log" 2>&1 &
   fi
   ENGINE_PID=$!
   local ready
@@ -144,7 +150,7 @@ python3 -m weightcache.core.cli.cli serve --socket-dir "$SOCK" > "$OUT/server.lo
 SERVER_PID=$!
 sleep 2
 
-for engine in vllm sglang; do
+for engine in ${ENGINES:-vllm sglang}; do
   var=$(echo "$engine" | tr a-z A-Z)_PYTHON
   python=${!var:-python3}
   if ! "$python" -c "import $engine, cuda.bindings" 2>/dev/null; then
