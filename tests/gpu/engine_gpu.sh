@@ -73,13 +73,15 @@ for name in ("vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch", "vllm.vll
         print("loaded", name)
     except Exception as exc:
         print("FAILED", name, type(exc).__name__, exc)
-x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
-w = torch.ones(256, device="cuda", dtype=torch.bfloat16)
-out = torch.empty_like(x)
-torch.ops._C.rms_norm(out, x, w, 1e-6)
-ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-print("_C rms_norm on cuda, max error vs torch:", (out.float() - ref).abs().max().item())
-from vllm.vllm_flash_attn import flash_attn_varlen_func
+try:  # one of vLLM's own CUDA kernels, called through torch 2.11's dispatcher
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(256, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    torch.ops._C.rms_norm(out, x, w, 1e-6)
+    ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    print("_C rms_norm on cuda, max error vs torch:", (out.float() - ref).abs().max().item())
+except Exception as exc:
+    print("FAILED _C rms_norm", type(exc).__name__, exc)
 import vllm.model_executor.model_loader.weight_cache.protocol, weightcache.adapters.vllm.loader
 print("vLLM loader modules and the weightcache adapter import")
 PY
