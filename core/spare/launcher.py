@@ -36,110 +36,45 @@ import sys
 import time
 import typing
 
-import attrs
-
 from weightcache.core import __version__
 from weightcache.core.cli.cli_options import add_socket_dir, help_text
 from weightcache.core.cli.launch import ask, connect
 from weightcache.core.device import Device
 from weightcache.core.errors import LauncherError, LaunchRefused, ProtocolError
 from weightcache.core.socket_dir import SocketDir, SocketDirLike
-from weightcache.core.spare.become import become, fresh_state, run_target, settle
-from weightcache.core.spare.children import Nursery, parent_death_signal
+from weightcache.core.spare.ahead import (
+    CUDA_ENVIRONMENT,
+    CUDA_FD_FLOOR,
+    ForksAhead,
+    Waiting,
+    cuda_environment_differences,
+    opened_above,
+)
+from weightcache.core.spare.engines import AHEAD_DELAY_S, Child, RunningEngine, try_send
 from weightcache.core.spare.preload import Preloaded, nvml_based_cuda_check, prepare
-from weightcache.core.spare.warm import prepare_cuda
 from weightcache.core.wire.launch_request import LaunchRequest, Target, launcher_socket
 from weightcache.core.wire.paths import ensure_private_dir, peer_credentials
 from weightcache.core.wire.protocol import FrameReader, close_fds, error_reply, ok_reply, send_frame
 
+__all__ = [  # the names this module had before the launcher was split, where callers import them
+    "AHEAD_DELAY_S",
+    "CUDA_ENVIRONMENT",
+    "CUDA_FD_FLOOR",
+    "REQUEST_DEADLINE_S",
+    "Child",
+    "Launcher",
+    "add_parser",
+    "cuda_environment_differences",
+    "opened_above",
+    "run",
+]
+
 log = logging.getLogger(__name__)
 
 REQUEST_DEADLINE_S = 10.0
-AHEAD_DELAY_S = 1.0
-"""After starting an engine, how long the launcher waits before it forks the next child ahead: the engine that starts
-has the cores meanwhile."""
-CUDA_ENVIRONMENT = ("CUDA_", "NVIDIA_", "CUBLAS", "CUDNN", "NCCL_")
-"""Environment names (prefixes) a CUDA context is made under: a child forked ahead with ``--cuda-ready`` takes only a
-request that agrees with the launcher on all of them (torch's own ``PYTORCH_``/``TORCH`` names must agree for any fork)."""
-_READY = b"R"
-"""What a child forked ahead writes to its channel once it waits for a request (its CUDA context made, if asked)."""
-_CUDA_READY_FAILED = 75
-"""A child forked ahead exits with this when it cannot make the CUDA context ``--cuda-ready`` asks for."""
-CUDA_FD_FLOOR = 256
-"""The fds a ``--cuda-ready`` child's CUDA context opens are numbered from here up (``opened_above``), and stay open
-through ``become``; a request that gives its engine an fd numbered here or above is forked without a context."""
 
 
-def cuda_environment_differences(launcher_env: typing.Mapping[str, str], caller_env: typing.Mapping[str, str]) -> list[str]:
-    """The names of ``CUDA_ENVIRONMENT`` on which the caller's environment differs from the launcher's, sorted."""
-    names = {n for n in launcher_env.keys() | caller_env.keys() if n.startswith(CUDA_ENVIRONMENT)}
-    return sorted(n for n in names if launcher_env.get(n) != caller_env.get(n))
-
-
-def opened_above(floor: int, make: typing.Callable[[], object]) -> frozenset[int]:
-    """Run ``make`` with every free fd below ``floor`` taken meanwhile, so that what it opens is numbered ``floor`` or
-    above (none can be one of a caller's low numbers); the fds it opened and left open. OSError (EMFILE) when the
-    open-file limit is below ``floor``."""
-
-    def listed() -> set[int]:
-        return {int(fd) for fd in os.listdir("/proc/self/fd")}
-
-    before = listed()
-    taken = []
-    try:
-        while True:
-            fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)  # the lowest free number
-            if fd >= floor:
-                os.close(fd)
-                break
-            taken.append(fd)
-        make()
-    finally:
-        for fd in taken:
-            os.close(fd)
-    return frozenset(fd for fd in listed() - before if fd >= floor)
-
-
-@attrs.define
-class _Engine:
-    """An engine this launcher forked: the caller's connection (None once it closed) and the engine's pidfd."""
-
-    conn: socket.socket | None
-    pidfd: int
-    returncode: int | None = None
-
-
-@attrs.define
-class _Waiting:
-    """A child forked ahead of the next request (with its nursery forked already): it waits on ``channel``."""
-
-    pid: int
-    pidfd: int
-    channel: socket.socket
-    ready: bool = False
-    """It wrote ``_READY``: it waits for a request (with its CUDA context, under ``--cuda-ready``)."""
-
-
-@attrs.define
-class Child:
-    """What ``serve`` returns in a forked child: run it (never returns)."""
-
-    target: Target
-    preloaded: Preloaded
-    nursery: bool = True
-    """Whether the engine's ``spawn`` children are forked from a nursery (core/spare/children.py), not exec'd."""
-    opened: Nursery | None = None
-    """The nursery, where the child was forked ahead of its request and forked it while it waited."""
-
-    def run(self) -> typing.NoReturn:
-        if self.opened is not None:
-            self.opened.install()
-        elif self.nursery:
-            Nursery.open(self.preloaded).install()
-        run_target(self.target, fresh_state(self.target, self.preloaded))
-
-
-class Launcher:
+class Launcher(ForksAhead):
     """Serves engine starts on ``launcher.sock`` in ``socket_dir``: ``start()``, then ``serve()``."""
 
     def __init__(
@@ -169,8 +104,8 @@ class Launcher:
         self.preloaded: Preloaded | None = None
         self.retired = False
         self._listener: socket.socket | None = None
-        self._engines: dict[int, _Engine] = {}
-        self._waiting: _Waiting | None = None
+        self._engines: dict[int, RunningEngine] = {}
+        self._waiting: Waiting | None = None
         self._ahead_at = 0.0
         """When to fork the next child ahead (``time.monotonic``)."""
         self._selector: selectors.BaseSelector | None = None
@@ -327,7 +262,7 @@ class Launcher:
         pid, uid, _ = peer_credentials(conn)
         if uid != os.geteuid():
             log.warning("refused pid %d of uid %d: the launcher runs as uid %d", pid, uid, os.geteuid())
-            _try_send(conn, error_reply("access_denied", f"uid {uid} may not use a launcher of uid {os.geteuid()}"))
+            try_send(conn, error_reply("access_denied", f"uid {uid} may not use a launcher of uid {os.geteuid()}"))
             conn.close()
             return None
         frame = FrameReader(conn, deadline_s=REQUEST_DEADLINE_S).read(idle_timeout=REQUEST_DEADLINE_S)
@@ -349,7 +284,7 @@ class Launcher:
             return None
         if op != "launch":
             close_fds(fds)
-            _try_send(conn, error_reply("unknown_op", f"unknown request {op!r}; run the same weightcache version"))
+            try_send(conn, error_reply("unknown_op", f"unknown request {op!r}; run the same weightcache version"))
             conn.close()
             return None
         try:
@@ -362,172 +297,12 @@ class Launcher:
         except LaunchRefused as exc:
             close_fds(fds)
             log.info("refused a launch from pid %d: %s", pid, exc)
-            _try_send(conn, error_reply(exc.reason, str(exc)))
+            try_send(conn, error_reply(exc.reason, str(exc)))
             conn.close()
             return None
         if self._waiting is not None and self._takes(request) and self._hand_over(conn, request, fds):
             return None
         return self._fork(conn, request, fds, target)
-
-    def _fork_waiting(self) -> Child | None:
-        """Fork the child that takes the next request (it forks its nursery meanwhile), unless one waits already. In
-        that child, once it has a request: the Child to run."""
-        if not self.fork_ahead or self._waiting is not None or self.retired or self._stopping:
-            return None
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        pid = os.fork()
-        if pid == 0:
-            ours.close()
-            return self._wait_for_request(theirs)
-        theirs.close()
-        self._waiting = _Waiting(pid, os.pidfd_open(pid), ours)
-        assert self._selector is not None
-        self._selector.register(self._waiting.pidfd, selectors.EVENT_READ, ("waiting", pid))
-        self._selector.register(ours, selectors.EVENT_READ, ("ready", pid))
-        return None
-
-    def _wait_for_request(self, channel: socket.socket) -> Child:
-        """In the child forked ahead: leave the launcher's session and fds, die with the launcher until a request comes, fork the
-        nursery, then take the request the launcher hands over (with the caller's connection) as a fork would."""
-        self._release_in_child(channel)
-        os.setsid()  # now, so that the nursery forked below is in the engine's session and process group
-        parent_death_signal(signal.SIGKILL)
-        if os.getppid() != self.pid:
-            os._exit(0)
-        assert self.preloaded is not None
-        opened = Nursery.open(self.preloaded) if self.nursery else None
-        settle(self.preloaded)
-        keep: frozenset[int] = frozenset()
-        if self.cuda_ready is not None:  # after the nursery's fork: the engine's spawn children start without CUDA
-            device = self.cuda_ready
-            try:
-                keep = opened_above(CUDA_FD_FLOOR, lambda: prepare_cuda(device))
-            except Exception as exc:
-                print(f"weightcache launcher: cannot make a CUDA context on {device} ahead: {exc}", file=sys.stderr)
-                os._exit(_CUDA_READY_FAILED)
-        try:
-            channel.sendall(_READY)
-        except OSError:  # the launcher handed a request over and closed its end before this: the request is still there
-            pass
-        frame = FrameReader(channel).read(idle_timeout=None)
-        if frame is None:
-            os._exit(0)
-        parent_death_signal(0)  # an engine outlives its launcher
-        channel.close()
-        message, fds = frame
-        conn = socket.socket(fileno=fds[0])
-        request = LaunchRequest.from_message(message, len(fds) - 1)
-        become(request, fds[1:], conn, session=False, keep=keep)
-        return Child(Target.parse(request.argv), self.preloaded, self.nursery, opened)
-
-    def _takes(self, request: LaunchRequest) -> bool:
-        """Whether the child forked ahead may take ``request``: under ``--cuda-ready``, only with the launcher's CUDA
-        environment (its context was made under it)."""
-        if self.cuda_ready is None:
-            return True
-        assert self.preloaded is not None
-        differ = cuda_environment_differences(self.preloaded.env, request.env)
-        if differ:
-            log.info("the child forked ahead made its CUDA context under another %s: forking one without", ", ".join(differ[:3]))
-        high = [fd for fd in request.fds if fd >= CUDA_FD_FLOOR]
-        if high:
-            log.info("the request gives its engine fd %d, where the CUDA context's are: forking one without", high[0])
-        return not differ and not high
-
-    def _waiting_ready(self, pid: int) -> None:
-        """The child forked ahead wrote to its channel: it is ready (or it ended, and its pidfd says so next). Nothing
-        when that child is gone already (handed a request or ended, in the same round of events)."""
-        waiting = self._waiting
-        if waiting is None or waiting.pid != pid:
-            return
-        assert self._selector is not None
-        self._selector.unregister(waiting.channel)
-        try:
-            waiting.ready = waiting.channel.recv(1) == _READY
-        except OSError:
-            waiting.ready = False
-
-    def _unregister_waiting(self, waiting: _Waiting) -> None:
-        assert self._selector is not None
-        self._selector.unregister(waiting.pidfd)
-        if not waiting.ready:
-            try:
-                self._selector.unregister(waiting.channel)
-            except (KeyError, ValueError):
-                pass  # read already: it had ended
-
-    def _hand_over(self, conn: socket.socket, request: LaunchRequest, fds: list[int]) -> bool:
-        """Give the request and the caller's connection to the child forked ahead; False if it cannot take it (a fork
-        will)."""
-        waiting, self._waiting = self._waiting, None
-        assert waiting is not None and self._selector is not None
-        self._unregister_waiting(waiting)
-        try:
-            send_frame(waiting.channel, request.to_message(), [conn.fileno(), *fds])
-        except OSError as exc:
-            log.warning("the child forked ahead (pid %d) could not take a request, forking instead: %s", waiting.pid, exc)
-            self._end_waiting(waiting)
-            return False
-        finally:
-            waiting.channel.close()
-        close_fds(fds)
-        self._ahead_at = time.monotonic() + AHEAD_DELAY_S
-        self._engines[waiting.pid] = _Engine(conn, waiting.pidfd)
-        self._selector.register(waiting.pidfd, selectors.EVENT_READ, ("exit", waiting.pid))
-        self._selector.register(conn, selectors.EVENT_READ, ("conn", waiting.pid))
-        log.info("started engine pid %d (forked ahead): %s", waiting.pid, " ".join(request.argv)[:200])
-        return True
-
-    def _waiting_exited(self) -> None:
-        """The child forked ahead ended without a request. It could not make its CUDA context: the next ones make none.
-        Otherwise (its nursery failed, or it was killed): no more are forked ahead."""
-        waiting, self._waiting = self._waiting, None
-        assert waiting is not None and self._selector is not None
-        self._unregister_waiting(waiting)
-        _, status = os.waitpid(waiting.pid, 0)
-        if os.waitstatus_to_exitcode(status) == _CUDA_READY_FAILED:
-            log.warning("the child forked ahead could not make a CUDA context on %s; the next ones make none", self.cuda_ready)
-            self.cuda_ready = None
-            self._ahead_at = time.monotonic()
-        else:
-            log.warning("the child forked ahead of requests (pid %d) exited; engines are forked at each request", waiting.pid)
-            self.fork_ahead = False
-        self._end_waiting(waiting, reaped=True)
-
-    @staticmethod
-    def _end_waiting(waiting: _Waiting, reaped: bool = False) -> None:
-        if not reaped:
-            try:
-                signal.pidfd_send_signal(waiting.pidfd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            os.waitpid(waiting.pid, 0)
-        os.close(waiting.pidfd)
-        waiting.channel.close()
-
-    def _fork(self, conn: socket.socket, request: LaunchRequest, fds: list[int], target: Target) -> Child | None:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        child = os.fork()
-        if child == 0:
-            return self._in_child(conn, request, fds, target)
-        close_fds(fds)
-        self._ahead_at = time.monotonic() + AHEAD_DELAY_S
-        pidfd = os.pidfd_open(child)
-        self._engines[child] = _Engine(conn, pidfd)
-        assert self._selector is not None
-        self._selector.register(pidfd, selectors.EVENT_READ, ("exit", child))
-        self._selector.register(conn, selectors.EVENT_READ, ("conn", child))
-        log.info("started engine pid %d: %s", child, " ".join(request.argv)[:200])
-        return None
-
-    def _in_child(self, conn: socket.socket, request: LaunchRequest, fds: list[int], target: Target) -> Child:
-        self._release_in_child(conn)
-        become(request, fds, conn)
-        assert self.preloaded is not None
-        return Child(target, self.preloaded, self.nursery)
 
     def _release_in_child(self, keep: socket.socket) -> None:
         """Close the launcher's sockets, pidfds and pipes in a forked child (``keep``: the caller's connection)."""
@@ -549,39 +324,6 @@ class Launcher:
             for fd in self._wakeup:
                 os.close(fd)
             self._wakeup = None
-
-    def _exited(self, pid: int) -> None:
-        engine = self._engines[pid]
-        assert self._selector is not None
-        self._selector.unregister(engine.pidfd)
-        result = os.waitid(os.P_PIDFD, engine.pidfd, os.WEXITED | os.WNOWAIT)
-        code = 0
-        if result is not None:
-            code = result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
-        engine.returncode = code
-        log.info("engine pid %d exited with status %d", pid, code)
-        if engine.conn is not None:
-            _try_send(engine.conn, ok_reply(returncode=code))  # the caller closes; the zombie stays until then
-        else:
-            self._reap(pid)
-
-    def _caller_closed(self, pid: int) -> None:
-        """The caller's connection closed: after the status, reap; before it, the caller is gone, so is its engine."""
-        engine = self._engines[pid]
-        assert self._selector is not None and engine.conn is not None
-        self._selector.unregister(engine.conn)
-        engine.conn.close()
-        engine.conn = None
-        if engine.returncode is not None:
-            self._reap(pid)
-        else:
-            log.warning("the caller of engine pid %d went away; the engine is killed with it", pid)
-            signal.pidfd_send_signal(engine.pidfd, signal.SIGKILL)
-
-    def _reap(self, pid: int) -> None:
-        engine = self._engines.pop(pid)
-        os.waitpid(pid, 0)
-        os.close(engine.pidfd)
 
     def _retire(self) -> None:
         """Start no more engines; stop listening (the socket's path is the successor's now); exit after the last one."""
@@ -638,14 +380,6 @@ class Launcher:
             for fd in self._wakeup:
                 os.close(fd)
             self._wakeup = None
-
-
-def _try_send(conn: socket.socket, message: dict) -> None:
-    try:
-        conn.settimeout(1.0)
-        send_frame(conn, message)
-    except OSError:
-        pass
 
 
 # --- the `weightcache launcher` command (registered under the `weightcache.commands` entry points) ------------------
