@@ -397,7 +397,8 @@ class LauncherError(WeightCacheError):
 
 class LaunchRefused(WeightCacheError):
     """A launcher will not start this engine as a fork (``reason``: ``stale_code``, ``environment``, ``interpreter``,
-    ``fork_unsafe``, ``access_denied``, ``retired`` or ``target``); ``weightcache launch`` then execs the engine itself."""
+    ``fork_unsafe``, ``access_denied``, ``retired``, ``target`` or ``bad_request``); ``weightcache launch`` then execs
+    the engine itself."""
 
     def __init__(self, reason: str, message: str):
         self.reason = reason

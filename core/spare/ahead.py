@@ -141,7 +141,7 @@ class ForksAhead(Engines):
         conn = socket.socket(fileno=fds[0])
         request = LaunchRequest.from_message(message, len(fds) - 1)
         become(request, fds[1:], conn, session=False, keep=keep)
-        return Child(Target.parse(request.argv), self.preloaded, self.nursery, opened)
+        return Child(Target.parse(request.argv, request.cwd), self.preloaded, self.nursery, opened)
 
     def _takes(self, request: LaunchRequest) -> bool:
         """Whether the child forked ahead may take ``request``: under ``--cuda-ready``, only with the launcher's CUDA

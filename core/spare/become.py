@@ -50,8 +50,10 @@ def become(
     try:
         channel_fd = _take_state(request, fds, channel_fd, session, keep)
         reply = ok_reply(pid=os.getpid(), started=True)
-    except OSError as exc:
-        reply = error_reply("start_failed", f"the engine could not take the caller's state: {exc}", errno=exc.errno)
+    except (OSError, ValueError) as exc:  # setrlimit says ValueError where the kernel refuses a limit
+        reply = error_reply(
+            "start_failed", f"the engine could not take the caller's state: {exc}", errno=getattr(exc, "errno", None)
+        )
     told = socket.socket(fileno=channel_fd)
     try:
         send_frame(told, reply)
@@ -120,13 +122,7 @@ def fresh_state(target: Target, preloaded: Preloaded) -> types.ModuleType:
     settle(preloaded)
     importlib.invalidate_caches()
     _fresh_module_state()
-    if target.form == "code":
-        first = ""
-    elif target.form == "module":
-        first = os.getcwd()
-    else:
-        first = os.path.dirname(os.path.realpath(target.value))
-    sys.path[:] = [first, *preloaded.fresh.path]
+    sys.path[:] = [*_first_path_entry(target), *preloaded.fresh.path]
     sys.argv = target.argv
     sys.orig_argv = [sys.executable, *_python_args(target)]
     main = types.ModuleType("__main__")
@@ -139,6 +135,19 @@ def fresh_state(target: Target, preloaded: Preloaded) -> types.ModuleType:
     )
     sys.modules["__main__"] = main
     return main
+
+
+def _first_path_entry(target: Target) -> list[str]:
+    """What ``python`` puts before its path: ``""`` for ``-c``, the working directory for ``-m`` (nothing where it was
+    removed), the script's directory for a script (``""`` where its path cannot be resolved: it cannot be opened)."""
+    if target.form == "code":
+        return [""]
+    try:
+        if target.form == "module":
+            return [os.getcwd()]
+        return [os.path.dirname(os.path.realpath(target.value))]
+    except FileNotFoundError:  # the working directory was removed
+        return [] if target.form == "module" else [""]
 
 
 def settle(preloaded: Preloaded) -> None:
@@ -202,7 +211,10 @@ def _fresh_module_state() -> None:
     (spawn resolves a relative main script against it) is the engine's, as its own import would have found it."""
     process = sys.modules.get("multiprocessing.process")
     if process is not None:
-        process.ORIGINAL_DIR = os.path.abspath(os.getcwd())  # type: ignore[attr-defined]
+        try:
+            process.ORIGINAL_DIR = os.path.abspath(os.getcwd())  # type: ignore[attr-defined]
+        except OSError:  # as multiprocessing's own import sets it in a removed working directory
+            process.ORIGINAL_DIR = None  # type: ignore[attr-defined]
 
 
 def run_target(target: Target, main: types.ModuleType) -> typing.NoReturn:
@@ -233,10 +245,11 @@ def _compile(target: Target, main: types.ModuleType) -> types.CodeType:
             with open(filename, "rb") as file:
                 source = file.read()
         except OSError as exc:
-            print(
-                f"{sys.executable}: can't open file {os.path.abspath(filename)!r}: [Errno {exc.errno}] {exc.strerror}",
-                file=sys.stderr,
-            )
+            try:
+                shown = os.path.abspath(filename)
+            except OSError:  # a removed working directory: the interpreter names the path as given
+                shown = filename
+            print(f"{sys.executable}: can't open file {shown!r}: [Errno {exc.errno}] {exc.strerror}", file=sys.stderr)
             raise SystemExit(2) from None
         main.__dict__.update(__file__=filename, __cached__=None)
         main.__loader__ = importlib.machinery.SourceFileLoader("__main__", filename)

@@ -202,8 +202,8 @@ def _answer(conn: socket.socket, listener: socket.socket, engine: int, preloaded
     message, fds = frame
     try:
         request = LaunchRequest.from_message(message, len(fds))
-        target = Target.parse(request.argv)
-        preloaded.check_request(request.env, request.executable)
+        target = Target.parse(request.argv, request.cwd)
+        preloaded.check_request(request)
     except LaunchRefused as exc:
         close_fds(fds)
         send_frame(conn, error_reply(exc.reason, str(exc)))

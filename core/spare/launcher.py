@@ -50,6 +50,7 @@ from weightcache.core.spare.ahead import (
     cuda_environment_differences,
     opened_above,
 )
+from weightcache.core.spare.connections import MAX_PENDING, REQUEST_DEADLINE_S, Pending
 from weightcache.core.spare.engines import AHEAD_DELAY_S, Child, RunningEngine, try_send
 from weightcache.core.spare.preload import Preloaded, nvml_based_cuda_check, prepare
 from weightcache.core.wire.launch_request import LaunchRequest, Target, launcher_socket
@@ -70,8 +71,6 @@ __all__ = [  # the names this module had before the launcher was split, where ca
 ]
 
 log = logging.getLogger(__name__)
-
-REQUEST_DEADLINE_S = 10.0
 
 
 class Launcher(ForksAhead):
@@ -111,6 +110,8 @@ class Launcher(ForksAhead):
         self._selector: selectors.BaseSelector | None = None
         self._wakeup: tuple[int, int] | None = None
         self._stopping = False
+        self._pending: set[Pending] = set()
+        """Connections whose request is still arriving."""
 
     def start(self) -> dict:
         """``prepare()``, then ``listen()``; returns the ``ready`` report."""
@@ -185,6 +186,7 @@ class Launcher(ForksAhead):
             listener.bind(staging)
             os.chmod(staging, 0o600)
             listener.listen(64)
+            listener.setblocking(False)  # every waiting connection is taken at once, none waited on
             os.replace(staging, self.path)  # one step: a caller reaches either launcher, never none
         except OSError:
             listener.close()
@@ -217,27 +219,43 @@ class Launcher(ForksAhead):
                     child = self._fork_waiting()
                     if child is not None:
                         return child
-                for key, _ in selector.select(wait if wait > 0 and self._waiting is None and self.fork_ahead else None):
-                    kind, pid = key.data
-                    if kind == "listener":
-                        child = self._accept()
-                        if child is not None:
-                            return child
-                    elif kind == "waiting":
-                        self._waiting_exited()
-                    elif kind == "ready":
-                        self._waiting_ready(pid)
-                    elif kind == "exit":
-                        self._exited(pid)
-                    elif kind == "conn":
-                        self._caller_closed(pid)
-                    elif kind == "stop":
-                        os.read(key.fd, 512)
-                        self._stopping = True
+                ahead = wait if wait > 0 and self._waiting is None and self.fork_ahead else None
+                for key, _ in selector.select(self._timeout(ahead)):
+                    child = self._event(key)
+                    if child is not None:
+                        return child
+                self._expire()
             return None
         finally:
             if os.getpid() == self.pid:
                 self._close()
+
+    def _event(self, key: selectors.SelectorKey) -> Child | None:
+        """Handle what ``key`` says is ready; in a forked child, the Child to run."""
+        kind, what = key.data
+        if kind == "listener":
+            self._accept()
+        elif kind == "request":
+            return self._arrived(what)
+        elif kind == "waiting":
+            self._waiting_exited()
+        elif kind == "ready":
+            self._waiting_ready(what)
+        elif kind == "exit":
+            self._exited(what)
+        elif kind == "conn":
+            self._caller_closed(what)
+        elif kind == "stop":
+            os.read(key.fd, 512)
+            self._stopping = True
+        return None
+
+    def _timeout(self, ahead: float | None) -> float | None:
+        """How long the next select may wait: until the next child is forked ahead or a request's deadline passes."""
+        waits = [p.deadline - time.monotonic() for p in self._pending]
+        if ahead is not None:
+            waits.append(ahead)
+        return max(0.0, min(waits)) if waits else None
 
     def _catch_stop_signals(self, selector: selectors.BaseSelector) -> None:
         read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -247,53 +265,96 @@ class Launcher(ForksAhead):
             signal.signal(sig, lambda *_: None)  # the byte on the wake-up fd is what counts
         selector.register(read_end, selectors.EVENT_READ, ("stop", None))
 
-    def _accept(self) -> Child | None:
-        assert self._listener is not None
-        conn, _ = self._listener.accept()
-        conn.setblocking(True)
+    def _accept(self) -> None:
+        """Take every connection that waits: one of another uid is refused at once; the others' requests are read as
+        their bytes arrive (``_arrived``), each within its own deadline."""
+        assert self._listener is not None and self._selector is not None
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of fds: the oldest unfinished request makes room
+                log.warning("cannot accept a connection: %s", exc)
+                if not self._pending:
+                    return
+                self._drop(min(self._pending, key=lambda p: p.deadline), "dropped: the launcher is out of fds")
+                continue
+            pid, uid, _ = peer_credentials(conn)
+            if uid != os.geteuid():
+                log.warning("refused pid %d of uid %d: the launcher runs as uid %d", pid, uid, os.geteuid())
+                try_send(conn, error_reply("access_denied", f"uid {uid} may not use a launcher of uid {os.geteuid()}"))
+                conn.close()
+                continue
+            if len(self._pending) >= MAX_PENDING:
+                self._drop(min(self._pending, key=lambda p: p.deadline), f"dropped: {MAX_PENDING} requests were arriving")
+            pending = Pending.accepted(conn, pid)
+            self._pending.add(pending)
+            self._selector.register(conn, selectors.EVENT_READ, ("request", pending))
+
+    def _arrived(self, pending: Pending) -> Child | None:
+        """Read what came on ``pending``; once its request is whole, answer it (in a forked child: the Child to run)."""
+        if pending not in self._pending:  # dropped by an earlier event of the same round
+            return None
         try:
-            return self._answer(conn)
-        except (OSError, ProtocolError, TimeoutError) as exc:
-            log.warning("dropped a request: %s", exc)
-            conn.close()
+            frame = pending.read()
+        except EOFError:
+            self._drop(pending, None)
+            return None
+        except (OSError, ProtocolError) as exc:
+            self._drop(pending, f"malformed request: {exc}")
+            return None
+        if frame is None:
+            return None
+        self._forget(pending)
+        try:
+            return self._answer(pending.conn, pending.pid, *frame)
+        except (OSError, ProtocolError) as exc:
+            log.warning("dropped a request from pid %d: %s", pending.pid, exc)
+            pending.conn.close()
             return None
 
-    def _answer(self, conn: socket.socket) -> Child | None:
-        pid, uid, _ = peer_credentials(conn)
-        if uid != os.geteuid():
-            log.warning("refused pid %d of uid %d: the launcher runs as uid %d", pid, uid, os.geteuid())
-            try_send(conn, error_reply("access_denied", f"uid {uid} may not use a launcher of uid {os.geteuid()}"))
-            conn.close()
-            return None
-        frame = FrameReader(conn, deadline_s=REQUEST_DEADLINE_S).read(idle_timeout=REQUEST_DEADLINE_S)
-        if frame is None:
-            conn.close()
-            return None
-        message, fds = frame
+    def _forget(self, pending: Pending) -> None:
+        assert self._selector is not None
+        self._pending.discard(pending)
+        self._selector.unregister(pending.conn)
+
+    def _drop(self, pending: Pending, why: str | None) -> None:
+        """Close ``pending``, telling its caller ``why`` on one line (None: it closed first)."""
+        self._forget(pending)
+        if why is not None:
+            log.warning("request from pid %d %s", pending.pid, why)
+            try_send(pending.conn, error_reply("bad_request", why))
+        pending.close()
+
+    def _expire(self) -> None:
+        """Close the connections whose request did not arrive in time."""
+        now = time.monotonic()
+        for pending in [p for p in self._pending if p.deadline <= now]:
+            self._drop(pending, f"dropped: no whole request within {REQUEST_DEADLINE_S:g} s of connecting")
+
+    def _answer(self, conn: socket.socket, pid: int, message: dict, fds: list[int]) -> Child | None:
+        """Answer a whole request (its fds are ``fds``); in a forked child, the Child to run."""
         op = message.get("op")
-        if op == "hello":
-            close_fds(fds)
-            send_frame(conn, ok_reply(**self.hello()))
-            conn.close()
-            return None
-        if op == "retire":
-            close_fds(fds)
-            self._retire()
-            send_frame(conn, ok_reply(engines=len(self._engines)))
-            conn.close()
-            return None
         if op != "launch":
             close_fds(fds)
-            try_send(conn, error_reply("unknown_op", f"unknown request {op!r}; run the same weightcache version"))
+            if op == "hello":
+                reply = ok_reply(**self.hello())
+            elif op == "retire":
+                self._retire()
+                reply = ok_reply(engines=len(self._engines))
+            else:
+                reply = error_reply("unknown_op", f"unknown request {str(op)[:40]!r}; run the same weightcache version")
+            try_send(conn, reply)
             conn.close()
             return None
         try:
             request = LaunchRequest.from_message(message, len(fds))
-            target = Target.parse(request.argv)
+            target = Target.parse(request.argv, request.cwd)
             if self.retired:
                 raise LaunchRefused("retired", "this launcher was replaced and starts no more engines; ask again")
             assert self.preloaded is not None
-            self.preloaded.check_request(request.env, request.executable)
+            self.preloaded.check_request(request)
         except LaunchRefused as exc:
             close_fds(fds)
             log.info("refused a launch from pid %d: %s", pid, exc)
@@ -310,6 +371,9 @@ class Launcher(ForksAhead):
             self._selector.close()
         if self._listener is not None:
             self._listener.close()
+        for pending in self._pending:
+            pending.close()
+        self._pending.clear()
         for engine in self._engines.values():
             if engine.conn is not None and engine.conn is not keep:
                 engine.conn.close()
@@ -368,6 +432,9 @@ class Launcher(ForksAhead):
         if self._selector is not None:
             self._selector.close()
             self._selector = None
+        for pending in self._pending:
+            pending.close()
+        self._pending.clear()
         if self._waiting is not None:
             self._end_waiting(self._waiting)
             self._waiting = None

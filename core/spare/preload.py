@@ -29,9 +29,12 @@ from collections.abc import Iterable, Iterator
 import attrs
 
 from weightcache.core.errors import LauncherError, LaunchRefused
-from weightcache.core.wire.launch_request import initial_environment
+from weightcache.core.spare.environment import READ_OUTSIDE_PYTHON as READ_OUTSIDE_PYTHON  # its old place
+from weightcache.core.spare.environment import differences, recording_reads
+from weightcache.core.wire.launch_request import LaunchRequest, initial_environment
 
 log = logging.getLogger(__name__)
+recording_environment_reads = recording_reads  # its old name
 
 DEFAULT_PRELOAD = (
     "numpy",
@@ -111,35 +114,8 @@ TRACKED_PACKAGES = frozenset(
     }
 )
 """Packages whose loaded files are compared with the disk before each fork: an upgrade makes the launcher refuse."""
-READ_OUTSIDE_PYTHON = (
-    "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "PYTHON", "LD_", "MALLOC_", "LANG", "LC_", "TORCH", "PYTORCH_", "TQDM_",
-    "CUDA_MODULE_LOADING",
-)  # fmt: skip
-"""Environment names (prefixes) the imports may read where recording cannot see them: in C (OpenMP, BLAS, the
-interpreter, libtorch's static initialisers) or by scanning the whole environment (tqdm's ``TQDM_``). A caller whose
-value differs from the launcher's on any of them is exec'd."""
 CANARY_TIMEOUT_S = 60.0
 CANARY_TIMEOUT_ENV = "WEIGHTCACHE_LAUNCHER_CANARY_S"
-
-
-@contextlib.contextmanager
-def recording_environment_reads(sink: set[str]) -> Iterator[None]:
-    """Add to ``sink`` every name read through ``os.environ`` (``[]``, ``get``, ``in``, ``os.getenv``) meanwhile; a scan
-    of the whole environment (``items()``, which reads every name) is not a read of each name: ``READ_OUTSIDE_PYTHON``
-    names the prefixes the scans look for."""
-    environ_type = type(os.environ)
-    original = environ_type.__getitem__
-
-    def recorded(self: typing.Any, key: typing.Any) -> typing.Any:
-        if sys._getframe(1).f_code.co_name != "__iter__":
-            sink.add(key)
-        return original(self, key)
-
-    environ_type.__getitem__ = recorded  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        environ_type.__getitem__ = original  # type: ignore[method-assign]
 
 
 def python_threads() -> list[str]:
@@ -256,13 +232,15 @@ class Preloaded:
     them gets them, as its own import would have set them."""
     timings: dict[str, float] = attrs.field(factory=dict)
 
-    def check_request(self, env: dict[str, str], executable: str) -> None:
-        """LaunchRefused unless a fork for a caller of ``env`` and ``executable`` would start as its exec would."""
-        if executable and executable != os.path.realpath(sys.executable):
+    def check_request(self, request: LaunchRequest) -> None:
+        """LaunchRefused unless a fork for ``request`` would start as its exec would: the same interpreter, the code on
+        disk unchanged, the same values of what the imports depend on, and still fork-safe."""
+        here = os.path.realpath(sys.executable)
+        if (request.executable and request.executable != here) or (request.prefix and request.prefix != sys.prefix):
             raise LaunchRefused(
                 "interpreter",
-                f"the launcher runs {os.path.realpath(sys.executable)}, the caller would run {executable}; "
-                "start a launcher with the caller's interpreter",
+                f"the launcher runs {here} in {sys.prefix}, the caller would run {request.executable or here} in "
+                f"{request.prefix or sys.prefix}; start a launcher with the caller's interpreter",
             )
         changed = self.stamp.changed()
         if changed:
@@ -271,7 +249,7 @@ class Preloaded:
                 f"the launcher's imported code changed on disk since it started ({', '.join(changed)}); "
                 "replace it with `weightcache launcher --replace`",
             )
-        differ = self.environment_differences(env)
+        differ = self.environment_differences(request.env)
         if differ:
             raise LaunchRefused(
                 "environment",
@@ -280,13 +258,9 @@ class Preloaded:
             )
         self.check_fork_safe()
 
-    def environment_differences(self, env: dict[str, str]) -> list[str]:
-        names = set(self.read_at_import) | {n for n in env.keys() | self.env.keys() if n.startswith(READ_OUTSIDE_PYTHON)}
-        # a name the start-up or the imports set is the caller's too once it has started (an engine's own child has it)
-        return sorted(n for n in names if env.get(n) != self.env.get(n) and not self._set_here(n, env.get(n)))
-
-    def _set_here(self, name: str, value: str | None) -> bool:
-        return name in self.set_by_imports and name not in self.env and value == self.set_by_imports[name]
+    def environment_differences(self, env: typing.Mapping[str, str]) -> list[str]:
+        """The names the imports depend on where ``env`` differs from the launcher's (``environment.differences``)."""
+        return differences(self.read_at_import, self.env, env, self.set_by_imports)
 
     def check_fork_safe(self) -> None:
         """LaunchRefused (``fork_unsafe``) if a fork would copy a thread or a CUDA context the child cannot use."""
@@ -359,7 +333,7 @@ def prepare(modules: Iterable[str] | None, models: Iterable[str] = (), warm: boo
     read: set[str] = set()
     imported = []
     start = time.perf_counter()
-    with recording_environment_reads(read):
+    with recording_reads(read):
         if modules is None:  # looking for an engine may run an import hook: after the environment is the initial one
             modules = [*DEFAULT_PRELOAD, *present(SHARED_MODEL_MODULES), *installed_modules(), *present(COMPILER_MODULES)]
         for name in modules:

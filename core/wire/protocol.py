@@ -184,7 +184,7 @@ class FrameReader:
             payload = self._recv_exact(length, fds, deadline)
             if len(fds) != nfds:
                 raise ProtocolError(f"frame declared {nfds} fds but carried {len(fds)}")
-            message = _decode(payload)
+            message = decode(payload)
             return message, fds
         except BaseException:
             self.busy = False
@@ -243,7 +243,8 @@ class FrameReader:
         return data
 
 
-def _decode(payload: bytes) -> dict:
+def decode(payload: bytes) -> dict:
+    """A frame's JSON payload as a dict; ProtocolError for anything else."""
     try:
         message = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:

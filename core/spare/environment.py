@@ -1,0 +1,124 @@
+"""Which environment variables a launcher's preloaded code depends on, and where a caller's environment differs on them.
+
+A name is a dependency when the imports read it by name (``os.environ[...]``, ``get``, ``in``, ``os.getenv``,
+recorded while they run) or when it matches a prefix that code reads where recording cannot see it
+(``READ_OUTSIDE_PYTHON``: C libraries, scans for a prefix). A copy of the whole environment is no read of each name:
+CPython's ``platform`` helpers copy it to run a command (py-cpuinfo calls one at import), as does any
+``dict(os.environ)``; such a copy lists the names, then reads every one in that order, which is what recording skips.
+The names of a caller's session (``SESSION_NAMES``: the shell's, the terminal's, the service manager's) never count,
+however they are read: they say where a process runs, not what it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import typing
+from collections.abc import Iterator, Mapping
+
+READ_OUTSIDE_PYTHON = (
+    "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "PYTHON", "LD_", "MALLOC_", "LANG", "LC_", "TORCH", "PYTORCH_", "TQDM_",
+    "CUDA_MODULE_LOADING",
+)  # fmt: skip
+"""Environment names (prefixes) the imports may read where recording cannot see them: in C (OpenMP, BLAS, the
+interpreter, libtorch's static initialisers) or by scanning the whole environment (tqdm's ``TQDM_``). A caller whose
+value differs from the launcher's on any of them is exec'd."""
+SESSION_NAMES = frozenset(
+    {
+        # the shell's
+        "_", "SHLVL", "PWD", "OLDPWD", "LS_COLORS", "LESSOPEN", "LESSCLOSE", "MAIL",
+        # the terminal's
+        "TERM", "TERMCAP", "COLORTERM", "COLUMNS", "LINES", "TERM_PROGRAM", "TERM_PROGRAM_VERSION", "TERM_SESSION_ID",
+        "TMUX", "TMUX_PANE", "STY", "WINDOW", "WINDOWID", "VTE_VERSION", "LC_TERMINAL", "LC_TERMINAL_VERSION",
+        # the login's and the service manager's (systemd's per-unit names)
+        "XDG_SESSION_ID", "XDG_SESSION_TYPE", "XDG_SESSION_CLASS", "XDG_VTNR", "XDG_SEAT", "INVOCATION_ID",
+        "JOURNAL_STREAM", "MANAGERPID", "SYSTEMD_EXEC_PID", "NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC",
+        "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "MAINPID",
+    }
+)  # fmt: skip
+"""Names that say where a process runs (its shell, terminal, login or service), never what it runs: a caller that
+differs on them is forked, whatever the imports read."""
+SESSION_PREFIXES = ("SSH_", "KONSOLE_", "ITERM_", "WT_")
+"""Prefixes of ``SESSION_NAMES``' kind (an SSH login's ``SSH_CONNECTION``, ``SSH_TTY``; terminal emulators' own)."""
+
+
+def is_session_name(name: str) -> bool:
+    return name in SESSION_NAMES or name.startswith(SESSION_PREFIXES)
+
+
+class _Reads:
+    """The names read one by one; a listing of every name followed by a read of each in its order is a copy."""
+
+    def __init__(self, sink: set[str]):
+        self.sink = sink
+        self.listing: list[str] = []
+        self.at = 0
+        """How many of ``listing``'s names were read in order since it was made."""
+
+    def listed(self, names: list[str]) -> None:
+        self.flush()
+        self.listing = names
+
+    def read(self, name: str) -> None:
+        if self.at < len(self.listing) and self.listing[self.at] == name:
+            self.at += 1
+            if self.at == len(self.listing):  # every name, in order: a copy
+                self.listing, self.at = [], 0
+            return
+        self.flush()
+        self.sink.add(name)
+
+    def flush(self) -> None:
+        """The names read in order so far were reads of their own (no copy followed)."""
+        self.sink.update(self.listing[: self.at])
+        self.listing, self.at = [], 0
+
+
+@contextlib.contextmanager
+def recording_reads(sink: set[str]) -> Iterator[None]:
+    """Add to ``sink`` every name read through ``os.environ`` (``[]``, ``get``, ``in``, ``os.getenv``) meanwhile. A scan of
+    the whole environment (``items()``, ``values()``) or a copy of it (``dict(os.environ)``, ``os.environ.copy()``,
+    ``{**os.environ}``) is no read of each name: ``READ_OUTSIDE_PYTHON`` names the prefixes scans look for."""
+    environ_type = type(os.environ)
+    original_get, original_iter = environ_type.__getitem__, environ_type.__iter__
+    reads = _Reads(sink)
+
+    def recorded(self: typing.Any, key: typing.Any) -> typing.Any:
+        if sys._getframe(1).f_code.co_name != "__iter__":  # items() and values() read inside their iteration
+            reads.read(key)
+        return original_get(self, key)
+
+    def listing(self: typing.Any) -> Iterator[str]:
+        names = list(original_iter(self))
+        reads.listed(names)
+        yield from names
+
+    environ_type.__getitem__ = recorded  # type: ignore[method-assign]
+    environ_type.__iter__ = listing  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        environ_type.__getitem__ = original_get  # type: ignore[method-assign]
+        environ_type.__iter__ = original_iter  # type: ignore[method-assign]
+        reads.flush()
+
+
+def differences(
+    read: typing.Iterable[str],
+    launcher_env: Mapping[str, str],
+    caller_env: Mapping[str, str],
+    set_by_imports: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The dependencies (``read``, and every name under ``READ_OUTSIDE_PYTHON``) on which ``caller_env`` differs from
+    ``launcher_env``, sorted, leaving out the session's names and those the imports set where the launcher had none
+    (a caller with the value they set has what its own import would have given it)."""
+    set_by_imports = set_by_imports or {}
+    names = set(read) | {n for n in caller_env.keys() | launcher_env.keys() if n.startswith(READ_OUTSIDE_PYTHON)}
+    return sorted(
+        n
+        for n in names
+        if caller_env.get(n) != launcher_env.get(n)
+        and not is_session_name(n)
+        and not (n in set_by_imports and n not in launcher_env and caller_env.get(n) == set_by_imports[n])
+    )
