@@ -180,13 +180,18 @@ class Listeners:
         return [self.listener_fd, self.lock_fd] + ([self.metrics_fd] if self.metrics_fd >= 0 else [])
 
 
-def send_entries(sock: socket.socket, registry: Registry, listeners: Listeners, pause_accepting: Callable[[], None]) -> bool:
+HANDED = "handed"
+"""``send_entries``' outcome when the successor holds every entry."""
+
+
+def send_entries(sock: socket.socket, registry: Registry, listeners: Listeners, pause_accepting: Callable[[], None]) -> str:
     """The predecessor's side: hand every entry of ``registry`` and its ``listeners`` to the successor on ``sock``.
 
     The caller has frozen the registry (no publish, evict or artifact put runs meanwhile).
     ``pause_accepting`` is called before the listener leaves (newcomers then queue for the successor).
-    True once the successor confirmed it holds every entry; False (logged) if it refused,
-    failed or went away: the caller then resumes serving, having lost nothing.
+    ``HANDED`` once the successor confirmed it holds every entry; else the refusal code the server counts (logged):
+    ``refused`` if the successor refused the entries, ``handover_failed`` if packing failed or the successor went
+    away. The caller then resumes serving, having lost nothing.
     """
     entries = registry.snapshot()
     artifacts = sum(len(entry.artifacts) for entry in entries)
@@ -195,7 +200,7 @@ def send_entries(sock: socket.socket, registry: Registry, listeners: Listeners, 
     except (OSError, ValueError) as exc:
         log.warning("could not pack the entries for the successor (%s); serving every entry on", exc)
         _send_quietly(sock, error_reply("handover_failed", f"the running server could not pack its entries: {exc}"))
-        return False
+        return "handover_failed"
     try:
         pause_accepting()
         hello = ok_reply(entries=len(entries), artifacts=artifacts, parcels=len(parcels.read_ends))
@@ -205,22 +210,22 @@ def send_entries(sock: socket.socket, registry: Registry, listeners: Listeners, 
         frame = FrameReader(sock, deadline_s=CONFIRM_DEADLINE_S).read(idle_timeout=CONFIRM_DEADLINE_S)
     except (OSError, TimeoutError, ProtocolError) as exc:
         log.warning("the handover failed (%s); serving every entry on", exc or type(exc).__name__)
-        return False
+        return "handover_failed"
     finally:
         parcels.close()  # the successor holds its own references to whatever it received
     if frame is None:
         log.warning("the successor went away before it confirmed the handover; serving every entry on")
-        return False
+        return "handover_failed"
     reply, fds = frame
     close_fds(fds)
     if reply.get("ok") is True and reply.get("held") == len(entries):
         _step("confirmed")
         log.info("handed %d entries and %d artifacts to pid %s", len(entries), artifacts, reply.get("pid"))
-        return True
+        return HANDED
     _step("refused")
     log.warning("the successor refused the handover (%.300s); serving every entry on", reply)
     _send_quietly(sock, ok_reply(resumed=True, pid=os.getpid()))
-    return False
+    return "refused"
 
 
 def _send_quietly(sock: socket.socket, message: dict) -> None:

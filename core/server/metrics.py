@@ -40,11 +40,14 @@ REFUSAL_CODES = (
     "attached",
     "bad_request",
     "busy",
+    "handover_failed",
     "not_found",
     "over_budget",
     "protocol_error",
+    "refused",
     "too_large",
     "too_many",
+    "version_conflict",
 )
 """The error codes the server refuses with; each is counted from 0, so every label set exists from the start."""
 

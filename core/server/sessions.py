@@ -17,7 +17,7 @@ import typing
 from weightcache.core.errors import IdleTimeout, ProtocolError
 from weightcache.core.server import readiness
 from weightcache.core.server.connections import ConnectionState, ConnectionTable
-from weightcache.core.server.handover import Listeners, send_entries
+from weightcache.core.server.handover import HANDED, Listeners, send_entries
 from weightcache.core.server.metrics import Metrics
 from weightcache.core.server.registry import Registry
 from weightcache.core.wire.paths import peer_credentials
@@ -148,7 +148,10 @@ class Sessions:
         done = False
         try:
             listeners = Listeners(self._listener.fileno(), self._lock_fd, _fileno(self._metrics_listener))
-            done = send_entries(conn, self.registry, listeners, self._accepting.clear)
+            outcome = send_entries(conn, self.registry, listeners, self._accepting.clear)
+            done = outcome == HANDED
+            if not done:
+                self.metrics.refused(outcome)
         finally:
             if not done:
                 self._accepting.set()

@@ -214,6 +214,7 @@ def test_a_successor_that_dies_at_any_step_leaves_every_entry_with_the_predecess
         assert _digests(socket_dir) == published
         publish_host_entry(socket_dir, make_fingerprint(architecture="After"))
         assert proc.poll() is None
+        assert _status(socket_dir)["metrics"]["refusals"]["handover_failed"] == 1, "the failed handover is counted"
 
 
 @pytest.mark.parametrize("step", ["sent", "confirmed"])
@@ -319,6 +320,7 @@ def test_a_successor_that_cannot_hold_every_entry_refuses_and_the_predecessor_ke
         assert settle_fd_count(first.pid, before) == before, "the failed handover leaked fds in the predecessor"
         assert _digests(socket_dir) == published
         assert wait_until(lambda: _publishes(socket_dir), timeout=10)
+        assert _status(socket_dir)["metrics"]["refusals"]["refused"] == 1, "the successor's refusal is counted"
     finally:
         first.close()
 

@@ -180,3 +180,19 @@ def test_the_histogram_buckets_are_cumulative():
     assert shown["count"] == 4 and shown["buckets"][0] == [ATTACH_BUCKETS_S[0], 1]
     assert dict(map(tuple, shown["buckets"]))[0.005] == 3 and shown["buckets"][-1][1] == 3  # 100 s only in +Inf
     assert attrs.asdict(Metrics())["hits"] == 0
+
+
+def test_every_code_the_server_refuses_with_is_counted_from_zero_and_documented():
+    """Read from the source: each ``error_reply("code", ...)`` of the server's modules and each error class's ``code``
+    is in REFUSAL_CODES (so its series exists at 0) and has a row in docs/operations.md's table of refusal codes."""
+    from weightcache.core.server.metrics import REFUSAL_CODES
+
+    root = Path(__file__).resolve().parents[2]
+    sent = set()
+    for path in [*(root / "core" / "server").glob("*.py"), root / "core" / "errors.py"]:
+        text = path.read_text()
+        sent |= set(re.findall(r'error_reply\(\s*"([a-z_]+)"', text)) | set(re.findall(r'^    code = "([a-z_]+)"', text, re.M))
+    assert {"version_conflict", "handover_failed", "refused", "busy"} <= sent, sorted(sent)
+    assert sent <= set(REFUSAL_CODES), f"not pre-initialised: {sorted(sent - set(REFUSAL_CODES))}"
+    docs = (root / "docs" / "operations.md").read_text()
+    assert not [code for code in REFUSAL_CODES if f"\n| `{code}` |" not in docs], "a refusal code without its row in the docs"
