@@ -133,7 +133,7 @@ def _documents(path: Path) -> list[dict]:
 
 
 def test_the_daemonset_probes_the_server_over_http_and_shares_its_socket_directory_with_engines():
-    daemonset, service = _documents(DEPLOY / "kubernetes" / "daemonset.yaml")
+    namespace, daemonset, service = _documents(DEPLOY / "kubernetes" / "daemonset.yaml")
     assert daemonset["kind"] == "DaemonSet" and daemonset["apiVersion"] == "apps/v1"
     pod = daemonset["spec"]["template"]["spec"]
     [server] = pod["containers"]
@@ -164,6 +164,18 @@ def test_the_daemonset_probes_the_server_over_http_and_shares_its_socket_directo
     assert engine_spec["securityContext"]["runAsUser"] == pod["securityContext"]["runAsUser"], "one uid (SO_PEERCRED)"
     assert engine_spec.get("hostIPC") == pod.get("hostIPC") is True
     assert {"name": "WEIGHTCACHE_SOCKET_DIR", "value": SOCKET_DIR} in container["env"]
+
+
+def test_the_manifests_create_the_namespace_they_use_before_anything_in_it():
+    """``kubectl apply -f deploy/kubernetes/`` takes the files in name order and each file's documents in order."""
+    documents = [doc for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")) for doc in _documents(path)]
+    used = {doc["metadata"]["namespace"] for doc in documents if "namespace" in doc["metadata"]}
+    assert documents[0] == {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": "weightcache", "labels": {"app.kubernetes.io/name": "weightcache"}},
+    }
+    assert used == {"weightcache"}, used
 
 
 def test_the_unit_shown_in_the_operations_guide_is_the_deployed_one():
