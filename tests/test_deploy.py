@@ -133,7 +133,7 @@ def _documents(path: Path) -> list[dict]:
 
 
 def test_the_daemonset_probes_the_server_over_http_and_shares_its_socket_directory_with_engines():
-    namespace, daemonset, service = _documents(DEPLOY / "kubernetes" / "daemonset.yaml")
+    _namespace, daemonset, service = _documents(DEPLOY / "kubernetes" / "daemonset.yaml")
     assert daemonset["kind"] == "DaemonSet" and daemonset["apiVersion"] == "apps/v1"
     pod = daemonset["spec"]["template"]["spec"]
     [server] = pod["containers"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 import typing
@@ -55,8 +56,13 @@ def run(args) -> int:
     log.debug("load: the server answered")
     # The disk starts now; the adapter imports its framework meanwhile (nothing where the hf adapter remembers the
     # model's layout), while this thread makes the CUDA context.
-    with _read_ahead(headers, args.prefetch), _warming_up(checked.adapter, checked.request):
-        return _load_checked(args, checked, tier, headers)
+    try:
+        with _read_ahead(headers, args.prefetch), _warming_up(checked.adapter, checked.request):
+            return _load_checked(args, checked, tier, headers)
+    except KeyboardInterrupt:
+        # The entry is published in one request at the end: a load stopped before its reply published nothing.
+        print(f"weightcache: load of {args.model} stopped (Ctrl-C); nothing was published", file=sys.stderr, flush=True)
+        raise
 
 
 @contextlib.contextmanager

@@ -591,6 +591,40 @@ def test_the_console_script_skips_teardown_only_after_load_and_keeps_the_exit_st
     assert refused.returncode == 1 and refused.stderr.startswith("weightcache: error: "), refused
 
 
+def test_ctrl_c_during_load_says_it_stopped_and_that_nothing_was_published(model_dir, server):
+    """The server is held (SIGSTOP) once the load has met it, so the interrupt lands before the publish, every time."""
+    import signal
+
+    CLI = [sys.executable, "-m", "weightcache.core.cli.cli"]
+    load = subprocess.Popen(
+        [*CLI, "-v", "load", "--model", str(model_dir("llama")), "--no-prefetch", "--socket-dir", str(server.socket_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        seen = []
+        for line in load.stderr:
+            seen.append(line)
+            if "load: the server answered" in line:
+                break
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            load.send_signal(signal.SIGINT)
+            stdout, stderr = load.communicate(timeout=120)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+    finally:
+        if load.poll() is None:
+            load.kill()
+            load.wait()
+    said = f"weightcache: load of {model_dir('llama')} stopped (Ctrl-C); nothing was published"
+    assert load.returncode == 130 and said in stderr.splitlines(), "".join(seen) + stderr[-3000:]
+    assert "Traceback" not in stderr and stdout == "", stderr[-3000:]
+    with Connection(server.socket_dir) as connection:
+        assert connection.status()["entries"] == []
+
+
 # --- an earlier trial's leftovers: each ends in one line ------------------------------------------
 
 _TRUNCATING = """
