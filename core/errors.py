@@ -554,3 +554,23 @@ class LayoutMismatch(WeightCacheError, ValueError):
             f"{what} differs in layout from the model's: {difference}; nothing was published or switched. A version keeps "
             "every name, shape and dtype of its model: give the tensors those, or publish a new model with `weightcache load`"
         )
+
+
+PUBLIC_MODULE = "weightcache.errors"
+"""Where every public error is imported from: its ``__module__``, so a traceback names ``weightcache.errors.X`` (where
+a user finds it), not this private module. Pickling looks the class up there and finds the same class."""
+
+
+def _publish(*classes: type) -> None:
+    for cls in classes:
+        cls.__module__ = PUBLIC_MODULE
+
+
+_publish(
+    WeightCacheError, ProtocolError, ServerUnavailable, AccessDenied, ServerError, EntryNotFound, FingerprintMismatch,
+    EntryCorrupt, ChecksumMismatch, EntryUnusable, CheckpointChanged, CheckpointNotFound, ModelNotCached,
+    InvalidCheckpoint, InvalidManifest, UnsupportedQuantization, AdapterNotFound, InvalidAdapter, UnknownOption,
+    InvalidOption, RebindError, ArenaError, BackendUnavailable, CudaError, DeviceNotFound, DeviceUnavailable, NoRoom,
+    NoMemory, StandbyError, CompileArtifactsUnavailable, SeedRefused, SeedFailed, VersionNotFound, LayoutMismatch,
+    NotRegularFile, FleetUnavailable, PullFailed,
+)  # fmt: skip

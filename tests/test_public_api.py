@@ -262,3 +262,26 @@ def test_python_m_weightcache_works_like_the_console_script(argv, tmp_path):
         by_script.stderr,
     )
     assert by_module.stdout or by_module.stderr
+
+
+def test_public_errors_name_their_public_module_and_still_pickle(tmp_path):
+    """A traceback (``weightcache -v``) names ``weightcache.errors.X``, where a user imports it, not the private
+    module; pickling finds the class there (the same class)."""
+    import pickle
+
+    import weightcache.errors
+
+    for name in weightcache.errors.__all__:
+        cls = getattr(weightcache.errors, name)
+        assert cls.__module__ == "weightcache.errors", f"{name} names {cls.__module__}"
+    from weightcache.errors import WeightCacheError
+
+    again = pickle.loads(pickle.dumps(WeightCacheError("abc")))
+    assert type(again) is WeightCacheError and str(again) == "abc"
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightcache", "-v", "load", "--model", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and "\nweightcache.errors.CheckpointNotFound: " in proc.stderr, proc.stderr[-2000:]
