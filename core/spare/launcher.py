@@ -18,8 +18,9 @@ does), and takes only a request whose CUDA environment (``CUDA_*``, ``NVIDIA_*``
 another is forked without one.
 
 A launcher refuses (and ``launch`` execs the engine itself, with one line saying why) when its imported code
-changed on disk, when the caller's environment differs on a name the imports read, or when a fork would not be
-safe. ``--replace`` takes the socket over from a running launcher, which finishes its engines' waits and exits;
+changed on disk, when the caller's interpreter or environment differs on what the preloaded code depends on (never on
+the shell's, the terminal's or the service manager's own variables: a ``cd``, ``nice`` or script is forked), or when
+a fork would not be safe. A malformed request gets one line back; each caller has its own deadline to send its request. ``--replace`` takes the socket over from a running launcher, which finishes its engines' waits and exits;
 engines are independent processes, so neither replacing nor killing a launcher stops them.
 """
 
@@ -280,7 +281,12 @@ class Launcher(ForksAhead):
                     return
                 self._drop(min(self._pending, key=lambda p: p.deadline), "dropped: the launcher is out of fds")
                 continue
-            pid, uid, _ = peer_credentials(conn)
+            try:
+                pid, uid, _ = peer_credentials(conn)
+            except OSError as exc:
+                log.warning("dropped a connection whose peer cannot be told: %s", exc)
+                conn.close()
+                continue
             if uid != os.geteuid():
                 log.warning("refused pid %d of uid %d: the launcher runs as uid %d", pid, uid, os.geteuid())
                 try_send(conn, error_reply("access_denied", f"uid {uid} may not use a launcher of uid {os.geteuid()}"))

@@ -90,17 +90,22 @@ class LauncherProcess:
         self.log.close()
 
 
-@pytest.fixture(scope="module")
-def launcher():
-    """A launcher with the default preloads (torch, transformers, ...), shared by the module's comparisons."""
+def started_launcher(*args: str):
+    """A launcher of ``args`` on a directory of its own, ready, for a module's tests (a fixture's body)."""
     directory = Path(tempfile.mkdtemp(prefix="wc-launcher-"))
-    started = LauncherProcess(directory / "sock")
+    started = LauncherProcess(directory / "sock", *args)
     try:
         assert started.ready is not None, started.output()
         yield started
     finally:
         started.stop()
         subprocess.run(["rm", "-rf", str(directory)], check=False)
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    """A launcher with the default preloads (torch, transformers, ...), shared by the module's comparisons."""
+    yield from started_launcher()
 
 
 def launch_command(socket_dir: Path, *args: str, strict: bool = True) -> list[str]:

@@ -11,12 +11,11 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.core.test_launcher import LauncherProcess, _hello, launch_command
+from tests.core.test_launcher import _hello, launch_command, started_launcher
 from weightcache.core import PROTOCOL_VERSION
 from weightcache.core.socket_dir import SocketDir
 from weightcache.core.wire.launch_request import LaunchRequest, launcher_socket
@@ -26,14 +25,7 @@ from weightcache.core.wire.protocol import HEADER, MAGIC, FrameReader
 @pytest.fixture(scope="module")
 def light():
     """A launcher that imports only json (the rules checked here do not depend on what it imports)."""
-    directory = Path(tempfile.mkdtemp(prefix="wc-launcher-"))
-    started = LauncherProcess(directory / "sock", "--preload", "json", "--no-warm")
-    try:
-        assert started.ready is not None, started.output()
-        yield started
-    finally:
-        started.stop()
-        subprocess.run(["rm", "-rf", str(directory)], check=False)
+    yield from started_launcher("--preload", "json", "--no-warm")
 
 
 def _connect(socket_dir: Path) -> socket.socket:
