@@ -79,12 +79,28 @@ def run_demo(model: str | None = None, device: str = "cpu", keep_server: bool = 
         _say(f"     attached in {attached['load_s'] * 1000:.1f} ms (source: {attached['source']})")
         same = disk["output_sha256"] == attached["output_sha256"] and attached["source"] == "cache"
         _say("\n" + "\n".join(demo_table(published, disk, attached, same)) + "\n")
+        if same:
+            _say("\n".join(next_steps(model)) + "\n")
         return 0 if same else 1
     finally:
         if keep_server:
             _say(f"server left running: `weightcache status --socket-dir {socket_dir}`; stop it with `kill {server.pid}`")
         else:
             server.close()
+
+
+def next_steps(model: str) -> list[str]:
+    """What to try after the demo: the same steps with a server that stays, then in an engine."""
+    return [
+        "what to try next (.venv/bin/ in this checkout):",
+        "  weightcache serve --detach                  # a server that stays (its socket dir is printed)",
+        f"  weightcache load --model {model}",
+        "                                              # publish a model once (any safetensors checkpoint or hub id)",
+        "  weightcache status                          # what the server holds",
+        f"  python -c \"import weightcache; print(weightcache.load_model({model!r}, mode='client').source)\"",
+        "                                              # attach it in an engine's process: 'cache', not 'disk'",
+        "  README.md, docs/operations.md               # engines (vLLM, SGLang), restarts, budgets, a fleet",
+    ]
 
 
 def demo_table(published: dict, disk: dict, attached: dict, same: bool) -> list[str]:

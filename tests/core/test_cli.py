@@ -494,6 +494,19 @@ def test_a_mismatch_names_a_short_digest_and_its_fields_once():
     )
 
 
+def test_the_demo_ends_with_commands_that_exist_to_try_next():
+    from weightcache.core.cli.cli import build_parser
+    from weightcache.core.cli.demo import next_steps
+
+    lines = next_steps("/models/m")
+    assert lines[0].startswith("what to try next")
+    commands = [shlex.split(line.split("#")[0])[1:] for line in lines if line.strip().startswith("weightcache ")]
+    assert [command[0] for command in commands] == ["serve", "load", "status"]
+    for command in commands:
+        build_parser().parse_args(command)  # each runs as shown
+    assert any("load_model(" in line for line in lines)
+
+
 def test_the_demo_table_says_slower_when_attach_is_slower():
     from weightcache.core.cli.demo import demo_table
 
