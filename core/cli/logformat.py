@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 import typing
@@ -42,9 +43,18 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(shown, ensure_ascii=False)
 
 
+QUIET_THIRD_PARTIES = {"NIXL_LOG_LEVEL": "WARN"}
+"""Libraries that log on their own (NIXL prints INFO lines to stdout through a logger it configures when imported,
+and its C++ core to stderr): the level they are held to below ``debug``, through the variable each reads. An
+operator's own setting of the variable wins."""
+
+
 def configure(level: str, form: str = "text", brief: bool = False) -> None:
     """Log to stderr at ``level`` (one of LEVELS) in ``form`` (one of FORMATS); ``brief``: ``LEVEL: message`` only
-    (the one-shot commands, whose results go to stdout)."""
+    (the one-shot commands, whose results go to stdout). Below ``debug``, third parties' INFO lines stay out."""
+    if level != "debug":
+        for variable, quiet in QUIET_THIRD_PARTIES.items():
+            os.environ.setdefault(variable, quiet)
     handler = logging.StreamHandler(sys.stderr)
     if form == "json":
         handler.setFormatter(JsonFormatter())

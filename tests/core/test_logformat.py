@@ -6,8 +6,13 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
+from tests.core.fleet_support import nixl_problem
 from tests.core.support import publish_host_entry
 from tests.helpers import run_cli, wait_until
 from weightcache.core.client.attach import Attachment
@@ -115,3 +120,26 @@ def test_the_config_file_sets_the_log_format_and_level_and_flags_win(socket_dir,
     finally:
         os.kill(pid, signal.SIGTERM)
         wait_until(lambda: not (socket_dir / "weightcache.sock").exists())
+
+
+_NIXL_AGENT = """
+import sys
+from weightcache.core.cli.logformat import configure
+configure(sys.argv[1], brief=True)
+from weightcache.core.node.fleet.nixl import NixlTransport
+NixlTransport("quiet-probe").close()
+"""
+
+
+def test_nixls_own_info_lines_stay_out_unless_debug():
+    """What `weightcache load` in a fleet printed: NIXL's INFO lines, from a logger NIXL configures on import."""
+    if (problem := nixl_problem()) is not None:
+        pytest.skip(f"NIXL cannot run here: {problem}")
+    env = {key: value for key, value in os.environ.items() if key != "NIXL_LOG_LEVEL"}
+    said = {}
+    for level in ("warning", "debug"):
+        proc = subprocess.run([sys.executable, "-c", _NIXL_AGENT, level], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        said[level] = proc.stdout + proc.stderr
+    assert "NIXL INFO" not in said["warning"], said["warning"]
+    assert "NIXL INFO" in said["debug"], "with -v they are shown (else this test proves nothing)"
