@@ -359,6 +359,17 @@ def test_a_node_pulls_an_entry_from_a_peer_and_verifies_it_before_publishing(fle
     lines = shown.stdout.splitlines()
     assert sum(f"/holders/{content}/" in line and "over nixl" in line for line in lines) == 2, shown.stdout
     assert any(f"/content/{content}:" in line and "first published by node a" in line for line in lines), shown.stdout
+    key = registry(etcd).config.key("content", content)
+    [before] = registry(etcd).store.range(key)
+    a.stop_sharing(hard=True)  # its lease runs out, and the content record with it; b's agent writes it again
+
+    def rewritten() -> bool:
+        found = registry(etcd).store.range(key)
+        return bool(found) and found[0].create_revision != before.create_revision
+
+    wait_for(rewritten, LEASE_TTL_S * 4, "node b's agent writing the content record again")
+    again = registry(etcd).content(content)
+    assert again is not None and again.origin == "a", "b pulled it: b never read the disk"
 
 
 def _holder_spec(etcd: Etcd, node: str, source: Node, fingerprint, random_bytes: bool, tmp_path, secret: str = SECRET) -> dict:

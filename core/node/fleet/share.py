@@ -47,6 +47,9 @@ class Shared:
     attachment: Attachment
     manifest_buffer: typing.Any = attrs.field(repr=False)
     holding: Holding
+    origin: str
+    """The node that read the content from the disk, as the record in force named it: a record this node writes
+    again (its origin left, and the record with its lease) keeps that name."""
 
 
 class Sharer:
@@ -168,7 +171,7 @@ class Sharer:
             attachment.close()
             raise
         holding = Holding(self.config.node, attachment.fingerprint, sha, self.link.name, reach, manifest_region, tuple(arenas))
-        self.shared[digest] = Shared(attachment, buffer, holding)
+        self.shared[digest] = Shared(attachment, buffer, holding, in_force.origin)
         log.info("weightcache: sharing %s (%s, %d bytes)", digest[:12], attachment.label, mine.nbytes)
         return True
 
@@ -185,7 +188,7 @@ class Sharer:
                 shared.holding.manifest_sha256,
                 shared.holding.manifest.length,
                 tuple((spec.size, typing.cast(str, spec.checksum)) for spec in shared.attachment.manifest.arenas),
-                self.config.node,
+                shared.origin,
             )
             self.registry.declare(content, self.lease)  # its origin may have left: the record stays while a holder does
             log.debug("weightcache: listed %s in the fleet", digest[:12])
