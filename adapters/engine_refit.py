@@ -61,10 +61,68 @@ def update_weights(model: "torch.nn.Module", named_tensors: NamedTensors | None 
             version = attachment.version + 1
         with stage_version(prepare(request), state, version, attachment.socket_dir) as staged:
             staged.publish()
-    pending = attachment.fetch_version(version)
+    pending = _prefetched(model, version)
+    if pending is _NOT_PREFETCHED:
+        pending = attachment.fetch_version(version)
     if pending is not None:
         attachment.switch_to(pending)
     return attachment.version
+
+
+PREFETCH_ATTR = "_weightcache_prefetch"
+"""The model attribute holding the fetch ``prefetch`` started: (the version asked for, its Future)."""
+
+_NOT_PREFETCHED = object()
+
+
+def prefetch(model: "torch.nn.Module", version: int | None = None) -> int:
+    """Start fetching version ``version`` (None: the newest) beside the running one, in a thread of its own: it is
+    mapped and every arena checksummed while the engine keeps stepping, so the ``update_weights`` that switches to it
+    later stalls the engine for the swap alone. Returns the version the model runs on now.
+
+    A version that fails its checksums or layout check is reported by that ``update_weights`` (the model then runs
+    on its old version); a second ``prefetch`` drops the fetch of the first.
+    """
+    import concurrent.futures
+    import threading
+
+    attachment = attachment_of(model)
+    _drop_prefetch(model)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def fetch() -> None:
+        try:
+            future.set_result(attachment.fetch_version(version))
+        except BaseException as exc:  # the switch raises it, in the engine's thread
+            future.set_exception(exc)
+
+    setattr(model, PREFETCH_ATTR, (version, future))
+    threading.Thread(target=fetch, name="weightcache-prefetch", daemon=True).start()
+    return attachment.version
+
+
+def _prefetched(model: "torch.nn.Module", version: int | None):
+    """The version ``prefetch`` fetched for ``version`` (waiting for the fetch to end), or _NOT_PREFETCHED."""
+    started = getattr(model, PREFETCH_ATTR, None)
+    if started is None or started[0] != version:
+        _drop_prefetch(model)
+        return _NOT_PREFETCHED
+    delattr(model, PREFETCH_ATTR)
+    return started[1].result()
+
+
+def _drop_prefetch(model: "torch.nn.Module") -> None:
+    """Forget a prefetch (closing what it attached, once it ends)."""
+    started = getattr(model, PREFETCH_ATTR, None)
+    if started is None:
+        return
+    delattr(model, PREFETCH_ATTR)
+
+    def close(future) -> None:
+        if future.exception() is None and future.result() is not None:
+            future.result().close()
+
+    started[1].add_done_callback(close)
 
 
 def attachment_of(model: "torch.nn.Module") -> "Attachment":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
+import threading
 import typing
 
 import attrs
@@ -118,12 +119,19 @@ def plain_load_config(load_config: "LoadConfig") -> "LoadConfig":
     return dataclasses.replace(load_config, load_format=LoadFormat.AUTO, model_loader_extra_config={})
 
 
+_BUILDING = threading.RLock()
+"""Held while single-process objects are built: ``weightcache load`` warms the adapter up (``engine_objects``) in a
+thread beside the one that describes the model (``start_load``), and SGLang's process groups, its published
+ServerArgs and MoE config are process-wide: two builds at once initialised the groups twice."""
+
+
 def engine_objects(request: "LoadRequest") -> EngineObjects:
     """The request's SGLang objects: the engine's (``request.state``), else those ``start_load`` built."""
-    configs = request.state.get(STATE_KEY)
-    if configs is None:
-        configs = start_load(request)
-    return configs
+    with _BUILDING:
+        configs = request.state.get(STATE_KEY)
+        if configs is None:
+            configs = start_load(request)
+        return configs
 
 
 def start_load(request: "LoadRequest") -> EngineObjects:
@@ -133,10 +141,11 @@ def start_load(request: "LoadRequest") -> EngineObjects:
     reuses one request (and its ``state``) for several: a load edits its
     ModelConfig (DeepSeek's rope_type), which must not reach the next load's fingerprint.
     """
-    configs = request.state.get(STATE_KEY)
-    if configs is None or configs.single_process:
-        configs = request.state[STATE_KEY] = standalone_objects(request)
-    return configs
+    with _BUILDING:
+        configs = request.state.get(STATE_KEY)
+        if configs is None or configs.single_process:
+            configs = request.state[STATE_KEY] = standalone_objects(request)
+        return configs
 
 
 def standalone_objects(request: "LoadRequest") -> EngineObjects:
@@ -161,9 +170,29 @@ def standalone_objects(request: "LoadRequest") -> EngineObjects:
     _initialise_distributed_once(request.device.kind)
     model_config = ModelConfig.from_server_args(server_args)
     load_config = LoadConfig(load_format=LoadFormat.AUTO, download_dir=server_args.download_dir)
+    model_config = as_model_runner_adjusts(model_config, load_config, request.device.kind, tp_size=1)
     return EngineObjects(
         model_config, load_config, DeviceConfig(request.device.kind, gpu_id), server_args, Ranks.current(), single_process=True
     )
+
+
+CPU_CONFIG_FIELDS = ("original_num_attention_heads", "original_total_num_kv_heads")
+"""The fields SGLang's ModelRunner adds to a model's HF config on the CPU before it loads (whatever the TP size); it
+also pads head counts and intermediate sizes the TP size does not divide. ``tests/engines/test_sglang.py`` fails when
+an SGLang release changes this list or the step that makes it."""
+
+
+def as_model_runner_adjusts(model_config: "ModelConfig", load_config: "LoadConfig", device_kind: str, tp_size: int):
+    """``model_config`` as SGLang's ModelRunner edits it before it loads (on the CPU: ``adjust_config_with_unaligned_cpu_tp``).
+
+    The engine's own load fingerprints the edited config; a load outside the engine (``weightcache load``,
+    ``load_model``, ``publish_version``) must fingerprint, and load, the same one.
+    """
+    if device_kind != "cpu":
+        return model_config
+    from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
+
+    return adjust_config_with_unaligned_cpu_tp(model_config, load_config, tp_size)
 
 
 def _initialise_distributed_once(device_kind: str) -> None:

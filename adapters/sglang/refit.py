@@ -1,18 +1,21 @@
 """SGLang's schedulers switching to a new weight version through SGLang's own weight-update path.
 
     engine = sglang.Engine(model_path=..., load_format="weightcache", model_loader_extra_config='{"mode": "client"}',
-                           custom_weight_loader=[UPDATE_WEIGHTS])
-    engine.begin_weight_update()
-    engine.update_weights_from_tensor(list(state_dict.items()), load_format=UPDATE_WEIGHTS)  # build the next version
-    # or: engine.update_weights_from_tensor([], load_format=UPDATE_WEIGHTS)  # switch to the newest one published
+                           custom_weight_loader=[UPDATE_WEIGHTS, PREFETCH])
+    # a version a trainer published (publish_version): fetched and checksummed while the engine serves, then swapped
+    engine.begin_weight_update()  # SGLang's weight-update session; the engine serves between the calls below
+    engine.update_weights_from_tensor(version_request(1), load_format=PREFETCH, flush_cache=False)  # returns at once
+    engine.update_weights_from_tensor(version_request(1), load_format=UPDATE_WEIGHTS)  # the swap alone
     engine.end_weight_update()
+    # or build the next version from a state dict on every rank:
+    # engine.update_weights_from_tensor(list(state_dict.items()), load_format=UPDATE_WEIGHTS)
 
-SGLang calls ``update_weights`` in every TP rank's scheduler between two
-batches, and flushes its radix cache afterwards (``flush_cache``). With tensors
-(every tensor of the checkpoint, in its naming) each rank builds the version
-after the one it serves, publishes it and switches; with none, each
-switches to the newest version published (by a trainer, or by another replica).
-SGLang is not imported here.
+SGLang calls a custom weight loader in every TP rank's scheduler between two batches, and flushes its radix cache
+afterwards (``flush_cache``). With tensors (every tensor of the checkpoint, in its naming) each rank builds the version
+after the one it serves, publishes it and switches; with ``version_request(N)`` (or none: the newest) each switches
+to version N as published already (by a trainer, or by another replica). ``switch`` does the above and returns the
+version the engine serves afterwards (SGLang's own entry returns its ``(True, "Success")``). SGLang is not imported
+here.
 """
 
 from __future__ import annotations
@@ -26,8 +29,56 @@ if typing.TYPE_CHECKING:
 
 UPDATE_WEIGHTS = "weightcache.adapters.sglang.refit.update_weights"
 """The import path to pass as ``custom_weight_loader`` and as ``load_format`` of ``update_weights_from_tensor``."""
+PREFETCH = "weightcache.adapters.sglang.refit.prefetch"
+"""The same for the fetch of a published version beside the running one (``engine_refit.prefetch``)."""
+VERSION_NAME = "weightcache.version"
+"""The name under which ``version_request`` hands a version number to the custom weight loaders."""
+
+
+def version_request(version: int) -> "list[tuple[str, torch.Tensor]]":
+    """What to pass as ``named_tensors`` to switch to (or prefetch) version ``version`` as published already."""
+    import torch
+
+    return [(VERSION_NAME, torch.tensor(int(version), dtype=torch.int64))]
+
+
+def _split(named_tensors) -> "tuple[int | None, list[tuple[str, torch.Tensor]]]":
+    """The version asked for (None: none) and the tensors of a state dict."""
+    items = list(named_tensors or [])
+    versions = [int(tensor.item()) for name, tensor in items if name == VERSION_NAME]
+    return (versions[0] if versions else None), [(name, tensor) for name, tensor in items if name != VERSION_NAME]
 
 
 def update_weights(model: "torch.nn.Module", named_tensors: "list[tuple[str, torch.Tensor]]") -> None:
     """SGLang's custom weight loader: switch ``model`` in place to a new version (see the module docstring)."""
-    engine_refit.update_weights(model, named_tensors)
+    version, state = _split(named_tensors)
+    engine_refit.update_weights(model, state, version)
+
+
+def prefetch(model: "torch.nn.Module", named_tensors: "list[tuple[str, torch.Tensor]]") -> None:
+    """SGLang's custom weight loader that starts fetching a published version and returns at once (the scheduler
+    keeps serving while the version is mapped and checksummed)."""
+    version, _ = _split(named_tensors)
+    engine_refit.prefetch(model, version)
+
+
+def switch(engine: typing.Any, version: int, prefetched: bool = True) -> int:
+    """Switch a running ``sglang.Engine`` to version ``version`` as published already, through SGLang's weight-update
+    session; returns ``version`` once every rank serves it. ``prefetched``: fetch and checksum it first while the
+    engine serves, so the update stalls it for the swap alone. The engine needs ``custom_weight_loader=[UPDATE_WEIGHTS,
+    PREFETCH]``. RuntimeError with SGLang's message when SGLang refuses the update."""
+    engine.begin_weight_update()
+    try:
+        if prefetched:  # returns at once; the engine serves between this call and the next
+            request = version_request(version)
+            _checked(engine.update_weights_from_tensor(request, load_format=PREFETCH, flush_cache=False))
+        _checked(engine.update_weights_from_tensor(version_request(version), load_format=UPDATE_WEIGHTS))
+    finally:
+        engine.end_weight_update()
+    return version
+
+
+def _checked(result) -> None:
+    success, message = (result[0], result[1]) if isinstance(result, tuple | list) else (bool(result), str(result))
+    if not success:
+        raise RuntimeError(f"SGLang refused the weight update: {message}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import typing
 
 import attrs
@@ -111,12 +112,18 @@ class EngineObjects:
         return set_current_vllm_config(self.vllm_config)
 
 
+_BUILDING = threading.Lock()
+"""Held while single-process objects are built: vLLM's process groups are process-wide, initialised once (a load
+may describe its model while another thread warms the adapter up)."""
+
+
 def engine_objects(request: "LoadRequest") -> EngineObjects:
     """The engine objects of ``request`` (built for a plain single-process load, once per request, when absent)."""
-    objects = request.state.get(STATE_KEY)
-    if objects is None:
-        objects = request.state[STATE_KEY] = standalone_objects(request)
-    return objects
+    with _BUILDING:
+        objects = request.state.get(STATE_KEY)
+        if objects is None:
+            objects = request.state[STATE_KEY] = standalone_objects(request)
+        return objects
 
 
 def standalone_objects(request: "LoadRequest") -> EngineObjects:

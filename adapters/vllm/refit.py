@@ -3,7 +3,8 @@
     llm = LLM(model, load_format="weightcache", model_loader_extra_config={"mode": "client"},
               worker_extension_cls="weightcache.adapters.vllm.refit.WeightcacheWorkerExtension")
     llm.collective_rpc("weightcache_update_weights", args=(shared(state_dict, workers=2), 1))  # build v1 on every rank
-    llm.collective_rpc("weightcache_refit", args=(1,))  # or: switch to v1 as a trainer published it
+    llm.collective_rpc("weightcache_prefetch", args=(1,))  # or: v1 as a trainer published it, checksummed meanwhile
+    llm.collective_rpc("weightcache_refit", args=(1,))  # ... then the swap alone
     llm.reset_prefix_cache()  # keys and values cached on the old weights
 
 Each worker (every TP and PP rank) switches its own rank's entry in place
@@ -75,6 +76,12 @@ class WeightcacheWorkerExtension:
     def weightcache_refit(self, version: int | None = None) -> int:
         """Switch to version ``version`` (None: the newest) as the server holds it; returns the version now served."""
         return engine_refit.update_weights(self._weightcache_model(), None, version)
+
+    def weightcache_prefetch(self, version: int | None = None) -> int:
+        """Start fetching version ``version`` (None: the newest) as the server holds it, beside the running one, and
+        return at once (the version served now): it is mapped and checksummed while the engine steps, and the
+        ``weightcache_refit`` of the same version then stalls the engine for the swap alone."""
+        return engine_refit.prefetch(self._weightcache_model(), version)
 
     def weightcache_version(self) -> int:
         """The version of the weights this rank serves (0: as published from the checkpoint)."""

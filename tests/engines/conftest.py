@@ -17,6 +17,7 @@ ENGINE_TESTS = [
     "test_engine_hub_ids.py",
     "test_entry_points.py",
     "test_launched_engines.py",
+    "test_one_identity.py",
 ]
 
 collect_ignore = ["test_engine_venv.py"] if ENGINES_HERE else ENGINE_TESTS

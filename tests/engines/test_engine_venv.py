@@ -32,7 +32,11 @@ def engine_python() -> Path:
     return Path(os.environ.get(ENV_PYTHON) or DEFAULT_PYTHON)
 
 
-ENTRY_POINTS = ["tests/engines/test_entry_points.py", "tests/engines/test_launched_engines.py"]
+ENTRY_POINTS = [
+    "tests/engines/test_entry_points.py",
+    "tests/engines/test_launched_engines.py",
+    "tests/engines/test_one_identity.py",
+]
 EVERYDAY = ["-m", "not engine_entry"]
 """The tensor-level tests: everything in tests/engines but the entry-point tests (real engine starts)."""
 

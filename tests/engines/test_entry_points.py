@@ -282,6 +282,37 @@ def test_a_refit_through_the_engines_weight_update_path_equals_a_fresh_start_on_
     assert refitted["versions"] == ([1, 1] if engine == "vllm" else [True, "Success"]), refitted
 
 
+def test_a_version_a_trainer_published_reaches_the_running_engine_through_its_entry(engine, models, tmp_path):
+    """TP=1: an engine serving version 0 (daemon: it published it); a separate trainer process publishes version 1
+    (``publish_version``, the engine's adapter); the engine fetches and checksums it while it serves, then swaps
+    through its documented entry, which returns version 1; its greedy tokens then equal a fresh engine started on
+    version 1's checkpoint and differ from version 0's. A second engine started afterwards as a strict client on the
+    same entry maps version 0, as published from disk, and generates version 0's tokens."""
+    from weightcache.conformance.refit import next_version
+
+    version_1 = tmp_path / "version-1"
+    next_version(models["llama"], version_1)
+    socket_dir = private_dir("wc-trainer-")
+    daemon = {"mode": "daemon", "socket_dir": str(socket_dir)}
+    try:
+        runs = [
+            {"model": str(models["llama"]), "extra": daemon, "trainer": str(version_1)},
+            {"model": str(models["llama"]), "extra": {**daemon, "mode": "client", "strict": True}},
+            {"model": str(version_1), "extra": None},
+        ]
+        done = run_entry_points(engine, runs, timeout=3 * ERROR_BOUND_S + 120)
+    finally:
+        stop_spawned_server(socket_dir)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    switched, second, fresh = done.results
+    for result in done.results:
+        assert "error" not in result, (result, done.output[-5000:])
+    assert switched["tokens"] != fresh["tokens"], "the test's premise: version 1 generates other tokens than version 0"
+    assert switched["versions"] == ([1] if engine == "vllm" else 1), switched
+    assert switched["refit_tokens"] == fresh["tokens"], (switched, fresh)
+    assert second["tokens"] == switched["tokens"], (second, switched)
+
+
 # HTTP -----------------------------------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,67 @@
+"""The ways a model reaches the server outside an engine, each in a process of its own: ``load_model`` and a trainer's
+``publish_version`` (``weightcache load`` is the CLI itself).
+
+    python -m tests.engines.identity_paths --adapter vllm|sglang --model DIR --socket-dir D --steps load_model,...
+
+Steps, in order, in one process: ``publish`` (``load_model`` in mode ``daemon``: loads and publishes when the server
+holds no entry), ``attach`` (``load_model`` as a strict client: a miss raises), ``publish_version`` (every tensor of
+the checkpoint as version 1, as a trainer publishes after a step). One ``WCRESULT {json}`` line per step: ``source``
+and ``digest``, ``version``, or ``error`` and ``message``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tests.engines.engine_child import emit
+
+DTYPE = "bfloat16"
+"""As the engines in tests/engines/entry_points.py load the models."""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--adapter", choices=("vllm", "sglang"), required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--socket-dir", required=True)
+    parser.add_argument("--steps", required=True, help="comma-separated: publish, attach, publish_version")
+    parser.add_argument("--state", help="publish_version: the checkpoint whose tensors are version 1 (default: --model)")
+    args = parser.parse_args(argv)
+    for step in args.steps.split(","):
+        try:
+            result = STEPS[step](args)
+        except Exception as exc:  # the step's error is its result
+            result = {"error": type(exc).__name__, "message": str(exc)}
+        emit({"step": step, **result})
+    return 0
+
+
+def load(args, mode: str) -> dict:
+    import weightcache
+
+    loaded = weightcache.load_model(
+        args.model, adapter=args.adapter, mode=mode, dtype=DTYPE, socket_dir=args.socket_dir, strict=mode == "client"
+    )
+    return {"source": loaded.source, "digest": loaded.attachment.digest if loaded.attachment is not None else None}
+
+
+def publish_version(args) -> dict:
+    import weightcache
+    from tests.engines.entry_points import checkpoint_state
+
+    published = weightcache.publish_version(
+        args.model, checkpoint_state(args.state or args.model), 1, adapter=args.adapter, dtype=DTYPE, socket_dir=args.socket_dir
+    )
+    return {"version": published.version, "digest": published.digest}
+
+
+STEPS = {
+    "publish": lambda args: load(args, "daemon"),
+    "attach": lambda args: load(args, "client"),
+    "publish_version": publish_version,
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
