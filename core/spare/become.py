@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import fcntl
+import gc
 import importlib
 import importlib.machinery
 import io
@@ -219,6 +220,7 @@ def _fresh_module_state() -> None:
 
 def run_target(target: Target, main: types.ModuleType) -> typing.NoReturn:
     """Run ``target`` in ``main``; never returns: a SystemExit ends the interpreter as ``python``'s own would."""
+    atexit.register(_unfreeze_for_nanobind)  # registered first, so it runs after every handler of the target
     try:
         if target.form == "module":
             runpy._run_module_as_main(target.value, alter_argv=True)  # type: ignore[attr-defined]
@@ -233,6 +235,27 @@ def run_target(target: Target, main: types.ModuleType) -> typing.NoReturn:
             _exit_by_sigint()
         raise SystemExit(1) from None
     raise SystemExit(0)
+
+
+def _unfreeze_for_nanobind() -> None:
+    """Give the interpreter's exit the objects the launcher froze, where a nanobind extension (Triton's) is loaded.
+
+    Frozen objects are never collected, and nanobind reports each of its objects still alive at exit as a leak
+    (~30 lines of ``nanobind: leaked ...`` with Triton) that an exec'd interpreter, which frees them, never prints.
+    The exit then collects them as an exec'd one does (seconds where vLLM or SGLang is loaded, as exec'd).
+    """
+    import ctypes
+
+    api = ctypes.pythonapi
+    api.PyInterpreterState_Get.restype = ctypes.c_void_p
+    api.PyInterpreterState_GetDict.restype = ctypes.py_object
+    api.PyInterpreterState_GetDict.argtypes = [ctypes.c_void_p]
+    try:
+        names = list(api.PyInterpreterState_GetDict(api.PyInterpreterState_Get()))
+    except (ValueError, TypeError):  # no interpreter dict (NULL)
+        return
+    if any(isinstance(name, str) and name.startswith("__nb_internals_") for name in names):
+        gc.unfreeze()
 
 
 def _compile(target: Target, main: types.ModuleType) -> types.CodeType:

@@ -18,6 +18,7 @@ ENGINE_TESTS = [
     "test_entry_points.py",
     "test_launched_engines.py",
     "test_one_identity.py",
+    "test_launched_exit.py",
 ]
 
 collect_ignore = ["test_engine_venv.py"] if ENGINES_HERE else ENGINE_TESTS
