@@ -38,19 +38,19 @@ def main(argv=None) -> int:
 
 
 def load(args, mode: str) -> dict:
-    import weightcache
+    from weightcache import load_model
 
-    loaded = weightcache.load_model(
+    loaded = load_model(
         args.model, adapter=args.adapter, mode=mode, dtype=DTYPE, socket_dir=args.socket_dir, strict=mode == "client"
     )
     return {"source": loaded.source, "digest": loaded.attachment.digest if loaded.attachment is not None else None}
 
 
-def publish_version(args) -> dict:
-    import weightcache
+def trainer_version(args) -> dict:
     from tests.engines.entry_points import checkpoint_state
+    from weightcache.refit import publish_version
 
-    published = weightcache.publish_version(
+    published = publish_version(
         args.model, checkpoint_state(args.state or args.model), 1, adapter=args.adapter, dtype=DTYPE, socket_dir=args.socket_dir
     )
     return {"version": published.version, "digest": published.digest}
@@ -59,7 +59,7 @@ def publish_version(args) -> dict:
 STEPS = {
     "publish": lambda args: load(args, "daemon"),
     "attach": lambda args: load(args, "client"),
-    "publish_version": publish_version,
+    "publish_version": trainer_version,
 }
 
 

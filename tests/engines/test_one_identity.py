@@ -208,9 +208,10 @@ def test_sglangs_cpu_config_fields_are_the_ones_the_adapter_reproduces(tiny_llam
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner import ModelRunner
 
+    from weightcache.adapter import LoadRequest
     from weightcache.adapters.sglang import engine
 
-    engine.start_load(__import__("weightcache").LoadRequest(model=str(tiny_llama), adapter="sglang", device="cpu"))
+    engine.start_load(LoadRequest(model=str(tiny_llama), adapter="sglang", device="cpu"))
     config = ModelConfig(model_path=str(tiny_llama), dtype="bfloat16")
     before = set(config.hf_config.to_dict())
     engine.as_model_runner_adjusts(config, LoadConfig(), "cpu", tp_size=1)
