@@ -11,6 +11,7 @@ rank can switch to it too. No engine is imported here.
 
 from __future__ import annotations
 
+import concurrent.futures
 import typing
 
 from weightcache.engine import ATTACHMENT_ATTR
@@ -83,7 +84,6 @@ def prefetch(model: "torch.nn.Module", version: int | None = None) -> int:
     A version that fails its checksums or layout check is reported by that ``update_weights`` (the model then runs
     on its old version); a second ``prefetch`` drops the fetch of the first.
     """
-    import concurrent.futures
     import threading
 
     attachment = attachment_of(model)
@@ -118,7 +118,7 @@ def _drop_prefetch(model: "torch.nn.Module") -> None:
         return
     delattr(model, PREFETCH_ATTR)
 
-    def close(future) -> None:
+    def close(future: concurrent.futures.Future) -> None:
         if future.exception() is None and future.result() is not None:
             future.result().close()
 

@@ -182,7 +182,9 @@ also pads head counts and intermediate sizes the TP size does not divide. ``test
 an SGLang release changes this list or the step that makes it."""
 
 
-def as_model_runner_adjusts(model_config: "ModelConfig", load_config: "LoadConfig", device_kind: str, tp_size: int):
+def as_model_runner_adjusts(
+    model_config: "ModelConfig", load_config: "LoadConfig", device_kind: str, tp_size: int
+) -> "ModelConfig":
     """``model_config`` as SGLang's ModelRunner edits it before it loads (on the CPU: ``adjust_config_with_unaligned_cpu_tp``).
 
     The engine's own load fingerprints the edited config; a load outside the engine (``weightcache load``,
