@@ -37,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from weightcache.core.cli import load, serve, status
+    from weightcache.core.cli import check_config, load, serve, status
     from weightcache.core.cli.cli_options import add_command, add_log_options, add_socket_dir, parse_device
     from weightcache.core.cli.probe import add_parser as probe_options
 
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_options(parser, default_format="text")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.add_parser(commands)
+    check_config.add_parser(commands)
     load.add_parser(commands)
 
     probe = add_command(commands, "probe", "check that the server answers; exit 0 ready, 3 no server, 4 not ready, 5 unhealthy")
@@ -146,11 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    from weightcache.core.cli import load, serve, status
+    from weightcache.core.cli import check_config, load, serve, status
     from weightcache.core.cli.probe import run as run_probe
 
     commands = {
         "serve": serve.run,
+        "check-config": check_config.run,
         "load": load.run,
         "status": status.run,
         "evict": status.run_evict,

@@ -39,6 +39,15 @@ def add_parser(commands) -> None:
 
 def run(args) -> int:
     """Check everything that can be checked before reading a weight, then load and publish (see docs/operations.md)."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        # The entry is published in one request at the end: a load stopped before its reply published nothing.
+        print(f"weightcache: load of {args.model} stopped (Ctrl-C); nothing was published", file=sys.stderr, flush=True)
+        raise
+
+
+def _run(args) -> int:
     from weightcache.core.cli.cli_options import load_request
     from weightcache.core.client.client import Connection
     from weightcache.core.flow import loader
@@ -56,13 +65,8 @@ def run(args) -> int:
     log.debug("load: the server answered")
     # The disk starts now; the adapter imports its framework meanwhile (nothing where the hf adapter remembers the
     # model's layout), while this thread makes the CUDA context.
-    try:
-        with _read_ahead(headers, args.prefetch), _warming_up(checked.adapter, checked.request):
-            return _load_checked(args, checked, tier, headers)
-    except KeyboardInterrupt:
-        # The entry is published in one request at the end: a load stopped before its reply published nothing.
-        print(f"weightcache: load of {args.model} stopped (Ctrl-C); nothing was published", file=sys.stderr, flush=True)
-        raise
+    with _read_ahead(headers, args.prefetch), _warming_up(checked.adapter, checked.request):
+        return _load_checked(args, checked, tier, headers)
 
 
 @contextlib.contextmanager

@@ -27,9 +27,10 @@ environment:
                           set by systemd: entries given back from its fd store after a crash or restart
 
 exit status:
-  0  stopped by SIGTERM or SIGINT, or handed every entry to a successor; --check-config: the settings are valid
+  0  stopped by SIGTERM or SIGINT, or handed every entry to a successor; --check-config: no error (warnings or not)
   1  could not start: a bad config file or value, a listener that cannot bind, another server on the
-     directory, a successor that refused the handover (one `weightcache: error:` line says which)
+     directory, a successor that refused the handover (one `weightcache: error:` line says which);
+     --check-config: an error (a line each, e.g. a warm item whose model is not there)
   2  usage error (an unknown option or a bad value on the command line)
 
 metrics port (--metrics-port): /metrics (Prometheus), /healthz (the server accepts), /readyz (it listens and
@@ -73,8 +74,9 @@ def add_parser(commands) -> None:
     serve.add_argument(
         "--check-config",
         action="store_true",
-        help="check the config file and flags (values, the metrics host), print the settings and the warm list, and exit "
-        "without serving: 0 valid, 1 not",
+        help="check what a start would do (values, the metrics host, each warm item's model, adapter and options, the "
+        "budgets against this machine), print the settings and a line per problem, and exit without serving: 0 no "
+        "error, 1 an error (same as `weightcache check-config`)",
     )
     serve.add_argument(
         "--take-over",
@@ -164,22 +166,11 @@ def run(args) -> int:
 
 
 def _check_config(config, warm, logged: dict, args) -> int:
-    """``serve --check-config``: what the server would run with, checked as far as it can be without serving."""
-    from weightcache.core.server.http_endpoint import resolve
+    """``serve --check-config``: ``weightcache check-config`` with the flags over the file."""
+    from weightcache.core.cli.check_config import report
 
-    if config.metrics_port is not None:
-        resolve(config.metrics_host, config.metrics_port, "--metrics-host")  # ListenerUnavailable: one line
-    shown = {field: getattr(config, field) for field in ("socket_dir", "byte_budget", "host_budget", "gpu_budget")}
-    shown |= {field: getattr(config, field) for field in ("idle_timeout_s", "max_connections", "frame_deadline_s")}
-    shown |= {"metrics": None if config.metrics_port is None else f"{config.metrics_host}:{config.metrics_port}"}
-    shown |= {
+    shown = {
         "log_level": args.log_level or logged.get("log_level", "info"),
         "log_format": args.log_format or logged.get("log_format", "text"),
     }
-    print(f"weightcache serve: the settings are valid{f' ({args.config})' if args.config else ''}")
-    for key, value in shown.items():
-        print(f"  {key} = {value if value is not None else 'none'}")
-    print(f"  warm: {len(warm)} {'item' if len(warm) == 1 else 'items'}")
-    for item in warm:
-        print(f"    {item.model} ({item.device}, tier {item.tier}{f', {item.dtype}' if item.dtype else ''})")
-    return 0
+    return report("weightcache serve", config, warm, shown, args.config)

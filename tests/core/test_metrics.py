@@ -195,4 +195,4 @@ def test_every_code_the_server_refuses_with_is_counted_from_zero_and_documented(
     assert {"version_conflict", "handover_failed", "refused", "busy"} <= sent, sorted(sent)
     assert sent <= set(REFUSAL_CODES), f"not pre-initialised: {sorted(sent - set(REFUSAL_CODES))}"
     docs = (root / "docs" / "operations.md").read_text()
-    assert not [code for code in REFUSAL_CODES if f"\n| `{code}` |" not in docs], "a refusal code without its row in the docs"
+    assert not [code for code in REFUSAL_CODES if f"\n| **`{code}`** |" not in docs], "a refusal code without its row in the docs"

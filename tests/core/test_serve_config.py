@@ -50,19 +50,52 @@ def test_the_file_sets_everything_the_flags_set(tmp_path):
     assert loaded.logging == {"log_format": "json", "log_file": "/x.log"}
 
 
-def test_check_config_says_valid_or_names_the_mistake_in_one_line(tmp_path):
+def test_check_config_says_valid_or_names_the_mistake_in_one_line(tmp_path, model_dir):
     from tests.core.test_cli import cli
 
     path = tmp_path / "serve.toml"
-    path.write_text(f'[server]\nsocket_dir = "{tmp_path}/wc"\nmetrics_port = 9464\n[[warm]]\nmodel = "/models/m"\n')
+    model = model_dir("llama")
+    path.write_text(f'[server]\nsocket_dir = "{tmp_path}/wc"\nmetrics_port = 9464\n[[warm]]\nmodel = "{model}"\n')
     run = cli("serve", "--config", str(path), "--check-config", fork=True)
     assert run.code == 0 and "the settings are valid" in run.stdout and "metrics = 127.0.0.1:9464" in run.stdout, run
-    assert "/models/m (cpu, tier device)" in run.stdout and not (tmp_path / "wc").exists(), "a check serves nothing"
+    assert f"{model} (cpu, tier device)" in run.stdout and not (tmp_path / "wc").exists(), "a check serves nothing"
     path.write_text('[server]\nbyte_budget = "lots"\n')
     run = cli("serve", "--config", str(path), "--check-config", fork=True)
     assert run.code == 1 and run.stderr[-1].startswith("weightcache: error: ") and "byte_budget" in run.stderr[-1], run
     run = cli("serve", "--metrics-port", "1", "--metrics-host", "no-such-host.invalid", "--check-config", fork=True)
     assert run.code == 1 and "no-such-host.invalid" in run.stderr[-1], run
+
+
+def test_check_config_takes_each_warm_item_as_far_as_a_start_would_and_holds_the_budgets_to_the_machine(tmp_path, model_dir):
+    """What `serve --check-config` called valid and a start then failed at: a model that is not there, an adapter or
+    a device that does not resolve; and what would run but not as the file reads: budgets too big or too small."""
+    from tests.core.test_cli import cli
+
+    model, missing = model_dir("llama"), tmp_path / "no-such-model"
+    path = tmp_path / "serve.toml"
+    path.write_text(
+        f'[server]\nbyte_budget = "4K"\nhost_budget = "1000T"\n[[warm]]\nmodel = "{missing}"\n[[warm]]\nmodel = "{model}"\n'
+        f'[[warm]]\nmodel = "{model}"\nadapter = "no-such-adapter"\n[[warm]]\nmodel = "{model}"\ntier = "host"\n'
+    )
+    for run in (
+        cli("check-config", "--config", str(path), fork=True),
+        cli("serve", "--config", str(path), "--check-config", fork=True),
+    ):
+        assert run.code == 1 and "3 errors, 2 warnings" in run.stdout.splitlines()[0], run
+        problems = [line for line in run.stderr if line.startswith("weightcache: ")]
+        assert len(problems) == 5, run.stderr
+        assert problems[0].startswith(f"weightcache: error: warm item 1 ({missing}): {missing}: no such file"), problems
+        assert (
+            problems[1].startswith("weightcache: error: warm item 3")
+            and "no weightcache adapter named 'no-such-adapter'" in problems[1]
+        )
+        assert problems[2].startswith("weightcache: error: warm item 4") and "needs a CUDA --device" in problems[2]
+        assert "host_budget 1000.0 TiB is more than this machine's memory" in problems[3]
+        assert f"warm item {model} needs" in problems[4] and "over byte_budget 4.0 KiB" in problems[4]
+    path.write_text(f'[[warm]]\nmodel = "{model}"\n')
+    run = cli("check-config", "--config", str(path), fork=True)
+    assert run.code == 0 and run.stdout.startswith(f"weightcache check-config: the settings are valid ({path})"), run
+    assert not [line for line in run.stderr if line.startswith("weightcache: ")], run.stderr
 
 
 def test_sighup_without_a_config_file_changes_nothing_and_the_server_serves_on(socket_dir):
