@@ -34,6 +34,7 @@ FOUNDATION = frozenset(
         "cuda_driver",
         "device",
         "dtypes",
+        "entry_points",
         "envvars",
         "errors",
         "fileio",

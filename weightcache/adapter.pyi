@@ -32,7 +32,12 @@ from weightcache.core.load.export import tensor_attributes as tensor_attributes
 from weightcache.core.load.rebind import rebind_module as rebind_module, meta_parameters as meta_parameters
 from weightcache.core.load.rebind import check_no_meta as check_no_meta
 
-# quantization: the allow-list and block-wise FP8
+# quantization: the registry of methods (plugins), the allow-list and block-wise FP8
+from weightcache.core.quantization.method import QuantizationMethod as QuantizationMethod
+from weightcache.core.quantization.method import quantization_method as quantization_method
+from weightcache.core.quantization.method import quantization_methods as quantization_methods
+from weightcache.core.quantization.method import quantization_names as quantization_names
+from weightcache.core.quantization.method import declared_quantization as declared_quantization
 from weightcache.core.quantization.allowlist import check_quantization as check_quantization
 from weightcache.core.quantization.fp8_block import Fp8BlockConfig as Fp8BlockConfig, Fp8BlockLinear as Fp8BlockLinear
 from weightcache.core.quantization.fp8_block import quantize_model as quantize_model

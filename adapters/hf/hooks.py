@@ -99,14 +99,13 @@ def weightcache_post_process(request, model, description):
 
 @hookimpl
 def weightcache_manifest_extra(request, model):
-    from weightcache.adapter import Fp8BlockLinear
+    from weightcache.adapter import quantization_methods
     from weightcache.adapters.hf.layout import class_name_of
 
     class_name = class_name_of(model)
     extra: dict[str, typing.Any] = {"model_class": class_name, "dtype": str(_param_dtype(model)).removeprefix("torch.")}
-    fp8 = next((m for m in model.modules() if isinstance(m, Fp8BlockLinear)), None)
-    if fp8 is not None:
-        extra["fp8_block_size"] = list(fp8.block_size)
+    for method in quantization_methods().values():  # what a rebind needs of each method's layers (block FP8: the tile)
+        extra.update(method.layout(model))
     return extra
 
 

@@ -13,15 +13,13 @@ from pathlib import Path
 from types import ModuleType
 
 from weightcache import __version__
-from weightcache.adapter import ModelDescription, UnsupportedQuantization, dtype_name, looks_like_hub_id, to_dtype
+from weightcache.adapter import ModelDescription, dtype_name, looks_like_hub_id, quantization_names, to_dtype
 
 if typing.TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from weightcache.adapter import Fp8BlockConfig, LoadRequest
-
-FP8_BLOCK = "fp8-block"
+    from weightcache.adapter import LoadRequest
 
 
 def read_config(model: str, revision: str | None = None) -> dict:
@@ -62,38 +60,25 @@ def architecture(config: dict) -> str:
 
 
 def checkpoint_quantization(config: dict) -> str:
-    """The method a checkpoint declares in ``quantization_config`` (``none`` if it declares none)."""
-    qc = config.get("quantization_config")
-    if not qc:
-        return "none"
-    method = str(qc.get("quant_method", "unknown")).lower()
-    if method == "fp8":
-        return FP8_BLOCK if qc.get("weight_block_size") else "fp8"
-    return method
+    """The method a checkpoint declares in ``quantization_config`` (``none`` if it declares none): a registered method's
+    name where one claims the declaration, else the declaration's own ``quant_method``."""
+    from weightcache.adapter import declared_quantization
+
+    return declared_quantization(config.get("quantization_config"))
 
 
-def fp8_config(config: dict, requested: str | None, options: dict) -> "Fp8BlockConfig | None":
-    """The Fp8BlockConfig this load uses, or None when the model stays unquantized.
+def quantization_config(config: dict, requested: str | None, options: dict) -> dict:
+    """The config of the method this load uses (empty when the model stays unquantized), from the registry's method:
+    the checkpoint's own declaration if it is stored quantized, else the request's method with the adapter's options.
 
-    Raises UnsupportedQuantization for a method other than block FP8.
+    Raises UnsupportedQuantization for a method nobody registered, or one its method refuses.
     """
-    from weightcache.adapter import Fp8BlockConfig
+    from weightcache.adapter import quantization_method
 
     stored = checkpoint_quantization(config)
-    if stored == FP8_BLOCK:
-        return Fp8BlockConfig.from_hf_quantization_config(config["quantization_config"])
     if stored != "none":
-        raise UnsupportedQuantization(stored, "checkpoint quantized with a method weightcache has not validated")
-    if requested in (None, "none"):
-        return None
-    if requested != FP8_BLOCK:
-        raise UnsupportedQuantization(requested, "only block-wise FP8 is validated")
-    kwargs: dict[str, typing.Any] = {}
-    if options.get("block_size"):
-        kwargs["block_size"] = tuple(options["block_size"])
-    if options.get("exclude") is not None:
-        kwargs["exclude"] = tuple(options["exclude"])
-    return Fp8BlockConfig(**kwargs)
+        return quantization_method(stored).accept(config["quantization_config"], options)
+    return quantization_method(requested).accept(None, options)
 
 
 class ModelClass(typing.Protocol):
@@ -210,9 +195,8 @@ def describe(request: "LoadRequest") -> ModelDescription:
     requested = request.quantization
     method = checkpoint_quantization(config) if requested in (None, "none") else requested
     quant_config = {}
-    if method in ("none", FP8_BLOCK):
-        fp8 = fp8_config(config, requested, dict(request.options))
-        quant_config = fp8.to_json() if fp8 else {}
+    if method in quantization_names():  # the core refuses any other with its reason, once described
+        quant_config = quantization_config(config, requested, dict(request.options))
     return ModelDescription(
         architecture=request.option("model_class") or architecture(config),
         config=config,

@@ -1,4 +1,4 @@
-"""Building transformers models: from disk (plain, or pre-quantized FP8) and as meta skeletons."""
+"""Building transformers models: from disk (plain, or stored quantized) and as meta skeletons."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ PREQUANTIZED_ATTR = "_weightcache_prequantized"
 def _hf_config(request, drop_quantization: bool):
     config = identity.transformers_module().AutoConfig.from_pretrained(request.model)
     if drop_quantization and hasattr(config, "quantization_config"):
-        # weightcache's own FP8 modules replace transformers' quantizer.
+        # the registered method's own layers replace transformers' quantizer.
         del config.quantization_config
     return config
 
@@ -42,8 +42,8 @@ def load(request: "LoadRequest", builder: "ArenaBuilder | None" = None) -> "torc
     arenas; otherwise transformers loads the model and export copies it.
     """
     config = identity.read_config(request.model, request.revision)
-    if identity.checkpoint_quantization(config) == identity.FP8_BLOCK:
-        return load_prequantized_fp8(request, config)
+    if _stored_quantized(config):
+        return load_stored_quantized(request, config)
     if builder is not None and request.quantization in (None, "none"):
         model = load_into_arenas(request, config, builder)
         if model is not None:
@@ -204,11 +204,11 @@ def load_tensors(request: "LoadRequest", tensors: "typing.Mapping[str, torch.Ten
     Each tensor is bound as it is where it already has the model's dtype and device (a view of the new version's
     arenas, or the trainer's own tensor: export copies that one), else a converted copy is bound; the caller's
     tensors are never changed. Tensors that do not fit the model one to one (renamed keys, experts transformers fuses,
-    buffers it ignores) go through transformers' own loading, as the files would. A block-FP8 checkpoint's tensors are
-    bound as it stores them, never re-quantized.
+    buffers it ignores) go through transformers' own loading, as the files would. A checkpoint stored quantized (block FP8) has its
+    tensors bound as it stores them, never re-quantized.
     """
     config = identity.read_config(request.model, request.revision)
-    if identity.checkpoint_quantization(config) == identity.FP8_BLOCK:
+    if _stored_quantized(config):
         return _prequantized(request, config, dict(tensors))
     from weightcache.adapter import default_store
 
@@ -273,8 +273,16 @@ def _is_floating(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat"))
 
 
-def load_prequantized_fp8(request: "LoadRequest", config: dict) -> "torch.nn.Module":
-    """A checkpoint that stores block-FP8 weights and ``weight_scale_inv``: bind them, never re-quantize."""
+def _stored_quantized(config: dict) -> bool:
+    """Whether the checkpoint stores its weights in a registered method (block FP8: weights and ``weight_scale_inv``)."""
+    from weightcache.adapter import quantization_names
+
+    stored = identity.checkpoint_quantization(config)
+    return stored != "none" and stored in quantization_names()
+
+
+def load_stored_quantized(request: "LoadRequest", config: dict) -> "torch.nn.Module":
+    """A checkpoint stored quantized (block FP8: weights and ``weight_scale_inv``): bind its tensors, never quantize."""
     import safetensors.torch
 
     from weightcache.adapter import checkpoint_files
@@ -287,16 +295,16 @@ def load_prequantized_fp8(request: "LoadRequest", config: dict) -> "torch.nn.Mod
 
 
 def _prequantized(request: "LoadRequest", config: dict, tensors: "dict[str, torch.Tensor]") -> "torch.nn.Module":
-    """The model holding a block-FP8 checkpoint's ``tensors`` as they are stored (weights and ``weight_scale_inv``)."""
-    from weightcache.adapter import load_prequantized
+    """The model holding a quantized checkpoint's ``tensors`` as they are stored (block FP8: weights and
+    ``weight_scale_inv``), bound by the method the checkpoint declares."""
+    from weightcache.adapter import quantization_method
 
-    fp8 = identity.fp8_config(config, None, dict(request.options))
-    if fp8 is None:
-        raise ValueError(f"{request.model} declares no block-wise FP8 quantization to load as it is stored")
+    method = quantization_method(identity.checkpoint_quantization(config))
+    method_config = identity.quantization_config(config, None, dict(request.options))
     model = skeleton(request, drop_quantization=True, dtype=load_dtype(request, config))
     device = request.device.torch()
     tensors = {name: tensor.detach().to(device) for name, tensor in tensors.items()}  # never the caller's own objects
-    converted = load_prequantized(model, tensors, fp8)
+    converted = method.load_stored(model, tensors, method_config)
     rest = {k: v for k, v in tensors.items() if not any(k.startswith(m + ".") for m in converted) or k.endswith(".bias")}
     rest = {k: (v.to(load_dtype(request, config)) if v.dtype.is_floating_point else v) for k, v in rest.items()}
     _missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
@@ -306,7 +314,7 @@ def _prequantized(request: "LoadRequest", config: dict, tensors: "dict[str, torc
     _buffers_to(model, device)
     check_no_meta(model)
     setattr(model, PREQUANTIZED_ATTR, True)
-    log.info("loaded %d pre-quantized block-FP8 layers without re-quantizing", len(converted))
+    log.info("loaded %d pre-quantized %s layers without re-quantizing", len(converted), method.name)
     return model.eval()
 
 
@@ -348,41 +356,31 @@ def _no_init_weights():
 def build_skeleton(request: "LoadRequest", manifest: "Manifest") -> "torch.nn.Module":
     """The meta-device model a client rebinds to the mapped tensors of ``manifest``.
 
-    Modules whose ``weight_scale_inv`` the manifest holds become FP8 layers.
+    Each registered quantization method turns the modules whose quantized tensors the manifest holds into its layers
+    (block FP8: those with a ``weight_scale_inv``).
     """
-    import torch
-
-    from weightcache.adapter import Fp8BlockLinear
+    from weightcache.adapter import quantization_methods
 
     extra = manifest.extra
     model = skeleton(request, drop_quantization=True, dtype=to_dtype(extra["dtype"]), class_name=extra.get("model_class"))
-    block_size = tuple(extra.get("fp8_block_size") or (128, 128))
-    for name in manifest.names:
-        if name.endswith(".weight_scale_inv"):
-            name = name.removesuffix(".weight_scale_inv")
-            module = model.get_submodule(name)
-            if isinstance(module, Fp8BlockLinear):
-                continue
-            if not isinstance(module, torch.nn.Linear):
-                raise RebindError(f"{name} has a weight_scale_inv but is a {type(module).__name__}, not a Linear layer")
-            model.set_submodule(name, Fp8BlockLinear.like(module, block_size, device="meta"))
+    for method in quantization_methods().values():
+        method.rebind(model, manifest.names, extra)
     return model
 
 
 def post_process(request: "LoadRequest", model: "torch.nn.Module", description: "ModelDescription") -> "torch.nn.Module":
-    """Block-FP8 quantization while loading, where the description asks for it and the checkpoint was not stored so."""
-    if description.quantization != identity.FP8_BLOCK or getattr(model, PREQUANTIZED_ATTR, False):
+    """Quantization while loading, by the method the description names, unless the checkpoint was stored so."""
+    if description.quantization in (None, "none") or getattr(model, PREQUANTIZED_ATTR, False):
         return model
-    from weightcache.adapter import Fp8BlockConfig, quantize_model
+    from weightcache.adapter import quantization_method
 
-    converted = quantize_model(model, Fp8BlockConfig.from_json(description.quantization_config))
+    method = quantization_method(description.quantization)
+    converted = method.quantize(model, description.quantization_config)
     if not converted:
         raise UnsupportedQuantization(
-            identity.FP8_BLOCK,
-            f"no layer of {layout.class_name_of(model)} can be quantized: only untied nn.Linear layers outside the excluded "
-            "modules hold block-FP8 weights (GPT-2's Conv1D layers do not)",
+            method.name, f"no layer of {layout.class_name_of(model)} can be quantized: {method.convertible}"
         )
-    log.info("quantized %d linear layers to block-wise FP8", len(converted))
+    log.info("quantized %d layers with %s", len(converted), method.name)
     return model
 
 

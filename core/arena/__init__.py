@@ -1,7 +1,9 @@
-"""Arena backends by name: ``host`` (memfd, any machine) and ``cuda`` (VMM, GPUs)."""
+"""Arena backends by name: ``host`` (memfd, any machine) and ``cuda`` (VMM, GPUs), one table of each, and the one that
+holds a device's memory chosen by that device's kind from a second table."""
 
 from __future__ import annotations
 
+import importlib
 import typing
 
 from weightcache.core.arena.base import Arena, ArenaBackend, ArenaSpec, round_up
@@ -12,21 +14,26 @@ if typing.TYPE_CHECKING:
 __all__ = ["Arena", "ArenaBackend", "ArenaSpec", "backend", "backend_for_device", "round_up"]
 
 
+ARENA_BACKENDS: typing.Final[dict[str, str]] = {
+    "host": "weightcache.core.arena.host:HostArenaBackend",
+    "cuda": "weightcache.core.arena.cuda:CudaArenaBackend",
+}
+"""Every arena backend by name, as ``module:class`` (imported on first use)."""
+
+BY_DEVICE_KIND: typing.Final[dict[str, str]] = {"cpu": "host", "cuda": "cuda"}
+"""The backend that holds memory on each kind of device."""
+
+
 def backend(name: str) -> ArenaBackend:
-    """The arena backend called ``name`` (``host`` or ``cuda``)."""
-    if name == "host":
-        from weightcache.core.arena.host import HostArenaBackend
-
-        return HostArenaBackend()
-    if name == "cuda":
-        from weightcache.core.arena.cuda import CudaArenaBackend
-
-        return CudaArenaBackend()
-    raise ValueError(f"unknown arena backend {name!r}; use 'host' or 'cuda'")
+    """The arena backend called ``name`` (a key of :data:`ARENA_BACKENDS`)."""
+    if name not in ARENA_BACKENDS:
+        raise ValueError(f"unknown arena backend {name!r}; use {' or '.join(repr(known) for known in ARENA_BACKENDS)}")
+    module, _, cls = ARENA_BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)()
 
 
 def backend_for_device(device: "Device | str") -> ArenaBackend:
     """The backend that holds memory on ``device``: ``cuda`` for a GPU, ``host`` for the CPU."""
     from weightcache.core.device import Device
 
-    return backend("cuda" if Device.parse(device).is_cuda else "host")
+    return backend(BY_DEVICE_KIND[Device.parse(device).kind])

@@ -8,15 +8,19 @@ A backend is a ``CopyBackend``; its ``reach`` says which copies it makes, and wi
 - ``nodes``: between nodes, one-sided reads of memory a holder shares (``fleet.transport.Transport``: NIXL);
 - ``group``: every rank of a ``torch.distributed`` group at once (``seeding.TorchDistributedLink``).
 
-``BACKENDS`` is the only place a backend is named: the node's fills, the fleet's pulls and shares, and seeding look
-theirs up here. A new backend (RDMA, another transport) is a module with its class and a line in ``BACKENDS``.
+``BACKENDS`` is the only place a built-in backend is named: the node's fills, the fleet's pulls and shares, and seeding
+look theirs up here (:func:`backend_class`). A new backend (RDMA, another transport) is a module with its class and a
+line in ``BACKENDS``, or, from an installed package, an entry point of the ``weightcache.transports`` group
+(``name = "module:Class"``), which :func:`backends` adds to the table.
 """
 
 from __future__ import annotations
 
 import abc
-import importlib
+import functools
 import typing
+
+from weightcache.core import entry_points
 
 REACHES: typing.Final = ("tiers", "nodes", "group")
 
@@ -26,7 +30,15 @@ BACKENDS: typing.Final[dict[str, str]] = {
     "nixl": "weightcache.core.node.fleet.nixl:NixlTransport",
     "torch_distributed": "weightcache.core.node.seeding:TorchDistributedLink",
 }
-"""Every copy backend by name, as ``module:class`` (imported on first use)."""
+"""Every built-in copy backend by name, as ``module:class`` (imported on first use)."""
+
+ENTRY_POINT_GROUP = "weightcache.transports"
+
+
+@functools.cache
+def backends() -> dict[str, str]:
+    """Every copy backend by name: :data:`BACKENDS` and the installed packages' (read once a process)."""
+    return entry_points.registered(ENTRY_POINT_GROUP, BACKENDS)
 
 
 class CopyBackend(abc.ABC):
@@ -57,9 +69,10 @@ class TierCopy(CopyBackend):
 def backend_class(name: str, kind: type) -> typing.Any:
     """The class ``BACKENDS`` names ``name``, which must be a ``kind`` (``TierCopy``, ``Transport``, ...); ValueError
     naming the backends of that kind for an unknown name or one of another kind."""
-    found = _imported(BACKENDS[name]) if name in BACKENDS else None
+    table = backends()
+    found = _imported(table[name]) if name in table else None
     if found is None or not issubclass(found, kind):
-        known = sorted(other for other, where in BACKENDS.items() if issubclass(_imported(where), kind))
+        known = sorted(other for other, where in table.items() if issubclass(_imported(where), kind))
         problem = (
             f"unknown copy backend {name!r}" if found is None else f"{name!r} is a {found.reach} copy, not a {kind.__name__}"
         )
@@ -68,5 +81,7 @@ def backend_class(name: str, kind: type) -> typing.Any:
 
 
 def _imported(where: str) -> type[CopyBackend]:
-    module, _, cls = where.partition(":")
-    return getattr(importlib.import_module(module), cls)
+    found = entry_points.load(where)
+    if not (isinstance(found, type) and issubclass(found, CopyBackend)):
+        raise TypeError(f"copy backend {where} is not a CopyBackend class")
+    return found

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weightcache.core.errors import RebindError, UnsupportedQuantization
+from weightcache.core.quantization.method import QuantizationMethod
 
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float32
@@ -508,3 +509,57 @@ def _fp8_layer_for(model: nn.Module, name: str, block_size: BlockSize, shared: s
     if module.bias is not None:
         layer.bias = _frozen(module.bias.detach())
     return layer
+
+
+class Fp8Block(QuantizationMethod):
+    """The method ``fp8-block``: this module's layers, as the registry serves them (``quantization/method.py``)."""
+
+    name: typing.ClassVar[str] = METHOD
+    convertible: typing.ClassVar[str] = (
+        "only untied nn.Linear layers outside the excluded modules hold block-FP8 weights (GPT-2's Conv1D layers do not)"
+    )
+
+    def declared_by(self, quantization_config: typing.Mapping[str, typing.Any]) -> bool:
+        """transformers' FineGrainedFP8: ``quant_method`` ``fp8`` with a ``weight_block_size`` (without one, per-tensor)."""
+        return str(quantization_config.get("quant_method", "")).lower() == "fp8" and bool(
+            quantization_config.get("weight_block_size")
+        )
+
+    def accept(self, declared: typing.Mapping[str, typing.Any] | None, options: typing.Mapping[str, typing.Any]) -> dict:
+        if declared is not None:
+            return Fp8BlockConfig.from_hf_quantization_config(dict(declared)).to_json()
+        kwargs: dict[str, typing.Any] = {}
+        if options.get("block_size"):
+            kwargs["block_size"] = tuple(options["block_size"])
+        if options.get("exclude") is not None:
+            kwargs["exclude"] = tuple(options["exclude"])
+        return Fp8BlockConfig(**kwargs).to_json()
+
+    def quantize(self, model: nn.Module, config: typing.Mapping[str, typing.Any]) -> list[str]:
+        return quantize_model(model, Fp8BlockConfig.from_json(dict(config)))
+
+    def layout(self, model: nn.Module) -> dict:
+        layer = next((m for m in model.modules() if isinstance(m, Fp8BlockLinear)), None)
+        return {"fp8_block_size": list(layer.block_size)} if layer is not None else {}
+
+    def rebind(self, model: nn.Module, names: typing.Iterable[str], layout: typing.Mapping[str, typing.Any]) -> list[str]:
+        """Each module whose ``weight_scale_inv`` the entry holds becomes an :class:`Fp8BlockLinear` on meta."""
+        block_size = tuple(layout.get("fp8_block_size") or (128, 128))
+        converted = []
+        for name in names:
+            if not name.endswith(".weight_scale_inv"):
+                continue
+            name = name.removesuffix(".weight_scale_inv")
+            module = model.get_submodule(name)
+            if isinstance(module, Fp8BlockLinear):
+                continue
+            if not isinstance(module, nn.Linear):
+                raise RebindError(f"{name} has a weight_scale_inv but is a {type(module).__name__}, not a Linear layer")
+            model.set_submodule(name, Fp8BlockLinear.like(module, block_size, device="meta"))
+            converted.append(name)
+        return converted
+
+    def load_stored(
+        self, model: nn.Module, tensors: typing.Mapping[str, torch.Tensor], config: typing.Mapping[str, typing.Any]
+    ) -> list[str]:
+        return load_prequantized(model, tensors, Fp8BlockConfig.from_json(dict(config)))

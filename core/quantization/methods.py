@@ -1,8 +1,8 @@
-"""Every quantization method weightcache knows, in one table: those it caches as raw bytes, and why it refuses the others.
+"""The quantization methods weightcache knows and refuses, in one table, each with the reason.
 
-A validated method names the module that holds its code (``fp8_block`` for block-wise FP8); an adapter's hooks use it
-(``describe`` declares the method and its config, ``post_process`` quantizes, ``rebind`` rebuilds the modules). A new
-method is that module, a row here and the adapter's hooks; ``allowlist.check_quantization`` reads nothing else.
+The methods it caches are plugins (``method.py``: the built-in ``none`` and ``fp8-block``, and what installed packages
+register); this table says why each other is refused, so the error names the reason, not just the name. A method a
+package registers is accepted whatever this table says of its name.
 """
 
 from __future__ import annotations
@@ -11,18 +11,12 @@ import attrs
 
 
 @attrs.frozen
-class QuantizationMethod:
-    """One method: its canonical ``name``, the ``module`` holding its code (validated), or why it is ``refused``."""
+class KnownMethod:
+    """One refused method: its canonical ``name``, why raw bytes of it cannot be cached, and its other spellings."""
 
     name: str
-    module: str = ""
-    refused: str = ""
-    """Why raw bytes of this method cannot be cached (empty: validated)."""
+    refused: str
     aliases: tuple[str, ...] = ()
-
-    @property
-    def validated(self) -> bool:
-        return not self.refused
 
 
 PER_TENSOR_FP8 = (
@@ -34,37 +28,35 @@ UNKNOWN = (
     "could give wrong numbers silently"
 )
 
-METHODS: tuple[QuantizationMethod, ...] = (
-    QuantizationMethod("none"),
-    QuantizationMethod("fp8-block", module="weightcache.core.quantization.fp8_block"),
-    QuantizationMethod("fp8", refused=PER_TENSOR_FP8, aliases=("fp8-tensor", "fp8-per-tensor")),
-    QuantizationMethod(
+METHODS: tuple[KnownMethod, ...] = (
+    KnownMethod("fp8", refused=PER_TENSOR_FP8, aliases=("fp8-tensor", "fp8-per-tensor")),
+    KnownMethod(
         "marlin",
         refused="Marlin repacks and permutes weights for its kernel and keeps a workspace and permutation in Python; "
         "raw bytes mapped elsewhere would be read in the wrong order",
     ),
-    QuantizationMethod(
+    KnownMethod(
         "awq",
         refused="AWQ packs int4 weights with zero points and scales whose layout the engine transposes or repacks after "
         "loading (and may hand to Marlin); the packing lives partly in Python-side metadata",
     ),
-    QuantizationMethod(
+    KnownMethod(
         "gptq",
         refused="GPTQ stores packed int4 weights plus g_idx / act-order permutations that engines shuffle after loading "
         "and keep in Python-side state",
     ),
-    QuantizationMethod(
+    KnownMethod(
         "bitsandbytes",
         refused="bitsandbytes keeps quant_state objects (absmax, code tables, blocksizes) in Python attached to "
         "each parameter; the raw bytes alone do not describe the weight",
     ),
 )
-"""The table: the first two are validated, the rest refused with their reason."""
+"""The table of refusals."""
 
 _BY_NAME = {name: method for method in METHODS for name in (method.name, *method.aliases)}
 
 
-def method_named(name: str | None) -> QuantizationMethod:
-    """The method ``name`` (None: unquantized; case and ``_``/``-`` do not matter), or an unknown one, refused."""
+def method_named(name: str | None) -> KnownMethod:
+    """The refused method ``name`` (case and ``_``/``-`` do not matter), or an unknown one, refused as unknown."""
     canonical = (name or "none").lower()
-    return _BY_NAME.get(canonical.replace("_", "-")) or QuantizationMethod(canonical, refused=UNKNOWN)
+    return _BY_NAME.get(canonical.replace("_", "-")) or KnownMethod(canonical, refused=UNKNOWN)

@@ -1,7 +1,9 @@
-"""Copies between tiers and nodes are named backends behind one interface, chosen from one table (``BACKENDS``).
+"""Copies between tiers and nodes are named backends behind one interface, chosen from one table (``BACKENDS``);
+quantization methods are plugins of one registry; arena backends come from a table too.
 
 Every backend the table names is reachable and is what its name says; an unknown name, or a backend of another kind,
 is refused with one line that lists the known ones; and no module of the core picks a backend around the table.
+tests/core/test_outside_plugins.py registers a method and a transport from an outside package.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from weightcache.core.node.backends import BACKENDS, REACHES, CopyBackend, TierC
 from weightcache.core.node.fill import Source
 from weightcache.core.node.fleet.transport import Transport, transport
 from weightcache.core.node.seeding import TorchDistributedLink
+from weightcache.core.quantization import method as registry
 from weightcache.core.quantization import methods
 from weightcache.core.quantization.allowlist import check_quantization
 
@@ -72,12 +75,26 @@ def test_no_module_of_the_core_picks_a_backend_around_the_table():
     assert not [p for p in CORE.rglob("*.py") if "TRANSPORTS" in p.read_text()], "a second table of transports"
 
 
-@pytest.mark.parametrize("method", [m for m in methods.METHODS if m.validated and m.module])
-def test_every_validated_quantization_method_names_its_module(method):
-    import importlib
+@pytest.mark.parametrize("name", sorted(registry.BUILTIN))
+def test_every_built_in_quantization_method_is_registered_under_its_name(name):
+    found = registry.quantization_method(name)
+    assert isinstance(found, registry.QuantizationMethod) and found.name == name
+    assert type(found).__module__ == registry.BUILTIN[name].partition(":")[0]
+    check_quantization(name)
+    check_quantization(name.upper())
 
-    importlib.import_module(method.module)
-    check_quantization(method.name)
+
+def test_no_quantization_method_is_registered_and_refused_at_once():
+    assert not {name for method in methods.METHODS for name in (method.name, *method.aliases)} & set(registry.table())
+
+
+def test_the_arena_backend_of_a_device_comes_from_the_tables():
+    from weightcache.core import arena
+
+    assert set(arena.BY_DEVICE_KIND.values()) <= set(arena.ARENA_BACKENDS)
+    assert type(arena.backend_for_device("cpu")).__name__ == arena.ARENA_BACKENDS["host"].partition(":")[2]
+    with pytest.raises(ValueError, match=r"^unknown arena backend 'rdma'; use 'host' or 'cuda'$"):
+        arena.backend("rdma")
 
 
 @pytest.mark.parametrize(
