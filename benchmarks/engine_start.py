@@ -187,16 +187,27 @@ def run_one(python: Path, way: str, engine_name: str, tp: int, model: Path, sock
             f"{engine_name} tp{tp} {way}: exited {proc.returncode} without a report:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     report = reports[0]
-    calls = [json.loads(line) for line in dist_log.read_text().splitlines() if line.strip()]
+    lines = [json.loads(line) for line in dist_log.read_text().splitlines() if line.strip()]
+    calls = [line for line in lines if not line.get("phase")]
     per_pid: dict[int, float] = {}
     for call in calls:
         per_pid[call["pid"]] = per_pid.get(call["pid"], 0.0) + call["s"]
+    report["phases"] = engine_phases([line for line in lines if line.get("phase")])
     report["dist_init_s"] = max(per_pid.values()) if per_pid else None
     report["dist_ranks"] = len(per_pid)
     report["wall_s"] = wall
     report["returncode"] = proc.returncode
     report["forked"] = report.get("ppid") not in (None, os.getpid())  # an exec'd engine is this process's child
     return report
+
+
+def engine_phases(lines: list[dict]) -> dict[str, float]:
+    """Seconds per start phase (the sitecustomize's ``PHASES``), of the slowest process that ran it."""
+    per_phase: dict[str, dict[int, float]] = {}
+    for line in lines:
+        pids = per_phase.setdefault(line["what"], {})
+        pids[line["pid"]] = pids.get(line["pid"], 0.0) + line["s"]
+    return {phase: round(max(pids.values()), 3) for phase, pids in per_phase.items()}
 
 
 def median_of(runs: list[dict], key: str) -> float | None:
@@ -209,6 +220,8 @@ def summarise(cases: dict) -> dict:
         ways = [way for way in WAYS if way in case]
         for way in ways:
             case[way]["median"] = {k: median_of(case[way]["runs"], k) for k in PHASES}
+            names = sorted({name for run in case[way]["runs"] for name in run.get("phases") or {}})
+            case[way]["phases"] = {n: median_of([r.get("phases") or {} for r in case[way]["runs"]], n) for n in names}
         tokens = {way: [r["tokens"] for r in case[way]["runs"]] for way in ways}
         first = tokens["exec"][0] if tokens["exec"] else None
         case["tokens_equal"] = all(t == first for way in tokens for t in tokens[way])
@@ -221,8 +234,8 @@ def table(result: dict) -> str:
     lines = [
         f"machine: {result['machine']['host']}, {result['machine']['cpus']} CPUs, load {result['load_before']} before / "
         f"{result['load_after']} after (1, 5, 15 min); {result['machine']['date']}",
-        "| engine | TP | way | to ready | to first token | distributed init | children forked / exec'd | tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engine | TP | way | to ready | to first token | distributed init | children forked / exec'd | tokens | phases (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, case in result["cases"].items():
         engine_name, tp = name.split("/")
@@ -238,11 +251,18 @@ def table(result: dict) -> str:
             same = "equal" if case["tokens_equal"] else "DIFFER"
             lines.append(
                 f"| {engine_name} | {tp[2:]} | {label} | {m['ready_s']:.2f} s | {m['first_token_s']:.2f} s | {dist} | "
-                f"{forked} / {execd} | {same} |"
+                f"{forked} / {execd} | {same} | {phase_text(case[way].get('phases') or {})} |"
             )
         if case["speedup_first_token"]:
-            lines.append(f"| {engine_name} | {tp[2:]} | exec / launched | | {case['speedup_first_token']:.2f}x | | | |")
+            lines.append(f"| {engine_name} | {tp[2:]} | exec / launched | | {case['speedup_first_token']:.2f}x | | | | |")
     return "\n".join(lines)
+
+
+def phase_text(phases: dict) -> str:
+    """``model_build 1.20, kv_cache 0.30, ...``: the engine's phases in the order they ran."""
+    order = ("device", "tokenizer", "model_build", "profile", "profile_kv_cache", "kv_cache", "attention", "compile_warmup")
+    known = [name for name in order if name in phases] + sorted(set(phases) - set(order))
+    return ", ".join(f"{name} {phases[name]:.2f}" for name in known if phases[name] is not None) or "-"
 
 
 def machine() -> dict:

@@ -3,18 +3,18 @@
     engine = sglang.Engine(model_path=..., load_format="weightcache", model_loader_extra_config='{"mode": "client"}',
                            custom_weight_loader=[UPDATE_WEIGHTS, PREFETCH])
     # a version a trainer published (publish_version): fetched and checksummed while the engine serves, then swapped
-    engine.begin_weight_update()  # SGLang's weight-update session; the engine serves between the calls below
-    engine.update_weights_from_tensor(version_request(1), load_format=PREFETCH, flush_cache=False)  # returns at once
-    engine.update_weights_from_tensor(version_request(1), load_format=UPDATE_WEIGHTS)  # the swap alone
-    engine.end_weight_update()
+    start_fetch(engine, 1)  # returns at once; the engine keeps serving
+    ...
+    switch(engine, 1)  # the swap alone; returns 1
     # or build the next version from a state dict on every rank:
     # engine.update_weights_from_tensor(list(state_dict.items()), load_format=UPDATE_WEIGHTS)
 
 SGLang calls a custom weight loader in every TP rank's scheduler between two batches, and flushes its radix cache
 afterwards (``flush_cache``). With tensors (every tensor of the checkpoint, in its naming) each rank builds the version
 after the one it serves, publishes it and switches; with ``version_request(N)`` (or none: the newest) each switches
-to version N as published already (by a trainer, or by another replica). ``switch`` does the above and returns the
-version the engine serves afterwards (SGLang's own entry returns its ``(True, "Success")``). SGLang is not imported
+to version N as published already (by a trainer, or by another replica). ``start_fetch`` and ``switch`` make those
+calls (each in a weight-update session: ``begin_weight_update``, the update, ``end_weight_update``); ``switch`` returns
+the version the engine serves afterwards (SGLang's own entry returns its ``(True, "Success")``). SGLang is not imported
 here.
 """
 
@@ -62,16 +62,25 @@ def prefetch(model: "torch.nn.Module", named_tensors: "list[tuple[str, torch.Ten
     engine_refit.prefetch(model, version)
 
 
-def switch(engine: typing.Any, version: int, prefetched: bool = True) -> int:
+def start_fetch(engine: typing.Any, version: int) -> None:
+    """Have every rank of a running ``sglang.Engine`` fetch version ``version`` as published already (mapped beside the
+    running one, every arena checksummed) in a thread of its own; returns at once, and the engine keeps serving.
+    A ``switch`` to that version afterwards stalls the engine for the swap alone (and for what is left of the fetch,
+    if it has not ended yet). The engine needs ``custom_weight_loader=[UPDATE_WEIGHTS, PREFETCH]``."""
+    engine.begin_weight_update()  # SGLang accepts weight updates only inside its weight-update session
+    try:
+        _checked(engine.update_weights_from_tensor(version_request(version), load_format=PREFETCH, flush_cache=False))
+    finally:
+        engine.end_weight_update()
+
+
+def switch(engine: typing.Any, version: int) -> int:
     """Switch a running ``sglang.Engine`` to version ``version`` as published already, through SGLang's weight-update
-    session; returns ``version`` once every rank serves it. ``prefetched``: fetch and checksum it first while the
-    engine serves, so the update stalls it for the swap alone. The engine needs ``custom_weight_loader=[UPDATE_WEIGHTS,
-    PREFETCH]``. RuntimeError with SGLang's message when SGLang refuses the update."""
+    session (its radix cache flushed); returns ``version`` once every rank serves it (SGLang's own entry returns its
+    ``(True, "Success")``). Without a ``start_fetch`` before, each rank fetches and checksums it here, while the
+    engine waits. RuntimeError with SGLang's message when SGLang refuses the update."""
     engine.begin_weight_update()
     try:
-        if prefetched:  # returns at once; the engine serves between this call and the next
-            request = version_request(version)
-            _checked(engine.update_weights_from_tensor(request, load_format=PREFETCH, flush_cache=False))
         _checked(engine.update_weights_from_tensor(version_request(version), load_format=UPDATE_WEIGHTS))
     finally:
         engine.end_weight_update()

@@ -20,7 +20,7 @@ its custom weight loader), and reports the greedy tokens after it as
 A run with ``"trainer": DIR`` (TP=1) instead has a separate trainer process publish every tensor of DIR as version 1
 of the entry the engine serves (``publish_version``, tests/engines/identity_paths.py), then switches the running engine
 to it through its documented entry, the fetch and checksum first while it serves (vLLM: ``weightcache_prefetch`` and
-``weightcache_refit``; SGLang: ``switch``), and reports ``refit_tokens`` and ``versions`` as above.
+``weightcache_refit``; SGLang: ``start_fetch`` and ``switch``), and reports ``refit_tokens`` and ``versions`` as above.
 
 A load error in SGLang's scheduler makes SGLang kill this whole process
 (its SIGQUIT handler), so a run expected to fail gets a process of its own.
@@ -49,7 +49,8 @@ def main(argv=None) -> int:
         start = time.monotonic()
         result = {"run": run}
         try:
-            refit = Refit(run.get("refit"), run.get("trainer"), run["model"], (run.get("extra") or {}).get("socket_dir"))
+            socket_dir = (run.get("extra") or {}).get("socket_dir")
+            refit = Refit(run.get("refit"), run.get("trainer"), run["model"], socket_dir, run.get("prefetch", True))
             result.update(generate(run["model"], run.get("extra"), run.get("tp", 1), run.get("engine_args") or {}, refit))
         except Exception as exc:  # the constructor's error is the result
             result.update(error=type(exc).__name__, message=str(exc))
@@ -62,8 +63,12 @@ class Refit:
     """What a run hands the engine after its first tokens: a state dict to build from (``built``), or a version a
     trainer publishes (``trained``: the checkpoint whose tensors it publishes as version 1 of ``model``'s entry)."""
 
-    def __init__(self, built: str | None, trained: str | None, model: str, socket_dir: str | None):
+    def __init__(self, built: str | None, trained: str | None, model: str, socket_dir: str | None, prefetch: bool = True):
         self.built, self.trained, self.model, self.socket_dir = built, trained, model, socket_dir
+        self.prefetch = prefetch  # False: the switching call fetches and checksums too (for the figures)
+
+    FETCH_S = 2.0
+    """How long the engine serves between the prefetch and the switch (a real engine runs batches then)."""
 
     def __bool__(self) -> bool:
         return bool(self.built or self.trained)
@@ -114,8 +119,14 @@ def vllm_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, refi
             result["versions"] = llm.collective_rpc("weightcache_update_weights", args=(shared(state, workers=tp),))
         elif refit and refit.trained:
             refit.publish("vllm")
-            llm.collective_rpc("weightcache_prefetch", args=(1,))  # returns at once: fetched while the engine serves
+            if refit.prefetch:
+                start = time.perf_counter()
+                llm.collective_rpc("weightcache_prefetch", args=(1,))  # returns at once: fetched while the engine serves
+                result["prefetch_s"] = time.perf_counter() - start
+                time.sleep(refit.FETCH_S)  # the engine would serve meanwhile
+            start = time.perf_counter()
             result["versions"] = llm.collective_rpc("weightcache_refit", args=(1,))
+            result["update_s"] = time.perf_counter() - start  # the engine's stall
         if refit:
             llm.reset_prefix_cache()  # keys and values cached on the old weights
             result["refit_tokens"] = tokens(llm)
@@ -142,7 +153,7 @@ def sglang_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, re
     import sglang
 
     from weightcache.adapters.sglang.loader import WeightcacheLoader
-    from weightcache.adapters.sglang.refit import PREFETCH, UPDATE_WEIGHTS, switch
+    from weightcache.adapters.sglang.refit import PREFETCH, UPDATE_WEIGHTS, start_fetch, switch
 
     options = {} if extra is None else {"load_format": WeightcacheLoader, "model_loader_extra_config": json.dumps(extra)}
     if refit:
@@ -174,7 +185,14 @@ def sglang_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, re
             result["versions"] = list(done) if isinstance(done, tuple) else done
         elif refit and refit.trained:
             refit.publish("sglang")
-            result["versions"] = switch(engine, 1)  # fetched and checksummed while it serves, then swapped
+            if refit.prefetch:
+                start = time.perf_counter()
+                start_fetch(engine, 1)  # returns at once: fetched and checksummed while the engine serves
+                result["prefetch_s"] = time.perf_counter() - start
+                time.sleep(refit.FETCH_S)  # the engine would serve meanwhile
+            start = time.perf_counter()
+            result["versions"] = switch(engine, 1)
+            result["update_s"] = time.perf_counter() - start  # the engine's stall
         if refit:
             result["refit_tokens"] = tokens()
         return result

@@ -311,6 +311,7 @@ def test_a_version_a_trainer_published_reaches_the_running_engine_through_its_en
     assert switched["versions"] == ([1] if engine == "vllm" else 1), switched
     assert switched["refit_tokens"] == fresh["tokens"], (switched, fresh)
     assert second["tokens"] == switched["tokens"], (second, switched)
+    print(f"{engine}: the prefetch call {switched['prefetch_s']:.3f} s, the switching call {switched['update_s']:.3f} s")
 
 
 # HTTP -----------------------------------------------------------------------------------------------------------------
