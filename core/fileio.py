@@ -91,9 +91,8 @@ class DirectBuffer:
     kernel offers them (``huge_pages_offered``), every page present.
 
     Why: a read's request to a virtio disk carries one descriptor per physically contiguous run of its buffer, and
-    the VM's host handles each on its own. 512 KiB read into scattered 4 KiB pages (a memfd's, or malloc's) is 128 of
-    them; into a huge page, one. Measured on this workplace's VMs (``benchmarks/read_patterns.py``): the same O_DIRECT
-    reads from the same disk took half the time into huge pages. ``view`` is the memory, ``address`` where it starts.
+    the hypervisor handles each on its own. 512 KiB read into scattered 4 KiB pages (a memfd's, or malloc's) is 128 of
+    them; into a huge page, one, so the same O_DIRECT reads finish sooner (``benchmarks/read_patterns.py``). ``view`` is the memory, ``address`` where it starts.
     """
 
     def __init__(self, nbytes: int):

@@ -1,8 +1,8 @@
 """A model's tensor layout, remembered, so that ``weightcache load`` publishes a known architecture without transformers.
 
-Building a transformers model, even on meta, imports its modeling stack: on the H200 machine
-that is ~2,350 modules (pandas, scipy.stats, torch._dynamo among them) and 9.5–11.5 s, longer
-than reading a 16 GB checkpoint. Yet a publish that reads the checkpoint straight into arenas
+Building a transformers model, even on meta, imports its modeling stack: thousands of modules
+(pandas, scipy.stats, torch._dynamo among them), which take longer than reading a 16 GB
+checkpoint (docs/benchmarks.md). Yet a publish that reads the checkpoint straight into arenas
 uses the model only as a layout: which tensors exist where (parameters, buffers, tensor
 attributes, their shapes and dtypes, which are shared), the values of the buffers its
 ``__init__`` computes (rotary frequencies), and its class name. ``Layout`` records exactly that

@@ -1,7 +1,7 @@
 """The store entry name of a model's remembered layout, and its size bound: neither imports torch or transformers.
 
-``weightcache load``'s warm-up names the entry before its process has imported torch (seconds on the H200
-machine), so that the layout process starts at once where the entry is missing.
+``weightcache load``'s warm-up names the entry before its process has imported torch (seconds), so that the
+layout process starts at once where the entry is missing.
 """
 
 from __future__ import annotations

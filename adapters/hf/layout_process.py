@@ -1,7 +1,7 @@
 """Learning a model's layout in a process of its own, while ``weightcache load`` imports torch and reads the disk.
 
 On a node's first model of an architecture the CLI had to build the transformers skeleton itself:
-transformers' imports (~4,000 modules, 9.5–11.5 s on the H200 machine) ran in a thread beside the
+transformers' imports (thousands of modules, longer than reading the checkpoint) ran in a thread beside the
 main thread's torch import, CUDA set-up and read, all of them taking turns at one interpreter lock,
 and the load waited for them. A child process on a core of its own builds the skeleton instead,
 takes its ``Layout`` (the same code as a load in this process) and writes it to its stdout; the load

@@ -10,8 +10,8 @@ it between that buffer and the GPU on their own stream. CPU copies of many
 chunks and DMA copies overlap; nothing but the buffers is ever locked.
 
 The memfd is read and written as a file, never mapped: mapping 16 GiB and copying
-through the mapping faults in four million pages, and unmapping them took ~0.4 s
-on the H200 host; a new host copy's pages are allocated by the writes themselves.
+through the mapping faults in four million pages, and unmapping them costs as much
+again; a new host copy's pages are allocated by the writes themselves.
 """
 
 from __future__ import annotations

@@ -427,7 +427,7 @@ def _load_and_export(prepared: Prepared, builder: ArenaBuilder, timings: dict) -
     manifest = prepared.adapter.export(request, model, builder)
     extra = prepared.adapter.manifest_extra(request, model)
     manifest = attrs.evolve(manifest, extra={**manifest.extra, **extra})
-    del model  # no gc.collect(): a full collection of an interpreter holding transformers costs 0.17-0.3 s, and
+    del model  # no gc.collect(): a full collection of an interpreter holding transformers is slow, and
     # sealing already collects and retries where a cycle still holds a view of a host arena (publish.seal)
     timings["export_s"] = time.perf_counter() - start
     return manifest, fingerprint

@@ -41,7 +41,7 @@ in-process instead."""
 BOUNCE_MIN_CPUS = 4
 """The fewest CPUs on which the worker's O_DIRECT reads go through huge pages and a copy: on 2 cores the copy (a
 second pass over every byte) took longer than the faster reads saved, because the load's hashing and placing held
-both cores (this project's 2-core VM: 2.6 GB read 4.1 s without, 4.5-4.9 s with)."""
+both cores (docs/benchmarks.md)."""
 
 
 def bounced_staging() -> bool:

@@ -53,7 +53,7 @@ class ArtifactInfo:
 def artifact_key(device: "Device | str" = "cpu", name: str = DEFAULT_NAME) -> str:
     """The key compile artifacts for ``device`` are kept under, e.g. ``torch.compile;torch=2.13.0+cpu;triton=none;device=cpu``.
 
-    On a GPU: ``...;device=cuda;gpu=NVIDIA H200;sm=90;cuda=13.0``.
+    On a GPU: ``...;device=cuda;gpu=<the GPU's name>;sm=90;cuda=13.0``.
     """
     import torch
 

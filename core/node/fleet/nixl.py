@@ -102,8 +102,9 @@ def rdma_devices() -> tuple[str, ...]:
 
 def gpu_direct_possible(devices: str, rdma: typing.Sequence[str]) -> bool:
     """Whether UCX on ``devices`` (its comma-separated list, ``mlx5_0:1`` for a port of an RDMA device; empty: its
-    choice) can read GPU memory without host staging: only over an RDMA device. On the H200 with TCP alone UCX read
-    VRAM at 0.4 GB/s through ``cuda_copy`` and ``tcp/lo`` (2026-12-04), so kinds alone do not say GPU-direct."""
+    choice) can read GPU memory without host staging: only over an RDMA device. Over TCP alone UCX still registers VRAM
+    but reads it through ``cuda_copy`` and host buffers (docs/benchmarks.md, the fleet), so kinds alone do not say
+    GPU-direct."""
     if not devices:
         return bool(rdma)
     return any(name.strip().split(":")[0] in rdma for name in devices.split(","))

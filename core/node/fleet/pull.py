@@ -256,7 +256,7 @@ class Filling:
 
     def _link_ahead(self) -> None:
         """Start the default transport while another node reads the disk, so that the pull after it does not wait for
-        it (NIXL's UCX backend took 1.39 s to start on the H200, 0.44 s on a 2-core VM). A transport that is not
+        it (NIXL's UCX backend starts its transports first, most of a small pull's time: docs/decisions.md). A transport that is not
         installed or cannot start raises BackendUnavailable: nothing could be pulled, and ``pull`` reads the disk; any
         other failure here is left to the pull, which starts it again and handles what it raises."""
         if self._transport is not None:
