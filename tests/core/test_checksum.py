@@ -156,7 +156,7 @@ def test_a_copy_of_another_size_is_refused_even_when_its_bytes_match():
 
 
 def test_checksum_speed_on_this_cpu_is_reported():
-    """Not a limit: the figure docs/decisions.md quotes (a host-tier copy and a CPU entry are checked at this speed)."""
+    """Not a limit: reports the speed at which a host-tier copy and a CPU entry are checked (decision 31)."""
     data = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8)
     checksum(data)
     start = time.perf_counter()
