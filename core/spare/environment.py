@@ -5,6 +5,7 @@ recorded while they run) or when it matches a prefix that code reads where recor
 (``READ_OUTSIDE_PYTHON``: C libraries, scans for a prefix). A copy of the whole environment is no read of each name:
 CPython's ``platform`` helpers copy it to run a command (py-cpuinfo calls one at import), as does any
 ``dict(os.environ)``; such a copy lists the names, then reads every one in that order, which is what recording skips.
+Nor is ``PATH`` where ``subprocess`` reads it to find the command it runs.
 The names of a caller's session (``SESSION_NAMES``: the shell's, the terminal's, the service manager's) never count,
 however they are read: they say where a process runs, not what it runs.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import types
 import typing
 from collections.abc import Iterator, Mapping
 
@@ -85,13 +87,14 @@ def recording_reads(sink: set[str]) -> Iterator[None]:
     reads = _Reads(sink)
 
     def recorded(self: typing.Any, key: typing.Any) -> typing.Any:
-        if sys._getframe(1).f_code.co_name != "__iter__":  # items() and values() read inside their iteration
-            reads.read(key)
+        caller = sys._getframe(1)
+        if caller.f_code.co_name != "__iter__" and not _finds_a_command(caller):  # items(), values(): their iteration
+            reads.read(os.fsdecode(key))  # os.environb's names are bytes
         return original_get(self, key)
 
     def listing(self: typing.Any) -> Iterator[str]:
         names = list(original_iter(self))
-        reads.listed(names)
+        reads.listed([os.fsdecode(name) for name in names])
         yield from names
 
     environ_type.__getitem__ = recorded  # type: ignore[method-assign]
@@ -102,6 +105,19 @@ def recording_reads(sink: set[str]) -> Iterator[None]:
         environ_type.__getitem__ = original_get  # type: ignore[method-assign]
         environ_type.__iter__ = original_iter  # type: ignore[method-assign]
         reads.flush()
+
+
+def _finds_a_command(frame: types.FrameType | None) -> bool:
+    """Whether this read is ``os.get_exec_path`` looking a command up on ``PATH`` for ``subprocess`` (CPython's
+    ``platform`` runs ``uname -p`` and ``file`` at import to describe the machine): which copy of a standard tool
+    described it is no more a dependency than the copy of the environment handed to it."""
+    for _ in range(3):  # get_exec_path -> Mapping.get -> __getitem__
+        if frame is None:
+            return False
+        if frame.f_code is os.get_exec_path.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def differences(

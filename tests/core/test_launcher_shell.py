@@ -30,6 +30,7 @@ _PROBE = (
 _COPIES_ENVIRON = """
 import os, platform
 ARCH = platform.architecture()  # as py-cpuinfo at import: CPython's helper copies the whole environment to run `file`
+PROCESSOR = platform.processor()  # runs `uname -p`, found on PATH
 SETTING = os.environ.get("WC_PRELOAD_SETTING")  # a real dependency: read by name
 """
 _LAUNCHES = r"""
