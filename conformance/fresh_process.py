@@ -81,11 +81,9 @@ def importable_name(value: object) -> str | None:
 
 def import_name(name: str) -> typing.Any:
     """What :func:`importable_name` named."""
-    module, _, qualname = name.partition(":")
-    found: typing.Any = importlib.import_module(module)
-    for part in qualname.split(".") if qualname else ():
-        found = getattr(found, part)
-    return found
+    from weightcache.core import entry_points
+
+    return entry_points.load(name)
 
 
 def adapter_spec(plugins: "Plugins | None", adapter: str) -> str | None:

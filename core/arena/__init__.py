@@ -3,7 +3,6 @@ holds a device's memory chosen by that device's kind from a second table."""
 
 from __future__ import annotations
 
-import importlib
 import typing
 
 from weightcache.core.arena.base import Arena, ArenaBackend, ArenaSpec, round_up
@@ -28,8 +27,9 @@ def backend(name: str) -> ArenaBackend:
     """The arena backend called ``name`` (a key of :data:`ARENA_BACKENDS`)."""
     if name not in ARENA_BACKENDS:
         raise ValueError(f"unknown arena backend {name!r}; use {' or '.join(repr(known) for known in ARENA_BACKENDS)}")
-    module, _, cls = ARENA_BACKENDS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)()
+    from weightcache.core import entry_points
+
+    return entry_points.load(ARENA_BACKENDS[name])()
 
 
 def backend_for_device(device: "Device | str") -> ArenaBackend:
