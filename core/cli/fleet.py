@@ -54,18 +54,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _list(config) -> int:
-    from weightcache.core.node.fleet.records import Claim, Content, Holding, Relay, unseal
+    from weightcache.core.node.fleet.records import Claim, Content, FileContent, Holding, Relay, opened
     from weightcache.core.node.fleet.registry import FleetRegistry
 
     registry = FleetRegistry(config)
-    kinds = {"content": Content, "holders": Holding, "claims": Claim, "relays": Relay, "readers": Claim}
+    kinds = {
+        "content": Content,
+        "holders": Holding,
+        "claims": Claim,
+        "relays": Relay,
+        "readers": Claim,
+        "files": FileContent,
+        "sightings": Claim,
+    }
     for item in registry.store.range(config.key("")):
         name = item.key.decode(errors="replace")
         kind = name[len(config.prefix) + 1 :].split("/", 1)[0]
+        if kind not in kinds:
+            print(f"{name}: INVALID (not a key of this version)")
+            continue
         try:
-            record = kinds[kind].from_json(unseal(item.key, item.value, config.secret))  # type: ignore[attr-defined]
-        except (KeyError, ValueError) as exc:
-            print(f"{name}: INVALID ({exc})")
+            record = opened(item.key, item.value, config.secret, kinds[kind].from_json)  # type: ignore[attr-defined]
+        except ValueError as exc:
+            print(f"{name}: INVALID ({str(exc)[:200]})")
+            continue
+        if isinstance(record, FileContent):
+            print(f"{name}: a weight file of {record.seen.size} bytes, hashed by node {record.origin}")
             continue
         if isinstance(record, Holding):
             print(
@@ -79,6 +93,8 @@ def _list(config) -> int:
             print(f"{name}: node {record.node} pulls it and serves the {record.verified} arenas it has checked{landed}")
         elif kind == "readers":
             print(f"{name}: node {record.node} reads from this holder")
+        elif kind == "sightings":
+            print(f"{name}: node {record.node} reads a checkpoint nobody has hashed yet")
         else:
             print(f"{name}: node {record.node} reads it from the disk")
     return 0

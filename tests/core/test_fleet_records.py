@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+import json
 import re
 import socket
+import threading
 import time
 
 import attrs
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from weightcache.core.errors import FleetUnavailable
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.etcd import EtcdStore, prefix_end
-from weightcache.core.node.fleet.records import Content, Holding, Landing, Relay, seal, unseal
+from weightcache.core.node.fleet.records import (
+    Claim,
+    Content,
+    FileContent,
+    FileSeen,
+    Holding,
+    Landing,
+    Relay,
+    opened,
+    seal,
+    unseal,
+)
 from weightcache.core.node.fleet.transport import Region
 
 SECRET = b"0123456789abcdef-secret"
@@ -198,3 +213,104 @@ def test_gpu_memory_to_gpu_memory_is_called_gpu_direct_only_over_an_rdma_device(
     assert "through host buffers" in path_of(gpu, gpu) and "GPU-direct" not in path_of(gpu, gpu)
     assert path_of(host, host, gpu_direct=True) == "host memory to host memory (NIXL/UCX)"
     assert path_of(host, gpu) == "host memory to GPU (NIXL/UCX)"
+
+
+RECORD_KINDS = (Content, Holding, Claim, FileContent, lambda body: Relay.from_json(body, 3))
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=30,
+)
+FIELDS = ("fingerprint", "node", "arenas", "manifest", "region", "seen", "digest", "landing", "verified", "reach")
+
+
+def parser(kind):
+    return kind.from_json if isinstance(kind, type) else kind
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=6), kind=st.sampled_from(RECORD_KINDS))
+def test_a_signed_record_of_any_shape_is_refused_with_a_value_error_only(body, kind):
+    """What a node with the secret but another version (or a bug) writes: any shape is a ValueError, nothing else."""
+    key = b"/weightcache/holders/c/a"
+    try:
+        opened(key, seal(key, body, SECRET), SECRET, parser(kind))
+    except ValueError:
+        pass
+
+
+def deep(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("where", ["value", "body"])
+def test_a_record_nested_100k_deep_is_refused_with_one_line(where):
+    key = b"/weightcache/claims/c"
+    value = deep(100_000) if where == "value" else b'{"mac": "00", "body": {"node": ' + deep(100_000) + b"}}"
+    for kind in RECORD_KINDS:
+        with pytest.raises(ValueError, match=r"nested too deep|not JSON"):
+            opened(key, value, SECRET, parser(kind))
+
+
+def test_a_mac_that_is_not_ascii_is_refused_as_unsigned():
+    key = b"/weightcache/claims/c"
+    with pytest.raises(ValueError, match="not signed"):
+        unseal(key, json.dumps({"body": {"node": "a"}, "mac": "\u00e9" * 64}).encode(), SECRET)
+
+
+def test_a_file_record_keeps_its_fields_and_refuses_another_scheme():
+    seen = FileSeen(1000, 1, 2, 3, "cd" * 32)
+    record = FileContent(seen, "wc-sha256-tree-64MiB:" + "ef" * 32, "a")
+    assert FileContent.from_json(record.to_json()) == record
+    assert seen.name != FileSeen(1000, 1, 3, 3, "cd" * 32).name  # another change time: another key
+    with pytest.raises(ValueError, match="not of the scheme"):
+        FileContent.from_json({**record.to_json(), "digest": "md5:" + "ef" * 16})
+
+
+class Dripping:
+    """An HTTP server that answers every request with a valid reply, one byte every ``every_s`` seconds."""
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._drip, args=(connection,), daemon=True).start()
+
+    def _drip(self, connection: socket.socket) -> None:
+        body = json.dumps({"kvs": [], "padding": "x" * 400}).encode()
+        reply = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        with connection:
+            try:
+                connection.recv(65536)
+                for byte in reply:
+                    if self.stop.wait(self.every_s):
+                        return
+                    connection.sendall(bytes([byte]))
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.listener.close()
+
+
+def test_a_registry_that_drips_its_reply_costs_the_deadline_of_the_whole_call():
+    """A server that sends one byte every 0.05 s never lets a read time out; the call's deadline is for all of it."""
+    server = Dripping(0.05)
+    try:
+        store = EtcdStore([server.url], deadline_s=1.0)
+        with pytest.raises(FleetUnavailable, match="no whole reply within 1 s"):
+            store.range(b"/weightcache/")
+    finally:
+        server.close()

@@ -84,18 +84,19 @@ class EtcdStore:
                 endpoint.rstrip("/") + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
             )
             try:
-                with urllib.request.urlopen(request, timeout=left) as reply:
-                    raw = reply.read(MAX_REPLY_BYTES + 1)
-            except (urllib.error.URLError, OSError, ValueError) as exc:
-                problems.append(f"{endpoint}: {getattr(exc, 'reason', exc)}")
+                raw = _post(request, deadline)
+            except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
+                late = time.monotonic() >= deadline
+                why = f"no whole reply within {self.deadline_s:g} s" if late else getattr(exc, "reason", exc)
+                problems.append(f"{endpoint}: {why}")
                 continue
             if len(raw) > MAX_REPLY_BYTES:
                 problems.append(f"{endpoint}: a reply of more than {MAX_REPLY_BYTES} bytes")
                 continue
             try:
                 answer = json.loads(raw)
-            except ValueError:
-                problems.append(f"{endpoint}: a reply that is not JSON")
+            except (ValueError, RecursionError):
+                problems.append(f"{endpoint}: a reply that is not JSON, or nested too deep")
                 continue
             if not isinstance(answer, dict):
                 problems.append(f"{endpoint}: a reply that is not a JSON object")
@@ -106,7 +107,16 @@ class EtcdStore:
     def range(self, prefix: bytes) -> list[KeyValue]:
         """Every key that starts with ``prefix``, with its value and lease."""
         answer = self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})
-        return [_key_value(item) for item in answer.get("kvs", [])]
+        return self._kvs(answer.get("kvs", []))
+
+    def _kvs(self, items: object) -> list[KeyValue]:
+        """The keys of a range reply; FleetUnavailable for a reply of another shape (not etcd's gateway)."""
+        try:
+            if not isinstance(items, list):
+                raise ValueError(f"kvs is {type(items).__name__}")
+            return [_key_value(item) for item in items]
+        except (ValueError, TypeError) as exc:
+            raise FleetUnavailable(self.endpoints, f"a range reply of another shape ({str(exc)[:80]})") from None
 
     def get(self, key: bytes) -> bytes | None:
         found = self.get_item(key)
@@ -115,7 +125,7 @@ class EtcdStore:
     def get_item(self, key: bytes) -> KeyValue | None:
         """``key`` with its value, lease and create revision; None when it does not exist."""
         answer = self.call("/v3/kv/range", {"key": _b64(key)})
-        found = [_key_value(item) for item in answer.get("kvs", [])]
+        found = self._kvs(answer.get("kvs", []))
         return found[0] if found else None
 
     def watch(self, key: bytes) -> "Watch":
@@ -137,10 +147,12 @@ class EtcdStore:
         )
         if answer.get("succeeded"):
             return None
-        for response in answer.get("responses", []):
-            kvs = response.get("response_range", {}).get("kvs", [])
+        responses = answer.get("responses", [])
+        for response in responses if isinstance(responses, list) else []:
+            found = response.get("response_range", {}) if isinstance(response, dict) else {}
+            kvs = self._kvs(found.get("kvs", []) if isinstance(found, dict) else None)
             if kvs:
-                return _key_value(kvs[0]).value
+                return kvs[0].value
         return b""  # deleted between the compare and the range: taken, with nothing to show
 
     def delete(self, key: bytes) -> None:
@@ -149,12 +161,19 @@ class EtcdStore:
     def grant(self, ttl_s: int) -> int:
         """A new lease of ``ttl_s`` seconds; its id."""
         answer = self.call("/v3/lease/grant", {"TTL": str(ttl_s)})
-        return int(answer["ID"])
+        try:
+            return int(answer["ID"])
+        except (KeyError, TypeError, ValueError):
+            raise FleetUnavailable(self.endpoints, "a lease grant's reply without a lease") from None
 
     def keepalive(self, lease: int) -> int:
         """Renew ``lease``; the seconds it now has left (0: it had expired, its keys are gone)."""
         answer = self.call("/v3/lease/keepalive", {"ID": str(lease)})
-        return int(answer.get("result", {}).get("TTL", 0))
+        result = answer.get("result", {})
+        try:
+            return int(result.get("TTL", 0) if isinstance(result, dict) else 0)
+        except (TypeError, ValueError):
+            raise FleetUnavailable(self.endpoints, "a keepalive's reply without a TTL") from None
 
     def revoke(self, lease: int) -> None:
         """End ``lease`` now: every key put under it is deleted."""
@@ -218,8 +237,8 @@ class Watch:
             try:
                 self._stream(endpoint)
                 return
-            except (OSError, ValueError, http.client.HTTPException) as exc:
-                problems.append(f"{endpoint}: {type(exc).__name__}: {exc}")
+            except (OSError, ValueError, TypeError, RecursionError, http.client.HTTPException) as exc:
+                problems.append(f"{endpoint}: {type(exc).__name__}: {str(exc)[:200]}")
                 if self._created or self._closed:  # (it broke after etcd confirmed it: not another endpoint's turn)
                     break
         self._end("; ".join(problems) or "no endpoint configured")
@@ -289,7 +308,82 @@ class Watch:
             self._lock.notify_all()
 
 
+def _post(request: urllib.request.Request, deadline: float) -> bytes:
+    """The body of the reply to ``request`` (at most ``MAX_REPLY_BYTES`` + 1 bytes), all of it by ``deadline``
+    (``time.monotonic``): a socket timeout bounds each read only, and a server that sends a byte at a time would hold
+    a reply for as long as it likes, so the connection is shut down at the deadline, whatever it is doing."""
+    guard = _Deadline(deadline)
+    opener = urllib.request.build_opener(*guard.handlers())
+    left = deadline - time.monotonic()
+    try:
+        with opener.open(request, timeout=max(left, 0.001)) as reply:
+            raw = reply.read(MAX_REPLY_BYTES + 1)
+        if guard.expired:  # (a read the shutdown cut short may end as if the reply were whole)
+            raise TimeoutError("the deadline passed")
+        return raw
+    finally:
+        guard.cancel()
+
+
+class _Deadline:
+    """Shuts down the connections made through ``handler()`` at ``deadline``, unless cancelled first."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self.expired = False
+
+    def handlers(self) -> list[urllib.request.BaseHandler]:
+        """An http and an https handler whose connections this guard shuts down at the deadline."""
+        guard = self
+
+        class Connection(http.client.HTTPConnection):
+            def connect(self) -> None:
+                super().connect()
+                guard.watch(self.sock)
+
+        class SecureConnection(http.client.HTTPSConnection):
+            def connect(self) -> None:
+                super().connect()
+                guard.watch(self.sock)
+
+        class Handler(urllib.request.HTTPHandler):
+            def http_open(self, req):  # type: ignore[no-untyped-def]
+                return self.do_open(Connection, req)
+
+        class SecureHandler(urllib.request.HTTPSHandler):
+            def https_open(self, req):  # type: ignore[no-untyped-def]
+                return self.do_open(SecureConnection, req, context=self._context)  # type: ignore[attr-defined]
+
+        return [Handler(), SecureHandler()]
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            if self._timer is None:
+                self._timer = threading.Timer(max(self.deadline - time.monotonic(), 0), self._expire)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._sockets.clear()
+
+
 def _key_value(item: dict) -> KeyValue:
+    if not isinstance(item, dict):
+        raise ValueError("a key that is not an object")
     return KeyValue(
         base64.b64decode(item.get("key", "")),
         base64.b64decode(item.get("value", "")),

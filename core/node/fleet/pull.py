@@ -148,7 +148,16 @@ class Filling:
                 continue
             if not self.may_claim:
                 return None
-            other = registry.claim(content_digest, self._leased(registry))
+            try:
+                other = registry.claim(content_digest, self._leased(registry))
+            except ValueError as exc:  # nobody to wait for: a forged or foreign claim must not hold the load
+                log.warning(
+                    "weightcache: the claim on %s's disk read is not valid (%s); reading the disk without waiting",
+                    fingerprint.short,
+                    cut(str(exc)),
+                )
+                self._drop_link()
+                return None
             if other is None:
                 self.claimed = True
                 log.info("weightcache: no node of the fleet holds %s; this node reads it from the disk", fingerprint.short)

@@ -1,7 +1,7 @@
 """What the fleet's registry holds, as value objects, each value signed with the fleet's shared secret.
 
-Four kinds of key, under the fleet's prefix and an entry's content digest
-(``Fingerprint.content_digest``: every field but the GPU's UUID):
+Six kinds of key, under the fleet's prefix and an entry's content digest
+(``Fingerprint.content_digest``: every field but the GPU's UUID) or a weight file's storage identity:
 
 - ``content/<content>``: what that content's arenas are (``Content``): the sha256 of its
   manifest and each arena's size and checksum, written once by the first node that
@@ -9,11 +9,15 @@ Four kinds of key, under the fleet's prefix and an entry's content digest
 - ``holders/<content>/<node>``: a node that holds it and how to read it (``Holding``);
 - ``claims/<content>``: a node that is reading it from the disk now (``Claim``);
 - ``relays/<content>/<node>``: a node pulling it now, and the leading arenas it has read,
-  sealed and checked so far, which it serves to the node behind it (``Relay``).
+  sealed and checked so far, which it serves to the node behind it (``Relay``);
+- ``files/<identity>``: the content digest of a weight file, keyed by what a node sees of it without reading its
+  weights (``FileSeen``: size, times, inode, the sha256 of its header), written by a node that hashed it (``FileContent``);
+- ``sightings/<identity>``: a node that reads a checkpoint nobody has hashed yet (``Claim``).
 
 Every value is ``{"body": ..., "mac": ...}`` with an HMAC-SHA256 over the key and the
 body's canonical JSON: a record moved to another key, changed, or written without the
-secret is refused (``unseal``).
+secret is refused (``unseal``). A value of any shape or depth is refused with a ValueError, never another
+exception (``opened``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import typing
 import attrs
 
 from weightcache.core.arena.checksum import is_checksum
-from weightcache.core.fingerprint import Fingerprint, canonical_json
+from weightcache.core.fingerprint import Fingerprint, canonical_json, sha256_json
+from weightcache.core.identity.digests import SCHEME
 from weightcache.core.node.fleet.transport import MAX_REGION_BYTES, Region
 from weightcache.core.wire.protocol import MAX_FRAME_BYTES
 
@@ -47,13 +52,36 @@ def unseal(key: bytes, value: bytes, secret: bytes) -> dict:
         raise ValueError(f"a record of {len(value)} bytes (at most {MAX_RECORD_BYTES} are read)")
     try:
         data = json.loads(value)
-    except ValueError:
-        raise ValueError("a record that is not JSON") from None
+    except (ValueError, RecursionError):
+        raise ValueError("a record that is not JSON, or nested too deep") from None
     if not isinstance(data, dict) or not isinstance(data.get("body"), dict) or not isinstance(data.get("mac"), str):
         raise ValueError("a record without a body and a mac")
-    if not hmac.compare_digest(data["mac"], _mac(key, data["body"], secret)):
+    try:
+        mac = _mac(key, data["body"], secret)
+    except (ValueError, TypeError, RecursionError):
+        raise ValueError("a record whose body cannot be written back as JSON (nested too deep?)") from None
+    if not hmac.compare_digest(data["mac"].encode(errors="replace"), mac.encode()):
         raise ValueError("a record not signed with this fleet's secret (another fleet's, or forged)")
     return data["body"]
+
+
+Parsed = typing.TypeVar("Parsed")
+
+
+def opened(key: bytes, value: bytes, secret: bytes, parse: typing.Callable[[dict], Parsed]) -> Parsed:
+    """``parse`` of the body of the value at ``key`` (``unseal``); ValueError for a value of any other shape.
+
+    A signed record of this version always parses; anything else found in the store (another version's shape, a
+    forgery, a deep or odd JSON value) is a ValueError naming why, never another exception that would end a load or
+    the sharing agent.
+    """
+    body = unseal(key, value, secret)
+    try:
+        return parse(body)
+    except ValueError:
+        raise
+    except (TypeError, KeyError, IndexError, AttributeError, RecursionError, OverflowError) as exc:
+        raise ValueError(f"a record of another shape ({type(exc).__name__}: {str(exc)[:80]})") from None
 
 
 def _mac(key: bytes, body: dict, secret: bytes) -> str:
@@ -268,3 +296,57 @@ class Relay:
             landing,
             revision,
         )
+
+
+@attrs.frozen
+class FileSeen:
+    """A weight file as a node sees it without reading its weights: the storage object's identity (size, modification
+    and change times, inode) and the sha256 of its safetensors header. The change time is set by the kernel on every
+    write and every ``utime``, and no user can set it back, so a file changed after a record of it was made is seen
+    with another identity (docs/decisions.md 95)."""
+
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+    header_sha256: str
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: object) -> "FileSeen":
+        if not isinstance(data, dict):
+            raise ValueError("a file's identity must be an object")
+        numbers = [data.get(name) for name in ("size", "mtime_ns", "ctime_ns", "inode")]
+        for number in numbers:
+            if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < 1 << 64:
+                raise ValueError(f"a file's identity holds {number!r:.40}, not a whole number")
+        return cls(*numbers, _sha256(data.get("header_sha256"), "header_sha256"))  # type: ignore[arg-type]
+
+    @property
+    def name(self) -> str:
+        """Its registry key's last part."""
+        return sha256_json(self.to_json())
+
+
+@attrs.frozen
+class FileContent:
+    """The content digest of a weight file (``digest``: the digest store's scheme) as the node ``origin`` hashed it,
+    when it had the identity ``seen``."""
+
+    seen: FileSeen
+    digest: str
+    origin: str
+
+    def to_json(self) -> dict:
+        return {"seen": self.seen.to_json(), "digest": self.digest, "origin": self.origin}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "FileContent":
+        digest = data.get("digest")
+        scheme, _, hexdigest = digest.partition(":") if isinstance(digest, str) else ("", "", "")
+        if scheme != SCHEME:
+            raise ValueError(f"a file digest {digest!r:.80} not of the scheme {SCHEME}")
+        seen, origin = FileSeen.from_json(data.get("seen")), _name(data.get("origin"), "origin")
+        return cls(seen, scheme + ":" + _sha256(hexdigest, "the file digest"), origin)

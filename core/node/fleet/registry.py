@@ -16,7 +16,7 @@ import attrs
 from weightcache.core.errors import FleetUnavailable
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.etcd import EtcdStore, KeyValue, Watch
-from weightcache.core.node.fleet.records import Claim, Content, Holding, Relay, seal, unseal
+from weightcache.core.node.fleet.records import Claim, Content, FileContent, FileSeen, Holding, Relay, opened, seal
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class FleetRegistry:
         value = self.store.get(key)
         if value is None:
             return None
-        content = Content.from_json(unseal(key, value, self.config.secret))
+        content = opened(key, value, self.config.secret, Content.from_json)
         if content.fingerprint.content_digest != content_digest:
             raise ValueError("the content record names another content than its key")
         return content
@@ -64,10 +64,16 @@ class FleetRegistry:
         """Write ``content``'s record unless one exists; returns the record in force (ours or the earlier one)."""
         content_digest = content.fingerprint.content_digest
         key = self._content_key(content_digest)
-        existing = self.store.create(key, seal(key, content.to_json(), self.config.secret), lease)
+        value = seal(key, content.to_json(), self.config.secret)
+        existing = self.store.create(key, value, lease)
         if existing is None:
             return content
-        found = self.content(content_digest)
+        try:
+            found = self.content(content_digest)
+        except ValueError as exc:  # not a record of this fleet's: ours takes its place
+            log.warning("weightcache: replacing the fleet's record of %s, which is not valid: %s", content_digest[:12], exc)
+            self.store.put(key, value, lease)
+            return content
         return found if found is not None else content
 
     def holdings(self, content_digest: str) -> tuple[list[Holding], list[str]]:
@@ -92,7 +98,7 @@ class FleetRegistry:
 
     def _record(self, item: KeyValue, node: str, content_digest: str, parse: typing.Callable[[dict, KeyValue], Record]) -> Record:
         """The record ``item`` (the key of ``node`` for ``content_digest``), unsealed and checked; ValueError if not."""
-        record = parse(unseal(item.key, item.value, self.config.secret), item)
+        record = opened(item.key, item.value, self.config.secret, lambda body: parse(body, item))
         if record.node != node:
             raise ValueError(f"it names node {record.node!r}")
         if record.fingerprint.content_digest != content_digest:
@@ -109,18 +115,42 @@ class FleetRegistry:
 
     def claim(self, content_digest: str, lease: int) -> Claim | None:
         """Claim the disk read of ``content_digest`` under ``lease``: None when this node now holds the claim, else the
-        claim in force (another node's; an unreadable one counts as taken)."""
-        key = self._claim_key(content_digest)
+        claim in force (another node's). ValueError for a claim in the store that is not valid (not signed with the
+        fleet's secret, another shape): nobody can be waited for."""
+        return self._claim(self._claim_key(content_digest), lease)
+
+    def _claim(self, key: bytes, lease: int) -> Claim | None:
         mine = Claim(self.config.node)
         existing = self.store.create(key, seal(key, mine.to_json(), self.config.secret), lease)
         if existing is None:
             return None
-        try:
-            other = Claim.from_json(unseal(key, existing, self.config.secret))
-        except ValueError as exc:
-            log.warning("weightcache: the claim on %s is not valid (%s); waiting as if taken", content_digest[:12], exc)
-            return Claim("?")
+        other = opened(key, existing, self.config.secret, Claim.from_json)
         return None if other == mine else other
+
+    def file(self, seen: FileSeen) -> FileContent | None:
+        """The fleet's record of the weight file ``seen``; None when there is none. ValueError for one that is not
+        valid, or that names another identity than its key."""
+        key = self.config.key("files", seen.name)
+        value = self.store.get(key)
+        if value is None:
+            return None
+        record = opened(key, value, self.config.secret, FileContent.from_json)
+        if record.seen != seen:
+            raise ValueError("the record of a file names another file identity than its key")
+        return record
+
+    def remember_file(self, record: FileContent, lease: int) -> None:
+        """Write ``record`` unless the file has one (a record of an identity never changes)."""
+        key = self.config.key("files", record.seen.name)
+        self.store.create(key, seal(key, record.to_json(), self.config.secret), lease)
+
+    def sighting_key(self, name: str) -> bytes:
+        return self.config.key("sightings", name)
+
+    def claim_sighting(self, name: str, lease: int) -> Claim | None:
+        """Claim the first read of the checkpoint whose files' identities give ``name`` (``files.sighting_name``), as
+        ``claim`` claims a content's disk read; ValueError for an invalid claim in the store."""
+        return self._claim(self.sighting_key(name), lease)
 
     def take_slot(self, content_digest: str, holder: str, lease: int) -> bytes | None:
         """One of ``config.fanout`` reader slots on ``holder`` for this node, under ``lease`` (a node that dies frees
