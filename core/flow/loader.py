@@ -28,6 +28,7 @@ from weightcache.core.layout.manifest import Manifest
 from weightcache.core.load.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
 from weightcache.core.load.publish import publish_arenas, seal
 from weightcache.core.node import fill
+from weightcache.core.node.fleet import files as fleet_files
 from weightcache.core.node.fleet.pull import Filling
 from weightcache.core.quantization.allowlist import check_quantization
 from weightcache.core.request import LoadRequest, ModelDescription
@@ -78,9 +79,10 @@ class Prepared:
         return self._fingerprint
 
     def remembered(self) -> Fingerprint | None:
-        """The fingerprint if every weight file's digest is known without reading it, else None (first sight)."""
+        """The fingerprint if every weight file's digest is known without reading it (remembered here, or from the
+        fleet's records of the files: ``node.fleet.files``), else None (first sight)."""
         if self._fingerprint is None:
-            checkpoint = self._seen().identity
+            checkpoint = self._seen().identity or fleet_files.learned_identity(self._seen())  # (None without a fleet)
             if checkpoint is None:
                 return None
             self._fingerprint = identity.fingerprint_for(self.request, self.description, checkpoint)
@@ -381,7 +383,7 @@ def _publish(
             reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
             timings["publish_s"] = time.perf_counter() - start
             digest, created, published_as = reply.digest, reply.created, fingerprint
-        fleet.published()  # a claimant lets the waiting nodes pull from here now
+        fleet.published(request.model, fingerprint)  # the fleet learns its files; a claimant lets the others pull now
     state = "published" if created else "loaded, but the server already held"
     log.info("%s %s (%s) from %s in %.2f s", state, digest[:12], label, origin, sum(timings.values()))
     return Published(digest, created, published_as, manifest, timings, host_digest=host_digest, origin=origin)

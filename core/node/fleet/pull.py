@@ -37,6 +37,7 @@ import attrs
 from weightcache.core.errors import BackendUnavailable, FleetUnavailable, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.layout.manifest import Manifest
+from weightcache.core.node.fleet import files
 from weightcache.core.node.fleet.chain import ArenaSource, ChainedPull, cut
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.registry import FleetRegistry, renew_lease
@@ -286,13 +287,38 @@ class Filling:
             self._transport.close()
             self._transport = None
 
-    def published(self) -> None:
-        """After this node published: wait (briefly) until its sharing agent lists the entry, then let go.
+    def published(self, model: "str | os.PathLike | None" = None, fingerprint: Fingerprint | None = None) -> None:
+        """After this node published ``fingerprint`` (from the checkpoint ``model``): write the fleet's records of its
+        files (``files.settle``), wait (briefly) until its sharing agent lists the entry, then let go.
 
         A claimant waits so that the waiting nodes pull instead of reading the disk; a relay keeps serving until the
         node behind it has read every arena from it (its relay record says how many it checked), listed or not: a
-        relay that let go as soon as it was listed broke that node's read off mid-arena.
+        relay that let go as soon as it was listed broke that node's read off mid-arena. A node that read a checkpoint
+        nobody had hashed claims the content's disk read first, under its claim on that first read, so that the nodes
+        waiting to learn the checkpoint's content wait for its agent too.
         """
+        try:
+            self._settle(model, fingerprint)
+            self._wait_listed()
+        finally:
+            if model is not None:
+                files.release(model)
+
+    def _settle(self, model: "str | os.PathLike | None", fingerprint: Fingerprint | None) -> None:
+        if self.registry is None or model is None or fingerprint is None:
+            return
+        try:
+            sighting_lease = files.held_lease(model)
+            if sighting_lease and not self.claimed:
+                self.fingerprint = fingerprint
+                self.claimed = self.registry.claim(fingerprint.content_digest, sighting_lease) is None
+            files.settle(self.registry, model, fingerprint)
+        except FleetUnavailable as exc:
+            log.warning("weightcache: %s", exc)
+        except (WeightCacheError, OSError, ValueError) as exc:
+            log.warning("weightcache: not writing the fleet's records of %s's files: %s", model, cut(str(exc)))
+
+    def _wait_listed(self) -> None:
         relaying = self._relaying
         if self.registry is None or self.fingerprint is None or not (self.claimed or relaying is not None):
             return

@@ -1,0 +1,251 @@
+"""A checkpoint this node has never hashed, known from the fleet's records of its weight files (issue 52).
+
+A node whose digest store knows a weight file's content digest (it hashed the file, or
+read it in a disk load) writes ``files/<identity>`` after it publishes: the digest, keyed
+by what any node sees of the file without reading its weights (``FileSeen``: size,
+modification and change times, inode, the sha256 of its safetensors header). A node that
+sees a file for the first time reads its header (its only read of the checkpoint), stats
+it and looks that identity up; with a valid record for every file it knows the
+fingerprint, so it pulls the entry (checked against the content record, as every pull)
+instead of reading storage. A file changed after its record was made has another
+identity, since every write and every ``utime`` moves its change time: a miss, and the
+node reads the file itself (docs/decisions.md 95).
+
+Several nodes seeing a new checkpoint at once: the first claims its first read
+(``sightings/<name>``, under a lease it renews) and reads the disk; the others wait for
+the records of its files, then pull. Once it has published, the reader claims the
+content's disk read under the same lease (so the others wait for its sharing agent
+rather than read), writes the records, and lets go once its agent lists the entry.
+A node that pulled with digests it learned remembers them in its own store only after
+the pull, and only for files whose identity still matches the records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import time
+import typing
+from pathlib import Path
+
+import attrs
+
+from weightcache.core.errors import FleetUnavailable, WeightCacheError
+from weightcache.core.fingerprint import Fingerprint, sha256_json
+from weightcache.core.identity.digests import default_store
+from weightcache.core.identity.safetensors_io import Header, Sighting, checkpoint_files, identity_of, read_header
+from weightcache.core.node.fleet.config import FleetConfig
+from weightcache.core.node.fleet.records import FileContent, FileSeen
+from weightcache.core.node.fleet.registry import FleetRegistry, renew_lease
+
+log = logging.getLogger(__name__)
+
+POLL_S: typing.Final = 0.25
+"""How often a node waiting for another node's first read looks for the records of its files."""
+FILE_RECORD_TTL_S: typing.Final = 7 * 24 * 3600
+"""How long a file's record lives unless a node that hashed the file writes it again (any disk load of it does)."""
+
+
+def seen_of(header: Header) -> FileSeen:
+    """What a node sees of the file ``header`` was read from, without reading its weights."""
+    key = header.key
+    if key is None:
+        raise ValueError(f"the header of {header.file} was read without the file's version")
+    return FileSeen(key.st_size, key.st_mtime_ns, key.st_ctime_ns, key.st_ino, hashlib.sha256(header.raw).hexdigest())
+
+
+def sighting_name(path: Path, headers: typing.Sequence[Header]) -> str:
+    """The name of a first read of the checkpoint at ``path``: its files' names and identities."""
+    single = path.is_file()
+    return sha256_json([[h.file.name if single else str(h.file.relative_to(path)), seen_of(h).name] for h in headers])
+
+
+@attrs.define
+class _Held:
+    """A sighting claim this process holds: its registry, the lease it lives under and the thread that renews it."""
+
+    registry: FleetRegistry
+    lease: int
+    stop: threading.Event = attrs.field(factory=threading.Event)
+
+    def release(self) -> None:
+        self.stop.set()
+        try:
+            self.registry.store.revoke(self.lease)
+        except FleetUnavailable as exc:  # it runs out by itself
+            log.debug("weightcache: revoking a sighting claim's lease: %s", exc)
+
+
+_held: dict[str, _Held] = {}
+_held_lock = threading.Lock()
+
+
+def fleet_config() -> FleetConfig | None:
+    """The fleet the environment names; None without one, or with settings the load's own fill warns about."""
+    try:
+        return FleetConfig.from_env()
+    except ValueError:
+        return None
+
+
+def learned_identity(sighting: Sighting) -> str | None:
+    """The checkpoint identity of ``sighting`` from the digests this node remembers and the fleet's records of the
+    rest; None without a fleet, or when a file must be read here (no record; this node claimed its first read)."""
+    config = fleet_config()
+    if config is None:
+        return None
+    try:
+        digests = _learn(FleetRegistry(config), sighting)
+    except FleetUnavailable as exc:
+        log.warning("weightcache: %s", exc)
+        return None
+    except (WeightCacheError, OSError, ValueError) as exc:  # a header the load itself reports, or a file gone
+        log.debug("weightcache: not asking the fleet what %s holds: %s", sighting.path, exc)
+        return None
+    return None if digests is None else identity_of(sighting.path, list(sighting.files), digests)
+
+
+def _learn(registry: FleetRegistry, sighting: Sighting) -> list[str] | None:
+    missing: dict[int, FileSeen] = {}
+    headers = []
+    for index, (file, key, digest) in enumerate(zip(sighting.files, sighting.keys, sighting.remembered, strict=True)):
+        header = read_header(file)
+        headers.append(header)
+        if header.key != key:
+            return None  # changed since it was seen: the load reads it
+        if digest is None:
+            missing[index] = seen_of(header)
+    name = sighting_name(sighting.path, headers)
+    lease = 0
+    try:
+        digests, lease = _learn_or_claim(registry, sighting, missing, name)
+    finally:
+        if lease and held_lease(sighting.path) != lease:
+            with contextlib.suppress(FleetUnavailable):  # (else it runs out by itself)
+                registry.store.revoke(lease)
+    return digests
+
+
+def _learn_or_claim(
+    registry: FleetRegistry, sighting: Sighting, missing: dict[int, FileSeen], name: str
+) -> tuple[list[str] | None, int]:
+    """The digests, once the records of ``missing`` are there; else None once this node claimed the first read (or
+    must read anyway). The lease granted for the claim is returned too (0: none)."""
+    deadline = time.monotonic() + registry.config.wait_s
+    waiting_for, warned, lease = None, False, 0
+    while True:
+        digests, origins, problem = _records(registry, sighting, missing)
+        if problem is not None and not warned:
+            warned = True
+            log.warning("weightcache: ignoring the fleet's record of a file of %s: %s", sighting.path, problem)
+        if digests is not None:
+            log.info(
+                "weightcache: learned the content of %d files of %s from the fleet's records (hashed by node %s); "
+                "no weight read to know it",
+                len(missing),
+                sighting.path,
+                ", ".join(sorted(origins)),
+            )
+            return digests, lease
+        if held_lease(sighting.path):
+            return None, lease
+        lease = lease or registry.store.grant(registry.config.lease_ttl_s)
+        try:
+            other = registry.claim_sighting(name, lease)
+        except ValueError as exc:
+            log.warning("weightcache: the claim on the first read of %s is not valid (%s); reading it here", sighting.path, exc)
+            return None, lease
+        if other is None:
+            _hold(registry, lease, str(sighting.path))
+            log.info("weightcache: no node of the fleet has hashed %s; this node reads it", sighting.path)
+            return None, lease
+        if waiting_for != other.node:
+            waiting_for = other.node
+            log.info("weightcache: node %s reads %s for the first time; waiting to learn its content", other.node, sighting.path)
+        if time.monotonic() > deadline:
+            log.warning(
+                "weightcache: node %s still reads %s after %.0f s; reading it here too (WEIGHTCACHE_FLEET_WAIT_S sets the wait)",
+                other.node,
+                sighting.path,
+                registry.config.wait_s,
+            )
+            return None, lease
+        time.sleep(POLL_S)
+
+
+def _records(
+    registry: FleetRegistry, sighting: Sighting, missing: dict[int, FileSeen]
+) -> tuple[list[str] | None, set[str], str | None]:
+    """Every file's digest (the remembered ones, and the records of ``missing``), None while a record is missing; the
+    nodes that wrote the records used; and why a record was left out (not valid), if one was."""
+    digests = list(sighting.remembered)
+    origins, problem = set(), None
+    for index, seen in missing.items():
+        try:
+            record = registry.file(seen)
+        except ValueError as exc:
+            record, problem = None, str(exc)[:200]
+        if record is None:
+            return None, origins, problem
+        digests[index] = record.digest
+        origins.add(record.origin)
+    return typing.cast("list[str]", digests), origins, problem
+
+
+def _hold(registry: FleetRegistry, lease: int, path: str) -> None:
+    """Keep the sighting claim under ``lease`` until ``release`` (at most the fleet's wait: nobody waits longer)."""
+    held = _Held(registry, lease)
+    with _held_lock:
+        _held[path] = held
+    renewer = threading.Thread(
+        target=renew_lease, args=(registry, lambda: held.lease, held.stop), name="weightcache-fleet-sighting", daemon=True
+    )
+    renewer.start()
+    threading.Timer(registry.config.wait_s, held.stop.set).start()
+
+
+def held_lease(model: str | os.PathLike) -> int:
+    """The lease of this process's claim on the first read of ``model`` (0: none)."""
+    held = _held.get(str(Path(model)))
+    return held.lease if held is not None else 0
+
+
+def release(model: str | os.PathLike) -> None:
+    """Let go of this process's claim on the first read of ``model``, if it holds one."""
+    with _held_lock:
+        held = _held.pop(str(Path(model)), None)
+    if held is not None:
+        held.release()
+
+
+def settle(registry: FleetRegistry, model: str | os.PathLike, fingerprint: Fingerprint) -> None:
+    """After ``fingerprint`` was published from ``model``: write the fleet's records of the files whose digests this
+    node's store knows (it hashed them); where it learned them from the records instead, remember them now that the
+    entry was checked against the content record, for files whose identity still matches the records."""
+    store = default_store()
+    headers = [read_header(file) for file in checkpoint_files(model)]
+    files = [header.file for header in headers]
+    local = [store.get(header.key) if header.key is not None else None for header in headers]
+    if all(digest is not None for digest in local):
+        digests = typing.cast("list[str]", local)
+        if identity_of(model, files, digests) != fingerprint.checkpoint:
+            return  # the store knows another version than what was published (a file changed meanwhile)
+        lease = registry.store.grant(FILE_RECORD_TTL_S)
+        for header, digest in zip(headers, digests, strict=True):
+            registry.remember_file(FileContent(seen_of(header), digest, registry.config.node), lease)
+        log.debug("weightcache: the fleet's records of %d files of %s written", len(files), model)
+        return
+    learned: list[str] = []
+    for header, digest in zip(headers, local, strict=True):
+        record = registry.file(seen_of(header)) if digest is None else None
+        if digest is None and record is None:
+            return
+        learned.append(digest if record is None else record.digest)
+    if identity_of(model, files, learned) != fingerprint.checkpoint:
+        return
+    for header, digest, known in zip(headers, local, learned, strict=True):
+        if digest is None and header.key is not None:
+            store.put(header.key, known)
