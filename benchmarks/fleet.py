@@ -7,6 +7,7 @@
     python3 benchmarks/fleet.py --nodes 2 --device cuda:0 --peer-device cuda:1   # a checkpoint, node 1 on GPU 1
     python3 benchmarks/fleet.py --gpu-pair --gib 16 --json OUT.json     # 16 GiB GPU 0 -> GPU 1: NIXL beside peer copy
     python3 benchmarks/fleet.py --gpu-pair --peer-device cuda:0         # one GPU: the 16 GiB pull alone, 0 -> 0
+    python3 benchmarks/fleet.py --nodes 4 --own-stores --together       # a digest store per node, as separate machines
 
 Each node's loader is a worker process that imports everything first (``ready``), then
 loads on ``go``: the figures are the loads themselves (``weightcache.core.flow.loader.publish``
@@ -14,8 +15,13 @@ with the fleet in the environment), not Python's start. For each N it prints one
 fill from the disk, the time for the other N-1 nodes to fill at once from their peers
 (first ``go`` to last publish), each node's source, where the pullers' arenas came from
 (relays, and how many of those while the relay was still pulling; holders), and the
-checkpoint bytes read from storage (the nodes whose source was the disk, times the
-checkpoint's size). Node 0 reads the disk into arenas of ``--chunk-mib`` (every puller
+checkpoint bytes read from storage: each loader's ``read_bytes`` and ``rchar`` from
+``/proc/self/io`` (the kernel's per-process I/O accounting) over its load, the checkpoint
+dropped from the page cache before the loads (``POSIX_FADV_DONTNEED``), so ``read_bytes``
+is what came from storage. ``--own-stores`` gives each node a digest store of its own, as
+separate machines have: no node has hashed the checkpoint, and a node learns its content
+from the fleet's records of its files (without: one store for all, as nodes of one host
+share it, and node 0's read teaches the others). Node 0 reads the disk into arenas of ``--chunk-mib`` (every puller
 copies its layout), so that a chain of relays has arenas to pass on. Every pull is
 verified (manifest sha256 and every arena's checksum on the puller) before it is published.
 
@@ -79,16 +85,32 @@ def worker(args: argparse.Namespace) -> None:
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return
+    before = _io()
     start, went = time.perf_counter(), time.time()
     published = publish(prepared, args.socket_dir, chunk_bytes=args.chunk_mib << 20)
     seconds = time.perf_counter() - start
+    io = {name: value - before[name] for name, value in _io().items()}
     timings = {**published.timings, **{f"pull_{k}": v for k, v in steps.items()}}
     print(
         json.dumps(
-            {"source": published.source, "seconds": seconds, "timings": timings, "arenas": arenas, "checked_at": checked_at}
+            {
+                "source": published.source,
+                "seconds": seconds,
+                "timings": timings,
+                "arenas": arenas,
+                "checked_at": checked_at,
+                "io": io,
+            }
         ),
         flush=True,
     )
+
+
+def _io() -> dict[str, int]:
+    """This process's I/O so far as the kernel counts it (``/proc/self/io``): ``read_bytes`` (from storage) and
+    ``rchar`` (every byte a read call returned, the page cache's too)."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return {"read_bytes": int(fields["read_bytes"]), "rchar": int(fields["rchar"])}
 
 
 def run_fleet(
@@ -101,8 +123,9 @@ def run_fleet(
     relay: bool,
     link_mbit: int | None = None,
     piece_kib: int = 1024,
+    own_stores: bool = False,
 ) -> dict:
-    from tests.core.fleet_support import Fleet, Node, slow_sending, wait_for
+    from tests.core.fleet_support import Fleet, Node, evict, slow_sending, wait_for
     from weightcache.core.node.fleet.config import FleetConfig
     from weightcache.core.node.fleet.registry import FleetRegistry
 
@@ -124,6 +147,8 @@ def run_fleet(
             path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # run_gpu.sh's shim and .site too
             env = {**node.env(), "PYTHONPATH": path, "WEIGHTCACHE_FLEET_RELAY": "1" if relay else "0"}
             env["WEIGHTCACHE_FLEET_PIECE_BYTES"] = str(piece_kib << 10)  # (the tests' environment sets a small one)
+            if own_stores:  # a store that has hashed nothing, as a machine of its own has
+                env["WEIGHTCACHE_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"wc-bench-digests-n{index}-")
             command = [sys.executable, __file__, "--worker", "--model", str(model), "--socket-dir", str(node.socket_dir)]
             command += ["--chunk-mib", str(chunk_mib)]
             command += ["--device", device if index == 0 else peer_device]
@@ -135,6 +160,7 @@ def run_fleet(
         results: list[dict] = [{} for _ in nodes]
 
         def go(indices: list[int]) -> float:
+            evict(model)  # what the loads read comes from storage: read_bytes counts it
             start = time.perf_counter()
             for index in indices:
                 workers[index].stdin.write("go\n")
@@ -171,7 +197,8 @@ def run_fleet(
             "first_fill_s": first_s,
             "rest_fill_s": rest_s,
             "per_node": results,
-            "storage_bytes_read": disk_reads * size,
+            "own_stores": own_stores,
+            "storage_bytes_read": sum(r["io"]["read_bytes"] for r in results),
             "disk_reads": disk_reads,
         }
     finally:
@@ -272,6 +299,9 @@ def main() -> None:
     parser.add_argument(
         "--piece-kib", type=int, default=1024, help="WEIGHTCACHE_FLEET_PIECE_BYTES in KiB (default 1024, the product's)"
     )
+    parser.add_argument(
+        "--own-stores", action="store_true", help="a digest store per node (separate machines): none has hashed the checkpoint"
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--gpu-pair", action="store_true", help="GPU 0 -> GPU 1 through NIXL beside the CUDA peer copy")
     parser.add_argument("--gib", type=float, default=16.0, help="--gpu-pair: the synthetic entry's size (default 16)")
@@ -319,15 +349,21 @@ def main() -> None:
             not args.no_relay,
             args.link_mbit,
             args.piece_kib,
+            args.own_stores,
         )
         rows.append(row)
         sources = ", ".join(r["source"].split(" over ")[0] for r in row["per_node"])
         print(
             f"N={n}: first node from disk {row['first_fill_s']:.2f} s; the other {n - 1} at once {row['rest_fill_s']:.2f} s; "
-            f"storage read {row['storage_bytes_read'] / 1e6:.0f} MB ({row['disk_reads']} disk read); sources: {sources}; "
+            f"storage read {row['storage_bytes_read'] / 1e6:.1f} MB ({row['disk_reads']} disk read); sources: {sources}; "
             f"load average {row['load_average'][0]:.1f} -> {row['load_average'][1]:.1f}",
             flush=True,
         )
+        reads = "; ".join(
+            f"n{i} {r['source'].split(' over ')[0]} read_bytes {r['io']['read_bytes']:,} rchar {r['io']['rchar']:,}"
+            for i, r in enumerate(row["per_node"])
+        )
+        print(f"      storage read per node (/proc/self/io over its load): {reads}", flush=True)
         paths = {r["source"].split(" over ", 1)[1] for r in row["per_node"] if " over " in r["source"]}
         if paths:
             print(f"      path: {'; '.join(sorted(paths))}", flush=True)

@@ -9,7 +9,9 @@ every node has a socket directory of its own. Each process started here is kille
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
+import mmap
 import os
 import shutil
 import signal
@@ -26,6 +28,7 @@ import attrs
 from tests import zygote
 from tests.core.fleet_network import Network, NodeNetwork
 from tests.helpers import free_port
+from weightcache.core.identity.safetensors_io import checkpoint_files
 from weightcache.core.server.server_process import ServerProcess
 
 SECRET = "fleet-test-secret-0123456789abcdef"
@@ -335,3 +338,40 @@ def wait_for(condition, timeout: float, what: str, poll: float = 0.1, evidence=N
         time.sleep(poll)
     shown = f"\n{evidence()}" if evidence is not None else ""
     raise AssertionError(f"{what} did not happen within {timeout} s{shown}")
+
+
+def evict(checkpoint) -> None:
+    """Drop the checkpoint's pages from the page cache: what is read next comes from storage."""
+    for file in checkpoint_files(checkpoint):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident_bytes(checkpoint) -> int:
+    """How many bytes of the checkpoint's files are in the page cache (``mincore``): after ``evict``, what was read."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    total = 0
+    for file in checkpoint_files(checkpoint):
+        size = file.stat().st_size
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+            pages = -(-size // mmap.PAGESIZE)
+            vector = ctypes.create_string_buffer(pages)
+            try:
+                assert libc.mincore(address, size, vector) == 0, os.strerror(ctypes.get_errno())
+            finally:
+                libc.munmap(address, size)
+        finally:
+            os.close(fd)
+        total += sum(byte & 1 for byte in vector.raw) * mmap.PAGESIZE
+    return total

@@ -35,8 +35,10 @@ from tests.core.fleet_support import (
     Fleet,
     Node,
     etcd_binary,
+    evict,
     fleet_env,
     nixl_problem,
+    resident_bytes,
     slow_sending,
     wait_for,
 )
@@ -1039,46 +1041,6 @@ def own_store(node: Node, tmp_path) -> dict:
     return node.env(WEIGHTCACHE_CACHE_DIR=str(tmp_path / f"digests-{node.name}"))
 
 
-def evict(checkpoint) -> None:
-    """Drop the checkpoint's pages from the page cache: what is read next comes from storage."""
-    for file in checkpoint_files(checkpoint):
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def resident_bytes(checkpoint) -> int:
-    """How many bytes of the checkpoint's files are in the page cache (``mincore``): after ``evict``, what was read."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    total = 0
-    for file in checkpoint_files(checkpoint):
-        size = file.stat().st_size
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-            pages = -(-size // mmap.PAGESIZE)
-            vector = ctypes.create_string_buffer(pages)
-            try:
-                assert libc.mincore(address, size, vector) == 0, os.strerror(ctypes.get_errno())
-            finally:
-                libc.munmap(address, size)
-        finally:
-            os.close(fd)
-        total += sum(byte & 1 for byte in vector.raw) * mmap.PAGESIZE
-    return total
-
-
 def copy_of(model_dir, tmp_path) -> typing.Any:
     """A copy of the test model of this test's own (its files can be changed), past the racy window."""
     import shutil
@@ -1190,3 +1152,171 @@ def test_a_file_changed_in_place_with_its_mtime_set_back_is_a_miss_on_every_node
     assert again.returncode == 0, again.stderr[-3000:]
     assert {e["digest"] for e in entries(c)} == {new}, again.stderr[-3000:]
     assert_attaches_like_from_pretrained(path, c.socket_dir, "float32", None)
+
+
+# Fleet faults (issue 52, item 4).
+
+
+def deep_json(depth: int = 100_000) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def remembered_fingerprint(path) -> Fingerprint:
+    """The fingerprint of ``path`` as a node that has hashed it knows it (this process's digest store)."""
+    time.sleep(RACY_WINDOW_NS / 1e9)
+    checkpoint_digests(checkpoint_files(path))
+    found = prepare(LoadRequest(model=str(path))).remembered()
+    assert found is not None
+    return found
+
+
+def test_records_nested_100k_deep_leave_loads_the_agent_and_the_listing_alive(network_fleet, model_dir):
+    """A value 100,000 levels deep at ``content/``, ``claims/`` and ``holders/<content>/x`` (an etcd writer without the
+    fleet's secret): the agent shares anyway (it replaces the content record), a load pulls with one line about the
+    holder left out, ``fleet list`` shows each as INVALID; no traceback anywhere."""
+    fleet, node = network_fleet
+    a, b = node("a", share=False), node("b", share=False)
+    path = model_dir("llama")
+    content = remembered_fingerprint(path).content_digest
+    store = registry(fleet.etcd).store
+    for key in (f"content/{content}", f"claims/{content}", f"holders/{content}/x", "nodes/a"):
+        store.put(f"/weightcache/{key}".encode(), deep_json())
+    load(a, path)
+    a.share()
+    wait_listed(fleet.etcd, content, [a], "node a's agent listing its entry beside the deep records")
+    assert a.sharer is not None and a.sharer.poll() is None and "Traceback" not in a.sharer_output(), a.sharer_output()
+    pulled = load_on(b, path)
+    assert pulled.kind == "node" and "Traceback" not in pulled.log, pulled.log[-3000:]
+    assert len(pulled.lines("left out a holder")) == 1, pulled.log[-3000:]
+    shown = zygote.run(
+        [sys.executable, "-m", "weightcache.core.cli.cli", "fleet", "list"],
+        env=b.env(),
+        capture_output=True,
+        text=True,
+        **b.net.popen_args(),
+    )
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr[-3000:]
+    assert sum("INVALID" in line for line in shown.stdout.splitlines()) == 2, shown.stdout  # holders/x and claims/
+
+
+@pytest.mark.parametrize("claim", ["deep", "forged"])
+def test_a_claim_that_is_not_valid_is_passed_over_with_one_warning(network_fleet, model_dir, claim):
+    """Nobody holds the content and its claim is not valid: the load reads the disk at once, saying so once (before:
+    it waited WEIGHTCACHE_FLEET_WAIT_S for nobody, repeating its warning every 0.25 s, or died of a RecursionError)."""
+    fleet, node = network_fleet
+    b = node("b", share=False)
+    path = model_dir("llama")
+    content = remembered_fingerprint(path).content_digest
+    key = f"/weightcache/claims/{content}".encode()
+    value = deep_json() if claim == "deep" else seal(key, {"node": "a"}, b"another-fleets-secret-0123")
+    registry(fleet.etcd).store.put(key, value)
+    published = load_on(b, path, WEIGHTCACHE_FLEET_WAIT_S="600")
+    assert published.kind == "disk" and "Traceback" not in published.log, published.log[-3000:]
+    warned = published.lines("is not valid")
+    assert len(warned) == 1 and "reading the disk without waiting" in warned[0], published.log[-3000:]
+    assert not published.lines("waiting to pull it"), published.log[-3000:]
+
+
+def test_two_agents_of_one_node_name_are_refused_with_one_line(network_fleet):
+    fleet, node = network_fleet
+    node("a")
+    twin = node("twin", share=False)
+    wait_for(lambda: keys_under(fleet.etcd, "nodes") == [b"/weightcache/nodes/a"], 30, "node a's agent taking its name")
+    refused = zygote.run(
+        [sys.executable, "-m", "weightcache.core.cli.cli", "fleet", "share", "--socket-dir", str(twin.socket_dir)],
+        env=twin.env(WEIGHTCACHE_FLEET_NODE="a"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **twin.net.popen_args(),
+    )
+    said = [line for line in refused.stderr.splitlines() if line.strip() and "NIXL" not in line]
+    assert refused.returncode != 0 and len(said) == 1, refused.stderr[-3000:]
+    assert "node name 'a' is taken by another sharing agent" in said[0] and "WEIGHTCACHE_FLEET_NODE" in said[0], said
+
+
+def test_two_users_on_one_host_are_two_nodes_by_default():
+    """The default node name of a process of another uid differs from root's (each runs a server of its own)."""
+    from weightcache.core.node.fleet.config import default_node
+
+    if os.getuid() != 0:
+        pytest.skip("a process of another uid needs root")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        try:
+            os.close(read)
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(write, default_node().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        theirs = pipe.read().decode()
+    os.waitpid(pid, 0)
+    assert theirs and theirs != default_node() and theirs.endswith("-u65534"), (theirs, default_node())
+
+
+WRITE_INTO = """
+import ctypes, json, mmap, os, sys
+from weightcache.core.node.fleet.nixl import NixlTransport
+from weightcache.core.node.fleet.transport import Region
+
+reach, address, length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+link = NixlTransport(f"stranger-{os.getpid()}", os.environ.get("WEIGHTCACHE_FLEET_DEVICES", ""))
+local = mmap.mmap(-1, length)
+local.write(b"\\xee" * length)
+pointer = ctypes.c_char.from_buffer(local)
+mine = Region(ctypes.addressof(pointer), length)
+link.share([mine])
+peer, name = link._peer_at(reach)
+agent = link.agent
+try:
+    handle = agent.initialize_xfer(
+        "WRITE",
+        agent.get_xfer_descs([(mine.address, length, 0)], "DRAM"),
+        agent.get_xfer_descs([(address, length, 0)], "DRAM"),
+        name,
+    )
+    state = agent.transfer(handle)
+    for _ in range(100):
+        if state != "PROC":
+            break
+        import time; time.sleep(0.05)
+        state = agent.check_xfer_state(handle)
+except Exception as exc:
+    state = f"{type(exc).__name__}: {exc}"
+print("wrote " + json.dumps(state), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_nixl_write_from_a_peer_without_the_secret_leaves_the_agent_sharing_and_the_bytes_intact(network_fleet, model_dir):
+    """A stranger that reads node a's holding from etcd (records are signed, not secret) writes into its arena over
+    NIXL: the arena is mapped read-only in the agent. The agent goes on sharing (or is back), and what b pulls from a
+    afterwards still checks against the content record."""
+    fleet, node = network_fleet
+    a, b = node("a"), node("b")
+    path = model_dir("llama")
+    first = load(a, path)
+    content = first.fingerprint.content_digest
+    wait_listed(fleet.etcd, content, [a], "node a's agent listing its entry")
+    (holding,), _ = registry(fleet.etcd).holdings(content)
+    region = holding.arenas[0]
+    stranger = fleet.network.node("stranger")
+    wrote = zygote.run(
+        [sys.executable, "-c", WRITE_INTO, holding.reach, str(region.address), str(min(region.length, 4096))],
+        env=fleet_env(fleet.etcd.url, "stranger", **stranger.env()),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **stranger.popen_args(),
+    )
+    assert "wrote" in wrote.stdout, wrote.stderr[-3000:]
+    time.sleep(2 * LEASE_TTL_S)  # (an agent that died would have left the registry by now)
+    assert a.sharer is not None and a.sharer.poll() is None, a.sharer_output()[-3000:]
+    wait_listed(fleet.etcd, content, [a], "node a's agent still listing its entry")
+    pulled = load_on(b, path)
+    assert pulled.kind == "node" and pulled.source.startswith("node a over"), pulled.log[-3000:]
+    assert_attaches_like_from_pretrained(path, b.socket_dir, "float32", None)

@@ -6,7 +6,8 @@ in ``daemon`` mode see the same settings as the node's sharing agent:
     WEIGHTCACHE_FLEET_ETCD          etcd endpoints, comma-separated (http://10.0.0.5:2379); unset: no fleet
     WEIGHTCACHE_FLEET_SECRET_FILE   a file (0600, this user's) holding the fleet's shared secret
     WEIGHTCACHE_FLEET_SECRET        the secret itself (tests; a file keeps it out of process listings)
-    WEIGHTCACHE_FLEET_NODE          this node's name in the registry (default: the host name)
+    WEIGHTCACHE_FLEET_NODE          this node's name in the registry (default: the host name, and for a user other
+                                    than root ``-u<uid>`` after it: two users' servers on one host are two nodes)
     WEIGHTCACHE_FLEET_DEADLINE_S    longest wait for one registry request (default 2)
     WEIGHTCACHE_FLEET_WAIT_S        longest wait for another node that is filling the same entry (default 600)
     WEIGHTCACHE_FLEET_PREFIX        the registry's key prefix (default /weightcache), one per fleet sharing an etcd
@@ -89,7 +90,7 @@ class FleetConfig:
         return cls(
             endpoints,
             _secret(environ),
-            environ.get(ENV_NODE) or socket.gethostname(),
+            environ.get(ENV_NODE) or default_node(),
             deadline_s=_number(environ, ENV_DEADLINE, 2.0),
             wait_s=_number(environ, ENV_WAIT, 600.0),
             prefix=environ.get(ENV_PREFIX, "/weightcache").rstrip("/") or "/weightcache",
@@ -103,6 +104,14 @@ class FleetConfig:
     def key(self, *parts: str) -> bytes:
         """The registry key ``PREFIX/part/part...``."""
         return "/".join((self.prefix, *parts)).encode()
+
+
+def default_node() -> str:
+    """This node's default name: the host name, with ``-u<uid>`` for a user other than root (each user runs a server
+    of its own, with entries of its own: one name for two of them would mix their records)."""
+    host = socket.gethostname() or "localhost"
+    uid = os.getuid()
+    return host if uid == 0 else f"{host}-u{uid}"
 
 
 def _secret(environ: typing.Mapping[str, str]) -> bytes:

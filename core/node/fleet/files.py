@@ -79,6 +79,8 @@ class _Held:
             log.debug("weightcache: revoking a sighting claim's lease: %s", exc)
 
 
+registry_away = threading.Event()
+"""Set once this process found the registry away while learning a checkpoint's content (it said so: once is enough)."""
 _held: dict[str, _Held] = {}
 _held_lock = threading.Lock()
 
@@ -100,7 +102,9 @@ def learned_identity(sighting: Sighting) -> str | None:
     try:
         digests = _learn(FleetRegistry(config), sighting)
     except FleetUnavailable as exc:
-        log.warning("weightcache: %s", exc)
+        if not registry_away.is_set():
+            log.warning("weightcache: %s", exc)
+        registry_away.set()
         return None
     except (WeightCacheError, OSError, ValueError) as exc:  # a header the load itself reports, or a file gone
         log.debug("weightcache: not asking the fleet what %s holds: %s", sighting.path, exc)

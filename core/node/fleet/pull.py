@@ -94,6 +94,8 @@ class Filling:
         self._recordless_since: float | None = None
         self._relaying: Relaying | None = None
         self._quarantine: list[Arena | mmap.mmap] = []
+        self._away = False
+        """Whether this fill found the registry away (and said so: once is enough)."""
 
     @classmethod
     def from_env(cls, fingerprint: Fingerprint | None, may_claim: bool = True) -> "Filling":
@@ -121,6 +123,7 @@ class Filling:
         try:
             return self._pull(builder, self.registry, self.fingerprint)
         except FleetUnavailable as exc:
+            self._away = True
             log.warning("weightcache: %s", exc)
         except BackendUnavailable as exc:
             log.warning("weightcache: not pulling from the fleet: %s", exc)
@@ -305,7 +308,7 @@ class Filling:
                 files.release(model)
 
     def _settle(self, model: "str | os.PathLike | None", fingerprint: Fingerprint | None) -> None:
-        if self.registry is None or model is None or fingerprint is None:
+        if self.registry is None or model is None or fingerprint is None or self._away:
             return
         try:
             sighting_lease = files.held_lease(model)
@@ -314,7 +317,9 @@ class Filling:
                 self.claimed = self.registry.claim(fingerprint.content_digest, sighting_lease) is None
             files.settle(self.registry, model, fingerprint)
         except FleetUnavailable as exc:
-            log.warning("weightcache: %s", exc)
+            said = self._away or files.registry_away.is_set()
+            self._away = True
+            log.log(logging.DEBUG if said else logging.WARNING, "weightcache: %s", exc)
         except (WeightCacheError, OSError, ValueError) as exc:
             log.warning("weightcache: not writing the fleet's records of %s's files: %s", model, cut(str(exc)))
 
@@ -342,7 +347,8 @@ class Filling:
                         SHARED_WAIT_S,
                     )
         except FleetUnavailable as exc:
-            log.warning("weightcache: %s", exc)
+            if not self._away:
+                log.warning("weightcache: %s", exc)
         self.close()
 
     def _stop_relaying(self) -> None:

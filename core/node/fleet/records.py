@@ -12,7 +12,8 @@ Six kinds of key, under the fleet's prefix and an entry's content digest
   sealed and checked so far, which it serves to the node behind it (``Relay``);
 - ``files/<identity>``: the content digest of a weight file, keyed by what a node sees of it without reading its
   weights (``FileSeen``: size, times, inode, the sha256 of its header), written by a node that hashed it (``FileContent``);
-- ``sightings/<identity>``: a node that reads a checkpoint nobody has hashed yet (``Claim``).
+- ``sightings/<identity>``: a node that reads a checkpoint nobody has hashed yet (``Claim``);
+- ``nodes/<node>``: the sharing agent that goes by that node's name (``Agent``): one per name.
 
 Every value is ``{"body": ..., "mac": ...}`` with an HMAC-SHA256 over the key and the
 body's canonical JSON: a record moved to another key, changed, or written without the
@@ -350,3 +351,25 @@ class FileContent:
             raise ValueError(f"a file digest {digest!r:.80} not of the scheme {SCHEME}")
         seen, origin = FileSeen.from_json(data.get("seen")), _name(data.get("origin"), "origin")
         return cls(seen, scheme + ":" + _sha256(hexdigest, "the file digest"), origin)
+
+
+@attrs.frozen
+class Agent:
+    """The sharing agent that holds a node's name: its host, its process and the server it shares."""
+
+    node: str
+    host: str
+    pid: int
+    socket_dir: str
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Agent":
+        pid, socket_dir = data.get("pid"), data.get("socket_dir")
+        if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 1 << 32:
+            raise ValueError(f"pid is {pid!r:.20}")
+        if not isinstance(socket_dir, str) or len(socket_dir) > 4096:
+            raise ValueError("socket_dir must be a path")
+        return cls(_name(data.get("node"), "node"), _name(data.get("host"), "host"), pid, socket_dir)

@@ -16,7 +16,7 @@ import attrs
 from weightcache.core.errors import FleetUnavailable
 from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.etcd import EtcdStore, KeyValue, Watch
-from weightcache.core.node.fleet.records import Claim, Content, FileContent, FileSeen, Holding, Relay, opened, seal
+from weightcache.core.node.fleet.records import Agent, Claim, Content, FileContent, FileSeen, Holding, Relay, opened, seal
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,22 @@ class FleetRegistry:
             return None
         other = opened(key, existing, self.config.secret, Claim.from_json)
         return None if other == mine else other
+
+    def take_name(self, agent: Agent, lease: int) -> Agent | None:
+        """Take this node's name for ``agent`` under ``lease``: None when it holds it now, else the agent that does. A
+        record there that is not valid is replaced."""
+        key = self.config.key("nodes", agent.node)
+        value = seal(key, agent.to_json(), self.config.secret)
+        existing = self.store.create(key, value, lease)
+        if existing is None:
+            return None
+        try:
+            other = opened(key, existing, self.config.secret, Agent.from_json)
+        except ValueError as exc:
+            log.warning("weightcache: replacing the record of node %s's agent, which is not valid: %s", agent.node, exc)
+            self.store.put(key, value, lease)
+            return None
+        return None if other == agent else other
 
     def file(self, seen: FileSeen) -> FileContent | None:
         """The fleet's record of the weight file ``seen``; None when there is none. ValueError for one that is not

@@ -19,6 +19,7 @@ import ctypes
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 import typing
@@ -30,7 +31,7 @@ from weightcache.core.client.client import Connection
 from weightcache.core.errors import FleetUnavailable, ServerUnavailable, WeightCacheError
 from weightcache.core.fingerprint import canonical_json
 from weightcache.core.node.fleet.config import FleetConfig
-from weightcache.core.node.fleet.records import Content, Holding, manifest_sha256
+from weightcache.core.node.fleet.records import Agent, Content, Holding, manifest_sha256
 from weightcache.core.node.fleet.registry import FleetRegistry, renew_lease
 from weightcache.core.node.fleet.transport import DEFAULT_TRANSPORT, Region, Transport, region_of_arena, transport
 from weightcache.core.socket_dir import SocketDir
@@ -93,6 +94,7 @@ class Sharer:
                     if not self.lease or self._lease_lost.is_set():
                         self._lease_lost.clear()
                         self.lease = self.registry.store.grant(self.config.lease_ttl_s)
+                        self._take_name()
                         self._hold_all()  # again, after a lease that ran out while the registry was away
                         listed = time.monotonic()
                     elif time.monotonic() - listed >= self.config.lease_ttl_s:
@@ -114,6 +116,19 @@ class Sharer:
             finished.set()
             renewer.join(timeout=5)
             self.close()
+
+    def _take_name(self) -> None:
+        """Hold this node's name (``nodes/<node>``) under the lease; ValueError when another live agent holds it."""
+        me = Agent(self.config.node, socket.gethostname() or "localhost", os.getpid(), str(self.socket_dir or "default"))
+        other = self.registry.take_name(me, self.lease)
+        if other is not None and other.host == me.host and not _alive(other.pid):
+            self.registry.store.delete(self.config.key("nodes", me.node))  # (killed before its lease ran out)
+            other = self.registry.take_name(me, self.lease)
+        if other is not None:
+            raise ValueError(
+                f"node name {me.node!r} is taken by another sharing agent (pid {other.pid} on {other.host}, sharing "
+                f"{other.socket_dir}); give each server's agent a name of its own (WEIGHTCACHE_FLEET_NODE)"
+            )
 
     def _ran_out(self, lease: int) -> None:
         if lease == self.lease:
@@ -212,3 +227,14 @@ class Sharer:
             self.link.unshare([shared.holding.manifest, *shared.holding.arenas])
             shared.attachment.close()
         self.link.close()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host (this PID namespace) still runs."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's)
+        return True
+    return True
