@@ -383,7 +383,8 @@ def _publish(
             reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
             timings["publish_s"] = time.perf_counter() - start
             digest, created, published_as = reply.digest, reply.created, fingerprint
-        fleet.published(request.model, fingerprint)  # the fleet learns its files; a claimant lets the others pull now
+        fleet.published()  # a claimant lets the waiting nodes pull from here now
+        fleet_files.published(request.model, fingerprint)  # the fleet's records of the files, for nodes that never read them
     state = "published" if created else "loaded, but the server already held"
     log.info("%s %s (%s) from %s in %.2f s", state, digest[:12], label, origin, sum(timings.values()))
     return Published(digest, created, published_as, manifest, timings, host_digest=host_digest, origin=origin)

@@ -1320,3 +1320,26 @@ def test_a_nixl_write_from_a_peer_without_the_secret_leaves_the_agent_sharing_an
     pulled = load_on(b, path)
     assert pulled.kind == "node" and pulled.source.startswith("node a over"), pulled.log[-3000:]
     assert_attaches_like_from_pretrained(path, b.socket_dir, "float32", None)
+
+
+def test_one_bad_arena_is_read_again_from_another_node_and_the_checked_ones_are_kept(network_fleet, model_dir, tmp_path):
+    """The liar (a relay that says it has checked every arena) serves arena 2 with other bytes and the rest true: the
+    puller keeps arenas 0 and 1 it read from the liar (checked), reads arena 2 and the rest from the honest holder, and
+    reads nothing from the disk."""
+    fleet, node = network_fleet
+    honest, first, arenas = holder_with_arenas(node, fleet, model_dir)
+    spec = {**_holder_spec(fleet.etcd, "liar", honest, first.fingerprint, False, tmp_path), "relay": True, "content": None}
+    spec["arenas"][2] = None  # random bytes for arena 2 alone
+    liar = start_holder(spec, tmp_path, fleet.network.node("liar"))
+    try:
+        b = node("b", share=False)
+        published = load_on(b, model_dir("llama"), WEIGHTCACHE_TEST_LOG_LEVEL="DEBUG")
+    finally:
+        stop(liar)
+    assert published.kind == "node" and published.digest == first.digest, published.log[-3000:]
+    failed = published.lines("from relay liar failed")
+    assert len(failed) == 1 and "arena 2" in failed[0] and "checksum" in failed[0], published.log[-3000:]
+    reads = arena_reads(published.log)
+    assert [(r.index, r.node) for r in reads[:2]] == [(0, "liar"), (1, "liar")], reads
+    assert [r.index for r in reads] == list(range(arenas)) and {r.node for r in reads[2:]} == {"a"}, reads
+    assert_attaches_like_from_pretrained(model_dir("llama"), b.socket_dir, "float32", None)

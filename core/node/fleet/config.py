@@ -46,6 +46,9 @@ ENV_FANOUT: typing.Final = "WEIGHTCACHE_FLEET_FANOUT"
 ENV_RELAY: typing.Final = "WEIGHTCACHE_FLEET_RELAY"
 ENV_PIECE_BYTES: typing.Final = "WEIGHTCACHE_FLEET_PIECE_BYTES"
 MIN_PIECE_BYTES: typing.Final = 4096
+SHARED_WAIT_S: typing.Final = 10.0
+"""How long a claimant that published waits for its node's sharing agent to list the entry before it lets go (an
+agent on a loaded 2-core machine took more than 5 s to register and list an entry)."""
 MIN_SECRET_BYTES: typing.Final = 16
 MAX_SECRET_BYTES: typing.Final = 4096
 

@@ -1,7 +1,7 @@
 """A checkpoint this node has never hashed, known from the fleet's records of its weight files (issue 52).
 
 A node whose digest store knows a weight file's content digest (it hashed the file, or
-read it in a disk load) writes ``files/<identity>`` after it publishes: the digest, keyed
+read it in a disk load) writes ``files/<identity>`` after it publishes (``published``): the digest, keyed
 by what any node sees of the file without reading its weights (``FileSeen``: size,
 modification and change times, inode, the sha256 of its safetensors header). A node that
 sees a file for the first time reads its header (its only read of the checkpoint), stats
@@ -9,15 +9,17 @@ it and looks that identity up; with a valid record for every file it knows the
 fingerprint, so it pulls the entry (checked against the content record, as every pull)
 instead of reading storage. A file changed after its record was made has another
 identity, since every write and every ``utime`` moves its change time: a miss, and the
-node reads the file itself (docs/decisions.md 95).
+node reads the file itself (docs/decisions.md, "A node that has never hashed a checkpoint").
 
 Several nodes seeing a new checkpoint at once: the first claims its first read
 (``sightings/<name>``, under a lease it renews) and reads the disk; the others wait for
 the records of its files, then pull. Once it has published, the reader claims the
 content's disk read under the same lease (so the others wait for its sharing agent
 rather than read), writes the records, and lets go once its agent lists the entry.
-A node that pulled with digests it learned remembers them in its own store only after
-the pull, and only for files whose identity still matches the records.
+A node that learned digests remembers them in its own store (their identity is the one
+the records name, as the store's own key requires); a disk load that reads other bytes
+replaces them. ``published`` is called after every publish of a checkpoint, whatever its
+bytes came from; it is a no-op without a fleet.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from weightcache.core.errors import FleetUnavailable, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint, sha256_json
 from weightcache.core.identity.digests import default_store
 from weightcache.core.identity.safetensors_io import Header, Sighting, checkpoint_files, identity_of, read_header
-from weightcache.core.node.fleet.config import FleetConfig
+from weightcache.core.node.fleet.config import SHARED_WAIT_S, FleetConfig
 from weightcache.core.node.fleet.records import FileContent, FileSeen
 from weightcache.core.node.fleet.registry import FleetRegistry, renew_lease
 
@@ -146,6 +148,7 @@ def _learn_or_claim(
             warned = True
             log.warning("weightcache: ignoring the fleet's record of a file of %s: %s", sighting.path, problem)
         if digests is not None:
+            _remember(sighting, missing, digests)
             log.info(
                 "weightcache: learned the content of %d files of %s from the fleet's records (hashed by node %s); "
                 "no weight read to know it",
@@ -178,6 +181,15 @@ def _learn_or_claim(
             )
             return None, lease
         time.sleep(POLL_S)
+
+
+def _remember(sighting: Sighting, missing: dict[int, FileSeen], digests: list[str]) -> None:
+    """Remember the digests learned for ``missing`` in this node's store: their identity (change time included) is the
+    one the records were made for, as the store's own key would require; a disk load that reads other bytes replaces
+    them (``loader.content_digests``)."""
+    store = default_store()
+    for index in missing:
+        store.put(sighting.keys[index], digests[index])
 
 
 def _records(
@@ -225,31 +237,63 @@ def release(model: str | os.PathLike) -> None:
         held.release()
 
 
-def settle(registry: FleetRegistry, model: str | os.PathLike, fingerprint: Fingerprint) -> None:
-    """After ``fingerprint`` was published from ``model``: write the fleet's records of the files whose digests this
-    node's store knows (it hashed them); where it learned them from the records instead, remember them now that the
-    entry was checked against the content record, for files whose identity still matches the records."""
+def published(model: str | os.PathLike, fingerprint: Fingerprint) -> None:
+    """After this node published ``fingerprint`` from the checkpoint ``model`` (whatever its bytes came from): write the
+    fleet's records of the files whose digests this node's store holds; where this node claimed the checkpoint's first
+    read, claim the content's disk read under that claim first (the nodes waiting to learn the content then wait for
+    this node's agent instead of reading), wait (briefly) until the agent lists the entry, and let go. A no-op without
+    a fleet; the registry away costs one warning (none where the load said so already)."""
+    config = fleet_config()
+    try:
+        if config is not None:
+            _published(FleetRegistry(config), model, fingerprint)
+    except FleetUnavailable as exc:
+        if not registry_away.is_set():
+            log.warning("weightcache: %s", exc)
+        registry_away.set()
+    except (WeightCacheError, OSError, ValueError) as exc:
+        log.warning("weightcache: not writing the fleet's records of the files of %s: %s", model, str(exc)[:300])
+    finally:
+        release(model)
+
+
+def _published(registry: FleetRegistry, model: str | os.PathLike, fingerprint: Fingerprint) -> None:
+    lease = held_lease(model)
+    claimed = False
+    if lease:
+        try:
+            claimed = registry.claim(fingerprint.content_digest, lease) is None
+        except ValueError as exc:
+            log.debug("weightcache: the claim on %s is not valid: %s", fingerprint.short, exc)
+    _write_records(registry, model, fingerprint)
+    if not claimed:
+        return
+    key = registry.config.key("holders", fingerprint.content_digest, registry.config.node)
+    deadline = time.monotonic() + SHARED_WAIT_S
+    while registry.store.get(key) is None:
+        if time.monotonic() > deadline:
+            log.info(
+                "weightcache: no sharing agent listed %s within %.0f s (run `weightcache fleet share` beside the server); "
+                "the other nodes read it elsewhere",
+                fingerprint.short,
+                SHARED_WAIT_S,
+            )
+            return
+        time.sleep(POLL_S)
+
+
+def _write_records(registry: FleetRegistry, model: str | os.PathLike, fingerprint: Fingerprint) -> None:
+    """The fleet's record of each file of ``model``, where this node's store holds the digests of every file and they
+    are those of ``fingerprint`` (a file changed meanwhile: none is written)."""
     store = default_store()
     headers = [read_header(file) for file in checkpoint_files(model)]
-    files = [header.file for header in headers]
-    local = [store.get(header.key) if header.key is not None else None for header in headers]
-    if all(digest is not None for digest in local):
-        digests = typing.cast("list[str]", local)
-        if identity_of(model, files, digests) != fingerprint.checkpoint:
-            return  # the store knows another version than what was published (a file changed meanwhile)
-        lease = registry.store.grant(FILE_RECORD_TTL_S)
-        for header, digest in zip(headers, digests, strict=True):
-            registry.remember_file(FileContent(seen_of(header), digest, registry.config.node), lease)
-        log.debug("weightcache: the fleet's records of %d files of %s written", len(files), model)
+    digests = [store.get(header.key) if header.key is not None else None for header in headers]
+    if any(digest is None for digest in digests):
         return
-    learned: list[str] = []
-    for header, digest in zip(headers, local, strict=True):
-        record = registry.file(seen_of(header)) if digest is None else None
-        if digest is None and record is None:
-            return
-        learned.append(digest if record is None else record.digest)
-    if identity_of(model, files, learned) != fingerprint.checkpoint:
+    known = typing.cast("list[str]", digests)
+    if identity_of(model, [header.file for header in headers], known) != fingerprint.checkpoint:
         return
-    for header, digest, known in zip(headers, local, learned, strict=True):
-        if digest is None and header.key is not None:
-            store.put(header.key, known)
+    lease = registry.store.grant(FILE_RECORD_TTL_S)
+    for header, digest in zip(headers, known, strict=True):
+        registry.remember_file(FileContent(seen_of(header), digest, registry.config.node), lease)
+    log.debug("weightcache: the fleet's records of %d files of %s written", len(headers), model)

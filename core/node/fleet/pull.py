@@ -39,7 +39,7 @@ from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.node.fleet import files
 from weightcache.core.node.fleet.chain import ArenaSource, ChainedPull, cut
-from weightcache.core.node.fleet.config import FleetConfig
+from weightcache.core.node.fleet.config import SHARED_WAIT_S, FleetConfig
 from weightcache.core.node.fleet.registry import FleetRegistry, renew_lease
 from weightcache.core.node.fleet.relay import Relaying
 from weightcache.core.node.fleet.transport import DEFAULT_TRANSPORT, Transport, transport
@@ -52,9 +52,6 @@ log = logging.getLogger(__name__)
 
 POLL_S: typing.Final = 0.25
 """How often a node waiting for a claimant looks for a holder again."""
-SHARED_WAIT_S: typing.Final = 10.0
-"""How long a claimant that published waits for its node's sharing agent to list the entry before it lets go (an
-agent on a loaded 2-core machine took more than 5 s to register and list an entry)."""
 
 
 @attrs.frozen
@@ -124,6 +121,7 @@ class Filling:
             return self._pull(builder, self.registry, self.fingerprint)
         except FleetUnavailable as exc:
             self._away = True
+            files.registry_away.set()  # (the fleet's records of the files are not written either: one line says so)
             log.warning("weightcache: %s", exc)
         except BackendUnavailable as exc:
             log.warning("weightcache: not pulling from the fleet: %s", exc)
@@ -290,40 +288,13 @@ class Filling:
             self._transport.close()
             self._transport = None
 
-    def published(self, model: "str | os.PathLike | None" = None, fingerprint: Fingerprint | None = None) -> None:
-        """After this node published ``fingerprint`` (from the checkpoint ``model``): write the fleet's records of its
-        files (``files.settle``), wait (briefly) until its sharing agent lists the entry, then let go.
+    def published(self) -> None:
+        """After this node published: wait (briefly) until its sharing agent lists the entry, then let go.
 
         A claimant waits so that the waiting nodes pull instead of reading the disk; a relay keeps serving until the
         node behind it has read every arena from it (its relay record says how many it checked), listed or not: a
-        relay that let go as soon as it was listed broke that node's read off mid-arena. A node that read a checkpoint
-        nobody had hashed claims the content's disk read first, under its claim on that first read, so that the nodes
-        waiting to learn the checkpoint's content wait for its agent too.
+        relay that let go as soon as it was listed broke that node's read off mid-arena.
         """
-        try:
-            self._settle(model, fingerprint)
-            self._wait_listed()
-        finally:
-            if model is not None:
-                files.release(model)
-
-    def _settle(self, model: "str | os.PathLike | None", fingerprint: Fingerprint | None) -> None:
-        if self.registry is None or model is None or fingerprint is None or self._away:
-            return
-        try:
-            sighting_lease = files.held_lease(model)
-            if sighting_lease and not self.claimed:
-                self.fingerprint = fingerprint
-                self.claimed = self.registry.claim(fingerprint.content_digest, sighting_lease) is None
-            files.settle(self.registry, model, fingerprint)
-        except FleetUnavailable as exc:
-            said = self._away or files.registry_away.is_set()
-            self._away = True
-            log.log(logging.DEBUG if said else logging.WARNING, "weightcache: %s", exc)
-        except (WeightCacheError, OSError, ValueError) as exc:
-            log.warning("weightcache: not writing the fleet's records of %s's files: %s", model, cut(str(exc)))
-
-    def _wait_listed(self) -> None:
         relaying = self._relaying
         if self.registry is None or self.fingerprint is None or not (self.claimed or relaying is not None):
             return

@@ -304,7 +304,7 @@ class FileSeen:
     """A weight file as a node sees it without reading its weights: the storage object's identity (size, modification
     and change times, inode) and the sha256 of its safetensors header. The change time is set by the kernel on every
     write and every ``utime``, and no user can set it back, so a file changed after a record of it was made is seen
-    with another identity (docs/decisions.md 95)."""
+    with another identity (docs/decisions.md, "A node that has never hashed a checkpoint")."""
 
     size: int
     mtime_ns: int
