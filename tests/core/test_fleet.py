@@ -822,9 +822,11 @@ def _said(outputs: list[tuple[str, str]]) -> list[list[str]]:
     return [[line for line in err.splitlines() if " DEBUG " not in line][-12:] + out.splitlines()[-1:] for out, err in outputs]
 
 
-def _load_at_once(nodes: list[Node], path, **extra_env: str) -> list[tuple[str, str]]:
-    """``weightcache load`` of ``path`` started on every node together; each one's stdout and stderr (all exit 0)."""
-    procs = [n.load_process(path, env=n.env(**extra_env)) for n in nodes]
+def _load_at_once(nodes: list[Node], path, envs: list[dict] | None = None, **extra_env: str) -> list[tuple[str, str]]:
+    """``weightcache load`` of ``path`` started on every node together (``envs``: each one's environment); each one's
+    stdout and stderr (all exit 0)."""
+    envs = envs or [n.env(**extra_env) for n in nodes]
+    procs = [n.load_process(path, env=env) for n, env in zip(nodes, envs, strict=True)]
     outputs = []
     try:
         for proc in procs:
@@ -1051,29 +1053,13 @@ def copy_of(model_dir, tmp_path) -> typing.Any:
     return copy
 
 
-def cli_loads_at_once(nodes: list[Node], path, envs: list[dict]) -> list[tuple[str, str]]:
-    """``weightcache load`` of ``path`` on every node together, each with its environment; stdout and stderr of each."""
-    procs = [n.load_process(path, env=env) for n, env in zip(nodes, envs, strict=True)]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=300))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate(timeout=30)
-    assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outputs]
-    return outputs
-
-
 def test_new_nodes_with_a_digest_store_each_read_the_checkpoint_once_between_them(fleet, model_dir, tmp_path):
     """Three new nodes, each with a digest store that has hashed nothing, load a checkpoint nobody has hashed, at once,
     through the CLI: one reads it, the others learn its content from the fleet's records of its files and pull."""
     etcd, node = fleet
     nodes = [node(name) for name in ("a", "b", "c")]
     path = copy_of(model_dir, tmp_path)
-    outputs = cli_loads_at_once(nodes, path, [own_store(n, tmp_path) for n in nodes])
+    outputs = _load_at_once(nodes, path, [own_store(n, tmp_path) for n in nodes])
     sources = [out.strip().splitlines()[-1] for out, _ in outputs]
     assert sum("copied from node" in s for s in sources) == 2, _said(outputs)
     readers = [err for _, err in outputs if "this node reads it" in err]
