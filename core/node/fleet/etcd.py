@@ -350,11 +350,11 @@ class _Deadline:
                 guard.watch(self.sock)
 
         class Handler(urllib.request.HTTPHandler):
-            def http_open(self, req):  # type: ignore[no-untyped-def]
+            def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
                 return self.do_open(Connection, req)
 
         class SecureHandler(urllib.request.HTTPSHandler):
-            def https_open(self, req):  # type: ignore[no-untyped-def]
+            def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
                 return self.do_open(SecureConnection, req, context=self._context)  # type: ignore[attr-defined]
 
         return [Handler(), SecureHandler()]
