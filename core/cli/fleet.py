@@ -79,7 +79,8 @@ def supervised(work: typing.Callable[[], int], verbose: bool = False) -> int:
     """
     from weightcache.core.cli.reporting import reporting_errors
 
-    child, stopping, deaths = 0, False, []
+    child, stopping = 0, False
+    deaths: list[float] = []
 
     def forward(signum: int, _frame: object) -> None:
         nonlocal stopping

@@ -198,7 +198,8 @@ def _records(
     """Every file's digest (the remembered ones, and the records of ``missing``), None while a record is missing; the
     nodes that wrote the records used; and why a record was left out (not valid), if one was."""
     digests = list(sighting.remembered)
-    origins, problem = set(), None
+    origins: set[str] = set()
+    problem: str | None = None
     for index, seen in missing.items():
         try:
             record = registry.file(seen)

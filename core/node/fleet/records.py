@@ -319,11 +319,14 @@ class FileSeen:
     def from_json(cls, data: object) -> "FileSeen":
         if not isinstance(data, dict):
             raise ValueError("a file's identity must be an object")
-        numbers = [data.get(name) for name in ("size", "mtime_ns", "ctime_ns", "inode")]
-        for number in numbers:
+        numbers: list[int] = []
+        for name in ("size", "mtime_ns", "ctime_ns", "inode"):
+            number = data.get(name)
             if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < 1 << 64:
                 raise ValueError(f"a file's identity holds {number!r:.40}, not a whole number")
-        return cls(*numbers, _sha256(data.get("header_sha256"), "header_sha256"))  # type: ignore[arg-type]
+            numbers.append(number)
+        size, mtime_ns, ctime_ns, inode = numbers
+        return cls(size, mtime_ns, ctime_ns, inode, _sha256(data.get("header_sha256"), "header_sha256"))
 
     @property
     def name(self) -> str:
