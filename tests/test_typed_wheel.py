@@ -39,9 +39,11 @@ def wheel(tmp_path_factory) -> Path:
     return next(out.glob("weightcache-*.whl"))
 
 
-def test_the_wheel_ships_the_py_typed_marker(wheel):
+def test_the_wheel_ships_the_py_typed_marker_and_every_public_modules_stub(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    assert "weightcache/py.typed" in names and "weightcache/__init__.pyi" in names
+    assert "weightcache/py.typed" in names
+    for stub in sorted(ROOT.joinpath("weightcache").glob("*.pyi")):  # each public module reads its names from its stub
+        assert f"weightcache/{stub.name}" in names, stub.name
 
 
 def test_mypy_reads_load_models_signature_from_the_installed_wheel(wheel, tmp_path):
@@ -60,7 +62,9 @@ def test_mypy_reads_load_models_signature_from_the_installed_wheel(wheel, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     user = tmp_path / "user" / "app.py"
     user.parent.mkdir()
-    user.write_text("import weightcache\n\nreveal_type(weightcache.load_model)\n")
+    user.write_text(
+        "import weightcache\nimport weightcache.adapter\n\nreveal_type(weightcache.load_model)\nreveal_type(weightcache.adapter.hookimpl)\n"
+    )
     # Outside the checkout, with no MYPYPATH and the fresh environment's site-packages only: what a user's mypy sees.
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MYPY_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run(
