@@ -8,12 +8,17 @@
 # 2. imports vLLM and loads its compiled kernels (_C_stable_libtorch, _moe_C, FlashAttention 3) on torch 2.11;
 # 3. writes a Qwen3-shaped checkpoint with random bf16 weights (drawn on the GPU);
 # 4. vllm.LLM: plain load, weightcache daemon, weightcache strict client, greedy tokens compared
-#    (tests/gpu/engine_llm.py; CUDA graphs captured, no torch.compile; eager again if that fails);
-# 5. vllm serve the same three ways through tests/engines/run_engines_gpu.sh (completions compared, the
+#    (tests/gpu/engine_llm.py; CUDA graphs captured, no torch.compile; eager again, and for the steps after, if that
+#    fails);
+# 5. two vllm.LLM strict clients serving the daemon's entry at once (GPU memory against the entry's bytes), then the
+#    server SIGKILLed while one generates (tests/gpu/engine_pair.py);
+# 6. vllm serve the same three ways as 4 through tests/engines/run_engines_gpu.sh (completions compared, the
 #    client attached to the one entry).
 # Each step's log (and the JSON the steps write) goes to a folder that ends as OUT/engine-gpu.tgz (a device call
-# brings back at most 8 files); the last lines of each step go to stdout; a failed step stops the run. Every step's
-# time limit is cut to what is left of WC_DEADLINE_S (default 570 s, inside one 600 s device call).
+# brings back at most 8 files; steps.txt, llm.json and pair.json are copied beside it); the last lines of each step
+# go to stdout. A failed install, import or model step stops the run (nothing after it could work); a failed later
+# step does not. Every step's time limit is cut to what is left of WC_DEADLINE_S (default 570 s, inside one 600 s
+# device call); WC_VARIANT_TIMEOUT_S bounds each engine start of steps 4 and 5.
 set -uo pipefail
 OUT=${1:?usage: tests/gpu/engine_gpu.sh OUT [small|8b|moe]}
 SHAPE=${2:-small}
@@ -24,7 +29,10 @@ DEADLINE=$((SECONDS + ${WC_DEADLINE_S:-570}))
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 LOGS=$(mktemp -d /tmp/wc-engine-gpu-XXXX)
-finish() { cp "$LOGS"/steps.txt "$OUT"/ 2>/dev/null; tar -czf "$OUT/engine-gpu.tgz" -C "$LOGS" . 2>/dev/null; }
+finish() {
+  for file in steps.txt llm.json llm-eager.json pair.json; do cp "$LOGS/$file" "$OUT"/ 2>/dev/null; done
+  tar -czf "$OUT/engine-gpu.tgz" -C "$LOGS" . 2>/dev/null
+}
 trap finish EXIT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the machines' rule (KINDS.md)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1
@@ -86,10 +94,21 @@ import vllm.model_executor.model_loader.weight_cache.protocol, weightcache.adapt
 print("vLLM loader modules and the weightcache adapter import")
 PY
 step model 300 python3 "$ROOT/tests/gpu/engine_model.py" "$MODEL" --shape "$SHAPE" || exit 1
-# CUDA graphs first; if the plain load fails with them, the same again without (what failed stays in llm.log)
-step llm 400 python3 "$ROOT/tests/gpu/engine_llm.py" "$MODEL" "$LOGS/llm.json" --socket-dir /tmp/wc-llm ||
+# CUDA graphs first; if the plain load fails with them (exit 2), the same again without (what failed stays in llm.log), and
+# the steps after run eager too
+EAGER=()
+step llm 400 python3 "$ROOT/tests/gpu/engine_llm.py" "$MODEL" "$LOGS/llm.json" --socket-dir /tmp/wc-llm
+if [ $? = 2 ]; then  # the plain load itself failed (not a difference between the loads)
+  EAGER=(--eager)
   step llm-eager 300 python3 "$ROOT/tests/gpu/engine_llm.py" "$MODEL" "$LOGS/llm-eager.json" --eager \
-    --socket-dir /tmp/wc-llm-eager || exit 1
-ENGINES=vllm VLLM_ARGS='--compilation-config {"mode":0,"cudagraph_mode":"FULL_DECODE_ONLY","cudagraph_capture_sizes":[1,2,4]}' \
-  PROMPTS='["t11 t250 t3999 t42", "t5 t6 t7 t8", "t31000 t2 t77"]' \
+    --socket-dir /tmp/wc-llm-eager
+fi
+SOCKET=/tmp/wc-llm REFERENCE=$LOGS/llm.json
+[ ${#EAGER[@]} = 0 ] || { SOCKET=/tmp/wc-llm-eager REFERENCE=$LOGS/llm-eager.json; }
+# the daemon variant's server still holds the entry; the pair ends it (SIGKILL), whatever happens
+step pair 300 python3 "$ROOT/tests/gpu/engine_pair.py" "$MODEL" "$LOGS/pair.json" --socket-dir "$SOCKET" \
+  --expect "$REFERENCE" "${EAGER[@]}"
+GRAPHS='--compilation-config {"mode":0,"cudagraph_mode":"FULL_DECODE_ONLY","cudagraph_capture_sizes":[1,2,4]}'
+[ ${#EAGER[@]} = 0 ] || GRAPHS=--enforce-eager
+ENGINES=vllm VLLM_ARGS=$GRAPHS PROMPTS='["t11 t250 t3999 t42", "t5 t6 t7 t8", "t31000 t2 t77"]' \
   step serve 400 "$ROOT/tests/engines/run_engines_gpu.sh" "$LOGS/serve" "$MODEL"

@@ -7,7 +7,8 @@ Each variant runs in a process of its own (the engine's CUDA state and its core 
 ``vllm.LLM`` on the checkpoint, times construction to ready and to the first token, then takes greedy tokens for
 ``PROMPTS``. The daemon variant loads, publishes and maps the weights through the weightcache server it starts in
 ``--socket-dir``; the client variant maps that entry (strict: a miss is an error). The tokens of every variant must
-equal the plain load's; OUT.json holds each variant's record and the comparison.
+equal the plain load's; OUT.json holds each variant's record and the comparison. Exit status: 0 all equal, 1 a
+variant differs or failed, 2 the plain load itself gave no tokens. WC_VARIANT_TIMEOUT_S bounds each variant (300 s).
 """
 
 from __future__ import annotations
@@ -22,25 +23,32 @@ from pathlib import Path
 
 PROMPTS = [[11, 250, 3999, 42, 7, 18, 900], [5, 6, 7, 8], [31000, 2, 77, 1500, 123, 9, 64, 4096, 12]]
 MAX_TOKENS = 24
-VARIANT_TIMEOUT_S = 300
+VARIANT_TIMEOUT_S = int(os.environ.get("WC_VARIANT_TIMEOUT_S", "300"))  # one engine start and its tokens
+
+
+def build_llm(model: str, variant: str, socket_dir: str, eager: bool, memory: float):
+    """``vllm.LLM`` on MODEL: its own load (``plain``) or weightcache's (``daemon``, or ``client``: strict)."""
+    from vllm import LLM
+
+    options: dict = {}
+    if variant != "plain":
+        mode = {"mode": variant, "socket_dir": socket_dir, "strict": variant == "client"}
+        options = {"load_format": "weightcache", "model_loader_extra_config": mode}
+    if eager:
+        options["enforce_eager"] = True
+    else:  # CUDA graphs over the (mapped) weights, without torch.compile's minutes
+        options["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}
+    return LLM(model=model, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=memory, **options)
 
 
 def child(args: argparse.Namespace) -> None:
     t0 = time.time()
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     imported = time.time()
-    options: dict = {}
-    if args.variant != "plain":
-        mode = {"mode": args.variant, "socket_dir": args.socket_dir}
-        options = {"load_format": "weightcache", "model_loader_extra_config": mode | {"strict": args.variant == "client"}}
-    if args.eager:
-        options["enforce_eager"] = True
-    else:  # CUDA graphs over the (mapped) weights, without torch.compile's minutes
-        options["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}
-    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=args.memory, **options)
+    llm = build_llm(args.model, args.variant, args.socket_dir, args.eager, args.memory)
     ready = time.time()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
@@ -76,12 +84,15 @@ def parent(args: argparse.Namespace) -> int:
         print(f"vllm.LLM {variant}: " + json.dumps({k: v for k, v in record.items() if k != "tokens"})[:3000], flush=True)
     plain = results["variants"].get("plain", {}).get("tokens")
     results["identical"] = {
-        name: record.get("tokens") == plain for name, record in results["variants"].items() if name != "plain"
+        name: plain is not None and record.get("tokens") == plain
+        for name, record in results["variants"].items()
+        if name != "plain"
     }
     Path(args.out).write_text(json.dumps(results, indent=1))
     print("vllm.LLM tokens identical to the plain load: " + json.dumps(results["identical"]), flush=True)
-    ok = plain is not None and all(results["identical"].values())
-    return 0 if ok else 1
+    if plain is None:
+        return 2  # the engine's own load gave no tokens: nothing to compare with (engine_gpu.sh tries eager then)
+    return 0 if all(results["identical"].values()) else 1
 
 
 def main() -> int:
