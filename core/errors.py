@@ -505,15 +505,32 @@ class HandoverFailed(WeightCacheError):
 
 
 class FleetUnavailable(WeightCacheError):
-    """The fleet's registry (etcd) did not answer within its deadline; the caller reads the disk instead."""
+    """The fleet's registry (etcd) did not answer within its deadline (``kind`` ``unreachable``), refused a
+    certificate either way (``certificate``) or refused the user or password (``auth``). A load then reads the disk
+    and says so itself."""
 
-    def __init__(self, endpoints: "typing.Sequence[str]", reason: str):
+    def __init__(self, endpoints: "typing.Sequence[str]", reason: str, kind: str = "unreachable"):
         self.endpoints = tuple(endpoints)
         self.reason = reason
-        super().__init__(
-            f"the fleet registry at {', '.join(self.endpoints)} did not answer ({reason}); reading the disk instead. "
-            "Check that etcd runs there (`etcdctl endpoint health`) or unset WEIGHTCACHE_FLEET_ETCD"
-        )
+        self.kind = kind
+        at = f"the fleet registry at {', '.join(self.endpoints)}"
+        if kind == "certificate":
+            text = (
+                f"{at}: TLS failed, a certificate was refused ({reason}). Check WEIGHTCACHE_FLEET_ETCD_CA (the CA that "
+                "signed etcd's certificate) and WEIGHTCACHE_FLEET_ETCD_CERT/_KEY (a client certificate etcd's "
+                "--trusted-ca-file signed)"
+            )
+        elif kind == "auth":
+            text = (
+                f"{at} refused the user or password ({reason}). Check WEIGHTCACHE_FLEET_ETCD_USER and its password "
+                "(WEIGHTCACHE_FLEET_ETCD_PASSWORD_FILE), and that the user's role may read and write the fleet's prefix"
+            )
+        else:
+            text = (
+                f"{at} did not answer ({reason}). Check that etcd runs there (`etcdctl endpoint health`) or unset "
+                "WEIGHTCACHE_FLEET_ETCD"
+            )
+        super().__init__(text)
 
 
 class PullFailed(WeightCacheError):

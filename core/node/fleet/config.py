@@ -20,6 +20,9 @@ in ``daemon`` mode see the same settings as the node's sharing agent:
     WEIGHTCACHE_FLEET_PIECE_BYTES   the least a relaying node reads of an arena at once (default 1048576); it lists
                                     each piece as it lands, for the node behind it to read (a read of more than 64
                                     pieces' worth goes in 64 larger ones)
+    WEIGHTCACHE_FLEET_ETCD_CA, _CERT, _KEY, _USER, _PASSWORD_FILE
+                                    TLS with a private CA and a client certificate, and etcd's user/password auth
+                                    (``etcd_access``)
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import typing
 import attrs
 
 from weightcache.core.node.fleet.etcd import endpoints_tuple
+from weightcache.core.node.fleet.etcd_access import EtcdAccess
 
 ENV_ETCD: typing.Final = "WEIGHTCACHE_FLEET_ETCD"
 ENV_SECRET_FILE: typing.Final = "WEIGHTCACHE_FLEET_SECRET_FILE"
@@ -68,6 +72,7 @@ class FleetConfig:
     fanout: int = 2
     relay: bool = True
     piece_bytes: int = 1 << 20
+    access: EtcdAccess = attrs.field(factory=EtcdAccess, repr=False)
 
     @secret.validator
     def _check_secret(self, _attribute, value: bytes) -> None:
@@ -102,6 +107,7 @@ class FleetConfig:
             fanout=_fanout(environ),
             relay=_switch(environ, ENV_RELAY, True),
             piece_bytes=_piece_bytes(environ),
+            access=EtcdAccess.from_env(environ, endpoints),
         )
 
     def key(self, *parts: str) -> bytes:

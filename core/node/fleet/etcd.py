@@ -19,6 +19,7 @@ import contextlib
 import http.client
 import json
 import socket
+import ssl
 import threading
 import time
 import typing
@@ -29,6 +30,7 @@ import urllib.request
 import attrs
 
 from weightcache.core.errors import FleetUnavailable
+from weightcache.core.node.fleet.etcd_access import EtcdAccess
 
 MAX_REPLY_BYTES: typing.Final = 64 << 20
 """Largest gateway reply read (a range over many holders stays far below)."""
@@ -65,44 +67,86 @@ class KeyValue:
 
 @attrs.define
 class EtcdStore:
-    """The registry's store: etcd at ``endpoints`` (``http://127.0.0.1:2379``), each call bounded by ``deadline_s``."""
+    """The registry's store: etcd at ``endpoints`` (``http://127.0.0.1:2379``), each call bounded by ``deadline_s``;
+    ``access``: TLS files and a user/password (``etcd_access``)."""
 
     endpoints: tuple[str, ...] = attrs.field(converter=endpoints_tuple)
     deadline_s: float = 2.0
+    access: EtcdAccess = attrs.field(factory=EtcdAccess)
+    _token: str | None = attrs.field(default=None, init=False, repr=False)
 
     def call(self, path: str, body: dict) -> dict:
-        """POST ``body`` to ``path`` on the first endpoint that answers; FleetUnavailable when none does in time."""
+        """POST ``body`` to ``path`` on the first endpoint that answers; FleetUnavailable when none does in time, naming
+        what went wrong: unreachable, a certificate refused (either way), the user or password refused."""
         deadline = time.monotonic() + self.deadline_s
-        problems = []
-        data = json.dumps(body).encode()
+        problems: list[_Problem] = []
         for endpoint in self.endpoints:
             left = deadline - time.monotonic()
             if left <= 0:
-                problems.append(f"no time left for {endpoint}")
+                problems.append(_Problem(UNREACHABLE, f"no time left for {endpoint}"))
                 break
-            request = urllib.request.Request(
-                endpoint.rstrip("/") + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
-            )
             try:
-                raw = _post(request, deadline)
-            except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
-                late = time.monotonic() >= deadline
-                why = f"no whole reply within {self.deadline_s:g} s" if late else getattr(exc, "reason", exc)
-                problems.append(f"{endpoint}: {why}")
-                continue
-            if len(raw) > MAX_REPLY_BYTES:
-                problems.append(f"{endpoint}: a reply of more than {MAX_REPLY_BYTES} bytes")
-                continue
+                return self._call_once(endpoint, path, body, deadline)
+            except _Refused as refused:
+                problems.append(refused.problem)
+        raise _unavailable(self.endpoints, problems)
+
+    def _call_once(self, endpoint: str, path: str, body: dict, deadline: float) -> dict:
+        """One endpoint: authenticate if a user is set (once per token; again once if etcd says it expired)."""
+        for attempt in range(2):
+            headers = {"Content-Type": "application/json"}
+            if self.access.user is not None:
+                if self._token is None:
+                    answer = self._post(
+                        endpoint,
+                        "/v3/auth/authenticate",
+                        {"name": self.access.user, "password": self.access.password},
+                        {"Content-Type": "application/json"},
+                        deadline,
+                    )
+                    if not isinstance(answer.get("token"), str):
+                        raise _Refused(_Problem(AUTH, f"{endpoint}: etcd gave no token for user {self.access.user!r}"))
+                    self._token = answer["token"]
+                headers["Authorization"] = typing.cast(str, self._token)
             try:
-                answer = json.loads(raw)
-            except (ValueError, RecursionError):
-                problems.append(f"{endpoint}: a reply that is not JSON, or nested too deep")
-                continue
-            if not isinstance(answer, dict):
-                problems.append(f"{endpoint}: a reply that is not a JSON object")
-                continue
-            return answer
-        raise FleetUnavailable(self.endpoints, "; ".join(problems) or "no endpoint configured")
+                return self._post(endpoint, path, body, headers, deadline)
+            except _Refused as refused:
+                if refused.problem.kind != AUTH or self._token is None or attempt:
+                    raise
+                self._token = None  # an expired token: authenticate again, once
+        raise AssertionError("unreachable")
+
+    def _post(self, endpoint: str, path: str, body: dict, headers: dict, deadline: float) -> dict:
+        request = urllib.request.Request(
+            endpoint.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers, method="POST"
+        )
+        context = self.access.context if endpoint.startswith("https://") else None
+        try:
+            raw = _post(request, deadline, context)
+        except urllib.error.HTTPError as exc:
+            raise _Refused(_http_problem(endpoint, exc)) from None
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
+            if time.monotonic() >= deadline:
+                late = f"{endpoint}: no whole reply within {self.deadline_s:g} s"
+                raise _Refused(_Problem(UNREACHABLE, late)) from None
+            raise _Refused(_connection_problem(endpoint, getattr(exc, "reason", exc), self.access)) from None
+        if len(raw) > MAX_REPLY_BYTES:
+            raise _Refused(_Problem(UNREACHABLE, f"{endpoint}: a reply of more than {MAX_REPLY_BYTES} bytes"))
+        try:
+            answer = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise _Refused(_Problem(UNREACHABLE, f"{endpoint}: a reply that is not JSON, or nested too deep")) from None
+        if not isinstance(answer, dict):
+            raise _Refused(_Problem(UNREACHABLE, f"{endpoint}: a reply that is not a JSON object"))
+        return answer
+
+    def auth_headers(self) -> dict:
+        """The Authorization header of a request outside ``call`` (a watch): a token, fetched if none is held yet."""
+        if self.access.user is None:
+            return {}
+        if self._token is None:
+            self.call("/v3/auth/authenticate", {"name": self.access.user, "password": self.access.password})
+        return {"Authorization": self._token} if self._token else {}
 
     def range(self, prefix: bytes) -> list[KeyValue]:
         """Every key that starts with ``prefix``, with its value and lease."""
@@ -130,7 +174,7 @@ class EtcdStore:
 
     def watch(self, key: bytes) -> "Watch":
         """A watch on ``key`` (started in a thread of its own; ``Watch.close`` ends it)."""
-        return Watch(self.endpoints, key, self.deadline_s)
+        return Watch(self.endpoints, key, self.deadline_s, self.access.context, self.auth_headers)
 
     def put(self, key: bytes, value: bytes, lease: int = 0) -> None:
         self.call("/v3/kv/put", {"key": _b64(key), "value": _b64(value), "lease": str(lease)})
@@ -189,10 +233,19 @@ class Watch:
     then, and once ``broken`` names why it ended, a caller should wait no longer than it would poll.
     """
 
-    def __init__(self, endpoints: typing.Sequence[str], key: bytes, deadline_s: float):
+    def __init__(
+        self,
+        endpoints: typing.Sequence[str],
+        key: bytes,
+        deadline_s: float,
+        context: ssl.SSLContext | None = None,
+        headers: typing.Callable[[], dict] = dict,
+    ):
         self.endpoints = tuple(endpoints)
         self.key = key
         self.deadline_s = deadline_s
+        self._context = context
+        self._headers = headers
         self.changes = 0
         self.latest: KeyValue | None = None
         """The key as the last event left it (None: deleted, or no event yet); ``last`` reads it with ``changes``."""
@@ -237,7 +290,7 @@ class Watch:
             try:
                 self._stream(endpoint)
                 return
-            except (OSError, ValueError, TypeError, RecursionError, http.client.HTTPException) as exc:
+            except (OSError, ValueError, TypeError, RecursionError, http.client.HTTPException, FleetUnavailable) as exc:
                 problems.append(f"{endpoint}: {type(exc).__name__}: {str(exc)[:200]}")
                 if self._created or self._closed:  # (it broke after etcd confirmed it: not another endpoint's turn)
                     break
@@ -246,9 +299,16 @@ class Watch:
     def _stream(self, endpoint: str) -> None:
         """Open the watch at ``endpoint`` and count its events until the stream ends (``_end`` with why)."""
         url = urllib.parse.urlsplit(endpoint)
-        if url.scheme != "http" or not url.hostname:
-            raise ValueError(f"a watch needs an http:// endpoint, not {endpoint!r}")
-        connection = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=self.deadline_s)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"a watch needs an http:// or https:// endpoint, not {endpoint!r}")
+        headers = {"Content-Type": "application/json", **self._headers()}
+        connection: http.client.HTTPConnection
+        if url.scheme == "https":
+            connection = http.client.HTTPSConnection(
+                url.hostname, url.port or 443, timeout=self.deadline_s, context=self._context
+            )
+        else:
+            connection = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=self.deadline_s)
         try:
             connection.connect()
             with self._lock:
@@ -256,7 +316,7 @@ class Watch:
                     return
                 self._socket = connection.sock
             body = json.dumps({"create_request": {"key": _b64(self.key)}})
-            connection.request("POST", "/v3/watch", body=body, headers={"Content-Type": "application/json"})
+            connection.request("POST", "/v3/watch", body=body, headers=headers)
             reply = connection.getresponse()
             if reply.status != 200:
                 raise ValueError(f"HTTP {reply.status} for /v3/watch")
@@ -308,12 +368,81 @@ class Watch:
             self._lock.notify_all()
 
 
-def _post(request: urllib.request.Request, deadline: float) -> bytes:
+UNREACHABLE: typing.Final = "unreachable"
+CERTIFICATE: typing.Final = "certificate"
+AUTH: typing.Final = "auth"
+_ORDER = (CERTIFICATE, AUTH, UNREACHABLE)  # the most telling kind first: it names what to fix
+
+
+@attrs.frozen
+class _Problem:
+    kind: str
+    text: str
+
+
+class _Refused(Exception):
+    """One endpoint's failure, carried to ``call``."""
+
+    def __init__(self, problem: _Problem):
+        super().__init__(problem.text)
+        self.problem = problem
+
+
+def _unavailable(endpoints: tuple[str, ...], problems: list[_Problem]) -> FleetUnavailable:
+    kinds = {problem.kind for problem in problems} or {UNREACHABLE}
+    kind = next(kind for kind in _ORDER if kind in kinds)
+    return FleetUnavailable(endpoints, "; ".join(p.text for p in problems) or "no endpoint configured", kind)
+
+
+def _http_problem(endpoint: str, exc: urllib.error.HTTPError) -> _Problem:
+    """An HTTP error of the gateway: auth refused (no token, a bad one, a wrong password, no permission), or other."""
+    try:
+        raw = exc.read(4096)
+    except OSError:
+        raw = b""
+    try:
+        found = json.loads(raw)
+        message = str(found.get("message") or found.get("error")) if isinstance(found, dict) else ""
+    except ValueError:
+        message = raw.decode(errors="replace")  # the gateway's own refusals are plain text
+    message = message.strip() or str(exc.reason)
+    text = f"{endpoint}: HTTP {exc.code}: {str(message).strip()[:300]}"
+    lowered = str(message).lower()
+    if "commonname" in lowered:  # etcd's gateway, with auth enabled, refuses a client certificate that has a CN
+        return _Problem(
+            CERTIFICATE,
+            f"{text}: etcd refused this node's client certificate because it has a CommonName, which its HTTP gateway "
+            "refuses while auth is enabled; issue the node a certificate without a CN (its subjectAltName is enough)",
+        )
+    if exc.code in (401, 403) or any(word in lowered for word in ("auth", "permission denied", "user name", "token")):
+        return _Problem(AUTH, text)
+    return _Problem(UNREACHABLE, text)
+
+
+def _connection_problem(endpoint: str, reason: object, access: "EtcdAccess") -> _Problem:
+    """A failure below HTTP: a certificate refused by this node (etcd's does not verify) or by etcd (this node's), or
+    nobody answering."""
+    text = str(reason)
+    if isinstance(reason, ssl.SSLCertVerificationError):
+        where = access.ca_file or "the system's CAs"
+        return _Problem(
+            CERTIFICATE, f"{endpoint}: etcd's certificate does not verify against {where} ({reason.verify_message or text})"
+        )
+    upper = text.upper()
+    if isinstance(reason, ssl.SSLError) or "CERTIFICATE" in upper or "UNKNOWN_CA" in upper:
+        mine = "this node's client certificate" if access.cert_file else "a connection without a client certificate"
+        return _Problem(CERTIFICATE, f"{endpoint}: etcd refused {mine} ({text})")
+    if isinstance(reason, ConnectionResetError) and access.tls:
+        return _Problem(CERTIFICATE, f"{endpoint}: etcd closed the TLS connection ({text}): a certificate it refused?")
+    return _Problem(UNREACHABLE, f"{endpoint}: {text}")
+
+
+def _post(request: urllib.request.Request, deadline: float, context: ssl.SSLContext | None = None) -> bytes:
     """The body of the reply to ``request`` (at most ``MAX_REPLY_BYTES`` + 1 bytes), all of it by ``deadline``
     (``time.monotonic``): a socket timeout bounds each read only, and a server that sends a byte at a time would hold
     a reply for as long as it likes, so the connection is shut down at the deadline, whatever it is doing."""
     guard = _Deadline(deadline)
-    opener = urllib.request.build_opener(*guard.handlers())
+    opener = urllib.request.build_opener(*guard.handlers(context))
     left = deadline - time.monotonic()
     try:
         with opener.open(request, timeout=max(left, 0.001)) as reply:
@@ -335,7 +464,7 @@ class _Deadline:
         self._timer: threading.Timer | None = None
         self.expired = False
 
-    def handlers(self) -> list[urllib.request.BaseHandler]:
+    def handlers(self, context: ssl.SSLContext | None = None) -> list[urllib.request.BaseHandler]:
         """An http and an https handler whose connections this guard shuts down at the deadline."""
         guard = self
 
@@ -357,7 +486,7 @@ class _Deadline:
             def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
                 return self.do_open(SecureConnection, req, context=self._context)  # type: ignore[attr-defined]
 
-        return [Handler(), SecureHandler()]
+        return [Handler(), SecureHandler(context=context)]
 
     def watch(self, sock: socket.socket) -> None:
         with self._lock:

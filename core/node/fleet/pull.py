@@ -122,7 +122,7 @@ class Filling:
         except FleetUnavailable as exc:
             self._away = True
             files.registry_away.set()  # (the fleet's records of the files are not written either: one line says so)
-            log.warning("weightcache: %s", exc)
+            log.warning("weightcache: %s; reading the disk instead", exc)
         except BackendUnavailable as exc:
             log.warning("weightcache: not pulling from the fleet: %s", exc)
         self._abandon(builder)

@@ -32,7 +32,7 @@ class FleetRegistry:
 
     @store.default
     def _store(self) -> EtcdStore:
-        return EtcdStore(self.config.endpoints, self.config.deadline_s)
+        return EtcdStore(self.config.endpoints, self.config.deadline_s, self.config.access)
 
     def _content_key(self, content_digest: str) -> bytes:
         return self.config.key("content", content_digest)
