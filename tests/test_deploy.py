@@ -185,3 +185,12 @@ def test_the_unit_shown_in_the_operations_guide_is_the_deployed_one():
     lines = [line.split("#", 1)[0].strip() for line in shown.splitlines()]
     missing = [line for line in lines if line and line not in deployed]
     assert not missing, f"docs/operations.md shows unit lines the deployed unit lacks: {missing}"
+
+
+def test_the_real_systemd_test_skips_where_its_boot_would_hide_the_checkout():
+    """Its boot mounts a tmpfs over /tmp (and more): a clone there failed with "No module named 'weightcache'"."""
+    from tests.test_systemd_real import hidden
+
+    assert "clone it elsewhere" in str(hidden(Path("/tmp/clone/weightcache")))
+    assert "under /var/tmp" in str(hidden(Path("/var/tmp/x")))
+    assert hidden(Path("/root/weightcache")) is None and hidden(Path("/tmpfoo/weightcache")) is None

@@ -39,7 +39,24 @@ NAMESPACES = ["unshare", "--pid", "--fork", "--kill-child", "--mount", "--net", 
 METRICS = "http://127.0.0.1:9464"
 
 
+HIDDEN = ("/tmp", "/var/tmp", "/var/cache", "/var/log", "/opt", "/run")
+"""What the boot mounts a tmpfs of its own over (BOOT): a checkout there is out of the booted system's sight."""
+
+
+def hidden(root: Path) -> str | None:
+    """Why the booted system cannot see the checkout at ``root`` (None: it can)."""
+    for place in HIDDEN:
+        if root == Path(place) or Path(place) in root.parents:
+            return (
+                f"this checkout is under {place}, which the booted systemd covers with a tmpfs of its own (its clients "
+                "would not find weightcache): clone it elsewhere (under /root or /srv) to run this test"
+            )
+    return None
+
+
 def _missing() -> str | None:
+    if (reason := hidden(ROOT.resolve())) is not None:
+        return reason
     if os.environ.get("WC_REAL_SYSTEMD") != "1":
         return "boots a real systemd in namespaces: set WC_REAL_SYSTEMD=1 (root, systemd, unshare, setpriv and ip installed)"
     if os.geteuid() != 0:

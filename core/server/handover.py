@@ -306,7 +306,9 @@ def take_over(socket_dir: SocketDir, registry: Registry, limits: Limits) -> Hand
         return None
     try:
         check_server_peer(sock, path)
-        pid = peer_credentials(sock)[0]
+        # SO_PEERCRED names the process that made the listener: after one handover, a server that has exited. The lock
+        # file names the server that holds the lock now (each writes its pid there when it starts).
+        pid = _pid_in_lock(socket_dir) or peer_credentials(sock)[0]
         send_frame(sock, {"op": "handover", "version": __version__})
         handed = _receive(sock, registry, limits, pid)
     except BaseException:
@@ -314,6 +316,16 @@ def take_over(socket_dir: SocketDir, registry: Registry, limits: Limits) -> Hand
         registry.close()
         raise
     return handed
+
+
+def _pid_in_lock(socket_dir: SocketDir) -> int:
+    """The pid the running server wrote into the directory's lock file (0: none readable)."""
+    try:
+        with open(socket_dir.lock, "rb") as lock:
+            text = lock.read(32).decode(errors="replace").strip()
+    except OSError:
+        return 0
+    return int(text) if text.isdigit() else 0
 
 
 def _receive(sock: socket.socket, registry: Registry, limits: Limits, pid: int) -> Handed:
@@ -339,6 +351,8 @@ def _receive(sock: socket.socket, registry: Registry, limits: Limits, pid: int) 
     except (TypeError, ValueError, OSError) as exc:
         close_fds(fds)
         raise HandoverFailed(f"the running server's handover is malformed ({exc}); it keeps serving every entry") from None
+    if isinstance(hello.get("pid"), int) and not isinstance(hello.get("pid"), bool):
+        pid = hello["pid"]  # the server that answered says who it is
     handed = Handed(entries=0, artifacts=0, predecessor_pid=pid, sock=sock, **attrs.asdict(listeners))
     log.info(
         "taking over %s entries in %d parcels from pid %d (weightcache %s)",

@@ -442,3 +442,27 @@ def test_a_successor_told_another_metrics_port_listens_there_and_frees_the_old_o
     finally:
         _stop(successor)
         first.close()
+
+
+def test_a_take_over_after_an_in_place_restart_names_the_live_server_not_the_first(socket_dir):
+    """After SIGUSR2 the listener is the first server's, which has exited: the peer's credentials name it still."""
+    first = ServerProcess.start(socket_dir)
+    successor = None
+    try:
+        published = _publish(socket_dir, 2)
+        os.kill(first.pid, signal.SIGUSR2)
+        assert wait_until(lambda: _status(socket_dir)["pid"] != first.pid, timeout=30), first.log()
+        assert first.proc.wait(timeout=10) == 0, first.log()
+        live = _status(socket_dir)["pid"]
+        successor = _successor(socket_dir)
+        assert wait_until(lambda: _served_by(socket_dir, successor.pid), timeout=30), _log(socket_dir)
+        log = _log(socket_dir)
+        assert f"entries in 1 parcels from pid {live} " in log or f"from pid {live} (weightcache" in log, log[-2000:]
+        assert f"pid {first.pid}" not in log, log[-2000:]
+        assert _digests(socket_dir) == published
+    finally:
+        if successor is not None:
+            _stop(successor)
+        with contextlib.suppress(Exception):
+            os.kill(_status(socket_dir)["pid"], signal.SIGTERM)
+        first.close()
