@@ -233,7 +233,7 @@ def publish_random(gib: float, tensors: int, device: str, socket_dir, anchor: Pa
     return fp
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--gib", type=float, default=2.0)
@@ -245,12 +245,15 @@ def main(argv=None) -> int:
     parser.add_argument("--dir", help="where to write the checkpoint (default: a temp dir on disk)")
     parser.add_argument("--no-disk", action="store_true", help="no checkpoint: publish from memory and time attach only")
     parser.add_argument("--json", help="write the figures to this file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     import torch
 
     from weightcache.core.client.client import wait_for_server
-    from weightcache.core.flow import api
 
     work = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
     socket_dir = Path(tempfile.mkdtemp(prefix="wc-bench-sock-"))
@@ -267,48 +270,9 @@ def main(argv=None) -> int:
             torch.zeros(1, device=args.device)
             results["gpu"] = torch.cuda.get_device_name()
         if args.no_disk:
-            (work / "config.json").write_text("{}")
-            from safetensors.torch import save_file
-
-            save_file({"anchor": torch.zeros(1)}, work / "model.safetensors")  # the fingerprints' checkpoint identity
-            publish_timings: dict = {}
-            fp = publish_random(args.gib, args.tensors, args.device, socket_dir, work, publish_timings)
-            results["attach"] = time_attach(fp, socket_dir, args.device, args.repeat)
-            results["attach"]["phases_ms"] = {**publish_timings, **results["attach"]["phases_ms"]}
-            print_phases(results)
-            if args.json:
-                Path(args.json).write_text(json.dumps(results, indent=2))
+            time_from_memory(args, work, socket_dir, results)
             return 0
-        print(f"writing a {args.gib:g} GiB checkpoint of {args.tensors} bf16 tensors to {work} ...", flush=True)
-        paths = make_checkpoint(work, args.gib, args.tensors, device=args.device)
-        nbytes = sum(p.stat().st_size for p in paths)
-        cold = drop_page_cache()
-        results["page_cache_dropped"] = cold
-        if cold:
-            results["direct_io_gbps"] = direct_read_gbps(paths)
-            drop_page_cache()
-            results["safetensors_cold_s"] = time_safetensors(paths, args.device, touch=True)
-        time_safetensors(paths, args.device)
-        results["safetensors_warm_s"] = min(time_safetensors(paths, args.device) for _ in range(3))
-        if args.device == "cpu":
-            results["safetensors_warm_touched_s"] = min(time_safetensors(paths, args.device, touch=True) for _ in range(3))
-        fingerprint = api.fingerprint(work, architecture="synthetic", dtype="bfloat16", device=args.device)
-        if cold:
-            drop_page_cache()
-        start = time.perf_counter()
-        api.publish_checkpoint(work, fingerprint, device=args.device, socket_dir=socket_dir)
-        results["weightcache_load_s"] = time.perf_counter() - start
-        results["weightcache_load_cold"] = cold
-        results["attach"] = time_attach(fingerprint, socket_dir, args.device, args.repeat)
-        results["extra"] = {}
-        for gib in args.extra_gib:
-            from weightcache.core.client.client import Connection
-
-            with Connection(socket_dir) as conn:  # make room: only one big entry at a time
-                for entry in conn.status()["entries"]:
-                    conn.evict(entry["digest"], force=True)
-            fp = publish_random(gib, args.tensors, args.device, socket_dir, work)
-            results["extra"][str(gib)] = time_attach(fp, socket_dir, args.device, args.repeat)
+        nbytes = time_from_disk(args, work, socket_dir, results)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -318,6 +282,59 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
+
+
+def time_from_memory(args, work: Path, socket_dir: Path, results: dict) -> None:
+    """``--no-disk``: publish random tensors from memory and time attach only; print the phases (and write the JSON)."""
+    import torch
+    from safetensors.torch import save_file
+
+    (work / "config.json").write_text("{}")
+    save_file({"anchor": torch.zeros(1)}, work / "model.safetensors")  # the fingerprints' checkpoint identity
+    publish_timings: dict = {}
+    fp = publish_random(args.gib, args.tensors, args.device, socket_dir, work, publish_timings)
+    results["attach"] = time_attach(fp, socket_dir, args.device, args.repeat)
+    results["attach"]["phases_ms"] = {**publish_timings, **results["attach"]["phases_ms"]}
+    print_phases(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def time_from_disk(args, work: Path, socket_dir: Path, results: dict) -> int:
+    """Write the checkpoint; time safetensors (cold where the page cache can be dropped, then warm), weightcache's
+    publish and attach, and attach at ``--extra-gib`` sizes. Returns the checkpoint's bytes."""
+    from weightcache.core.client.client import Connection
+    from weightcache.core.flow import api
+
+    print(f"writing a {args.gib:g} GiB checkpoint of {args.tensors} bf16 tensors to {work} ...", flush=True)
+    paths = make_checkpoint(work, args.gib, args.tensors, device=args.device)
+    nbytes = sum(p.stat().st_size for p in paths)
+    cold = drop_page_cache()
+    results["page_cache_dropped"] = cold
+    if cold:
+        results["direct_io_gbps"] = direct_read_gbps(paths)
+        drop_page_cache()
+        results["safetensors_cold_s"] = time_safetensors(paths, args.device, touch=True)
+    time_safetensors(paths, args.device)
+    results["safetensors_warm_s"] = min(time_safetensors(paths, args.device) for _ in range(3))
+    if args.device == "cpu":
+        results["safetensors_warm_touched_s"] = min(time_safetensors(paths, args.device, touch=True) for _ in range(3))
+    fingerprint = api.fingerprint(work, architecture="synthetic", dtype="bfloat16", device=args.device)
+    if cold:
+        drop_page_cache()
+    start = time.perf_counter()
+    api.publish_checkpoint(work, fingerprint, device=args.device, socket_dir=socket_dir)
+    results["weightcache_load_s"] = time.perf_counter() - start
+    results["weightcache_load_cold"] = cold
+    results["attach"] = time_attach(fingerprint, socket_dir, args.device, args.repeat)
+    results["extra"] = {}
+    for gib in args.extra_gib:
+        with Connection(socket_dir) as conn:  # make room: only one big entry at a time
+            for entry in conn.status()["entries"]:
+                conn.evict(entry["digest"], force=True)
+        fp = publish_random(gib, args.tensors, args.device, socket_dir, work)
+        results["extra"][str(gib)] = time_attach(fp, socket_dir, args.device, args.repeat)
+    return nbytes
 
 
 def print_phases(r: dict) -> None:

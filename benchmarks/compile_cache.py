@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 
 import restart  # benchmarks/restart.py: checkpoints, the child environment, the machine facts
+import restart_runner  # the launcher's first line, its child forked ahead
+import restart_table
 
 ENGINE = r"""
 import hashlib, json, sys, time
@@ -106,8 +108,8 @@ def engine(role: str, model: Path, device: str, socket_dir: Path, env: dict, cac
             stdout=subprocess.PIPE,
             text=True,
         )
-        restart._json_line(launcher, "launcher")
-        restart._wait_ahead_ready(caches / "launcher")
+        restart_runner.json_line(launcher, "launcher")
+        restart_runner.wait_ahead_ready(caches / "launcher")
         prefix = [
             sys.executable,
             "-m",
@@ -241,7 +243,7 @@ def table(result: dict) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     head = (
-        f"torch.compile, Qwen3 {result['size']} ({restart.parameter_count(result['model']['parameters'])} parameters), "
+        f"torch.compile, Qwen3 {result['size']} ({restart_table.parameter_count(result['model']['parameters'])} parameters), "
         f"{result['machine']['device']}, median of {len(result['runs'])} run(s); "
         f"artifacts {first['cold']['artifact_bytes'] / 2**20:.1f} MiB, compiled forward {first['ahead']['artifact_bytes'] / 2**20:.1f} MiB"
     )

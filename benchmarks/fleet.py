@@ -125,9 +125,7 @@ def run_fleet(
     piece_kib: int = 1024,
     own_stores: bool = False,
 ) -> dict:
-    from tests.core.fleet_support import Fleet, Node, evict, slow_sending, wait_for
-    from weightcache.core.node.fleet.config import FleetConfig
-    from weightcache.core.node.fleet.registry import FleetRegistry
+    from tests.core.fleet_support import Fleet, Node, slow_sending
 
     fleet = Fleet.open()
     load_before = os.getloadavg()[0]
@@ -144,44 +142,18 @@ def run_fleet(
                     raise SystemExit("--link-mbit needs each node in a network namespace (run as root where unshare works)")
                 slow_sending(node, f"{link_mbit}mbit", fleet.etcd, nic=True)
         for index, node in enumerate(nodes):
-            path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # run_gpu.sh's shim and .site too
-            env = {**node.env(), "PYTHONPATH": path, "WEIGHTCACHE_FLEET_RELAY": "1" if relay else "0"}
-            env["WEIGHTCACHE_FLEET_PIECE_BYTES"] = str(piece_kib << 10)  # (the tests' environment sets a small one)
-            if own_stores:  # a store that has hashed nothing, as a machine of its own has
-                env["WEIGHTCACHE_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"wc-bench-digests-n{index}-")
-            command = [sys.executable, __file__, "--worker", "--model", str(model), "--socket-dir", str(node.socket_dir)]
-            command += ["--chunk-mib", str(chunk_mib)]
-            command += ["--device", device if index == 0 else peer_device]
             workers.append(
-                subprocess.Popen(node.net.command(command), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                _worker(node, index, model, device if index == 0 else peer_device, chunk_mib, relay, piece_kib, own_stores)
             )
         for proc in workers:
             _line(proc, lambda line: line == "ready")
         results: list[dict] = [{} for _ in nodes]
-
-        def go(indices: list[int]) -> float:
-            evict(model)  # what the loads read comes from storage: read_bytes counts it
-            start = time.perf_counter()
-            for index in indices:
-                workers[index].stdin.write("go\n")
-                workers[index].stdin.flush()
-            for index in indices:
-                results[index] = json.loads(_line(workers[index], lambda line: line.startswith("{")))
-            return time.perf_counter() - start
-
         if together:
-            first_s, rest_s = 0.0, go(list(range(n)))
+            first_s, rest_s = 0.0, _go(workers, results, list(range(n)), model)
         else:
-            first_s = go([0])
-            config = FleetConfig.from_env(nodes[0].env())
-            assert config is not None
-            registry = FleetRegistry(config)
-            try:
-                wait_for(lambda: registry.store.range(config.key("holders") + b"/"), 120, "node 0's agent listing its entry")
-            except AssertionError:
-                print(nodes[0].sharer_output()[-3000:], file=sys.stderr)
-                raise
-            rest_s = go(list(range(1, n)))
+            first_s = _go(workers, results, [0], model)
+            _wait_listed(nodes[0])
+            rest_s = _go(workers, results, list(range(1, n)), model)
         size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         disk_reads = sum(1 for r in results if r["source"] == "disk")
         return {
@@ -209,6 +181,52 @@ def run_fleet(
         for node in nodes:
             node.close()
         fleet.close()
+
+
+def _worker(
+    node, index: int, model: Path, device: str, chunk_mib: int, relay: bool, piece_kib: int, own_stores: bool
+) -> subprocess.Popen:
+    """Node ``index``'s worker process (in its network namespace, where it has one), loading once told ``go``."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # run_gpu.sh's shim and .site too
+    env = {**node.env(), "PYTHONPATH": path, "WEIGHTCACHE_FLEET_RELAY": "1" if relay else "0"}
+    env["WEIGHTCACHE_FLEET_PIECE_BYTES"] = str(piece_kib << 10)  # (the tests' environment sets a small one)
+    if own_stores:  # a store that has hashed nothing, as a machine of its own has
+        env["WEIGHTCACHE_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"wc-bench-digests-n{index}-")
+    command = [sys.executable, __file__, "--worker", "--model", str(model), "--socket-dir", str(node.socket_dir)]
+    command += ["--chunk-mib", str(chunk_mib)]
+    command += ["--device", device]
+    return subprocess.Popen(node.net.command(command), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _go(workers: list[subprocess.Popen], results: list[dict], indices: list[int], model: Path) -> float:
+    """Tell these workers to load at once (the checkpoint evicted first); their reports land in ``results``; the seconds
+    until the last one reported."""
+    from tests.core.fleet_support import evict
+
+    evict(model)  # what the loads read comes from storage: read_bytes counts it
+    start = time.perf_counter()
+    for index in indices:
+        workers[index].stdin.write("go\n")
+        workers[index].stdin.flush()
+    for index in indices:
+        results[index] = json.loads(_line(workers[index], lambda line: line.startswith("{")))
+    return time.perf_counter() - start
+
+
+def _wait_listed(first) -> None:
+    """Until the first node's agent lists its entry in the registry (its output printed if it never does)."""
+    from tests.core.fleet_support import wait_for
+    from weightcache.core.node.fleet.config import FleetConfig
+    from weightcache.core.node.fleet.registry import FleetRegistry
+
+    config = FleetConfig.from_env(first.env())
+    assert config is not None
+    registry = FleetRegistry(config)
+    try:
+        wait_for(lambda: registry.store.range(config.key("holders") + b"/"), 120, "node 0's agent listing its entry")
+    except AssertionError:
+        print(first.sharer_output()[-3000:], file=sys.stderr)
+        raise
 
 
 def gpu_pair(gib: float, tensors: int, target: int = 1) -> dict:
@@ -279,7 +297,7 @@ def _line(proc: subprocess.Popen, wanted) -> str:
     raise RuntimeError(f"a worker ended (status {proc.wait()}) without the line it owes")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--together", action="store_true", help="start every node at once (the claim picks the reader)")
@@ -309,29 +327,17 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--socket-dir", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.worker:
         worker(args)
         return
     os.environ.setdefault("WEIGHTCACHE_CACHE_DIR", tempfile.mkdtemp(prefix="wc-bench-digests-"))
     if args.gpu_pair:
-        from weightcache.core.device import Device
-
-        target = Device.parse(args.peer_device or "cuda:1")
-        if not target.is_cuda:
-            raise SystemExit(f"--gpu-pair pulls into a GPU; --peer-device {args.peer_device} is not one (cuda:1, cuda:0)")
-        row = gpu_pair(args.gib, args.tensors, target.index or 0)
-        beside = "no CUDA peer copy beside it (that needs GPU 1)"
-        if "peer_copy" in row:
-            beside = f"CUDA peer copy {row['peer_copy']['ready_s']:.3f} s"
-        print(
-            f"GPU0 -> {row['target']}, {row['bytes'] / (1 << 30):.1f} GiB: NIXL pull + verify + publish "
-            f"{row['nixl_ready_s']:.3f} s (read {row['read_s']:.3f} s, verify {row['verify_s']:.3f} s) over {row['path']}; "
-            f"{beside}",
-            flush=True,
-        )
-        if args.json:
-            args.json.write_text(json.dumps(row, indent=1))
+        run_gpu_pair(args)
         return
     from tests.models import save_random_model
 
@@ -352,40 +358,66 @@ def main() -> None:
             args.own_stores,
         )
         rows.append(row)
-        sources = ", ".join(r["source"].split(" over ")[0] for r in row["per_node"])
-        print(
-            f"N={n}: first node from disk {row['first_fill_s']:.2f} s; the other {n - 1} at once {row['rest_fill_s']:.2f} s; "
-            f"storage read {row['storage_bytes_read'] / 1e6:.1f} MB ({row['disk_reads']} disk read); sources: {sources}; "
-            f"load average {row['load_average'][0]:.1f} -> {row['load_average'][1]:.1f}",
-            flush=True,
-        )
-        reads = "; ".join(
-            f"n{i} {r['source'].split(' over ')[0]} read_bytes {r['io']['read_bytes']:,} rchar {r['io']['rchar']:,}"
-            for i, r in enumerate(row["per_node"])
-        )
-        print(f"      storage read per node (/proc/self/io over its load): {reads}", flush=True)
-        paths = {r["source"].split(" over ", 1)[1] for r in row["per_node"] if " over " in r["source"]}
-        if paths:
-            print(f"      path: {'; '.join(sorted(paths))}", flush=True)
-        served = [source for r in row["per_node"] for source in r["arenas"]]
-        if served:
-            relayed = [s for s in served if s.startswith("relay ")]
-            early = [s for s in relayed if _still_pulling(s)]
-            landing = [s for s in relayed if _while_landing(s)]
-            print(
-                f"      arenas ({len(served)} pulled): from relays {len(relayed)} ({len(early)} while the relay still "
-                f"pulled, {len(landing)} of them in pieces as they landed), from holders {len(served) - len(relayed)}",
-                flush=True,
-            )
-        steps = [r["timings"] for r in row["per_node"] if "pull_read_s" in r["timings"]]
-        if steps:
-            reads, checks = [t["pull_read_s"] for t in steps], [t["pull_verify_s"] for t in steps]
-            print(
-                f"      per puller: read {min(reads):.2f}-{max(reads):.2f} s, verify {min(checks):.2f}-{max(checks):.2f} s",
-                flush=True,
-            )
+        print_row(n, row)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
+
+
+def run_gpu_pair(args) -> None:
+    """``--gpu-pair``: one row, printed (and written as JSON)."""
+    from weightcache.core.device import Device
+
+    target = Device.parse(args.peer_device or "cuda:1")
+    if not target.is_cuda:
+        raise SystemExit(f"--gpu-pair pulls into a GPU; --peer-device {args.peer_device} is not one (cuda:1, cuda:0)")
+    row = gpu_pair(args.gib, args.tensors, target.index or 0)
+    beside = "no CUDA peer copy beside it (that needs GPU 1)"
+    if "peer_copy" in row:
+        beside = f"CUDA peer copy {row['peer_copy']['ready_s']:.3f} s"
+    print(
+        f"GPU0 -> {row['target']}, {row['bytes'] / (1 << 30):.1f} GiB: NIXL pull + verify + publish "
+        f"{row['nixl_ready_s']:.3f} s (read {row['read_s']:.3f} s, verify {row['verify_s']:.3f} s) over {row['path']}; "
+        f"{beside}",
+        flush=True,
+    )
+    if args.json:
+        args.json.write_text(json.dumps(row, indent=1))
+
+
+def print_row(n: int, row: dict) -> None:
+    """One fleet size's lines: the fills, storage read per node, the path, where the arenas came from, the pullers' steps."""
+    sources = ", ".join(r["source"].split(" over ")[0] for r in row["per_node"])
+    print(
+        f"N={n}: first node from disk {row['first_fill_s']:.2f} s; the other {n - 1} at once {row['rest_fill_s']:.2f} s; "
+        f"storage read {row['storage_bytes_read'] / 1e6:.1f} MB ({row['disk_reads']} disk read); sources: {sources}; "
+        f"load average {row['load_average'][0]:.1f} -> {row['load_average'][1]:.1f}",
+        flush=True,
+    )
+    reads = "; ".join(
+        f"n{i} {r['source'].split(' over ')[0]} read_bytes {r['io']['read_bytes']:,} rchar {r['io']['rchar']:,}"
+        for i, r in enumerate(row["per_node"])
+    )
+    print(f"      storage read per node (/proc/self/io over its load): {reads}", flush=True)
+    paths = {r["source"].split(" over ", 1)[1] for r in row["per_node"] if " over " in r["source"]}
+    if paths:
+        print(f"      path: {'; '.join(sorted(paths))}", flush=True)
+    served = [source for r in row["per_node"] for source in r["arenas"]]
+    if served:
+        relayed = [s for s in served if s.startswith("relay ")]
+        early = [s for s in relayed if _still_pulling(s)]
+        landing = [s for s in relayed if _while_landing(s)]
+        print(
+            f"      arenas ({len(served)} pulled): from relays {len(relayed)} ({len(early)} while the relay still "
+            f"pulled, {len(landing)} of them in pieces as they landed), from holders {len(served) - len(relayed)}",
+            flush=True,
+        )
+    steps = [r["timings"] for r in row["per_node"] if "pull_read_s" in r["timings"]]
+    if steps:
+        reads, checks = [t["pull_read_s"] for t in steps], [t["pull_verify_s"] for t in steps]
+        print(
+            f"      per puller: read {min(reads):.2f}-{max(reads):.2f} s, verify {min(checks):.2f}-{max(checks):.2f} s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

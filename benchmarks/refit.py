@@ -85,11 +85,8 @@ def saved(model: Path, state: dict, directory: Path) -> Path:
 
 def measure(model: Path, device: str, quantization: str | None, work: Path, runs: int) -> dict:
     """One case on a server of its own (its versions are gone when it stops): the refit rows, then the baselines."""
-    import torch
-
     from weightcache.core.flow.loader import prepare, publish
     from weightcache.core.flow.modes import load_model
-    from weightcache.core.refit import publish_version
     from weightcache.core.request import LoadRequest
     from weightcache.core.server.server_process import ServerProcess
 
@@ -99,38 +96,8 @@ def measure(model: Path, device: str, quantization: str | None, work: Path, runs
     try:
         publish(prepare(LoadRequest(model=str(model), **options)), server.socket_dir)
         engine = load_model(str(model), mode="client", socket_dir=server.socket_dir, strict=True, **options)
-        refits = []
         base = checkpoint_state(model, device)
-        for version in range(1, runs + 2):
-            state = trainer_state(base, version)
-            begun = time.perf_counter()
-            logits(engine.model, device)  # the engine serves a step on the running version (its pages are mapped)
-            _sync(device)
-            step_s = time.perf_counter() - begun
-            start = time.perf_counter()
-            published = publish_version(str(model), state, version, socket_dir=server.socket_dir, **options)
-            publishing = time.perf_counter()
-            pending = engine.attachment.fetch_version(version)
-            fetched = time.perf_counter()
-            engine.attachment.switch_to(pending)  # the engine's thread is in here: it cannot step
-            _sync(device)
-            done = time.perf_counter()
-            logits(engine.model, device)
-            _sync(device)
-            first_step_s = time.perf_counter() - done
-            refits.append(
-                {
-                    "end_to_end_s": done - start,
-                    "publish_s": publishing - start,
-                    "fetch_s": fetched - publishing,
-                    "cannot_step_s": done - fetched,
-                    "remap_s": engine.attachment.timings["switch_s"],
-                    "step_before_s": step_s,
-                    "first_step_after_s": first_step_s,
-                    **{f"publish.{k}": v for k, v in published.timings.items()},
-                }
-            )
-            del state
+        refits = [refit_once(engine, model, base, version, server.socket_dir, options) for version in range(1, runs + 2)]
         timed = refits[1:]
         result: dict = {
             "refit": {k: statistics.median(r[k] for r in timed) for k in timed[0]},
@@ -143,8 +110,53 @@ def measure(model: Path, device: str, quantization: str | None, work: Path, runs
         server.close()
     state = trainer_state(base, runs + 1)  # the version the engine ran last
     del base
+    result.update(baselines(model, state, options, work / f"saved-{case}", refitted))
+    return result
+
+
+def refit_once(engine, model: Path, base: dict, version: int, socket_dir: Path, options: dict) -> dict:
+    """One refit of a running engine to ``version``: a step before, publish, fetch, switch, the first step after."""
+    from weightcache.core.refit import publish_version
+
+    device = options["device"]
+    state = trainer_state(base, version)
+    begun = time.perf_counter()
+    logits(engine.model, device)  # the engine serves a step on the running version (its pages are mapped)
+    _sync(device)
+    step_s = time.perf_counter() - begun
+    start = time.perf_counter()
+    published = publish_version(str(model), state, version, socket_dir=socket_dir, **options)
+    publishing = time.perf_counter()
+    pending = engine.attachment.fetch_version(version)
+    fetched = time.perf_counter()
+    engine.attachment.switch_to(pending)  # the engine's thread is in here: it cannot step
+    _sync(device)
+    done = time.perf_counter()
+    logits(engine.model, device)
+    _sync(device)
+    first_step_s = time.perf_counter() - done
+    return {
+        "end_to_end_s": done - start,
+        "publish_s": publishing - start,
+        "fetch_s": fetched - publishing,
+        "cannot_step_s": done - fetched,
+        "remap_s": engine.attachment.timings["switch_s"],
+        "step_before_s": step_s,
+        "first_step_after_s": first_step_s,
+        **{f"publish.{k}": v for k, v in published.timings.items()},
+    }
+
+
+def baselines(model: Path, state: dict, options: dict, directory: Path, refitted) -> dict:
+    """The ways without refit, each checked against a disk load of the new version (as the refit's ``refitted`` logits
+    are): the state dict saved and loaded, and (bf16) ``param.copy_()`` into a running engine."""
+    import torch
+
+    from weightcache.core.flow.modes import load_model
+
+    device = options["device"]
+    result: dict = {}
     # the reload baseline: the state dict saved as a checkpoint, then loaded (the engine serves nothing meanwhile)
-    directory = work / f"saved-{case}"
     start = time.perf_counter()
     saved(model, {name: t.cpu() for name, t in state.items()}, directory)
     save_s = time.perf_counter() - start
@@ -158,7 +170,7 @@ def measure(model: Path, device: str, quantization: str | None, work: Path, runs
     result["refit_identical"] = bool(torch.equal(refitted, reference))
     result["reload"] = {"end_to_end_s": save_s + reload_s, "save_s": save_s, "cannot_step_s": reload_s}
     result["reload_identical"] = True
-    if quantization is None:  # param.copy_() into a running engine (a disk load of the previous version)
+    if options["quantization"] is None:  # param.copy_() into a running engine (a disk load of the previous version)
         running = load_model(str(model), mode="off", **options)
         params = dict(running.model.state_dict())
         _sync(device)

@@ -51,13 +51,14 @@ import mmap
 import os
 import platform
 import shutil
-import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from restart_runner import SCENARIOS, Runner
+from restart_table import median_of, table
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {
@@ -109,10 +110,7 @@ SIZES = {
         max_position_embeddings=2048,
     ),
 }
-SCENARIOS = ("disk-cold", "disk-warm", "attach", "warm-spare", "launcher", "launcher-cuda", "evicted-batch")
-LAUNCHED = ("launcher", "launcher-cuda", "evicted-batch")
 MARKER = "weightcache-restart-benchmark.json"
-PHASES = ("interpreter_s", "imports_s", "cuda_context_s", "plugins_s", "skeleton_s", "load_s", "first_token_s")
 
 
 # --- the engine process (one scenario, one run) ------------------------------------------------------------------------
@@ -307,190 +305,13 @@ def resident_fraction(paths) -> float:
     return resident / total if total else 0.0
 
 
-# --- the parent: one table -------------------------------------------------------------------------------------------
-
-
-class Runner:
-    """Starts engine processes for one checkpoint and server, and collects what they report."""
-
-    def __init__(self, model: Path, device: str, socket_dir: Path, env: dict, tokenizer: str | None = None):
-        self.model = model
-        self.device = device
-        self.socket_dir = socket_dir
-        self.env = env
-        self.tokenizer = tokenizer
-        self.launchers: dict[str, subprocess.Popen] = {}
-        self.launcher_args: list[str] = []
-        self.launcher_ready: dict[str, dict] = {}
-
-    def command(self, *args: str) -> list[str]:
-        return [sys.executable, str(Path(__file__).resolve()), *args, "--model", str(self.model), "--device", self.device]
-
-    def spawn_engine(self, scenario: str, hold: bool = False) -> subprocess.Popen:
-        args = ["--role", "engine", "--scenario", scenario, "--socket-dir", str(self.socket_dir)] + (["--hold"] if hold else [])
-        if self.tokenizer:
-            args += ["--tokenizer", self.tokenizer]
-        launch = self.launch_command(scenario) if scenario in LAUNCHED else None  # the launcher's start is paid before
-        command = self.command(*args, "--spawned-at", repr(time.monotonic()))
-        if launch is not None:
-            command = [*launch, *command[1:]]
-        return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=self.env)
-
-    def launch_command(self, scenario: str) -> list[str]:
-        """``weightcache launch --strict --`` to the scenario's launcher, started first if it is not running (paid before),
-        once its child forked ahead waits for the request (its CUDA context made, under ``--cuda-ready``)."""
-        kind = "cuda-ready" if scenario == "launcher-cuda" else "plain"
-        socket_dir = self.socket_dir / "cuda-ready" if kind == "cuda-ready" else self.socket_dir
-        if kind not in self.launchers:
-            extra = ["--cuda-ready", self.device] if kind == "cuda-ready" else []
-            spawned = time.monotonic()
-            self.launchers[kind] = launcher = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "weightcache.core.cli.cli",
-                    "launcher",
-                    "--socket-dir",
-                    str(socket_dir),
-                    *self.launcher_args,
-                    *extra,
-                ],
-                stdout=subprocess.PIPE,
-                text=True,
-                env=self.env,
-            )
-            self.launcher_ready[kind] = {**_json_line(launcher, "launcher"), "ready_after_spawn_s": time.monotonic() - spawned}
-        _wait_ahead_ready(socket_dir)
-        return [
-            sys.executable,
-            "-m",
-            "weightcache.core.cli.cli",
-            "launch",
-            "--socket-dir",
-            str(socket_dir),
-            "--strict",
-            "--",
-        ]
-
-    def close(self) -> None:
-        for launcher in self.launchers.values():
-            launcher.terminate()
-            launcher.wait(timeout=60)
-            launcher.stdout.close()
-        self.launchers.clear()
-
-    def evicted_batch(self) -> dict:
-        """An online engine (exec'd, attached) and a batch engine (launched) on one device; the batch engine is
-        SIGKILLed and asked back through the launcher; its first token, the online engine still running."""
-        online = self.spawn_engine("attach", hold=True)
-        batch = None
-        try:
-            online_report = _json_line(online, "online engine")
-            batch = self.spawn_engine("evicted-batch", hold=True)
-            first = _json_line(batch, "batch engine")
-            evicted = time.monotonic()
-            os.kill(first["pid"], signal.SIGKILL)  # the engine itself, as an eviction does
-            batch.wait(timeout=120)
-            batch.stdout.close()
-            batch = None
-            back = self.engine("evicted-batch")
-            back["kill_to_back_s"] = time.monotonic() - evicted  # the kill, the batch engine's exit, its restart
-            back["online_still_running"] = online.poll() is None
-            back["same_token_as_online"] = back["token"] == online_report["token"]
-            return back
-        finally:
-            for proc in (online, batch):
-                if proc is not None:
-                    if proc.poll() is None:
-                        proc.kill()
-                    proc.wait()
-                    proc.stdout.close()
-
-    def engine(self, scenario: str) -> dict:
-        proc = self.spawn_engine(scenario)
-        out, _ = proc.communicate(timeout=600)
-        if proc.returncode:
-            raise SystemExit(f"the {scenario} engine failed with status {proc.returncode}")
-        return json.loads(out.strip().splitlines()[-1])
-
-    def warm_spare(self) -> dict:
-        """A primary (attached engine) and a standby watching it; SIGKILL the primary; the spare's first token."""
-        primary = self.spawn_engine("attach", hold=True)
-        standby = None
-        try:
-            primary_report = _json_line(primary, "primary")
-            spawned = time.monotonic()
-            standby = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "weightcache.core.cli.cli",
-                    "standby",
-                    "--model",
-                    str(self.model),
-                    "--device",
-                    self.device,
-                    "--socket-dir",
-                    str(self.socket_dir),
-                    "--watch-pid",
-                    str(primary.pid),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=self.env,
-            )
-            ready = _json_line(standby, "standby")
-            ready_after = time.monotonic() - spawned
-            killed = time.monotonic()
-            os.kill(primary.pid, signal.SIGKILL)
-            took = _json_line(standby, "standby")
-            standby.wait(timeout=120)
-        finally:
-            for proc in (primary, standby):
-                if proc is not None:
-                    if proc.poll() is None:
-                        proc.kill()
-                    proc.wait()
-                    proc.stdout.close()
-        timings = ready["timings"]
-        return {
-            "ready_after_spawn_s": ready_after,
-            "standby_timings": timings,
-            "skeleton_s": None,
-            "trigger_s": took["trigger_at"] - killed,
-            "first_token_s": took["first_token_at"] - took["trigger_at"],
-            "total_s": took["first_token_at"] - killed,
-            "token": took["token"],
-            "same_token_as_primary": took["token"] == primary_report["token"],
-            "parameters_outside_arenas": ready["parameters_outside_arenas"],
-            "private_growth_bytes": ready["private_growth_bytes"],
-        }
-
-
-def _wait_ahead_ready(socket_dir: Path, timeout: float = 120.0) -> None:
-    """Until the launcher's child forked ahead waits for a request (``hello``'s ``ahead_ready``)."""
-    from weightcache.core.cli.launch import ask
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if ask(socket_dir, {"op": "hello"}).get("ahead_ready"):
-            return
-        time.sleep(0.05)
-    raise SystemExit(f"the launcher at {socket_dir} had no child ready for a request within {timeout:g} s")
+# --- the parent's helpers -------------------------------------------------------------------------------------------
 
 
 def publish_with_cli(model: Path, device: str, socket_dir, env: dict) -> None:
     """``weightcache load`` in a fresh process, as a user publishes a model."""
     command = [sys.executable, "-m", "weightcache.core.cli.cli", "load", "--model", str(model), "--device", device]
     subprocess.run([*command, "--socket-dir", str(socket_dir)], env=env, check=True)
-
-
-def _json_line(proc: subprocess.Popen, who: str) -> dict:
-    line = proc.stdout.readline()
-    if not line:
-        raise SystemExit(f"the {who} exited with status {proc.wait()} before reporting")
-    return json.loads(line)
 
 
 def weightcache_env(work: Path) -> dict:
@@ -558,118 +379,8 @@ def _shipped_tokenizer() -> str | None:
     return str(directory) if (directory / "tokenizer.json").exists() else None
 
 
-def parameter_count(count: int) -> str:
-    return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.0f} M"
-
-
-def median_of(runs: list[dict]) -> dict:
-    keys = {k for run in runs for k, v in run.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return {k: statistics.median(run[k] for run in runs if isinstance(run.get(k), (int, float))) for k in sorted(keys)}
-
-
-def table(result: dict) -> str:
-    s = result["scenarios"]
-    columns = [name for name in SCENARIOS if name in s]
-    attach_total = s.get("attach", {}).get("median", {}).get("total_s")
-
-    def cell(name, key):
-        value = s[name]["median"].get(key)
-        if name == "warm-spare" and key in PHASES[:-1]:
-            return "(before)"
-        return "—" if value is None else f"{value:.2f}"
-
-    rows = [("phase (s, median)", *columns)]
-    labels = {
-        "interpreter_s": "interpreter start (launched: launch command + fork)",
-        "imports_s": "imports (torch, transformers, model; CUDA set-up overlapped)",
-        "cuda_context_s": "CUDA context (left after the imports)",
-        "plugins_s": "weightcache's adapters (entry points)",
-        "skeleton_s": "model skeleton (meta)",
-        "load_s": "map + rebind / disk load",
-        "first_token_s": "first token (one forward)",
-    }
-    for key in PHASES:
-        rows.append((labels[key], *(cell(name, key) for name in columns)))
-    rows.append(
-        (
-            "total: exec -> first token",
-            *(
-                f"{s[n]['median']['total_s']:.2f}" if n != "warm-spare" else f"{s[n]['median']['total_s']:.2f} (kill -> token)"
-                for n in columns
-            ),
-        )
-    )
-    if attach_total:
-        rows.append(("vs attach", *(f"{s[n]['median']['total_s'] / attach_total:.2f}x" for n in columns)))
-    if "attach" in s:
-        ours = s["attach"]["median"]["ours_s"]
-        skeleton = s["attach"]["median"]["skeleton_s"]
-        rows.append(
-            (
-                "weightcache's own share (adapters + load_model, framework imported)",
-                *(f"{ours:.3f} (skeleton {skeleton:.3f})" if n == "attach" else "" for n in columns),
-            )
-        )
-    if "warm-spare" in s:
-        spare = s["warm-spare"]["median"]
-        for label, text in (
-            (
-                "warm spare: kill -> trigger / trigger -> token",
-                f"{spare['trigger_s'] * 1000:.1f} / {spare['first_token_s'] * 1000:.1f} ms",
-            ),
-            ("warm spare: ready after its start (paid before)", f"{spare['ready_after_spawn_s']:.2f}"),
-            ("warm spare: private memory grown by attach + warm-up", f"{spare['private_growth_bytes'] / 2**20:.1f} MiB"),
-        ):
-            rows.append((label, *(text if n == "warm-spare" else "" for n in columns)))
-    if "tokenizer_s" in s.get(columns[0], {}).get("median", {}):
-        rows.append(
-            (
-                "tokenizer (AutoTokenizer.from_pretrained, outside the total)",
-                *(f"{s[n]['median']['tokenizer_s']:.2f}" if "tokenizer_s" in s[n]["median"] else "" for n in columns),
-            )
-        )
-    if "evicted-batch" in s:
-        rows.append(
-            (
-                "evicted batch: kill -> back at its first token / online engine still running",
-                *(
-                    f"{s[n]['median']['kill_to_back_s']:.2f} / {all(r['online_still_running'] for r in s[n]['runs'])}"
-                    if n == "evicted-batch"
-                    else ""
-                    for n in columns
-                ),
-            )
-        )
-    if result.get("launcher_ready"):
-        ready = result["launcher_ready"]
-
-        def launcher_of(name: str) -> dict | None:
-            return ready.get("cuda-ready" if name == "launcher-cuda" else "plain") if name in LAUNCHED else None
-
-        rows.append(
-            (
-                "launcher: ready after its start (paid before, once)",
-                *(f"{launcher_of(n)['ready_after_spawn_s']:.2f}" if launcher_of(n) else "" for n in columns),
-            )
-        )
-    if "disk-cold" in s:
-        rows.append(
-            (
-                "page cache resident before the run",
-                *(f"{s[n]['resident_before']:.0%}" if "resident_before" in s[n] else "" for n in columns),
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
-    m = result["model"]
-    head = (
-        f"restart to first token: Qwen3 {result['size']} ({parameter_count(m['parameters'])} parameters, {m['bytes'] / 1e9:.2f} GB bf16), "
-        f"{result['machine']['device']}, median of {result['runs']} run(s); publish once: {result['publish_s']:.1f} s"
-    )
-    return "\n".join([head, *lines])
-
-
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (the engine's and the checkpoint writer's roles hidden)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--size", choices=sorted(SIZES), default="small", help="8b: 16.4 GB (a GPU machine); small: 332 MB (default)"
@@ -698,6 +409,11 @@ def main(argv=None) -> int:
     parser.add_argument("--socket-dir", help=argparse.SUPPRESS)
     parser.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.role == "engine":
         engine(args)
@@ -712,8 +428,17 @@ def main(argv=None) -> int:
         parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
     if "launcher-cuda" in scenarios and not args.device.startswith("cuda"):
         parser.error("the launcher-cuda scenario needs a CUDA --device (its launcher makes a CUDA context ahead)")
-    runs = args.runs or (3 if args.size == "small" else 1)
     work = Path(tempfile.mkdtemp(prefix="wc-restart-"))
+    try:
+        return measure(args, scenarios, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the checkpoint too, unless --keep-checkpoint put it elsewhere
+
+
+def measure(args, scenarios: list[str], work: Path) -> int:
+    """Build or reuse the checkpoint, publish it once, run each scenario ``--runs`` times; the table, the JSON; 1 where
+    the engines' first tokens differ."""
+    runs = args.runs or (3 if args.size == "small" else 1)
     server = None
     runner = None
     try:
@@ -743,30 +468,7 @@ def main(argv=None) -> int:
         start = time.monotonic()
         publish_with_cli(model, args.device, server.socket_dir, env)
         result["publish_s"] = time.monotonic() - start
-        result["scenarios"] = {}
-        for name in scenarios:
-            reports = []
-            for run in range(runs):
-                report = {}
-                if name == "disk-cold":
-                    drop_from_page_cache(files)
-                    report["resident_before"] = resident_fraction(files)
-                elif name == "disk-warm":
-                    read_into_page_cache(files)
-                    report["resident_before"] = resident_fraction(files)
-                if name == "warm-spare":
-                    report.update(runner.warm_spare())
-                elif name == "evicted-batch":
-                    report.update(runner.evicted_batch())
-                else:
-                    report.update(runner.engine(name))
-                reports.append(report)
-                print(f"{name} run {run + 1}/{runs}: {report['total_s']:.2f} s to the first token", flush=True)
-            result["scenarios"][name] = {
-                "runs": reports,
-                "median": median_of(reports),
-                **({"resident_before": reports[0]["resident_before"]} if "resident_before" in reports[0] else {}),
-            }
+        result["scenarios"] = {name: run_scenario(runner, name, runs, files) for name in scenarios}
         if runner.launcher_ready:
             result["launcher_ready"] = runner.launcher_ready
         tokens = {run["token"] for s in result["scenarios"].values() for run in s["runs"]}
@@ -783,7 +485,33 @@ def main(argv=None) -> int:
             runner.close()
         if server is not None:
             server.close()
-        shutil.rmtree(work, ignore_errors=True)  # the checkpoint too, unless --keep-checkpoint put it elsewhere
+
+
+def run_scenario(runner: Runner, name: str, runs: int, files: list[Path]) -> dict:
+    """``runs`` runs of one scenario (the page cache emptied or filled first for the disk ones): each run's report and
+    their medians."""
+    reports = []
+    for run in range(runs):
+        report = {}
+        if name == "disk-cold":
+            drop_from_page_cache(files)
+            report["resident_before"] = resident_fraction(files)
+        elif name == "disk-warm":
+            read_into_page_cache(files)
+            report["resident_before"] = resident_fraction(files)
+        if name == "warm-spare":
+            report.update(runner.warm_spare())
+        elif name == "evicted-batch":
+            report.update(runner.evicted_batch())
+        else:
+            report.update(runner.engine(name))
+        reports.append(report)
+        print(f"{name} run {run + 1}/{runs}: {report['total_s']:.2f} s to the first token", flush=True)
+    return {
+        "runs": reports,
+        "median": median_of(reports),
+        **({"resident_before": reports[0]["resident_before"]} if "resident_before" in reports[0] else {}),
+    }
 
 
 if __name__ == "__main__":

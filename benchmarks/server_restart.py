@@ -202,8 +202,7 @@ def republish(args, missing: set[str]) -> None:
             publish_entry(n, args)
 
 
-def main(argv=None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' helpers: fingerprints, the fd-store stand-in
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--entries", type=int, default=100)
     parser.add_argument(
@@ -215,7 +214,12 @@ def main(argv=None) -> int:
         "--successor-checkout", type=Path, default=None, help="another checkout of weightcache, for the upgrade row"
     )
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' helpers: fingerprints, the fd-store stand-in
+    args = build_parser().parse_args(argv)
 
     import torch
 
@@ -223,10 +227,9 @@ def main(argv=None) -> int:
     from weightcache.core.server.server_process import ServerProcess
 
     server = ServerProcess.start(None)
-    socket_dir, log = server.socket_dir, server.socket_dir / "successors.log"
+    socket_dir = server.socket_dir
     args.socket_dir = socket_dir
     procs: list[subprocess.Popen] = []
-    rows = []
     attachments = []
     try:
         start = time.monotonic()
@@ -236,45 +239,7 @@ def main(argv=None) -> int:
             attachment = attach(fingerprint(n, args.device), socket_dir)
             attachment.watch(poll_s=0.05)
             attachments.append(attachment)
-        entry_bytes = int(args.mib * MIB)
-        upgrade_env, upgrade_note = None, "this checkout again (no --successor-checkout)"
-        if args.successor_checkout:
-            upgrade_env, where = checkout_env(args.successor_checkout, socket_dir / "shim")
-            upgrade_note = f"weightcache.core from {where}"
-        ways = [("planned restart", None, "this checkout"), ("upgrade", upgrade_env, upgrade_note)]
-        current = server.proc
-        for name, env, note in ways:
-            proc = successor(sys.executable, socket_dir, log, "--take-over", env=env)
-            procs.append(proc)
-            took, kept = wait_for(socket_dir, proc.pid, digests, settle_s=2.0)
-            current.wait(timeout=30)
-            rows.append(
-                dict(
-                    way=name,
-                    note=note,
-                    kept=len(kept),
-                    of=len(digests),
-                    attachable_s=took,
-                    disk_bytes=(len(digests) - len(kept)) * entry_bytes,
-                )
-            )
-            current = proc
-        os.kill(current.pid, signal.SIGKILL)
-        current.wait(timeout=30)
-        proc = successor(sys.executable, socket_dir, log)
-        procs.append(proc)
-        took, kept = wait_for(socket_dir, proc.pid, digests, settle_s=2.0)
-        rows.append(
-            dict(
-                way="SIGKILL, no fd store",
-                note=f"{args.attached} attached by an engine",
-                kept=len(kept),
-                of=len(digests),
-                attachable_s=took,
-                disk_bytes=(len(digests) - len(kept)) * entry_bytes,
-            )
-        )
-        rows.append(fd_store_row(args, socket_dir, proc, digests, entry_bytes, log))
+        rows = successions(args, server, digests, procs)
     finally:
         for attachment in attachments:
             attachment.close()
@@ -300,6 +265,53 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def successions(args, server, digests: set[str], procs: list[subprocess.Popen]) -> list[dict]:
+    """The rows: a planned restart, an upgrade (``--successor-checkout``), a SIGKILL without and with the fd store; each
+    successor started is added to ``procs`` (the caller stops them)."""
+    socket_dir, log = server.socket_dir, server.socket_dir / "successors.log"
+    rows = []
+    entry_bytes = int(args.mib * MIB)
+    upgrade_env, upgrade_note = None, "this checkout again (no --successor-checkout)"
+    if args.successor_checkout:
+        upgrade_env, where = checkout_env(args.successor_checkout, socket_dir / "shim")
+        upgrade_note = f"weightcache.core from {where}"
+    ways = [("planned restart", None, "this checkout"), ("upgrade", upgrade_env, upgrade_note)]
+    current = server.proc
+    for name, env, note in ways:
+        proc = successor(sys.executable, socket_dir, log, "--take-over", env=env)
+        procs.append(proc)
+        took, kept = wait_for(socket_dir, proc.pid, digests, settle_s=2.0)
+        current.wait(timeout=30)
+        rows.append(
+            dict(
+                way=name,
+                note=note,
+                kept=len(kept),
+                of=len(digests),
+                attachable_s=took,
+                disk_bytes=(len(digests) - len(kept)) * entry_bytes,
+            )
+        )
+        current = proc
+    os.kill(current.pid, signal.SIGKILL)
+    current.wait(timeout=30)
+    proc = successor(sys.executable, socket_dir, log)
+    procs.append(proc)
+    took, kept = wait_for(socket_dir, proc.pid, digests, settle_s=2.0)
+    rows.append(
+        dict(
+            way="SIGKILL, no fd store",
+            note=f"{args.attached} attached by an engine",
+            kept=len(kept),
+            of=len(digests),
+            attachable_s=took,
+            disk_bytes=(len(digests) - len(kept)) * entry_bytes,
+        )
+    )
+    rows.append(fd_store_row(args, socket_dir, proc, digests, entry_bytes, log))
+    return rows
 
 
 def where(result: dict) -> str:

@@ -6,8 +6,14 @@ from pathlib import Path
 
 
 def _configs():
+    """Each kind's config, built when asked for (transformers imported once)."""
     import transformers
 
+    return {**_small_configs(transformers), **_sized_configs(transformers), **_other_configs(transformers)}
+
+
+def _small_configs(transformers):
+    """A few hundred KB each: decoders and encoders of the common architectures."""
     common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
     encoder = dict(common, max_position_embeddings=128)
     return {
@@ -53,6 +59,12 @@ def _configs():
             vocab_size=512, dim=128, hidden_dim=256, n_layers=2, n_heads=4, architectures=["DistilBertModel"]
         ),
         "electra": lambda: transformers.ElectraConfig(**encoder, embedding_size=64, architectures=["ElectraModel"]),
+    }
+
+
+def _sized_configs(transformers):
+    """Realistic sizes (the CPU tests'), and the GPU tests' Llamas."""
+    return {
         # Realistic sizes, where page rounding no longer hides a size bug: BERT-base (438 MB fp32) and a 499 MB Llama.
         "bert-base": lambda: transformers.BertConfig(architectures=["BertModel"]),
         "llama-500m": lambda: transformers.LlamaConfig(
@@ -83,6 +95,12 @@ def _configs():
             num_key_value_heads=4,
             architectures=["LlamaForCausalLM"],
         ),
+    }
+
+
+def _other_configs(transformers):
+    """Other modalities, a state-space model, encoder-decoders."""
+    return {
         # Other modalities: speech (features in, tokens out) and vision (pixels in).
         "whisper": lambda: transformers.WhisperConfig(
             vocab_size=512,

@@ -15,39 +15,55 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def cold(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # cold.py imports its neighbour restart.py
-    return importlib.import_module("cold")
+def bench(monkeypatch):
+    """benchmarks/cold.py's modules by name (cold, cold_checkpoint, cold_parent, ...): they import their neighbours."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module
 
 
-def test_gib_16_is_llama_3_8b_as_the_issue_measured_it(cold):
-    tensors = cold.llama_tensors(cold.llama_shape(16))
+@pytest.fixture
+def cold(bench):
+    return bench("cold")
+
+
+@pytest.fixture
+def checkpoint(bench):
+    return bench("cold_checkpoint")
+
+
+@pytest.fixture
+def parent(bench):
+    return bench("cold_parent")
+
+
+def test_gib_16_is_llama_3_8b_as_the_issue_measured_it(checkpoint):
+    tensors = checkpoint.llama_tensors(checkpoint.llama_shape(16))
     nbytes = 2 * sum(math.prod(shape) for _, shape in tensors)
     assert (len(tensors), nbytes) == (291, 16_060_522_496), "Llama-3-8B in bf16: 291 tensors, 16.06 GB"
-    shards = cold.shard_of(tensors)
+    shards = checkpoint.shard_of(tensors)
     assert shards == sorted(shards) and set(shards) == {0, 1, 2, 3}, "4 shards, in state_dict order"
 
 
-def test_other_sizes_keep_291_tensors_and_scale_the_bytes(cold):
+def test_other_sizes_keep_291_tensors_and_scale_the_bytes(checkpoint):
     for gib in (0.05, 1, 4):
-        tensors = cold.llama_tensors(cold.llama_shape(gib))
+        tensors = checkpoint.llama_tensors(checkpoint.llama_shape(gib))
         nbytes = 2 * sum(math.prod(shape) for _, shape in tensors)
         assert len(tensors) == 291
         assert 0.5 < nbytes / (gib / 16 * 16.06e9) < 2, f"--gib {gib} wrote {nbytes / 1e9:.3f} GB"
 
 
-def test_the_cli_wall_clock_is_split_at_its_notes(cold):
+def test_the_cli_wall_clock_is_split_at_its_notes(parent):
     lines = [
         (1.0, "checking /m ..."),
         (5.2, "hashing 4 weight files seen for the first time (15.0 GiB) ..."),
         (15.3, "loading m (LlamaForCausalLM, hf) (15.0 GiB or more) into cuda:0 arenas ..."),
         (23.7, "published 0123456789ab  m (LlamaForCausalLM, hf): 291 tensors, 15.0 GiB in 8 arenas, 18.42 s"),
     ]
-    phases = cold.cli_phases(lines, wall=25.3)
+    phases = parent.cli_phases(lines, wall=25.3)
     assert phases["start_and_checks_s"] == 5.2 and phases["cli_reported_s"] == 18.42
     assert phases["hashing_s"] == pytest.approx(10.1) and phases["read_and_publish_s"] == pytest.approx(8.4)
     assert phases["exit_s"] == pytest.approx(1.6)
-    remembered = cold.cli_phases([lines[0], (5.0, lines[2][1]), (13.0, lines[3][1])], wall=14.0)
+    remembered = parent.cli_phases([lines[0], (5.0, lines[2][1]), (13.0, lines[3][1])], wall=14.0)
     assert remembered["hashing_s"] is None and remembered["start_and_checks_s"] == 5.0
 
 
@@ -66,20 +82,20 @@ def test_a_flipped_byte_reads_NO_and_fails_the_run(tmp_path):
     assert "| NO (1 differ) |" in proc.stdout and "BYTES DIFFER: control" in proc.stdout
 
 
-def test_rows_rotate_between_runs_and_the_bracketing_row_stays_last(cold):
+def test_rows_rotate_between_runs_and_the_bracketing_row_stays_last(parent):
     names = ["raw-direct", "fastsafetensors", "wc-reader", "raw-direct"]
-    assert [n for _, n in cold.rotated(names, 0)] == names
-    assert cold.rotated(names, 1) == [(1, "fastsafetensors"), (2, "wc-reader"), (0, "raw-direct"), (3, "raw-direct")]
-    assert [n for _, n in cold.rotated(["a", "b"], 3)] == ["b", "a"]
+    assert [n for _, n in parent.rotated(names, 0)] == names
+    assert parent.rotated(names, 1) == [(1, "fastsafetensors"), (2, "wc-reader"), (0, "raw-direct"), (3, "raw-direct")]
+    assert [n for _, n in parent.rotated(["a", "b"], 3)] == ["b", "a"]
 
 
-def test_priming_reads_every_file_once(cold, tmp_path):
+def test_priming_reads_every_file_once(parent, tmp_path):
     files = []
-    for number, size in enumerate((5, cold.PIECE_BYTES + 3)):
+    for number, size in enumerate((5, parent.PIECE_BYTES + 3)):
         files.append(tmp_path / f"f{number}")
         files[-1].write_bytes(b"x" * size)
     before = _bytes_read()
-    assert cold.prime_disk(files) >= 0
+    assert parent.prime_disk(files) >= 0
     assert _bytes_read() - before >= sum(f.stat().st_size for f in files)
 
 
