@@ -29,7 +29,16 @@ DEADLINE=$((SECONDS + ${WC_DEADLINE_S:-570}))
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 LOGS=$(mktemp -d /tmp/wc-engine-gpu-XXXX)
+stop_server() {  # stop_server SOCKET_DIR: SIGKILL the server a daemon-mode engine left there (its pid from status)
+  [ -S "$1/weightcache.sock" ] || return 0
+  local pid
+  pid=$(python3 -c 'import sys; from weightcache.core.client.client import Connection
+with Connection(sys.argv[1]) as c: print(c.status()["pid"])' "$1" 2>/dev/null) && [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null
+  return 0
+}
 finish() {
+  stop_server /tmp/wc-llm
+  stop_server /tmp/wc-llm-eager
   for file in steps.txt llm.json llm-eager.json pair.json; do cp "$LOGS/$file" "$OUT"/ 2>/dev/null; done
   tar -czf "$OUT/engine-gpu.tgz" -C "$LOGS" . 2>/dev/null
 }
@@ -37,6 +46,9 @@ trap finish EXIT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the machines' rule (KINDS.md)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1
 export TOKENIZERS_PARALLELISM=false
+# FlashInfer is not carried (tests/gpu/engine-wheels.txt), and vLLM 0.33.0's sampler imports it unguarded unless this
+# is 0 (its other uses check has_flashinfer() first): seen on the H100 machine, 2026-12-05 (docs/engines.md)
+export VLLM_USE_FLASHINFER_SAMPLER=0
 
 step() {  # step NAME TIMEOUT COMMAND...: run (within the deadline), log, time
   local name=$1 limit=$2 start=$SECONDS; shift 2
@@ -90,6 +102,8 @@ try:  # one of vLLM's own CUDA kernels, called through torch 2.11's dispatcher
     print("_C rms_norm on cuda, max error vs torch:", (out.float() - ref).abs().max().item())
 except Exception as exc:
     print("FAILED _C rms_norm", type(exc).__name__, exc)
+from vllm.v1.sample.ops.topk_topp_sampler import flashinfer_sampler_supported
+print("FlashInfer sampler:", flashinfer_sampler_supported(), "(False: torch's top-k/top-p; FlashInfer is not carried)")
 import vllm.model_executor.model_loader.weight_cache.protocol, weightcache.adapters.vllm.loader
 print("vLLM loader modules and the weightcache adapter import")
 PY
@@ -99,6 +113,7 @@ step model 300 python3 "$ROOT/tests/gpu/engine_model.py" "$MODEL" --shape "$SHAP
 EAGER=()
 step llm 400 python3 "$ROOT/tests/gpu/engine_llm.py" "$MODEL" "$LOGS/llm.json" --socket-dir /tmp/wc-llm
 if [ $? = 2 ]; then  # the plain load itself failed (not a difference between the loads)
+  stop_server /tmp/wc-llm  # a daemon variant may have published before it failed: free the GPU of that entry
   EAGER=(--eager)
   step llm-eager 300 python3 "$ROOT/tests/gpu/engine_llm.py" "$MODEL" "$LOGS/llm-eager.json" --eager \
     --socket-dir /tmp/wc-llm-eager
