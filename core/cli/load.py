@@ -13,6 +13,7 @@ from weightcache.core.cli.cli_options import add_command, add_request_options
 
 if typing.TYPE_CHECKING:
     from weightcache.core.flow.loader import Checked, Tier
+    from weightcache.core.load.prefetch import Prefetch
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ def _run(args) -> int:
     from weightcache.core.cli.cli_options import load_request
     from weightcache.core.client.client import Connection
     from weightcache.core.flow import loader
-    from weightcache.core.identity.safetensors_io import check_checkpoint
+    from weightcache.core.flow.plan import no_other_source
+    from weightcache.core.identity.safetensors_io import Sighting, check_checkpoint
     from weightcache.core.progress import note
 
     note(f"checking {args.model} ...")
@@ -63,10 +65,13 @@ def _run(args) -> int:
     with Connection(args.socket_dir) as connection:
         connection.hello()  # no server: say so now, before a thread starts importing beside this one
     log.debug("load: the server answered")
-    # The disk starts now; the adapter imports its framework meanwhile (nothing where the hf adapter remembers the
-    # model's layout), while this thread makes the CUDA context.
-    with _read_ahead(headers, args.prefetch), _warming_up(checked.adapter, checked.request):
-        return _load_checked(args, checked, tier, headers)
+    # The adapter imports its framework meanwhile (nothing where the hf adapter remembers the model's layout), while
+    # this thread makes the CUDA context and the plan. The disk starts now only where nothing but the disk can hold
+    # these bytes (``no_other_source``); else once the plan says the disk.
+    with _ReadAhead(headers, args.prefetch) as reading, _warming_up(checked.adapter, checked.request):
+        if no_other_source(Sighting.of(request.model, headers=headers).identity is None):
+            reading.start()
+        return _load_checked(args, checked, tier, headers, reading)
 
 
 @contextlib.contextmanager
@@ -96,27 +101,36 @@ def _warming_up(adapter, request):
     thread.join()
 
 
-def _read_ahead(headers, wanted: bool):
-    """A ``Prefetch`` of the weight files (unless ``--no-prefetch``), stopped when the load ends or finds the entry held.
+class _ReadAhead:
+    """Reads of the weight files into the page cache ahead of the load (a ``Prefetch``), from ``start()`` (at most
+    once; nothing unless ``wanted``) to the end of the ``with`` (or the reader, which takes over).
 
-    Also where the digests are remembered: whether the server already holds the entry is known only once torch
-    is imported and the CUDA context made (the fingerprint names the GPU and the CUDA version), seconds in which
-    the disk would otherwise sit idle before a restart's read.
+    A restart's plan is known only once torch is imported and the CUDA context made (the fingerprint names the GPU and
+    the CUDA version): its reads start when the plan says the disk. A first sight without a fleet starts at once.
     """
-    from weightcache.core.load.prefetch import Prefetch
 
-    if not wanted:
-        return contextlib.nullcontext()
-    return Prefetch([header.file for header in headers])
+    def __init__(self, headers, wanted: bool):
+        self.files = [header.file for header in headers]
+        self.wanted = wanted
+        self._prefetch: Prefetch | None = None
+
+    def start(self) -> None:
+        from weightcache.core.load.prefetch import Prefetch
+
+        if self.wanted and self._prefetch is None:
+            self._prefetch = Prefetch(self.files).__enter__()
+
+    def __enter__(self) -> "_ReadAhead":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._prefetch is not None:
+            self._prefetch.stop()
 
 
-def _load_checked(args, checked: "Checked", tier: "Tier", headers) -> int:
-    """``_load`` once the options, the tier and the checkpoint's headers are checked."""
-    from weightcache.core.client.client import Connection
-    from weightcache.core.client.replies import ServerStatus
-    from weightcache.core.fingerprint import HOST_TIER
+def _load_checked(args, checked: "Checked", tier: "Tier", headers, reading: _ReadAhead) -> int:
+    """``run`` once the options, the tier and the checkpoint's headers are checked: the plan, printed, then done."""
     from weightcache.core.flow import loader
-    from weightcache.core.identity.identity import Environment
     from weightcache.core.load import preflight
     from weightcache.core.progress import byte_progress, format_bytes, note
 
@@ -126,56 +140,55 @@ def _load_checked(args, checked: "Checked", tier: "Tier", headers) -> int:
     prepared = loader.prepare(checked)  # the adapter reads the configs
     prepared.check_first_sight(headers)  # checked above: their versions identify the checkpoint, no stat again
     log.debug("load: the adapter described the model")
-    fingerprint = prepared.remembered()  # None on first sight: the load digests the bytes it reads
-    with Connection(args.socket_dir) as connection:
-        status = ServerStatus.from_json(connection.status())
-    tiers = _tiers(tier, Environment.of(request.device).gpu_uuid)
-    if fingerprint is not None:
-        wanted = {where: (fingerprint.on_device(HOST_TIER) if where else fingerprint).digest for where in tiers}
-        held = status.held(wanted.values())
-        if len(held) == len(wanted):
-            for where, digest in wanted.items():
-                entry = held[digest]
-                print(f"already cached{where}: {digest[:12]}  {entry.label}, {format_bytes(entry.nbytes)}; nothing was loaded")
-            return 0
-        tiers = {where: kept_on for where, kept_on in tiers.items() if wanted[where] not in held}
-    else:
+    plan = loader.plan_for(prepared, args.socket_dir, tier)  # the one question to the server: where the bytes come from
+    note(f"plan: {plan.describe()}")
+    log.info("load: the plan for %s: %s", prepared.label, plan.describe())
+    if plan.settled:
+        plan.close()
+        for kept in plan.tiers:
+            entry = plan.status.held([kept.digest])[kept.digest] if plan.status and kept.digest else None
+            size = f", {format_bytes(entry.nbytes)}" if entry is not None else ""
+            label = entry.label if entry is not None else prepared.label
+            print(f"already cached{_WHERE[kept.name]}: {(kept.digest or '')[:12]}  {label}{size}; nothing was loaded")
+        return 0
+    if plan.fingerprint is None:
         note("first sight of these weight files: their digests are computed from the bytes read, in the same pass")
     needed = preflight.estimated_bytes(headers, prepared.description)
-    for kept_on in tiers.values():
-        preflight.check_room(status, needed, tier=kept_on)
+    for kept in plan.tiers:
+        if not kept.held and plan.status is not None:
+            preflight.check_room(plan.status, needed, tier=kept.kept_on)
+    if plan.reads_disk_first:
+        reading.start()
     note(f"loading {prepared.label} ({format_bytes(needed)} or more) into {request.device} arenas ...")
-    published = loader.publish(prepared, args.socket_dir, progress=byte_progress("loading", total=needed), tier=tier)
+    published = loader.publish(prepared, args.socket_dir, progress=byte_progress("loading", total=needed), tier=tier, plan=plan)
     log.debug("load: published; its steps (s): %s", {key: round(value, 3) for key, value in published.timings.items()})
+    _report(published, plan, prepared.label, tier)
+    return 0
+
+
+_WHERE = {"device": "", "host": " on the host tier"}
+"""How messages say a tier of the plan: nothing for the device's entry."""
+
+
+def _report(published, plan, label: str, tier: "Tier") -> None:
+    """The outcome, one line on stdout."""
+    from weightcache.core.progress import format_bytes
+
     manifest = published.manifest
     source = "" if published.origin.kind == "disk" else f", copied from {published.origin}"
     both = tier.on_device and tier.on_host
     host = f"; kept on the host tier as {published.host_digest[:12]}" if published.host_digest and both else ""
     if not published.created:
         if host and published.host_digest and published.origin.kind == "this_gpu":
-            print(f"kept {published.host_digest[:12]}  {prepared.label} on the host tier, copied from this GPU's entry")
+            print(f"kept {published.host_digest[:12]}  {label} on the host tier, copied from this GPU's entry")
         else:
-            why = "another loader published it meanwhile" if fingerprint is not None else "it held these bytes already"
-            print(f"already cached: {published.digest[:12]}  {prepared.label} ({why})")
-        return 0
+            why = "another loader published it meanwhile" if plan.fingerprint is not None else "it held these bytes already"
+            print(f"already cached: {published.digest[:12]}  {label} ({why})")
+        return
     arenas = len(manifest.arenas)
     where = "" if tier.on_device else " on the host tier"
     print(
-        f"published {published.digest[:12]}  {prepared.label}{where}: {len(manifest.tensors)} tensors, "
+        f"published {published.digest[:12]}  {label}{where}: {len(manifest.tensors)} tensors, "
         f"{format_bytes(manifest.nbytes)} in {arenas} arena{'s' if arenas != 1 else ''}, "
         f"{sum(published.timings.values()):.2f} s{source}{host}"
     )
-    return 0
-
-
-def _tiers(tier: "Tier", gpu_uuid: str) -> dict[str, str]:
-    """Where the entries ``weightcache load --tier`` makes live, by how messages say it ('' the device, ' on the host
-    tier'): a GPU's UUID or ``HOST_TIER`` (a CPU device's entries count against the host budget too)."""
-    from weightcache.core.fingerprint import HOST_TIER
-
-    wanted = {}
-    if tier.on_device:
-        wanted[""] = gpu_uuid or HOST_TIER
-    if tier.on_host:
-        wanted[" on the host tier"] = HOST_TIER
-    return wanted

@@ -12,7 +12,14 @@ from pathlib import Path
 import attrs
 
 from weightcache.core.errors import CheckpointChanged
-from weightcache.core.fingerprint import HOST_TIER, Fingerprint
+from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.flow.plan import DISK as DISK
+from weightcache.core.flow.plan import ORIGINS as ORIGINS
+from weightcache.core.flow.plan import TIERS as TIERS
+from weightcache.core.flow.plan import Filled, Plan, Source, execute, make_plan
+from weightcache.core.flow.plan import Origin as Origin
+from weightcache.core.flow.plan import Published as Published
+from weightcache.core.flow.plan import Tier as Tier
 from weightcache.core.flow.plugins import Adapter, Plugins, installed_plugins
 from weightcache.core.identity import hub, identity
 from weightcache.core.identity.digests import (
@@ -26,10 +33,7 @@ from weightcache.core.identity.digests import (
 from weightcache.core.identity.safetensors_io import Sighting, check_first_sight, checkpoint_files, identity_of
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.load.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
-from weightcache.core.load.publish import publish_arenas, seal
-from weightcache.core.node import fill
 from weightcache.core.node.fleet import files as fleet_files
-from weightcache.core.node.fleet.pull import Filling
 from weightcache.core.quantization.allowlist import check_quantization
 from weightcache.core.request import LoadRequest, ModelDescription
 from weightcache.core.socket_dir import SocketDir, SocketDirLike
@@ -37,7 +41,6 @@ from weightcache.core.socket_dir import SocketDir, SocketDirLike
 if typing.TYPE_CHECKING:
     import torch
 
-    from weightcache.core.device import Device
     from weightcache.core.identity.safetensors_io import Header
 
 log = logging.getLogger(__name__)
@@ -146,88 +149,6 @@ def checkpoint_name(path: str | os.PathLike) -> str:
     return name[:_NAME_CHARS]
 
 
-ORIGINS = ("disk", "memory", "peer_gpu", "host_tier", "this_gpu", "node")
-"""Where a publish's bytes may come from: the checkpoint, the caller's tensors, a peer GPU's entry, the host tier,
-this GPU's own entry (a host-tier copy of it), another node of the fleet."""
-
-
-@attrs.frozen
-class Origin:
-    """Where a publish's bytes came from: its ``kind`` (one of ``ORIGINS``) and what names the place (a GPU, a node).
-
-    Compare ``kind``; ``str()`` is how messages say it (``peer GPU GPU-8f3e2a1b``).
-    """
-
-    kind: str = attrs.field(validator=attrs.validators.in_(ORIGINS))
-    detail: str = ""
-
-    def __str__(self) -> str:
-        return {
-            "disk": "disk",
-            "memory": "this process's tensors",
-            "peer_gpu": f"peer GPU {self.detail[:12]}",
-            "host_tier": "the host tier",
-            "this_gpu": "this GPU's entry",
-            "node": f"node {self.detail}",
-        }[self.kind]
-
-
-DISK = Origin("disk")
-
-
-@attrs.frozen
-class Published:
-    """What a publish did (``publish``, ``publish_model``, ``publish_state``, ``publish_checkpoint``): the entry's
-    digest, whether this call created it, its fingerprint, its manifest, the timings and where its bytes came from."""
-
-    digest: str
-    created: bool
-    fingerprint: Fingerprint
-    manifest: Manifest = attrs.field(eq=False)
-    timings: dict = attrs.field(eq=False, factory=dict)
-    source: str = ""
-    """How messages name ``origin`` (``disk``, ``peer GPU GPU-...``, ``the host tier``): prose, not to compare."""
-    host_digest: str | None = None
-    """The host-tier copy's digest when one was kept (``tier`` ``host`` or ``both``)."""
-    origin: Origin = DISK
-    """Where the bytes came from, typed: compare ``origin.kind``."""
-
-    def __attrs_post_init__(self) -> None:
-        if not self.source:
-            object.__setattr__(self, "source", str(self.origin))
-
-
-TIERS = ("device", "host", "both")
-"""Where ``publish`` keeps a model: on its device (the default), on the host tier only, or both."""
-
-
-@attrs.frozen
-class Tier:
-    """Where a publish keeps a model (``name``, one of ``TIERS``), checked once, when made, against the ``device`` it
-    loads on: the host tier keeps a GPU's weights, so ``host`` and ``both`` need a CUDA device (ValueError)."""
-
-    name: str
-    device: "Device" = attrs.field(eq=False, repr=False)
-
-    def __attrs_post_init__(self) -> None:
-        if self.name not in TIERS:
-            raise ValueError(f"unknown tier {self.name!r}; expected one of {', '.join(TIERS)}")
-        if self.name != "device" and not self.device.is_cuda:
-            raise ValueError(
-                f"the host tier keeps a GPU's weights in host memory: --tier {self.name} needs a CUDA --device, not {self.device}"
-            )
-
-    @property
-    def on_device(self) -> bool:
-        """Whether the entry on the device is published (``device``, ``both``)."""
-        return self.name != "host"
-
-    @property
-    def on_host(self) -> bool:
-        """Whether a host-tier copy is kept (``host``, ``both``)."""
-        return self.name != "device"
-
-
 @attrs.frozen
 class Checked:
     """A request checked before its adapter describes the model (:func:`check`): the adapter found, a hub id resolved,
@@ -284,13 +205,33 @@ def load_from_disk(prepared: Prepared, builder: ArenaBuilder | None = None, timi
 
     Adds ``load_s`` and ``post_process_s`` to ``timings`` when given.
     """
+    return processed(prepared, lambda: prepared.adapter.load(prepared.request, builder), timings)
+
+
+def processed(prepared: Prepared, load: "typing.Callable[[], torch.nn.Module]", timings: dict | None = None) -> "torch.nn.Module":
+    """The adapter pipeline's first half, for every source the adapter builds from (the files, a trainer's tensors):
+    ``load`` the model, then the adapter's post-processing; ``load_s`` and ``post_process_s`` go to ``timings``."""
     timings = {} if timings is None else timings
     start = time.perf_counter()
-    model = prepared.adapter.load(prepared.request, builder)
+    model = load()
     loaded = time.perf_counter()
     model = prepared.adapter.post_process(prepared.request, model, prepared.description)
     timings.update(load_s=loaded - start, post_process_s=time.perf_counter() - loaded)
     return model
+
+
+def exported(prepared: Prepared, model: "torch.nn.Module", builder: ArenaBuilder) -> Manifest:
+    """The adapter pipeline's second half: export ``model`` from ``builder``'s arenas, with the adapter's manifest extra."""
+    manifest = prepared.adapter.export(prepared.request, model, builder)
+    extra = prepared.adapter.manifest_extra(prepared.request, model)
+    return attrs.evolve(manifest, extra={**manifest.extra, **extra})
+
+
+def plan_for(prepared: Prepared, socket_dir: SocketDirLike = None, tier: "str | Tier" = "device", disk: bool = True) -> Plan:
+    """Where ``prepared``'s bytes come from (``plan.make_plan``: one server exchange), the disk last unless ``disk`` is
+    False; ``tier`` (``TIERS``, or a ``Tier`` checked already) says which entries are wanted."""
+    tier = tier if isinstance(tier, Tier) else Tier(tier, prepared.request.device)
+    return make_plan(prepared.remembered(), tier, SocketDir.parse(socket_dir), Disk(prepared) if disk else None)
 
 
 def publish(
@@ -300,17 +241,18 @@ def publish(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     label: str | None = None,
     tier: "str | Tier" = "device",
+    plan: Plan | None = None,
 ) -> Published:
     """Load ``prepared`` into arenas and publish it in one frame (atomic: a crash before leaves nothing).
 
-    On a GPU the bytes come from the fastest copy the node holds (a peer GPU's
-    entry, the host tier: ``weightcache.core.node.fill``), else from the disk. ``tier``
-    (``TIERS``, or a ``Tier`` checked already): ``host`` publishes a host-tier copy of the GPU-made weights
-    instead of the GPU entry, ``both`` publishes the two.
+    The bytes come from where ``plan`` (default: ``plan_for``) says: on a GPU the fastest copy the node holds (a peer
+    GPU's entry, the host tier: ``weightcache.core.node.fill``), another node of the fleet, else the disk. ``tier``
+    (``TIERS``, or a ``Tier`` checked already): ``host`` publishes a host-tier copy of the GPU-made weights instead of
+    the GPU entry, ``both`` publishes the two.
     """
-    tier = tier if isinstance(tier, Tier) else Tier(tier, prepared.request.device)
-    published = _publish(prepared, SocketDir.parse(socket_dir), progress, chunk_bytes, label, tier, disk=True)
-    if published is None:  # _publish returns None only where it may not read the disk
+    plan = plan or plan_for(prepared, socket_dir, tier)
+    published = _execute(plan, prepared, socket_dir, label, progress, chunk_bytes)
+    if published is None:  # only a plan without the disk fills nothing
         raise RuntimeError("publish read neither the node's copies nor the disk")
     return published
 
@@ -320,96 +262,37 @@ def publish_from_node(prepared: Prepared, socket_dir: SocketDirLike = None) -> P
 
     Never reads the disk: a client fills its GPU this way before it falls back.
     """
-    tier = Tier("device", prepared.request.device)
-    return _publish(prepared, SocketDir.parse(socket_dir), None, DEFAULT_CHUNK_BYTES, None, tier, disk=False)
+    return _execute(plan_for(prepared, socket_dir, "device", disk=False), prepared, socket_dir)
 
 
-def _publish(
+def _execute(
+    plan: Plan,
     prepared: Prepared,
-    socket_dir: SocketDir,
-    progress: ProgressLike | None,
-    chunk_bytes: int,
-    label: str | None,
-    tier: Tier,
-    disk: bool,
+    socket_dir: SocketDirLike,
+    label: str | None = None,
+    progress: ProgressLike | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Published | None:
-    """The one publish sequence behind ``publish`` and ``publish_from_node`` (``disk``: whether it may read the disk)."""
+    """``plan.execute`` for a checkpoint: once published, whatever the bytes came from, the fleet's records of its files
+    (``node.fleet.files.published``: for nodes that never read them; a no-op without a fleet)."""
     request = prepared.request
-    timings: dict[str, float] = {}
-    label = label or prepared.label
-    remembered = prepared.remembered()  # None on first sight: the load derives it from the bytes it reads
-    on_node = fill.sources(remembered, socket_dir) if remembered is not None and request.device.is_cuda else []
-    host_held = next((s.fingerprint.digest for s in on_node if s.tier == HOST_TIER), None)
-    if tier.on_host and remembered is not None:
-        done = _host_copy_of_what_is_held(remembered, host_held, tier, socket_dir, label, timings)
-        if done is not None:
-            return done
-    with (
-        ArenaBuilder(request.device, chunk_bytes=chunk_bytes, progress=progress) as builder,
-        Filling.from_env(remembered, may_claim=disk) as fleet,
-    ):
-        start = time.perf_counter()
-        copied = fill.copy_from_node(remembered, builder, socket_dir, on_node) if remembered and on_node else None
-        pulled = fleet.pull(builder) if copied is None else None  # another node's copy, before the disk
-        fingerprint: Fingerprint
-        if copied is not None and remembered is not None:
-            manifest, fingerprint = copied.manifest, remembered
-            origin = Origin("host_tier") if copied.source.tier == HOST_TIER else Origin("peer_gpu", copied.source.tier)
-            timings["fill_s"] = time.perf_counter() - start  # copied.timings has its steps
-        elif pulled is not None and remembered is not None:
-            manifest, fingerprint = pulled.manifest, remembered
-            origin = Origin("node", f"{pulled.node} over {pulled.path}")
-            timings["pull_s"] = time.perf_counter() - start  # pulled.timings has its steps
-        elif not disk:
-            return None
-        else:
-            manifest, fingerprint = _load_and_export(prepared, builder, timings)
-            origin = DISK
-        builder.progress.close()
-        host_digest, host_created = host_held, False
-        if tier.on_host and not host_held:
-            seal(builder)  # the GPU arenas' checksums: the host copy is checked against them
-            manifest = attrs.evolve(manifest, arenas=builder.specs())
-            start = time.perf_counter()
-            kept = fill.keep_on_host(fingerprint, manifest, builder.arenas, socket_dir, label)
-            host_digest, host_created = kept.digest, kept.created
-            timings["host_copy_s"] = time.perf_counter() - start
-        if not tier.on_device:
-            if host_digest is None:
-                raise RuntimeError("the host tier's copy was neither found nor kept")
-            digest, created, published_as = host_digest, host_created, fingerprint.on_device(HOST_TIER)
-        else:
-            start = time.perf_counter()
-            reply = publish_arenas(builder, fingerprint, manifest, socket_dir, label)
-            timings["publish_s"] = time.perf_counter() - start
-            digest, created, published_as = reply.digest, reply.created, fingerprint
-        fleet.published()  # a claimant lets the waiting nodes pull from here now
-        fleet_files.published(request.model, fingerprint)  # the fleet's records of the files, for nodes that never read them
-    state = "published" if created else "loaded, but the server already held"
-    log.info("%s %s (%s) from %s in %.2f s", state, digest[:12], label, origin, sum(timings.values()))
-    return Published(digest, created, published_as, manifest, timings, host_digest=host_digest, origin=origin)
+    published = execute(plan, SocketDir.parse(socket_dir), label or prepared.label, request.device, progress, chunk_bytes)
+    if published is not None:
+        fleet_files.published(request.model, published.fingerprint)  # (its content digest is that of every tier)
+    return published
 
 
-def _host_copy_of_what_is_held(
-    fingerprint: Fingerprint, host_held: str | None, tier: Tier, socket_dir: SocketDir | None, label: str, timings: dict
-) -> Published | None:
-    """``tier`` host or both when the node already holds what is asked: the host copy, or this GPU's entry to copy."""
-    host = fingerprint.on_device(HOST_TIER)
-    if host_held and not tier.on_device:
-        log.info("the host tier already holds %s (%s)", host_held[:12], label)
-        return Published(host_held, False, host, Manifest([], []), timings, host_digest=host_held, origin=Origin("host_tier"))
-    if host_held:
-        return None
-    start = time.perf_counter()
-    kept = fill.keep_entry_on_host(fingerprint, socket_dir, label)  # this GPU's entry exists: copy it, not the disk
-    if kept is None:
-        return None
-    reply, manifest = kept
-    timings["host_copy_s"] = time.perf_counter() - start
-    this_gpu = Origin("this_gpu")
-    if not tier.on_device:
-        return Published(reply.digest, reply.created, host, manifest, timings, host_digest=reply.digest, origin=this_gpu)
-    return Published(fingerprint.digest, False, fingerprint, manifest, timings, host_digest=reply.digest, origin=this_gpu)
+class Disk(Source):
+    """The checkpoint's files, read by the adapter's load into the builder: the last source of a load's plan."""
+
+    origin = DISK
+
+    def __init__(self, prepared: Prepared):
+        self.prepared = prepared
+
+    def fill(self, builder: ArenaBuilder, timings: dict) -> Filled:
+        manifest, fingerprint = _load_and_export(self.prepared, builder, timings)
+        return Filled(manifest, fingerprint, DISK)
 
 
 def _load_and_export(prepared: Prepared, builder: ArenaBuilder, timings: dict) -> tuple[Manifest, Fingerprint]:
@@ -427,9 +310,7 @@ def _load_and_export(prepared: Prepared, builder: ArenaBuilder, timings: dict) -
     fingerprint = prepared.settle([Path(file) for file, _ in versions], digests)
     timings["identify_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    manifest = prepared.adapter.export(request, model, builder)
-    extra = prepared.adapter.manifest_extra(request, model)
-    manifest = attrs.evolve(manifest, extra={**manifest.extra, **extra})
+    manifest = exported(prepared, model, builder)
     del model  # no gc.collect(): a full collection of an interpreter holding transformers is slow, and
     # sealing already collects and retries where a cycle still holds a view of a host arena (publish.seal)
     timings["export_s"] = time.perf_counter() - start

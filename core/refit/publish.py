@@ -16,7 +16,8 @@ import attrs
 from weightcache.core.client.client import Connection, HeldVersion
 from weightcache.core.errors import LayoutMismatch, VersionNotFound
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec, sha256_json
-from weightcache.core.flow.loader import Prepared, prepare
+from weightcache.core.flow.loader import Prepared, exported, prepare, processed
+from weightcache.core.flow.plan import Filled, Origin, Published, Source
 from weightcache.core.gc_pause import gc_paused
 from weightcache.core.identity.safetensors_io import checkpoint_tensors
 from weightcache.core.layout.manifest import Manifest
@@ -33,15 +34,11 @@ if typing.TYPE_CHECKING:
     from weightcache.core.flow.plugins import Plugins
 
 
-@attrs.frozen
-class PublishedVersion:
-    """A version the server holds now: its number, entry digest and fingerprint; ``created``: this call published it."""
+PublishedVersion = Published
+"""Deprecated: the name 0.2.0 gave ``publish_version``'s result; it is ``Published`` now, the one type of a publish's
+result (``version``, ``digest``, ``fingerprint``, ``created`` and ``timings`` as before; ``origin`` the trainer's tensors)."""
 
-    version: int
-    digest: str
-    fingerprint: Fingerprint
-    created: bool
-    timings: dict = attrs.field(eq=False, factory=dict)
+TRAINER = Origin("memory")
 
 
 class StagedVersion:
@@ -59,7 +56,7 @@ class StagedVersion:
     def version(self) -> int:
         return self.fingerprint.version
 
-    def publish(self) -> PublishedVersion:
+    def publish(self) -> Published:
         """Publish the version in one frame (a trainer killed before it leaves nothing behind) and release the arenas here."""
         steps: dict[str, float] = {}
         try:
@@ -67,7 +64,7 @@ class StagedVersion:
         finally:
             self.close()
         self.timings["publish_s"] = sum(steps.values())
-        return PublishedVersion(self.version, reply.digest, self.fingerprint, reply.created, self.timings)
+        return Published(reply.digest, reply.created, self.fingerprint, self.manifest, self.timings, origin=TRAINER)
 
     def close(self) -> None:
         self.builder.close()
@@ -93,7 +90,7 @@ def publish_version(
     socket_dir: SocketDirLike = None,
     plugins: "Plugins | None" = None,
     **options: typing.Any,
-) -> PublishedVersion:
+) -> Published:
     """Publish ``state`` (tensors named, shaped and typed as the checkpoint ``model`` stores them, on any device) as
     version ``version`` of the entry ``load_model`` publishes for the same arguments.
 
@@ -139,22 +136,9 @@ def stage_version(
     timings["template_s"] = time.perf_counter() - start
     builder = ArenaBuilder(request.device)
     try:
+        filled = Tensors(prepared, state, template).fill(builder, timings)
         start = time.perf_counter()
-        tensors = place_like(template, builder, state)
-        timings["place_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        model = prepared.adapter.load_tensors(request, tensors, builder)
-        del tensors
-        loaded = time.perf_counter()
-        model = prepared.adapter.post_process(request, model, prepared.description)
-        processed = time.perf_counter()
-        manifest = prepared.adapter.export(request, model, builder)
-        extra = prepared.adapter.manifest_extra(request, model)
-        del model
-        manifest = attrs.evolve(manifest, extra={**manifest.extra, **extra})
-        timings.update(load_s=loaded - start, post_process_s=processed - loaded, export_s=time.perf_counter() - processed)
-        start = time.perf_counter()
-        manifest, builder = conform(manifest, builder, template)
+        manifest, builder = conform(filled.manifest, builder, template)
         timings["conform_s"] = time.perf_counter() - start
         start = time.perf_counter()
         seal(builder)
@@ -167,6 +151,29 @@ def stage_version(
     staged = StagedVersion(fingerprint, manifest, builder, socket_dir, f"{prepared.label} v{version}")
     staged.timings.update(timings)
     return staged
+
+
+class Tensors(Source):
+    """A trainer's tensors, placed as ``template`` (the newest version held) keeps them, then through the adapter
+    pipeline a load from the files runs (``loader.processed``, ``loader.exported``): the source of a refit's plan."""
+
+    origin = TRAINER
+
+    def __init__(self, prepared: Prepared, state: "typing.Mapping[str, torch.Tensor]", template: Manifest):
+        self.prepared, self.state, self.template = prepared, state, template
+
+    def fill(self, builder: ArenaBuilder, timings: dict) -> Filled:
+        prepared, request = self.prepared, self.prepared.request
+        start = time.perf_counter()
+        placed = {"tensors": place_like(self.template, builder, self.state)}
+        timings["place_s"] = time.perf_counter() - start
+        # popped as the adapter takes them: the placed tensors are not held here beyond the load
+        model = processed(prepared, lambda: prepared.adapter.load_tensors(request, placed.pop("tensors"), builder), timings)
+        start = time.perf_counter()
+        manifest = exported(prepared, model, builder)
+        del model
+        timings["export_s"] = time.perf_counter() - start
+        return Filled(manifest, prepared.fingerprint, TRAINER)
 
 
 def content_identity(manifest: Manifest) -> str:
