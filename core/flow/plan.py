@@ -180,21 +180,25 @@ class FleetPull(Source):
     origin = Origin("node")
 
     def __init__(self, fingerprint: Fingerprint, config: FleetConfig, may_claim: bool):
-        self.filling = Filling(fingerprint, config, may_claim)
+        self.fingerprint, self.config, self.may_claim = fingerprint, config, may_claim
+        self.filling: Filling | None = None  # made when the plan comes to it: a plan held already asks no registry
 
     def fill(self, builder: ArenaBuilder, timings: dict) -> Filled | None:
         start = time.perf_counter()
+        self.filling = Filling(self.fingerprint, self.config, self.may_claim)
         pulled = self.filling.pull(builder)
-        if pulled is None or self.filling.fingerprint is None:
+        if pulled is None:
             return None
         timings["pull_s"] = time.perf_counter() - start  # pulled.timings has its steps
-        return Filled(pulled.manifest, self.filling.fingerprint, Origin("node", f"{pulled.node} over {pulled.path}"))
+        return Filled(pulled.manifest, self.fingerprint, Origin("node", f"{pulled.node} over {pulled.path}"))
 
     def done(self) -> None:
-        self.filling.published()  # a claimant lets the waiting nodes pull from here now
+        if self.filling is not None:
+            self.filling.published()  # a claimant lets the waiting nodes pull from here now
 
     def close(self) -> None:
-        self.filling.close()
+        if self.filling is not None:
+            self.filling.close()
 
 
 @attrs.frozen
@@ -339,20 +343,21 @@ def execute(
     """
     timings: dict[str, float] = {}
     fingerprint = plan.fingerprint
-    try:
-        if fingerprint is not None and plan.host is not None:
-            done = _host_copy_of_what_is_held(plan, fingerprint, socket_dir, label, timings)
-            if done is not None:
-                return done
-        with ArenaBuilder(device, chunk_bytes=chunk_bytes, progress=progress) as builder:
+    if fingerprint is not None and plan.host is not None:
+        done = _host_copy_of_what_is_held(plan, fingerprint, socket_dir, label, timings)
+        if done is not None:
+            plan.close()
+            return done
+    with ArenaBuilder(device, chunk_bytes=chunk_bytes, progress=progress) as builder:
+        try:  # the sources let go before the arenas do: a fleet pull may still serve them to another node
             filled, used = _fill(plan, builder, timings)
             if filled is None or used is None:
                 return None
             builder.progress.close()
             published = _keep(plan, filled, builder, socket_dir, label, timings)
             used.done()
-    finally:
-        plan.close()
+        finally:
+            plan.close()
     state = "published" if published.created else "loaded, but the server already held"
     log.info("%s %s (%s) from %s in %.2f s", state, published.digest[:12], label, published.origin, sum(timings.values()))
     return published

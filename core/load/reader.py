@@ -25,28 +25,27 @@ import os
 import queue
 import threading
 import time
-import types
 import typing
 from pathlib import Path
 
 if typing.TYPE_CHECKING:
-    import numpy
-    import torch
-
     from weightcache.core.load.read_process import ReadProcess
 
 import attrs
 
 from weightcache.core import envvars
-from weightcache.core.errors import CheckpointChanged, ReaderFailed
+from weightcache.core.errors import CheckpointChanged
 from weightcache.core.fileio import DIRECT_ALIGN as ALIGN
-from weightcache.core.fileio import READ_FLAGS, DirectBuffer, huge_staging_wanted, open_regular, read_block, resident_pages
+from weightcache.core.fileio import READ_FLAGS, open_regular, read_block, resident_pages
 from weightcache.core.identity.digests import PIECE_BYTES, FileDigest, FileKey, combine, piece_offsets
 from weightcache.core.identity.safetensors_io import Header, TensorInfo, checkpoint_files, read_header
 from weightcache.core.load import importing, read_process
 from weightcache.core.load.export import ArenaBuilder, Slot
 from weightcache.core.load.prefetch import stop_prefetches
-from weightcache.core.load.read_worker import DONE, STATUS_EOF
+from weightcache.core.load.read_feeds import Feed, PieceInFlight, ProcessFeed, ThreadFeed, changed_error, fail
+from weightcache.core.load.read_pieces import CHUNK_BYTES as CHUNK_BYTES
+from weightcache.core.load.read_pieces import Changed, Copy, Piece, check_header_bytes, overlaps, within
+from weightcache.core.load.read_targets import ReadTarget, target_for
 
 log = logging.getLogger(__name__)
 
@@ -150,31 +149,6 @@ def cached_pieces(fd: int, size: int) -> set[int]:
     return cached
 
 
-CHUNK_BYTES = 16 << 20
-"""One read: a piece is read, placed and hashed in chunks, so each thread's two staging buffers stay small."""
-
-
-@attrs.frozen
-class Copy:
-    """Bytes of one tensor inside a piece: ``nbytes`` at ``source`` in the piece go to ``slot`` at ``offset``."""
-
-    slot: Slot
-    offset: int
-    source: int
-    nbytes: int
-
-
-@attrs.frozen
-class Piece:
-    """One read: ``nbytes`` of file number ``file`` at ``start``, the tensor bytes it holds, and its index in the file."""
-
-    file: int
-    index: int
-    start: int
-    nbytes: int
-    copies: tuple[Copy, ...]
-
-
 def read_checkpoint(
     path: str | os.PathLike, builder: ArenaBuilder, threads: int | None = None
 ) -> dict[str, tuple[TensorInfo, Slot]]:
@@ -206,24 +180,12 @@ def read_checkpoint(
         keys = [FileKey.of_fd(fd) for fd in fds]
         pieces = [piece for number, header in enumerate(headers) for piece in _pieces(number, header, keys[number], placed)]
         hashes: list[dict[int, bytes]] = [{} for _ in files]
-        reader = _GpuReader(builder) if builder.device.is_cuda else _HostReader(builder)
+        reader = target_for(builder)
         try:
             stop_prefetches()  # what they read is in the page cache now; from here on, this reads
             cached = [cached_pieces(fd, key.st_size) for fd, key in zip(fds, keys, strict=True)]
-            if default_direct():
-                direct_fds.extend(_direct_fd(file, keys[number]) for number, file in enumerate(files))
-                direct_for = [-1 if piece.index in cached[piece.file] else direct_fds[piece.file] for piece in pieces]
-            else:
-                direct_for = [-1] * len(pieces)
-            total = sum(piece.nbytes for piece in pieces)
-            warm = sum(piece.nbytes for piece in pieces if piece.index in cached[piece.file])
-            mode = choose_mode(threads, warm / total if total else 1.0)
-            process = _start_process(fds, direct_for, pieces, mode) if mode.process else None
-            if mode.process and process is None:
-                mode = attrs.evolve(mode, process=False, why=f"{mode.why}; the reader process did not start")
-            else:
-                huge = process.huge_staging if process is not None else reader.huge_staging
-                mode = attrs.evolve(mode, huge_staging=huge and any(fd >= 0 for fd in direct_for))
+            direct_for = _direct_for(files, keys, pieces, cached, direct_fds)
+            mode, process = _mode_and_process(fds, direct_for, pieces, cached, threads, reader)
             builder.read_mode = mode
             log.debug("reading %d weight files: %s", len(files), mode.describe())
             first_piece = time.monotonic()
@@ -260,8 +222,34 @@ def read_checkpoint(
     return placed
 
 
+def _direct_for(
+    files: list[Path], keys: list[FileKey], pieces: list[Piece], cached: list[set[int]], direct_fds: list[int]
+) -> list[int]:
+    """Per piece, the O_DIRECT descriptor it is read through, or -1 (buffered: in the page cache, or O_DIRECT off).
+    The descriptors opened go to ``direct_fds`` (the caller closes them)."""
+    if not default_direct():
+        return [-1] * len(pieces)
+    direct_fds.extend(_direct_fd(file, keys[number]) for number, file in enumerate(files))
+    return [-1 if piece.index in cached[piece.file] else direct_fds[piece.file] for piece in pieces]
+
+
+def _mode_and_process(
+    fds: list[int], direct_for: list[int], pieces: list[Piece], cached: list[set[int]], threads: int | None, reader: ReadTarget
+) -> "tuple[ReadMode, ReadProcess | None]":
+    """The read's mode (``choose_mode``, from the share of bytes in the page cache) and its reader process, started
+    where the mode asks for one (None where it did not start: the mode says so, and the read runs here)."""
+    total = sum(piece.nbytes for piece in pieces)
+    warm = sum(piece.nbytes for piece in pieces if piece.index in cached[piece.file])
+    mode = choose_mode(threads, warm / total if total else 1.0)
+    process = _start_process(fds, direct_for, pieces, mode) if mode.process else None
+    if mode.process and process is None:
+        return attrs.evolve(mode, process=False, why=f"{mode.why}; the reader process did not start"), None
+    huge = process.huge_staging if process is not None else reader.huge_staging
+    return attrs.evolve(mode, huge_staging=huge and any(fd >= 0 for fd in direct_for)), process
+
+
 def _read_pieces(
-    reader: "_HostReader | _GpuReader",
+    reader: "ReadTarget",
     pieces: list[Piece],
     fds: list[int],
     direct_for: list[int],
@@ -304,11 +292,7 @@ def _pieces(number: int, header: Header, key: FileKey, placed: dict) -> list[Pie
     return pieces
 
 
-class _Changed(Exception):
-    """The bytes read are not those of the file the plan was made from."""
-
-
-def _read_piece(reader: "_HostReader | _GpuReader", piece: Piece, fd: int, direct_fd: int, header: Header) -> bytes:
+def _read_piece(reader: "ReadTarget", piece: Piece, fd: int, direct_fd: int, header: Header) -> bytes:
     """Read ``piece`` in chunks through a staging buffer: check the header bytes, place the tensor bytes, hash; its sha256.
 
     Every chunk is hashed from the buffer its tensor bytes were placed from, after they were placed.
@@ -321,10 +305,10 @@ def _read_piece(reader: "_HostReader | _GpuReader", piece: Piece, fd: int, direc
             buffer = reader.staging()
             read_block(fd, direct_fd, buffer, piece.start + start, 0, stop - start)
             staging = buffer[: stop - start]
-            _check_header_bytes(raw, piece.start + start, staging)
-            reader.place(staging, [_within(copy, start, stop) for copy in piece.copies if _overlaps(copy, start, stop)])
+            check_header_bytes(raw, piece.start + start, staging)
+            reader.place(staging, [within(copy, start, stop) for copy in piece.copies if overlaps(copy, start, stop)])
             digest.update(staging)  # type: ignore[arg-type]  # numpy's stubs omit __buffer__ before Python 3.12; hashlib reads the array's buffer
-    except (EOFError, _Changed):
+    except (EOFError, Changed):
         raise CheckpointChanged(str(header.file.parent), str(header.file)) from None  # cut off or rewritten meanwhile
     return digest.digest()
 
@@ -341,20 +325,8 @@ def _direct_fd(file: Path, key: FileKey) -> int:
     return fd
 
 
-class _PieceInFlight:
-    """A piece whose blocks are being read into ``buffer`` (slot ``slot`` of the pool); ``left`` blocks are still to
-    come."""
-
-    def __init__(self, piece: Piece, slot: int, buffer: typing.Any, blocks: int, direct_fd: int):
-        self.piece = piece
-        self.slot = slot
-        self.buffer = buffer
-        self.left = blocks
-        self.direct_fd = direct_fd
-
-
 def _read_in_blocks(
-    reader: "_HostReader | _GpuReader",
+    reader: "ReadTarget",
     pieces: list[Piece],
     fds: list[int],
     direct_for: list[int],
@@ -375,14 +347,14 @@ def _read_in_blocks(
     the first error. ``direct_for[i]`` is the O_DIRECT descriptor to read ``pieces[i]`` through, or -1 (buffered).
     Yields ``(piece, sha256)`` as pieces finish.
     """
-    feed: _Feed
+    feed: Feed
     if process is not None:
         buffers = process.buffers()
         pinned = reader.pin(buffers)
-        feed = _ProcessFeed(process, headers)
+        feed = ProcessFeed(process, headers)
     else:
         buffers, pinned = [], []  # made as first needed, pinned as they are made
-        feed = _ThreadFeed(fds, mode, headers)
+        feed = ThreadFeed(fds, mode, headers)
     try:
         yield from _dispatch(reader, pieces, direct_for, headers, _slots(mode), buffers, feed, mode.block, make_arenas)
     finally:
@@ -419,123 +391,14 @@ def _start_process(fds: list[int], direct_for: list[int], pieces: list[Piece], m
     return process
 
 
-class _Feed(typing.Protocol):
-    """Where a dispatched piece's blocks are read: ``start`` the readers, ``submit`` a piece, ``stop`` them all."""
-
-    def start(self, complete: queue.SimpleQueue, finished: queue.SimpleQueue, failed: threading.Event) -> None: ...
-
-    def submit(self, state: _PieceInFlight, direct: bool) -> None: ...
-
-    def stop(self) -> None: ...
-
-
-def _changed(header: Header) -> CheckpointChanged:
-    return CheckpointChanged(str(header.file.parent), str(header.file))
-
-
-def _fail(failed: threading.Event, finished: queue.SimpleQueue, error: BaseException) -> None:
-    """Stop the read (every thread skips what is left) and hand ``error`` to the dispatcher, which raises it."""
-    failed.set()
-    finished.put((None, error))
-
-
-class _ThreadFeed:
-    """Blocks read by ``mode.threads`` threads of this process from one queue."""
-
-    def __init__(self, fds: list[int], mode: ReadMode, headers: list[Header]):
-        self.fds, self.mode, self.headers = fds, mode, headers
-        self.work: queue.SimpleQueue = queue.SimpleQueue()
-        self.lock = threading.Lock()
-        self.threads: list[threading.Thread] = []
-
-    def start(self, complete: queue.SimpleQueue, finished: queue.SimpleQueue, failed: threading.Event) -> None:
-        def work_loop() -> None:
-            while (item := self.work.get()) is not None:
-                state, offset, nbytes = item
-                if failed.is_set():
-                    continue
-                piece = state.piece
-                try:
-                    read_block(self.fds[piece.file], state.direct_fd, state.buffer.numpy(), piece.start, offset, nbytes)
-                    with self.lock:
-                        state.left -= 1
-                        last = state.left == 0
-                    if last:
-                        complete.put(state)
-                except (EOFError, _Changed):
-                    _fail(failed, finished, _changed(self.headers[piece.file]))
-                except BaseException as exc:  # handed to the dispatcher, which raises it
-                    _fail(failed, finished, exc)
-
-        self.threads = [
-            threading.Thread(target=work_loop, name=f"weightcache-read-{n}", daemon=True) for n in range(self.mode.threads)
-        ]
-        for thread in self.threads:
-            thread.start()
-
-    def submit(self, state: _PieceInFlight, direct: bool) -> None:
-        block, nbytes = self.mode.block, state.piece.nbytes
-        for offset in range(0, nbytes, block):
-            self.work.put((state, offset, min(block, nbytes - offset)))
-
-    def stop(self) -> None:
-        for _ in self.threads:
-            self.work.put(None)
-        for thread in self.threads:
-            thread.join()
-
-
-class _ProcessFeed:
-    """Blocks read by the reader process into its shared slots; a collector thread takes its answers."""
-
-    def __init__(self, process: "ReadProcess", headers: list[Header]):
-        self.process, self.headers = process, headers
-        self.in_flight: dict[int, _PieceInFlight] = {}
-        self.collector: threading.Thread | None = None
-
-    def start(self, complete: queue.SimpleQueue, finished: queue.SimpleQueue, failed: threading.Event) -> None:
-        def collect() -> None:
-            while True:
-                try:
-                    slot, status = self.process.result()
-                except ReaderFailed as exc:
-                    if not failed.is_set():  # not the end the dispatcher asked for
-                        _fail(failed, finished, exc)
-                    return
-                if slot == DONE:
-                    return
-                state = self.in_flight.pop(slot, None)
-                if state is None:
-                    _fail(failed, finished, ReaderFailed(f"it answered for slot {slot}, which holds no job"))
-                    return
-                if status == 0:
-                    complete.put(state)
-                elif not failed.is_set():
-                    changed = _changed(self.headers[state.piece.file])
-                    _fail(failed, finished, changed if status == STATUS_EOF else read_process.status_error(status))
-
-        self.collector = threading.Thread(target=collect, name="weightcache-read-collector", daemon=True)
-        self.collector.start()
-
-    def submit(self, state: _PieceInFlight, direct: bool) -> None:
-        self.in_flight[state.slot] = state
-        piece = state.piece
-        self.process.submit(state.slot, piece.file, piece.start, piece.nbytes, direct)
-
-    def stop(self) -> None:
-        self.process.end_jobs()  # the worker finishes the reads in flight and exits: the collector sees its end
-        if self.collector is not None:
-            self.collector.join()
-
-
 def _dispatch(
-    reader: "_HostReader | _GpuReader",
+    reader: ReadTarget,
     pieces: list[Piece],
     direct_for: list[int],
     headers: list[Header],
     slots: int,
     buffers: list,
-    feed: _Feed,
+    feed: Feed,
     block: int,
     make_arenas: "typing.Callable[[], None]",
 ) -> typing.Generator[tuple[Piece, bytes], None, None]:
@@ -544,105 +407,121 @@ def _dispatch(
     ``buffers`` are the pool (made here as first needed, up to ``slots``, where empty). ``make_arenas`` runs here
     when every buffer holds a piece being read (or every piece was handed out), so the arenas are made while the disk
     works; the hash threads place nothing before it returned."""
-    free: queue.Queue = queue.Queue()
-    for slot, buffer in enumerate(buffers):
-        free.put((slot, buffer))
-    made = len(buffers)
-    complete: queue.SimpleQueue = queue.SimpleQueue()  # pieces whose blocks are all in
-    finished: queue.SimpleQueue = queue.SimpleQueue()
-    failed = threading.Event()
+    dispatch = _Dispatch(reader, headers, slots, buffers, feed, make_arenas)
+    yield from dispatch.run(pieces, direct_for, block)
 
-    def finish(state: _PieceInFlight) -> None:
-        piece, header = state.piece, headers[state.piece.file]
+
+class _Dispatch:
+    """One block read's state between the dispatcher (``run``), the feed's readers and ``HASH_THREADS`` hash threads."""
+
+    def __init__(self, reader: ReadTarget, headers: list[Header], slots: int, buffers: list, feed: Feed, make_arenas):
+        self.reader, self.headers, self.slots, self.feed, self.make_arenas = reader, headers, slots, feed, make_arenas
+        self.free: queue.Queue = queue.Queue()
+        for slot, buffer in enumerate(buffers):
+            self.free.put((slot, buffer))
+        self.made = len(buffers)
+        self.complete: queue.SimpleQueue = queue.SimpleQueue()  # pieces whose blocks are all in
+        self.finished: queue.SimpleQueue = queue.SimpleQueue()
+        self.failed = threading.Event()
+        self.busy = [0.0] * HASH_THREADS  # seconds each hash thread spent checking, placing and hashing
+        self.arenas_made = threading.Event()  # set once make_arenas returned (or the read ends): placing may begin
+        self.arenas_s = 0.0
+        self.waited = 0.0
+        self.received = 0  # pieces handed back to the caller
+
+    def finish(self, state: PieceInFlight) -> None:
+        piece, header = state.piece, self.headers[state.piece.file]
         view = state.buffer.numpy()[: piece.nbytes]
-        _check_header_bytes(header.raw, piece.start, view)
-        done = reader.place_from(state.buffer, list(piece.copies))
+        check_header_bytes(header.raw, piece.start, view)
+        done = self.reader.place_from(state.buffer, list(piece.copies))
         digest = hashlib.sha256(view).digest()
-        reader.wait(done)
-        free.put((state.slot, state.buffer))
-        finished.put((piece, digest))
+        self.reader.wait(done)
+        self.free.put((state.slot, state.buffer))
+        self.finished.put((piece, digest))
 
-    busy = [0.0] * HASH_THREADS  # seconds each hash thread spent checking, placing and hashing
-    arenas_made = threading.Event()  # set once make_arenas returned (or the read ends): placing may begin
-    arenas_s = 0.0
-
-    def arenas_beside_the_reads() -> None:  # an error here leaves through the dispatcher's finally, which sets the event
-        nonlocal arenas_s
+    def arenas_beside_the_reads(self) -> None:  # an error here leaves through run's finally, which sets the event
         start = time.monotonic()
-        make_arenas()
-        arenas_made.set()
-        arenas_s = time.monotonic() - start
+        self.make_arenas()
+        self.arenas_made.set()
+        self.arenas_s = time.monotonic() - start
 
-    def hash_loop(number: int) -> None:
-        while (state := complete.get()) is not None:
-            arenas_made.wait()
-            if failed.is_set():
+    def hash_loop(self, number: int) -> None:
+        while (state := self.complete.get()) is not None:
+            self.arenas_made.wait()
+            if self.failed.is_set():
                 continue
             try:
                 start = time.monotonic()
-                finish(state)
-                busy[number] += time.monotonic() - start
-            except (EOFError, _Changed):
-                _fail(failed, finished, _changed(headers[state.piece.file]))
+                self.finish(state)
+                self.busy[number] += time.monotonic() - start
+            except (EOFError, Changed):
+                fail(self.failed, self.finished, changed_error(self.headers[state.piece.file]))
             except BaseException as exc:  # handed to the dispatcher, which raises it
-                _fail(failed, finished, exc)
+                fail(self.failed, self.finished, exc)
 
-    hashers = [
-        threading.Thread(target=hash_loop, args=(n,), name=f"weightcache-hash-{n}", daemon=True) for n in range(HASH_THREADS)
-    ]
-    feed.start(complete, finished, failed)
-    for thread in hashers:
-        thread.start()
-    dispatched = received = 0
-    began, waited = time.monotonic(), 0.0
-    try:
-        for piece, direct_fd in zip(pieces, direct_for, strict=True):
-            taken = None
-            while taken is None and not failed.is_set():
-                try:
-                    taken = free.get_nowait()
-                except queue.Empty:
-                    if made < slots:
-                        taken, made = (made, reader.piece_buffer()), made + 1
-                    elif not arenas_made.is_set():  # every buffer is being read: the arenas now, beside the disk
-                        arenas_beside_the_reads()
-                    else:
-                        start = time.monotonic()
-                        with contextlib.suppress(queue.Empty):
-                            taken = free.get(timeout=0.05)
-                        waited += time.monotonic() - start
-                while not finished.empty():
-                    received += 1
-                    yield _result(finished.get())
-            if taken is None:
-                break
-            slot, buffer = taken
-            feed.submit(_PieceInFlight(piece, slot, buffer, -(-piece.nbytes // block), direct_fd), direct_fd >= 0)
-            dispatched += 1
-        if not arenas_made.is_set() and not failed.is_set():  # fewer pieces than buffers (a failed read makes none)
-            arenas_beside_the_reads()
-        while received < dispatched:  # every failure puts its error here: the loop ends by raising it
-            received += 1
-            yield _result(finished.get())
-        log.debug(
-            "read %d pieces in %.2f s through %d staging slots; %.2f s of it waiting for a free slot; the %d hash "
-            "threads busy %.2f s in all; the arenas made in %.2f s beside the first reads",
-            dispatched,
-            time.monotonic() - began,
-            slots,
-            waited,
-            HASH_THREADS,
-            sum(busy),
-            arenas_s,
-        )
-    finally:
-        failed.set()  # the readers skip what is left
-        arenas_made.set()  # a hash thread waiting to place sees ``failed`` and stops
-        feed.stop()
-        for _ in hashers:
-            complete.put(None)
-        for hasher in hashers:
-            hasher.join()
+    def take(self) -> typing.Generator[tuple[Piece, bytes], None, tuple | None]:
+        """A free buffer (made where the pool may grow), yielding the pieces that finish meanwhile; None once failed."""
+        taken = None
+        while taken is None and not self.failed.is_set():
+            try:
+                taken = self.free.get_nowait()
+            except queue.Empty:
+                if self.made < self.slots:
+                    taken, self.made = (self.made, self.reader.piece_buffer()), self.made + 1
+                elif not self.arenas_made.is_set():  # every buffer is being read: the arenas now, beside the disk
+                    self.arenas_beside_the_reads()
+                else:
+                    start = time.monotonic()
+                    with contextlib.suppress(queue.Empty):
+                        taken = self.free.get(timeout=0.05)
+                    self.waited += time.monotonic() - start
+            while not self.finished.empty():
+                self.received += 1
+                yield _result(self.finished.get())
+        return taken
+
+    def run(self, pieces: list[Piece], direct_for: list[int], block: int) -> typing.Generator[tuple[Piece, bytes], None, None]:
+        hashers = [
+            threading.Thread(target=self.hash_loop, args=(n,), name=f"weightcache-hash-{n}", daemon=True)
+            for n in range(HASH_THREADS)
+        ]
+        self.feed.start(self.complete, self.finished, self.failed)
+        for thread in hashers:
+            thread.start()
+        dispatched = 0
+        began = time.monotonic()
+        try:
+            for piece, direct_fd in zip(pieces, direct_for, strict=True):
+                taken = yield from self.take()
+                if taken is None:
+                    break
+                slot, buffer = taken
+                self.feed.submit(PieceInFlight(piece, slot, buffer, -(-piece.nbytes // block), direct_fd), direct_fd >= 0)
+                dispatched += 1
+            if not self.arenas_made.is_set() and not self.failed.is_set():  # fewer pieces than buffers (or none read)
+                self.arenas_beside_the_reads()
+            while self.received < dispatched:  # every failure puts its error here: the loop ends by raising it
+                self.received += 1
+                yield _result(self.finished.get())
+            log.debug(
+                "read %d pieces in %.2f s through %d staging slots; %.2f s of it waiting for a free slot; the %d hash "
+                "threads busy %.2f s in all; the arenas made in %.2f s beside the first reads",
+                dispatched,
+                time.monotonic() - began,
+                self.slots,
+                self.waited,
+                HASH_THREADS,
+                sum(self.busy),
+                self.arenas_s,
+            )
+        finally:
+            self.failed.set()  # the readers skip what is left
+            self.arenas_made.set()  # a hash thread waiting to place sees ``failed`` and stops
+            self.feed.stop()
+            for _ in hashers:
+                self.complete.put(None)
+            for hasher in hashers:
+                hasher.join()
 
 
 def _result(item: tuple) -> tuple[Piece, bytes]:
@@ -653,24 +532,6 @@ def _result(item: tuple) -> tuple[Piece, bytes]:
     return piece, outcome
 
 
-def _check_header_bytes(raw: bytes, at: int, data: "numpy.ndarray") -> None:
-    """``_Changed`` if ``data``, read from file offset ``at``, disagrees with the header bytes ``raw`` it overlaps."""
-    if at < len(raw):
-        stop = min(len(raw), at + len(data))
-        if bytes(data[: stop - at]) != raw[at:stop]:
-            raise _Changed
-
-
-def _overlaps(copy: Copy, start: int, stop: int) -> bool:
-    return copy.source < stop and start < copy.source + copy.nbytes
-
-
-def _within(copy: Copy, start: int, stop: int) -> Copy:
-    """The part of ``copy`` that lies in the piece's bytes ``start``..``stop``, its source relative to ``start``."""
-    low, high = max(start, copy.source), min(stop, copy.source + copy.nbytes)
-    return Copy(copy.slot, copy.offset + low - copy.source, low - start, high - low)
-
-
 def _check_unchanged(checkpoint: str | os.PathLike, file: Path, fd: int, key: FileKey) -> None:
     """CheckpointChanged if the file read (``fd``) was written meanwhile, or ``file`` now names another file."""
     try:
@@ -679,166 +540,3 @@ def _check_unchanged(checkpoint: str | os.PathLike, file: Path, fd: int, key: Fi
         named = None
     if FileKey.of_fd(fd) != key or named != key:
         raise CheckpointChanged(str(checkpoint), str(file))
-
-
-class _HostReader:
-    """Each thread reads into its own staging buffer and copies the tensor bytes into host arenas."""
-
-    def __init__(self, builder: ArenaBuilder):
-        import numpy
-
-        self.builder = builder
-        self.local = threading.local()
-        self.numpy = numpy
-        self.huge_staging = huge_staging_wanted()  # decided once per read, for every buffer it makes
-
-    def staging(self) -> "numpy.ndarray":
-        """This thread's ``CHUNK_BYTES`` staging buffer, ``ALIGN``-aligned (O_DIRECT reads into it)."""
-        buffer = getattr(self.local, "buffer", None)
-        if buffer is None:
-            buffer = self.local.buffer = _host_buffer(CHUNK_BYTES, self.huge_staging).numpy()
-        return buffer
-
-    def place(self, staging: "numpy.ndarray", copies: list[Copy]) -> None:
-        for copy in copies:
-            target = self.builder.view(copy.slot)[copy.offset : copy.offset + copy.nbytes].numpy()
-            target[:] = staging[copy.source : copy.source + copy.nbytes]
-
-    def piece_buffer(self) -> "torch.Tensor":
-        """A tensor of ``PIECE_BYTES`` at an ``ALIGN``-aligned address (O_DIRECT reads into it)."""
-        return _host_buffer(PIECE_BYTES, self.huge_staging)
-
-    def place_from(self, buffer: "torch.Tensor", copies: list[Copy]) -> None:
-        self.place(buffer.numpy(), copies)
-
-    def pin(self, buffers: list) -> list[int]:
-        return []  # host copies need no page-locked source
-
-    def unpin(self, pinned: list[int]) -> None:
-        pass
-
-    def wait(self, done: "torch.cuda.Event | None") -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-
-def _host_buffer(nbytes: int, huge: bool) -> "torch.Tensor":
-    """A uint8 tensor of ``nbytes`` for O_DIRECT reads: in huge pages where ``huge`` (a virtio disk takes reads into
-    them at twice the speed; ``fileio.DirectBuffer``), else malloc's memory at an ``ALIGN``-aligned address. The tensor
-    keeps its memory alive."""
-    import torch
-
-    if huge:
-        return torch.frombuffer(DirectBuffer(nbytes).view, dtype=torch.uint8)
-    return _aligned(torch.empty(nbytes + ALIGN, dtype=torch.uint8), nbytes)
-
-
-def _aligned(raw, nbytes: int):
-    """The ``nbytes`` of the 1-D uint8 tensor ``raw`` that start at an ``ALIGN``-aligned address."""
-    skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip : skip + nbytes]
-
-
-class _GpuReader:
-    """Each thread turns between its own two pinned buffers: one is read and hashed while the other's DMA runs."""
-
-    def __init__(self, builder: ArenaBuilder):
-        import torch
-
-        self.builder = builder
-        self.device = builder.device.torch()  # no arena made here: the read makes them beside its first reads
-        self.local = threading.local()
-        self.streams: list = []
-        self.lock = threading.Lock()
-        self.torch = torch
-        self.huge_staging = False  # its buffers are cudaHostAlloc's page-locked memory, contiguous already
-
-    def _stream(self):
-        """This thread's own copy stream."""
-        stream = getattr(self.local, "stream", None)
-        if stream is None:
-            stream = self.local.stream = self.torch.cuda.Stream(device=self.device)
-            with self.lock:
-                self.streams.append(stream)
-        return stream
-
-    def _state(self):
-        state = getattr(self.local, "state", None)
-        if state is None:
-            torch = self.torch
-            state = self.local.state = types.SimpleNamespace(
-                buffers=[
-                    _aligned(torch.empty(CHUNK_BYTES + ALIGN, dtype=torch.uint8, pin_memory=True), CHUNK_BYTES) for _ in range(2)
-                ],
-                stream=self._stream(),
-                events=[None, None],
-                turn=0,
-            )
-        return state
-
-    def staging(self) -> "numpy.ndarray":
-        """The next of this thread's two pinned ``CHUNK_BYTES`` buffers (``ALIGN``-aligned), once its copies are done."""
-        state = self._state()
-        state.turn = 1 - state.turn
-        if state.events[state.turn] is not None:
-            state.events[state.turn].synchronize()  # the copies out of this buffer have finished
-        return state.buffers[state.turn].numpy()
-
-    def place(self, staging: "numpy.ndarray", copies: list[Copy]) -> None:
-        torch = self.torch
-        state = self._state()
-        source = state.buffers[state.turn]
-        # A worker thread's current device is cuda:0: without the guard, a copy to another GPU makes a context there.
-        with torch.cuda.device(self.device), torch.cuda.stream(state.stream):
-            for copy in copies:
-                target = self.builder.view(copy.slot)[copy.offset : copy.offset + copy.nbytes]
-                target.copy_(source[copy.source : copy.source + copy.nbytes], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(state.stream)
-        state.events[state.turn] = event  # hashing reads the buffer while the DMA does: neither writes it
-
-    def piece_buffer(self) -> "torch.Tensor":
-        """A pinned tensor of ``PIECE_BYTES`` at an ``ALIGN``-aligned address (O_DIRECT reads into it)."""
-        return _aligned(self.torch.empty(PIECE_BYTES + ALIGN, dtype=self.torch.uint8, pin_memory=True), PIECE_BYTES)
-
-    def place_from(self, buffer: "torch.Tensor", copies: list[Copy]) -> "torch.cuda.Event":
-        """Queue the copies out of ``buffer`` on this thread's stream; the event that marks them done."""
-        torch = self.torch
-        stream = self._stream()
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            for copy in copies:
-                target = self.builder.view(copy.slot)[copy.offset : copy.offset + copy.nbytes]
-                target.copy_(buffer[copy.source : copy.source + copy.nbytes], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
-
-    def pin(self, buffers: list) -> list[int]:
-        """Page-lock ``buffers`` (the reader process's shared slots) for full-speed DMA; the addresses locked. A buffer
-        the driver will not lock stays pageable: its copies are correct, only slower."""
-        cudart = self.torch.cuda.cudart()
-        pinned = []
-        for buffer in buffers:
-            if int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)) == 0:
-                pinned.append(buffer.data_ptr())
-            else:
-                log.info("could not page-lock a staging slot of the reader process; its copies run pageable")
-        return pinned
-
-    def unpin(self, pinned: list[int]) -> None:
-        if not pinned:
-            return
-        self.finish()  # no copy may still read a slot
-        cudart = self.torch.cuda.cudart()
-        for address in pinned:
-            cudart.cudaHostUnregister(address)
-
-    def wait(self, done: "torch.cuda.Event | None") -> None:
-        if done is not None:
-            done.synchronize()  # the buffer may be read into again
-
-    def finish(self) -> None:
-        for stream in self.streams:
-            stream.synchronize()
