@@ -144,7 +144,7 @@ class Source(abc.ABC):
         """Fill ``builder`` (empty) and say what it holds, or None (``builder`` left empty) for the next source."""
 
     def done(self) -> None:
-        """The entry these bytes made is published."""
+        """The entry is published, whichever source filled it (a fleet pull's claim of the disk read ends here)."""
         return None  # most sources have nothing to let go of
 
     def close(self) -> None:
@@ -350,12 +350,13 @@ def execute(
             return done
     with ArenaBuilder(device, chunk_bytes=chunk_bytes, progress=progress) as builder:
         try:  # the sources let go before the arenas do: a fleet pull may still serve them to another node
-            filled, used = _fill(plan, builder, timings)
-            if filled is None or used is None:
+            filled = _fill(plan, builder, timings)
+            if filled is None:
                 return None
             builder.progress.close()
             published = _keep(plan, filled, builder, socket_dir, label, timings)
-            used.done()
+            for source in plan.sources:
+                source.done()  # a fleet pull that claimed the disk read waits for this node to share what it read
         finally:
             plan.close()
     state = "published" if published.created else "loaded, but the server already held"
@@ -363,12 +364,12 @@ def execute(
     return published
 
 
-def _fill(plan: Plan, builder: ArenaBuilder, timings: dict) -> tuple[Filled | None, Source | None]:
+def _fill(plan: Plan, builder: ArenaBuilder, timings: dict) -> Filled | None:
     for source in plan.sources:
         filled = source.fill(builder, timings)
         if filled is not None:
-            return filled, source
-    return None, None
+            return filled
+    return None
 
 
 def _keep(plan: Plan, filled: Filled, builder: ArenaBuilder, socket_dir: SocketDir, label: str, timings: dict) -> Published:
