@@ -1071,12 +1071,7 @@ def test_new_nodes_with_a_digest_store_each_read_the_checkpoint_once_between_the
     assert_attaches_like_from_pretrained(path, nodes[2].socket_dir, "float32", None)
 
 
-READ_AHEAD = pytest.mark.xfail(
-    reason="the CLI's read-ahead starts before the plan says where the bytes come from (issue 52 item 1)", strict=False
-)
-
-
-@pytest.mark.parametrize("options", [pytest.param((), marks=READ_AHEAD), ("--no-prefetch",)], ids=["default", "no-prefetch"])
+@pytest.mark.parametrize("options", [(), ("--no-prefetch",)], ids=["default", "no-prefetch"])
 def test_a_cli_load_that_pulls_reads_only_the_headers_from_storage(fleet, model_dir, tmp_path, options):
     """A node that learns the content and pulls reads the headers from storage and nothing else (at most 1 MiB), as
     the kernel's page cache shows: the checkpoint was dropped from it before, and nothing else reads it meanwhile."""
