@@ -56,4 +56,9 @@ def consumer(declared: typing.Any) -> "typing.Callable[[str], str | None]":
     if callable(declared):
         return declared
     rules = [(re.compile(pattern), replacement) for pattern, replacement in declared]
-    return lambda name: next((pattern.sub(replacement, name) for pattern, replacement in rules if pattern.fullmatch(name)), None)
+
+    def holder(name: str) -> str | None:
+        # The whole name's match expanded, never re.sub: a pattern's empty match at the end would be replaced again.
+        return next((match.expand(replacement) for pattern, replacement in rules if (match := pattern.fullmatch(name))), None)
+
+    return holder

@@ -26,6 +26,7 @@ import pluggy
 if typing.TYPE_CHECKING:
     import torch
 
+    from weightcache.core.identity.declared import CheckpointFiles
     from weightcache.core.layout.manifest import Manifest
     from weightcache.core.load.export import ArenaBuilder
     from weightcache.core.options import AdapterOption
@@ -71,6 +72,23 @@ def weightcache_describe(request: "LoadRequest") -> "ModelDescription":
 
     :param request: the engine's load request.
     :returns: a ModelDescription.
+    """
+
+
+@hookspec(firstresult=True)
+def weightcache_checkpoint_files(request: "LoadRequest") -> "CheckpointFiles":
+    """Which files of the checkpoint this adapter reads: weight files and config files, as patterns relative to it.
+
+    The checkpoint identity covers the content of every file they match, subfolders included
+    (``2_Dense/*.safetensors``, ``unet/*.safetensors``, ``1_Pooling/config.json``): one byte
+    changed in any of them is another entry. The conformance kit records the files a load opens
+    in a fresh process and fails an adapter that reads one it did not declare, naming it.
+    ``publish_version`` takes the tensors of every declared weight file, a subfolder's named
+    ``folder/name``. Default: ``CheckpointFiles()`` (the root's ``*.safetensors``, an index's
+    shards where it has one, ``config.json`` and ``generation_config.json``). Stops at first non-None result.
+
+    :param request: the engine's load request (``request.model`` is the checkpoint directory).
+    :returns: a CheckpointFiles.
     """
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import typing
 
 import attrs
@@ -115,6 +116,22 @@ def _pairs_or_function(value) -> typing.Any:
     return value if callable(value) else _pairs(value)
 
 
+def _renaming(value) -> typing.Any:
+    """``_pairs_or_function(value)``, each pattern a regular expression that cannot match the empty string."""
+    pairs = _pairs_or_function(value)
+    for pattern, replacement in () if callable(pairs) else pairs:
+        try:
+            empty = re.fullmatch(pattern, "") is not None
+        except re.error as exc:
+            raise ValueError(f"consumed_tensors pattern {pattern!r} is not a regular expression ({exc})") from None
+        if empty:
+            raise ValueError(
+                f"consumed_tensors pattern {pattern!r} matches the empty string, so it names no tensor: "
+                f"write it to match a whole tensor name, e.g. {pattern.replace('*', '+')!r}"
+            )
+    return pairs
+
+
 def _pairs(value) -> tuple:
     """``(pattern, text)`` pairs from pairs or a mapping, each checked to be two strings."""
     items = value.items() if isinstance(value, typing.Mapping) else (value or ())
@@ -154,7 +171,7 @@ class CheckpointConventions:
 
     quantization_declaration: typing.Any = "hf-config"
     tied: tuple = attrs.field(default=(), converter=_groups)
-    consumed_tensors: typing.Any = attrs.field(default=(), converter=_pairs_or_function)
+    consumed_tensors: typing.Any = attrs.field(default=(), converter=_renaming)
     unused_tensors: tuple = attrs.field(default=(), converter=_pairs)
     unused_config: tuple = attrs.field(default=(), converter=_pairs)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tests import zygote
 from weightcache.core.identity.digests import RACY_WINDOW_NS
-from weightcache.core.identity.safetensors_io import checkpoint_files
+from weightcache.core.identity.declared import CheckpointFiles
 from weightcache.core.server.server_process import ServerProcess
 
 __all__ = ["ServerProcess"]  # one server-process helper for the kit, the demo and the project's tests
@@ -179,7 +179,8 @@ def free_port() -> int:
 
 
 def past_the_racy_window(checkpoint: str | os.PathLike) -> None:
-    """Wait until every weight file of ``checkpoint`` last changed (mtime or ctime) longer ago than the racy window: a
-    load of files changed just before hashes them but does not remember their digests (core/identity/digests.py)."""
-    newest = max(max(f.stat().st_mtime_ns, f.stat().st_ctime_ns) for f in checkpoint_files(checkpoint))
+    """Wait until every declared file of ``checkpoint`` (default declaration) last changed (mtime or ctime) longer ago
+    than the racy window: a load of files changed just before hashes them but does not remember their digests
+    (core/identity/digests.py)."""
+    newest = max(max(f.stat().st_mtime_ns, f.stat().st_ctime_ns) for f in CheckpointFiles().files(checkpoint))
     time.sleep(max(0.0, (newest + RACY_WINDOW_NS - time.time_ns()) / 1e9 + 0.01))

@@ -11,6 +11,7 @@ from weightcache.core.options import AdapterOption as AdapterOption
 from weightcache.core.request import LoadRequest as LoadRequest, ModelDescription as ModelDescription
 from weightcache.core.request import ForwardUnavailable as ForwardUnavailable
 from weightcache.core.request import CheckpointConventions as CheckpointConventions
+from weightcache.core.identity.declared import CheckpointFiles as CheckpointFiles
 from weightcache.core.device import Device as Device
 from weightcache.core.fingerprint import Fingerprint as Fingerprint, ParallelSpec as ParallelSpec
 from weightcache.core.layout.manifest import Manifest as Manifest, TensorRecord as TensorRecord

@@ -60,7 +60,7 @@ def _run(args) -> int:
     request = load_request(args)  # device, dtype, ranks, options; a hub id becomes its snapshot directory in the local hub cache
     tier = loader.Tier(args.tier, request.device)  # checked once, here; publish takes it as it is
     checked = loader.check(request)  # adapter, options, the method asked for: once, here; prepare goes on from it
-    headers = check_checkpoint(request.model)  # files, headers, lengths: no weight byte read
+    headers = check_checkpoint(request.model, checked.adapter.checkpoint_files(checked.request))  # no weight byte read
     log.debug("load: options and %d weight file headers checked", len(headers))
     with Connection(args.socket_dir) as connection:
         connection.hello()  # no server: say so now, before a thread starts importing beside this one

@@ -9,6 +9,7 @@ from weightcache.core.hookspecs import hookimpl
 if typing.TYPE_CHECKING:
     import torch
 
+    from weightcache.core.identity.declared import CheckpointFiles
     from weightcache.core.layout.manifest import Manifest
     from weightcache.core.load.export import ArenaBuilder
     from weightcache.core.request import CheckpointConventions, ExampleInputs, LoadRequest, ModelDescription
@@ -56,3 +57,11 @@ def weightcache_checkpoint_conventions(request: "LoadRequest") -> "CheckpointCon
     from weightcache.core.request import CheckpointConventions
 
     return CheckpointConventions()
+
+
+@hookimpl(trylast=True)
+def weightcache_checkpoint_files(request: "LoadRequest") -> "CheckpointFiles":
+    """The root's safetensors files (an index's shards where it has one), config.json and generation_config.json."""
+    from weightcache.core.identity.declared import CheckpointFiles
+
+    return CheckpointFiles()

@@ -30,7 +30,8 @@ from weightcache.core.identity.digests import (
     default_store,
     remember,
 )
-from weightcache.core.identity.safetensors_io import Sighting, check_first_sight, checkpoint_files, identity_of
+from weightcache.core.identity.declared import CheckpointFiles
+from weightcache.core.identity.safetensors_io import Sighting, check_first_sight, identity_of
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.load.export import DEFAULT_CHUNK_BYTES, ArenaBuilder
 from weightcache.core.node.fleet import files as fleet_files
@@ -70,9 +71,9 @@ class Prepared:
         """Check the header of every weight file seen for the first time (``check_first_sight``), or take ``headers``
         read and checked already (``check_checkpoint``); what was seen then identifies the checkpoint, with no stat again."""
         if headers is None:
-            self._sighting = check_first_sight(self.request.model)
+            self._sighting = check_first_sight(self.request.model, declared=self.declared)
         else:
-            self._sighting = Sighting.of(self.request.model, headers=headers)
+            self._sighting = Sighting.of(self.request.model, headers=headers, declared=self.declared)
 
     def identify(self, progress: ProgressLike | None = None) -> Fingerprint:
         """The fingerprint; a weight file seen for the first time is hashed, ``progress`` counting its bytes."""
@@ -93,8 +94,13 @@ class Prepared:
 
     def _seen(self) -> Sighting:
         if self._sighting is None:
-            self._sighting = Sighting.of(self.request.model)
+            self._sighting = Sighting.of(self.request.model, declared=self.declared)
         return self._sighting
+
+    @property
+    def declared(self) -> CheckpointFiles:
+        """The files of the checkpoint the adapter declares it reads (``weightcache_checkpoint_files``): the identity's."""
+        return self.adapter.checkpoint_files(self.request)
 
     def settle(self, files: "list[Path]", digests: "list[str]") -> Fingerprint:
         """The fingerprint of the bytes a load read (``digests`` of ``files``); it replaces a remembered one.
@@ -301,7 +307,7 @@ def _load_and_export(prepared: Prepared, builder: ArenaBuilder, timings: dict) -
     Returns the manifest and the fingerprint of the bytes that were read (``content_digests``).
     """
     request = prepared.request
-    versions = file_versions(request.model)
+    versions = file_versions(request.model, prepared.declared)
     started = time.time_ns()
     model = load_from_disk(prepared, builder, timings)
     start = time.perf_counter()
@@ -349,9 +355,10 @@ def content_digests(
     return [digests[file] for file, _ in versions]
 
 
-def file_versions(model: str) -> "list[tuple[str, FileKey]]":
-    """Each weight file of the checkpoint ``model`` with its version (device, inode, size, mtime, ctime)."""
-    return [(str(file), FileKey.of(file)) for file in checkpoint_files(model)]
+def file_versions(model: str, declared: CheckpointFiles | None = None) -> "list[tuple[str, FileKey]]":
+    """Each declared file of the checkpoint ``model`` (default ``CheckpointFiles()``) with its version (device, inode,
+    size, mtime, ctime)."""
+    return [(str(file), FileKey.of(file)) for file in (declared or CheckpointFiles()).files(model)]
 
 
 def check_unchanged(model: str, versions: "list[tuple[str, FileKey]]") -> None:

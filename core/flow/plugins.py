@@ -31,6 +31,7 @@ from weightcache.core.request import CheckpointConventions, ModelDescription
 if typing.TYPE_CHECKING:
     import torch
 
+    from weightcache.core.identity.declared import CheckpointFiles
     from weightcache.core.load.export import ArenaBuilder
     from weightcache.core.request import ExampleInputs, LoadRequest
 
@@ -375,6 +376,11 @@ class Adapter:
 
     def checkpoint_conventions(self, request: "LoadRequest") -> CheckpointConventions:
         return self._typed("weightcache_checkpoint_conventions", CheckpointConventions, request=request)
+
+    def checkpoint_files(self, request: "LoadRequest") -> "CheckpointFiles":
+        from weightcache.core.identity.declared import CheckpointFiles
+
+        return self._typed("weightcache_checkpoint_files", CheckpointFiles, request=request)
 
     def warm_up(self, request: "LoadRequest", for_publish: bool = False) -> None:
         self._hook("weightcache_warm_up")(request=request, for_publish=for_publish)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import stat
 import struct
 import typing
 from collections.abc import Sequence
@@ -13,9 +11,10 @@ from pathlib import Path
 
 import attrs
 
-from weightcache.core.errors import CheckpointNotFound, InvalidCheckpoint
-from weightcache.core.fileio import check_regular, open_regular
+from weightcache.core.errors import InvalidCheckpoint
+from weightcache.core.fileio import open_regular
 from weightcache.core.identity import safetensors_header
+from weightcache.core.identity.declared import CheckpointFiles
 from weightcache.core.identity.digests import (
     SCHEME,
     DigestStore,
@@ -89,44 +88,17 @@ def read_header(file: str | os.PathLike) -> Header:
     return header
 
 
-def checkpoint_files(path: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a checkpoint directory (sharded via index.json, or every *.safetensors).
+def checkpoint_files(path: str | os.PathLike, declared: CheckpointFiles | None = None) -> list[Path]:
+    """The safetensors weight files of a checkpoint (``declared``'s weight patterns; default: the root's, sharded via
+    index.json, or every *.safetensors).
 
-    Raises CheckpointNotFound when ``path`` does not exist, holds no safetensors file or
+    Raises CheckpointNotFound when ``path`` does not exist, holds no matching file or
     lacks a shard its index names; NotRegularFile when a weight file is a FIFO, a device, a socket or a directory.
     """
-    path = Path(path)
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise CheckpointNotFound(path, "no such file or directory") from None
-    if not stat.S_ISDIR(mode):
-        if path.suffix != ".safetensors":
-            raise CheckpointNotFound(path, "a file, but not a *.safetensors file")
-        check_regular(path, mode)
-        return [path]
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise InvalidCheckpoint(index, "not a safetensors index (a JSON object with a weight_map)") from None
-        files = [path / name for name in names]
-        missing = [file.name for file in files if not file.exists()]
-        if missing:
-            raise CheckpointNotFound(path, f"{len(missing)} shards its index names are missing ({', '.join(missing[:3])})")
-    else:
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            contents = "it is empty" if not any(path.iterdir()) else "it holds no *.safetensors file"
-            raise CheckpointNotFound(path, f"{contents} (weightcache reads safetensors checkpoints only)")
-    for file in files:
-        check_regular(file, file.stat().st_mode)
-    return files
+    return (declared or CheckpointFiles()).weight_files(path)
 
 
-def check_checkpoint(path: str | os.PathLike) -> list[Header]:
+def check_checkpoint(path: str | os.PathLike, declared: CheckpointFiles | None = None) -> list[Header]:
     """Every file's header of the checkpoint at ``path``, each checked (``read_header``); no weight byte is read.
 
     The CLI's ``load`` runs it before it imports torch, the cache modes (``modes``) before a first sight hashes a file
@@ -135,30 +107,47 @@ def check_checkpoint(path: str | os.PathLike) -> list[Header]:
     would refuse or a cut-off file fails in milliseconds (CheckpointNotFound, InvalidCheckpoint) instead of deep inside
     a load, and nothing is published.
     """
-    return [read_header(file) for file in checkpoint_files(path)]
+    return [read_header(file) for file in checkpoint_files(path, declared)]
 
 
 @attrs.frozen
 class Sighting:
-    """A checkpoint's weight files seen once: each file, its version (one stat, or the header read's) and the digest
-    the store remembers for that version (None: first sight). What identifies the checkpoint comes from here, so
-    the files are stat'ed once per load, not once per question asked of them."""
+    """A checkpoint's declared files seen once: each file (weights first, then configs), its version (one stat, or the
+    header read's) and the digest the store remembers for that version (None: first sight). What identifies the
+    checkpoint comes from here, so the files are stat'ed once per load, not once per question asked of them."""
 
     path: Path
     files: tuple[Path, ...]
     keys: tuple[FileKey, ...]
     remembered: tuple[str | None, ...]
+    weights: int = -1
+    """How many of ``files`` are weight files (the others are configs); -1: all."""
 
     @classmethod
-    def of(cls, path: str | os.PathLike, store: DigestStore | None = None, headers: "Sequence[Header] | None" = None) -> Sighting:
-        """``path``'s files as they are now (``headers``: as ``check_checkpoint`` read them, not stat'ed again)."""
+    def of(
+        cls,
+        path: str | os.PathLike,
+        store: DigestStore | None = None,
+        headers: "Sequence[Header] | None" = None,
+        declared: CheckpointFiles | None = None,
+    ) -> Sighting:
+        """``path``'s declared files (default ``CheckpointFiles()``) as they are now (``headers``: the weight files as
+        ``check_checkpoint`` read them, not stat'ed again)."""
+        declared = declared or CheckpointFiles()
         if headers is None:
-            files = checkpoint_files(path)
-            keys = [FileKey.of(file) for file in files]
+            weights = declared.weight_files(path)
+            keys = [FileKey.of(file) for file in weights]
         else:
-            files = [header.file for header in headers]
+            weights = [header.file for header in headers]
             keys = [header.key if header.key is not None else FileKey.of(header.file) for header in headers]
-        return cls(Path(path), tuple(files), tuple(keys), tuple(remembered_digests(keys, store)))
+        configs = declared.config_files(path, weights)
+        keys += [FileKey.of(file) for file in configs]
+        files = weights + configs
+        return cls(Path(path), tuple(files), tuple(keys), tuple(remembered_digests(keys, store)), len(weights))
+
+    @property
+    def weight_files(self) -> tuple[Path, ...]:
+        return self.files if self.weights < 0 else self.files[: self.weights]
 
     @property
     def identity(self) -> str | None:
@@ -174,15 +163,17 @@ class Sighting:
         )
 
 
-def check_first_sight(path: str | os.PathLike, store: DigestStore | None = None) -> Sighting:
-    """``read_header`` for each file of the checkpoint whose digest ``store`` does not remember (stat only for the rest);
-    returns what it saw, for the checkpoint's identity.
+def check_first_sight(
+    path: str | os.PathLike, store: DigestStore | None = None, declared: CheckpointFiles | None = None
+) -> Sighting:
+    """``read_header`` for each weight file of the checkpoint whose digest ``store`` does not remember (stat only for the
+    rest); returns what it saw, for the checkpoint's identity.
 
     A remembered file was checked before it was first hashed, and its key (size, times, inode) still matches: a
     restart's attach opens no checkpoint file, while a file never seen, a changed one or a FIFO is checked first.
     """
-    sighting = Sighting.of(path, store)
-    for file, digest in zip(sighting.files, sighting.remembered, strict=True):
+    sighting = Sighting.of(path, store, declared=declared)
+    for file, digest in zip(sighting.weight_files, sighting.remembered, strict=False):
         if digest is None:
             read_header(file)
     return sighting
@@ -202,29 +193,41 @@ def check_length(header: Header) -> None:
         raise InvalidCheckpoint(header.file, f"it is {problem}")
 
 
-def checkpoint_identity(path: str | os.PathLike, store: DigestStore | None = None, progress: ProgressLike | None = None) -> str:
-    """sha256 over the digest scheme and every safetensors file's relative name and content digest.
+def checkpoint_identity(
+    path: str | os.PathLike,
+    store: DigestStore | None = None,
+    progress: ProgressLike | None = None,
+    declared: CheckpointFiles | None = None,
+) -> str:
+    """sha256 over the digest scheme and every declared file's relative name and content digest (``declared``: the
+    adapter's ``CheckpointFiles``, default the root's safetensors files and config.json).
 
     The same bytes in two directories give the same identity; any changed byte
     (data or header) gives another. Digests come from ``store`` (default: the
     user's ``DigestStore``) while a file is unchanged, else the file is hashed once
     (see ``weightcache.core.identity.digests``; ``progress`` counts the bytes hashed).
     """
-    return Sighting.of(path, store).identify(store, progress)
+    return Sighting.of(path, store, declared=declared).identify(store, progress)
 
 
 def identity_of(path: str | os.PathLike, files: "list[Path]", digests: "list[str]") -> str:
-    """The checkpoint identity of ``path`` from its weight ``files`` and their content digests, in the same order."""
+    """The checkpoint identity of ``path`` from its declared ``files`` and their content digests, in the same order."""
     path = Path(path)
     single = path.is_file()
     digest = hashlib.sha256(SCHEME.encode())
-    for file, content in zip(files, digests, strict=True):
-        relative = file.name if single else str(file.relative_to(path))
+    named = sorted((file.name if single else str(file.relative_to(path)), content) for file, content in zip(files, digests, strict=True))
+    for relative, content in named:  # by name: the order files were listed in never changes the identity
         for part in (relative.encode(), content.encode()):
             digest.update(struct.pack("<Q", len(part)) + part)
     return digest.hexdigest()
 
 
-def checkpoint_tensors(path: str | os.PathLike) -> list[TensorInfo]:
-    """Every tensor of a checkpoint, file by file in byte order."""
-    return [t for file in checkpoint_files(path) for t in read_header(file).tensors]
+def checkpoint_tensors(path: str | os.PathLike, declared: CheckpointFiles | None = None) -> list[TensorInfo]:
+    """Every tensor of a checkpoint's weight files, file by file in byte order, each named as the checkpoint calls it: its
+    own name in the root's files, ``folder/name`` in a subfolder's (``CheckpointFiles.tensor_prefix``)."""
+    declared = declared or CheckpointFiles()
+    tensors = []
+    for file in declared.weight_files(path):
+        prefix = declared.tensor_prefix(path, file)
+        tensors += [attrs.evolve(t, name=prefix + t.name) if prefix else t for t in read_header(file).tensors]
+    return tensors

@@ -124,7 +124,7 @@ def stage_version(
     timings: dict[str, float] = {}
     start = time.perf_counter()
     request = prepared.request
-    difference = state_difference(checkpoint_tensors(request.model), state)
+    difference = state_difference(checkpoint_tensors(request.model, prepared.declared), state)
     if difference is not None:
         raise LayoutMismatch(f"version {version}", difference)
     base = prepared.fingerprint
