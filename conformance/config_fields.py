@@ -1,4 +1,5 @@
-"""The kit's config.json perturbations: every scalar of the checkpoint's config changed, one at a time, on a copy.
+"""The kit's JSON perturbations: every scalar of config.json and of every other JSON file the adapter declares
+(``weightcache_checkpoint_files``) changed, one at a time, on a copy.
 
 A field is sound in one of two ways, as a flip is (``weightcache.conformance.flips``):
 the fingerprint changes (a client with the other value misses the entry), or the
@@ -70,7 +71,7 @@ def perturbed(value: typing.Any) -> typing.Any:
     return 1
 
 
-def with_changes(config: dict, paths: "typing.Iterable[tuple]") -> dict:
+def with_changes(config: dict | list, paths: "typing.Iterable[tuple]") -> dict | list:
     """A deep copy of ``config`` with the scalar at each of ``paths`` perturbed."""
     changed = json.loads(json.dumps(config))
     for path in paths:
@@ -89,15 +90,15 @@ def skip_reason(name: str, declared: "typing.Iterable[tuple[str, str]]") -> str 
     return None
 
 
-def linked_copy(checkpoint: str | os.PathLike, target: Path) -> Path:
-    """``target`` holding a symlink to every file of the directory ``checkpoint`` but config.json, which is copied."""
+def linked_copy(checkpoint: str | os.PathLike, target: Path, copied: str = CONFIG) -> Path:
+    """``target`` holding a symlink to every file of the directory ``checkpoint`` but ``copied`` (relative), which is copied."""
     source = Path(checkpoint).resolve()
     target.mkdir(parents=True, exist_ok=True)
     for path in sorted(source.rglob("*")):
         destination = target / path.relative_to(source)
         if path.is_dir():
             destination.mkdir(parents=True, exist_ok=True)
-        elif path.relative_to(source) == Path(CONFIG):
+        elif path.relative_to(source) == Path(copied):
             destination.write_bytes(path.read_bytes())
         else:
             destination.parent.mkdir(parents=True, exist_ok=True)
@@ -105,17 +106,33 @@ def linked_copy(checkpoint: str | os.PathLike, target: Path) -> Path:
     return target
 
 
-def read_config(checkpoint: str | os.PathLike) -> dict | None:
-    """The checkpoint's config.json, or None when it has none (a bare safetensors file, another format)."""
-    path = Path(checkpoint) / CONFIG
+def read_config(checkpoint: str | os.PathLike, name: str = CONFIG) -> dict | list | None:
+    """The checkpoint's JSON file ``name`` (config.json), or None when it has none or it is no JSON object or list."""
+    path = Path(checkpoint) / name
     if not path.is_file():
         return None
-    config = json.loads(path.read_text())
-    return config if isinstance(config, dict) else None
+    try:
+        config = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return config if isinstance(config, (dict, list)) else None
 
 
-def write_config(checkpoint: Path, config: dict) -> None:
-    (checkpoint / CONFIG).write_text(json.dumps(config, indent=2))
+def write_config(checkpoint: Path, config: dict | list, name: str = CONFIG) -> None:
+    (checkpoint / name).write_text(json.dumps(config, indent=2))
+
+
+def declared_json(request: "LoadRequest", plugins: "Plugins | None") -> list[str]:
+    """The JSON files the adapter declares (``weightcache_checkpoint_files``), relative to the checkpoint, config.json first."""
+    from weightcache.core.flow.loader import check
+
+    checkpoint = Path(request.model)
+    if not checkpoint.is_dir():
+        return []
+    checked = check(request, plugins)
+    files = checked.adapter.checkpoint_files(checked.request).config_files(checkpoint)
+    names = [str(file.relative_to(checkpoint)) for file in files if file.suffix == ".json"]
+    return sorted(names, key=lambda name: (name != CONFIG, name))
 
 
 @attrs.frozen
@@ -134,49 +151,72 @@ def check_config_fields(
     copy_dir: Path,
     reference: "Callable[[torch.nn.Module], None]",
 ) -> FieldCheck | None:
-    """Perturb every scalar of ``request``'s config.json on a linked copy in ``copy_dir`` (see the module docstring).
+    """Perturb every scalar of config.json and of every other JSON file the adapter declares, one file at a time, each on a
+    linked copy under ``copy_dir`` (see the module docstring).
 
-    :param declared: the adapter's ``unused_config`` (pattern, reason) pairs.
+    :param declared: the adapter's ``unused_config`` (pattern, reason) pairs; a field of a file other than config.json
+        is named ``FILE:FIELD`` (``1_Pooling/config.json:pooling_mode_mean_tokens``).
     :param reference: raises AssertionError unless a model equals the disk load (tensors, outputs).
-    :returns: None when the checkpoint has no config.json.
+    :returns: None when the checkpoint has no such file.
     """
-    config = read_config(request.model)
+    declared = list(declared)
+    names = list(dict.fromkeys([CONFIG, *declared_json(request, plugins)]))
+    found = [
+        check_file(request, plugins, declared, copy_dir / str(number), reference, name) for number, name in enumerate(names)
+    ]
+    checked = [one for one in found if one is not None]
+    if not checked:
+        return None
+    return FieldCheck(*(sum((getattr(one, field) for one in checked), []) for field in ("problems", "skipped", "loaded")))
+
+
+def check_file(
+    request: "LoadRequest",
+    plugins: "Plugins | None",
+    declared: "typing.Iterable[tuple[str, str]]",
+    copy_dir: Path,
+    reference: "Callable[[torch.nn.Module], None]",
+    name: str = CONFIG,
+) -> FieldCheck | None:
+    """Perturb every scalar of the checkpoint's JSON file ``name`` on a linked copy in ``copy_dir``; None: no such file."""
+    config = read_config(request.model, name)
     if config is None:
         return None
-    copy = attrs.evolve(request, model=str(linked_copy(request.model, copy_dir)))
+    copy = attrs.evolve(request, model=str(linked_copy(request.model, copy_dir, name)))
     baseline = _fingerprint(copy, plugins)
     if baseline is None:
-        raise AssertionError(f"a linked copy of {request.model} with the same config.json cannot be described")
+        raise AssertionError(f"a linked copy of {request.model} with the same {name} cannot be described")
     same: dict[str, tuple] = {}
     skipped = []
     for path, _ in scalar_leaves(config):
-        name = field_name(path)
-        reason = skip_reason(name, declared)
+        field = field_name(path) if name == CONFIG else f"{name}:{field_name(path)}"
+        reason = skip_reason(field, declared)
         if reason is not None:
-            skipped.append(f"{name}: {reason}")
+            skipped.append(f"{field}: {reason}")
             continue
-        write_config(copy_dir, with_changes(config, [path]))
+        write_config(copy_dir, with_changes(config, [path]), name)
         if _fingerprint(copy, plugins) == baseline:
-            same[name] = path
+            same[field] = path
     problems: list[str] = []
     if same:
-        write_config(copy_dir, with_changes(config, same.values()))
+        write_config(copy_dir, with_changes(config, same.values()), name)
         together = _fingerprint(copy, plugins) == baseline and _load_problem(copy, plugins, reference) is None
-        for name, path in ({} if together else same).items():
-            write_config(copy_dir, with_changes(config, [path]))
+        for field, path in ({} if together else same).items():
+            write_config(copy_dir, with_changes(config, [path]), name)
             problem = _load_problem(copy, plugins, reference)
             if problem is not None:
                 value = _value(config, path)
                 problems.append(
-                    f"config.json field {name!r} changed ({value!r} -> {perturbed(value)!r}) leaves the fingerprint "
+                    f"{name} field {field!r} changed ({value!r} -> {perturbed(value)!r}) leaves the fingerprint "
                     f"unchanged, but {problem}; if it changes the weights, keep it in ModelDescription.config (or extra) "
-                    "in weightcache_describe; if it cannot, declare it in CheckpointConventions.unused_config with the reason"
+                    "in weightcache_describe, or declare the file in weightcache_checkpoint_files; if it cannot, declare "
+                    "it in CheckpointConventions.unused_config with the reason"
                 )
-    write_config(copy_dir, config)
+    write_config(copy_dir, config, name)
     return FieldCheck(problems, skipped, sorted(same))
 
 
-def _value(config: dict, path: tuple) -> typing.Any:
+def _value(config: dict | list, path: tuple) -> typing.Any:
     value: typing.Any = config
     for part in path:
         value = value[part]

@@ -342,22 +342,27 @@ class ConformanceFixtures:
     @pytest.fixture(scope="class")
     @classmethod
     def fresh_process(cls, load_request, plugins, run_model, tmp_path_factory):
-        """A fresh process with another hash seed loading the model (``weightcache.conformance.fresh_process``)."""
-        from weightcache.conformance.fresh_process import FreshProcess
+        """Fresh processes loading the model, each with another hash seed, the second with another thread count
+        (``weightcache.conformance.fresh_process``)."""
+        from weightcache.conformance.fresh_process import FreshProcess, variants
 
-        started = FreshProcess.start(load_request, plugins, run_model, tmp_path_factory.mktemp("fresh-process"))
+        started = []
         try:
+            for seed, threads in variants():
+                workdir = tmp_path_factory.mktemp("fresh-process")
+                started.append(FreshProcess.start(load_request, plugins, run_model, workdir, seed=seed, threads=threads))
             yield started
         finally:
-            started.close()
+            for process in started:
+                process.close()
 
     @pytest.fixture(scope="class", autouse=True)
     @classmethod
     def _weightcache_fresh_process_early(cls, request, _weightcache_precheck):
         """Start ``fresh_process`` as the class begins when its check will run, so that its start overlaps the others."""
-        from weightcache.conformance.fresh_process import CHECK
+        from weightcache.conformance.fresh_process import CHECKS
 
-        if any(item.cls is request.cls and item.originalname == CHECK for item in request.session.items):
+        if any(item.cls is request.cls and item.originalname in CHECKS for item in request.session.items):
             request.getfixturevalue("fresh_process")
 
     @pytest.fixture(scope="class")

@@ -40,8 +40,9 @@ if typing.TYPE_CHECKING:
 TIMEOUT_S = 1800.0
 """How long the fresh process may take to import, load and run the model."""
 
-CHECK = "test_fresh_process_publishes_the_same_model"
-"""The kit's check that reads the fresh process (its class starts the process early only when it will run)."""
+CHECKS = ("test_fresh_process_publishes_the_same_model", "test_load_reads_only_declared_files")
+"""The kit's checks that read the fresh processes (their class starts the processes early only when one will run)."""
+CHECK = CHECKS[0]
 
 HASH_PROBE = "weightcache conformance hash probe"
 """A string both processes hash: equal hashes would mean the child did not get another seed."""
@@ -61,6 +62,16 @@ class FreshLoad:
     tensors: dict[str, list]  # name -> [kind, dtype, shape, sha256]
     outputs: dict = attrs.field(eq=False)
     forward_error: str | None = None
+    threads: int = 0
+    read: list[str] = attrs.field(factory=list, eq=False)
+    """The files under the checkpoint the process opened (``weightcache.conformance.file_reads``), relative to it."""
+    declared: list[str] = attrs.field(factory=list, eq=False)
+    """The files the adapter declares (``weightcache_checkpoint_files``), relative to the checkpoint."""
+
+    @property
+    def how(self) -> str:
+        """How this process differed from the kit's: its hash seed and thread count."""
+        return f"PYTHONHASHSEED={self.seed}, {self.threads} threads"
 
 
 def importable_name(value: object) -> str | None:
@@ -112,10 +123,22 @@ def plain(value: typing.Any) -> typing.Any:
     return value
 
 
-def child_seed() -> str:
-    """A ``PYTHONHASHSEED`` other than this process's (the next one when it is fixed, else 1)."""
+def child_seed(step: int = 1) -> str:
+    """A ``PYTHONHASHSEED`` other than this process's (``step`` after it when it is fixed, else ``step``)."""
     own = os.environ.get("PYTHONHASHSEED", "")
-    return str((int(own) + 1) % 2**32) if own.isdigit() else "1"
+    return str((int(own) + step) % 2**32) if own.isdigit() else str(step)
+
+
+def other_threads() -> int:
+    """A torch thread count other than this process's: 1, or 2 where this process runs with 1."""
+    import torch
+
+    return 2 if torch.get_num_threads() == 1 else 1
+
+
+def variants() -> list[tuple[str, int | None]]:
+    """The fresh processes the kit starts: (hash seed, thread count; None: torch's default), two seeds, two thread counts."""
+    return [(child_seed(1), None), (child_seed(2), other_threads())]
 
 
 @attrs.define
@@ -129,12 +152,20 @@ class FreshProcess:
     proc: subprocess.Popen = attrs.field(repr=False)
     workdir: Path
     seed: str
+    _result: FreshLoad | None = attrs.field(default=None, init=False, repr=False)
 
     @classmethod
     def start(
-        cls, request: "LoadRequest", plugins: "Plugins | None", run_model: typing.Callable, workdir: Path
+        cls,
+        request: "LoadRequest",
+        plugins: "Plugins | None",
+        run_model: typing.Callable,
+        workdir: Path,
+        seed: str | None = None,
+        threads: int | None = None,
     ) -> "FreshProcess":
-        """Start loading ``request`` from disk in a fresh process with another hash seed."""
+        """Start loading ``request`` from disk in a fresh process with another hash seed (``seed``, default
+        ``child_seed()``) and, given ``threads``, that many threads (``torch.set_num_threads``, ``OMP_NUM_THREADS``)."""
         workdir.mkdir(parents=True, exist_ok=True)
         spec = {
             "request": {
@@ -149,17 +180,26 @@ class FreshProcess:
             },
             "adapter_module": adapter_spec(plugins, request.adapter),
             "run_model": importable_name(run_model),
+            "threads": threads,
         }
         (workdir / SPEC).write_text(json.dumps(spec))
-        seed = child_seed()
+        seed = seed or child_seed()
         path = [entry for entry in sys.path if entry] + [os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(entry for entry in path if entry)}
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
         argv = [sys.executable, "-m", "weightcache.conformance.fresh_process", str(workdir)]
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         return cls(proc, workdir, seed)
 
     def finish(self, inputs: typing.Any) -> FreshLoad:
-        """Run the forward on ``inputs`` (none for ForwardUnavailable) and return what the process saw; AssertionError if it failed."""
+        """Run the forward on ``inputs`` (none for ForwardUnavailable) and return what the process saw; AssertionError if it
+        failed. A second call returns the first one's result."""
+        if self._result is None:
+            self._result = self._finish(inputs)
+        return self._result
+
+    def _finish(self, inputs: typing.Any) -> FreshLoad:
         import torch
 
         from weightcache.core.request import ForwardUnavailable
@@ -175,7 +215,7 @@ class FreshProcess:
         if self.proc.returncode != 0 or not (self.workdir / RESULT).exists():
             raise AssertionError(
                 f"the fresh process (PYTHONHASHSEED={self.seed}) could not load the model (exit {self.proc.returncode}): "
-                f"{_last_lines(stderr or stdout)}"
+                f"{failure_lines(stderr or stdout)}"
             )
         result = json.loads((self.workdir / RESULT).read_text())
         outputs: dict = {}
@@ -209,8 +249,14 @@ def first_differing_tensor(fresh: FreshLoad, published: "typing.Mapping[str, Ten
     return problems
 
 
-def _last_lines(text: str, count: int = 6) -> str:
-    return " | ".join(line.strip() for line in text.strip().splitlines()[-count:])
+def failure_lines(text: str, count: int = 6) -> str:
+    """The end of a child's output, one line, with the module an import failure names first (its traceback's last
+    frames are importlib's own, ``_bootstrap._gcd_import``, which say nothing)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    starts = ("weightcache conformance:", "ModuleNotFoundError", "ImportError")
+    error = next((line for line in reversed(lines) if line.startswith(starts)), None)
+    tail = " | ".join(lines[-count:])
+    return f"{error} | {tail}" if error and error not in lines[-1:] else tail
 
 
 def main(workdir: str) -> None:
@@ -219,8 +265,10 @@ def main(workdir: str) -> None:
     import torch
 
     from weightcache.conformance.assertions import flatten_outputs, model_tensors
+    from weightcache.conformance.file_reads import FileReads, declared_names
     from weightcache.conformance.kit_loads import fresh, load
     from weightcache.core.fingerprint import ParallelSpec
+    from weightcache.core.identity import hub
     from weightcache.core.flow.example_inputs import run_with_inputs
     from weightcache.core.flow.loader import prepare
     from weightcache.core.flow.plugins import Plugins
@@ -228,11 +276,16 @@ def main(workdir: str) -> None:
 
     directory = Path(workdir)
     spec = json.loads((directory / SPEC).read_text())
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
     fields = dict(spec["request"])
     request = LoadRequest(**{**fields, "parallel": ParallelSpec(**fields["parallel"])})
+    # Before the adapter or its framework imports safetensors' safe_open: every read from here on is recorded.
+    reads = FileReads(hub.resolve(request.model, request.revision).path).install()
     module = spec["adapter_module"]
-    plugins = Plugins.from_modules({request.adapter: import_name(module)}) if module else None
-    fingerprint = prepare(fresh(request), plugins).fingerprint
+    plugins = Plugins.from_modules({request.adapter: _import_adapter(module)}) if module else None
+    prepared = prepare(fresh(request), plugins)
+    fingerprint = prepared.fingerprint
     loaded = load(request, "off", plugins)
     facts = model_tensors(loaded.model)
     result: dict[str, typing.Any] = {
@@ -240,6 +293,8 @@ def main(workdir: str) -> None:
         "fingerprint": fingerprint.to_json(),
         "tensors": {name: [f.kind, f.dtype, list(f.shape), f.digest] for name, f in facts.items()},
         "forward_error": None,
+        "threads": torch.get_num_threads(),
+        "declared": sorted(declared_names(prepared.request.model, prepared.declared.files(prepared.request.model))),
     }
     if sys.stdin.readline() == GO:
         inputs = torch.load(directory / INPUTS, weights_only=True)
@@ -253,7 +308,19 @@ def main(workdir: str) -> None:
             safetensors.torch.save_file(
                 {name: tensor.detach().to("cpu").contiguous() for name, tensor in outputs.items()}, str(directory / OUTPUTS)
             )
+    result["read"] = reads.read(prepared.request.model)
     (directory / RESULT).write_text(json.dumps(result))
+
+
+def _import_adapter(name: str) -> typing.Any:
+    """The adapter ``name`` names; an import failure says which module and why, in one line."""
+    try:
+        return import_name(name)
+    except ImportError as exc:
+        raise SystemExit(
+            f"weightcache conformance: the adapter module {name!r} does not import in a fresh process: {type(exc).__name__}: "
+            f"{exc} (is its folder on sys.path or PYTHONPATH, or the package installed?)"
+        ) from None
 
 
 if __name__ == "__main__":
