@@ -227,14 +227,19 @@ class ParityTests:
         outputs = flatten_outputs(run_model(mapped_model.model, long_inputs))
         assert_same_outputs(outputs, long_disk_outputs, "mapped model, long input")
 
-    def test_every_checkpoint_tensor_is_accounted_for(self, load_request, published, conventions):
-        """Each tensor of the checkpoint's files is published, consumed by a published tensor, or declared unused."""
+    def test_every_checkpoint_tensor_is_accounted_for(self, load_request, plugins, published, conventions):
+        """Each tensor of the checkpoint's declared weight files is published, consumed by a published tensor, or declared
+        unused."""
         from weightcache.conformance.accounting import ADVICE, published_names, unaccounted
         from weightcache.core.flow.loader import resolved
         from weightcache.core.identity.safetensors_io import checkpoint_tensors
 
-        model = resolved(load_request).model
-        names = [(info.name, f"{info.dtype} {list(info.shape)} in {info.file.name}") for info in checkpoint_tensors(model)]
+        request = resolved(load_request)
+        declared = adapter_facade(plugins, request.adapter).checkpoint_files(request)
+        names = [
+            (info.name, f"{info.dtype} {list(info.shape)} in {info.file.name}")
+            for info in checkpoint_tensors(request.model, declared)
+        ]
         problems = unaccounted(names, published_names(published.manifest), conventions)
         assert not problems, failures(f"checkpoint tensors a client never gets; {ADVICE}", problems)
 

@@ -161,13 +161,12 @@ def check_config_fields(
     """
     declared = list(declared)
     names = list(dict.fromkeys([CONFIG, *declared_json(request, plugins)]))
-    found = [
-        check_file(request, plugins, declared, copy_dir / str(number), reference, name) for number, name in enumerate(names)
-    ]
+    found = [check_file(request, plugins, declared, copy_dir / str(number), reference, name) for number, name in enumerate(names)]
     checked = [one for one in found if one is not None]
     if not checked:
         return None
-    return FieldCheck(*(sum((getattr(one, field) for one in checked), []) for field in ("problems", "skipped", "loaded")))
+    fields = ("problems", "skipped", "loaded")
+    return FieldCheck(*([item for one in checked for item in getattr(one, field)] for field in fields))
 
 
 def check_file(

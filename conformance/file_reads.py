@@ -109,5 +109,5 @@ def _wrap_safe_open(record: typing.Callable[[typing.Any], None]) -> None:
         return original(filename, *args, **kwargs)
 
     safe_open._weightcache_recording = True  # type: ignore[attr-defined]
-    safetensors.safe_open = safe_open
-    safetensors.torch.safe_open = safe_open
+    safetensors.safe_open = safe_open  # type: ignore[misc,assignment]
+    safetensors.torch.safe_open = safe_open  # type: ignore[misc,assignment]

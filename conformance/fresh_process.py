@@ -268,10 +268,10 @@ def main(workdir: str) -> None:
     from weightcache.conformance.file_reads import FileReads, declared_names
     from weightcache.conformance.kit_loads import fresh, load
     from weightcache.core.fingerprint import ParallelSpec
-    from weightcache.core.identity import hub
     from weightcache.core.flow.example_inputs import run_with_inputs
     from weightcache.core.flow.loader import prepare
     from weightcache.core.flow.plugins import Plugins
+    from weightcache.core.identity import hub
     from weightcache.core.request import LoadRequest
 
     directory = Path(workdir)

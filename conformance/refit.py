@@ -24,17 +24,24 @@ from weightcache.conformance.fixtures import adapter_facade, fresh, load
 if typing.TYPE_CHECKING:
     import torch
 
+    from weightcache.core.identity.declared import CheckpointFiles
 
-def next_version(checkpoint: Path, directory: Path) -> "dict[str, torch.Tensor]":
-    """A copy of ``checkpoint`` in ``directory`` whose floating tensors are negated (``_negated``), and its tensors by name."""
+
+def next_version(checkpoint: Path, directory: Path, declared: "CheckpointFiles | None" = None) -> "dict[str, torch.Tensor]":
+    """A copy of ``checkpoint`` in ``directory`` whose floating tensors are negated (``_negated``), and its tensors by the
+    names the checkpoint gives them (``folder/name`` in a declared subfolder's file, ``CheckpointFiles.tensor_prefix``)."""
     from safetensors.torch import load_file, save_file
 
+    from weightcache.core.identity.declared import CheckpointFiles
+
+    declared = declared or CheckpointFiles()
     shutil.copytree(checkpoint, directory)
     state: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
+    for file in declared.weight_files(directory):
         tensors = {name: _negated(t) for name, t in load_file(str(file)).items()}
         save_file(tensors, str(file), metadata={"format": "pt"})
-        state.update(tensors)
+        prefix = declared.tensor_prefix(directory, file)
+        state.update({prefix + name: tensor for name, tensor in tensors.items()})
     return state
 
 
@@ -62,7 +69,8 @@ class RefitTests:
             )
         socket_dir = weightcache_server.socket_dir
         directory = tmp_path_factory.mktemp("refit") / "next-version"
-        state = next_version(Path(load_request.model), directory)
+        adapter = adapter_facade(plugins, load_request.adapter)
+        state = next_version(Path(load_request.model), directory, adapter.checkpoint_files(load_request))
         mapped = load(load_request, "client", plugins, socket_dir, strict=True)
         try:
             addresses = {name: t.data_ptr() for name, t in mapped.model.state_dict().items()}

@@ -119,7 +119,7 @@ def _pairs_or_function(value) -> typing.Any:
 def _renaming(value) -> typing.Any:
     """``_pairs_or_function(value)``, each pattern a regular expression that cannot match the empty string."""
     pairs = _pairs_or_function(value)
-    for pattern, replacement in () if callable(pairs) else pairs:
+    for pattern, _replacement in () if callable(pairs) else pairs:
         try:
             empty = re.fullmatch(pattern, "") is not None
         except re.error as exc:

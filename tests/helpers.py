@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from tests import zygote
-from weightcache.core.identity.digests import RACY_WINDOW_NS
 from weightcache.core.identity.declared import CheckpointFiles
+from weightcache.core.identity.digests import RACY_WINDOW_NS
 from weightcache.core.server.server_process import ServerProcess
 
 __all__ = ["ServerProcess"]  # one server-process helper for the kit, the demo and the project's tests

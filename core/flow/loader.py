@@ -22,6 +22,7 @@ from weightcache.core.flow.plan import Published as Published
 from weightcache.core.flow.plan import Tier as Tier
 from weightcache.core.flow.plugins import Adapter, Plugins, installed_plugins
 from weightcache.core.identity import hub, identity
+from weightcache.core.identity.declared import CheckpointFiles
 from weightcache.core.identity.digests import (
     FileDigest,
     FileKey,
@@ -30,7 +31,6 @@ from weightcache.core.identity.digests import (
     default_store,
     remember,
 )
-from weightcache.core.identity.declared import CheckpointFiles
 from weightcache.core.identity.safetensors_io import Sighting, check_first_sight, identity_of
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.load.export import DEFAULT_CHUNK_BYTES, ArenaBuilder

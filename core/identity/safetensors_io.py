@@ -215,7 +215,9 @@ def identity_of(path: str | os.PathLike, files: "list[Path]", digests: "list[str
     path = Path(path)
     single = path.is_file()
     digest = hashlib.sha256(SCHEME.encode())
-    named = sorted((file.name if single else str(file.relative_to(path)), content) for file, content in zip(files, digests, strict=True))
+    named = sorted(
+        (file.name if single else str(file.relative_to(path)), content) for file, content in zip(files, digests, strict=True)
+    )
     for relative, content in named:  # by name: the order files were listed in never changes the identity
         for part in (relative.encode(), content.encode()):
             digest.update(struct.pack("<Q", len(part)) + part)

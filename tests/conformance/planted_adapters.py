@@ -17,6 +17,7 @@ import torch
 from weightcache_example import TinyLM, plugin, read_config
 
 from weightcache.core.hookspecs import hookimpl
+from weightcache.core.identity.declared import CheckpointFiles
 from weightcache.core.load.rebind import rebind_module
 from weightcache.core.options import AdapterOption
 from weightcache.core.request import ModelDescription
@@ -176,8 +177,14 @@ CONFIG_SCALE = "residual_scale"
 class ConfigScaleLeftOutOfDescribe(Example):
     """Post-processing multiplies fc1.weight by config.json's ``residual_scale``, which describe leaves out of the config.
 
-    Publish with 2.0, edit config.json to 1.0: the fingerprint stays, and a client attaches the stale entry.
+    Publish with 2.0, edit config.json to 1.0: the fingerprint stays, and a client attaches the stale entry. It also
+    declares no config file (config.json would otherwise be in the checkpoint identity, which makes the bug harmless).
     """
+
+    @staticmethod
+    @hookimpl
+    def weightcache_checkpoint_files(request):
+        return CheckpointFiles(configs=())
 
     @staticmethod
     @hookimpl

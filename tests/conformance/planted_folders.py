@@ -1,0 +1,74 @@
+"""Adapters with one planted bug each that only a multi-folder checkpoint, another file or another thread count shows.
+
+``test_multi_folder.py`` registers them through ``weightcache.adapters`` entry points and runs the kit on them; each
+must fail by the check meant for it, naming the file or tensor. ``Folders`` is the control: the example
+sentence-transformers adapter (examples/sentence_transformers_adapter.py) as it is, which passes.
+"""
+
+from __future__ import annotations
+
+import attrs
+import sentence_transformers_adapter as st
+import torch
+from weightcache_example import plugin
+
+from weightcache import hookimpl
+
+
+class Folders:
+    """The example sentence-transformers adapter, hook for hook."""
+
+    weightcache_checkpoint_files = staticmethod(st.weightcache_checkpoint_files)
+    weightcache_describe = staticmethod(st.weightcache_describe)
+    weightcache_load = staticmethod(st.weightcache_load)
+    weightcache_load_tensors = staticmethod(st.weightcache_load_tensors)
+    weightcache_rebind = staticmethod(st.weightcache_rebind)
+    weightcache_example_inputs = staticmethod(st.weightcache_example_inputs)
+    weightcache_checkpoint_conventions = staticmethod(st.weightcache_checkpoint_conventions)
+
+
+class DenseLeftOut(Folders):
+    """Declares the body's weights only, as the identity covered before: a new ``2_Dense/model.safetensors`` keeps the
+    fingerprint, and a client attaches the old head."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_checkpoint_files(request):
+        declared = st.weightcache_checkpoint_files(request=request)
+        return attrs.evolve(declared, weights=declared.weights[:1])
+
+
+class PoolingLeftOut(Folders):
+    """Reads ``1_Pooling/config.json`` (its pooling mode decides the embedding) but declares neither the file nor the mode:
+    another pooling mode keeps the fingerprint."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_checkpoint_files(request):
+        declared = st.weightcache_checkpoint_files(request=request)
+        return attrs.evolve(declared, configs=tuple(c for c in declared.configs if "Pooling" not in c))
+
+    @staticmethod
+    @hookimpl
+    def weightcache_describe(request):
+        description = st.weightcache_describe(request=request)
+        return attrs.evolve(description, config={k: v for k, v in description.config.items() if k != "pooling"})
+
+
+class ChunksByThreadCount:
+    """TinyLM whose post-processing rescales fc1.weight in as many chunks as torch has threads (a parallel repack whose
+    rounding follows the chunking): the loader's thread count decides the bytes an engine with another count attaches."""
+
+    weightcache_describe = staticmethod(plugin.weightcache_describe)
+    weightcache_load = staticmethod(plugin.weightcache_load)
+    weightcache_rebind = staticmethod(plugin.weightcache_rebind)
+    weightcache_example_inputs = staticmethod(plugin.weightcache_example_inputs)
+    weightcache_checkpoint_conventions = staticmethod(plugin.weightcache_checkpoint_conventions)
+
+    @staticmethod
+    @hookimpl
+    def weightcache_post_process(request, model, description):
+        with torch.no_grad():
+            for number, chunk in enumerate(model.fc1.weight.chunk(torch.get_num_threads())):
+                chunk.mul_(1.0 + 1e-3 * number)
+        return model
