@@ -180,7 +180,14 @@ def pytest_collection_finish(session) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """The kit's verdict after every run that collected a check of it: PASSED, PASSED without forward checks, FAILED."""
-    from weightcache.conformance.verdict import PASSED, PASSED_WITHOUT_FORWARD, forward_skip, skip_reason, verdict
+    from weightcache.conformance.verdict import (
+        NO_CHECK_RAN,
+        PASSED,
+        PASSED_WITHOUT_FORWARD,
+        forward_skip,
+        skip_reason,
+        verdict,
+    )
 
     checks = config.stash.get(_kit_checks(), set())
     if not checks:
@@ -190,6 +197,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     def reports(*outcomes: str) -> list:
         return [report for outcome in outcomes for report in stats.get(outcome, []) if getattr(report, "nodeid", None) in checks]
 
+    if not reports("passed", "failed", "error", "skipped"):
+        terminalreporter.write_line(
+            f"weightcache conformance: {NO_CHECK_RAN} ({len(checks)} collected, none run)", bold=True, yellow=True
+        )
+        return
     failed = bool(reports("failed", "error")) or int(exitstatus) not in (0, 1, 5)  # interrupted, usage or internal error
     no_forward = forward_skip(skip_reason(report) for report in reports("skipped"))
     said = verdict(1 if failed else 0, no_forward)

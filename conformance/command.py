@@ -19,7 +19,15 @@ import time
 import typing
 from pathlib import Path
 
-from weightcache.conformance.verdict import FAILED, PASSED_WITHOUT_FORWARD, forward_skip, skip_reason, verdict
+from weightcache.conformance.verdict import (
+    FAILED,
+    NO_CHECK_EXIT,
+    NO_CHECK_RAN,
+    PASSED_WITHOUT_FORWARD,
+    forward_skip,
+    skip_reason,
+    verdict,
+)
 
 if typing.TYPE_CHECKING:
     import argparse
@@ -149,7 +157,15 @@ def check_arguments(args: "argparse.Namespace") -> None:
 
 
 def run(args: "argparse.Namespace") -> int:
-    import pytest
+    try:
+        import pytest
+    except ImportError as exc:
+        print(
+            f"weightcache: error: weightcache conformance runs its checks with pytest, which does not import ({exc}): "
+            "pip install 'weightcache[conformance]' (or pip install pytest)",
+            file=sys.stderr,
+        )
+        return 2
 
     import weightcache.conformance as kit
 
@@ -167,6 +183,8 @@ def run(args: "argparse.Namespace") -> int:
         for handler in handlers:
             root.addHandler(handler)
     results = list(collector.results.values())
+    if not results and exit_code == 0:
+        exit_code = NO_CHECK_EXIT  # collected, none run (--collect-only): not a pass
     summary = _summary(args, results, collector.collection_errors, exit_code, time.perf_counter() - start)
     print_table(summary)
     if args.json:
@@ -184,7 +202,7 @@ def _summary(args, results: list[dict], collection_errors: list[str], exit_code:
         "quantization": args.quant or "none",
         "device": args.device or "cpu",
         "passed": exit_code == 0,
-        "verdict": verdict(exit_code, no_forward),
+        "verdict": verdict(exit_code, no_forward) if results else NO_CHECK_RAN,
         "forward_checks": no_forward is None,
         "exit_code": exit_code,
         "counts": counts,
@@ -240,7 +258,9 @@ def print_table(summary: dict, stream: typing.TextIO | None = None) -> None:
             print(f"  {count} ({shown}) {message}", file=stream)
     counts = summary["counts"]
     said = summary.get("verdict") or verdict(summary["exit_code"], None)
-    if said == FAILED:
+    if said == NO_CHECK_RAN:
+        said = f"{NO_CHECK_RAN} (pytest exit status {summary['exit_code']}; --collect-only or a -k that selects nothing?)"
+    elif said == FAILED:
         said = f"{FAILED} (pytest exit status {summary['exit_code']})"
     elif said == PASSED_WITHOUT_FORWARD:
         said += " (tensors compared, outputs not: see 'skipped' above)"

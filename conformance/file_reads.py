@@ -104,7 +104,7 @@ def _wrap_safe_open(record: typing.Callable[[typing.Any], None]) -> None:
     if getattr(original, "_weightcache_recording", False):
         return
 
-    def safe_open(filename, *args, **kwargs):
+    def safe_open(filename: typing.Any, *args: typing.Any, **kwargs: typing.Any) -> typing.Any:
         record(filename)
         return original(filename, *args, **kwargs)
 

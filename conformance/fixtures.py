@@ -32,6 +32,7 @@ import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 
 from weightcache.conformance.assertions import flatten_outputs
@@ -94,6 +95,29 @@ def declaration_from_spec(spec: "str | Callable[[Path, str], None] | None") -> C
 
 def _option(pytest_request, name: str):
     return pytest_request.config.getoption(name, None)
+
+
+@attrs.frozen
+class DeclarationSource:
+    """Where the kit's way of making a checkpoint declare a quantization method came from, for its messages."""
+
+    text: str
+    assumed: bool
+    """True when neither the adapter nor the command line said it: the kit assumed transformers' convention."""
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def declaration_source(pytest_request: typing.Any, plugins: "Plugins | None", adapter: str) -> DeclarationSource:
+    """How the checkpoint copy declared its method: ``--declare-quantization``, the adapter's
+    ``weightcache_checkpoint_conventions``, or the kit's assumption (transformers' ``quantization_config``)."""
+    spec = _option(pytest_request, "weightcache_declare_quantization")
+    if spec:
+        return DeclarationSource(f"declared by --declare-quantization {spec}", False)
+    if adapter_facade(plugins, adapter).implements("weightcache_checkpoint_conventions"):
+        return DeclarationSource("declared the way the adapter's weightcache_checkpoint_conventions says", False)
+    return DeclarationSource("written as transformers' quantization_config in config.json, the kit's default", True)
 
 
 def _required_option(pytest_request, name: str, fixture: str, flag: str):

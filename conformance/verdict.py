@@ -15,6 +15,10 @@ NO_FORWARD = "no forward pass for this model here"
 PASSED = "PASSED"
 PASSED_WITHOUT_FORWARD = "PASSED without forward checks"
 FAILED = "FAILED"
+NO_CHECK_RAN = "no check ran"
+"""The verdict of a run that collected checks but ran none (``--collect-only``, a ``-k`` that selects nothing)."""
+NO_CHECK_EXIT = 5
+"""The exit status of such a run from ``weightcache conformance`` (pytest's own for "no tests ran"): never a pass."""
 
 
 def forward_skip(messages: "typing.Iterable[str]") -> str | None:

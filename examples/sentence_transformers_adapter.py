@@ -12,7 +12,7 @@ covers them (a new Dense head or another pooling mode is another entry) and the 
 kit can check that nothing else is read. ``publish_version`` then takes the tensors of every
 declared weight file, a subfolder's named ``folder/name`` (``2_Dense/linear.weight``).
 
-Register it in-process (``Plugins.from_modules({"st": sentence_transformers_adapter})``) or
+Register it in-process (``weightcache.engine.Plugins.from_modules({"st": sentence_transformers_adapter})``) or
 through an entry point in ``weightcache.adapters``. docs/adapter-guide.md walks through it.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from weightcache import (
+from weightcache.adapter import (
     CheckpointConventions,
     CheckpointFiles,
     ModelDescription,

@@ -12,7 +12,7 @@ import sentence_transformers_adapter as st
 import torch
 from weightcache_example import plugin
 
-from weightcache import hookimpl
+from weightcache.adapter import hookimpl
 
 
 class Folders:
@@ -72,3 +72,20 @@ class ChunksByThreadCount:
             for number, chunk in enumerate(model.fc1.weight.chunk(torch.get_num_threads())):
                 chunk.mul_(1.0 + 1e-3 * number)
         return model
+
+
+class WrittenFor010:
+    """TinyLM as an adapter written against 0.1.0's guide might read it: no ``weightcache_checkpoint_conventions`` and
+    no notion of a checkpoint-declared quantization (describe says ``none`` whatever config.json holds). The kit must
+    not fail it for a convention it never claimed (transformers' ``quantization_config``): it skips, saying what to
+    declare."""
+
+    weightcache_load = staticmethod(plugin.weightcache_load)
+    weightcache_rebind = staticmethod(plugin.weightcache_rebind)
+    weightcache_example_inputs = staticmethod(plugin.weightcache_example_inputs)
+
+    @staticmethod
+    @hookimpl
+    def weightcache_describe(request):
+        description = plugin.weightcache_describe(request=attrs.evolve(request, quantization=None))
+        return attrs.evolve(description, quantization=request.quantization or "none", quantization_config={})

@@ -13,8 +13,8 @@ import pytest
 from tests.conformance.test_planted_bugs import failed_checks, kit_cli
 from tests.helpers import EXAMPLE_SRC, PLANTED_DIR
 from tests.st_layouts import EXAMPLES, save_sentence_transformer, st_adapter, to_old_layout
-from weightcache import ConformanceFixtures, Plugins
-from weightcache.conformance.checks import ArchitectureTests
+from weightcache.conformance import ArchitectureTests, ConformanceFixtures
+from weightcache.engine import Plugins
 
 pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed (pip install -e '.[test]')")
 
@@ -23,6 +23,7 @@ ENTRY_POINTS = {
     "planted-dense-left-out": "DenseLeftOut",
     "planted-pooling-left-out": "PoolingLeftOut",
     "planted-thread-chunks": "ChunksByThreadCount",
+    "planted-010": "WrittenFor010",
 }
 
 
@@ -110,9 +111,11 @@ def test_one_byte_of_any_declared_file_is_another_fingerprint(layout, st_root, s
 
 def test_the_old_layout_is_cached_and_refit(st_old, server):
     """Published, attached from the cache, then a new version of the Dense head's tensors published from memory."""
-    from weightcache import checkpoint_tensors, load_model, publish_version
+    from weightcache import load_model
+    from weightcache.adapter import checkpoint_tensors
     from weightcache.core.flow.loader import prepare, publish
     from weightcache.core.request import LoadRequest
+    from weightcache.refit import publish_version
 
     module = st_adapter()
     publish(prepare(LoadRequest(model=str(st_old), adapter="st"), plugins()), server.socket_dir)
@@ -135,7 +138,7 @@ def test_the_old_layout_is_cached_and_refit(st_old, server):
 
 
 def test_a_renaming_pattern_matching_the_empty_string_is_refused_in_one_line():
-    from weightcache import CheckpointConventions
+    from weightcache.adapter import CheckpointConventions
 
     with pytest.raises(ValueError, match=r"matches the empty string") as caught:
         CheckpointConventions(consumed_tensors=[("(.*)", "body.\\1")])
@@ -192,3 +195,20 @@ def test_post_processing_that_follows_the_thread_count_fails_the_fresh_process_c
 def test_modules_json_is_read_as_sentence_transformers_writes_it(st_root):
     modules = json.loads((st_root / "modules.json").read_text())
     assert [m["path"] for m in modules] == ["", "1_Pooling", "2_Dense", "3_Normalize"]
+
+
+def test_an_adapter_without_the_quantization_convention_skips_the_declared_method_check_saying_what_to_declare(
+    folders_env, example_checkpoint, tmp_path
+):
+    """Before issue 51 six checks failed with a raw safetensors error for a convention the adapter never claimed."""
+    proc, results = kit_cli(
+        {**folders_env, "WEIGHTCACHE_BLOCK_ADAPTERS": ""},
+        tmp_path,
+        "planted-010",
+        str(example_checkpoint),
+        select="declared_method",
+    )
+    assert results is not None and proc.returncode == 0, proc.stdout + proc.stderr
+    skipped = [check for check in results["checks"] if check["outcome"] == "skipped"]
+    assert skipped and all("never said how its checkpoints declare a quantization method" in c["message"] for c in skipped)
+    assert "CheckpointConventions(quantization_declaration=" in skipped[0]["message"]

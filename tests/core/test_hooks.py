@@ -123,6 +123,25 @@ def test_hook_weightcache_checkpoint_conventions(hf, model_dir):
     assert experts("model.layers.0.block_sparse_moe.experts.1.w1.weight") == "model.layers.0.mlp.experts.gate_up_proj"
 
 
+def test_hook_weightcache_checkpoint_files(hf, model_dir, tmp_path):
+    """hf declares the core default: the root's weights, config.json and generation_config.json, all in the identity;
+    a sharded checkpoint's index comes with its shards."""
+    import shutil
+
+    from weightcache.core.identity.declared import CheckpointFiles
+
+    path = model_dir("llama")
+    declared = hf.checkpoint_files(LoadRequest(model=str(path)))
+    assert declared == CheckpointFiles()
+    names = [str(file.relative_to(path)) for file in declared.files(path)]
+    assert names == ["model.safetensors", "config.json", "generation_config.json"], names
+    copy = shutil.copytree(path, tmp_path / "copy")
+    before = prepare(LoadRequest(model=str(copy))).fingerprint.checkpoint
+    with open(copy / "generation_config.json", "a") as fh:
+        fh.write("\n")
+    assert prepare(LoadRequest(model=str(copy))).fingerprint.checkpoint != before
+
+
 @pytest.mark.parametrize(
     ("kind", "keys"),
     [
