@@ -59,13 +59,13 @@ __all__ = [
 _LAZY = {
     "AdapterTests": "weightcache.conformance.checks",
     "ArchitectureTests": "weightcache.conformance.checks",
-    "ConfigTests": "weightcache.conformance.checks",
+    "ConfigTests": "weightcache.conformance.outside_checks",
     "ConformanceFixtures": "weightcache.conformance.fixtures",
     "ConformanceTests": "weightcache.conformance.checks",
     "CrashTests": "weightcache.conformance.checks",
     "FingerprintTests": "weightcache.conformance.checks",
     "FlipTests": "weightcache.conformance.checks",
-    "FreshProcessTests": "weightcache.conformance.checks",
+    "FreshProcessTests": "weightcache.conformance.outside_checks",
     "ModeTests": "weightcache.conformance.checks",
     "ParityTests": "weightcache.conformance.checks",
     "QuantizationTests": "weightcache.conformance.checks",
@@ -83,17 +83,16 @@ if typing.TYPE_CHECKING:  # what type checkers read; at run time each name loads
         REFUSED_METHODS,
         AdapterTests,
         ArchitectureTests,
-        ConfigTests,
         ConformanceTests,
         CrashTests,
         FingerprintTests,
         FlipTests,
-        FreshProcessTests,
         ModeTests,
         ParityTests,
         QuantizationTests,
     )
     from weightcache.conformance.fixtures import ConformanceFixtures
+    from weightcache.conformance.outside_checks import ConfigTests, FreshProcessTests
     from weightcache.conformance.refit import RefitTests
 
 SUITE = Path(__file__).with_name("suite.py")
