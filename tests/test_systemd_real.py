@@ -79,6 +79,7 @@ mount --bind "$1" /run/wc-units
 units=/run/wc-units
 for dir in /tmp /var/tmp /var/cache /var/log /opt; do mount -t tmpfs tmpfs "$dir"; done
 mount -t proc proc /proc
+{cgroup}
 mkdir /run/wc-etc/upper /run/wc-etc/work
 mount -t overlay overlay -o lowerdir=/etc,upperdir=/run/wc-etc/upper,workdir=/run/wc-etc/work /etc
 systemd-sysusers "$units/weightcache.sysusers"
@@ -128,14 +129,40 @@ except urllib.error.HTTPError as exc:
 """
 
 
-class Systemd:
-    """A systemd booted in namespaces of its own; ``run`` runs a command in them."""
+CGROUPS = {
+    "host": "",
+    "v1": "mount -t tmpfs tmpfs /sys/fs/cgroup\nmkdir /sys/fs/cgroup/systemd\n"
+    "mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd\n"
+    "export SYSTEMD_PROC_CMDLINE='systemd.unified_cgroup_hierarchy=0 systemd.legacy_systemd_cgroup_controller=1'",
+    "v2": "mount -t cgroup2 cgroup2 /sys/fs/cgroup\nexport SYSTEMD_PROC_CMDLINE=systemd.unified_cgroup_hierarchy=1",
+}
+"""What the boot mounts on /sys/fs/cgroup and the kernel command line systemd reads (``$SYSTEMD_PROC_CMDLINE``):
+``host`` keeps the host's (hybrid on a host with both), ``v1`` only the legacy ``name=systemd`` hierarchy (a
+cgroup-v1 host, ``systemd.unified_cgroup_hierarchy=0``), ``v2`` only the unified one."""
 
-    def __init__(self, units: Path, log: Path):
+
+def cgroup_unavailable(mode: str) -> str | None:
+    """Why this kernel cannot give the boot the cgroup ``mode`` (None: it can)."""
+    if not CGROUPS[mode]:
+        return None
+    script = CGROUPS[mode] + "\nstat -fc %T /sys/fs/cgroup"
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-ec", script], capture_output=True, text=True, timeout=30
+    )
+    if done.returncode != 0:
+        return f"this kernel cannot mount cgroup {mode} for the boot: {done.stderr.strip()[-300:]}"
+    return None
+
+
+class Systemd:
+    """A systemd booted in namespaces of its own; ``run`` runs a command in them; ``cgroup``: a key of CGROUPS."""
+
+    def __init__(self, units: Path, log: Path, cgroup: str = "host"):
         boot = units.parent / "boot.sh"
         version = f"python{sys.version_info.major}.{sys.version_info.minor}"
         boot.write_text(
             BOOT.format(
+                cgroup=CGROUPS[cgroup],
                 systemd=SYSTEMD,
                 base=sys.base_prefix,
                 python=version,
@@ -355,3 +382,67 @@ def systemd_killing(units, step):
         yield manager
     finally:
         manager.close()
+
+
+@pytest.fixture(params=sorted(CGROUPS))
+def systemd_cgroup(units, request):
+    """systemd booted with each cgroup mode of CGROUPS (skipped, saying why, where this kernel cannot mount it)."""
+    if (reason := cgroup_unavailable(request.param)) is not None:
+        pytest.skip(reason)
+    manager = Systemd(units, units.parent / "systemd.log", cgroup=request.param)
+    manager.cgroup = request.param
+    try:
+        yield manager
+    finally:
+        manager.close()
+
+
+def _cgroups(systemd: Systemd, pid: int) -> dict[str, str]:
+    """The hierarchies ``pid`` is in, by name (``name=systemd``, ``""`` for the unified one), and its cgroup there."""
+    lines = systemd.run("cat", f"/proc/{pid}/cgroup").stdout.splitlines()
+    return {line.split(":")[1]: line.split(":", 2)[2] for line in lines}
+
+
+def _in_place(systemd: Systemd, before: int) -> dict:
+    """SIGUSR2 to the unit's main process; the successor's status once systemd names it the main process."""
+    systemd.run("systemctl", "kill", "-s", "USR2", "--kill-whom=main", "weightcache.service")
+    successor = _served_by_another(systemd, before)
+    _settled(systemd, str(successor["pid"]))
+    parent = systemd.run("ps", "-o", "ppid=", "-p", str(successor["pid"])).stdout.strip()
+    assert parent == "1", f"the successor's parent is {parent}, not systemd (pid 1): systemd would not wait for it"
+    return successor
+
+
+def test_after_an_in_place_restart_stop_and_restart_end_the_successor_cleanly(systemd_cgroup):
+    """The successor is systemd's child and the main process after SIGUSR2, on a cgroup-v1, v2 or hybrid host:
+    ``systemctl restart`` and ``stop`` send it SIGTERM (not SIGKILL at once) and wait; it stops cleanly, a restart
+    keeps the store, and the unit ends ``inactive`` with ``Result=success``. No notification of the successor is
+    refused and systemd supervises no process that is not its child."""
+    systemd = systemd_cgroup
+    systemd.run("systemctl", "start", "weightcache.service")
+    first = systemd.client(publish=2)
+    where = _cgroups(systemd, first["pid"])
+    unit = "/system.slice/weightcache.service"
+    legacy, unified = where.get("name=systemd") == unit, where.get("") == unit  # which hierarchies systemd tracks it in
+    tracked = {"host": legacy or unified, "v1": legacy and not unified, "v2": unified and not legacy}
+    assert tracked[systemd.cgroup], f"not the cgroup mode {systemd.cgroup}: {where}"
+
+    in_place = _in_place(systemd, first["pid"])
+    logged = len(systemd.journal())
+    systemd.run("systemctl", "restart", "weightcache.service")
+    restarted = _served_by_another(systemd, in_place["pid"])
+    assert restarted["entries"] == first["entries"], "a restart keeps the store"
+    since = systemd.journal()[logged:]
+    assert any(f'"pid": {in_place["pid"]}, "message": "server stopping"' in line for line in since), since
+    assert not [line for line in since if "SIGKILL" in line or "Failed with result" in line], since
+    assert systemd.show("NRestarts")["NRestarts"] == "0"
+
+    again = _in_place(systemd, restarted["pid"])
+    logged = len(systemd.journal())
+    systemd.run("systemctl", "stop", "weightcache.service")
+    shown = systemd.show("ActiveState", "Result", "ExecMainStatus")
+    since = systemd.journal()[logged:]
+    assert shown == {"ActiveState": "inactive", "Result": "success", "ExecMainStatus": "0"}, (shown, since)
+    assert any(f'"pid": {again["pid"]}, "message": "server stopping"' in line for line in since), since
+    refused = [line for line in systemd.journal() if "reception only permitted" in line or "not our child" in line]
+    assert not refused, refused

@@ -76,6 +76,11 @@ class FdStore:
         finally:
             os.close(meta)
 
+    def note(self, entry: Entry) -> None:
+        """Count ``entry``'s fds as kept without sending them: a predecessor kept them under the same names (a
+        successor is not the unit's main process until the handover is done, and systemd would refuse them)."""
+        self.kept[entry.digest] = 2 + len(entry.fds)
+
     def forget(self, entry: Entry) -> None:
         """Remove an evicted entry's fds from the store."""
         try:

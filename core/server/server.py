@@ -182,9 +182,11 @@ class Server(Sessions, Requests):
             raise
         self._heartbeat = time.monotonic()
         self._bound_path = True  # this server's to remove when it stops (unless it hands it over)
-        took = "took over" if handed is not None and handed.complete else "serving on"
-        log.info("weightcache server %s (protocol %d) %s %s", __version__, PROTOCOL_VERSION, took, self.socket_path)
-        readiness.ready(self.socket_path)
+        took = handed is not None and handed.complete
+        how = "took over" if took else "serving on"
+        log.info("weightcache server %s (protocol %d) %s %s", __version__, PROTOCOL_VERSION, how, self.socket_path)
+        if not took:  # a successor is heard once the predecessor named it MAINPID= (start_server, after confirm)
+            readiness.ready(self.socket_path)
 
     def _new_exporter(self) -> Exporter | None:
         if self.config.metrics_port is None:
@@ -378,7 +380,7 @@ class Server(Sessions, Requests):
             log.warning("SIGUSR2 ignored: a successor is taking over already")
             return
         try:
-            spawn_successor(sys.argv[1:])
+            spawn_successor(sys.argv[1:], lambda: self._handed_over)
         except (OSError, ValueError) as exc:
             log.warning("SIGUSR2: could not start a successor (%s); serving on", exc)
 
@@ -474,10 +476,18 @@ def start_server(config: ServerConfig, take_over: bool = False, source: ServeSou
     handed = None
     if take_over:
         limits = Limits(config.max_frame_bytes, config.max_artifact_bytes, config.max_artifacts_per_entry)
-        handed = take_over_from(config.socket_dir, server.registry, limits)
+        if store is not None:  # the predecessor's fds of these entries are in the store already, under the same names
+            server.registry.on_publish = store.note
+        try:
+            handed = take_over_from(config.socket_dir, server.registry, limits)
+        finally:
+            if store is not None:
+                server.registry.on_publish = store.keep
     server.start(handed)
     if handed is not None:
         handed.confirm()
+        if handed.complete:
+            readiness.ready(server.socket_path)  # heard now: the predecessor named this process MAINPID=
     if adopted:
         scrub_in_background(config.socket_dir)
     if source is not None:
