@@ -144,3 +144,20 @@ def test_the_architecture_drawing_holds_every_module_in_its_folder():
 def _layer(module: str) -> str:
     found = place(module, FOUNDATION, LAYERS)
     return "the foundation" if found == "foundation" else f"{found}/"
+
+
+def test_a_static_walk_of_weightcache_load_never_climbs_back_through_the_layers():
+    """Issue 52 counted 42 steps where ``weightcache load`` -> publish went back up a layer; now every module the
+    command reaches (imports inside functions count) calls only down, through the one plan (``flow/plan.py``) to the
+    arenas and the node's and the fleet's sources (the reader is the adapter's, found through its entry point)."""
+    graph = edges()
+    reached, todo = set(), ["weightcache.core.cli.load"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(edge.target for edge in graph if edge.source == module)
+    for needed in ("flow.plan", "flow.loader", "load.export", "load.publish", "node.fill", "node.fleet.pull", "node.fleet.files"):
+        assert f"weightcache.core.{needed}" in reached, f"the walk from weightcache load no longer reaches {needed}"
+    climbs = upward([edge for edge in graph if edge.source in reached], FOUNDATION, LAYERS)
+    assert not climbs, f"{len(climbs)} steps back up a layer:\n" + "\n".join(f"  {edge}" for edge in climbs)

@@ -272,14 +272,19 @@ def make_plan(
     socket_dir: SocketDir,
     last: Source | None,
     fleet: bool = True,
+    connection: Connection | None = None,
 ) -> Plan:
     """The plan for the entry ``fingerprint`` names (None on a first sight) on ``tier``, from one ``status`` exchange.
 
     ``last``: what makes the bytes when nothing the node or the fleet holds does (the disk, a trainer's tensors; None:
     nothing, a client that never reads the disk). ``fleet`` False leaves the fleet out (a trainer's new version is
-    nowhere else). A server that does not answer raises ServerUnavailable.
+    nowhere else). ``connection``: one the caller holds open already (refit asks it for the versions too), else one is
+    opened. A server that does not answer raises ServerUnavailable.
     """
-    with Connection(socket_dir) as connection:
+    if connection is None:
+        with Connection(socket_dir) as opened:
+            status = ServerStatus.from_json(opened.status())
+    else:
         status = ServerStatus.from_json(connection.status())
     kept_on = Environment.of(tier.device).gpu_uuid or HOST_TIER  # a CPU's entries count against the host's budget
     held = {entry.digest for entry in status.entries}
@@ -350,11 +355,11 @@ def execute(
             return done
     with ArenaBuilder(device, chunk_bytes=chunk_bytes, progress=progress) as builder:
         try:  # the sources let go before the arenas do: a fleet pull may still serve them to another node
-            filled = _fill(plan, builder, timings)
+            filled = fill_from(plan, builder, timings)
             if filled is None:
                 return None
             builder.progress.close()
-            published = _keep(plan, filled, builder, socket_dir, label, timings)
+            published = keep(plan, filled, builder, socket_dir, label, timings)
             for source in plan.sources:
                 source.done()  # a fleet pull that claimed the disk read waits for this node to share what it read
         finally:
@@ -364,7 +369,8 @@ def execute(
     return published
 
 
-def _fill(plan: Plan, builder: ArenaBuilder, timings: dict) -> Filled | None:
+def fill_from(plan: Plan, builder: ArenaBuilder, timings: dict) -> Filled | None:
+    """The first step of ``execute``: fill ``builder`` from ``plan``'s first source that can (None: none could)."""
     for source in plan.sources:
         filled = source.fill(builder, timings)
         if filled is not None:
@@ -372,9 +378,10 @@ def _fill(plan: Plan, builder: ArenaBuilder, timings: dict) -> Filled | None:
     return None
 
 
-def _keep(plan: Plan, filled: Filled, builder: ArenaBuilder, socket_dir: SocketDir, label: str, timings: dict) -> Published:
-    """Publish ``builder``'s arenas on the tiers ``plan`` keeps: the host tier's copy first (it is checked against the
-    device's checksums), then the device's entry."""
+def keep(plan: Plan, filled: Filled, builder: ArenaBuilder, socket_dir: SocketDir, label: str, timings: dict) -> Published:
+    """The last step of ``execute``: publish ``builder``'s arenas on the tiers ``plan`` keeps, the host tier's copy first
+    (it is checked against the device's checksums), then the device's entry. Refit runs ``fill_from`` and ``keep`` apart:
+    its version is laid out and named between the two, and published when the trainer says so."""
     manifest, fingerprint = filled.manifest, filled.fingerprint
     host_held = plan.host.digest if plan.host is not None and plan.host.held else None
     host_digest, host_created = host_held, False

@@ -17,12 +17,12 @@ from weightcache.core.client.client import Connection, HeldVersion
 from weightcache.core.errors import LayoutMismatch, VersionNotFound
 from weightcache.core.fingerprint import Fingerprint, ParallelSpec, sha256_json
 from weightcache.core.flow.loader import Prepared, exported, prepare, processed
-from weightcache.core.flow.plan import Filled, Origin, Published, Source
+from weightcache.core.flow.plan import Filled, Origin, Plan, Published, Source, Tier, TierPlan, fill_from, keep, make_plan
 from weightcache.core.gc_pause import gc_paused
 from weightcache.core.identity.safetensors_io import checkpoint_tensors
 from weightcache.core.layout.manifest import Manifest
 from weightcache.core.load.export import ArenaBuilder
-from weightcache.core.load.publish import publish_arenas, seal
+from weightcache.core.load.publish import seal
 from weightcache.core.refit.layout import conform, place_like, state_difference
 from weightcache.core.request import LoadRequest
 from weightcache.core.socket_dir import SocketDir, SocketDirLike
@@ -42,15 +42,28 @@ TRAINER = Origin("memory")
 
 
 class StagedVersion:
-    """A version built in arenas, checksummed and identified, not published yet: ``publish()`` or ``close()`` it."""
+    """A version built in arenas, checksummed and identified, not published yet: ``publish()`` or ``close()`` it.
 
-    def __init__(self, fingerprint: Fingerprint, manifest: Manifest, builder: ArenaBuilder, socket_dir: SocketDir, label: str):
+    ``plan``: the refit's plan (``stage_version``: the trainer's tensors, on the device's tier), whose last step
+    ``publish`` runs.
+    """
+
+    def __init__(
+        self,
+        fingerprint: Fingerprint,
+        manifest: Manifest,
+        builder: ArenaBuilder,
+        socket_dir: SocketDir,
+        label: str,
+        plan: Plan | None = None,
+    ):
         self.fingerprint = fingerprint
         self.manifest = manifest
         self.builder = builder
         self.socket_dir = socket_dir
         self.label = label
         self.timings: dict[str, float] = {}
+        self.plan = plan if plan is not None else _device_plan(builder)
 
     @property
     def version(self) -> int:
@@ -58,13 +71,11 @@ class StagedVersion:
 
     def publish(self) -> Published:
         """Publish the version in one frame (a trainer killed before it leaves nothing behind) and release the arenas here."""
-        steps: dict[str, float] = {}
+        filled = Filled(self.manifest, self.fingerprint, TRAINER)
         try:
-            reply = publish_arenas(self.builder, self.fingerprint, self.manifest, self.socket_dir, self.label, timings=steps)
+            return keep(self.plan, filled, self.builder, self.socket_dir, self.label, self.timings)
         finally:
             self.close()
-        self.timings["publish_s"] = sum(steps.values())
-        return Published(reply.digest, reply.created, self.fingerprint, self.manifest, self.timings, origin=TRAINER)
 
     def close(self) -> None:
         self.builder.close()
@@ -128,15 +139,20 @@ def stage_version(
     if difference is not None:
         raise LayoutMismatch(f"version {version}", difference)
     base = prepared.fingerprint
-    newest, template = _newest(base, socket_dir)
-    if type(version) is not int or version <= newest.version:
-        raise ValueError(
-            f"version {version!r:.40} is not newer than version {newest.version} the server holds; publish {newest.version + 1}"
-        )
+    with Connection(socket_dir) as connection:
+        newest, template = _newest(base, connection)
+        if type(version) is not int or version <= newest.version:
+            raise ValueError(
+                f"version {version!r:.40} is not newer than version {newest.version} the server holds; publish {newest.version + 1}"
+            )
+        tensors = Tensors(prepared, state, template)  # a new version is nowhere else: no node copy, no fleet
+        plan = make_plan(None, Tier("device", request.device), socket_dir, tensors, fleet=False, connection=connection)
     timings["template_s"] = time.perf_counter() - start
     builder = ArenaBuilder(request.device)
     try:
-        filled = Tensors(prepared, state, template).fill(builder, timings)
+        filled = fill_from(plan, builder, timings)
+        if filled is None:
+            raise RuntimeError("a refit's plan filled nothing from the trainer's tensors")
         start = time.perf_counter()
         manifest, builder = conform(filled.manifest, builder, template)
         timings["conform_s"] = time.perf_counter() - start
@@ -148,7 +164,7 @@ def stage_version(
         builder.close()
         raise
     fingerprint = base.as_version(version, content_identity(manifest))
-    staged = StagedVersion(fingerprint, manifest, builder, socket_dir, f"{prepared.label} v{version}")
+    staged = StagedVersion(fingerprint, manifest, builder, socket_dir, f"{prepared.label} v{version}", plan)
     staged.timings.update(timings)
     return staged
 
@@ -190,14 +206,19 @@ def content_identity(manifest: Manifest) -> str:
     )
 
 
-def _newest(base: Fingerprint, socket_dir: SocketDir) -> tuple[HeldVersion, Manifest]:
+def _newest(base: Fingerprint, connection: Connection) -> tuple[HeldVersion, Manifest]:
     """The newest version the server holds of ``base``'s lineage, and its manifest (attached and let go at once)."""
-    with Connection(socket_dir) as connection:
-        held = connection.versions(base.lineage)
-        if not held:
-            raise VersionNotFound(base.lineage, None, [])
-        newest = held[-1]
-        reply = connection.attach(newest.fingerprint)
-        close_fds(reply.fds)
-        connection.detach(reply.digest)
-        return newest, reply.manifest()
+    held = connection.versions(base.lineage)
+    if not held:
+        raise VersionNotFound(base.lineage, None, [])
+    newest = held[-1]
+    reply = connection.attach(newest.fingerprint)
+    close_fds(reply.fds)
+    connection.detach(reply.digest)
+    return newest, reply.manifest()
+
+
+def _device_plan(builder: ArenaBuilder) -> Plan:
+    """The plan of a version staged without ``stage_version``: its entry on the builder's device, from its tensors."""
+    tier = Tier("device", builder.device)
+    return Plan(None, tier, TierPlan("device", "", None, False), None, ())

@@ -124,3 +124,46 @@ def test_every_publish_returns_one_type(model_dir, server, tmp_path, monkeypatch
     assert type(version) is Published and PublishedVersion is Published
     assert version.version == 1 and version.created and version.origin.kind == "memory"
     assert version.manifest.tensors, "the manifest published comes back, as from every other publish"
+
+
+_STAGES = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from safetensors.torch import load_file
+    from weightcache.core.flow.loader import prepare
+    from weightcache.core.refit import stage_version
+    from weightcache.core.request import LoadRequest
+
+    path, socket_dir = sys.argv[1:3]
+    prepared = prepare(LoadRequest(model=path))
+    prepared.fingerprint
+    state = {name: tensor + 1 for name, tensor in load_file(path + "/model.safetensors").items()}
+    connects = []
+    sys.addaudithook(lambda event, args: connects.append(args[1]) if event == "socket.connect" else None)
+    with stage_version(prepared, state, 1, socket_dir) as staged:
+        kinds = [source.origin.kind for source in staged.plan.sources]
+        staging = len(connects)
+        published = staged.publish()
+    print("STAGED", staging, published.origin.kind, *kinds, "|", staged.plan.describe())
+    """
+)
+
+
+def test_a_refit_executes_a_plan_made_on_the_connection_it_asks_for_versions(model_dir, server, monkeypatch, tmp_path):
+    """``stage_version`` makes its plan (the trainer's tensors: no node copy, no fleet) on the one connection it asks
+    the versions on, fills from it, and ``publish`` runs the plan's last step, as every publish."""
+    monkeypatch.setenv("WEIGHTCACHE_CACHE_DIR", str(tmp_path / "digests"))
+    path = model_dir("llama")
+    assert [file.name for file in path.glob("*.safetensors")] == ["model.safetensors"]
+    publish(prepare(LoadRequest(model=str(path))), server.socket_dir)
+    proc = subprocess.run(
+        [sys.executable, "-c", _STAGES, str(path), str(server.socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    staged = proc.stdout.split("STAGED", 1)[1].strip()
+    assert staged == "1 memory memory | from this process's tensors", proc.stdout
