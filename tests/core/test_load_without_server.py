@@ -6,10 +6,11 @@ busy, on a checkpoint whose layout is not remembered (the hf adapter's warm-up t
 bytecode caches are written and used, as in an installed weightcache (an environment's ``PYTHONDONTWRITEBYTECODE``
 would make every start compile weightcache again, which is not what is measured here): one untimed run writes them.
 
-The deadline is 2 s. On a machine that other work keeps busier still (the shared CI VM, where the test's own loops come
-on top of other sessions' tests), a bare ``weightcache status`` with no server, timed beside the same loops, says how
-slow a start is there: ``load`` may take twice that, never more (waiting for the import thread costs a framework's
-import, far beyond either).
+What tells waiting for the import thread apart is the CPU time the command used (CPU_LIMIT_S: a framework's import
+costs seconds of CPU, on a busy machine or not). Its wall time is held to an order of magnitude only (no test asserts
+a wall-clock bound a loaded machine can miss): 2 s, or ten times a bare ``weightcache status`` with no server timed
+beside the same loops, which says how slow a start is on a machine that other work keeps busier still (the shared CI
+VM, with a second ``make test`` beside this one).
 """
 
 from __future__ import annotations
@@ -85,14 +86,14 @@ def checkpoint(model_dir, tmp_path):
 
 
 @pytest.mark.serial  # a wall-clock bound: it runs alone, not beside the parallel workers
-def test_load_without_a_server_fails_in_two_seconds_under_cpu_load(checkpoint, tmp_path, busy_cpus):
+def test_load_without_a_server_fails_at_once_without_a_frameworks_import_under_cpu_load(checkpoint, tmp_path, busy_cpus):
     _, bare, _ = _without_server(["status"], tmp_path)
     proc, took, cpu = _without_server(["load", "--model", str(checkpoint)], tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "weightcache: error:" in proc.stderr and "weightcache serve" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert cpu <= CPU_LIMIT_S, f"`weightcache load` used {cpu:.2f} CPU-s to say there is no server: did it import a framework?"
-    assert took <= max(DEADLINE_S, 2 * bare), (
+    assert took <= max(DEADLINE_S, 10 * bare), (
         f"`weightcache load` took {took:.2f} s ({cpu:.2f} CPU-s; a bare `weightcache status` {bare:.2f} s) to say there "
         f"is no server beside {busy_cpus} busy loops:\n{proc.stderr}"
     )

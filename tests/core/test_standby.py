@@ -1,7 +1,7 @@
 """``weightcache standby``: a warm spare in a real process, attached to a real server, taking over on each trigger.
 
-The take-over when the primary dies (and its one-second target) is
-tests/core/test_restart.py::test_hot_standby_takes_over_within_a_second.
+The take-over when the primary dies (timed by benchmarks/standby.py and benchmarks/restart.py) is
+tests/core/test_restart.py::test_hot_standby_takes_over_at_once.
 """
 
 from __future__ import annotations
