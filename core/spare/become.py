@@ -30,6 +30,7 @@ import types
 import typing
 import warnings
 
+from weightcache.core.spare.environment import bind_as_libgomp
 from weightcache.core.wire.launch_request import LaunchRequest, Target
 from weightcache.core.wire.protocol import error_reply, ok_reply, send_frame
 
@@ -86,6 +87,7 @@ def _take_state(request: LaunchRequest, fds: list[int], channel_fd: int, session
     os.closerange(low, os.sysconf("SC_OPEN_MAX"))
     os.environ.clear()
     os.environ.update(request.env)
+    bind_as_libgomp(request.env)
     for name, (soft, hard) in request.limits.items():
         limit = getattr(resource, name, None)
         if limit is not None and resource.getrlimit(limit) != (soft, hard):

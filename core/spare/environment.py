@@ -42,7 +42,41 @@ SESSION_NAMES = frozenset(
 """Names that say where a process runs (its shell, terminal, login or service), never what it runs: a caller that
 differs on them is forked, whatever the imports read."""
 SESSION_PREFIXES = ("SSH_", "KONSOLE_", "ITERM_", "WT_")
+BOUND_AFTER_FORK = "GOMP_CPU_AFFINITY"
+"""libgomp reads it once, as it loads, and binds the loading thread to its first CPU. Where it names one CPU, a forked
+child bound to that CPU (``bind_as_libgomp``) is what an exec'd one is, so a caller that differs on it is forked: vLLM
+gives each CPU worker its own (``0|1`` two ranks of one CPU each)."""
 """Prefixes of ``SESSION_NAMES``' kind (an SSH login's ``SSH_CONNECTION``, ``SSH_TTY``; terminal emulators' own)."""
+
+
+def one_cpu(value: str | None) -> int | None:
+    """The CPU a ``GOMP_CPU_AFFINITY`` value names where it names exactly one (``"3"``), else None."""
+    text = (value or "").strip()
+    return int(text) if text.isdigit() else None
+
+
+def bound_after_fork(launcher_env: Mapping[str, str], caller_env: Mapping[str, str]) -> bool:
+    """Whether a fork takes the caller's ``GOMP_CPU_AFFINITY`` as its exec would: the caller's names one CPU, and the
+    launcher's is unset or names one too (libgomp then has one place, or none, and every thread it starts inherits the
+    binding of the thread that starts it)."""
+    launcher = launcher_env.get(BOUND_AFTER_FORK)
+    return one_cpu(caller_env.get(BOUND_AFTER_FORK)) is not None and (launcher is None or one_cpu(launcher) is not None)
+
+
+def bind_as_libgomp(env: Mapping[str, str]) -> None:
+    """In a forked child with ``env``: bind this (the only) thread to the CPU ``GOMP_CPU_AFFINITY`` names, as libgomp
+    binds the thread that loads it. Where libgomp is not loaded yet it reads the variable itself when it loads."""
+    cpu = one_cpu(env.get(BOUND_AFTER_FORK))
+    if cpu is not None and _libgomp_loaded():
+        os.sched_setaffinity(0, {cpu})
+
+
+def _libgomp_loaded() -> bool:
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libgomp" in line for line in maps)
+    except OSError:
+        return False
 
 
 def is_session_name(name: str) -> bool:
@@ -128,7 +162,8 @@ def differences(
 ) -> list[str]:
     """The dependencies (``read``, and every name under ``READ_OUTSIDE_PYTHON``) on which ``caller_env`` differs from
     ``launcher_env``, sorted, leaving out the session's names and those the imports set where the launcher had none
-    (a caller with the value they set has what its own import would have given it)."""
+    (a caller with the value they set has what its own import would have given it) and a ``GOMP_CPU_AFFINITY`` a fork
+    takes as its exec would (``bound_after_fork``)."""
     set_by_imports = set_by_imports or {}
     names = set(read) | {n for n in caller_env.keys() | launcher_env.keys() if n.startswith(READ_OUTSIDE_PYTHON)}
     return sorted(
@@ -137,4 +172,5 @@ def differences(
         if caller_env.get(n) != launcher_env.get(n)
         and not is_session_name(n)
         and not (n in set_by_imports and n not in launcher_env and caller_env.get(n) == set_by_imports[n])
+        and not (n == BOUND_AFTER_FORK and bound_after_fork(launcher_env, caller_env))
     )

@@ -382,6 +382,9 @@ import transformers.models.auto.tokenization_auto
 def _handler(sig):
     handler = signal.getsignal(sig)
     return handler if handler in (signal.SIG_DFL, signal.SIG_IGN, None) else getattr(handler, "__name__", "other")
+def _affinity():
+    import torch  # loads libgomp, which binds this thread where GOMP_CPU_AFFINITY says
+    return sorted(os.sched_getaffinity(0))
 def state(queue):
     queue.put({
         "argv": sys.argv, "path": sys.path, "name": __name__, "main": sys.modules["__main__"].__name__,
@@ -389,7 +392,7 @@ def state(queue):
         "signals": {s.name: str(_handler(s)) for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)},
         "mask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])), "threads": threading.active_count(),
         "filters": [repr(f) for f in warnings.filters], "executable": sys.executable,
-        "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgid(0),
+        "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgid(0), "affinity": _affinity(),
     })
 if __name__ == "__main__":
     os.chdir(sys.argv[1])
@@ -433,6 +436,15 @@ def test_an_engines_spawn_children_are_forked_by_its_nursery_and_see_what_execd_
     assert seen["parent_is_engine"] and seen["same_session"] and seen["same_group"] and seen["exitcode"] == 0
     assert seen["cwd"] == str(tmp_path / "elsewhere") and seen["env"]["SET_BY_THE_ENGINE"] == "before its spawn"
     assert seen["signals"]["SIGUSR1"] == str(signal.SIG_IGN) and int(signal.SIGUSR2) in seen["mask"]
+
+
+def test_a_child_of_one_gomp_cpu_is_forked_and_bound_to_it_as_an_execd_one_is(launcher, tmp_path):
+    """vLLM's CPU workers: each spawned with ``GOMP_CPU_AFFINITY`` of its rank's CPU (one CPU each here)."""
+    cpu = max(os.sched_getaffinity(0))
+    seen, expected = _spawning(launcher, tmp_path, {"GOMP_CPU_AFFINITY": str(cpu)})
+    assert seen.pop("forked") >= 1 and seen.pop("refused") == [], seen
+    expected.pop("forked"), expected.pop("refused")
+    assert seen == expected and seen["affinity"] == [cpu]
 
 
 def test_a_child_whose_environment_the_imports_read_differently_is_execd(launcher, tmp_path):

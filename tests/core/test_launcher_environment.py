@@ -52,3 +52,15 @@ def test_a_callers_session_names_never_differ_and_what_the_imports_set_is_the_ca
     assert differences(read, launcher, {**caller, "HOME": "/other", "OMP_X": "2", "LC_ALL": "C"}) == [
         "HOME", "LC_ALL", "OMP_X", "SET_BY_IMPORT",
     ]  # fmt: skip
+
+
+def test_a_gomp_cpu_affinity_of_one_cpu_is_taken_by_a_fork_and_any_other_differs():
+    """libgomp binds the thread that loads it to the first CPU of ``GOMP_CPU_AFFINITY``; a fork bound to that one CPU
+    is what an exec'd child is (vLLM gives each CPU worker one). A list of several is libgomp's places: exec'd."""
+    launcher = {"OMP_NUM_THREADS": "1"}
+    assert differences(set(), launcher, {**launcher, "GOMP_CPU_AFFINITY": "1"}) == []
+    assert differences(set(), {**launcher, "GOMP_CPU_AFFINITY": "0"}, {**launcher, "GOMP_CPU_AFFINITY": " 1 "}) == []
+    for caller, launchers in (("0 1", None), ("0-1", None), ("1", "0 1"), (None, "0")):
+        env = {**launcher, **({"GOMP_CPU_AFFINITY": launchers} if launchers else {})}
+        asked = {**launcher, **({"GOMP_CPU_AFFINITY": caller} if caller else {})}
+        assert differences(set(), env, asked) == ["GOMP_CPU_AFFINITY"], (caller, launchers)
