@@ -284,7 +284,7 @@ def _execute(
     request = prepared.request
     published = execute(plan, SocketDir.parse(socket_dir), label or prepared.label, request.device, progress, chunk_bytes)
     if published is not None:
-        fleet_files.published(request.model, published.fingerprint)  # (its content digest is that of every tier)
+        fleet_files.published(request.model, published.fingerprint, prepared.declared)  # (one content digest: every tier's)
     return published
 
 

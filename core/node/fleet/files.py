@@ -9,7 +9,8 @@ it and looks that identity up; with a valid record for every file it knows the
 fingerprint, so it pulls the entry (checked against the content record, as every pull)
 instead of reading storage. A file changed after its record was made has another
 identity, since every write and every ``utime`` moves its change time: a miss, and the
-node reads the file itself (docs/decisions.md, "A node that has never hashed a checkpoint").
+node reads the file itself (docs/decisions.md, "A node that has never hashed a checkpoint"). The config files the
+adapter declares beside the weights (``config.json``) have no records: each node hashes them itself.
 
 Several nodes seeing a new checkpoint at once: the first claims its first read
 (``sightings/<name>``, under a lease it renews) and reads the disk; the others wait for
@@ -37,8 +38,9 @@ import attrs
 
 from weightcache.core.errors import FleetUnavailable, WeightCacheError
 from weightcache.core.fingerprint import Fingerprint, sha256_json
-from weightcache.core.identity.digests import default_store
-from weightcache.core.identity.safetensors_io import Header, Sighting, checkpoint_files, identity_of, read_header
+from weightcache.core.identity.declared import CheckpointFiles
+from weightcache.core.identity.digests import checkpoint_digests, default_store
+from weightcache.core.identity.safetensors_io import Header, Sighting, identity_of, read_header
 from weightcache.core.node.fleet.config import SHARED_WAIT_S, FleetConfig
 from weightcache.core.node.fleet.records import FileContent, FileSeen
 from weightcache.core.node.fleet.registry import FleetRegistry, renew_lease
@@ -117,13 +119,15 @@ def learned_identity(sighting: Sighting) -> str | None:
 def _learn(registry: FleetRegistry, sighting: Sighting) -> list[str] | None:
     missing: dict[int, FileSeen] = {}
     headers = []
-    for index, (file, key, digest) in enumerate(zip(sighting.files, sighting.keys, sighting.remembered, strict=True)):
+    weights = len(sighting.weight_files)
+    for index, (file, key, digest) in enumerate(zip(sighting.files, sighting.keys, sighting.remembered[:weights], strict=False)):
         header = read_header(file)
         headers.append(header)
         if header.key != key:
             return None  # changed since it was seen: the load reads it
         if digest is None:
             missing[index] = seen_of(header)
+    sighting = _configs_hashed(sighting)
     name = sighting_name(sighting.path, headers)
     lease = 0
     try:
@@ -133,6 +137,17 @@ def _learn(registry: FleetRegistry, sighting: Sighting) -> list[str] | None:
             with contextlib.suppress(FleetUnavailable):  # (else it runs out by itself)
                 registry.store.revoke(lease)
     return digests
+
+
+def _configs_hashed(sighting: Sighting) -> Sighting:
+    """``sighting`` with the digests of its config files (``config.json``: what the adapter declares besides its
+    weights) hashed here where the store has none: small files a load reads whole anyway, never in the fleet's records."""
+    weights = len(sighting.weight_files)
+    configs = sighting.files[weights:]
+    if all(digest is not None for digest in sighting.remembered[weights:]):
+        return sighting
+    digests = checkpoint_digests(configs, keys=sighting.keys[weights:])
+    return attrs.evolve(sighting, remembered=(*sighting.remembered[:weights], *digests))
 
 
 def _learn_or_claim(
@@ -238,16 +253,17 @@ def release(model: str | os.PathLike) -> None:
         held.release()
 
 
-def published(model: str | os.PathLike, fingerprint: Fingerprint) -> None:
+def published(model: str | os.PathLike, fingerprint: Fingerprint, declared: CheckpointFiles | None = None) -> None:
     """After this node published ``fingerprint`` from the checkpoint ``model`` (whatever its bytes came from): write the
     fleet's records of the files whose digests this node's store holds; where this node claimed the checkpoint's first
     read, claim the content's disk read under that claim first (the nodes waiting to learn the content then wait for
     this node's agent instead of reading), wait (briefly) until the agent lists the entry, and let go. A no-op without
-    a fleet; the registry away costs one warning (none where the load said so already)."""
+    a fleet; the registry away costs one warning (none where the load said so already). ``declared``: the files the
+    adapter reads (default ``CheckpointFiles()``), whose contents the identity covers."""
     config = fleet_config()
     try:
         if config is not None:
-            _published(FleetRegistry(config), model, fingerprint)
+            _published(FleetRegistry(config), model, fingerprint, declared)
     except FleetUnavailable as exc:
         if not registry_away.is_set():
             log.warning("weightcache: %s", exc)
@@ -258,7 +274,9 @@ def published(model: str | os.PathLike, fingerprint: Fingerprint) -> None:
         release(model)
 
 
-def _published(registry: FleetRegistry, model: str | os.PathLike, fingerprint: Fingerprint) -> None:
+def _published(
+    registry: FleetRegistry, model: str | os.PathLike, fingerprint: Fingerprint, declared: CheckpointFiles | None
+) -> None:
     lease = held_lease(model)
     claimed = False
     if lease:
@@ -266,7 +284,7 @@ def _published(registry: FleetRegistry, model: str | os.PathLike, fingerprint: F
             claimed = registry.claim(fingerprint.content_digest, lease) is None
         except ValueError as exc:
             log.debug("weightcache: the claim on %s is not valid: %s", fingerprint.short, exc)
-    _write_records(registry, model, fingerprint)
+    _write_records(registry, model, fingerprint, declared)
     if not claimed:
         return
     key = registry.config.key("holders", fingerprint.content_digest, registry.config.node)
@@ -283,18 +301,21 @@ def _published(registry: FleetRegistry, model: str | os.PathLike, fingerprint: F
         time.sleep(POLL_S)
 
 
-def _write_records(registry: FleetRegistry, model: str | os.PathLike, fingerprint: Fingerprint) -> None:
-    """The fleet's record of each file of ``model``, where this node's store holds the digests of every file and they
-    are those of ``fingerprint`` (a file changed meanwhile: none is written)."""
-    store = default_store()
-    headers = [read_header(file) for file in checkpoint_files(model)]
-    digests = [store.get(header.key) if header.key is not None else None for header in headers]
-    if any(digest is None for digest in digests):
+def _write_records(
+    registry: FleetRegistry, model: str | os.PathLike, fingerprint: Fingerprint, declared: CheckpointFiles | None
+) -> None:
+    """The fleet's record of each weight file of ``model``, where this node's store holds the digests of every declared
+    file and they are those of ``fingerprint`` (a file changed meanwhile: none is written). Config files have none: a
+    node that sees them hashes them (``_configs_hashed``)."""
+    declared = declared or CheckpointFiles()
+    headers = [read_header(file) for file in declared.weight_files(model)]
+    sighting = Sighting.of(model, default_store(), headers=headers, declared=declared)
+    if any(digest is None for digest in sighting.remembered):
         return
-    known = typing.cast("list[str]", digests)
-    if identity_of(model, [header.file for header in headers], known) != fingerprint.checkpoint:
+    known = typing.cast("list[str]", list(sighting.remembered))
+    if identity_of(model, list(sighting.files), known) != fingerprint.checkpoint:
         return
     lease = registry.store.grant(FILE_RECORD_TTL_S)
-    for header, digest in zip(headers, known, strict=True):
+    for header, digest in zip(headers, known, strict=False):
         registry.remember_file(FileContent(seen_of(header), digest, registry.config.node), lease)
     log.debug("weightcache: the fleet's records of %d files of %s written", len(headers), model)
