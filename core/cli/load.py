@@ -60,7 +60,8 @@ def _run(args) -> int:
     request = load_request(args)  # device, dtype, ranks, options; a hub id becomes its snapshot directory in the local hub cache
     tier = loader.Tier(args.tier, request.device)  # checked once, here; publish takes it as it is
     checked = loader.check(request)  # adapter, options, the method asked for: once, here; prepare goes on from it
-    headers = check_checkpoint(request.model, checked.adapter.checkpoint_files(checked.request))  # no weight byte read
+    declared = checked.adapter.checkpoint_files(checked.request)
+    headers = check_checkpoint(request.model, declared)  # no weight byte read
     log.debug("load: options and %d weight file headers checked", len(headers))
     with Connection(args.socket_dir) as connection:
         connection.hello()  # no server: say so now, before a thread starts importing beside this one
@@ -69,7 +70,7 @@ def _run(args) -> int:
     # this thread makes the CUDA context and the plan. The disk starts now only where nothing but the disk can hold
     # these bytes (``no_other_source``); else once the plan says the disk.
     with _ReadAhead(headers, args.prefetch) as reading, _warming_up(checked.adapter, checked.request):
-        if no_other_source(Sighting.of(request.model, headers=headers).identity is None):
+        if no_other_source(Sighting.of(request.model, headers=headers, declared=declared).identity is None):
             reading.start()
         return _load_checked(args, checked, tier, headers, reading)
 
