@@ -66,6 +66,12 @@ def child(args: argparse.Namespace) -> None:
     del llm
 
 
+def identical(variants: dict) -> dict:
+    """Per variant but the plain load: its tokens equal the plain load's (never where either has none)."""
+    plain = variants.get("plain", {}).get("tokens")
+    return {name: plain is not None and record.get("tokens") == plain for name, record in variants.items() if name != "plain"}
+
+
 def parent(args: argparse.Namespace) -> int:
     results: dict = {"model": args.model, "variants": {}}
     Path(args.socket_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -83,11 +89,7 @@ def parent(args: argparse.Namespace) -> int:
         results["variants"][variant] = record
         print(f"vllm.LLM {variant}: " + json.dumps({k: v for k, v in record.items() if k != "tokens"})[:3000], flush=True)
     plain = results["variants"].get("plain", {}).get("tokens")
-    results["identical"] = {
-        name: plain is not None and record.get("tokens") == plain
-        for name, record in results["variants"].items()
-        if name != "plain"
-    }
+    results["identical"] = identical(results["variants"])
     Path(args.out).write_text(json.dumps(results, indent=1))
     print("vllm.LLM tokens identical to the plain load: " + json.dumps(results["identical"]), flush=True)
     if plain is None:

@@ -5,10 +5,11 @@
 
 Runs after tests/gpu/engine_llm.py, whose daemon variant left a server in ``--socket-dir`` holding the model's entry.
 Two engines start one after the other as strict clients (each in a process of its own, waiting on stdin for
-commands), then, with both serving: the GPU memory in use (``nvidia-smi``: the whole GPU and each process) against
-the entry's bytes, the server's view (who has the entry attached), and greedy tokens from each. Then engine A
-generates in a loop while the server is SIGKILLed, and both generate again. Every token list must equal the plain
-load's (``--expect``: engine_llm.py's JSON) or, without it, engine A's first. OUT.json holds the figures.
+commands), then, with both serving: what each engine's own load took (vLLM's log: "Model loading took"; mapped
+weights take none) and its KV cache, the GPU memory in use (``nvidia-smi``: the whole GPU and each process), the
+server's view (who has the entry attached), and greedy tokens from each. Then engine A generates in a loop while the
+server is SIGKILLed, and both generate again. Every token list must equal the plain load's (``--expect``:
+engine_llm.py's JSON) or, without it, engine A's first. OUT.json holds the figures.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -60,13 +62,26 @@ def child(args: argparse.Namespace) -> None:
             break
 
 
+VLLM_MEMORY = {  # what vLLM's engine core logs (on stdout) about its own memory, in GiB
+    "model_loading_gib": re.compile(r"Model loading took ([0-9.]+) GiB"),
+    "kv_cache_gib": re.compile(r"Available KV cache memory: ([0-9.]+) GiB"),
+}
+
+
+def vllm_memory(line: str) -> dict:
+    """The figures of VLLM_MEMORY that one line of vLLM's log holds."""
+    return {key: float(found.group(1)) for key, pattern in VLLM_MEMORY.items() if (found := pattern.search(line))}
+
+
 class Engine:
-    """One child engine: its process, and its tagged stdout lines on a queue (everything else goes to its log)."""
+    """One child engine: its process, its tagged stdout lines on a queue, vLLM's memory figures (vllm_memory) from
+    the rest of its stdout; stdout goes to LOG.out, stderr to LOG."""
 
     def __init__(self, name: str, args: argparse.Namespace, log: Path):
         command = [sys.executable, __file__, args.model, args.out, "--child", "--socket-dir", args.socket_dir]
         command += ["--memory", str(args.memory)] + (["--eager"] if args.eager else [])
-        self.name, self.lines = name, queue.Queue()
+        self.name, self.lines, self.memory = name, queue.Queue(), {}
+        self.out = open(log.with_suffix(".out"), "w")
         self.proc = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
@@ -82,6 +97,9 @@ class Engine:
         for line in self.proc.stdout:
             if line.startswith(TAG):
                 self.lines.put(json.loads(line[len(TAG) :]))
+            else:
+                self.out.write(line)
+                self.memory |= vllm_memory(line)
         self.lines.put({"event": "exited", "returncode": self.proc.wait()})
 
     def expect(self, event: str, timeout: float = START_TIMEOUT_S) -> dict:
@@ -145,7 +163,7 @@ def run(args: argparse.Namespace, results: dict) -> None:
 def serve_pair(args: argparse.Namespace, results: dict, engines: list) -> None:
     for name in ("A", "B"):  # one after the other: vLLM's memory profiling wants the GPU quiet while it measures
         engines.append(Engine(name, args, Path(args.out).with_name(f"pair-{name}.log")))
-        results[f"ready_{name}"] = engines[-1].expect("ready")
+        results[f"ready_{name}"] = engines[-1].expect("ready") | {"vllm": dict(engines[-1].memory)}
     results["gpu_both_serving"] = gpu_memory()
     results["attached_pids"] = server_status(args.socket_dir)["entries"][0]["attached_pids"]
     for engine in engines:
@@ -165,22 +183,21 @@ def serve_pair(args: argparse.Namespace, results: dict, engines: list) -> None:
     results["gpu_after_kill"] = gpu_memory()
 
 
-def verdict(results: dict, expect: list | None, memory: float) -> dict:
+def verdict(results: dict, expect: list | None) -> dict:
+    """What must hold. One copy: neither engine's own load took memory for weights (vLLM's "Model loading took"
+    below half the entry: they map the server's), while vLLM sized its KV cache with the weights counted."""
     want = expect or (results.get("tokens_both") or [None])[0]
     lists = results.get("tokens_both", []) + results.get("tokens_after_kill", [])
     loop = results.get("loop_during_kill", {})
-    # Each engine's budget is memory x the GPU: one that counts the mapped entry in it and copies nothing adds
-    # (budget - entry) to the GPU, one that copied the weights or did not see them adds the whole budget.
-    mib = 2**20
-    server, both = (results.get(key, {}).get("used_mib", 0) * mib for key in ("gpu_server_only", "gpu_both_serving"))
-    budget = memory * results.get("gpu_server_only", {}).get("total_mib", 0) * mib
+    server, both = (results.get(key, {}).get("used_mib", 0) * 2**20 for key in ("gpu_server_only", "gpu_both_serving"))
+    results["engines_added_bytes"] = both - server  # a figure: vLLM fills its budget either way
     entry = results.get("entry_bytes") or 0
-    results["engines_added_bytes"] = both - server
+    loads = [results.get(f"ready_{name}", {}).get("vllm", {}).get("model_loading_gib") for name in ("A", "B")]
     return {
         "tokens_equal": bool(lists) and want is not None and all(tokens == want for tokens in lists),
         "loop_unchanged": bool(loop) and loop["same"] == loop["of"] and loop["tokens"] == want,
         "both_attached": len(results.get("attached_pids", [])) >= 2,
-        "one_copy": entry > 0 and both > server and both - server < 2 * budget - entry,
+        "one_copy": entry > 0 and all(gib is not None and gib * 2**30 < entry / 2 for gib in loads),
         "alive_after_kill": all(results.get("alive_after_kill", [False])),
     }
 
@@ -212,7 +229,7 @@ def main() -> int:
                 os.kill(results["server_pid"], signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    results["verdict"] = verdict(results, expect, args.memory)
+    results["verdict"] = verdict(results, expect)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print("engine pair: " + json.dumps({k: v for k, v in results.items() if not k.startswith("tokens")})[:4000])
     return 0 if "error" not in results and all(results["verdict"].values()) else 1
