@@ -21,6 +21,9 @@ if typing.TYPE_CHECKING:
 _ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc):`~?([^`]+)`")
 _FIELD = re.compile(r"^\s*:(?:param|returns?|raises?)\b[^\n]*(?:\n(?!\s*:)[ \t]+\S[^\n]*)*\n?", re.MULTILINE)
 
+Commands: typing.TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+"""The subcommands' parsers of ``weightcache``, to which each command adds its own."""
+
 
 def help_text(docstring: str | None) -> str:
     """A module docstring as ``--help`` prints it: reST roles and double backquotes made plain, field lists dropped."""
@@ -194,7 +197,7 @@ def add_log_options(parser: argparse.ArgumentParser, default_format: str) -> Non
     )
 
 
-def add_command(commands, name: str, text: str, epilog: str | None = None) -> argparse.ArgumentParser:
+def add_command(commands: Commands, name: str, text: str, epilog: str | None = None) -> argparse.ArgumentParser:
     """A subcommand's parser: ``text`` is its one-line help and, capitalised, its description."""
     return commands.add_parser(
         name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import sys
@@ -9,7 +10,7 @@ import threading
 import time
 import typing
 
-from weightcache.core.cli.cli_options import add_command, add_request_options
+from weightcache.core.cli.cli_options import Commands, add_command, add_request_options
 
 if typing.TYPE_CHECKING:
     from weightcache.core.flow.loader import Checked, Tier
@@ -18,7 +19,7 @@ if typing.TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def add_parser(commands) -> None:
+def add_parser(commands: Commands) -> None:
     """``load`` and its options."""
     load = add_command(commands, "load", "load a checkpoint into arenas and publish it to the server (once per model and rank)")
     add_request_options(load)
@@ -38,7 +39,7 @@ def add_parser(commands) -> None:
     )
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """Check everything that can be checked before reading a weight, then load and publish (see docs/operations.md)."""
     try:
         return _run(args)

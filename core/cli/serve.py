@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from weightcache.core.cli.cli_options import add_command, add_log_options, add_socket_dir, bounded, size
+from weightcache.core.cli.cli_options import Commands, add_command, add_log_options, add_socket_dir, bounded, size
 from weightcache.core.server.bounds import CONNECTIONS, IDLE_SECONDS, PORT, SECONDS, SIZE_EXAMPLE
 
 DETACHED_LOG = "server.log"
@@ -37,7 +37,7 @@ metrics port (--metrics-port): /metrics (Prometheus), /healthz (the server accep
 is not handing over). Details: docs/operations.md."""
 
 
-def add_parser(commands) -> None:
+def add_parser(commands: Commands) -> None:
     """``serve`` and its options."""
     serve = add_command(
         commands, "serve", "run the server: it holds the arenas' fds and answers engines (never touches CUDA)", SERVE_EPILOG
@@ -126,7 +126,7 @@ def _add_connection_options(serve: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """Serve with the flags over the config file's settings (or check them, or serve detached)."""
     from weightcache.core.cli.logformat import configure as configure_logging
     from weightcache.core.server.serve_config import ServeSource

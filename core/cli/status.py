@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
-from weightcache.core.cli.cli_options import add_command, add_socket_dir
+from weightcache.core.cli.cli_options import Commands, add_command, add_socket_dir
 
 
-def add_parser(commands) -> None:
+def add_parser(commands: Commands) -> None:
     """``status`` and its options."""
     status = add_command(commands, "status", "list the server's entries: model, rank, device, size, attached engines")
     add_socket_dir(status)
     status.add_argument("--json", action="store_true", help="print the server's reply as JSON (fields: docs/operations.md)")
 
 
-def add_evict_parser(commands) -> None:
+def add_evict_parser(commands: Commands) -> None:
     """``evict`` and its options."""
     evict = add_command(commands, "evict", "drop an entry (memory is freed once no engine maps it)")
     add_socket_dir(evict)
@@ -22,7 +23,7 @@ def add_evict_parser(commands) -> None:
     evict.add_argument("--force", action="store_true", help="evict even while engines are attached (their mappings stay valid)")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from weightcache.core.client.client import Connection
 
     with Connection(args.socket_dir) as connection:
@@ -128,7 +129,7 @@ def _device_cell(device: str) -> str:
     return f"cuda {device[:12]}"
 
 
-def run_evict(args) -> int:
+def run_evict(args: argparse.Namespace) -> int:
     from weightcache.core.client.client import Connection
 
     with Connection(args.socket_dir) as connection:

@@ -104,7 +104,7 @@ def host_buffer(nbytes: int, huge: bool) -> "torch.Tensor":
     return aligned(torch.empty(nbytes + ALIGN, dtype=torch.uint8), nbytes)
 
 
-def aligned(raw, nbytes: int):
+def aligned(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
     """The ``nbytes`` of the 1-D uint8 tensor ``raw`` that start at an ``ALIGN``-aligned address."""
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip : skip + nbytes]
