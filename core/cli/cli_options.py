@@ -21,7 +21,7 @@ if typing.TYPE_CHECKING:
 _ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc):`~?([^`]+)`")
 _FIELD = re.compile(r"^\s*:(?:param|returns?|raises?)\b[^\n]*(?:\n(?!\s*:)[ \t]+\S[^\n]*)*\n?", re.MULTILINE)
 
-Commands: typing.TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+Commands: typing.TypeAlias = "argparse._SubParsersAction[typing.Any]"
 """The subcommands' parsers of ``weightcache``, to which each command adds its own."""
 
 
