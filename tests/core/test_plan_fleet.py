@@ -2,7 +2,7 @@
 the disk, so the command reads nothing of the checkpoint but its headers and configs (it read the whole checkpoint
 ahead while it imported, whatever the bytes' source turned out to be). Every read of the command's process is traced
 (strace, with the path of each descriptor) and the bytes read from the checkpoint's directory summed. The fleet's
-fixtures and helpers are test_fleet's."""
+fixtures are tests/core/conftest.py's, its helpers fleet_loads.py's."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ import sys
 
 import pytest
 
-from tests.core.test_fleet import fleet, load, network_fleet, wait_listed  # noqa: F401  (fixtures, by name)
+from tests.core.fleet_loads import load, wait_listed
+from tests.core.fleet_support import skip_unless_a_fleet_runs
+
+skip_unless_a_fleet_runs()  # etcd and NIXL, or the module is skipped saying which is missing
 
 STRACE = shutil.which("strace")
 _READ = re.compile(r"\b(?:read|pread64|readv|preadv2?)\(\d+<([^>]*)>.* = (\d+)$")
@@ -26,7 +29,7 @@ def checkpoint_bytes_read(trace: str, checkpoint) -> int:
 
 
 @pytest.mark.skipif(STRACE is None, reason="strace is not installed: nothing counts the reads per file")
-def test_weightcache_load_on_a_node_that_pulls_reads_only_the_headers(fleet, minilm_dir, tmp_path):  # noqa: F811
+def test_weightcache_load_on_a_node_that_pulls_reads_only_the_headers(fleet, minilm_dir, tmp_path):
     etcd, node = fleet
     a, b = node("a"), node("b")
     first = load(a, minilm_dir)
