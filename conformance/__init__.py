@@ -43,6 +43,7 @@ __all__ = [
     "ConformanceFixtures",
     "ConformanceTests",
     "CrashTests",
+    "DtypeTests",
     "FingerprintTests",
     "FlipTests",
     "FreshProcessTests",
@@ -63,6 +64,7 @@ _LAZY = {
     "ConformanceFixtures": "weightcache.conformance.fixtures",
     "ConformanceTests": "weightcache.conformance.checks",
     "CrashTests": "weightcache.conformance.checks",
+    "DtypeTests": "weightcache.conformance.dtype_checks",
     "FingerprintTests": "weightcache.conformance.checks",
     "FlipTests": "weightcache.conformance.checks",
     "FreshProcessTests": "weightcache.conformance.outside_checks",
@@ -91,6 +93,7 @@ if typing.TYPE_CHECKING:  # what type checkers read; at run time each name loads
         ParityTests,
         QuantizationTests,
     )
+    from weightcache.conformance.dtype_checks import DtypeTests
     from weightcache.conformance.fixtures import ConformanceFixtures
     from weightcache.conformance.outside_checks import ConfigTests, FreshProcessTests
     from weightcache.conformance.refit import RefitTests

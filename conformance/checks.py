@@ -45,6 +45,7 @@ from weightcache.conformance.assertions import (
     model_tensors,
     tied_groups,
 )
+from weightcache.conformance.dtype_checks import DtypeTests
 from weightcache.conformance.fixtures import FP8_BLOCK, adapter_facade, fresh, load, refused_quantization_skips
 from weightcache.conformance.flips import REQUEST_FIELDS, field_flips, judge, option_flips
 from weightcache.conformance.outside_checks import ConfigTests, FreshProcessTests
@@ -520,7 +521,7 @@ class FlipTests:
         assert not problems, failures("adapter options flipped on a published entry", problems)
 
 
-class ArchitectureTests(ParityTests, ModeTests, FlipTests, CrashTests, FreshProcessTests, ConfigTests, RefitTests):
+class ArchitectureTests(ParityTests, ModeTests, FlipTests, CrashTests, FreshProcessTests, ConfigTests, RefitTests, DtypeTests):
     """The checks whose outcome depends on the model's architecture: run them on every architecture."""
 
 

@@ -10,7 +10,10 @@ with ``PYTHONHASHSEED`` set to another seed than its own, on the same device, wh
 class of its checks begins (its start overlaps the other checks): the child loads
 the model from disk (mode ``off``, what it would publish) and computes the
 fingerprint; when the check runs, it runs the forward on the kit's example inputs
-and writes all of it to ``DIR``. The kit requires the same fingerprint, the same bytes for every tensor
+and writes all of it to ``DIR``. Two such processes run, each with another seed; the second
+loads with another thread count (``torch.set_num_threads``, ``OMP_NUM_THREADS``): post-processing
+chunked by the thread count gives other bytes there. Its forward runs at the kit's thread count,
+as torch's own kernels round by their chunks. The kit requires the same fingerprint, the same bytes for every tensor
 of its published entry, and bit-identical outputs.
 
 The child finds the adapter as the kit's process did: the installed entry points,
@@ -136,6 +139,12 @@ def other_threads() -> int:
     return 2 if torch.get_num_threads() == 1 else 1
 
 
+def _own_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def variants() -> list[tuple[str, int | None]]:
     """The fresh processes the kit starts: (hash seed, thread count; None: torch's default), two seeds, two thread counts."""
     return [(child_seed(1), None), (child_seed(2), other_threads())]
@@ -181,6 +190,7 @@ class FreshProcess:
             "adapter_module": adapter_spec(plugins, request.adapter),
             "run_model": importable_name(run_model),
             "threads": threads,
+            "forward_threads": _own_threads(),
         }
         (workdir / SPEC).write_text(json.dumps(spec))
         seed = seed or child_seed()
@@ -297,6 +307,9 @@ def main(workdir: str) -> None:
         "declared": sorted(declared_names(prepared.request.model, prepared.declared.files(prepared.request.model))),
     }
     if sys.stdin.readline() == GO:
+        # The load (post-processing) ran at the other thread count; the forward runs at the kit's: torch's own kernels
+        # (a reduction, a softmax) round by their chunks, so only then do outputs compare bit for bit.
+        torch.set_num_threads(spec.get("forward_threads") or torch.get_num_threads())
         inputs = torch.load(directory / INPUTS, weights_only=True)
         device = request.device
         call = import_name(spec["run_model"]) if spec["run_model"] else (lambda m, i: run_with_inputs(m, i, device))

@@ -36,10 +36,12 @@ CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_target_position
 
 
 def context_length(model: "torch.nn.Module") -> int:
-    """How many tokens the kit's long input has: ``LONG_TOKENS``, or fewer when the model's config allows fewer."""
-    config = getattr(model, "config", None)
+    """How many tokens the kit's long input has: ``LONG_TOKENS``, or fewer when a config allows fewer: the model's, or
+    any submodule's (a pipeline's text encoder inside a ``ModuleDict``)."""
+    configs = {id(config): config for module in model.modules() if (config := getattr(module, "config", None)) is not None}
     limits = [
         value
+        for config in configs.values()
         for field in CONTEXT_FIELDS
         if isinstance(value := getattr(config, field, None), int) and not isinstance(value, bool) and value > 0
     ]

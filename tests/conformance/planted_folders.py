@@ -89,3 +89,16 @@ class WrittenFor010:
     def weightcache_describe(request):
         description = plugin.weightcache_describe(request=attrs.evolve(request, quantization=None))
         return attrs.evolve(description, quantization=request.quantization or "none", quantization_config={})
+
+
+class DoublesInBfloat16(Folders):
+    """Post-processing in bfloat16 only adds a forward hook that doubles the embedding (a flag an engine sets for bf16
+    numerics); rebind never adds it. A kit run at float32 alone sees nothing; an engine in bfloat16 that attaches gets
+    other outputs than its own disk load."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_post_process(request, model, description):
+        if description.dtype == "bfloat16":
+            model.register_forward_hook(lambda module, args, output: output * 2)
+        return model

@@ -11,8 +11,15 @@ from pathlib import Path
 import pytest
 
 from tests.conformance.test_planted_bugs import failed_checks, kit_cli
+from tests.foreign_layouts import (
+    EXAMPLES,
+    diffusers_adapter,
+    save_diffusers_pipeline,
+    save_sentence_transformer,
+    st_adapter,
+    to_old_layout,
+)
 from tests.helpers import EXAMPLE_SRC, PLANTED_DIR
-from tests.st_layouts import EXAMPLES, save_sentence_transformer, st_adapter, to_old_layout
 from weightcache.conformance import ArchitectureTests, ConformanceFixtures
 from weightcache.engine import Plugins
 
@@ -24,6 +31,7 @@ ENTRY_POINTS = {
     "planted-pooling-left-out": "PoolingLeftOut",
     "planted-thread-chunks": "ChunksByThreadCount",
     "planted-010": "WrittenFor010",
+    "planted-bf16-flag": "DoublesInBfloat16",
 }
 
 
@@ -72,6 +80,26 @@ class TestSentenceTransformerOld(FolderFixtures, ArchitectureTests):
     @classmethod
     def model_path(cls, st_old):
         return str(st_old)
+
+
+class TestDiffusersPipeline(FolderFixtures, ArchitectureTests):
+    """A pipeline folder diffusers' save_pretrained wrote: unet/ and vae/ (with tensors of the same names), scheduler/."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def adapter_name(cls):
+        return "diffusers-pipeline"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def plugins(cls):
+        return Plugins.from_modules({"diffusers-pipeline": diffusers_adapter()})
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_path(cls, tmp_path_factory):
+        pytest.importorskip("diffusers", reason="diffusers is not installed (pip install -e '.[test]')")
+        return str(save_diffusers_pipeline(tmp_path_factory.mktemp("diffusers") / "pipeline"))
 
 
 # ------------------------------------------------------------------ every declared file is in the identity
@@ -212,3 +240,12 @@ def test_an_adapter_without_the_quantization_convention_skips_the_declared_metho
     skipped = [check for check in results["checks"] if check["outcome"] == "skipped"]
     assert skipped and all("never said how its checkpoints declare a quantization method" in c["message"] for c in skipped)
     assert "CheckpointConventions(quantization_declaration=" in skipped[0]["message"]
+
+
+def test_a_flag_set_in_bfloat16_only_fails_the_other_dtype_check(folders_env, st_root, tmp_path):
+    """The class runs at float32 (the checkpoint's own); the kit also runs bfloat16 and finds the outputs differ."""
+    _, failed = _kit(folders_env, tmp_path, "planted-bf16-flag", st_root, "other_dtype or bit_identical")
+    assert list(failed) == ["test_other_dtype_attaches_its_disk_load[bfloat16]"], failed
+    assert "at dtype bfloat16" in failed["test_other_dtype_attaches_its_disk_load[bfloat16]"]
+    _, failed = _kit(folders_env, tmp_path, "planted-folders", st_root, "other_dtype")
+    assert not failed, failed
