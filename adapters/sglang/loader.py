@@ -107,12 +107,13 @@ def load_model(loader: typing.Any, *, model_config: ModelConfig, device_config: 
     from weightcache.engine import run
 
     loader.preloaded_weights_bytes = 0
-    from weightcache.adapters import engine_refit
+    from weightcache.adapters import engine_refit, engine_state
 
     request = load_request(loader.load_config, model_config, device_config)
     loaded = run(request, loader.options)
     engine_refit.remember(loaded.model, request)  # the refit's weight loader builds versions for this rank with it
     loader.preloaded_weights_bytes = loaded.external_bytes
+    engine_state.keep(loaded.fingerprint, ADAPTER)  # before SGLang compiles (--enable-torch-compile)
     log.info(
         "weightcache: %s from %s in %s",
         model_config.model_path,

@@ -12,7 +12,7 @@ What each step does inside vLLM is in ``weightcache.adapters.vllm.hooks``.
 import logging
 import typing
 
-from weightcache.adapters import engine_refit, engine_support
+from weightcache.adapters import engine_refit, engine_state, engine_support
 from weightcache.adapters.vllm import identity
 from weightcache.adapters.vllm.engine import STATE_KEY, EngineObjects, LoadConfig, ModelConfig, Ranks, VllmConfig
 
@@ -122,6 +122,7 @@ def load_model(loader: typing.Any, vllm_config: VllmConfig, model_config: ModelC
     request = load_request(loader.load_config, vllm_config, model_config, prefix)
     loaded = run(request, loader.options)
     engine_refit.remember(loaded.model, request)  # the worker extension builds versions for this rank with it
+    engine_state.keep(loaded.fingerprint, ADAPTER)  # before vLLM's warm-up compiles
     log.info(
         "weightcache: %s from %s (%s) in %s",
         model_config.model,

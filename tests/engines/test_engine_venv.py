@@ -36,6 +36,7 @@ ENTRY_POINTS = [
     "tests/engines/test_entry_points.py",
     "tests/engines/test_launched_engines.py",
     "tests/engines/test_one_identity.py",
+    "tests/engines/test_engine_state.py",
 ]
 EVERYDAY = ["-m", "not engine_entry"]
 """The tensor-level tests: everything in tests/engines but the entry-point tests (real engine starts)."""
