@@ -25,6 +25,21 @@ def format_bytes(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def counted(count: int, one: str, many: str | None = None) -> str:
+    """``1 entry``, ``2 entries``, ``0 parcels``: ``count`` and the noun in the number it takes (``many``: an irregular
+    plural; else ``one`` + s, or + es after s, x, ch and sh, or y to ies after a consonant)."""
+    if count == 1:
+        return f"{count} {one}"
+    if many is None:
+        if one.endswith(("s", "x", "ch", "sh")):
+            many = one + "es"
+        elif one.endswith("y") and one[-2:-1] not in "aeiou":
+            many = one[:-1] + "ies"
+        else:
+            many = one + "s"
+    return f"{count} {many}"
+
+
 def format_speedup(baseline_s: float, measured_s: float) -> str:
     """How ``measured_s`` compares with ``baseline_s``: ``12.5x faster`` or ``1.3x slower`` (never ``0.8x faster``)."""
     if measured_s <= 0 or baseline_s <= 0:

@@ -23,6 +23,7 @@ import time
 import typing
 
 from weightcache.core.cli.cli_options import add_socket_dir, help_text
+from weightcache.core.progress import counted
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,8 @@ def _list(config) -> int:
                 f"{name}: {record.fingerprint.short} tier {record.fingerprint.gpu_uuid or 'cpu'}, {sum(r.length for r in record.arenas)} bytes over {record.transport}"
             )
         elif isinstance(record, Content):
-            print(f"{name}: {len(record.arenas)} arenas, {record.nbytes} bytes, first published by node {record.origin}")
+            arenas = counted(len(record.arenas), "arena")
+            print(f"{name}: {arenas}, {record.nbytes} bytes, first published by node {record.origin}")
         elif isinstance(record, Relay):
             landing = record.landing
             landed = "" if landing is None else f", and arena {landing.arena} as it lands ({landing.landed} bytes so far)"

@@ -49,13 +49,20 @@ and its C++ core to stderr): the level they are held to below ``debug``, through
 operator's own setting of the variable wins."""
 
 
+def ours_or_a_warning(record: logging.LogRecord) -> bool:
+    """A record weightcache's own loggers made, or one of WARNING or above (a third party's INFO stays out)."""
+    return record.levelno >= logging.WARNING or record.name == "weightcache" or record.name.startswith("weightcache.")
+
+
 def configure(level: str, form: str = "text", brief: bool = False) -> None:
     """Log to stderr at ``level`` (one of LEVELS) in ``form`` (one of FORMATS); ``brief``: ``LEVEL: message`` only
-    (the one-shot commands, whose results go to stdout). Below ``debug``, third parties' INFO lines stay out."""
+    (the one-shot commands, whose results go to stdout). Below ``debug``, third parties' INFO lines stay out: those
+    of Python loggers through a filter, those of libraries that print on their own through QUIET_THIRD_PARTIES."""
+    handler = logging.StreamHandler(sys.stderr)
     if level != "debug":
         for variable, quiet in QUIET_THIRD_PARTIES.items():
             os.environ.setdefault(variable, quiet)
-    handler = logging.StreamHandler(sys.stderr)
+        handler.addFilter(ours_or_a_warning)
     if form == "json":
         handler.setFormatter(JsonFormatter())
     else:

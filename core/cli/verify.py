@@ -32,7 +32,7 @@ from weightcache.core.client.attach import Attachment
 from weightcache.core.client.client import Connection
 from weightcache.core.client.replies import HeldEntry, ServerStatus
 from weightcache.core.errors import AmbiguousDigest, ServerError, WeightCacheError
-from weightcache.core.progress import ByteProgress, NoProgress, byte_progress, format_bytes
+from weightcache.core.progress import ByteProgress, NoProgress, byte_progress, counted, format_bytes
 from weightcache.core.socket_dir import SocketDir, SocketDirLike
 
 log = logging.getLogger(__name__)
@@ -179,5 +179,5 @@ def run(args: argparse.Namespace) -> int:
         report=lambda verdict: print(verdict.line(), flush=True),
     )
     corrupt = sum(1 for verdict in verdicts if verdict.corrupt)
-    print(f"{len(verdicts)} entries checked, {corrupt} corrupt", flush=True)
+    print(f"{counted(len(verdicts), 'entry')} checked, {corrupt} corrupt", flush=True)
     return exit_status(verdicts)

@@ -35,6 +35,7 @@ import attrs
 
 from weightcache.core.cpus import usable_cpus
 from weightcache.core.fileio import READ_FLAGS
+from weightcache.core.progress import counted
 
 log = logging.getLogger(__name__)
 
@@ -334,8 +335,8 @@ def checkpoint_digests(
     if unknown:
         paths, unknown_keys = [checkpoint[i] for i in unknown], [keys[i] for i in unknown]
         log.info(
-            "first sight of %d files (%.2f GiB) of %s: hashing their content",
-            len(paths),
+            "first sight of %s (%.2f GiB) of %s: hashing their content",
+            counted(len(paths), "file"),
             sum(key.st_size for key in unknown_keys) / 2**30,
             os.path.commonpath([str(p.parent) for p in paths]),
         )

@@ -23,6 +23,7 @@ import os
 import socket
 import typing
 
+from weightcache.core.progress import counted
 from weightcache.core.server.admission import admit_publish
 from weightcache.core.server.entry_record import read_record, sealed_record
 from weightcache.core.server.registry import Entry, OverBudget, Registry
@@ -152,8 +153,8 @@ def adopt(registry: Registry, fds: dict[str, int], max_frame_bytes: int) -> int:
             log.warning("not re-serving entry %s from systemd's fd store: %s", digest[:12], exc)
     if groups:
         log.info(
-            "re-serving %d of %d entries kept in systemd's fd store, to clients that verify them until they are checked",
+            "re-serving %d of %s kept in systemd's fd store, to clients that verify them until they are checked",
             adopted,
-            len(groups),
+            counted(len(groups), "entry"),
         )
     return adopted

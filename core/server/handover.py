@@ -34,6 +34,7 @@ died meanwhile, nobody else holds the entries, so it serves those that passed
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -47,6 +48,7 @@ import attrs
 from weightcache.core import __version__
 from weightcache.core.errors import HandoverFailed, ProtocolError
 from weightcache.core.memfd import sealed_size
+from weightcache.core.progress import counted
 from weightcache.core.server.admission import admit_publish
 from weightcache.core.server.entry_record import read_record, sealed_record
 from weightcache.core.server.registry import Entry, OverBudget, Registry, TooManyArtifacts
@@ -220,10 +222,14 @@ def send_entries(sock: socket.socket, registry: Registry, listeners: Listeners, 
     close_fds(fds)
     if reply.get("ok") is True and reply.get("held") == len(entries):
         _step("confirmed")
-        log.info("handed %d entries and %d artifacts to pid %s", len(entries), artifacts, reply.get("pid"))
+        log.info("handed %s and %s to pid %s", counted(len(entries), "entry"), counted(artifacts, "artifact"), reply.get("pid"))
         return HANDED
     _step("refused")
-    log.warning("the successor refused the handover (%.300s); serving every entry on", reply)
+    error = reply.get("error")
+    why = error.get("message") if isinstance(error, dict) else None
+    if not isinstance(why, str):  # an answer of another shape: say what it held, as JSON
+        why = f"it answered {json.dumps(reply, default=str)[:300]}"
+    log.warning("the successor refused the handover (%.300s); serving every entry on", why)
     _send_quietly(sock, ok_reply(resumed=True, pid=os.getpid()))
     return "refused"
 
@@ -355,9 +361,9 @@ def _receive(sock: socket.socket, registry: Registry, limits: Limits, pid: int) 
         pid = hello["pid"]  # the server that answered says who it is
     handed = Handed(entries=0, artifacts=0, predecessor_pid=pid, sock=sock, **attrs.asdict(listeners))
     log.info(
-        "taking over %s entries in %d parcels from pid %d (weightcache %s)",
-        hello.get("entries"),
-        len(parcel_fds),
+        "taking over %s in %s from pid %d (weightcache %s)",
+        counted(hello["entries"], "entry") if isinstance(hello.get("entries"), int) else f"{hello.get('entries')} entries",
+        counted(len(parcel_fds), "parcel"),
         pid,
         hello.get("version"),
     )
@@ -373,10 +379,10 @@ def _receive(sock: socket.socket, registry: Registry, limits: Limits, pid: int) 
     if failures:
         handed._sock = None
         log.warning(
-            "the predecessor (pid %d) died during the handover: serving the %d entries that passed their check; "
+            "the predecessor (pid %d) died during the handover: serving the %s that passed their check; "
             "%d failed and are gone unless an engine re-publishes them (first: %.300s)",
             pid,
-            handed.entries,
+            counted(handed.entries, "entry"),
             len(failures),
             failures[0],
         )

@@ -12,7 +12,7 @@ import attrs
 
 from weightcache.core.errors import AmbiguousDigest
 from weightcache.core.fingerprint import HOST_TIER, Fingerprint
-from weightcache.core.progress import format_bytes
+from weightcache.core.progress import counted, format_bytes
 from weightcache.core.wire.protocol import close_fds, encode
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class Registry:
     def byte_budget(self) -> int | None:
         return self.budgets.total
 
-    def publish(self, entry: Entry, evict: bool = True) -> bool:
+    def publish(self, entry: Entry, evict: bool = True, requester: int | None = None) -> bool:
         """Add ``entry``; False (and its fds closed) if one with that digest exists already.
 
         An existing entry that is not verified takes a verified ``entry``'s bytes instead of its own (a publisher
@@ -231,7 +231,9 @@ class Registry:
         Raises OverBudget, having evicted nothing, when the entry does not fit
         even after evicting every unattached entry (with ``evict`` False: without evicting any), and VersionConflict
         when another entry holds the same version of the same lineage (``Fingerprint.version``). Publishing a version
-        drops its lineage's older versions that no engine has attached (``_drop_superseded``).
+        drops its lineage's older versions that no engine has attached (``_drop_superseded``). ``requester``: the pid
+        whose publish request this is (its log line's ``peer_pid``); None for an entry taken over or back from the fd
+        store, which nobody requested now (its ``publisher_pid`` still names who published it first).
         """
         with self._lock:
             self._check_version(entry.fingerprint)
@@ -260,12 +262,12 @@ class Registry:
                 self.on_publish(entry)
             self._drop_superseded(entry.fingerprint.lineage)
         log.info(
-            "published %s (%s, %d bytes, %d arenas)",
+            "published %s (%s, %d bytes, %s)",
             entry.digest[:12],
             entry.label,
             entry.nbytes,
-            len(entry.fds),
-            extra={**entry.log_fields(), "peer_pid": entry.published_by},  # the publisher made this request
+            counted(len(entry.fds), "arena"),
+            extra={**entry.log_fields(), **({"peer_pid": requester} if requester is not None else {})},
         )
         return True
 
@@ -552,7 +554,7 @@ class Registry:
                 self._entries.clear()
                 for entry in entries:
                     entry.close_fds()
-                log.info("closed this server's copies of %d entries: the successor holds them", len(entries))
+                log.info("closed this server's copies of %s: the successor holds them", counted(len(entries), "entry"))
                 return
             for digest in list(self._entries):
                 self._drop(digest, reason="server stopping", why="stopping")

@@ -108,7 +108,7 @@ class Requests:
             close_fds(fds)
             return error_reply("bad_request", f"malformed publish request: {exc!s:.600}"), []
         try:
-            created = self.registry.publish(entry)
+            created = self.registry.publish(entry, requester=pid)
         except OverBudget as exc:
             close_fds(fds)
             return error_reply("over_budget", str(exc)), []

@@ -36,6 +36,7 @@ import attrs
 from weightcache.core import PROTOCOL_VERSION, __version__
 from weightcache.core.errors import AccessDenied
 from weightcache.core.fingerprint import HOST_TIER
+from weightcache.core.progress import counted
 from weightcache.core.server import bounds, readiness
 from weightcache.core.server.connections import OUT_OF_RESOURCES, SHED_WHEN_OUT_OF_FDS, ConnectionTable
 from weightcache.core.server.exporter import Exporter, Verdict
@@ -335,7 +336,7 @@ class Server(Sessions, Requests):
             return Verdict(False, "handing every entry over to a successor")
         if self._listener is None:
             return Verdict(False, "starting")
-        return Verdict(True, f"serving {len(self.registry)} entries on {self.socket_path}")
+        return Verdict(True, f"serving {counted(len(self.registry), 'entry')} on {self.socket_path}")
 
     def stop(self) -> None:
         """Ask ``serve_forever`` to return (safe from a signal handler or another thread)."""

@@ -107,6 +107,7 @@ class Sessions:
                     log.warning(
                         "refused a frame from pid %d (%s): %s", pid, exc.code, exc, extra={"peer_pid": pid, "code": exc.code}
                     )
+                    self.metrics.refused(exc.code)
                     self._try_send(conn, error_reply(exc.code, str(exc)))
                     return
                 except (TimeoutError, OSError) as exc:

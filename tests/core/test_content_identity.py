@@ -23,6 +23,7 @@ from weightcache.core.flow.loader import prepare, publish
 from weightcache.core.flow.modes import load_model
 from weightcache.core.identity.digests import DigestStore, FileKey, checkpoint_digests, file_digest
 from weightcache.core.identity.safetensors_io import checkpoint_files, checkpoint_identity, read_header
+from weightcache.core.progress import counted
 from weightcache.core.request import LoadRequest
 
 
@@ -244,7 +245,9 @@ def test_first_sight_logs_one_line_and_counts_every_byte(model_dir, tmp_path, ca
         return [r.getMessage() for r in caplog.records], progress.done
 
     lines, hashed = run()
-    assert len(lines) == 1 and lines[0].startswith(f"first sight of {len(files)} files") and str(path) in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith(f"first sight of {counted(len(files), 'file')} (") and str(path) in lines[0], (
+        lines
+    )
     assert hashed == sum(f.stat().st_size for f in files)
     assert run() == ([], 0), "an unchanged checkpoint is hashed again"
 

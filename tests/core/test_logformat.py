@@ -106,6 +106,32 @@ def test_json_lines_carry_the_entry_model_bytes_and_peer_pid_as_fields(socket_di
         wait_until(lambda: not (socket_dir / "weightcache.sock").exists())
 
 
+def test_an_entry_taken_over_in_place_is_logged_with_its_publisher_and_no_requester(socket_dir):
+    """After SIGUSR2 the successor's "published" line for an entry it took over names who published it
+    (``publisher_pid``) and no ``peer_pid``: nobody requested it of the successor."""
+    from weightcache.core.client.client import Connection
+
+    pid, log_path = _detach(socket_dir, "--log-format", "json")
+    serving = [pid]
+    try:
+        entry = publish_host_entry(socket_dir, label="kept")
+        os.kill(pid, signal.SIGUSR2)
+
+        def successor() -> bool:
+            with Connection(socket_dir) as connection:
+                serving.append(connection.status()["pid"])
+            return serving[-1] != pid
+
+        assert wait_until(successor, timeout=30), Path(log_path).read_text()[-3000:]
+        records = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.startswith("{")]
+        taken = [r for r in records if r["pid"] == serving[-1] and r["message"].startswith("published ")]
+        assert [r["entry"] for r in taken] == [entry.digest], records[-10:]
+        assert taken[0]["publisher_pid"] == os.getpid() and "peer_pid" not in taken[0], taken[0]
+    finally:
+        os.kill(serving[-1], signal.SIGTERM)
+        wait_until(lambda: not (socket_dir / "weightcache.sock").exists())
+
+
 def test_the_config_file_sets_the_log_format_and_level_and_flags_win(socket_dir, tmp_path):
     config = tmp_path / "serve.toml"
     config.write_text('[server]\nlog_format = "json"\nlog_level = "warning"\n')
@@ -143,3 +169,26 @@ def test_nixls_own_info_lines_stay_out_unless_debug():
         said[level] = proc.stdout + proc.stderr
     assert "NIXL INFO" not in said["warning"], said["warning"]
     assert "NIXL INFO" in said["debug"], "with -v they are shown (else this test proves nothing)"
+
+
+_THIRD_PARTY = """
+import logging, sys
+from weightcache.core.cli.logformat import configure
+configure(sys.argv[1])
+logging.getLogger("some.library").info("a library's INFO")
+logging.getLogger("some.library").warning("a library's WARNING")
+logging.getLogger("weightcache.core.server.server").info("weightcache's INFO")
+"""
+
+
+def test_a_python_librarys_info_lines_stay_out_of_a_serving_command_unless_debug():
+    """A server logs its own INFO lines; another library's INFO (a Python logger under the root) shows only with -v,
+    its warnings always."""
+    said = {}
+    for level in ("info", "debug"):
+        proc = subprocess.run([sys.executable, "-c", _THIRD_PARTY, level], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        said[level] = proc.stderr
+    assert "weightcache's INFO" in said["info"] and "a library's WARNING" in said["info"], said["info"]
+    assert "a library's INFO" not in said["info"], said["info"]
+    assert "a library's INFO" in said["debug"], said["debug"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import urllib.request
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from weightcache.core.client.attach import Attachment
 from weightcache.core.client.client import Connection
 from weightcache.core.errors import EntryNotFound
 from weightcache.core.server.metrics import ATTACH_BUCKETS_S, Histogram, Metrics
+from weightcache.core.socket_dir import SocketDir
 
 pytest.importorskip("prometheus_client", reason="the metrics extra is not installed (pip install -e '.[test]')")
 
@@ -139,9 +141,15 @@ def test_refusals_are_counted_by_code(metered):
         connection.request({"op": "no-such-op"})
     with Connection(server.socket_dir) as connection, pytest.raises(Exception, match="no entry matches"):
         connection.evict("abcdef12")
+    with socket.socket(socket.AF_UNIX) as raw:  # a frame that is not weightcache's: refused before any request
+        raw.connect(str(SocketDir.parse(server.socket_dir).socket))
+        raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(64))
+        raw.settimeout(10)
+        assert b"protocol_error" in raw.recv(1 << 16)
     samples = scrape(port)
     assert samples['weightcache_refusals_total{code="bad_request"}'] == 1
     assert samples['weightcache_refusals_total{code="not_found"}'] == 1
+    assert samples['weightcache_refusals_total{code="protocol_error"}'] == 1, "a refused frame is a refusal too"
 
 
 def test_the_log_names_the_pid_of_each_attach_refusal_and_eviction(metered):

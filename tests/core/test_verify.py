@@ -32,7 +32,7 @@ def test_verify_reports_a_good_and_a_corrupt_entry_and_exits_non_zero(server, mo
     assert lines[-1] == "2 entries checked, 1 corrupt"
     assert sorted(_digests(server.socket_dir)) == sorted([good.digest, bad.digest])  # without --drop nothing is evicted
     only_good = run_cli("verify", good.digest[:8], "--socket-dir", str(server.socket_dir))
-    assert only_good.returncode == OK and only_good.stdout.splitlines()[-1] == "1 entries checked, 0 corrupt"
+    assert only_good.returncode == OK and only_good.stdout.splitlines()[-1] == "1 entry checked, 0 corrupt"
 
 
 def test_verify_drop_evicts_a_corrupt_entry_but_not_one_an_engine_has_attached_unless_forced(server, model_dir):

@@ -323,7 +323,7 @@ def test_weightcache_verify_checks_a_gpu_entry_on_its_gpu_and_finds_a_corrupt_on
 
     load(gpu_model, server.socket_dir, "cuda:0")
     good = run_cli("verify", "--socket-dir", str(server.socket_dir))
-    assert good.stdout.splitlines()[-1] == "1 entries checked, 0 corrupt", good.stdout
+    assert good.stdout.splitlines()[-1] == "1 entry checked, 0 corrupt", good.stdout
     fingerprint = prepare(LoadRequest(model=str(gpu_model), device="cuda:0")).fingerprint
     publish_corrupt_copy(fingerprint, server.socket_dir, "cuda:0")
     bad = run_cli("verify", "--drop", "--socket-dir", str(server.socket_dir), check=False)

@@ -49,6 +49,7 @@ from weightcache.core.node.fleet.registry import FleetRegistry
 from weightcache.core.node.fleet.relay import Relaying
 from weightcache.core.node.fleet.transport import Region, Transport, region_of_arena, region_of_view
 from weightcache.core.node.seeding import check_sizes
+from weightcache.core.progress import counted
 
 if typing.TYPE_CHECKING:
     from weightcache.core.arena.base import Arena
@@ -313,9 +314,9 @@ class ChainedPull:
         if not self._waiting_for_slot:
             self._waiting_for_slot = True
             log.info(
-                "weightcache: every holder of %s serves %d nodes already; waiting for a free slot",
+                "weightcache: every holder of %s serves %s already; waiting for a free slot",
                 self.fingerprint.short,
-                self.registry.config.fanout,
+                counted(self.registry.config.fanout, "node"),
             )
         if time.monotonic() > self._deadline:
             raise PullFailed("?", f"no holder had a free slot for {self.registry.config.wait_s:.0f} s")

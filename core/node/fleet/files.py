@@ -44,6 +44,7 @@ from weightcache.core.identity.safetensors_io import Header, Sighting, identity_
 from weightcache.core.node.fleet.config import SHARED_WAIT_S, FleetConfig
 from weightcache.core.node.fleet.records import FileContent, FileSeen
 from weightcache.core.node.fleet.registry import FleetRegistry, renew_lease
+from weightcache.core.progress import counted
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +166,9 @@ def _learn_or_claim(
         if digests is not None:
             _remember(sighting, missing, digests)
             log.info(
-                "weightcache: learned the content of %d files of %s from the fleet's records (hashed by node %s); "
+                "weightcache: learned the content of %s of %s from the fleet's records (hashed by node %s); "
                 "no weight read to know it",
-                len(missing),
+                counted(len(missing), "file"),
                 sighting.path,
                 ", ".join(sorted(origins)),
             )

@@ -43,6 +43,7 @@ from weightcache.core.node.fleet.config import SHARED_WAIT_S, FleetConfig
 from weightcache.core.node.fleet.registry import FleetRegistry, renew_lease
 from weightcache.core.node.fleet.relay import Relaying
 from weightcache.core.node.fleet.transport import DEFAULT_TRANSPORT, Transport, transport
+from weightcache.core.progress import counted
 
 if typing.TYPE_CHECKING:
     from weightcache.core.arena.base import Arena
@@ -216,8 +217,8 @@ class Filling:
             if time.monotonic() - self._recordless_since < 2 * registry.config.lease_ttl_s:
                 return None, True
             log.warning(
-                "weightcache: %d nodes list %s but the fleet has no valid record of its arenas; not pulling it",
-                len(holdings),
+                "weightcache: %s list %s but the fleet has no valid record of its arenas; not pulling it",
+                counted(len(holdings), "node"),
                 fingerprint.short,
             )
             tried.update(h.node for h in holdings)

@@ -34,6 +34,7 @@ from weightcache.core.node.fleet.config import FleetConfig
 from weightcache.core.node.fleet.records import Agent, Content, Holding, manifest_sha256
 from weightcache.core.node.fleet.registry import FleetRegistry, renew_lease
 from weightcache.core.node.fleet.transport import DEFAULT_TRANSPORT, Region, Transport, region_of_arena, transport
+from weightcache.core.progress import counted
 from weightcache.core.socket_dir import SocketDir
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,9 @@ class Sharer:
                         listed = time.monotonic()
                     self.sync(entries)
                     if self._registry_down:
-                        log.warning("weightcache: the fleet registry answers again; sharing %d entries", len(self.shared))
+                        log.warning(
+                            "weightcache: the fleet registry answers again; sharing %s", counted(len(self.shared), "entry")
+                        )
                     self._registry_down = False
                 except FleetUnavailable as exc:
                     if not self._registry_down:
