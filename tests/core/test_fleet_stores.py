@@ -44,7 +44,7 @@ def test_new_nodes_with_a_digest_store_each_read_the_checkpoint_once_between_the
     sources = [out.strip().splitlines()[-1] for out, _ in outputs]
     assert sum("copied from node" in s for s in sources) == 2, said(outputs)
     readers = [err for _, err in outputs if "this node reads it" in err]
-    learned = [err for _, err in outputs if "learned the content of 1 files" in err]
+    learned = [err for _, err in outputs if "learned the content of 1 file " in err]
     assert len(readers) == 1 and len(learned) == 2, said(outputs)
     assert len({e["digest"] for n in nodes for e in entries(n)}) == 1
     assert keys_under(etcd, "sightings") == [] and keys_under(etcd, "claims") == []
