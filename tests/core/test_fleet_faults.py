@@ -162,7 +162,8 @@ def test_etcd_stalled_or_killed_mid_lookup_costs_one_warning_and_the_disk(fleet,
     assert published.kind == "disk"
     warnings = published.lines("did not answer")
     assert len(warnings) == 1 and "reading the disk instead" in warnings[0], warnings
-    assert stalled_s < 30, f"a stalled registry held the load {stalled_s:.1f} s"
+    # an order of magnitude (the whole load takes seconds on a loaded machine): a stalled registry never holds it
+    assert stalled_s < 90, f"a stalled registry held the load {stalled_s:.1f} s"
     with Connection(b.socket_dir) as connection:
         connection.evict(published.digest)
     etcd.kill()
