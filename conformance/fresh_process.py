@@ -70,6 +70,8 @@ class FreshLoad:
     """The files under the checkpoint the process opened (``weightcache.conformance.file_reads``), relative to it."""
     declared: list[str] = attrs.field(factory=list, eq=False)
     """The files the adapter declares (``weightcache_checkpoint_files``), relative to the checkpoint."""
+    manifest_extra: dict = attrs.field(factory=dict, eq=False)
+    """What the adapter would publish as the manifest's extra state (``weightcache_manifest_extra``)."""
 
     @property
     def how(self) -> str:
@@ -305,6 +307,7 @@ def main(workdir: str) -> None:
         "forward_error": None,
         "threads": torch.get_num_threads(),
         "declared": sorted(declared_names(prepared.request.model, prepared.declared.files(prepared.request.model))),
+        "manifest_extra": prepared.adapter.manifest_extra(prepared.request, loaded.model),
     }
     if sys.stdin.readline() == GO:
         # The load (post-processing) ran at the other thread count; the forward runs at the kit's: torch's own kernels

@@ -8,7 +8,7 @@ import typing
 import pytest
 
 from weightcache.conformance.assertions import assert_same_model, assert_same_outputs, failures, flatten_outputs, model_tensors
-from weightcache.conformance.fixtures import refused_quantization_skips
+from weightcache.conformance.fixtures import adapter_facade, refused_quantization_skips
 
 if typing.TYPE_CHECKING:
     import torch
@@ -58,6 +58,13 @@ class FreshProcessTests:
             "thread count); a client there attaches weights its own disk load would not give",
             problems,
         )
+        extra = published.manifest.extra
+        differing = sorted(key for key, value in child.manifest_extra.items() if extra.get(key) != value)
+        assert not differing, (
+            f"{where} computes another manifest extra ({differing[0]} is {child.manifest_extra[differing[0]]!r:.80} "
+            f"instead of {extra.get(differing[0])!r:.80}): weightcache_manifest_extra depends on the process (hash(), "
+            "set order, id(), the thread count); a client there rebinds with state its own disk load would not give"
+        )
         if isinstance(example_inputs, ForwardUnavailable):
             return
         assert child.forward_error is None, f"{where} could not run the forward: {child.forward_error}"
@@ -67,7 +74,7 @@ class FreshProcessTests:
 
 class ConfigTests:
     """Every scalar of config.json and of every declared JSON file, and one byte of every safetensors file under the
-    checkpoint, changed alone on a copy: another fingerprint, or the same tensors and outputs."""
+    checkpoint, changed alone on a copy: another fingerprint, or the same tensors, outputs and manifest extra."""
 
     def test_config_fields_change_the_fingerprint_or_nothing(
         self,
@@ -86,6 +93,7 @@ class ConfigTests:
 
         def same_as_disk(model: "torch.nn.Module") -> None:
             assert_same_model(model, disk_model.model, run_model, example_inputs, "config changed")
+            assert_same_extra(plugins, load_request, model, disk_model.model, "config changed")
             if not isinstance(long_inputs, ForwardUnavailable):
                 expected = flatten_outputs(run_model(disk_model.model, long_inputs))
                 assert_same_outputs(flatten_outputs(run_model(model, long_inputs)), expected, "config changed, long input")
@@ -106,9 +114,24 @@ class ConfigTests:
 
         def same_as_disk(model: "torch.nn.Module") -> None:
             assert_same_model(model, disk_model.model, run_model, example_inputs, "weight file changed")
+            assert_same_extra(plugins, load_request, model, disk_model.model, "weight file changed")
 
         with refused_quantization_skips(load_request):
             problems, changed = check_weight_files(resolved(load_request), plugins, tmp_path / "copy", same_as_disk)
         if not changed:
             pytest.skip("the checkpoint is one file, not a directory")
         assert not problems, failures("weight files outside the fingerprint", problems)
+
+
+def assert_same_extra(plugins, request, model: "torch.nn.Module", disk: "torch.nn.Module", context: str) -> None:
+    """The adapter's manifest extra (``weightcache_manifest_extra``) for ``model`` equals the one for the disk load: a
+    client attaching the published entry rebinds with the published value, never with the one its own files give."""
+    adapter = adapter_facade(plugins, request.adapter)
+    expected, actual = adapter.manifest_extra(request, disk), adapter.manifest_extra(request, model)
+    keys = sorted(str(key) for key in set(expected) | set(actual) if expected.get(key) != actual.get(key))
+    assert not keys, (
+        f"{context}: the adapter's manifest extra differs from the published entry's in {keys} ({keys[0]} is "
+        f"{actual.get(keys[0])!r:.80} instead of {expected.get(keys[0])!r:.80}) while the fingerprint stays: a client "
+        "attaches the entry and rebinds with the old value; put what decides it into ModelDescription.config (or "
+        "extra) in weightcache_describe"
+    )

@@ -102,3 +102,13 @@ class DoublesInBfloat16(Folders):
         if description.dtype == "bfloat16":
             model.register_forward_hook(lambda module, args, output: output * 2)
         return model
+
+
+class ExtraFollowsTheProcess(Folders):
+    """Publishes the order of a set of strings as manifest extra (state rebind would restore, such as the order of a
+    module list): ``PYTHONHASHSEED`` decides it, so an engine in another process would compute another one."""
+
+    @staticmethod
+    @hookimpl
+    def weightcache_manifest_extra(request, model):
+        return {"order": list({f"module-{number}" for number in range(24)})}

@@ -32,6 +32,7 @@ ENTRY_POINTS = {
     "planted-thread-chunks": "ChunksByThreadCount",
     "planted-010": "WrittenFor010",
     "planted-bf16-flag": "DoublesInBfloat16",
+    "planted-extra": "ExtraFollowsTheProcess",
 }
 
 
@@ -249,3 +250,11 @@ def test_a_flag_set_in_bfloat16_only_fails_the_other_dtype_check(folders_env, st
     assert "at dtype bfloat16" in failed["test_other_dtype_attaches_its_disk_load[bfloat16]"]
     _, failed = _kit(folders_env, tmp_path, "planted-folders", st_root, "other_dtype")
     assert not failed, failed
+
+
+def test_a_manifest_extra_that_follows_the_hash_seed_fails_the_fresh_process_check(folders_env, st_root, tmp_path):
+    """Tensors and outputs are the same in every process; only the published state differs."""
+    _, failed = _kit(folders_env, tmp_path, "planted-extra", st_root, "fresh_process")
+    assert list(failed) == ["test_fresh_process_publishes_the_same_model"], failed
+    message = failed["test_fresh_process_publishes_the_same_model"]
+    assert "computes another manifest extra (order is" in message, message
