@@ -31,7 +31,7 @@ from pathlib import Path
 import attrs
 
 if typing.TYPE_CHECKING:
-    from weightcache.core.fingerprint import Fingerprint
+    from weightcache.adapter import Fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,14 @@ class StartState:
 
 
 def state_root() -> Path:
-    """``engine-state`` beside the digest store (``$WEIGHTCACHE_CACHE_DIR``'s parent, else ``~/.cache/weightcache``)."""
-    from weightcache.core.identity.digests import default_directory
+    """``engine-state`` beside the digest store (``$WEIGHTCACHE_CACHE_DIR``'s parent, else ``~/.cache/weightcache``);
+    OSError where that store is not a private directory of this user (then nothing is kept there either)."""
+    from weightcache.adapter import default_store
 
-    return default_directory().parent / "engine-state"
+    directory = default_store().directory
+    if directory is None:
+        raise OSError("the digest store's directory is not trusted (see the warning above)")
+    return directory.parent / "engine-state"
 
 
 def state_key(fingerprint: Fingerprint, engine: str) -> dict[str, str]:
@@ -90,8 +94,8 @@ def keep(fingerprint: Fingerprint | None, engine: str, root: Path | None = None)
     if not free:
         return None
     key = state_key(fingerprint, engine)
-    path = (root or state_root()) / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     try:
+        path = (root or state_root()) / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
         reused = _claim(path, key)
     except OSError as exc:
         log.warning("weightcache: no start state kept for this engine (%s): it computes its own as usual", exc)
