@@ -10,7 +10,8 @@ loaded) and to the first token (one greedy token more); then eight greedy tokens
 same both ways. ``dist_init_s`` is torch's distributed init inside the engine's own processes (``init_process_group``
 plus ``new_group``, the slowest rank; gloo on the CPU), timed by ``benchmarks/engine_start_site/sitecustomize.py`` on
 ``PYTHONPATH``. A launched engine reports how many of its ``spawn`` children the launcher's nursery forked and why any
-was exec'd. ``--from-shell`` adds a third way, ``shell``: the same launch from a script in ``bash`` with what an
+was exec'd; the probe also counts every Python exec'd for a start (``pythons_execd``: the engine's children at any
+depth, vLLM's workers included, but not the ``weightcache launch`` client), which is the table's "exec'd". ``--from-shell`` adds a third way, ``shell``: the same launch from a script in ``bash`` with what an
 ordinary shell changes (``cd``, ``SHLVL``, ``_``, ``nice``, ``env VAR=...``, a terminal's and an SSH login's variables),
 without ``--strict``, so that the table shows whether it was forked (``forked``) or exec'd (``EXEC'D``) and what
 that costs.
@@ -188,6 +189,11 @@ def run_one(python: Path, way: str, engine_name: str, tp: int, model: Path, sock
         )
     report = reports[0]
     lines = [json.loads(line) for line in dist_log.read_text().splitlines() if line.strip()]
+    started = [line for line in lines if line.get("what") == "python_started"]
+    lines = [line for line in lines if line.get("what") != "python_started"]
+    # every Python exec'd for this start but the caller's own `weightcache launch`: an engine's child forked from the
+    # launcher's nursery never runs the probe's sitecustomize
+    report["pythons_execd"] = [" ".join(line["argv"])[:200] for line in started if "launch" not in line["argv"][1:4]]
     calls = [line for line in lines if not line.get("phase")]
     per_pid: dict[int, float] = {}
     for call in calls:
@@ -244,7 +250,7 @@ def table(result: dict) -> str:
             runs = case[way]["runs"]
             through_launcher = way != "exec" and all(r["forked"] for r in runs)
             forked = sum(r.get("children_forked") or 0 for r in runs) if through_launcher else "-"
-            execd = sum(len(r.get("children_execd") or []) for r in runs) if through_launcher else "all"
+            execd = sum(len(r.get("pythons_execd") or []) for r in runs) if through_launcher else "all"
             shell_way = "shell, forked" if through_launcher else "shell, EXEC'D"
             label = shell_way if way == "shell" else way
             dist = f"{m['dist_init_s']:.2f} s" if m["dist_init_s"] is not None else "-"

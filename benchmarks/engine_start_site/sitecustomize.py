@@ -2,6 +2,7 @@
 
 Put on ``PYTHONPATH`` with ``ENGINE_START_DIST_LOG=FILE``: once ``torch.distributed`` is imported, its
 ``init_process_group`` and ``new_group`` are timed, and each call appends a JSON line (pid, what, seconds) to FILE.
+Every Python that starts with it (exec'd, not forked) appends a ``python_started`` line with its command line.
 The engines' start phases are timed the same way, each a method of the engine's worker (``PHASES``: the model's
 build and load, the memory profile, the KV cache, compile and warm-up), with ``"phase": true`` in their lines.
 """
@@ -104,6 +105,18 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return _then(importlib.util.find_spec(name), _patch)
 
 
+def _started() -> None:
+    """One line per Python the engine exec'd (a forked process never runs this): its command line."""
+    try:
+        with open("/proc/self/cmdline", "rb") as cmdline:
+            argv = [part.decode(errors="replace") for part in cmdline.read().split(b"\0") if part]
+    except OSError:
+        argv = []
+    with open(_LOG, "a") as log:
+        log.write(json.dumps({"pid": os.getpid(), "what": "python_started", "argv": argv, "s": 0.0}) + "\n")
+
+
 if _LOG:
+    _started()
     sys.meta_path.insert(0, _AfterImport())
     sys.meta_path.insert(0, _PhasesAfterImport())

@@ -1,6 +1,7 @@
 """An engine started through ``weightcache launcher`` generates the tokens of the same engine exec'd, and its own
 ``spawn`` children (vLLM's engine core and worker, SGLang's scheduler and detokenizer) are forked from the launcher's
-nursery, none exec'd: ``benchmarks/engine_start.py`` run once per engine at TP=1, both ways in one run.
+nursery, none exec'd at any depth (vLLM's workers are the engine core's children): ``benchmarks/engine_start.py`` run
+once per engine at TP=1, both ways in one run.
 """
 
 from __future__ import annotations
@@ -39,4 +40,6 @@ def test_a_launched_engine_generates_the_exec_d_engines_tokens_and_forks_its_chi
     assert launched["tokens"] == execd["tokens"], f"launched {launched['tokens']}, exec'd {execd['tokens']}"
     assert launched["children_execd"] == [], f"children exec'd, not forked: {launched['children_execd']}"
     assert launched["children_forked"] >= 1, launched
+    assert launched["pythons_execd"] == [], f"Pythons exec'd for the launched start: {launched['pythons_execd']}"
+    assert execd["pythons_execd"], execd  # the probe sees exec'd Pythons: the engine and its children
     assert execd["children_forked"] == 0 and execd["children_execd"] is None, execd
