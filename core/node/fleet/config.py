@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import os
 import socket
-import stat
 import typing
 
 import attrs
 
 from weightcache.core.node.fleet.etcd import endpoints_tuple
-from weightcache.core.node.fleet.etcd_access import EtcdAccess
+from weightcache.core.node.fleet.etcd_access import EtcdAccess, read_private_file
 
 ENV_ETCD: typing.Final = "WEIGHTCACHE_FLEET_ETCD"
 ENV_SECRET_FILE: typing.Final = "WEIGHTCACHE_FLEET_SECRET_FILE"
@@ -126,17 +125,7 @@ def default_node() -> str:
 def _secret(environ: typing.Mapping[str, str]) -> bytes:
     path = environ.get(ENV_SECRET_FILE)
     if path:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise ValueError(f"{ENV_SECRET_FILE}: cannot open {path} ({exc.strerror})") from None
-        try:
-            info = os.fstat(fd)
-            if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO) or info.st_uid not in (os.getuid(), 0):
-                raise ValueError(f"{ENV_SECRET_FILE}: {path} must belong to this user and be private (chmod 600)")
-            return os.read(fd, MAX_SECRET_BYTES + 1).strip()
-        finally:
-            os.close(fd)
+        return read_private_file(ENV_SECRET_FILE, path, MAX_SECRET_BYTES + 1).strip()
     secret = environ.get(ENV_SECRET, "").encode()
     if not secret:
         raise ValueError(

@@ -81,15 +81,21 @@ def _password(environ: typing.Mapping[str, str]) -> str | None:
     path = environ.get(ENV_PASSWORD_FILE)
     if not path:
         return environ.get(ENV_PASSWORD) or None
+    return read_private_file(ENV_PASSWORD_FILE, path, MAX_PASSWORD_BYTES).decode(errors="replace").strip() or None
+
+
+def read_private_file(variable: str, path: str, most: int) -> bytes:
+    """Up to ``most`` bytes of ``path``, named by the environment variable ``variable``: opened without following a link,
+    it must belong to this user (or root) and be private; else ValueError naming the variable and what to fix."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
-        raise ValueError(f"{ENV_PASSWORD_FILE}: cannot open {path} ({exc.strerror})") from None
+        raise ValueError(f"{variable}: cannot open {path} ({exc.strerror})") from None
     try:
         info = os.fstat(fd)
         if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO) or info.st_uid not in (os.getuid(), 0):
-            raise ValueError(f"{ENV_PASSWORD_FILE}: {path} must belong to this user and be private (chmod 600)")
-        return os.read(fd, MAX_PASSWORD_BYTES).decode(errors="replace").strip() or None
+            raise ValueError(f"{variable}: {path} must belong to this user and be private (chmod 600)")
+        return os.read(fd, most)
     finally:
         os.close(fd)
 
