@@ -29,22 +29,8 @@ OUT=$(cd "$OUT" && pwd)
 SOCK=$(mktemp -d /tmp/wc-engines-XXXX)
 chmod 700 "$SOCK"
 
-# weightcache on sys.path with its entry points (a dist-info beside the package), as tests/gpu/run_gpu.sh does.
-SHIM=$(mktemp -d /tmp/wc-shim-XXXX)
-mkdir -p "$SHIM/weightcache" "$SHIM/weightcache-0.0.0.dist-info"
-for part in core adapters conformance; do ln -s "$ROOT/$part" "$SHIM/weightcache/$part"; done
-# The public package itself (weightcache/__init__.py and its stub) beside them: the shim is the one weightcache package.
-for file in "$ROOT"/weightcache/*; do ln -s "$file" "$SHIM/weightcache/"; done
-printf 'Metadata-Version: 2.1\nName: weightcache\nVersion: 0.0.0\n' > "$SHIM/weightcache-0.0.0.dist-info/METADATA"
-python3 - "$SHIM" "$ROOT/pyproject.toml" <<'PY'
-import sys, tomllib
-project = tomllib.load(open(sys.argv[2], "rb"))["project"]
-lines = []
-for group, entries in project.get("entry-points", {}).items():
-    lines.append(f"[{group}]")
-    lines += [f"{name} = {target}" for name, target in entries.items()]
-open(f"{sys.argv[1]}/weightcache-0.0.0.dist-info/entry_points.txt", "w").write("\n".join(lines) + "\n")
-PY
+# weightcache on sys.path with its entry points (a dist-info beside the package), without pip.
+SHIM=$("$ROOT/tests/gpu/weightcache_shim.sh" "$ROOT")
 export PYTHONPATH="$SHIM:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 SERVER_PID=""

@@ -62,21 +62,8 @@ step() {  # step NAME TIMEOUT COMMAND...: run (within the deadline), log, time
   return "$rc"
 }
 
-# weightcache on sys.path with its entry points, as tests/gpu/run_gpu.sh puts it (vLLM finds its plugin there)
-SHIM=$(mktemp -d /tmp/wc-shim-XXXX)
-mkdir -p "$SHIM/weightcache" "$SHIM/weightcache-0.0.0.dist-info"
-for part in core adapters conformance; do ln -s "$ROOT/$part" "$SHIM/weightcache/$part"; done
-for file in "$ROOT"/weightcache/*; do ln -s "$file" "$SHIM/weightcache/"; done
-printf 'Metadata-Version: 2.1\nName: weightcache\nVersion: 0.0.0\n' > "$SHIM/weightcache-0.0.0.dist-info/METADATA"
-python3 - "$SHIM" "$ROOT/pyproject.toml" <<'PY'
-import sys, tomllib
-project = tomllib.load(open(sys.argv[2], "rb"))["project"]
-lines = []
-for group, entries in project.get("entry-points", {}).items():
-    lines.append(f"[{group}]")
-    lines += [f"{name} = {target}" for name, target in entries.items()]
-open(f"{sys.argv[1]}/weightcache-0.0.0.dist-info/entry_points.txt", "w").write("\n".join(lines) + "\n")
-PY
+# weightcache on sys.path with its entry points (vLLM finds its plugin there)
+SHIM=$("$ROOT/tests/gpu/weightcache_shim.sh" "$ROOT")
 export PYTHONPATH="$SHIM:$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } > "$LOGS/machine.txt" 2>&1
