@@ -44,6 +44,32 @@ def child_main(args: argparse.Namespace) -> int:
     os._exit(0)  # engines leave threads and process groups behind: do not wait for them
 
 
+def built_summary(model) -> dict:
+    """A model the engine built (no weights loaded): its class, how many parameters and on which devices."""
+    return {
+        "model": type(model).__name__,
+        "parameters": sum(1 for _ in model.parameters()),
+        "devices": sorted({str(p.device) for p in model.parameters()}),
+    }
+
+
+def weightcache_summary(ctx: StepContext, loader, model, server) -> dict:
+    """A ``--load-format weightcache`` load: its loader, where the tensors came from, each tensor against the engine's own
+    load (step 4), the devices of the arenas it maps and the server's entries."""
+    import torch
+
+    saved = ctx.work / f"{ctx.engine}-weightcache.pt"
+    summary = loaded_summary(model, saved)
+    comparison = compare_with_own(torch.load(saved, weights_only=True), ctx.own_state)
+    return {
+        "loader": type(loader).__name__,
+        **summary,
+        **comparison,
+        "arena_devices": attachment_devices(model),
+        "server_entries": server_entries(server),
+    }
+
+
 # --- vLLM
 
 
@@ -112,12 +138,7 @@ def vllm_build(ctx: StepContext) -> dict:
     vllm_config, model_config, _ = vllm_configs(ctx, "dummy")
     with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype), torch.device(ctx.device):
         model = initialize_model(vllm_config=vllm_config, model_config=model_config)
-    return {
-        "model": type(model).__name__,
-        "parameters": sum(1 for _ in model.parameters()),
-        "devices": sorted({str(p.device) for p in model.parameters()}),
-        "attention_backend": str(vllm_config.attention_config.backend) if ctx.cuda else None,
-    }
+    return {**built_summary(model), "attention_backend": str(vllm_config.attention_config.backend) if ctx.cuda else None}
 
 
 def vllm_own_load(ctx: StepContext) -> dict:
@@ -144,17 +165,7 @@ def vllm_weightcache(ctx: StepContext) -> dict:
         with set_current_vllm_config(vllm_config):
             loader = get_model_loader(load_config)
             model = loader.load_model(vllm_config=vllm_config, model_config=model_config)
-        summary = loaded_summary(model, ctx.work / "vllm-weightcache.pt")
-        import torch
-
-        comparison = compare_with_own(torch.load(ctx.work / "vllm-weightcache.pt", weights_only=True), ctx.own_state)
-        return {
-            "loader": type(loader).__name__,
-            **summary,
-            **comparison,
-            "arena_devices": attachment_devices(model),
-            "server_entries": server_entries(server),
-        }
+        return weightcache_summary(ctx, loader, model, server)
     finally:
         server.close()
 
@@ -262,11 +273,7 @@ def sglang_build(ctx: StepContext) -> dict:
     model_config, load_config, device_config = sglang_configs(ctx, "dummy")
     with set_default_torch_dtype(model_config.dtype), torch.device(device_config.device):
         model = _initialize_model(model_config, load_config)
-    return {
-        "model": type(model).__name__,
-        "parameters": sum(1 for _ in model.parameters()),
-        "devices": sorted({str(p.device) for p in model.parameters()}),
-    }
+    return built_summary(model)
 
 
 def sglang_own_load(ctx: StepContext) -> dict:
@@ -279,7 +286,6 @@ def sglang_own_load(ctx: StepContext) -> dict:
 
 
 def sglang_weightcache(ctx: StepContext) -> dict:
-    import torch
     from sglang.srt.model_loader.loader import get_model_loader
     from sglang.srt.plugins import load_plugins
 
@@ -290,15 +296,7 @@ def sglang_weightcache(ctx: StepContext) -> dict:
         model_config, load_config, device_config = sglang_configs(ctx, "weightcache", extra)
         loader = get_model_loader(load_config, model_config)
         model = loader.load_model(model_config=model_config, device_config=device_config)
-        summary = loaded_summary(model, ctx.work / "sglang-weightcache.pt")
-        comparison = compare_with_own(torch.load(ctx.work / "sglang-weightcache.pt", weights_only=True), ctx.own_state)
-        return {
-            "loader": type(loader).__name__,
-            **summary,
-            **comparison,
-            "arena_devices": attachment_devices(model),
-            "server_entries": server_entries(server),
-        }
+        return weightcache_summary(ctx, loader, model, server)
     finally:
         server.close()
 
