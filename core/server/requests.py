@@ -58,22 +58,18 @@ class Requests:
         }
         handler = handlers.get(op) if isinstance(op, str) else None
         if handler is None:
-            close_fds(fds)
-            return error_reply("bad_request", f"unknown op {op!r:.80}; expected one of {', '.join(handlers)}"), []
+            return _refused(fds, "bad_request", f"unknown op {op!r:.80}; expected one of {', '.join(handlers)}")
         if self._frozen.is_set() and op in _OPS_THAT_CHANGE_ENTRIES:
-            close_fds(fds)
-            return error_reply(
-                "busy", "the server is handing its entries to a successor; try again in a second", retry_after_s=0.05
-            ), []
+            return _refused(
+                fds, "busy", "the server is handing its entries to a successor; try again in a second", retry_after_s=0.05
+            )
         if op not in _OPS_WITH_FDS and fds:
-            close_fds(fds)
-            return error_reply("bad_request", f"op {op!r} takes no fds; {len(fds)} were closed"), []
+            return _refused(fds, "bad_request", f"op {op!r} takes no fds; {len(fds)} were closed")
         # A handler that raises has kept none of the fds (publish hands them over only on success).
         try:
             return self._handle(handler, message, fds, connection_id, pid)
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
-            close_fds(fds)
-            return error_reply("bad_request", f"malformed {op} request: {exc!s:.300}"), []
+            return _refused(fds, "bad_request", f"malformed {op} request: {exc!s:.300}")
         except OSError as exc:
             close_fds(fds)
             if exc.errno not in OUT_OF_RESOURCES:
@@ -105,16 +101,13 @@ class Requests:
         try:
             entry = admit_publish(message, fds, pid, self.config.max_frame_bytes)
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError, OSError) as exc:
-            close_fds(fds)
-            return error_reply("bad_request", f"malformed publish request: {exc!s:.600}"), []
+            return _refused(fds, "bad_request", f"malformed publish request: {exc!s:.600}")
         try:
             created = self.registry.publish(entry, requester=pid)
         except OverBudget as exc:
-            close_fds(fds)
-            return error_reply("over_budget", str(exc)), []
+            return _refused(fds, "over_budget", str(exc))
         except VersionConflict as exc:
-            close_fds(fds)
-            return error_reply("version_conflict", str(exc)), []
+            return _refused(fds, "version_conflict", str(exc))
         return ok_reply(digest=entry.digest, created=created), []
 
     def _attach(self, message, fds, connection_id, pid):
@@ -231,26 +224,22 @@ class Requests:
             if nbytes == 0:
                 raise ValueError("the artifact memfd is empty")
         except (KeyError, TypeError, ValueError, OSError) as exc:
-            close_fds(fds)
-            return error_reply("bad_request", f"malformed put_artifact request: {exc!s:.600}"), []
+            return _refused(fds, "bad_request", f"malformed put_artifact request: {exc!s:.600}")
         if nbytes > self.config.max_artifact_bytes:
-            close_fds(fds)
-            return error_reply(
+            return _refused(
+                fds,
                 "too_large",
                 f"an artifact of {nbytes} bytes exceeds the {self.config.max_artifact_bytes} bytes the server keeps "
                 "per artifact; keep it elsewhere (the engine compiles again on restart)",
-            ), []
+            )
         try:
             replaced = self.registry.put_artifact(digest, key, fds[0], nbytes, self.config.max_artifacts_per_entry)
         except KeyError as exc:
-            close_fds(fds)
-            return error_reply("not_found", exc.args[0]), []
+            return _refused(fds, "not_found", exc.args[0])
         except TooManyArtifacts as exc:
-            close_fds(fds)
-            return error_reply("too_many", str(exc)), []
+            return _refused(fds, "too_many", str(exc))
         except OverBudget as exc:
-            close_fds(fds)
-            return error_reply("over_budget", str(exc)), []
+            return _refused(fds, "over_budget", str(exc))
         return ok_reply(digest=digest, key=key, bytes=nbytes, replaced=replaced), []
 
     def _get_artifact(self, message, fds, connection_id, pid):
@@ -260,6 +249,12 @@ class Requests:
             return error_reply("not_found", f"entry {digest[:12]} holds no artifact {key!r:.80} (or there is no such entry)"), []
         fd, nbytes = found
         return ok_reply(digest=digest, key=key, bytes=nbytes), [fd]
+
+
+def _refused(fds: list[int], code: str, text: str, **fields: typing.Any) -> tuple[dict, list[int]]:
+    """The error reply ``code`` to a request that keeps none of its ``fds``: they are closed first."""
+    close_fds(fds)
+    return error_reply(code, text, **fields), []
 
 
 def _full_digest(digest) -> str:
