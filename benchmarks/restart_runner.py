@@ -114,12 +114,7 @@ class Runner:
             back["same_token_as_online"] = back["token"] == online_report["token"]
             return back
         finally:
-            for proc in (online, batch):
-                if proc is not None:
-                    if proc.poll() is None:
-                        proc.kill()
-                    proc.wait()
-                    proc.stdout.close()
+            reap(online, batch)
 
     def engine(self, scenario: str) -> dict:
         proc = self.spawn_engine(scenario)
@@ -162,12 +157,7 @@ class Runner:
             took = json_line(standby, "standby")
             standby.wait(timeout=120)
         finally:
-            for proc in (primary, standby):
-                if proc is not None:
-                    if proc.poll() is None:
-                        proc.kill()
-                    proc.wait()
-                    proc.stdout.close()
+            reap(primary, standby)
         timings = ready["timings"]
         return {
             "ready_after_spawn_s": ready_after,
@@ -193,6 +183,16 @@ def wait_ahead_ready(socket_dir: Path, timeout: float = 120.0) -> None:
             return
         time.sleep(0.05)
     raise SystemExit(f"the launcher at {socket_dir} had no child ready for a request within {timeout:g} s")
+
+
+def reap(*procs: subprocess.Popen | None) -> None:
+    """Kill each process of ``procs`` still running (None: never started), wait for it and close its stdout."""
+    for proc in procs:
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.stdout.close()
 
 
 def json_line(proc: subprocess.Popen, who: str) -> dict:
