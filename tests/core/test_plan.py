@@ -74,20 +74,21 @@ _CONNECTS = textwrap.dedent(
 )
 
 
+def _printed(script: str, path, socket_dir, marker: str) -> str:
+    """What ``script`` (run in a fresh interpreter with ``path`` and ``socket_dir``) printed after ``marker``."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(path), str(socket_dir)], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split(marker, 1)[1].strip()
+
+
 def test_the_plan_is_made_from_one_server_exchange(model_dir, server, monkeypatch, tmp_path):
     """One connection, one question, whether the entry is new (the disk) or held (nothing to load)."""
     monkeypatch.setenv("WEIGHTCACHE_CACHE_DIR", str(tmp_path / "digests"))
     path = model_dir("llama")
     for state, expected in (("first sight", "from disk"), ("held", "held already: nothing to load")):
-        proc = subprocess.run(
-            [sys.executable, "-c", _CONNECTS, str(path), str(server.socket_dir)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=ROOT,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        count, described = proc.stdout.split("CONNECTS", 1)[1].strip().split(" ", 1)
+        count, described = _printed(_CONNECTS, path, server.socket_dir, "CONNECTS").split(" ", 1)
         assert (count, described) == ("1", expected), state
         publish(prepare(LoadRequest(model=str(path))), server.socket_dir)
 
@@ -157,13 +158,5 @@ def test_a_refit_executes_a_plan_made_on_the_connection_it_asks_for_versions(mod
     path = model_dir("llama")
     assert [file.name for file in path.glob("*.safetensors")] == ["model.safetensors"]
     publish(prepare(LoadRequest(model=str(path))), server.socket_dir)
-    proc = subprocess.run(
-        [sys.executable, "-c", _STAGES, str(path), str(server.socket_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    staged = proc.stdout.split("STAGED", 1)[1].strip()
-    assert staged == "1 memory memory | from this process's tensors", proc.stdout
+    staged = _printed(_STAGES, path, server.socket_dir, "STAGED")
+    assert staged == "1 memory memory | from this process's tensors", staged
