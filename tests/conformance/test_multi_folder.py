@@ -4,13 +4,12 @@ by the kit, refit-able; every declared file is in the identity; the kit names wh
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conformance.test_planted_bugs import failed_checks, kit_cli
+from tests.conformance.test_planted_bugs import adapters_env, failed_checks, kit_cli
 from tests.foreign_layouts import (
     EXAMPLES,
     diffusers_adapter,
@@ -184,12 +183,7 @@ def test_a_renaming_pattern_matching_the_empty_string_is_refused_in_one_line():
 @pytest.fixture(scope="module")
 def folders_env(tmp_path_factory) -> dict:
     site = tmp_path_factory.mktemp("planted-folders-site")
-    info = site / "weightcache_planted_folders-0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: weightcache-planted-folders\nVersion: 0\n")
-    lines = [f"{name} = planted_folders:{attr}" for name, attr in ENTRY_POINTS.items()]
-    (info / "entry_points.txt").write_text("[weightcache.adapters]\n" + "\n".join(lines) + "\n")
-    return {"PYTHONPATH": os.pathsep.join([str(site), str(PLANTED_DIR), str(EXAMPLE_SRC), str(EXAMPLES)])}
+    return adapters_env(site, "weightcache-planted-folders", "planted_folders", ENTRY_POINTS, PLANTED_DIR, EXAMPLE_SRC, EXAMPLES)
 
 
 def _kit(env, tmp_path, adapter, checkpoint, select):

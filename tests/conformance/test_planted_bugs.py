@@ -41,12 +41,18 @@ ENTRY_POINTS = {
 def planted_env(tmp_path_factory) -> dict:
     """PYTHONPATH holding the example package, ``planted_adapters`` and a dist-info registering each as an adapter."""
     site = tmp_path_factory.mktemp("planted-site")
-    info = site / "weightcache_planted-0.dist-info"
+    return adapters_env(site, "weightcache-planted", "planted_adapters", ENTRY_POINTS, PLANTED_DIR, EXAMPLE_SRC)
+
+
+def adapters_env(site: Path, distribution: str, module: str, adapters: dict[str, str], *path: Path) -> dict:
+    """PYTHONPATH holding ``site``, where a dist-info of ``distribution`` registers each adapter name of ``adapters`` as
+    the ``weightcache.adapters`` entry point ``module:class``, then ``path``."""
+    info = site / f"{distribution.replace('-', '_')}-0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: weightcache-planted\nVersion: 0\n")
-    lines = [f"{name} = planted_adapters:{attr}" for name, attr in ENTRY_POINTS.items()]
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0\n")
+    lines = [f"{name} = {module}:{attr}" for name, attr in adapters.items()]
     (info / "entry_points.txt").write_text("[weightcache.adapters]\n" + "\n".join(lines) + "\n")
-    return {"PYTHONPATH": os.pathsep.join([str(site), str(PLANTED_DIR), str(EXAMPLE_SRC)])}
+    return {"PYTHONPATH": os.pathsep.join(str(folder) for folder in (site, *path))}
 
 
 @pytest.fixture(scope="module")
