@@ -87,6 +87,15 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def _end_all(socket_dir, first: ServerProcess, successor: subprocess.Popen | None) -> None:
+    """Stop the successor (if it started), SIGTERM whichever server the socket names now, and close the first."""
+    if successor is not None:
+        _stop(successor)
+    with contextlib.suppress(Exception):
+        os.kill(_status(socket_dir)["pid"], signal.SIGTERM)
+    first.close()
+
+
 def test_a_successor_takes_every_entry_and_the_socket_and_attached_engines_never_notice(socket_dir):
     first = ServerProcess.start(socket_dir)
     successor = None
@@ -420,11 +429,7 @@ def test_a_restart_with_a_metrics_port_hands_the_port_over_and_it_never_stops_an
         assert answers and {code for code, _ in answers} == {200}, f"a scrape failed during the handover: {answers[-3:]}"
         assert "dropped" not in first.log() and "Traceback" not in first.log(), first.log()
     finally:
-        if successor is not None:
-            _stop(successor)
-        with contextlib.suppress(Exception):
-            os.kill(_status(socket_dir)["pid"], signal.SIGTERM)
-        first.close()
+        _end_all(socket_dir, first, successor)
 
 
 def test_a_successor_told_another_metrics_port_listens_there_and_frees_the_old_one(socket_dir):
@@ -461,8 +466,4 @@ def test_a_take_over_after_an_in_place_restart_names_the_live_server_not_the_fir
         assert f"pid {first.pid}" not in log, log[-2000:]
         assert _digests(socket_dir) == published
     finally:
-        if successor is not None:
-            _stop(successor)
-        with contextlib.suppress(Exception):
-            os.kill(_status(socket_dir)["pid"], signal.SIGTERM)
-        first.close()
+        _end_all(socket_dir, first, successor)
