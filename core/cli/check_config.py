@@ -167,14 +167,9 @@ def _budget_problems(config: ServerConfig, sizes: list[tuple[WarmItem, int]]) ->
 
 def _host_memory() -> int | None:
     """This machine's memory in bytes (``MemTotal``), None where /proc does not say."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as info:
-            for line in info:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    from weightcache.core.load.prefetch import meminfo_bytes
+
+    return meminfo_bytes("MemTotal")
 
 
 def _count(n: int, word: str) -> str:

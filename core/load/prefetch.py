@@ -40,10 +40,15 @@ def stop_prefetches() -> int:
 
 def available_memory() -> int | None:
     """What /proc/meminfo calls MemAvailable, in bytes; None where it cannot be read (not Linux 3.14 or later)."""
+    return meminfo_bytes("MemAvailable")
+
+
+def meminfo_bytes(field: str) -> int | None:
+    """The line ``field`` of /proc/meminfo (``MemTotal``, ``MemAvailable``...) in bytes; None where it does not say."""
     try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
+        with open("/proc/meminfo", encoding="ascii") as info:
+            for line in info:
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
