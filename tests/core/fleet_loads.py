@@ -4,10 +4,12 @@ reads their logs tell."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import sys
+import typing
 
 import attrs
 import pytest
@@ -154,6 +156,16 @@ def start_holder(spec: dict, tmp_path, net: NodeNetwork, **extra_env: str) -> su
         seen.append(line)
     proc.kill()
     raise AssertionError(f"the holder did not start: {''.join(seen)[-2000:]} {proc.communicate(timeout=30)[1][-3000:]}")
+
+
+@contextlib.contextmanager
+def holding(spec: dict, tmp_path, net: NodeNetwork, **extra_env: str) -> typing.Iterator[subprocess.Popen]:
+    """A fleet_holder of ``spec`` (``start_holder``) while the block runs, stopped after it."""
+    holder = start_holder(spec, tmp_path, net, **extra_env)
+    try:
+        yield holder
+    finally:
+        stop(holder)
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -24,6 +24,7 @@ from tests.core.fleet_loads import (
     entries,
     holder_spec,
     holder_with_arenas,
+    holding,
     keys_under,
     listed,
     load,
@@ -33,8 +34,6 @@ from tests.core.fleet_loads import (
     relay_records,
     said,
     some_fingerprint,
-    start_holder,
-    stop,
     wait_listed,
 )
 from tests.core.fleet_support import LEASE_TTL_S, Node, fleet_env, skip_unless_a_fleet_runs, slow_sending, wait_for
@@ -345,8 +344,7 @@ def test_a_relay_serving_other_bytes_is_caught_by_the_checksum_and_the_holder_se
     wait_listed(fleet.etcd, first.fingerprint.content_digest, [honest], "the honest node listed")
     relay = True if lie == "checked" else "landing"
     spec = {**holder_spec(fleet.etcd, "liar", honest, first.fingerprint, True, tmp_path), "relay": relay, "content": None}
-    liar = start_holder(spec, tmp_path, fleet.network.node("liar"))
-    try:
+    with holding(spec, tmp_path, fleet.network.node("liar")):
         assert list(relay_records(fleet.etcd, first.fingerprint.content_digest)) == ["liar"]
         b = node("b")
         published = load_on(b, path, WEIGHTCACHE_TEST_LOG_LEVEL="DEBUG")
@@ -357,8 +355,6 @@ def test_a_relay_serving_other_bytes_is_caught_by_the_checksum_and_the_holder_se
             text=True,
             **b.net.popen_args(),
         )
-    finally:
-        stop(liar)
     arenas = len(spec["sizes"]) if lie == "checked" else 0
     relayed = f"/relays/{first.fingerprint.content_digest}/liar: node liar pulls it and serves the {arenas} arenas"
     assert shown.returncode == 0 and any(relayed in line for line in shown.stdout.splitlines()), shown.stdout

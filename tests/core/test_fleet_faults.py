@@ -22,14 +22,13 @@ from tests.core.fleet_loads import (
     entries,
     holder_spec,
     holder_with_arenas,
+    holding,
     keys_under,
     listed,
     load,
     load_on,
     registry,
     some_fingerprint,
-    start_holder,
-    stop,
     wait_listed,
 )
 from tests.core.fleet_support import LEASE_TTL_S, Etcd, fleet_env, skip_unless_a_fleet_runs, wait_for
@@ -53,11 +52,8 @@ def test_a_holder_whose_content_record_left_is_waited_for_with_its_own_line(netw
     path = model_dir("llama")
     first = load(honest, path)
     spec = {**holder_spec(fleet.etcd, "recordless", honest, first.fingerprint, False, tmp_path), "content": None}
-    holder = start_holder(spec, tmp_path, fleet.network.node("recordless"))
-    try:
+    with holding(spec, tmp_path, fleet.network.node("recordless")):
         published = load_on(b, path)
-    finally:
-        stop(holder)
     assert published.kind == "disk", published.log[-3000:]
     assert len(published.lines("waiting while a holder lists it again")) == 1, published.log[-3000:]
     assert not published.lines("free slot"), published.log[-3000:]
@@ -71,14 +67,9 @@ def test_a_lying_node_is_caught_by_the_checksums_and_the_disk_is_read(network_fl
     honest, b = node("honest", share=False), node("b")
     path = model_dir("llama")
     first = load(honest, path)
-    liar = start_holder(
-        holder_spec(etcd, "liar", honest, first.fingerprint, True, tmp_path), tmp_path, fleet.network.node("liar")
-    )
-    try:
+    with holding(holder_spec(etcd, "liar", honest, first.fingerprint, True, tmp_path), tmp_path, fleet.network.node("liar")):
         assert listed(etcd, first.fingerprint.content_digest) == ["liar"]
         published = load_on(b, path)
-    finally:
-        stop(liar)
     assert published.kind == "disk"
     assert [line for line in published.lines("from node liar failed") if "checksum" in line], published.log[-3000:]
     assert_attaches_like_from_pretrained(path, b.socket_dir, "float32", None)
@@ -91,11 +82,8 @@ def test_records_without_the_fleets_secret_are_left_out_with_one_line(network_fl
     path = model_dir("llama")
     first = load(honest, path)
     spec = holder_spec(etcd, "stranger", honest, first.fingerprint, False, tmp_path, secret="another-fleets-secret-0123")
-    stranger = start_holder(spec, tmp_path, fleet.network.node("stranger"))
-    try:
+    with holding(spec, tmp_path, fleet.network.node("stranger")):
         published = load_on(b, path)
-    finally:
-        stop(stranger)
     assert published.kind == "disk"
     lines = published.lines("left out a holder")
     assert len(lines) == 1 and "not signed with this fleet's secret" in lines[0], lines
@@ -109,15 +97,12 @@ def test_a_holder_killed_mid_transfer_costs_a_warning_and_nothing_half_published
     path = model_dir("llama")
     first = load(honest, path)
     spec = holder_spec(etcd, "dying", honest, first.fingerprint, False, tmp_path)
-    dying = start_holder(spec, tmp_path, fleet.network.node("dying"), UCX_TLS="tcp")
-    try:
+    with holding(spec, tmp_path, fleet.network.node("dying"), UCX_TLS="tcp") as dying:
         dying.send_signal(signal.SIGSTOP)  # its UCX worker answers nothing, the read stalls
         threading.Timer(1.0, dying.kill).start()  # then it dies, mid-read
         start = time.monotonic()
         published = load_on(b, path, UCX_TLS="tcp")
         elapsed = time.monotonic() - start
-    finally:
-        stop(dying)
     assert published.kind == "disk", published.log[-3000:]
     assert published.lines("from node dying failed"), published.log[-3000:]
     assert elapsed < 60, f"the puller took {elapsed:.1f} s to leave a dead holder"
@@ -413,12 +398,9 @@ def test_one_bad_arena_is_read_again_from_another_node_and_the_checked_ones_are_
     honest, first, arenas = holder_with_arenas(node, fleet, model_dir)
     spec = {**holder_spec(fleet.etcd, "liar", honest, first.fingerprint, False, tmp_path), "relay": True, "content": None}
     spec["arenas"][2] = None  # random bytes for arena 2 alone
-    liar = start_holder(spec, tmp_path, fleet.network.node("liar"))
-    try:
+    with holding(spec, tmp_path, fleet.network.node("liar")):
         b = node("b", share=False)
         published = load_on(b, model_dir("llama"), WEIGHTCACHE_TEST_LOG_LEVEL="DEBUG")
-    finally:
-        stop(liar)
     assert published.kind == "node" and published.digest == first.digest, published.log[-3000:]
     failed = published.lines("from relay liar failed")
     assert len(failed) == 1 and "arena 2" in failed[0] and "checksum" in failed[0], published.log[-3000:]
