@@ -10,6 +10,7 @@ from __future__ import annotations
 import attrs
 import sentence_transformers_adapter as st
 import torch
+from planted_adapters import Example
 from weightcache_example import plugin
 
 from weightcache.adapter import hookimpl
@@ -55,15 +56,9 @@ class PoolingLeftOut(Folders):
         return attrs.evolve(description, config={k: v for k, v in description.config.items() if k != "pooling"})
 
 
-class ChunksByThreadCount:
+class ChunksByThreadCount(Example):
     """TinyLM whose post-processing rescales fc1.weight in as many chunks as torch has threads (a parallel repack whose
     rounding follows the chunking): the loader's thread count decides the bytes an engine with another count attaches."""
-
-    weightcache_describe = staticmethod(plugin.weightcache_describe)
-    weightcache_load = staticmethod(plugin.weightcache_load)
-    weightcache_rebind = staticmethod(plugin.weightcache_rebind)
-    weightcache_example_inputs = staticmethod(plugin.weightcache_example_inputs)
-    weightcache_checkpoint_conventions = staticmethod(plugin.weightcache_checkpoint_conventions)
 
     @staticmethod
     @hookimpl
