@@ -13,6 +13,9 @@ from weightcache.conformance.fixtures import adapter_facade, refused_quantizatio
 if typing.TYPE_CHECKING:
     import torch
 
+    from weightcache.core.flow.plugins import Plugins
+    from weightcache.core.request import LoadRequest
+
 
 class FreshProcessTests:
     """Loads in fresh processes (two hash seeds, two thread counts) give the published fingerprint, bytes and outputs, and
@@ -123,7 +126,7 @@ class ConfigTests:
         assert not problems, failures("weight files outside the fingerprint", problems)
 
 
-def assert_same_extra(plugins, request, model: "torch.nn.Module", disk: "torch.nn.Module", context: str) -> None:
+def assert_same_extra(plugins: "Plugins", request: "LoadRequest", model: "torch.nn.Module", disk: "torch.nn.Module", context: str) -> None:
     """The adapter's manifest extra (``weightcache_manifest_extra``) for ``model`` equals the one for the disk load: a
     client attaching the published entry rebinds with the published value, never with the one its own files give."""
     adapter = adapter_facade(plugins, request.adapter)

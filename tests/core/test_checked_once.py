@@ -115,7 +115,8 @@ def _counting_stats(monkeypatch) -> collections.Counter:
 
 
 def test_a_cache_load_stats_each_weight_file_once(counting, monkeypatch):
-    """What ``check_first_sight`` saw identifies the checkpoint: ``remembered`` and ``identify`` stat nothing again."""
+    """What ``check_first_sight`` saw identifies the checkpoint: ``remembered`` and ``identify`` stat no declared file
+    (weights and config.json) again."""
     plugins, _, checkpoint = counting
     request = LoadRequest(model=str(checkpoint), adapter="counting")
     past_the_racy_window(checkpoint)
@@ -126,8 +127,8 @@ def test_a_cache_load_stats_each_weight_file_once(counting, monkeypatch):
     prepared = loader.prepare(request, plugins)
     prepared.check_first_sight()
     assert prepared.remembered() == expected and prepared.identify() == expected
-    files = sorted(path.name for path in checkpoint.glob("*.safetensors"))
-    assert sorted(seen) == files and set(seen.values()) == {1}, seen
+    files = sorted(path.name for path in checkpoint.glob("*.safetensors")) + ["config.json"]  # the declared files
+    assert sorted(seen) == sorted(files) and set(seen.values()) == {1}, seen
 
 
 def test_the_cli_passes_the_headers_it_read_so_nothing_is_stat_ed_again(counting, monkeypatch):
@@ -141,4 +142,5 @@ def test_the_cli_passes_the_headers_it_read_so_nothing_is_stat_ed_again(counting
     seen = _counting_stats(monkeypatch)
     prepared = loader.prepare(request, plugins)
     prepared.check_first_sight(headers)
-    assert prepared.remembered() == expected and not seen, seen
+    # The headers are the weight files' versions; the declared config files (no header) are stat'ed once, here.
+    assert prepared.remembered() == expected and seen == {"config.json": 1}, seen

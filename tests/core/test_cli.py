@@ -380,6 +380,9 @@ def test_ctrl_c_during_load_says_it_stopped_and_that_nothing_was_published(model
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C at a terminal: SIGINT not ignored, whatever this run's caller ignores (a background job ignores it,
+        # and Python installs no KeyboardInterrupt handler for a signal ignored at its start).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         seen = []
