@@ -127,7 +127,7 @@ def test_a_cache_load_stats_each_weight_file_once(counting, monkeypatch):
     prepared = loader.prepare(request, plugins)
     prepared.check_first_sight()
     assert prepared.remembered() == expected and prepared.identify() == expected
-    files = sorted(path.name for path in checkpoint.glob("*.safetensors")) + ["config.json"]  # the declared files
+    files = [*(path.name for path in checkpoint.glob("*.safetensors")), "config.json"]  # the declared files
     assert sorted(seen) == sorted(files) and set(seen.values()) == {1}, seen
 
 
