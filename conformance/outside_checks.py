@@ -126,7 +126,9 @@ class ConfigTests:
         assert not problems, failures("weight files outside the fingerprint", problems)
 
 
-def assert_same_extra(plugins: "Plugins", request: "LoadRequest", model: "torch.nn.Module", disk: "torch.nn.Module", context: str) -> None:
+def assert_same_extra(
+    plugins: "Plugins", request: "LoadRequest", model: "torch.nn.Module", disk: "torch.nn.Module", context: str
+) -> None:
     """The adapter's manifest extra (``weightcache_manifest_extra``) for ``model`` equals the one for the disk load: a
     client attaching the published entry rebinds with the published value, never with the one its own files give."""
     adapter = adapter_facade(plugins, request.adapter)
