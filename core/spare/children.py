@@ -11,6 +11,10 @@ is the engine (``getppid``, ``PR_SET_PDEATHSIG``, ``psutil.Process().parent()``,
 is. The child takes the engine's fds, environment, working directory, umask, signal state and limits at the call
 (not its session: an exec'd child stays in the engine's), then runs the command line as ``python`` would. A refused
 request, or a nursery that is gone, falls back to the exec.
+
+The nursery ends when the engine is told to: a SIGTERM handler the engine sets (vLLM's engine core and workers,
+SGLang's scheduler) first kills and reaps it, so an engine slow to exit after SIGTERM has no child of weightcache's
+for its parent's process manager to find and force-kill (vLLM's ``kill_process_tree`` names each one it kills).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ class Nursery:
         self.refused: list[str] = []
         """Why the others were exec'd."""
         self._original: typing.Callable[..., int] | None = None
+        self.closed = False
 
     @classmethod
     def open(cls, preloaded: Preloaded) -> Nursery:
@@ -103,9 +108,24 @@ class Nursery:
         return cls(address, pid)
 
     def install(self) -> None:
-        """Route multiprocessing's spawn exec through the nursery in this process."""
+        """Route multiprocessing's spawn exec through the nursery in this process, and end the nursery first in any
+        SIGTERM handler this process sets."""
         self._original = multiprocessing.util.spawnv_passfds
         multiprocessing.util.spawnv_passfds = self.spawnv_passfds  # type: ignore[assignment]
+        _TerminationHandlers.install(self.close)
+
+    def close(self) -> None:
+        """Kill and reap the nursery (once); spawn children after it are exec'd."""
+        if self._original is not None:
+            multiprocessing.util.spawnv_passfds = self._original  # type: ignore[assignment]
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
 
     def spawnv_passfds(self, path: str, args: typing.Sequence[str], passfds: typing.Sequence[int]) -> int:
         """What ``multiprocessing.util.spawnv_passfds`` does (exec ``path ARGS`` with fds 0-2 and ``passfds``),
@@ -159,6 +179,41 @@ class Nursery:
         if error:
             raise LaunchRefused(str(error.get("code", "refused")), str(error.get("message", error)))
         return int(message["pid"])
+
+
+class _TerminationHandlers:
+    """A SIGTERM handler a launched engine set, which runs ``first`` (ending the nursery) before itself. ``install``
+    wraps ``signal.signal`` so; ``signal.getsignal`` gives the handler as it was set."""
+
+    def __init__(self, handler: typing.Callable[..., typing.Any], first: typing.Callable[[], None]):
+        self.handler = handler
+        self.first = first
+
+    def __call__(self, signum: int, frame: typing.Any) -> typing.Any:
+        self.first()
+        return self.handler(signum, frame)
+
+    @staticmethod
+    def install(first: typing.Callable[[], None]) -> None:
+        set_handler = getattr(signal.signal, "weightcache_original", signal.signal)
+        get_handler = getattr(signal.getsignal, "weightcache_original", signal.getsignal)
+
+        def setting(signalnum: int, handler: typing.Any) -> typing.Any:
+            if signalnum == signal.SIGTERM and callable(handler) and not isinstance(handler, _TerminationHandlers):
+                handler = _TerminationHandlers(handler, first)
+            return _unwrapped(set_handler(signalnum, handler))
+
+        def getting(signalnum: int) -> typing.Any:
+            return _unwrapped(get_handler(signalnum))
+
+        setting.weightcache_original = set_handler  # type: ignore[attr-defined]
+        getting.weightcache_original = get_handler  # type: ignore[attr-defined]
+        signal.signal = setting  # type: ignore[assignment]
+        signal.getsignal = getting  # type: ignore[assignment]
+
+
+def _unwrapped(handler: typing.Any) -> typing.Any:
+    return handler.handler if isinstance(handler, _TerminationHandlers) else handler
 
 
 def _serve(listener: socket.socket, engine: int, preloaded: Preloaded) -> Target | None:
