@@ -191,7 +191,7 @@ def test_the_histogram_buckets_are_cumulative():
 
 
 def test_every_code_the_server_refuses_with_is_counted_from_zero_and_documented():
-    """Read from the source: each ``error_reply("code", ...)`` of the server's modules and each error class's ``code``
+    """Read from the source: each ``error_reply("code", ...)`` (or ``_refused(fds, "code", ...)``) of the server's modules and each error class's ``code``
     is in REFUSAL_CODES (so its series exists at 0) and has a row in docs/operations.md's table of refusal codes."""
     from weightcache.core.server.metrics import REFUSAL_CODES
 
@@ -199,7 +199,8 @@ def test_every_code_the_server_refuses_with_is_counted_from_zero_and_documented(
     sent = set()
     for path in [*(root / "core" / "server").glob("*.py"), root / "core" / "errors.py"]:
         text = path.read_text()
-        sent |= set(re.findall(r'error_reply\(\s*"([a-z_]+)"', text)) | set(re.findall(r'^    code = "([a-z_]+)"', text, re.M))
+        replies = re.findall(r'(?:error_reply\(|_refused\(\s*fds,)\s*"([a-z_]+)"', text)  # _refused: fds closed, then error_reply
+        sent |= set(replies) | set(re.findall(r'^    code = "([a-z_]+)"', text, re.M))
     assert {"version_conflict", "handover_failed", "refused", "busy"} <= sent, sorted(sent)
     assert sent <= set(REFUSAL_CODES), f"not pre-initialised: {sorted(sent - set(REFUSAL_CODES))}"
     docs = (root / "docs" / "operations.md").read_text()
