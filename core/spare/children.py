@@ -117,7 +117,7 @@ class Nursery:
     def close(self) -> None:
         """Kill and reap the nursery (once); spawn children after it are exec'd."""
         if self._original is not None:
-            multiprocessing.util.spawnv_passfds = self._original  # type: ignore[assignment]
+            multiprocessing.util.spawnv_passfds = self._original
         if self.closed:
             return
         self.closed = True
@@ -208,8 +208,8 @@ class _TerminationHandlers:
 
         setting.weightcache_original = set_handler  # type: ignore[attr-defined]
         getting.weightcache_original = get_handler  # type: ignore[attr-defined]
-        signal.signal = setting  # type: ignore[assignment]
-        signal.getsignal = getting  # type: ignore[assignment]
+        signal.signal = setting
+        signal.getsignal = getting
 
 
 def _unwrapped(handler: typing.Any) -> typing.Any:
