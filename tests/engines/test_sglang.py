@@ -326,8 +326,16 @@ def test_fingerprint_names_the_field_that_differs(tiny_llama, tmp_path):
     block = with_quantization(tiny_llama, tmp_path / "fp8-block", FP8_BLOCK, weights=True)
     quantized = fingerprint(block, args, engine.Ranks(tp_size=2))
     fields = base.mismatched_fields(quantized)
-    assert {"quantization", "quantization_config", "extra.quant_method", "extra.quant_config_hash"} <= set(fields)
-    assert "checkpoint" not in fields and quantized.quantization == "fp8-block"
+    # the same safetensors: "checkpoint" differs only because config.json is one of its declared files (decision 104)
+    assert set(fields) == {
+        "checkpoint",
+        "config",
+        "quantization",
+        "quantization_config",
+        "extra.quant_method",
+        "extra.quant_config_hash",
+    }
+    assert quantized.quantization == "fp8-block"
 
 
 def test_ranks_come_from_sglangs_parallel_context():
