@@ -11,10 +11,10 @@ code, inductor's of the graph) inside it.
 
 The directory is ``<WEIGHTCACHE_CACHE_DIR's parent>/engine-state/<key digest>/`` with ``identity.json``, the key it was
 made for; a directory whose record is missing or names another key is emptied before use. A setting the user chose
-(``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR`` other than torch's default) is left alone, and
-``WEIGHTCACHE_ENGINE_STATE=0`` turns this off. The memory profile's result is not kept: it measures the device's
-free memory, which other processes change between starts (vLLM's ``kv_cache_memory_bytes`` is the user's own way to
-skip it).
+(``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR`` other than torch's or SGLang's default, ``SGLANG_CACHE_DIR``) is
+left alone, and ``WEIGHTCACHE_ENGINE_STATE=0`` turns this off. The memory profile's result is not kept: it measures
+the device's free memory, which other processes change between starts (vLLM's ``kv_cache_memory_bytes`` is the
+user's own way to skip it).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import typing
 from pathlib import Path
 
@@ -124,13 +125,27 @@ def _claim(path: Path, key: dict[str, str]) -> bool:
 
 
 def _user_set(name: str) -> bool:
-    """Whether the user chose ``name``: set, not by ``keep``, and (inductor's) not the default torch fills in when it
-    is unset."""
+    """Whether the user chose ``name``: set, not by ``keep``, and not a default an engine or torch filled in."""
     value = os.environ.get(name)
     if not value or _given.get(name) == value:
         return False
+    return os.path.abspath(value) not in {os.path.abspath(default) for default in _defaults(name)}
+
+
+def _defaults(name: str) -> list[str]:
+    """What ``name`` holds when nobody chose it: torch's inductor default (inductor sets it on first use), and SGLang's
+    own directories (``import sglang`` sets both settings under ``SGLANG_CACHE_DIR`` unless they are set; a
+    ``SGLANG_CACHE_DIR`` the user set is a choice, so its directories are not defaults)."""
+    defaults = []
     if name == "TORCHINDUCTOR_CACHE_DIR":
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-        return os.path.abspath(value) != os.path.abspath(default_cache_dir())
-    return True
+        defaults.append(default_cache_dir())
+    if "sglang" in sys.modules and "SGLANG_CACHE_DIR" not in os.environ:  # importing it here would set them
+        try:
+            from sglang.srt.environ import third_party_cache_defaults
+        except ImportError:  # an SGLang without this redirect
+            pass
+        else:
+            defaults.append(third_party_cache_defaults().get(name, ""))
+    return [default for default in defaults if default]
