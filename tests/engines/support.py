@@ -207,24 +207,42 @@ def run_entry_points(
         its own process on a load error).
     :param env: further environment variables of that process (e.g. ``shims.CPU_KERNELS_ENV``).
     """
-    from tests.engines.engine_child import RESULT
-
     start = time.monotonic()
-    proc = subprocess.run(
+    proc = start_entry_points(engine, runs, env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return entry_run(engine, runs, proc.returncode, stdout, stderr, time.monotonic() - start, expect_exit)
+
+
+def start_entry_points(engine: str, runs: list[dict], env: dict | None = None) -> subprocess.Popen:
+    """``runs`` through the engine's public constructor in a fresh process that runs on while the caller goes on."""
+    return subprocess.Popen(
         [sys.executable, "-m", "tests.engines.entry_points", "--engine", engine, "--runs", json.dumps(runs)],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         env={**os.environ, **ENTRY_POINT_ENV, **(env or {})},
     )
-    results = [json.loads(line[len(RESULT) :]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
-    if expect_exit and (proc.returncode != 0 or len(results) != len(runs)):
+
+
+def entry_run(
+    engine: str, runs: list[dict], returncode: int, stdout: str, stderr: str, seconds: float, expect_exit: bool = True
+) -> "EntryRun":
+    """The results of a finished ``start_entry_points`` process (see ``run_entry_points``)."""
+    from tests.engines.engine_child import RESULT
+
+    results = [json.loads(line[len(RESULT) :]) for line in stdout.splitlines() if line.startswith(RESULT)]
+    if expect_exit and (returncode != 0 or len(results) != len(runs)):
         raise AssertionError(
-            f"{engine} exited {proc.returncode} after {len(results)} of {len(runs)} runs:\n"
-            f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+            f"{engine} exited {returncode} after {len(results)} of {len(runs)} runs:\n"
+            f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-6000:]}"
         )
-    return EntryRun(proc.returncode, results, proc.stdout + proc.stderr, time.monotonic() - start)
+    return EntryRun(returncode, results, stdout + stderr, seconds)
 
 
 def two_rank_binding() -> str:

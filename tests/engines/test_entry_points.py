@@ -37,9 +37,11 @@ from tests.engines.support import (
     ENTRY_POINT_ENV,
     FP8_PER_TENSOR,
     ROOT,
+    entry_run,
     private_dir,
     run_entry_points,
     server_status,
+    start_entry_points,
     stop_spawned_server,
     with_quantization,
     write_tiny_llama,
@@ -52,6 +54,8 @@ pytestmark = pytest.mark.engine_entry
 
 ERROR_BOUND_S = 120
 """An engine start that must fail has this long to fail (the engines start in 20-60 s on 2 busy cores)."""
+TWO_ENGINES_S = 900
+"""Two engines starting and serving side by side on 2 busy cores, and one more engine after."""
 
 DEEPSEEK_FOR = {
     "vllm": ({"kv_lora_rank": 512, "qk_rope_head_dim": 64}, {}),
@@ -283,35 +287,71 @@ def test_a_refit_through_the_engines_weight_update_path_equals_a_fresh_start_on_
 
 
 def test_a_version_a_trainer_published_reaches_the_running_engine_through_its_entry(engine, models, tmp_path):
-    """TP=1: an engine serving version 0 (daemon: it published it); a separate trainer process publishes version 1
-    (``publish_version``, the engine's adapter); the engine fetches and checksums it while it serves, then swaps
+    """TP=1: an engine serving version 0 (daemon: it published it) and a second engine, in a process of its own, a
+    strict client of the same entry, serving too; a separate trainer process publishes version 1
+    (``publish_version``, the engine's adapter); the first engine fetches and checksums it while it serves, then swaps
     through its documented entry, which returns version 1; its greedy tokens then equal a fresh engine started on
-    version 1's checkpoint and differ from version 0's. A second engine started afterwards as a strict client on the
-    same entry maps version 0, as published from disk, and generates version 0's tokens."""
+    version 1's checkpoint and differ from version 0's. The second engine, running all along, still generates version
+    0's tokens after the switch: it stays on the version it mapped."""
     from weightcache.conformance.refit import next_version
 
     version_1 = tmp_path / "version-1"
     next_version(models["llama"], version_1)
     socket_dir = private_dir("wc-trainer-")
     daemon = {"mode": "daemon", "socket_dir": str(socket_dir)}
+    turns = {name: str(tmp_path / name) for name in ("first-serving", "second-serving", "switched")}
+    first_runs = [
+        {
+            "model": str(models["llama"]),
+            "extra": daemon,
+            "trainer": str(version_1),
+            "handshake": {"serving": turns["first-serving"], "wait": turns["second-serving"], "switched": turns["switched"]},
+        }
+    ]
+    second_runs = [
+        {
+            "model": str(models["llama"]),
+            "extra": {**daemon, "mode": "client", "strict": True},
+            "handshake": {"serving": turns["second-serving"], "wait": turns["switched"]},
+        },
+        {"model": str(version_1), "extra": None},
+    ]
+    processes = [start_entry_points(engine, first_runs)]
     try:
-        runs = [
-            {"model": str(models["llama"]), "extra": daemon, "trainer": str(version_1)},
-            {"model": str(models["llama"]), "extra": {**daemon, "mode": "client", "strict": True}},
-            {"model": str(version_1), "extra": None},
-        ]
-        done = run_entry_points(engine, runs, timeout=3 * ERROR_BOUND_S + 120)
+        wait_for_file(Path(turns["first-serving"]), processes[0])  # the entry exists: a client can map it
+        processes.append(start_entry_points(engine, second_runs))
+        (switched,) = finish_entry_points(engine, first_runs, processes[0]).results
+        second, fresh = finish_entry_points(engine, second_runs, processes[1]).results
     finally:
+        for process in processes:
+            process.kill()
         stop_spawned_server(socket_dir)
         shutil.rmtree(socket_dir, ignore_errors=True)
-    switched, second, fresh = done.results
-    for result in done.results:
-        assert "error" not in result, (result, done.output[-5000:])
+    for result in (switched, second, fresh):
+        assert "error" not in result, result
     assert switched["tokens"] != fresh["tokens"], "the test's premise: version 1 generates other tokens than version 0"
     assert switched["versions"] == ([1] if engine == "vllm" else 1), switched
     assert switched["refit_tokens"] == fresh["tokens"], (switched, fresh)
-    assert second["tokens"] == switched["tokens"], (second, switched)
+    assert second["tokens"] == second["later_tokens"] == switched["tokens"], (second, switched)
     print(f"{engine}: the prefetch call {switched['prefetch_s']:.3f} s, the switching call {switched['update_s']:.3f} s")
+
+
+def wait_for_file(path: Path, process: subprocess.Popen, timeout: float = TWO_ENGINES_S) -> None:
+    """Until ``path`` exists; an AssertionError with the process's output where it ends or the time runs out first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            stdout, stderr = process.communicate()
+            raise AssertionError(f"no {path.name} (exit {process.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
+        time.sleep(0.2)
+
+
+def finish_entry_points(engine: str, runs: list[dict], process: subprocess.Popen, timeout: float = TWO_ENGINES_S):
+    """The results of a ``start_entry_points`` process, once it has ended."""
+    start = time.monotonic()
+    stdout, stderr = process.communicate(timeout=timeout)
+    return entry_run(engine, runs, process.returncode, stdout, stderr, time.monotonic() - start)
 
 
 # HTTP -----------------------------------------------------------------------------------------------------------------
