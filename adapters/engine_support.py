@@ -331,6 +331,21 @@ class PrivateName:
             ) from None
         return found
 
+    @contextlib.contextmanager
+    def replaced(self, value: typing.Any) -> Iterator[None]:
+        """The name bound to ``value`` inside the block, to what it was before afterwards (a module attribute)."""
+        self.lookup()  # the engine has it: ImportError naming it otherwise
+        owner: typing.Any = importlib.import_module(self.module)
+        *parents, leaf = self.path.split(".")
+        for part in parents:
+            owner = getattr(owner, part)
+        before = getattr(owner, leaf)
+        setattr(owner, leaf, value)
+        try:
+            yield
+        finally:
+            setattr(owner, leaf, before)
+
 
 def _installed_version(distribution: str) -> str:
     import importlib.metadata

@@ -3,11 +3,15 @@
 Inside SGLang, ``WeightcacheLoader`` puts the scheduler's ModelConfig,
 LoadConfig and DeviceConfig, the published ServerArgs and the ranks into
 ``LoadRequest.state``. Without them (the conformance kit, ``weightcache load
---adapter sglang``, ``load_model(adapter="sglang")``) the hooks build them as
-a scheduler would for one rank, afresh for every load: ServerArgs for the
-request, published as this process's SGLang configuration (last publish
-wins, as SGLang documents), and SGLang's distributed state on gloo with
-world size 1, initialised once per process.
+--adapter sglang``, ``load_model(adapter="sglang")``, ``publish_version``) the
+hooks build them as a scheduler would for one rank, afresh for every load:
+ServerArgs for the request (its tensor-parallel size), published as this
+process's SGLang configuration with this rank's place (last publish wins, as
+SGLang documents), and SGLang's distributed state on gloo with world size 1,
+initialised once per process. A rank K of TP=N builds and loads with SGLang's
+tensor-parallel groups standing as rank K of N (``EngineObjects.as_rank``,
+``weightcache.adapters.lone_rank``): the same shard, fingerprint and entry as
+rank K of a TP=N engine.
 """
 
 from __future__ import annotations
@@ -106,10 +110,51 @@ class EngineObjects:
     ranks: Ranks
     single_process: bool = False
 
+    def as_rank(self) -> typing.ContextManager:
+        """For a rank of TP>1 loaded alone (``single_process``): SGLang's tensor-parallel widths, ranks and groups
+        as that rank's place in the engine's, while the block builds, loads or rebinds; else nothing."""
+        import contextlib
+
+        if not self.single_process or self.ranks.tp_size == 1:
+            return contextlib.nullcontext()
+        return lone_rank(self.ranks.tp_size, self.ranks.tp_rank)
+
     @classmethod
     def of_engine(cls, load_config: "LoadConfig", model_config: "ModelConfig", device_config: "DeviceConfig") -> "EngineObjects":
         """The objects an SGLang scheduler hands its loader, with what SGLang published for this process."""
         return cls(model_config, plain_load_config(load_config), device_config, published_server_args(), Ranks.current())
+
+
+TP_GROUPS = ("tp", "attn_tp", "moe_tp")
+"""SGLang's groups that span the tensor-parallel ranks when neither attention nor MoE layers are split otherwise
+(the one layout a rank loaded alone takes): each is ``NAME_group`` with ``NAME_size`` and ``NAME_rank``."""
+
+
+def lone_rank(size: int, rank: int) -> typing.ContextManager:
+    """SGLang's tensor-parallel widths, ranks and groups (world size 1 here) as rank ``rank`` of ``size``."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from weightcache.adapters.lone_rank import LoneRank
+
+    parallel = get_parallel()
+    widths = {f"{name}_size": size for name in TP_GROUPS} | {f"{name}_rank": rank for name in TP_GROUPS}
+    groups = {f"{name}_group": LoneRank(getattr(parallel, f"{name}_group"), size, rank) for name in TP_GROUPS}
+    return parallel.override(**widths, **groups)
+
+
+def publish_rank(server_args: "ServerArgs", parallel: ParallelSpec, gpu_id: int) -> None:
+    """Publish ``server_args`` as this process's SGLang configuration, with the place of ``parallel``'s rank.
+
+    Once the process's groups (world size 1) are built, SGLang checks every publish against them: the publish then
+    runs with them standing as that rank of the request's tensor-parallel size (``lone_rank``)."""
+    import contextlib
+
+    from sglang.srt.distributed.parallel_state import model_parallel_is_initialized
+    from sglang.srt.runtime_context import SpawnRanks, publish
+
+    scope = lone_rank(parallel.tp_size, parallel.tp_rank) if model_parallel_is_initialized() else contextlib.nullcontext()
+    with scope:
+        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=parallel.tp_rank, gpu_id=gpu_id))
 
 
 def plain_load_config(load_config: "LoadConfig") -> "LoadConfig":
@@ -154,23 +199,25 @@ def standalone_objects(request: "LoadRequest") -> EngineObjects:
     from sglang.srt.configs.load_config import LoadConfig, LoadFormat
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.layers.moe import initialize_moe_config
-    from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
-    if request.parallel != ParallelSpec():
+    parallel = request.parallel
+    if attrs.evolve(parallel, tp_size=1, tp_rank=0) != ParallelSpec():
         raise ValueError(
-            f"a single-process SGLang load is one rank (tp1 pp1 ep1), not {request.parallel.label}: for tensor, pipeline "
-            "or expert parallelism run SGLang itself with --load-format weightcache"
+            f"a single-process SGLang load is one tensor-parallel rank (tpK/N pp0/1 ep0/1), not {parallel.label}: for "
+            "pipeline or expert parallelism run SGLang itself with --load-format weightcache"
         )
     engine_quantization.declared_method(request.model)  # refused before SGLang parses it (its own error would differ)
     gpu_id = request.device.torch_index() if request.device.is_cuda else 0
-    server_args = ServerArgs(model_path=request.model, device=request.device.kind, dtype=request.dtype or "auto")
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=gpu_id))
+    server_args = ServerArgs(
+        model_path=request.model, device=request.device.kind, dtype=request.dtype or "auto", tp_size=parallel.tp_size
+    )
+    publish_rank(server_args, parallel, gpu_id)
     initialize_moe_config()
     _initialise_distributed_once(request.device.kind)
     model_config = ModelConfig.from_server_args(server_args)
     load_config = LoadConfig(load_format=LoadFormat.AUTO, download_dir=server_args.download_dir)
-    model_config = as_model_runner_adjusts(model_config, load_config, request.device.kind, tp_size=1)
+    model_config = as_model_runner_adjusts(model_config, load_config, request.device.kind, tp_size=parallel.tp_size)
     return EngineObjects(
         model_config, load_config, DeviceConfig(request.device.kind, gpu_id), server_args, Ranks.current(), single_process=True
     )
@@ -204,14 +251,17 @@ def _initialise_distributed_once(device_kind: str) -> None:
         initialize_model_parallel,
         model_parallel_is_initialized,
     )
+    from sglang.srt.runtime_context import get_parallel
 
     if model_parallel_is_initialized():
         return
     backend = "gloo" if device_kind == "cpu" else "nccl"
-    init_distributed_environment(
-        world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", local_rank=0, backend=backend
-    )
-    initialize_model_parallel()
+    one = {f"{name}_size": 1 for name in TP_GROUPS} | {f"{name}_rank": 0 for name in TP_GROUPS}
+    with get_parallel().override(**one):  # whatever rank this load is for, the process itself is world size 1
+        init_distributed_environment(
+            world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", local_rank=0, backend=backend
+        )
+        initialize_model_parallel()
     log.info("weightcache: SGLang's process groups initialised for a single-process load (%s, world size 1)", backend)
 
 

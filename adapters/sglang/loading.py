@@ -82,10 +82,11 @@ def _build(
 
     loader = default_loader(configs)
     model_config, device_config = configs.model_config, configs.device_config
-    with own_rope_cache():
-        model = loader.initialize_model_for_startup(model_config=model_config, device_config=device_config)
-    with set_default_torch_dtype(model_config.dtype):
-        loader.load_weights_only(model, weights(loader, model), _target_device(device_config))
+    with configs.as_rank():
+        with own_rope_cache():
+            model = loader.initialize_model_for_startup(model_config=model_config, device_config=device_config)
+        with set_default_torch_dtype(model_config.dtype):
+            loader.load_weights_only(model, weights(loader, model), _target_device(device_config))
     return model
 
 
@@ -94,7 +95,7 @@ def post_process(configs: "EngineObjects", model: "torch.nn.Module") -> "torch.n
     from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    with set_default_torch_dtype(configs.model_config.dtype):
+    with configs.as_rank(), set_default_torch_dtype(configs.model_config.dtype):
         DefaultModelLoader.postprocess_weights(model, _target_device(configs.device_config))
     return model.eval()
 
@@ -110,12 +111,13 @@ def rebind(
     loader = default_loader(configs)
     on_meta = copy.copy(configs.device_config)  # SGLang's DeviceConfig accepts no "meta"; its loader reads only .device
     on_meta.device = torch.device("meta")
-    with own_rope_cache():
-        model = loader.initialize_model_for_startup(model_config=configs.model_config, device_config=on_meta)
-    held = HeldReferences.of(model)
-    rebind_module(model, tensors, manifest, device=device)
-    internals.REBUILD_STALE_VIEWS.lookup()(model)
-    held.point_at_bound(model)
+    with configs.as_rank():
+        with own_rope_cache():
+            model = loader.initialize_model_for_startup(model_config=configs.model_config, device_config=on_meta)
+        held = HeldReferences.of(model)
+        rebind_module(model, tensors, manifest, device=device)
+        internals.REBUILD_STALE_VIEWS.lookup()(model)
+        held.point_at_bound(model)
     return model.eval()
 
 

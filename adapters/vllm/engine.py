@@ -1,10 +1,14 @@
 """The vLLM objects one load works with (``VllmConfig``, ``ModelConfig``, prefix, device, ranks), carried in ``LoadRequest.state``.
 
 Inside vLLM, ``WeightcacheModelLoader`` puts the engine's own objects there.
-Without them (the conformance kit, ``weightcache load --adapter vllm``) the
-adapter builds a plain single-process load itself: a ``ModelConfig`` for the
-checkpoint directory, world size 1 over gloo (NCCL on a GPU), initialised once
-per process as a vLLM worker does before loading.
+Without them (the conformance kit, ``weightcache load --adapter vllm``,
+``load_model``, ``publish_version``) the adapter builds the load of one rank
+in this process itself: a ``ModelConfig`` for the checkpoint directory, a
+``VllmConfig`` at the request's tensor-parallel size, world size 1 over gloo
+(NCCL on a GPU), initialised once per process as a vLLM worker does before
+loading. A rank K of TP=N builds and loads with vLLM's tensor-parallel group
+standing as rank K of N (``weightcache.adapters.lone_rank``): the same shard,
+fingerprint and entry as rank K of a TP=N engine.
 """
 
 from __future__ import annotations
@@ -99,17 +103,35 @@ class EngineObjects:
     ranks: Ranks
     prefix: str = ""
     draft: bool = False
+    alone: bool = False
+    """Built here for one rank loaded in this process (not handed over by vLLM): at TP>1 its builds and loads run
+    with vLLM's tensor-parallel group as that rank of the engine's (``current``)."""
     registrations: Registrations = attrs.field(init=False)
 
     def __attrs_post_init__(self):
         # Attention and MoE layers register under their names in the config's forward context.
         self.registrations = Registrations([self.vllm_config.compilation_config.static_forward_context])
 
-    def current(self) -> contextlib.AbstractContextManager:
-        """``set_current_vllm_config``: vLLM's layers read the current config while they are built."""
+    @contextlib.contextmanager
+    def current(self) -> typing.Iterator[None]:
+        """``set_current_vllm_config`` (vLLM's layers read the current config while they are built); for a rank of
+        TP>1 loaded alone, vLLM's tensor-parallel group is that rank's place in the engine's meanwhile."""
         from vllm.config import set_current_vllm_config
 
-        return set_current_vllm_config(self.vllm_config)
+        with set_current_vllm_config(self.vllm_config), self.as_rank():
+            yield
+
+    def as_rank(self) -> contextlib.AbstractContextManager:
+        """For a rank of TP>1 loaded alone: vLLM's tensor-parallel group (world size 1 here) replaced by one standing
+        as that rank of the engine's (``LoneRank``) while the block runs; else nothing."""
+        if not self.alone or self.ranks.tp_size == 1:
+            return contextlib.nullcontext()
+        from vllm.distributed import get_tp_group
+
+        from weightcache.adapters.lone_rank import LoneRank
+        from weightcache.adapters.vllm.internals import TP_GROUP
+
+        return TP_GROUP.replaced(LoneRank(get_tp_group(), self.ranks.tp_size, self.ranks.tp_rank))
 
 
 _BUILDING = threading.Lock()
@@ -127,20 +149,27 @@ def engine_objects(request: "LoadRequest") -> EngineObjects:
 
 
 def standalone_objects(request: "LoadRequest") -> EngineObjects:
-    """vLLM's objects for loading ``request.model`` in this process alone (world size 1)."""
-    from vllm.config import LoadConfig, ModelConfig, VllmConfig
+    """vLLM's objects for loading one rank of ``request.model`` in this process alone (world size 1): the whole
+    model, or rank K of a tensor-parallel size N (``request.parallel``)."""
+    from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
-    if request.parallel != ParallelSpec():
+    parallel = request.parallel
+    if attrs.evolve(parallel, tp_size=1, tp_rank=0) != ParallelSpec():
         raise ValueError(
-            f"the vllm adapter loads {request.parallel.label} only inside a vLLM engine "
-            "(--load-format weightcache); on its own it loads a single-process model (tp1 pp1 ep1)"
+            f"the vllm adapter loads {parallel.label} only inside a vLLM engine (--load-format weightcache); "
+            "on its own it loads one tensor-parallel rank (tpK/N pp0/1 ep0/1)"
         )
     device = request.device.torch()
     model_config = ModelConfig(model=request.model, dtype=request.dtype or "auto", skip_tokenizer_init=True)
     load_config = LoadConfig(load_format="auto", device=str(device))
-    vllm_config = VllmConfig(model_config=model_config, load_config=load_config)
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        load_config=load_config,
+        parallel_config=ParallelConfig(tensor_parallel_size=parallel.tp_size),
+    )
     init_single_process(device)
-    return EngineObjects(vllm_config, model_config, device, Ranks())
+    ranks = Ranks(tp_size=parallel.tp_size, tp_rank=parallel.tp_rank)
+    return EngineObjects(vllm_config, model_config, device, ranks, alone=True)
 
 
 def init_single_process(device: "torch.device") -> None:

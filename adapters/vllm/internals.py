@@ -29,4 +29,14 @@ ROPE_CACHE = PrivateName(
     "back afterwards, so that no model shares a rotary module built on meta or viewing an arena (no public accessor)",
 )
 
-PRIVATE_NAMES = (ROPE_CACHE,)
+TP_GROUP = PrivateName(
+    "vllm",
+    CHECKED_WITH,
+    "vllm.distributed.parallel_state",
+    "_TP",
+    "vLLM's tensor-parallel group: a rank of a TP=N engine loaded in a process of its own (weightcache load --tp-size, "
+    "load_model, publish_version) builds and loads with a stand-in there that is rank K of N (weightcache.adapters."
+    "lone_rank), so vLLM's layers keep that rank's shard (vLLM has no public setter)",
+)
+
+PRIVATE_NAMES = (ROPE_CACHE, TP_GROUP)

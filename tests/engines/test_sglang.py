@@ -34,6 +34,7 @@ from tests.engines.support import (
     FP8_BLOCK,
     FP8_PER_TENSOR,
     ROOT,
+    assert_ranks_hold_their_shards,
     assert_same_state,
     run_engine,
     server_status,
@@ -347,12 +348,18 @@ def test_ranks_come_from_sglangs_parallel_context():
     assert (ranks.tp_size, ranks.tp_rank, ranks.pp_size, ranks.moe_ep_size) == (1, 0, 1, 1)
 
 
-def test_a_single_process_load_refuses_other_ranks(tiny_llama):
+def test_a_single_process_load_refuses_pipeline_and_expert_ranks(tiny_llama):
     from weightcache.core.fingerprint import ParallelSpec
 
-    request = LoadRequest(model=str(tiny_llama), adapter="sglang", parallel=ParallelSpec(tp_size=2, tp_rank=1))
-    with pytest.raises(ValueError, match=r"a single-process SGLang load is one rank .* not tp1/2"):
+    request = LoadRequest(model=str(tiny_llama), adapter="sglang", parallel=ParallelSpec(pp_size=2, pp_rank=1))
+    with pytest.raises(ValueError, match=r"a single-process SGLang load is one tensor-parallel rank .* not tp0/1 pp1/2"):
         prepare(request)
+
+
+def test_a_tensor_parallel_rank_loaded_alone_holds_the_engines_shard(tiny_llama):
+    """``weightcache load --tp-size 2 --tp-rank K``, ``load_model`` and ``publish_version`` of rank K: SGLang's weight
+    loaders keep rank K's slice (its fingerprint against the engine's: tests/engines/test_one_identity.py)."""
+    assert_ranks_hold_their_shards("sglang", tiny_llama)
 
 
 # Quantization allowlist ----------------------------------------------------------------------------------------------

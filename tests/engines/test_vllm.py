@@ -30,6 +30,7 @@ from tests.engines.support import (
     FP8_BLOCK,
     FP8_PER_TENSOR,
     ROOT,
+    assert_ranks_hold_their_shards,
     with_quantization,
 )
 
@@ -295,6 +296,28 @@ def test_fingerprint_names_the_field_that_differs(tiny_llama, tmp_path):
         "extra.quant_config_hash",
     }
     assert quantized.quantization == "fp8-block" and json.loads(quantized.quantization_config)["weight_block_size"] == [128, 128]
+
+
+def test_a_tensor_parallel_rank_loaded_alone_is_the_engines_rank(tiny_llama):
+    """``weightcache load --tp-size 2 --tp-rank K``, ``load_model`` and ``publish_version`` of rank K: the fingerprint
+    rank K of a TP=2 engine computes from vLLM's own objects, and rank K's slice of the weights."""
+    from weightcache import ParallelSpec
+
+    mc = model_config(tiny_llama)
+    for rank in (0, 1):
+        parallel = ParallelSpec(tp_size=2, tp_rank=rank)
+        alone = prepare(LoadRequest(model=str(tiny_llama), adapter="vllm", dtype="bfloat16", parallel=parallel))
+        engines = fingerprint(vllm_config(mc), mc, Ranks(tp_size=2, tp_rank=rank))
+        assert alone.fingerprint == engines, alone.fingerprint.mismatched_fields(engines)
+    assert_ranks_hold_their_shards("vllm", tiny_llama)
+
+
+def test_a_load_alone_refuses_pipeline_and_expert_ranks(tiny_llama):
+    from weightcache import ParallelSpec
+
+    request = LoadRequest(model=str(tiny_llama), adapter="vllm", parallel=ParallelSpec(pp_size=2, pp_rank=1))
+    with pytest.raises(ValueError, match=r"loads tp0/1 pp1/2 ep0/1 only inside a vLLM engine"):
+        prepare(request)
 
 
 def test_the_draft_role_is_part_of_the_fingerprint(tiny_llama):

@@ -1,0 +1,50 @@
+"""One rank of a tensor-parallel engine, loaded in a process of its own (``weightcache load --tp-size N --tp-rank K``,
+``load_model`` or ``publish_version`` with ``parallel=ParallelSpec(tp_size=N, tp_rank=K)``).
+
+The engines' layers and weight loaders shard by the tensor-parallel group's ``world_size`` and ``rank_in_group``; a
+process that loads one rank alone has a group of world size 1. ``LoneRank`` stands for that group while the adapter
+builds, loads, post-processes or rebinds the rank: it reports the rank's place in the engine's group, so every layer
+keeps the shard rank K of an N-rank engine keeps, and refuses every collective (a lone rank has no peers; a load
+that needs one must run inside the engine, ``--load-format weightcache``).
+
+Layers keep handles of the group for their forward (SGLang's logits processor its ``cpu_group``): those are the
+process's own (world size 1). A model built here is exported to, or rebound from, the cache and never runs a forward
+(the engine's own model is rebound to the entry inside the engine).
+"""
+
+from __future__ import annotations
+
+import typing
+
+
+class LoneRank:
+    """An engine's process group (``group``, world size 1 in this process) as rank ``rank`` of ``size`` sees it.
+
+    Other attributes (name, device, local rank, process-group handles) are the group's own; its methods (the
+    collectives) raise a RuntimeError that says what to do instead.
+    """
+
+    def __init__(self, group: typing.Any, size: int, rank: int):
+        if not 0 <= rank < size:
+            raise ValueError(f"tensor-parallel rank {rank} does not fit size {size}")
+        self._group = group
+        self.world_size = size
+        self.rank_in_group = rank
+        self.ranks = list(range(size))
+        self.first_rank, self.last_rank = 0, size - 1
+        self.is_first_rank, self.is_last_rank = rank == 0, rank == size - 1
+
+    def __getattr__(self, name: str) -> typing.Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        found = getattr(self._group, name)
+        if callable(found):
+            raise RuntimeError(
+                f"tensor-parallel rank {self.rank_in_group} of {self.world_size} is loaded in a process of its own, "
+                f"which has no peers for {type(self._group).__name__}.{name}: this model's load needs the other "
+                "ranks, so load it inside the engine (--load-format weightcache) at this tensor-parallel size"
+            )
+        return found
+
+    def __repr__(self) -> str:
+        return f"LoneRank(rank {self.rank_in_group} of {self.world_size}, standing for {self._group!r})"

@@ -1,0 +1,51 @@
+"""``LoneRank`` (an engine's tensor-parallel group as rank K of N, for a rank loaded outside the engine) and
+``PrivateName.replaced`` (how the vLLM adapter puts it in place). The engines' own groups: tests/engines (test_vllm.py,
+test_sglang.py, test_one_identity.py at TP=2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from weightcache.adapters.engine_support import PrivateName
+from weightcache.adapters.lone_rank import LoneRank
+
+
+class WorldOfOne:
+    """What an engine's group coordinator holds in a process of world size 1."""
+
+    world_size, rank_in_group, ranks = 1, 0, [0]
+    unique_name, cpu_group = "tp:0", object()
+
+    def all_reduce(self, tensor):
+        return tensor
+
+
+GROUP = WorldOfOne()
+
+
+def test_a_lone_rank_is_its_place_in_the_engines_group_and_keeps_the_rest():
+    group = LoneRank(GROUP, 2, 1)
+    assert (group.world_size, group.rank_in_group, group.ranks) == (2, 1, [0, 1])
+    assert (group.is_first_rank, group.is_last_rank) == (False, True)
+    assert group.unique_name == "tp:0" and group.cpu_group is GROUP.cpu_group  # layers keep handles for their forward
+
+
+def test_a_lone_rank_refuses_every_collective_saying_what_to_do():
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 .* no peers for WorldOfOne.all_reduce: .* inside the engine"):
+        LoneRank(GROUP, 2, 1).all_reduce(None)
+
+
+def test_a_lone_rank_must_fit_its_size():
+    with pytest.raises(ValueError, match="rank 2 does not fit size 2"):
+        LoneRank(GROUP, 2, 2)
+
+
+def test_a_private_name_is_replaced_inside_the_block_only():
+    name = PrivateName("pytest", "0", __name__, "GROUP", "a test")
+    stand_in = LoneRank(GROUP, 2, 0)
+    with name.replaced(stand_in):
+        assert globals()["GROUP"] is stand_in
+    assert globals()["GROUP"] is not stand_in and isinstance(GROUP, WorldOfOne)
+    with pytest.raises(RuntimeError), name.replaced(stand_in):
+        raise RuntimeError("a failed load")
+    assert isinstance(GROUP, WorldOfOne)
