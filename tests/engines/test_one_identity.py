@@ -233,9 +233,13 @@ def rank_digests(found: list[dict]) -> dict[int, str]:
     return {rank: entry["digest"] for rank, entry in zip(ranks, found, strict=True)}
 
 
-def assert_cached(cli: dict, rank: int) -> None:
-    assert cli["returncode"] == 0 and "already cached" in cli["output"], f"weightcache load rank {rank}: {cli['output'][-3000:]}"
-    assert "Traceback" not in cli["output"], cli["output"][-5000:]
+def assert_cached(cli: dict, rank: int, digest: str) -> None:
+    """``weightcache load --tp-rank RANK`` found the entry ``digest`` (it prints its first 12 digits) and loaded nothing."""
+    output = cli["output"]
+    assert cli["returncode"] == 0 and f"already cached: {digest[:12]}" in output, (
+        f"weightcache load rank {rank}: {output[-3000:]}"
+    )
+    assert "Traceback" not in output, output[-5000:]
 
 
 @pytest.mark.engine_entry
@@ -247,7 +251,7 @@ def test_at_tp2_every_outside_path_attaches_each_rank_the_engine_published(tp2):
     digests = rank_digests(seen["entries"])
     assert digests[0] != digests[1]
     for rank in RANKS:
-        assert_cached(seen["cli"][rank], rank)
+        assert_cached(seen["cli"][rank], rank, digests[rank])
         attached = seen["library"][f"attach@{rank}"]
         assert attached.get("source") == "cache", f"load_model rank {rank}, a strict client: {attached}"
         assert attached["digest"] == digests[rank], f"load_model rank {rank} attached {attached['digest']}: {digests}"
@@ -266,7 +270,7 @@ def test_at_tp2_the_engine_attaches_the_ranks_the_outside_paths_published(tp2):
     attached = seen["library"]["attach@0"]
     assert attached.get("source") == "cache", f"load_model rank 0 on the CLI's entry, a strict client: {attached}"
     assert attached["digest"] == digests[0], f"load_model rank 0 attached {attached['digest']}: {digests}"
-    assert_cached(seen["cli"][1], 1)
+    assert_cached(seen["cli"][1], 1, digests[1])
     # the same two entries, whoever published them: the same fingerprints, config digest included
     assert digests == rank_digests(engine_first["entries"])
     client = seen["engine"]
