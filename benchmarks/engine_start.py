@@ -18,7 +18,10 @@ that costs.
 
 vLLM runs in ``.engine-venv-vllm-cpu``, SGLang in ``.engine-venv`` (``make engine-venv``); each venv gets its own
 launcher, started with the same environment as the engines (a launcher refuses a caller whose environment differs
-on a name its imports read). The engines' CPU thread binding and KV cache size are those of the engine tests
+on a name its imports read) and ``--engines`` of its engine alone: the vllm-cpu venv sees SGLang too, and a launched
+process would otherwise carry SGLang's modules to its exit, where collecting them made a launched vLLM worker's exit
+about a second longer than an exec'd one's (decision 114). Each run reports the ``resource_tracker`` lines of its
+standard error (``resource_tracker_lines``). The engines' CPU thread binding and KV cache size are those of the engine tests
 (``tests/engines/support.py``'s ``ENTRY_POINT_ENV``).
 """
 
@@ -151,9 +154,10 @@ def vllm_cpu_child_env(python: Path) -> dict:
     return {**VLLM_CPU_CHILD_ENV, **({"LD_PRELOAD": ":".join(preload)} if preload else {})}
 
 
-def start_launcher(python: Path, socket_dir: Path, env: dict, log: Path) -> tuple[subprocess.Popen, dict]:
+def start_launcher(python: Path, socket_dir: Path, env: dict, log: Path, engine: str) -> tuple[subprocess.Popen, dict]:
+    """A launcher for ``engine``'s starts, preloading that engine alone (the vllm-cpu venv sees SGLang too)."""
     proc = subprocess.Popen(
-        [str(python), "-m", "weightcache", "launcher", "--socket-dir", str(socket_dir)],
+        [str(python), "-m", "weightcache", "launcher", "--socket-dir", str(socket_dir), "--engines", engine],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -203,6 +207,7 @@ def run_one(python: Path, way: str, engine_name: str, tp: int, model: Path, sock
     report["dist_ranks"] = len(per_pid)
     report["wall_s"] = wall
     report["returncode"] = proc.returncode
+    report["resource_tracker_lines"] = [line for line in proc.stderr.splitlines() if "resource_tracker" in line]
     report["forked"] = report.get("ppid") not in (None, os.getpid())  # an exec'd engine is this process's child
     return report
 
@@ -335,7 +340,7 @@ def main(argv=None) -> int:
                 env.update(vllm_cpu_child_env(pythons[name]))
             socket_dir = work / f"sock-{name}"
             socket_dir.mkdir(mode=0o700)
-            proc, ready = start_launcher(pythons[name], socket_dir, env, work / f"launcher-{name}.log")
+            proc, ready = start_launcher(pythons[name], socket_dir, env, work / f"launcher-{name}.log", name)
             launchers.append(proc)
             result["launchers"][name] = ready
             for tp in tps:

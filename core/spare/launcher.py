@@ -1,7 +1,7 @@
 """A launcher: engines start as forks of one process that has imported the frameworks already (``weightcache launcher``).
 
-    weightcache launcher [--socket-dir DIR] [--preload MODULES] [--model DIR ...] [--no-warm] [--replace]
-                         [--cuda-ready DEVICE]
+    weightcache launcher [--socket-dir DIR] [--preload MODULES] [--engines NAMES] [--model DIR ...] [--no-warm]
+                         [--replace] [--cuda-ready DEVICE]
     weightcache launch [--socket-dir DIR] [--strict] -- PYTHON-ARGS...
 
 The launcher imports torch, transformers, tokenizers, weightcache's load route and the installed adapters (and vLLM or
@@ -87,11 +87,14 @@ class Launcher(ForksAhead):
         nursery: bool = True,
         fork_ahead: bool = True,
         cuda_ready: str | None = None,
+        engines: typing.Sequence[str] | None = None,
     ):
         self.socket_dir = SocketDir.parse(socket_dir)
         self.path = launcher_socket(self.socket_dir)
         self.preload = preload
         self.models = tuple(models)
+        self.engines = tuple(engines) if engines is not None else None
+        """The engines whose modules the default preload imports (None: every installed one an adapter names)."""
         self.warm = warm
         self.replace = replace
         self.nursery = nursery
@@ -132,7 +135,7 @@ class Launcher(ForksAhead):
 
     def prepare(self) -> Preloaded:
         """Import and check (``preload.prepare``): LauncherError says what is not fork-safe."""
-        self.preloaded = prepare(self.preload, self.models, warm=self.warm)
+        self.preloaded = prepare(self.preload, self.models, warm=self.warm, engines=self.engines)
         return self.preloaded
 
     def _check_cuda_ready(self) -> None:
@@ -473,6 +476,13 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
         "weightcache's load route, the installed adapters and the installed engines they name)",
     )
     parser.add_argument(
+        "--engines",
+        metavar="NAMES",
+        help="comma-separated engines whose modules the default preload imports, of the installed ones (vllm, sglang; "
+        "default: all). A launched process carries everything the launcher imported, and its exit collects it: a "
+        "launcher serving one engine kind preloads that one alone",
+    )
+    parser.add_argument(
         "--model",
         action="append",
         default=[],
@@ -499,9 +509,11 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
 
 def run(args: argparse.Namespace) -> int:
     preload = [m.strip() for m in args.preload.split(",") if m.strip()] if args.preload is not None else None
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()] if args.engines is not None else None
     launcher = Launcher(
         args.socket_dir,
         preload=preload,
+        engines=engines,
         models=args.model,
         warm=not args.no_warm,
         replace=args.replace,

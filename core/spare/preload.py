@@ -24,7 +24,7 @@ import threading
 import time
 import typing
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 import attrs
 
@@ -280,14 +280,22 @@ class Preloaded:
             )
 
 
-def installed_modules() -> list[str]:
+def installed_modules(engines: Collection[str] | None = None) -> list[str]:
     """The installed adapters' entry-point modules (importing one imports no engine) and the modules of the engines they
-    name where the engine itself is installed: one scan of the entry points."""
+    name where the engine itself is installed (of ``engines`` only, where given): one scan of the entry points."""
     import importlib.metadata
 
     entries = importlib.metadata.entry_points(group="weightcache.adapters")
     adapters = sorted({entry.module for entry in entries})
     names = {entry.name for entry in entries}
+    if engines is not None:
+        unknown = sorted(set(engines) - set(ENGINE_MODULES))
+        if unknown:
+            raise LauncherError(
+                f"--engines: {', '.join(unknown)} is not an engine the launcher knows; name some of "
+                f"{', '.join(sorted(ENGINE_MODULES))}, or none"
+            )
+        names &= set(engines)
     engines = [m for name, modules in ENGINE_MODULES.items() if name in names and importlib.util.find_spec(name) for m in modules]
     for name, (build, modules) in CPU_BUILD_MODULES.items():
         if name in names and _installed(build):
@@ -317,10 +325,15 @@ def present(modules: Iterable[str]) -> list[str]:
     return found
 
 
-def prepare(modules: Iterable[str] | None, models: Iterable[str] = (), warm: bool = True) -> Preloaded:
-    """Import ``modules`` (None: ``DEFAULT_PRELOAD``, the installed adapters and the engines they name) and the architecture
-    modules of ``models`` in this process's initial environment, warm torch on one thread, probe a fresh interpreter
-    and fork a canary. LauncherError says what is not fork-safe."""
+def prepare(
+    modules: Iterable[str] | None,
+    models: Iterable[str] = (),
+    warm: bool = True,
+    engines: Collection[str] | None = None,
+) -> Preloaded:
+    """Import ``modules`` (None: ``DEFAULT_PRELOAD``, the installed adapters and the engines they name, of ``engines``
+    only where given) and the architecture modules of ``models`` in this process's initial environment, warm torch on
+    one thread, probe a fresh interpreter and fork a canary. LauncherError says what is not fork-safe."""
     env = initial_environment()
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -335,7 +348,7 @@ def prepare(modules: Iterable[str] | None, models: Iterable[str] = (), warm: boo
     start = time.perf_counter()
     with recording_reads(read):
         if modules is None:  # looking for an engine may run an import hook: after the environment is the initial one
-            modules = [*DEFAULT_PRELOAD, *present(SHARED_MODEL_MODULES), *installed_modules(), *present(COMPILER_MODULES)]
+            modules = [*DEFAULT_PRELOAD, *present(SHARED_MODEL_MODULES), *installed_modules(engines), *present(COMPILER_MODULES)]
         for name in modules:
             compiler = name in COMPILER_MODULES
             read_before = COUNTED_ONLY & read

@@ -100,3 +100,14 @@ def test_an_engine_slow_to_exit_after_sigterm_has_the_children_of_an_execd_one(t
     assert execd.stdout == "done\n", execd  # the test's premise: an exec'd engine core's worker is joined, nothing left
     assert launched.stdout == execd.stdout, launched
     assert launched.stderr == execd.stderr == "", (launched.stderr, execd.stderr)
+
+
+def test_a_launcher_for_one_engine_preloads_that_engine_alone():
+    """``weightcache launcher --engines vllm`` where SGLang is installed too: a launched process carries everything the
+    launcher imported to its exit, where collecting it takes time (decision 114)."""
+    from weightcache.core.spare.preload import installed_modules
+
+    every = {name.partition(".")[0] for name in installed_modules()}
+    assert {"vllm", "sglang"} <= every, every  # the test's premise: both engines here
+    only = {name.partition(".")[0] for name in installed_modules(engines=["vllm"])}
+    assert "vllm" in only and "sglang" not in only, only
