@@ -48,3 +48,32 @@ class LoneRank:
 
     def __repr__(self) -> str:
         return f"LoneRank(rank {self.rank_in_group} of {self.world_size}, standing for {self._group!r})"
+
+
+PROVEN_ARCHITECTURES = {
+    "vllm": ("LlamaForCausalLM",),
+    "sglang": ("LlamaForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"),
+}
+"""Per engine, the architectures whose rank K of TP=2 loaded with ``LoneRank`` was compared tensor by tensor with the
+engine's own rank K (same fingerprint, same bytes; tests/engines/test_one_identity.py, docs/engines.md). A layer may
+read its rank from somewhere the stand-in does not cover (an expert- or data-parallel group, torch.distributed) and
+build another shard under rank K's fingerprint, so other architectures load their TP>1 ranks inside the engine only.
+vLLM's rank K of a MoE model is also expert-parallel rank K of N in its fingerprint, which a load outside the engine
+does not compute (its entries would never be the engine's)."""
+
+
+def refuse_unproven(engine: str, architectures: typing.Sequence[str] | None, size: int, rank: int) -> None:
+    """Raise ValueError, before any weight is read, unless rank ``rank`` of ``size`` of a model of ``architectures`` is
+    proven to load outside ``engine`` as the engine's rank (``PROVEN_ARCHITECTURES``); a single rank (size 1) always
+    loads."""
+    if size == 1:
+        return
+    proven = PROVEN_ARCHITECTURES[engine]
+    found = tuple(architectures or ())
+    if found and all(name in proven for name in found):
+        return
+    raise ValueError(
+        f"the {engine} adapter loads tensor-parallel rank {rank} of {size} outside the engine only for architectures "
+        f"checked to make the engine's own rank tensor by tensor ({', '.join(proven)}), not {', '.join(found) or 'an unnamed one'}: "
+        f"load it inside the engine (--load-format weightcache) at tensor-parallel size {size}, or outside at size 1"
+    )

@@ -49,3 +49,17 @@ def test_a_private_name_is_replaced_inside_the_block_only():
     with pytest.raises(RuntimeError), name.replaced(stand_in):
         raise RuntimeError("a failed load")
     assert isinstance(GROUP, WorldOfOne)
+
+
+def test_a_rank_of_tp_over_1_loads_outside_the_engine_only_for_a_proven_architecture():
+    from weightcache.adapters.lone_rank import PROVEN_ARCHITECTURES, refuse_unproven
+
+    refuse_unproven("vllm", ["LlamaForCausalLM"], 2, 1)
+    refuse_unproven("sglang", ["DeepseekV3ForCausalLM"], 2, 0)
+    refuse_unproven("vllm", ["Qwen3MoeForCausalLM"], 1, 0)  # a single rank is the whole model
+    assert "Qwen3MoeForCausalLM" not in PROVEN_ARCHITECTURES["vllm"]  # its entries were never the engine's
+    for engine, architectures in (("vllm", ["Qwen3MoeForCausalLM"]), ("sglang", ["MistralForCausalLM"]), ("sglang", None)):
+        with pytest.raises(
+            ValueError, match=r"load it inside the engine \(--load-format weightcache\) at tensor-parallel size 2"
+        ):
+            refuse_unproven(engine, architectures, 2, 1)

@@ -341,6 +341,22 @@ def assert_ranks_hold_their_shards(adapter: str, model: Path, tp_size: int = 2) 
             loaded.close()
 
 
+def assert_an_unproven_rank_is_refused(adapter: str, model: Path, architecture: str) -> None:
+    """``load_model`` of rank 1 of TP=2 outside the engine, of a model whose architecture is not among the adapter's
+    proven ones (``lone_rank.PROVEN_ARCHITECTURES``), raises before any weight is read: ``model`` keeps its config
+    only (no weight files at all), and the error says to load it inside the engine."""
+    import pytest
+
+    from weightcache import ParallelSpec, load_model
+
+    for file in model.glob("*.safetensors"):
+        file.unlink()
+    parallel = ParallelSpec(tp_size=2, tp_rank=1)
+    with pytest.raises(ValueError, match=r"rank 1 of 2 outside the engine only for architectures") as caught:
+        load_model(str(model), adapter=adapter, dtype="bfloat16", parallel=parallel)
+    assert architecture in str(caught.value) and "inside the engine (--load-format weightcache)" in str(caught.value)
+
+
 def load_state(path) -> dict:
     import torch
 

@@ -10,7 +10,9 @@ version 1).
 At TP=2 the same holds for each rank (one engine start per direction): a TP=2 engine publishes both ranks' entries,
 then ``weightcache load --tp-size 2 --tp-rank K``, ``load_model`` and ``publish_version`` (``parallel`` rank K of 2)
 find rank K's; and ``weightcache load`` publishes rank 0 and ``load_model`` rank 1, which are the engine's entries
-(same digests), and a TP=2 engine as a strict client generates its own disk load's greedy tokens from them.
+(same digests), and a TP=2 engine as a strict client generates its own disk load's greedy tokens from them. For the
+Qwen3-MoE and the DeepSeek-V3, each rank made outside is the TP=2 engine's own, tensor by tensor, where the adapter
+lists the architecture as proven (``lone_rank.PROVEN_ARCHITECTURES``); elsewhere both outside paths refuse it.
 """
 
 from __future__ import annotations
@@ -279,6 +281,73 @@ def test_at_tp2_the_engine_attaches_the_ranks_the_outside_paths_published(tp2):
         f"the TP=2 engine on the outside paths' entries generated {client['tokens']}, its own disk load "
         f"{engine_first['disk']['tokens']}"
     )
+
+
+# TP=2, the MoE and MLA families: rank K made outside is the engine's rank K, tensor by tensor -----------------------
+
+OTHER_FAMILIES = ("qwen3-moe", "deepseek-v3")
+"""FAMILIES of tests/engines/test_entry_points.py but the Llama (the matrix above)."""
+
+
+@pytest.fixture(scope="module")
+def families_tp2(engine, tmp_path_factory):
+    """Per family whose architecture the adapter has proven (``lone_rank.PROVEN_ARCHITECTURES``): in server A a TP=2
+    engine in mode daemon publishes both ranks (one process, a start per family); in server B ``weightcache load
+    --tp-rank 0`` publishes rank 0 and ``load_model`` rank 1; then, per rank, ``load_model`` as a strict client of A
+    and of B maps both entries and compares every tensor (tests/engines/family_tp2.py; docs/engines.md has its runs
+    with a TP=2 engine as a strict client of B too). Per family it has not: ``weightcache load`` and ``load_model`` of
+    a rank, which must refuse."""
+    from tests.engines.family_tp2 import compare_in_child, engine_args, write_family
+    from weightcache.adapters.lone_rank import PROVEN_ARCHITECTURES
+    from weightcache.core.server.server_process import ServerProcess
+
+    models = {family: write_family(engine, family, tmp_path_factory.mktemp(family)) for family in OTHER_FAMILIES}
+    proven = {f: m for f, m in models.items() if architecture(m) in PROVEN_ARCHITECTURES[engine]}
+    a, b = private_dir("wc-identity-fam-a-"), private_dir("wc-identity-fam-b-")
+    servers = [ServerProcess.start(a), ServerProcess.start(b)]
+    try:
+        runs = [{**engine_start(m, a, "daemon", TP), "engine_args": engine_args(engine, f)} for f, m in proven.items()]
+        published = run_entry_points(engine, runs, timeout=2 * CLI_TIMEOUT_S).results if runs else []
+        seen = {family: {"published": result} for family, result in zip(proven, published, strict=True)}
+        for family, model in models.items():
+            seen.setdefault(family, {})["cli"] = cli_rank(engine, model, b, 0)
+            seen[family]["library"] = library_steps(engine, model, b, ["publish@1"], TP)["publish@1"]
+            if family in proven:
+                seen[family]["compare"] = compare_in_child(engine, model, a, b)
+        return seen
+    finally:
+        for server in servers:
+            server.stop()
+        shutil.rmtree(a, ignore_errors=True)
+        shutil.rmtree(b, ignore_errors=True)
+
+
+def architecture(model: Path) -> str:
+    (name,) = json.loads((model / "config.json").read_text())["architectures"]
+    return name
+
+
+@pytest.mark.engine_entry
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_at_tp2_each_rank_made_outside_is_the_engines_rank_tensor_by_tensor_or_refused(families_tp2, family):
+    seen = families_tp2[family]
+    cli, library = seen["cli"], seen["library"]
+    if "compare" not in seen:  # not proven for this engine: both outside paths refuse, before reading weights
+        assert cli["returncode"] != 0 and "inside the engine (--load-format weightcache)" in cli["output"], cli["output"][-3000:]
+        assert "Traceback" not in cli["output"], cli["output"][-5000:]
+        assert library.get("error") == "ValueError" and "only for architectures" in library["message"], library
+        return
+    assert "error" not in seen["published"] and len(seen["published"]["tokens"]) == 2, seen["published"]
+    assert cli["returncode"] == 0 and "Traceback" not in cli["output"], f"weightcache load rank 0: {cli['output'][-3000:]}"
+    assert "error" not in library, f"load_model rank 1 published: {library}"
+    compared = seen["compare"]
+    assert compared.get("ranks"), compared
+    for rank, found in compared["ranks"].items():
+        assert "error" not in found, f"{family} rank {rank}: a strict client of each server: {found}"
+        digest_engine, digest_outside = found["digests"]
+        assert digest_engine == digest_outside, f"{family} rank {rank}: fingerprints differ: {found}"
+        assert found["tensors"] > 0 and not found["differ"], f"{family} rank {rank}: tensors differ: {found['differ']}"
+    assert compared["equal"] is True
 
 
 # weightcache load: the adapter warmed up beside the load --------------------------------------------------------------

@@ -34,6 +34,7 @@ from tests.engines.support import (
     FP8_BLOCK,
     FP8_PER_TENSOR,
     ROOT,
+    assert_an_unproven_rank_is_refused,
     assert_ranks_hold_their_shards,
     assert_same_state,
     run_engine,
@@ -360,6 +361,14 @@ def test_a_tensor_parallel_rank_loaded_alone_holds_the_engines_shard(tiny_llama)
     """``weightcache load --tp-size 2 --tp-rank K``, ``load_model`` and ``publish_version`` of rank K: SGLang's weight
     loaders keep rank K's slice (its fingerprint against the engine's: tests/engines/test_one_identity.py)."""
     assert_ranks_hold_their_shards("sglang", tiny_llama)
+
+
+def test_a_tensor_parallel_rank_of_an_unproven_architecture_is_refused_outside_the_engine(tmp_path):
+    """A Mistral (a Llama's weights under another architecture, none compared with the engine's ranks) at TP=2."""
+    model = write_tiny_model("llama_blocks", tmp_path / "mistral")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
+    assert_an_unproven_rank_is_refused("sglang", model, "MistralForCausalLM")
 
 
 # Quantization allowlist ----------------------------------------------------------------------------------------------

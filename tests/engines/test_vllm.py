@@ -30,8 +30,10 @@ from tests.engines.support import (
     FP8_BLOCK,
     FP8_PER_TENSOR,
     ROOT,
+    assert_an_unproven_rank_is_refused,
     assert_ranks_hold_their_shards,
     with_quantization,
+    write_tiny_model,
 )
 
 vllm = pytest.importorskip("vllm")
@@ -318,6 +320,13 @@ def test_a_load_alone_refuses_pipeline_and_expert_ranks(tiny_llama):
     request = LoadRequest(model=str(tiny_llama), adapter="vllm", parallel=ParallelSpec(pp_size=2, pp_rank=1))
     with pytest.raises(ValueError, match=r"loads tp0/1 pp1/2 ep0/1 only inside a vLLM engine"):
         prepare(request)
+
+
+def test_a_tensor_parallel_rank_of_a_moe_model_is_refused_outside_the_engine(tmp_path):
+    """vLLM's rank K of a MoE model is expert-parallel rank K of N too (its fingerprint's ``ep`` fields), which a
+    load outside the engine does not compute: by hand its entries were never the engine's (docs/engines.md)."""
+    model = write_tiny_model("qwen3_moe", tmp_path / "qwen3-moe")
+    assert_an_unproven_rank_is_refused("vllm", model, "Qwen3MoeForCausalLM")
 
 
 def test_the_draft_role_is_part_of_the_fingerprint(tiny_llama):
