@@ -62,12 +62,23 @@ vLLM's rank K of a MoE model is also expert-parallel rank K of N in its fingerpr
 does not compute (its entries would never be the engine's)."""
 
 
-def refuse_unproven(engine: str, architectures: typing.Sequence[str] | None, size: int, rank: int) -> None:
+def refuse_unproven(
+    engine: str, architectures: typing.Sequence[str] | None, size: int, rank: int, quantization: str | None = None
+) -> None:
     """Raise ValueError, before any weight is read, unless rank ``rank`` of ``size`` of a model of ``architectures`` is
-    proven to load outside ``engine`` as the engine's rank (``PROVEN_ARCHITECTURES``); a single rank (size 1) always
-    loads."""
+    proven to load outside ``engine`` as the engine's rank (``PROVEN_ARCHITECTURES``, unquantized: no quantized rank
+    was compared); a single rank (size 1) always loads.
+
+    :param quantization: the method requested or the checkpoint declares, None or ``none`` for none.
+    """
     if size == 1:
         return
+    if quantization not in (None, "none"):
+        raise ValueError(
+            f"the {engine} adapter loads tensor-parallel rank {rank} of {size} outside the engine only unquantized (no "
+            f"quantized rank was compared with the engine's own), not {quantization}: load it inside the engine "
+            f"(--load-format weightcache) at tensor-parallel size {size}, or outside at size 1"
+        )
     proven = PROVEN_ARCHITECTURES[engine]
     found = tuple(architectures or ())
     if found and all(name in proven for name in found):
@@ -77,3 +88,12 @@ def refuse_unproven(engine: str, architectures: typing.Sequence[str] | None, siz
         f"checked to make the engine's own rank tensor by tensor ({', '.join(proven)}), not {', '.join(found) or 'an unnamed one'}: "
         f"load it inside the engine (--load-format weightcache) at tensor-parallel size {size}, or outside at size 1"
     )
+
+
+def quantization_declared(hf_config: typing.Any) -> str | None:
+    """The method a model's HF config declares (``quantization_config.quant_method``), else None."""
+    declared = getattr(hf_config, "quantization_config", None)
+    if not declared:
+        return None
+    method = declared.get("quant_method") if isinstance(declared, dict) else getattr(declared, "quant_method", None)
+    return str(method or "declared")

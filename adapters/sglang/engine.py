@@ -26,7 +26,7 @@ import attrs
 
 from weightcache.adapter import ParallelSpec
 from weightcache.adapters import engine_quantization
-from weightcache.adapters.lone_rank import refuse_unproven
+from weightcache.adapters.lone_rank import quantization_declared, refuse_unproven
 
 if typing.TYPE_CHECKING:
     from weightcache.adapter import LoadRequest
@@ -217,7 +217,8 @@ def standalone_objects(request: "LoadRequest") -> EngineObjects:
     initialize_moe_config()
     _initialise_distributed_once(request.device.kind)
     model_config = ModelConfig.from_server_args(server_args)
-    refuse_unproven("sglang", model_config.hf_config.architectures, parallel.tp_size, parallel.tp_rank)  # no weight read yet
+    quantization = request.quantization or quantization_declared(model_config.hf_config)
+    refuse_unproven("sglang", model_config.hf_config.architectures, parallel.tp_size, parallel.tp_rank, quantization)
     load_config = LoadConfig(load_format=LoadFormat.AUTO, download_dir=server_args.download_dir)
     model_config = as_model_runner_adjusts(model_config, load_config, request.device.kind, tp_size=parallel.tp_size)
     return EngineObjects(

@@ -22,7 +22,7 @@ import attrs
 
 from weightcache.adapter import ParallelSpec
 from weightcache.adapters.engine_support import Registrations
-from weightcache.adapters.lone_rank import refuse_unproven
+from weightcache.adapters.lone_rank import quantization_declared, refuse_unproven
 
 if typing.TYPE_CHECKING:
     import torch
@@ -162,7 +162,8 @@ def standalone_objects(request: "LoadRequest") -> EngineObjects:
         )
     device = request.device.torch()
     model_config = ModelConfig(model=request.model, dtype=request.dtype or "auto", skip_tokenizer_init=True)
-    refuse_unproven("vllm", model_config.architectures, parallel.tp_size, parallel.tp_rank)
+    quantization = request.quantization or quantization_declared(model_config.hf_config)
+    refuse_unproven("vllm", model_config.architectures, parallel.tp_size, parallel.tp_rank, quantization)
     load_config = LoadConfig(load_format="auto", device=str(device))
     vllm_config = VllmConfig(
         model_config=model_config,

@@ -63,3 +63,17 @@ def test_a_rank_of_tp_over_1_loads_outside_the_engine_only_for_a_proven_architec
             ValueError, match=r"load it inside the engine \(--load-format weightcache\) at tensor-parallel size 2"
         ):
             refuse_unproven(engine, architectures, 2, 1)
+
+
+def test_a_quantized_rank_of_tp_over_1_is_refused_outside_the_engine():
+    from types import SimpleNamespace
+
+    from weightcache.adapters.lone_rank import quantization_declared, refuse_unproven
+
+    assert quantization_declared(SimpleNamespace()) is None
+    fp8 = quantization_declared(SimpleNamespace(quantization_config={"quant_method": "fp8"}))
+    assert fp8 == "fp8"
+    refuse_unproven("vllm", ["LlamaForCausalLM"], 1, 0, fp8)
+    for method in (fp8, "fp8-block"):
+        with pytest.raises(ValueError, match=r"only unquantized .* not fp8"):
+            refuse_unproven("vllm", ["LlamaForCausalLM"], 2, 1, method)
