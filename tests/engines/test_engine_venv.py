@@ -4,7 +4,7 @@ The engines do not install beside the project's own dependencies, so they live
 in a venv of their own (``make engine-venv``). These tests run the engine suite
 there as a subprocess, or skip saying how to make that venv. All of them are marked
 ``engine_venv``: ``make test-engines`` runs them (the tensor-level suite, the drift
-check, and the 90 real engine starts, marked ``engine_entry`` too, most of the time on
+check, and the 91 real engine starts, marked ``engine_entry`` too, most of the time on
 CI's 2 cores), ``make test`` leaves them out: it needs only the project's venv
 .
 """

@@ -34,8 +34,6 @@ from tests.engines.support import (
     FP8_BLOCK,
     FP8_PER_TENSOR,
     ROOT,
-    assert_an_unproven_rank_is_refused,
-    assert_ranks_hold_their_shards,
     assert_same_state,
     run_engine,
     server_status,
@@ -340,35 +338,16 @@ def test_fingerprint_names_the_field_that_differs(tiny_llama, tmp_path):
     assert quantized.quantization == "fp8-block"
 
 
-def test_ranks_come_from_sglangs_parallel_context():
+def test_ranks_come_from_sglangs_parallel_context(tiny_llama):
     from sglang.srt.runtime_context import get_parallel
 
+    from weightcache.core.fingerprint import ParallelSpec
+
+    engine.publish_rank(server_args(tiny_llama), ParallelSpec(), gpu_id=0)  # as a scheduler publishes before it loads
     parallel = get_parallel()
     with parallel.override(tp_size=1, tp_rank=0, pp_size=1, pp_rank=0):
         ranks = engine.Ranks.current()
     assert (ranks.tp_size, ranks.tp_rank, ranks.pp_size, ranks.moe_ep_size) == (1, 0, 1, 1)
-
-
-def test_a_single_process_load_refuses_pipeline_and_expert_ranks(tiny_llama):
-    from weightcache.core.fingerprint import ParallelSpec
-
-    request = LoadRequest(model=str(tiny_llama), adapter="sglang", parallel=ParallelSpec(pp_size=2, pp_rank=1))
-    with pytest.raises(ValueError, match=r"a single-process SGLang load is one tensor-parallel rank .* not tp0/1 pp1/2"):
-        prepare(request)
-
-
-def test_a_tensor_parallel_rank_loaded_alone_holds_the_engines_shard(tiny_llama):
-    """``weightcache load --tp-size 2 --tp-rank K``, ``load_model`` and ``publish_version`` of rank K: SGLang's weight
-    loaders keep rank K's slice (its fingerprint against the engine's: tests/engines/test_one_identity.py)."""
-    assert_ranks_hold_their_shards("sglang", tiny_llama)
-
-
-def test_a_tensor_parallel_rank_of_an_unproven_architecture_is_refused_outside_the_engine(tmp_path):
-    """A Mistral (a Llama's weights under another architecture, none compared with the engine's ranks) at TP=2."""
-    model = write_tiny_model("llama_blocks", tmp_path / "mistral")
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
-    assert_an_unproven_rank_is_refused("sglang", model, "MistralForCausalLM")
 
 
 # Quantization allowlist ----------------------------------------------------------------------------------------------
