@@ -120,6 +120,24 @@ def both(launcher: LauncherProcess, args: list[str], **kwargs) -> tuple[subproce
     return launched, execd
 
 
+def script_both_ways(
+    tmp_path: Path, source: str, preload: str, timeout: float
+) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """``source`` as a script, launched through a launcher of its own that preloads ``preload``, and exec'd."""
+    import shutil
+
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    directory = Path(tempfile.mkdtemp(prefix="wc-launcher-"))
+    started = LauncherProcess(directory / "sock", "--preload", preload, "--no-warm")
+    try:
+        assert started.ready is not None, started.output()
+        return both(started, [str(script)], capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    finally:
+        started.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.mark.parametrize("form", ["-c", "-m", "script"])
 def test_a_launched_engine_sees_what_an_execd_one_sees(launcher, form, tmp_path):
     (tmp_path / "state_probe.py").write_text(_STATE)

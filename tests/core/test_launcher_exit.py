@@ -4,13 +4,9 @@ appear to be N leaked shared_memory objects`` (decision 114)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
 import pytest
 
-from tests.core.test_launcher import LauncherProcess, both
+from tests.core.test_launcher import LauncherProcess, script_both_ways
 
 _SHARED_MEMORY = """
 import multiprocessing, multiprocessing.util, os, sys
@@ -68,16 +64,7 @@ if __name__ == "__main__":
 def test_a_launched_engines_spawn_children_leave_the_resource_tracker_what_execd_ones_leave(tmp_path):
     """vLLM's pattern at TP=2: the engine core makes a block its workers attach to, each worker makes its own; every
     block is unlinked in ``__del__``, the tracker (started by the engine for its first spawn child) sees each one go."""
-    script = tmp_path / "shared_memory_children.py"
-    script.write_text(_SHARED_MEMORY)
-    directory = Path(tempfile.mkdtemp(prefix="wc-launcher-"))
-    started = LauncherProcess(directory / "sock", "--preload", "multiprocessing.shared_memory", "--no-warm")
-    try:
-        assert started.ready is not None, started.output()
-        launched, execd = both(started, [str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    finally:
-        started.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+    launched, execd = script_both_ways(tmp_path, _SHARED_MEMORY, "multiprocessing.shared_memory", timeout=300)
     assert execd.returncode == 0 and execd.stdout == "0 ['bool', 'str', 'str'] -\n", execd  # the test's premise
     assert launched.returncode == 0 and launched.stdout == "0 ['bool', 'str', 'str'] 2\n", launched  # tracker, core forked
     assert launched.stderr == execd.stderr == "", (launched.stderr, execd.stderr)

@@ -84,18 +84,9 @@ def test_an_engine_slow_to_exit_after_sigterm_has_the_children_of_an_execd_one(t
     """vLLM's process manager SIGTERMs its engine core and, 5 s on, SIGKILLs what is left of its process tree, logging
     each process: a launched engine core's nursery (and its workers') is gone once the engine core handles SIGTERM."""
     pytest.importorskip("psutil")
-    from tests.core.test_launcher import LauncherProcess, both
+    from tests.core.test_launcher import script_both_ways
 
-    script = tmp_path / "slow_exit.py"
-    script.write_text(_SLOW_EXIT)
-    directory = Path(tempfile.mkdtemp(prefix="wc-launcher-"))
-    started = LauncherProcess(directory / "sock", "--preload", "psutil", "--no-warm")
-    try:
-        assert started.ready is not None, started.output()
-        launched, execd = both(started, [str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    finally:
-        started.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+    launched, execd = script_both_ways(tmp_path, _SLOW_EXIT, "psutil", timeout=600)
     assert launched.returncode == execd.returncode == 0, (launched, execd)
     assert execd.stdout == "done\n", execd  # the test's premise: an exec'd engine core's worker is joined, nothing left
     assert launched.stdout == execd.stdout, launched
