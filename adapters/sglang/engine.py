@@ -138,9 +138,13 @@ def lone_rank(size: int, rank: int) -> typing.ContextManager:
     from weightcache.adapters.lone_rank import LoneRank
 
     parallel = get_parallel()
-    widths = {f"{name}_size": size for name in TP_GROUPS} | {f"{name}_rank": rank for name in TP_GROUPS}
     groups = {f"{name}_group": LoneRank(getattr(parallel, f"{name}_group"), size, rank) for name in TP_GROUPS}
-    return parallel.override(**widths, **groups)
+    return parallel.override(**tp_widths(size, rank), **groups)
+
+
+def tp_widths(size: int, rank: int) -> dict[str, int]:
+    """``NAME_size`` and ``NAME_rank`` of each of ``TP_GROUPS``, as SGLang's parallel context names them."""
+    return {f"{name}_size": size for name in TP_GROUPS} | {f"{name}_rank": rank for name in TP_GROUPS}
 
 
 def publish_rank(server_args: "ServerArgs", parallel: ParallelSpec, gpu_id: int) -> None:
@@ -259,8 +263,7 @@ def _initialise_distributed_once(device_kind: str) -> None:
     if model_parallel_is_initialized():
         return
     backend = "gloo" if device_kind == "cpu" else "nccl"
-    one = {f"{name}_size": 1 for name in TP_GROUPS} | {f"{name}_rank": 0 for name in TP_GROUPS}
-    with get_parallel().override(**one):  # whatever rank this load is for, the process itself is world size 1
+    with get_parallel().override(**tp_widths(1, 0)):  # whatever rank this load is for, the process itself is world size 1
         init_distributed_environment(
             world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", local_rank=0, backend=backend
         )

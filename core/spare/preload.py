@@ -296,11 +296,11 @@ def installed_modules(engines: Collection[str] | None = None) -> list[str]:
                 f"{', '.join(sorted(ENGINE_MODULES))}, or none"
             )
         names &= set(engines)
-    engines = [m for name, modules in ENGINE_MODULES.items() if name in names and importlib.util.find_spec(name) for m in modules]
+    found = [m for name, modules in ENGINE_MODULES.items() if name in names and importlib.util.find_spec(name) for m in modules]
     for name, (build, modules) in CPU_BUILD_MODULES.items():
         if name in names and _installed(build):
-            engines += modules
-    return [*adapters, *engines]
+            found += modules
+    return [*adapters, *found]
 
 
 def _installed(distribution: str) -> bool:
